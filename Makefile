@@ -1,0 +1,45 @@
+# covgrad: `make demo` runs the whole pipeline on the built-in demo, `make test` runs the suite.
+# Both create .venv when it is missing and install the project into it.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.covgrad-installed
+# A CPU build of torch, installed only when the venv has no torch (pyproject does not pin it).
+TORCH_SPEC ?= torch==2.13.0
+export HF_HUB_OFFLINE := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: install demo test test-fast lint bench server deploy worker clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/covgrad run
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not integration"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: install
+	$(BIN)/python -m benchmarks.scores
+	$(BIN)/python -m benchmarks.reduce
+	$(BIN)/python -m benchmarks.cache
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,227 @@
+"""The pipeline's one typed configuration, validated once at the boundary.
+
+``PipelineConfig`` is the parameter of the ``covgrad-pipeline`` flow and of ``covgrad run``. Every
+section forbids unknown keys, so a typo is an error naming the key rather than a silently ignored
+setting. ``configs/demo.yaml`` holds the embedded defaults for the built-in demo.
+"""
+
+import re
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Section(BaseModel):
+    """Base for config sections: unknown keys are rejected, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DemoModel(Section):
+    """The built-in demo: a tiny Llama trained by SFT on integer addition."""
+
+    hidden_size: int = Field(96, ge=8, le=1024)
+    num_layers: int = Field(2, ge=1, le=16)
+    num_heads: int = Field(4, ge=1, le=32)
+    intermediate_size: int = Field(256, ge=8, le=8192)
+    tie_embeddings: bool = False
+    seed: int = 0
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0, le=1.0)
+    max_steps: int = Field(3000, ge=1)
+    eval_every: int = Field(25, ge=1)
+    eval_prompts: int = Field(256, ge=16)
+    target_accuracy: tuple[float, float] = (0.4, 0.8)
+    stale_max_accuracy: float = Field(0.25, ge=0.0, le=1.0)
+
+    @field_validator("target_accuracy")
+    @classmethod
+    def _ordered(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 <= v[0] < v[1] <= 1.0:
+            raise ValueError(f"target_accuracy {v} must satisfy 0 <= low < high <= 1")
+        return v
+
+
+class ModelSection(Section):
+    """The policy: the demo model (``path`` unset) or a local Hugging Face causal-LM directory."""
+
+    path: str | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    demo: DemoModel = DemoModel()
+
+
+class TaskSection(Section):
+    """Prompts and a reward: the built-in ``addition`` task or a JSONL file with an import-path reward."""
+
+    kind: Literal["addition", "jsonl"] = "addition"
+    digits: int = Field(2, ge=1, le=6)
+    n_prompts: int = Field(32, ge=1)
+    seed: int = 1234
+    path: str | None = None
+    reward: str | None = None
+
+    @model_validator(mode="after")
+    def _jsonl_needs_path_and_reward(self) -> Self:
+        if self.kind == "jsonl":
+            if not self.path:
+                raise ValueError("task.kind=jsonl needs task.path (a JSONL file of prompt/answer lines)")
+            if not self.reward or not re.fullmatch(r"[\w.]+:[\w]+", self.reward):
+                raise ValueError(f"task.reward {self.reward!r} must be an import path 'module:function'")
+        return self
+
+
+class SamplerSection(Section):
+    """Who draws the responses and how: the policy, the demo's stale checkpoint, another model
+    directory, or a file of rollouts imported from elsewhere."""
+
+    model: str = "policy"
+    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(8, ge=1, le=4096)
+    group_size: int = Field(8, ge=2, le=1024)
+    seed: int = 0
+    batch_size: int = Field(64, ge=1)
+    store_mu: Literal["none", "full", "topk"] = "none"
+    mu_topk: int = Field(8, ge=1)
+    import_path: str | None = None
+
+
+class RolloutsSection(Section):
+    """Samplers by name; ``analyse`` names the one whose rollouts feed masks, tokens and update check."""
+
+    advantage: Literal["group_mean", "group_zscore", "global_mean", "none"] = "group_mean"
+    samplers: dict[str, SamplerSection] = Field(default_factory=lambda: {"policy": SamplerSection()})
+    analyse: str = "policy"
+
+    @model_validator(mode="after")
+    def _analyse_exists(self) -> Self:
+        if self.analyse not in self.samplers:
+            raise ValueError(
+                f"rollouts.analyse {self.analyse!r} is not one of the samplers {list(self.samplers)}"
+            )
+        for name in self.samplers:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+                raise ValueError(f"sampler name {name!r}: use lowercase letters, digits, '-' and '_'")
+        return self
+
+
+class ScoresSection(Section):
+    """Per-sample score extraction."""
+
+    groups_per_batch: int = Field(4, ge=1)
+    params: list[str] | None = None
+    byte_budget: int = Field(2 * 1024**3, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    self_check: bool = True
+
+
+class MasksSection(Section):
+    """Top-q fractions for masks and overlap tables."""
+
+    qs: list[float] = Field(default_factory=lambda: [0.001, 0.01, 0.05, 0.1])
+
+    @field_validator("qs")
+    @classmethod
+    def _fractions(cls, v: list[float]) -> list[float]:
+        for q in v:
+            if not 0.0 < q <= 1.0:
+                raise ValueError(f"masks.qs value {q} must lie in (0, 1]")
+        return sorted(set(v))
+
+
+class TokensSection(Section):
+    """Token-level Fisher."""
+
+    enabled: bool = True
+    max_samples: int = Field(64, ge=2)
+    topk: int = Field(4, ge=1)
+    mc_samples: int = Field(8, ge=1)
+    seed: int = 0
+
+
+class UpdateCheckSection(Section):
+    """Real optimizer steps on the REINFORCE loss against the predicted masks."""
+
+    enabled: bool = True
+    optimizers: list[Literal["sgd", "adam", "adamw"]] = Field(default_factory=lambda: ["sgd", "adam"])
+    precisions: list[Literal["bf16", "fp32_master", "fp32"]] = Field(
+        default_factory=lambda: ["bf16", "fp32_master", "fp32"]
+    )
+    adam_lrs: list[float] = Field(default_factory=lambda: [1e-6, 1e-5])
+    sgd_lrs: list[float] = Field(default_factory=lambda: [1e-3, 1e-2])
+    steps: list[int] = Field(default_factory=lambda: [1, 4, 16])
+    fresh_minibatches: bool = True
+    seed: int = 0
+
+
+class DaskSection(Section):
+    """Where reductions run: the threaded scheduler (no address) or an existing dask.distributed scheduler."""
+
+    address: str | None = None
+
+
+class PipelineConfig(Section):
+    """Everything one pipeline run needs. ``root`` is a local path or an fsspec URL."""
+
+    name: str = "demo"
+    root: str = "runs"
+    model: ModelSection = ModelSection()
+    task: TaskSection = TaskSection()
+    rollouts: RolloutsSection = RolloutsSection()
+    scores: ScoresSection = ScoresSection()
+    masks: MasksSection = MasksSection()
+    tokens: TokensSection = TokensSection()
+    update_check: UpdateCheckSection = UpdateCheckSection()
+    dask: DaskSection = DaskSection()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
+            raise ValueError(f"name {v!r}: use letters, digits, '.', '-' and '_'")
+        return v
+
+    @model_validator(mode="after")
+    def _samplers_need_sources(self) -> Self:
+        for name, s in self.rollouts.samplers.items():
+            if s.model == "stale" and self.model.path is not None:
+                raise ValueError(
+                    f"sampler {name!r} uses model=stale, which only exists for the demo model; "
+                    "give a checkpoint directory instead"
+                )
+        return self
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` strings (values parsed as YAML scalars/lists) to a nested dict copy."""
+    import copy
+
+    import yaml
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def format_validation_error(exc: Exception) -> str:
+    """One line naming the first bad key and why (for pydantic ValidationError), else str(exc)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "config"
+        value = first.get("input")
+        shown = f" (got {value!r})" if not isinstance(value, dict) else ""
+        return f"invalid config at {loc}: {first['msg']}{shown}"
+    return str(exc)

@@ -1,0 +1,65 @@
+"""Model construction for the demo and checks for user models (no file paths here: storage loads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from covgrad.config import DemoModel
+
+
+def build_demo_model(
+    cfg: DemoModel, tokenizer: PreTrainedTokenizerBase, max_positions: int = 64
+) -> LlamaForCausalLM:
+    """A tiny Llama (RMSNorm, rotary, SwiGLU) for the demo, initialised from ``cfg.seed``.
+
+    Sizes come from ``cfg``; the default (hidden 96, 2 layers) has about 2.2e5 parameters.
+    """
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(f"demo hidden_size {cfg.hidden_size} is not divisible by num_heads {cfg.num_heads}")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attention_dropout=0.0,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(cfg.seed)
+    return LlamaForCausalLM(config)
+
+
+def check_causal_lm(model: object, where: str) -> PreTrainedModel:
+    """Return ``model`` if it is a causal LM with an output embedding; else ValueError naming ``where``."""
+    if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
+        raise ValueError(f"{where} is not a causal language model (no LM head); give an AutoModelForCausalLM")
+    return model
+
+
+def check_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, where: str) -> None:
+    """ValueError when the tokenizer has ids the model's embedding cannot look up."""
+    n_embed = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > n_embed:
+        raise ValueError(
+            f"{where}: tokenizer has {len(tokenizer)} tokens but the model embeds only {n_embed}; "
+            "use the tokenizer saved with this model"
+        )
+
+
+def context_length(model: PreTrainedModel) -> int:
+    """The model's maximum sequence length (positions), from its config."""
+    cfg = model.config
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(
+        f"cannot tell the context length of {type(model).__name__}; its config has no max positions"
+    )

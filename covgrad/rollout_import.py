@@ -1,0 +1,271 @@
+"""Turn rollouts recorded elsewhere (an inference engine, another RL stack) into covgrad's arrays.
+
+A record is one sampled response:
+
+- ``prompt_ids`` (list of int) or ``prompt`` (text; needs a tokenizer, encoded with its default
+  special tokens, as an engine encodes a raw prompt);
+- ``response_ids`` (list of int, non-empty; EOS included when it was sampled);
+- ``reward`` (finite number);
+- ``logprobs`` (list of float, one per response token): log μ of each sampled token;
+- optional ``top_logprobs``: per response token either ``[[ids...], [logps...]]`` or ``{id: logp}``,
+  the sampler's top-k. Engines often add the sampled token to the top-k, so k may vary by position;
+  shorter positions are padded with their first id at log-prob ``-inf`` (zero mass);
+- optional ``group``: an int or str group label; without it, records with identical prompt tokens form
+  a group.
+
+``group``, ``top_logprobs`` must be given by every record or by none. Token ids may be integral floats
+(Arrow cannot type the mixed ``[[ids], [logps]]`` lists). The arrays match those of
+:func:`covgrad.sampling.generate`, with the position axis T = the longest response.
+
+Shape notation: N records, L = max(prompt_len + response_len), T = max response_len, k top-k entries.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class TextEncoder(Protocol):
+    """Anything with ``encode(text) -> list[int]`` (a Hugging Face tokenizer works)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def _token_ids(value: Any, i: int, field: str, vocab_size: int) -> np.ndarray:
+    """Validate a list of token ids of record i; return it as int64 (n,)."""
+    try:
+        arr = np.asarray(value) if isinstance(value, list | tuple | np.ndarray) else None
+    except ValueError:  # ragged nesting
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iuf"):
+        raise ValueError(f"record {i}: '{field}' must be a flat list of integer token ids; got {value!r:.80}")
+    if arr.dtype.kind == "f":
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            raise ValueError(f"record {i}: '{field}' has non-integer token id {arr[bad][0].item()!r}")
+    ids = arr.astype(np.int64)
+    out_of_range = (ids < 0) | (ids >= vocab_size)
+    if out_of_range.any():
+        raise ValueError(
+            f"record {i}: '{field}' has token id {ids[out_of_range][0]} outside [0, {vocab_size})"
+        )
+    return ids
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _log_probs(value: Any, i: int, field: str, allow_neg_inf: bool) -> np.ndarray:
+    """Validate a list of log-probabilities of record i; return it as float32 (n,)."""
+    if not isinstance(value, list | tuple | np.ndarray) or not all(_is_number(x) for x in value):
+        raise ValueError(f"record {i}: '{field}' must be a list of numbers; got {value!r:.80}")
+    lp = np.asarray(value, dtype=np.float64)
+    bad = np.isnan(lp) | (lp == np.inf) | ((lp == -np.inf) & (not allow_neg_inf))
+    if bad.any():
+        raise ValueError(f"record {i}: '{field}' has invalid log-probability {lp[bad][0]} (must be finite)")
+    return lp.astype(np.float32)
+
+
+def _top_position(entry: Any, i: int, j: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One position's top-k as (ids int64, logp float32), sorted by decreasing logp, ties by lowest id."""
+    field = f"top_logprobs[{j}]"
+    if isinstance(entry, dict):
+        try:
+            keys = [int(k) for k in entry]
+        except ValueError as err:
+            raise ValueError(f"record {i}: '{field}' has a non-integer token id key ({err})") from None
+        ids = _token_ids(keys, i, field, vocab_size)
+        lp = _log_probs(list(entry.values()), i, field, allow_neg_inf=True)
+    elif isinstance(entry, list | tuple) and len(entry) == 2:
+        ids = _token_ids(entry[0], i, field, vocab_size)
+        lp = _log_probs(entry[1], i, field, allow_neg_inf=True)
+        if len(ids) != len(lp):
+            raise ValueError(f"record {i}: '{field}' has {len(ids)} ids but {len(lp)} log-probs")
+    else:
+        raise ValueError(
+            f"record {i}: '{field}' must be {{id: logp}} or [[ids...], [logps...]]; got {entry!r:.80}"
+        )
+    if len(ids) == 0:
+        raise ValueError(f"record {i}: '{field}' is empty; give at least the top token")
+    if len(np.unique(ids)) != len(ids):
+        raise ValueError(f"record {i}: '{field}' repeats a token id; each id may appear once per position")
+    order = np.lexsort((ids, -lp.astype(np.float64)))
+    return ids[order], lp[order]
+
+
+def _prompt(rec: dict, i: int, vocab_size: int, tokenizer: TextEncoder | None) -> np.ndarray:
+    if "prompt_ids" in rec:
+        ids = _token_ids(rec["prompt_ids"], i, "prompt_ids", vocab_size)
+    elif "prompt" in rec:
+        if tokenizer is None:
+            raise ValueError(
+                f"record {i}: has text 'prompt' but no tokenizer was given; pass one or use prompt_ids"
+            )
+        if not isinstance(rec["prompt"], str):
+            raise ValueError(f"record {i}: 'prompt' must be a string; got {type(rec['prompt']).__name__}")
+        ids = _token_ids(list(tokenizer.encode(rec["prompt"])), i, "prompt (tokenized)", vocab_size)
+    else:
+        raise ValueError(f"record {i}: missing field 'prompt_ids' (or text 'prompt' with a tokenizer)")
+    if len(ids) == 0:
+        raise ValueError(f"record {i}: the prompt is empty; every prompt needs at least one token")
+    return ids
+
+
+def _all_or_none(field: str, present: bool, first: bool | None, i: int) -> bool:
+    """Whether `field` is in use; raise when record i disagrees with record 0."""
+    if first is not None and present != first:
+        have = "has" if present else "lacks"
+        raise ValueError(f"record {i}: {have} '{field}' unlike record 0; give it in every record or in none")
+    return present
+
+
+def records_to_rollouts(
+    records: Iterable[dict],
+    vocab_size: int,
+    max_len: int | None,
+    tokenizer: TextEncoder | None = None,
+    pad_id: int = 0,
+) -> dict[str, np.ndarray]:
+    """Validate imported rollout records and build the arrays of :func:`covgrad.sampling.generate`.
+
+    Args:
+        records: one dict per sampled response (fields in the module docstring).
+        vocab_size: V; every token id must be in [0, V).
+        max_len: largest allowed prompt + response length, or None for no limit.
+        tokenizer: encodes text ``prompt`` fields; needed only for them.
+        pad_id: fill value for token rows.
+
+    Returns:
+        ``tokens`` (N, L) int32 right-padded with ``pad_id``; ``prompt_len``, ``response_len`` (N,)
+        int64; ``response_mask`` (N, L) bool; ``reward`` (N,) float64; ``group`` (N,) int64 (dense
+        labels in order of first appearance); ``prompt_index`` (N,) int64 (distinct prompts in order of
+        first appearance); ``sample_index`` (N,) int64 (rank within its group); ``sampler_logp`` (N, T)
+        float32, 0 after the end; with ``top_logprobs``: ``mu_topk_ids`` (N, T, k) int32,
+        ``mu_topk_logp`` (N, T, k) float32 and ``mu_tail`` (N, T) float32 = max(0, 1 − Σ exp(logp)),
+        all 0 after the end.
+
+    Raises:
+        ValueError: one line naming the record index and the bad field or value.
+    """
+    prompts: list[np.ndarray] = []
+    responses: list[np.ndarray] = []
+    rewards: list[float] = []
+    logps: list[np.ndarray] = []
+    tops: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    group_keys: list[tuple] = []
+    has_group: bool | None = None
+    has_top: bool | None = None
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise ValueError(f"record {i}: expected a dict; got {type(rec).__name__}")
+        prompt = _prompt(rec, i, vocab_size, tokenizer)
+        for field in ("response_ids", "reward", "logprobs"):
+            if field not in rec:
+                raise ValueError(f"record {i}: missing field '{field}'")
+        response = _token_ids(rec["response_ids"], i, "response_ids", vocab_size)
+        if len(response) == 0:
+            raise ValueError(f"record {i}: 'response_ids' is empty; a response needs at least one token")
+        if max_len is not None and len(prompt) + len(response) > max_len:
+            raise ValueError(
+                f"record {i}: prompt + response is {len(prompt)} + {len(response)} tokens, "
+                f"over max_len={max_len}"
+            )
+        reward = rec["reward"]
+        if not _is_number(reward) or not math.isfinite(reward):
+            raise ValueError(f"record {i}: 'reward' must be a finite number; got {reward!r}")
+        logp = _log_probs(rec["logprobs"], i, "logprobs", allow_neg_inf=False)
+        if len(logp) != len(response):
+            raise ValueError(
+                f"record {i}: 'logprobs' has {len(logp)} entries for {len(response)} response tokens"
+            )
+        has_top = _all_or_none("top_logprobs", "top_logprobs" in rec, has_top, i)
+        if has_top:
+            top = rec["top_logprobs"]
+            if not isinstance(top, list | tuple) or len(top) != len(response):
+                raise ValueError(
+                    f"record {i}: 'top_logprobs' must be a list with one entry per response token"
+                )
+            tops.append([_top_position(entry, i, j, vocab_size) for j, entry in enumerate(top)])
+        has_group = _all_or_none("group", "group" in rec, has_group, i)
+        if has_group:
+            label = rec["group"]
+            if not isinstance(label, int | str) or isinstance(label, bool):
+                raise ValueError(f"record {i}: 'group' must be an int or a string; got {label!r}")
+            group_keys.append(("group", label))
+        else:
+            group_keys.append(("prompt", *prompt.tolist()))
+        prompts.append(prompt)
+        responses.append(response)
+        rewards.append(float(reward))
+        logps.append(logp)
+    if not prompts:
+        raise ValueError("no records to import; the input is empty")
+
+    N = len(prompts)
+    prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
+    response_len = np.array([len(r) for r in responses], dtype=np.int64)
+    L, T = int((prompt_len + response_len).max()), int(response_len.max())
+    tokens = np.full((N, L), pad_id, dtype=np.int32)
+    response_mask = np.zeros((N, L), dtype=bool)
+    sampler_logp = np.zeros((N, T), dtype=np.float32)
+    for n in range(N):
+        lp, lr = prompt_len[n], response_len[n]
+        tokens[n, :lp] = prompts[n]
+        tokens[n, lp : lp + lr] = responses[n]
+        response_mask[n, lp : lp + lr] = True
+        sampler_logp[n, :lr] = logps[n]
+
+    group_ids: dict[tuple, int] = {}
+    prompt_ids: dict[tuple, int] = {}
+    group = np.array([group_ids.setdefault(key, len(group_ids)) for key in group_keys], dtype=np.int64)
+    prompt_index = np.array(
+        [prompt_ids.setdefault(tuple(p.tolist()), len(prompt_ids)) for p in prompts], dtype=np.int64
+    )
+    sample_index = np.zeros(N, dtype=np.int64)
+    seen = np.zeros(len(group_ids), dtype=np.int64)
+    for n, g in enumerate(group):
+        sample_index[n] = seen[g]
+        seen[g] += 1
+
+    out = {
+        "tokens": tokens,
+        "prompt_len": prompt_len,
+        "response_len": response_len,
+        "response_mask": response_mask,
+        "reward": np.array(rewards, dtype=np.float64),
+        "group": group,
+        "prompt_index": prompt_index,
+        "sample_index": sample_index,
+        "sampler_logp": sampler_logp,
+    }
+    if has_top:
+        out.update(_topk_arrays(tops, T))
+    return out
+
+
+def _topk_arrays(tops: list[list[tuple[np.ndarray, np.ndarray]]], T: int) -> dict[str, np.ndarray]:
+    """Pack per-position top-k lists into (N, T, k) arrays and the tail mass (N, T)."""
+    N = len(tops)
+    k = max(len(ids) for row in tops for ids, _ in row)
+    ids_arr = np.zeros((N, T, k), dtype=np.int32)
+    logp_arr = np.zeros((N, T, k), dtype=np.float32)
+    for n, row in enumerate(tops):
+        for j, (ids, lp) in enumerate(row):
+            ids_arr[n, j, :] = ids[0]  # padding repeats the first id with zero mass
+            logp_arr[n, j, len(ids) :] = -np.inf
+            ids_arr[n, j, : len(ids)] = ids
+            logp_arr[n, j, : len(ids)] = lp
+    lengths = np.array([len(row) for row in tops])
+    live = np.arange(T)[None, :] < lengths[:, None]  # (N, T)
+    tail = np.clip(1.0 - np.exp(logp_arr.astype(np.float64)).sum(-1), 0.0, None)
+    return {
+        "mu_topk_ids": ids_arr,
+        "mu_topk_logp": logp_arr,
+        "mu_tail": np.where(live, tail, 0.0).astype(np.float32),
+    }

@@ -1,0 +1,420 @@
+"""Real optimizer steps against predicted update masks: the math of the update_check stage.
+
+A *cell* trains a fresh copy of the model for a few REINFORCE steps on the loss
+``-mean_n(A_n · log p(y_n))`` with one optimizer (SGD, Adam, AdamW) in one precision regime and
+records which parameters changed, in the two metrics of Mukherjee et al. 2025: the bf16 value differs
+from the bf16 start (exact), and ``|Δ| > 1e-5`` (float32). The changed sets are then compared with
+
+- top-k sets by F, |G|, |ρ|, a seeded random set and the k smallest |w| (k = number changed, per metric);
+- rule sets: the bf16 absorption rule (a step changes a bf16 weight only when it reaches half the bf16
+  gap at w) with the step Adam or SGD would take, and, for SGD, the bound rule that replaces |G| by its
+  Cauchy–Schwarz bound sqrt(mean A²)·sqrt(F). After one SGD step in fp32 arithmetic on the batch the
+  statistics came from, the bound set contains every parameter whose bf16 value changed.
+
+Every cell starts from the bf16 rounding of ``model_fn()``'s weights, in all three precision regimes: the
+start is the same point for every cell, as a bf16 checkpoint loaded into each regime would be, and the
+absorption rule is exact for a weight that lies on the bf16 grid.
+
+Shapes: N samples per batch, L row length, V vocabulary, P selected parameter elements (``layout.P``).
+Rows are right-padded (prompt, response, pad); logit position t predicts token t + 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from covgrad.layout import ParamLayout, parameters_flat
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+PRECISIONS = ("bf16", "fp32_master", "fp32")
+ABS_THRESHOLD = 1e-5  # the |Δ| metric of Mukherjee et al. 2025
+ADAM_EPS = 1e-8  # torch.optim.Adam / AdamW default, used by the optimizer and by the Adam rule
+BATCH_KEYS = ("input_ids", "attention_mask", "response_mask", "advantages")
+RANKED_PREDICTORS = ("F", "absG", "absrho", "random", "smallw")
+METRICS = ("bf16", "abs")
+
+
+def bf16_half_spacing(w: torch.Tensor) -> torch.Tensor:
+    """Half the gap from ``bf16(w)`` to its nearest bf16 neighbour, float32, same shape as ``w``.
+
+    A step smaller than this cannot change a bf16 value under round-to-nearest-even; a step of at
+    least this much can (toward the nearer neighbour). Exact, from the bf16 bit pattern:
+
+    - normal, ``2**e <= |w| < 2**(e+1)``: the spacing is ``2**(e-7)``, half of it ``2**(e-8)``;
+      at an exact power of two above the smallest normal the gap toward zero is half the gap away
+      from zero, so the result there is ``2**(e-9)``;
+    - zero, subnormals and the smallest normal ``2**-126``: the spacing is ``2**-133``, half ``2**-134``.
+
+    ``w`` is any floating tensor; it is first rounded to bf16 (round-to-nearest-even).
+    """
+    if not w.is_floating_point():
+        raise ValueError(f"bf16_half_spacing needs a floating tensor, got dtype {w.dtype}")
+    wb = w.detach().to(torch.bfloat16)
+    if not torch.isfinite(wb).all():
+        raise ValueError(
+            "bf16_half_spacing: bf16(w) has inf or NaN entries; pass finite weights within bf16 range"
+        )
+    bits = wb.view(torch.int16).to(torch.int32) & 0x7FFF  # magnitude bits: 8 exponent, 7 mantissa
+    biased = bits >> 7
+    mantissa = bits & 0x7F
+    exponent = biased.clamp(min=1) - 127 - 8  # half of the binade spacing 2**(e - 7)
+    exponent = exponent - ((mantissa == 0) & (biased >= 2)).to(torch.int32)
+    return torch.exp2(exponent.to(torch.float64)).to(torch.float32)
+
+
+def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
+    """Precision |pred ∩ true|/|pred|, recall |pred ∩ true|/|true|, Jaccard |∩|/|∪| and size |pred|.
+
+    ``pred`` and ``true`` are bool tensors of one shape. A ratio whose denominator is 0 is NaN.
+    """
+    if pred.dtype != torch.bool or true.dtype != torch.bool:
+        raise ValueError(f"set_metrics needs bool masks, got {pred.dtype} and {true.dtype}")
+    if pred.shape != true.shape:
+        raise ValueError(
+            f"set_metrics: mask shapes differ, pred {tuple(pred.shape)} vs true {tuple(true.shape)}"
+        )
+    n_pred = int(pred.sum())
+    n_true = int(true.sum())
+    n_both = int((pred & true).sum())
+    n_union = n_pred + n_true - n_both
+    return {
+        "precision": n_both / n_pred if n_pred else float("nan"),
+        "recall": n_both / n_true if n_true else float("nan"),
+        "jaccard": n_both / n_union if n_union else float("nan"),
+        "size": n_pred,
+    }
+
+
+def rank_order(values: torch.Tensor, largest: bool = True) -> torch.Tensor:
+    """Indices of a (P,) tensor from best to worst, ties broken by lowest index; NaN ranks last.
+
+    ``order[:k]`` is the exact top-k (``largest=True``) or bottom-k set. Returns (P,) int64.
+    """
+    if values.dim() != 1:
+        raise ValueError(f"rank_order needs a flat (P,) tensor, got shape {tuple(values.shape)}")
+    worst = float("-inf") if largest else float("inf")
+    clean = torch.where(torch.isnan(values), torch.full_like(values, worst), values)
+    return torch.sort(clean, descending=largest, stable=True).indices
+
+
+def mask_from_order(order: torch.Tensor, k: int) -> torch.Tensor:
+    """(P,) bool mask of the first ``k`` indices of ``order``."""
+    mask = torch.zeros(order.numel(), dtype=torch.bool)
+    mask[order[:k]] = True
+    return mask
+
+
+def ranking_orders(
+    start: torch.Tensor, F: torch.Tensor, G: torch.Tensor, rho: torch.Tensor, seed: int
+) -> dict[str, torch.Tensor]:
+    """Orders of the ranked predictors: F, |G|, |ρ| descending, a seeded random permutation, |w| ascending.
+
+    All inputs are (P,); ``start`` is the weight value w. Returns name -> (P,) int64 order.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "F": rank_order(F),
+        "absG": rank_order(G.abs()),
+        "absrho": rank_order(rho.abs()),
+        "random": torch.randperm(start.numel(), generator=generator),
+        "smallw": rank_order(start.abs(), largest=False),
+    }
+
+
+def rule_masks(
+    start: torch.Tensor,
+    F: torch.Tensor,
+    G: torch.Tensor,
+    adv_rms: float,
+    optimizer: str,
+    lr: float,
+    steps: int,
+) -> dict[str, torch.Tensor]:
+    """Rule-based predicted changed sets, (P,) bool each, for weights ``start`` on the bf16 grid.
+
+    A parameter is predicted to change when ``steps`` times its first-step size reaches
+    ``bf16_half_spacing(start)``. First-step sizes: Adam/AdamW ``lr·|G|/(|G| + eps)`` (bias-corrected
+    first step; AdamW's decay ``lr·wd·|w|`` is far below the bf16 gap and is left out); SGD ``lr·|G|``
+    ("absorb") and the bound ``lr·adv_rms·sqrt(F)`` ("bound", SGD only), where ``adv_rms`` is
+    sqrt(mean A²) of the samples F = mean(s²) and G = mean(A·s) were estimated on (std(A) for centred
+    advantages), so ``|G| <= adv_rms·sqrt(F)``. Scaling by ``steps`` assumes a constant gradient; it is
+    exact only for ``steps == 1``.
+    """
+    _check_optimizer(optimizer)
+    half = bf16_half_spacing(start).double()
+    absG = G.double().abs()
+    if optimizer == "sgd":
+        bound = lr * adv_rms * F.double().clamp(min=0).sqrt()
+        return {"absorb": steps * lr * absG >= half, "bound": steps * bound >= half}
+    return {"absorb": steps * lr * absG / (absG + ADAM_EPS) >= half}
+
+
+def matched_sgd_lr(start: torch.Tensor, G: torch.Tensor, adam_lr: float) -> float:
+    """The SGD lr whose absorption rule predicts as many changed parameters as Adam's does at ``adam_lr``.
+
+    With ratios r_i = half_spacing_i / |G_i|, SGD's rule predicts {i : r_i <= lr}; the result is the k-th
+    smallest r_i, k = the Adam rule's count for one step (at least 1). ``start`` and ``G`` are (P,).
+    """
+    absG = G.double().abs()
+    if not bool((absG > 0).any()):
+        raise ValueError("matched_sgd_lr: G is zero everywhere, so no SGD learning rate changes a parameter")
+    half = bf16_half_spacing(start).double()
+    k = int((adam_lr * absG / (absG + ADAM_EPS) >= half).sum())
+    ratios = (half / absG)[absG > 0]
+    return float(torch.kthvalue(ratios, min(max(k, 1), ratios.numel())).values)
+
+
+def sequence_logp(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """log p(response) per row: Σ over response tokens of the log-softmax at the drawn token, (N,) float32.
+
+    ``input_ids``, ``attention_mask``, ``response_mask``: (N, L), right-padded rows; response_mask marks
+    response tokens in the full row. The log-softmax runs in float32 whatever the model's dtype.
+    Differentiable with respect to the model's parameters.
+    """
+    _check_rows(input_ids, attention_mask, response_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (N, L, V)
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (N, L-1, V); position t predicts t+1
+    token_logp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (N, L-1)
+    keep = response_mask[:, 1:].bool()
+    return torch.where(keep, token_logp, torch.zeros_like(token_logp)).sum(-1)
+
+
+def run_update_cell(
+    model_fn: Callable[[], nn.Module],
+    layout: ParamLayout,
+    batches: Sequence[Mapping[str, torch.Tensor]],
+    optimizer: str,
+    precision: str,
+    lr: float,
+    steps: int,
+    fresh_minibatches: bool,
+) -> dict:
+    """Train a fresh model for ``steps`` REINFORCE steps and report which selected parameters changed.
+
+    ``model_fn`` builds the model (deterministically); its weights are rounded to bf16 to make the start.
+    ``batches``: dicts with ``input_ids``, ``attention_mask``, ``response_mask`` (N, L) and
+    ``advantages`` (N,). Step i (from 0) uses ``batches[i % len(batches)]`` when ``fresh_minibatches``,
+    else ``batches[0]``. Loss: ``-mean_n(A_n · log p(y_n))``.
+
+    Precision regimes: ``bf16`` parameters, gradients and optimizer state in bf16; ``fp32_master``
+    forward and backward on a bf16 copy, gradients cast to float32, the optimizer steps float32 master
+    weights, and the analysed model is the master cast to bf16; ``fp32`` everything in float32.
+
+    Returns ``start`` and ``end`` (P,) float32 (the analysed model's values), ``changed_bf16``
+    (bf16(end) != bf16(start)) and ``changed_abs`` (|end - start| > 1e-5 in float32), (P,) bool, and
+    ``per_tensor``: one dict per layout entry with name, numel, changed_bf16, changed_abs counts.
+    """
+    start, ends = _train(model_fn, layout, batches, optimizer, precision, lr, (steps,), fresh_minibatches)
+    return {"start": start, "end": ends[steps], **changed_sets(layout, start, ends[steps])}
+
+
+def changed_sets(layout: ParamLayout, start: torch.Tensor, end: torch.Tensor) -> dict:
+    """The changed masks of (P,) values ``start`` -> ``end`` and per-tensor counts (see run_update_cell)."""
+    changed_bf16 = start.to(torch.bfloat16) != end.to(torch.bfloat16)
+    changed_abs = (end.float() - start.float()).abs() > ABS_THRESHOLD
+    per_tensor = [
+        {
+            "name": e.name,
+            "numel": e.numel,
+            "changed_bf16": int(changed_bf16[e.offset : e.offset + e.numel].sum()),
+            "changed_abs": int(changed_abs[e.offset : e.offset + e.numel].sum()),
+        }
+        for e in layout.entries
+    ]
+    return {"changed_bf16": changed_bf16, "changed_abs": changed_abs, "per_tensor": per_tensor}
+
+
+def update_grid(
+    model_fn: Callable[[], nn.Module],
+    layout: ParamLayout,
+    batches: Sequence[Mapping[str, torch.Tensor]],
+    F: torch.Tensor,
+    G: torch.Tensor,
+    rho: torch.Tensor,
+    adv_rms: float,
+    *,
+    optimizers: Sequence[str] = ("adam", "sgd"),
+    precisions: Sequence[str] = PRECISIONS,
+    adam_lrs: Sequence[float] = (1e-6, 1e-5),
+    sgd_lrs: Sequence[float] | None = None,
+    steps: Sequence[int] = (1, 4, 16),
+    fresh_minibatches: bool = True,
+    seed: int = 0,
+) -> list[dict]:
+    """Run every (optimizer, precision, lr) cell once for max(steps) steps, snapshotting at each of ``steps``.
+
+    ``F``, ``G``, ``rho``: (P,) statistics from the stats stage (F = mean(s²), G = mean(A·s), ρ);
+    ``adv_rms``: sqrt(mean A²) of the samples they came from. Adam and AdamW use ``adam_lrs``; SGD uses
+    ``sgd_lrs`` or, when None, ``matched_sgd_lr`` of each Adam lr (a comparable changed fraction).
+
+    Returns one flat row per (optimizer, precision, lr, steps): the cell parameters, ``P``,
+    ``n_changed_{m}`` and ``frac_changed_{m}`` (global, i.e. numel-weighted) for m in (bf16, abs), and
+    ``{m}_{predictor}_{precision|recall|jaccard|size}`` for the ranked predictors F, absG, absrho,
+    random, smallw (each of size k = n_changed_{m}) and the rules absorb and, for SGD, bound.
+    """
+    for name, stat in (("F", F), ("G", G), ("rho", rho)):
+        if stat.shape != (layout.P,):
+            raise ValueError(
+                f"update_grid: {name} has shape {tuple(stat.shape)}, expected ({layout.P},) = layout.P"
+            )
+    for opt in optimizers:
+        _check_optimizer(opt)
+    if not steps or min(steps) < 1:
+        raise ValueError(
+            f"update_grid: steps must be a non-empty list of positive step counts, got {list(steps)}"
+        )
+    start = _bf16_start(model_fn, layout)
+    orders = ranking_orders(start, F, G, rho, seed)
+    if sgd_lrs is None:
+        sgd_lrs = [matched_sgd_lr(start, G, lr) for lr in adam_lrs]
+    rows = []
+    for optimizer, precision in itertools.product(optimizers, precisions):
+        for lr in sgd_lrs if optimizer == "sgd" else adam_lrs:
+            cell_start, ends = _train(
+                model_fn, layout, batches, optimizer, precision, lr, steps, fresh_minibatches
+            )
+            if not torch.equal(cell_start, start):
+                raise ValueError(
+                    "update_grid: model_fn built different weights on two calls; seed it inside model_fn"
+                )
+            for n_steps in sorted(set(steps)):
+                changed = changed_sets(layout, start, ends[n_steps])
+                rules = rule_masks(start, F, G, adv_rms, optimizer, lr, n_steps)
+                row = {
+                    "optimizer": optimizer,
+                    "precision": precision,
+                    "lr": lr,
+                    "steps": n_steps,
+                    "fresh_minibatches": fresh_minibatches,
+                    "P": layout.P,
+                }
+                for metric in METRICS:
+                    true = changed[f"changed_{metric}"]
+                    k = int(true.sum())
+                    row[f"n_changed_{metric}"] = k
+                    row[f"frac_changed_{metric}"] = k / layout.P
+                    predicted = {name: mask_from_order(order, k) for name, order in orders.items()} | rules
+                    for name, pred in predicted.items():
+                        for stat, value in set_metrics(pred, true).items():
+                            row[f"{metric}_{name}_{stat}"] = value
+                rows.append(row)
+    return rows
+
+
+def _train(
+    model_fn: Callable[[], nn.Module],
+    layout: ParamLayout,
+    batches: Sequence[Mapping[str, torch.Tensor]],
+    optimizer: str,
+    precision: str,
+    lr: float,
+    snapshots: Sequence[int],
+    fresh_minibatches: bool,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """One run of max(snapshots) steps: the (P,) float32 start and the values after each snapshot step."""
+    _check_optimizer(optimizer)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+    if not lr > 0:
+        raise ValueError(f"learning rate {lr!r} must be positive")
+    if not snapshots or min(snapshots) < 1:
+        raise ValueError(f"step counts must be positive integers, got {list(snapshots)}")
+    if not batches:
+        raise ValueError("batches is empty; pass at least one batch of rollouts")
+    for i, batch in enumerate(batches):
+        missing = [key for key in BATCH_KEYS if key not in batch]
+        if missing:
+            raise ValueError(f"batch {i} lacks {missing}; each batch needs {list(BATCH_KEYS)}")
+
+    master = _bf16_rounded_model(model_fn, layout)
+    if precision == "bf16":
+        master.to(torch.bfloat16)
+    work = copy.deepcopy(master).to(torch.bfloat16) if precision == "fp32_master" else master
+    pairs = [
+        (pm, pw)
+        for (_, pm), (_, pw) in zip(master.named_parameters(), work.named_parameters(), strict=True)
+        if pm.requires_grad
+    ]
+    opt = _make_optimizer(optimizer, [pm for pm, _ in pairs], lr)
+
+    start = parameters_flat(work, layout).float()
+    ends = {}
+    for step in range(1, max(snapshots) + 1):
+        batch = batches[(step - 1) % len(batches)] if fresh_minibatches else batches[0]
+        work.zero_grad(set_to_none=True)
+        logp = sequence_logp(work, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        loss = -(batch["advantages"].float() * logp).mean()
+        loss.backward()
+        if work is not master:
+            for pm, pw in pairs:
+                pm.grad = None if pw.grad is None else pw.grad.float()
+        opt.step()
+        if work is not master:
+            with torch.no_grad():
+                for pm, pw in pairs:
+                    pw.copy_(pm)  # round-to-nearest-even cast of the master
+        if step in snapshots:
+            ends[step] = parameters_flat(work, layout).float()
+    return start, ends
+
+
+def _bf16_rounded_model(model_fn: Callable[[], nn.Module], layout: ParamLayout) -> nn.Module:
+    """``model_fn()`` in eval mode, every parameter rounded to bf16 (dtype kept); checks the layout fits."""
+    model = model_fn()
+    model.eval()
+    params = dict(model.named_parameters())
+    for e in layout.entries:
+        if e.name not in params or tuple(params[e.name].shape) != e.shape:
+            raise ValueError(
+                f"layout tensor {e.name!r} {e.shape} is not a parameter of the model model_fn builds"
+            )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    return model
+
+
+def _bf16_start(model_fn: Callable[[], nn.Module], layout: ParamLayout) -> torch.Tensor:
+    """The common (P,) float32 start of every cell: bf16(model_fn()) on the layout."""
+    return parameters_flat(_bf16_rounded_model(model_fn, layout), layout).float()
+
+
+def _make_optimizer(optimizer: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """torch.optim SGD (no momentum), Adam or AdamW with torch's defaults otherwise (eps = ADAM_EPS)."""
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, eps=ADAM_EPS)
+    return torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS)
+
+
+def _check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
+
+
+def _check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Shapes (N, L) agree, no response token at position 0 (nothing predicts it), none on padding."""
+    if (
+        input_ids.dim() != 2
+        or attention_mask.shape != input_ids.shape
+        or response_mask.shape != input_ids.shape
+    ):
+        raise ValueError(
+            f"input_ids, attention_mask, response_mask must all be (N, L); got {tuple(input_ids.shape)}, "
+            f"{tuple(attention_mask.shape)}, {tuple(response_mask.shape)}"
+        )
+    response = response_mask.bool()
+    if bool(response[:, 0].any()):
+        raise ValueError(
+            "response_mask marks position 0, which no logit predicts; rows start with the prompt"
+        )
+    if bool((response & ~attention_mask.bool()).any()):
+        raise ValueError("response_mask marks padding (attention_mask == 0); mark only real response tokens")

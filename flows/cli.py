@@ -1,0 +1,159 @@
+"""``covgrad`` command line: run the pipeline, list and clean artifacts, rebuild reports, diff checkpoints.
+
+Every bad input ends in one line on stderr naming the bad value, and exit status 2.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+def _offline_env() -> None:
+    """Prefect settings for machines without internet; set before prefect is imported."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
+    os.environ.setdefault("PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def load_config(path: str | None, overrides: list[str]) -> Any:
+    """Read a YAML config (default: the demo), apply ``--set`` overrides, validate."""
+    import yaml
+
+    from covgrad.config import PipelineConfig, apply_overrides
+
+    source = Path(path) if path else DEMO_CONFIG
+    if not source.is_file():
+        raise FileNotFoundError(f"config file {str(source)!r} does not exist")
+    try:
+        data = yaml.safe_load(source.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(
+            f"config file {str(source)!r} is not valid YAML: {str(exc).splitlines()[0]}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(source)!r} must hold a mapping of sections")
+    return PipelineConfig.model_validate(apply_overrides(data, overrides))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.pipeline import covgrad_pipeline
+    from tasks.preflight import preflight
+
+    overrides = list(args.set or [])
+    if args.root:
+        overrides.append(f"root={args.root}")
+    cfg = load_config(args.config, overrides)
+    preflight(cfg)
+    result = covgrad_pipeline(cfg)
+    _print_summary(cfg, result)
+    return 0
+
+
+def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
+    from storage.artifacts import ArtifactStore
+    from storage.runs import read_run_index
+
+    store = ArtifactStore(cfg.root)
+    index = read_run_index(store, result["run"])
+    report = index["artifacts"].get("report")
+    headline = None
+    if report is not None:
+        path = f"{store.base}/report/{report['key']}/headline.md"
+        if store.fs.exists(path):
+            headline = store.fs.cat_file(path).decode()
+    print()
+    if headline:
+        print(headline)
+    computed = [n for n, s in result["status"].items() if s == "computed"]
+    print(
+        f"run {result['run']} ({cfg.name}): {len(computed)} stage(s) computed, "
+        f"{len(result['status']) - len(computed)} from cache"
+    )
+    print(f"results: {store.root}/runs/{cfg.name}.json")
+    if report is not None:
+        print(f"report:  {store.root}/report/{report['key']}/report.html")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from storage.artifacts import ArtifactStore
+
+    rows = ArtifactStore(args.root).list_artifacts()
+    if not rows:
+        print(f"no artifacts under {args.root}")
+        return 0
+    print(f"{'stage':14s} {'key':26s} {'state':9s} {'size':>10s}  {'created':25s} config")
+    for r in rows:
+        state = "complete" if r["complete"] else "partial"
+        print(
+            f"{r['stage']:14s} {r['key']:26s} {state:9s} {_size(r['bytes']):>10s}  {r['created']:25s} {r['config']}"
+        )
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from storage.artifacts import ArtifactStore
+    from storage.runs import referenced_keys
+
+    store = ArtifactStore(args.root)
+    keep = referenced_keys(store)
+    doomed = [r for r in store.list_artifacts() if not r["complete"] or (r["stage"], r["key"]) not in keep]
+    if not doomed:
+        print("nothing to remove")
+        return 0
+    for r in doomed:
+        why = "partial" if not r["complete"] else "unreferenced"
+        print(f"remove {r['stage']}/{r['key']} ({why}, {_size(r['bytes'])})")
+    if not args.yes:
+        answer = input(f"delete these {len(doomed)} artifact(s)? [y/N] ").strip().lower()
+        if answer != "y":
+            print("nothing removed")
+            return 0
+    for r in doomed:
+        store.clear(store.ref(r["stage"], r["key"]))
+    print(f"removed {len(doomed)} artifact(s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    _offline_env()
+    parser = argparse.ArgumentParser(prog="covgrad", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run the covgrad-pipeline flow")
+    p.add_argument("--config", help="YAML config (default: the built-in demo)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--root", help="artifact root (local path or fsspec URL)")
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("ls", help="list artifacts under a root")
+    p.add_argument("--root", default="runs")
+    p.set_defaults(fn=cmd_ls)
+    p = sub.add_parser("gc", help="remove partial and unreferenced artifacts")
+    p.add_argument("--root", default="runs")
+    p.add_argument("--yes", action="store_true", help="do not ask before deleting")
+    p.set_defaults(fn=cmd_gc)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        from covgrad.config import format_validation_error
+
+        print(f"covgrad: error: {format_validation_error(exc)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

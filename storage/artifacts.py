@@ -1,0 +1,300 @@
+"""Content-addressed stage artifacts on a local path or any fsspec URL.
+
+Each stage's output lives at ``{root}/{stage}/{key}/`` where ``key`` is the sha256 of the stage name,
+the stage's code version, the canonical JSON of the stage's config and the keys of its upstream
+artifacts. A completion marker ``_COMPLETE.json`` holding provenance is written *last*; only an
+artifact with a valid marker is served from cache. Batched stages keep per-batch progress in a
+``batch_done`` zarr array (one chunk per batch, written after the batch's data), so a killed run
+resumes at the first unfinished batch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import platform
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+import zarr
+from fsspec.implementations.local import LocalFileSystem
+from pydantic import BaseModel
+from zarr.storage import FsspecStore, LocalStore
+
+MARKER = "_COMPLETE.json"
+CLAIM = "_STARTED.json"
+
+
+def canonical_json(obj: Any) -> str:
+    """Deterministic JSON: sorted keys, no whitespace, floats via repr."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def stage_key(stage: str, version: str, config: Any, upstream: Sequence[str]) -> str:
+    """sha256 (hex, 24 characters) of (stage, code version, canonical config JSON, upstream keys)."""
+    payload = canonical_json(
+        {"stage": stage, "version": version, "config": config, "upstream": list(upstream)}
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+class ArtifactRef(BaseModel):
+    """A small, serialisable pointer to one stage artifact (what Prefect tasks return)."""
+
+    stage: str
+    key: str
+    root: str
+    version: str = ""
+    upstream: list[str] = []
+
+    @property
+    def uri(self) -> str:
+        return join_url(self.root, self.stage, self.key)
+
+
+def join_url(root: str, *parts: str) -> str:
+    """``root/part/...`` for a local path or URL root."""
+    return "/".join([root.rstrip("/"), *[p.strip("/") for p in parts if p]])
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment() -> dict[str, Any]:
+    """Versions and host recorded with every artifact."""
+    import torch
+    import transformers
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "zarr": zarr.__version__,
+        "numpy": np.__version__,
+        "covgrad": _covgrad_version(),
+        "git_commit": _git_commit(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+    }
+
+
+def _covgrad_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("covgrad")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+class ArtifactStore:
+    """All artifact paths, markers and zarr stores under one root (local path or fsspec URL)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root.rstrip("/") or root
+        self.fs, self.base = fsspec.core.url_to_fs(self.root)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        if self.local:
+            self.base = str(Path(self.base).resolve())
+
+    def ref(self, stage: str, key: str, version: str = "", upstream: Sequence[str] = ()) -> ArtifactRef:
+        return ArtifactRef(stage=stage, key=key, root=self.root, version=version, upstream=list(upstream))
+
+    def path(self, ref: ArtifactRef, *parts: str) -> str:
+        """Filesystem path (in ``self.fs``) of the artifact directory or a file inside it."""
+        return "/".join([self.base.rstrip("/"), ref.stage, ref.key, *parts])
+
+    # ----- markers -----------------------------------------------------------------------------
+    def marker(self, ref: ArtifactRef) -> dict[str, Any] | None:
+        """The completion marker's provenance, or None when the artifact is absent or incomplete."""
+        try:
+            with self.fs.open(self.path(ref, MARKER), "r") as f:
+                data = json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError, OSError):
+            return None
+        return data if data.get("key") == ref.key and data.get("stage") == ref.stage else None
+
+    def is_complete(self, ref: ArtifactRef) -> bool:
+        return self.marker(ref) is not None
+
+    def exists(self, ref: ArtifactRef) -> bool:
+        return self.fs.exists(self.path(ref))
+
+    def begin(self, ref: ArtifactRef, config: Any, resume: bool) -> dict[str, Any]:
+        """Prepare the artifact directory for computing: keep it (``resume``, minus leftover temporary
+        files) or clear it. Returns the claim record (start time) to pass to ``complete``."""
+        if self.exists(ref) and not resume:
+            self.fs.rm(self.path(ref), recursive=True)
+        if self.exists(ref) and resume:
+            self.remove_partials(ref)
+        self.fs.makedirs(self.path(ref), exist_ok=True)
+        claim = {"stage": ref.stage, "key": ref.key, "started": now(), "config": config}
+        self.write_json(ref, CLAIM, claim)
+        return claim
+
+    def complete(self, ref: ArtifactRef, claim: dict[str, Any], extra: dict[str, Any] | None = None) -> dict:
+        """Write the completion marker (last) with provenance."""
+        record = {
+            "stage": ref.stage,
+            "key": ref.key,
+            "version": ref.version,
+            "upstream": ref.upstream,
+            "config": claim["config"],
+            "started": claim["started"],
+            "finished": now(),
+            "environment": environment(),
+            **(extra or {}),
+        }
+        self.write_json(ref, MARKER, record)
+        return record
+
+    def clear(self, ref: ArtifactRef) -> None:
+        if self.exists(ref):
+            self.fs.rm(self.path(ref), recursive=True)
+
+    def remove_partials(self, ref: ArtifactRef) -> int:
+        """Delete temporary files a killed writer may have left (``*.partial``); returns how many."""
+        leftovers = [p for p in self.fs.find(self.path(ref)) if ".partial" in p.rsplit("/", 1)[-1]]
+        for p in leftovers:
+            self.fs.rm(p)
+        return len(leftovers)
+
+    # ----- files -------------------------------------------------------------------------------
+    def write_json(self, ref: ArtifactRef, name: str, obj: Any) -> None:
+        """Write JSON atomically on local disks (temp file + rename); object stores put whole objects."""
+        text = json.dumps(obj, indent=1, sort_keys=True, default=str)
+        target = self.path(ref, name)
+        self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        if self.local:
+            tmp = Path(target + ".partial")
+            tmp.write_text(text)
+            tmp.replace(target)
+        else:
+            self.fs.pipe_file(target, text.encode())
+
+    def read_json(self, ref: ArtifactRef, name: str) -> Any:
+        with self.fs.open(self.path(ref, name), "r") as f:
+            return json.load(f)
+
+    def write_text(self, ref: ArtifactRef, name: str, text: str) -> None:
+        self.fs.pipe_file(self.path(ref, name), text.encode())
+
+    def write_bytes(self, ref: ArtifactRef, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(ref, name), data)
+
+    # ----- zarr --------------------------------------------------------------------------------
+    def zarr_store(self, ref: ArtifactRef, name: str, read_only: bool = False) -> LocalStore | FsspecStore:
+        """A zarr v3 store for ``{artifact}/{name}``."""
+        if self.local:
+            return LocalStore(self.path(ref, name), read_only=read_only)
+        return FsspecStore.from_url(join_url(self.root, ref.stage, ref.key, name), read_only=read_only)
+
+    def open_group(self, ref: ArtifactRef, name: str, mode: str = "r") -> zarr.Group:
+        return zarr.open_group(self.zarr_store(ref, name, read_only=mode == "r"), mode=mode)
+
+    def consolidate(self, ref: ArtifactRef, name: str) -> None:
+        """Consolidate a zarr group's metadata once, as the last write of a stage."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zarr.consolidate_metadata(self.zarr_store(ref, name))
+
+    @contextmanager
+    def local_dir(self, ref: ArtifactRef, name: str, write: bool) -> Iterator[Path]:
+        """A local directory for ``{artifact}/{name}`` (for libraries that need real paths, e.g.
+        ``save_pretrained``). On remote roots it is a temporary copy, uploaded afterwards when ``write``."""
+        if self.local:
+            path = Path(self.path(ref, name))
+            if write:
+                path.mkdir(parents=True, exist_ok=True)
+            yield path
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / name
+            if write:
+                local.mkdir(parents=True)
+            else:
+                self.fs.get(self.path(ref, name), str(local), recursive=True)
+            yield local
+            if write:
+                self.fs.put(str(local), self.path(ref, name), recursive=True)
+
+    # ----- listing -----------------------------------------------------------------------------
+    def list_artifacts(self) -> list[dict[str, Any]]:
+        """Every artifact under the root: stage, key, complete, bytes, created, short config."""
+        rows = []
+        if not self.fs.exists(self.base):
+            return rows
+        for stage_dir in sorted(self.fs.ls(self.base, detail=False)):
+            stage = stage_dir.rstrip("/").rsplit("/", 1)[-1]
+            if stage.startswith((".", "_")) or not self.fs.isdir(stage_dir):
+                continue
+            for key_dir in sorted(self.fs.ls(stage_dir, detail=False)):
+                key = key_dir.rstrip("/").rsplit("/", 1)[-1]
+                ref = self.ref(stage, key)
+                mark = self.marker(ref)
+                size = sum(self.fs.du(key_dir, total=False).values()) if self.fs.isdir(key_dir) else 0
+                rows.append(
+                    {
+                        "stage": stage,
+                        "key": key,
+                        "complete": mark is not None,
+                        "bytes": int(size),
+                        "created": (mark or {}).get("finished", ""),
+                        "upstream": (mark or {}).get("upstream", []),
+                        "config": canonical_json((mark or {}).get("config", ""))[:80],
+                    }
+                )
+        return rows
+
+
+# ----- batch progress (resumable batched stages) ----------------------------------------------------
+def create_progress(group: zarr.Group, n_batches: int) -> zarr.Array:
+    """The ``batch_done(batch)`` uint8 array: one chunk per batch, so concurrent marks never collide."""
+    if "batch_done" in group:
+        arr = group["batch_done"]
+        if arr.shape != (n_batches,):
+            raise ValueError(
+                f"existing progress has {arr.shape[0]} batches, expected {n_batches}; clear the artifact"
+            )
+        return arr
+    return group.create_array(
+        "batch_done", shape=(n_batches,), chunks=(1,), dtype="uint8", fill_value=0, dimension_names=["batch"]
+    )
+
+
+def pending_batches(group: zarr.Group) -> list[int]:
+    """Indices of batches not yet marked done."""
+    done = group["batch_done"][:]
+    return [int(b) for b in np.flatnonzero(done == 0)]
+
+
+def mark_batch_done(group: zarr.Group, b: int) -> None:
+    """Mark batch ``b`` done; call only after all of its data is written."""
+    group["batch_done"][b] = 1

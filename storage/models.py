@@ -1,0 +1,85 @@
+"""Loading and saving Hugging Face models and tokenizers (storage owns every path)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from covgrad.models import check_causal_lm, check_vocab
+
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def model_fingerprint(path: str) -> str:
+    """sha256 over a model directory's config and the names, sizes and mtimes of its weight files:
+    enough to notice a changed checkpoint without hashing gigabytes."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model path {path!r} does not exist or is not a directory")
+    h = hashlib.sha256()
+    for f in sorted(root.iterdir()):
+        if f.is_file() and (f.suffix in {".json", ".safetensors", ".bin", ".model", ".txt"}):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+            if f.name == "config.json":
+                h.update(f.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` in eval mode.
+
+    FileNotFoundError naming the path when it is missing; ValueError when it is not a causal LM.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist; give a Hugging Face model directory"
+        )
+    if not (root / "config.json").is_file():
+        raise ValueError(
+            f"model path {str(path)!r} has no config.json; it is not a Hugging Face model directory"
+        )
+    if not any((root / w).is_file() for w in _WEIGHT_FILES):
+        raise ValueError(f"model path {str(path)!r} has no weights ({', '.join(_WEIGHT_FILES)})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(root),
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            dtype=getattr(torch, dtype),
+            attn_implementation="eager",
+        )
+    except ValueError as exc:
+        arch = json.loads((root / "config.json").read_text()).get("architectures")
+        raise ValueError(
+            f"model path {str(path)!r} ({arch}) is not a causal LM: {str(exc).splitlines()[0]}"
+        ) from None
+    check_causal_lm(model, f"model path {str(path)!r}")
+    return model.eval()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved next to a model (``AutoTokenizer.from_pretrained(path)``)."""
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"no tokenizer found in {str(path)!r}: {str(exc).splitlines()[0]}") from None
+
+
+def load_model_and_tokenizer(
+    path: str | Path, dtype: str = "float32", trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    model = load_model(path, dtype, trust_remote_code)
+    tok = load_tokenizer(path)
+    check_vocab(model, tok, f"model path {str(path)!r}")
+    return model, tok

@@ -1,0 +1,112 @@
+"""Read rollout records and prompt files from a local path or any fsspec URL.
+
+``read_records`` feeds :func:`covgrad.rollout_import.records_to_rollouts`; ``read_prompt_file`` reads the
+task prompts that generation starts from. Both stream JSONL line by line and report the file and the
+1-based line number of a bad line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+_PARQUET_BATCH_ROWS = 1024  # rows decoded at a time; bounds memory for large files
+
+
+def _filesystem(path_or_url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and in-filesystem path; FileNotFoundError naming the input when it is absent."""
+    fs, path = fsspec.core.url_to_fs(path_or_url)
+    if not fs.isfile(path):
+        raise FileNotFoundError(f"no such file: {path_or_url}")
+    return fs, path
+
+
+def _jsonl_objects(path_or_url: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line; ValueError on a bad line or an empty file."""
+    fs, path = _filesystem(path_or_url)
+    found = False
+    with fs.open(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path_or_url}:{lineno}: not valid JSON ({err.msg} at column {err.colno})"
+                ) from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path_or_url}:{lineno}: expected a JSON object; got {type(obj).__name__}")
+            found = True
+            yield lineno, obj
+    if not found:
+        raise ValueError(f"{path_or_url} is empty: it holds no JSON lines")
+
+
+def _parquet_rows(path_or_url: str) -> Iterator[dict[str, Any]]:
+    """Rows of a parquet file as dicts; ValueError when it is unreadable or has no rows."""
+    fs, path = _filesystem(path_or_url)
+    found = False
+    with fs.open(path, "rb") as f:
+        try:
+            table = pq.ParquetFile(f)
+        except pa.ArrowInvalid as err:
+            raise ValueError(f"{path_or_url}: not a readable parquet file ({err})") from None
+        for batch in table.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for row in batch.to_pylist():
+                found = True
+                yield row
+    if not found:
+        raise ValueError(f"{path_or_url} is empty: it holds no rows")
+
+
+def read_records(path_or_url: str) -> Iterator[dict[str, Any]]:
+    """Stream rollout records from a ``.jsonl`` or ``.parquet`` file.
+
+    Args:
+        path_or_url: local path or fsspec URL (``memory://``, ``s3://`` ...).
+
+    Returns:
+        An iterator over records (dicts), one per JSONL line or parquet row, in file order.
+
+    Raises:
+        FileNotFoundError: the file does not exist (raised here, before iteration).
+        ValueError: an unsupported suffix (here); during iteration, a line that is not a JSON object
+            (naming the file and line number), an unreadable parquet file, or an empty file.
+    """
+    name = path_or_url.rstrip("/")
+    if not name.endswith((".jsonl", ".parquet")):
+        raise ValueError(f"cannot read records from {path_or_url}: the name must end in .jsonl or .parquet")
+    _filesystem(path_or_url)
+    if name.endswith(".parquet"):
+        return _parquet_rows(path_or_url)
+    return (obj for _, obj in _jsonl_objects(path_or_url))
+
+
+def read_prompt_file(path: str) -> list[dict[str, Any]]:
+    """Read a JSONL task file of ``{"prompt": str, "answer": ...}`` lines.
+
+    Args:
+        path: local path or fsspec URL.
+
+    Returns:
+        The line objects in file order (extra fields are kept).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: a line that is not a JSON object, a line without a string ``prompt``, or an empty
+            file; the message names the file and line number.
+    """
+    prompts = []
+    for lineno, obj in _jsonl_objects(path):
+        if not isinstance(obj.get("prompt"), str):
+            raise ValueError(
+                f"{path}:{lineno}: the line needs a string 'prompt' field; got keys {sorted(obj)}"
+            )
+        prompts.append(obj)
+    return prompts

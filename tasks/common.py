@@ -1,0 +1,112 @@
+"""What every stage task shares: the artifact cache policy, the run-or-reuse protocol, progress bars.
+
+A stage task receives the ``ArtifactRef`` the flow planned for it (its key already fixed by the
+config and upstream keys) and returns a ``StageResult``. Two layers keep reruns cheap and correct:
+
+1. Prefect's cache, keyed by the artifact key (``ArtifactCache``), with persisted results next to the
+   artifacts and SERIALIZABLE isolation under a file-system lock, so two concurrent runs of the same
+   stage compute it once. The flow asks Prefect to refresh the cache whenever the artifact on disk is
+   not complete, because Prefect alone would hand back a reference to a deleted artifact.
+2. ``run_stage`` itself: a complete artifact (marker present) is returned at once; otherwise the
+   artifact is resumed (batched stages) or cleared, computed, and the marker is written last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect.cache_policies import CachePolicy
+from prefect.context import TaskRunContext
+from prefect.filesystems import LocalFileSystem
+from prefect.locking.filesystem import FileSystemLockManager
+from prefect.locking.memory import MemoryLockManager
+from prefect.transactions import IsolationLevel
+from pydantic import BaseModel
+from tqdm.auto import tqdm
+
+from storage.artifacts import ArtifactRef, ArtifactStore
+
+log = logging.getLogger("covgrad")
+
+
+class StageResult(BaseModel):
+    """A stage task's return value: where the artifact is and whether this call computed it."""
+
+    ref: ArtifactRef
+    computed: bool
+    seconds: float = 0.0
+
+
+@dataclass
+class ArtifactCache(CachePolicy):
+    """Prefect cache key = the artifact's stage and content key (the task's ``ref`` argument)."""
+
+    def compute_key(
+        self, task_ctx: TaskRunContext, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+    ) -> str | None:
+        ref = inputs.get("ref")
+        if not isinstance(ref, ArtifactRef):
+            return None
+        return f"covgrad-{ref.stage}-{ref.key}"
+
+
+def cache_options(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
+    """``task.with_options(**...)`` for one planned artifact: cache policy with locking, result storage
+    beside the artifacts on local roots, and a forced refresh when the artifact is not complete."""
+    if store.local:
+        base = Path(store.base)
+        base.mkdir(parents=True, exist_ok=True)
+        policy = ArtifactCache().configure(
+            isolation_level=IsolationLevel.SERIALIZABLE,
+            lock_manager=FileSystemLockManager(lock_files_directory=base / ".prefect-locks"),
+        )
+        storage: dict[str, Any] = {"result_storage": LocalFileSystem(basepath=str(base / ".prefect-results"))}
+    else:
+        policy = ArtifactCache().configure(
+            isolation_level=IsolationLevel.SERIALIZABLE, lock_manager=MemoryLockManager()
+        )
+        storage = {}
+    return {
+        "cache_policy": policy,
+        "persist_result": True,
+        "refresh_cache": not store.is_complete(ref),
+        **storage,
+    }
+
+
+def run_stage(
+    ref: ArtifactRef,
+    config: Any,
+    compute: Callable[[ArtifactStore, ArtifactRef], dict[str, Any] | None],
+    resumable: bool = False,
+) -> StageResult:
+    """Return the complete artifact at ``ref``, computing it first when needed.
+
+    ``compute(store, ref)`` writes the artifact's files and may return extra provenance. On failure
+    nothing is marked complete; a batched (``resumable``) stage keeps its finished batches.
+    """
+    store = ArtifactStore(ref.root)
+    if store.is_complete(ref):
+        log.info("%s %s: cache hit", ref.stage, ref.key)
+        return StageResult(ref=ref, computed=False)
+    t0 = time.perf_counter()
+    claim = store.begin(ref, config, resume=resumable)
+    extra = compute(store, ref) or {}
+    store.complete(ref, claim, {"seconds": round(time.perf_counter() - t0, 3), **extra})
+    seconds = time.perf_counter() - t0
+    log.info("%s %s: computed in %.1f s", ref.stage, ref.key, seconds)
+    return StageResult(ref=ref, computed=True, seconds=seconds)
+
+
+def progress_bar(stage: str, total: int, unit: str = "batch") -> tqdm:
+    """A terminal progress bar for a long stage (stage name, k of n, rate); silent when not a TTY
+    unless COVGRAD_PROGRESS=1."""
+    show = sys.stderr.isatty() or os.environ.get("COVGRAD_PROGRESS") == "1"
+    return tqdm(total=total, desc=stage, unit=unit, disable=not show, leave=False, dynamic_ncols=True)

@@ -1,0 +1,66 @@
+"""Checks run before any stage, so that bad input fails in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from covgrad.config import PipelineConfig
+from covgrad.task import (
+    Problem,
+    RewardFn,
+    addition_problems,
+    addition_reward,
+    problems_from_records,
+    resolve_reward,
+)
+from storage.readers import read_prompt_file
+
+
+def check_model_dir(path: str, what: str) -> None:
+    """FileNotFoundError / ValueError naming ``path`` unless it is a causal-LM model directory."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{what} {path!r} does not exist; give a Hugging Face model directory")
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{what} {path!r} has no config.json; it is not a Hugging Face model directory")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path!r}: config.json is not valid JSON ({exc.msg})") from None
+    archs = config.get("architectures") or []
+    causal = (
+        any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+        if archs
+        else config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
+    if not causal:
+        raise ValueError(
+            f"{what} {path!r} is not a causal LM (model_type={config.get('model_type')!r}, architectures={archs})"
+        )
+
+
+def load_task(cfg: PipelineConfig) -> tuple[list[Problem], RewardFn]:
+    """The run's prompts and reward function."""
+    t = cfg.task
+    if t.kind == "addition":
+        return addition_problems(t.n_prompts, t.digits, t.seed), addition_reward
+    assert t.path is not None and t.reward is not None
+    reward = resolve_reward(t.reward)
+    problems = problems_from_records(read_prompt_file(t.path))
+    return problems[: t.n_prompts], reward
+
+
+def preflight(cfg: PipelineConfig) -> None:
+    """Validate everything the config points at: model directories, task file, reward, imports."""
+    if cfg.model.path is not None:
+        check_model_dir(cfg.model.path, "model.path")
+    for name, s in cfg.rollouts.samplers.items():
+        if s.model not in ("policy", "stale"):
+            check_model_dir(s.model, f"rollouts.samplers.{name}.model")
+        if s.import_path is not None and not Path(s.import_path).is_file() and "://" not in s.import_path:
+            raise FileNotFoundError(f"rollouts.samplers.{name}.import_path {s.import_path!r} does not exist")
+    load_task(cfg)

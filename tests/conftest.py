@@ -1,0 +1,42 @@
+"""Shared fixtures: offline settings before anything imports prefect or transformers, one thread,
+a tiny pipeline configuration, and an opt-in Prefect test server."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
+os.environ.setdefault("PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+torch.set_num_threads(1)
+
+
+def tiny_config(root: str, **overrides: object):
+    """The tiny pipeline config (configs/tiny.yaml) with ``root`` and dotted-key overrides."""
+    from covgrad.config import PipelineConfig, apply_overrides
+
+    data = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    items = [f"root={root}"] + [
+        f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in overrides.items()
+    ]
+    cleaned = [i.removesuffix("\n...") for i in items]
+    return PipelineConfig.model_validate(apply_overrides(data, cleaned))
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A temporary Prefect API (SQLite) for tests that run flows; started once per session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,219 @@
+"""Token Fisher, token scores and the LM-head closed form against plain per-sample autograd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from covgrad.layout import select_parameters
+from covgrad.token_fisher import cross_term_ratio, lm_head_token_fisher, token_fisher, token_scores
+
+V = 16
+PROMPT_LEN = torch.tensor([2, 1, 3])
+RESPONSE_LEN = torch.tensor([3, 4, 2])
+L = 7  # one row is fully used, the others are right-padded
+
+
+def _tiny_llama(tied: bool, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # RMSNorm weights start at exactly 1; perturb so a wrong rule shows
+                p.add_(0.1 * torch.randn_like(p))
+            else:  # larger weights give peaked, varied next-token distributions
+                p.mul_(4.0)
+    return model
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, V, (3, L), generator=gen)
+    attention_mask = (torch.arange(L)[None, :] < (PROMPT_LEN + RESPONSE_LEN)[:, None]).long()
+    return input_ids.masked_fill(attention_mask == 0, 0), attention_mask
+
+
+def _flat_grad(out: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(out, params, retain_graph=True)])
+
+
+def _reference(model: LlamaForCausalLM, layout, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Slow path, one unpadded row at a time: centered sensitivities g (B, T, V, P), p (B, T, V),
+    token scores (B, T, P) and sequence scores (B, P), all float64, by plain autograd."""
+    named = dict(model.named_parameters())
+    params = [named[e.name] for e in layout.entries]
+    B, T = len(PROMPT_LEN), int(RESPONSE_LEN.max())
+    g = torch.zeros(B, T, V, layout.P, dtype=torch.float64)
+    probs = torch.zeros(B, T, V, dtype=torch.float64)
+    tok = torch.zeros(B, T, layout.P, dtype=torch.float64)
+    seq = torch.zeros(B, layout.P, dtype=torch.float64)
+    for n in range(B):
+        pl, rl = int(PROMPT_LEN[n]), int(RESPONSE_LEN[n])
+        row = input_ids[n : n + 1, : pl + rl]
+        logits = model(input_ids=row).logits[0]  # (pl + rl, V)
+        for j in range(rl):
+            z = logits[pl + j - 1]
+            p = torch.softmax(z, -1).detach()
+            jac = torch.stack([_flat_grad(z[v], params) for v in range(V)]).double()  # (V, P)
+            g[n, j] = jac - p.double() @ jac
+            probs[n, j] = p.double()
+            tok[n, j] = g[n, j, row[0, pl + j]]
+        logp = torch.log_softmax(logits[pl - 1 : pl + rl - 1], -1).gather(1, row[0, pl:, None]).sum()
+        seq[n] = _flat_grad(logp, params).double()
+    return {"g": g, "p": probs, "tok": tok, "seq": seq}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["llama-untied", "llama-tied"])
+def case(request):
+    torch.set_num_threads(1)
+    model = _tiny_llama(request.param, seed=3)
+    layout = select_parameters(model)
+    input_ids, attention_mask = _batch(seed=5)
+    ref = _reference(model, layout, input_ids)
+    exact = token_fisher(model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN, "exact")
+    return model, layout, input_ids, attention_mask, ref, exact
+
+
+def _active() -> torch.Tensor:
+    return torch.arange(int(RESPONSE_LEN.max()))[None, :] < RESPONSE_LEN[:, None]
+
+
+def test_exact_matches_per_vocab_autograd(case):
+    _, _, input_ids, _, ref, exact = case
+    f = (ref["p"][..., None] * ref["g"].square()).sum(2)  # (B, T, P)
+    assert _rel(exact["fisher_sum"], f.sum((0, 1))) < 1e-5
+    active = _active()
+    torch.testing.assert_close(exact["trace"][active], f.sum(-1)[active], rtol=1e-5, atol=0)
+    assert (exact["trace"][~active] == 0).all()
+    torch.testing.assert_close(exact["fisher_sum"].sum(), exact["trace"].sum(), rtol=1e-10, atol=0)
+
+    p = ref["p"][active]  # (tokens, V)
+    index = PROMPT_LEN[:, None] + torch.arange(active.shape[1])[None, :]  # (B, T) full token index
+    drawn = input_ids.gather(1, index.clamp(max=L - 1))[active]
+    torch.testing.assert_close(exact["entropy"][active], -(p * p.log()).sum(-1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(exact["p_drawn"][active], p.gather(1, drawn[:, None])[:, 0], rtol=1e-5, atol=0)
+    assert (exact["covered_mass"][active] == 1).all() and (exact["covered_mass"][~active] == 0).all()
+    assert (exact["entropy"][~active] == 0).all() and (exact["p_drawn"][~active] == 0).all()
+
+
+def test_topk_full_vocab_equals_exact(case):
+    model, layout, input_ids, attention_mask, _, exact = case
+    top = token_fisher(model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN, "topk", k=V)
+    torch.testing.assert_close(top["fisher_sum"], exact["fisher_sum"], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(top["trace"], exact["trace"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(top["covered_mass"], exact["covered_mass"], rtol=1e-12, atol=0)
+
+
+def test_topk_is_the_renormalised_top_set(case):
+    model, layout, input_ids, attention_mask, ref, _ = case
+    k = 3
+    top = token_fisher(model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN, "topk", k=k)
+    order = np.argsort(-ref["p"].numpy(), axis=-1, kind="stable")[..., :k]  # (B, T, k)
+    keep = torch.zeros_like(ref["p"]).scatter_(-1, torch.from_numpy(order), 1.0)
+    mass = (ref["p"] * keep).sum(-1)  # (B, T)
+    active = _active()
+    w = torch.where(active[..., None], ref["p"] * keep / mass[..., None], 0.0)
+    f = (w[..., None] * ref["g"].square()).sum(2)  # (B, T, P)
+    assert _rel(top["fisher_sum"], f.sum((0, 1))) < 1e-5
+    torch.testing.assert_close(top["covered_mass"][active], mass[active], rtol=1e-5, atol=0)
+    assert (top["covered_mass"][active] < 1 - 1e-3).any()
+
+
+def test_mc_is_unbiased_and_seeded(case):
+    model, layout, input_ids, attention_mask, _, exact = case
+    args = (model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN, "mc")
+    runs = [token_fisher(*args, k=4, seed=s) for s in range(8)]
+    totals = torch.stack([r["trace"] for r in runs])  # (seeds, B, T)
+    mean, se = totals.mean(0), totals.std(0) / len(runs) ** 0.5
+    active = _active()
+    assert (se[active] > 0).any()
+    assert ((mean - exact["trace"]).abs() <= 4 * se)[active].all()
+    again = token_fisher(*args, k=4, seed=0)
+    assert torch.equal(again["fisher_sum"], runs[0]["fisher_sum"])
+    assert not torch.equal(runs[1]["fisher_sum"], runs[0]["fisher_sum"])
+
+
+def test_lm_head_closed_form_matches_exact_slice():
+    torch.set_num_threads(1)
+    model = _tiny_llama(False, seed=7)
+    layout = select_parameters(model, ["lm_head.weight", "model.norm.weight"])
+    input_ids, attention_mask = _batch(seed=11)
+    exact = token_fisher(model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN, "exact")
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    weights = torch.zeros(3, L)
+    for n in range(3):
+        weights[n, PROMPT_LEN[n] - 1 : PROMPT_LEN[n] + RESPONSE_LEN[n] - 1] = 1.0
+    closed = lm_head_token_fisher(out.hidden_states[-1], torch.softmax(out.logits, -1), weights)
+    entry = layout.entry("lm_head.weight")
+    sl = exact["fisher_sum"][entry.offset : entry.offset + entry.numel].reshape(entry.shape)
+    assert closed.dtype == torch.float64 and closed.shape == entry.shape
+    assert _rel(sl, closed) < 1e-5
+
+
+def test_token_scores_sum_to_sequence_score(case):
+    model, layout, input_ids, attention_mask, ref, _ = case
+    s = token_scores(model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN)
+    assert s.shape == (3, int(RESPONSE_LEN.max()), layout.P) and s.dtype == torch.float32
+    assert _rel(s.sum(1), ref["seq"]) < 1e-6
+    active = _active()
+    assert _rel(s[active], ref["tok"][active]) < 1e-5
+    assert (s[~active] == 0).all()
+
+
+def test_cross_term_ratio_against_numpy(case):
+    _, _, _, _, ref, _ = case
+    seq, tok_sq = ref["seq"].float(), ref["tok"].square().sum(1).float()  # (N, P) float32 inputs
+    got = cross_term_ratio(seq, tok_sq)
+    s, t2 = seq.double().numpy(), tok_sq.double().numpy()
+    want = np.linalg.norm((s**2 - t2).mean(0)) / np.linalg.norm((s**2).mean(0))
+    assert got == pytest.approx(want, rel=1e-9) and got > 1e-3
+    one = ref["tok"][:, :1]  # a single position per sample: no cross-terms
+    assert cross_term_ratio(one.sum(1), one.square().sum(1)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_bad_inputs():
+    model = _tiny_llama(False, seed=1)
+    layout = select_parameters(model, ["lm_head.weight"])
+    input_ids, attention_mask = _batch(seed=2)
+    args = (model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN)
+    with pytest.raises(ValueError, match="k = 17, V = 16"):
+        token_fisher(*args, "topk", k=17)
+    with pytest.raises(ValueError, match="k = 0, V = 16"):
+        token_fisher(*args, "topk", k=0)
+    with pytest.raises(ValueError, match="k = 0"):
+        token_fisher(*args, "mc", k=0)
+    with pytest.raises(ValueError, match="exact_vocab_limit = 8"):
+        token_fisher(*args, "exact", exact_vocab_limit=8)
+    with pytest.raises(ValueError, match="mode must be"):
+        token_fisher(*args, "sampled", k=2)
+    with pytest.raises(ValueError, match="exceeds the row length"):
+        token_fisher(model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN + 3, "exact")
+    with pytest.raises(ValueError, match="prompt_len must be >= 1"):
+        token_scores(model, layout, input_ids, attention_mask, PROMPT_LEN - 1, RESPONSE_LEN)
+    with pytest.raises(ValueError, match="attention_mask is 0"):
+        token_scores(
+            model, layout, input_ids, torch.ones_like(attention_mask).tril(), PROMPT_LEN, RESPONSE_LEN
+        )
+    with pytest.raises(ValueError, match="must both have shape"):
+        cross_term_ratio(torch.ones(3, 4), torch.ones(3, 5))
+    with pytest.raises(ValueError, match="undefined"):
+        cross_term_ratio(torch.zeros(3, 4), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="need hidden"):
+        lm_head_token_fisher(torch.ones(2, 3, 4), torch.ones(2, 3, 5), torch.ones(2, 4))
