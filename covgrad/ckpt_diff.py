@@ -129,7 +129,7 @@ def _changed(b: torch.Tensor, a: torch.Tensor, atol: float) -> tuple[torch.Tenso
     for lo in range(0, b_flat.numel(), CHUNK):
         bs, as_ = b_flat[lo : lo + CHUNK], a_flat[lo : lo + CHUNK]
         exact[lo : lo + CHUNK] = as_ != bs
-        absolute[lo : lo + CHUNK] = (as_ - bs).abs() > atol
+        absolute[lo : lo + CHUNK] = (as_.float() - bs.float()).abs() > atol
     return exact, absolute
 
 
@@ -141,13 +141,9 @@ def _overlap(
     """set_metrics of every (P,) mask against the changed sets flattened in layout order."""
     for e in layout.entries:
         if e.name not in changed:
-            raise ValueError(
-                f"layout tensor {e.name!r} is not comparable in both checkpoints; masks cannot be scored"
-            )
+            raise ValueError(f"layout tensor {e.name!r} is not comparable in both checkpoints; masks cannot be scored")
         if changed[e.name][0].numel() != e.numel:
-            raise ValueError(
-                f"layout tensor {e.name!r} has {e.numel} elements, the checkpoints have another count"
-            )
+            raise ValueError(f"layout tensor {e.name!r} has {e.numel} elements, the checkpoints have another count")
     exact = torch.cat([changed[e.name][0] for e in layout.entries])
     absolute = torch.cat([changed[e.name][1] for e in layout.entries])
     out = {}

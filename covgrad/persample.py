@@ -88,9 +88,7 @@ def score_logit_grad(
     if bool((w[:, 0] != 0).any()):
         raise ValueError("target_mask[:, 0] must be 0 (no logit predicts the first token); shift the mask")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= V:
-        raise ValueError(
-            f"input_ids must lie in [0, {V}); got range [{int(input_ids.min())}, {int(input_ids.max())}]"
-        )
+        raise ValueError(f"input_ids must lie in [0, {V}); got range [{int(input_ids.min())}, {int(input_ids.max())}]")
     if mu is None:
         q = torch.softmax(logits[:, :-1].to(torch.float32) / temperature, dim=-1)  # (B, L-1, V)
     else:
@@ -237,9 +235,7 @@ class PerSampleGrads:
         params = dict(model.named_parameters())
         missing = [name for name in layout.names if name not in params]
         if missing:
-            raise ValueError(
-                f"layout parameters {missing[:3]} are not in the model; build the layout from it"
-            )
+            raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
         by_id = {id(params[e.name]): e for e in layout.entries}
         self.model = model
         self.layout = layout
@@ -296,18 +292,14 @@ class PerSampleGrads:
         """
         training = [name for name, m in self.model.named_modules() if m.training]
         if training:
-            raise ValueError(
-                f"model must be in eval mode (dropout off); {training[0] or 'the model'} is training"
-            )
+            raise ValueError(f"model must be in eval mode (dropout off); {training[0] or 'the model'} is training")
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids must be (B, L) and attention_mask the same shape; got {tuple(input_ids.shape)} "
                 f"and {tuple(attention_mask.shape)}"
             )
         if position_ids is not None and position_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"position_ids must have shape {tuple(input_ids.shape)}; got {tuple(position_ids.shape)}"
-            )
+            raise ValueError(f"position_ids must have shape {tuple(input_ids.shape)}; got {tuple(position_ids.shape)}")
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         B, device = input_ids.shape[0], input_ids.device
         if out is None:
@@ -370,15 +362,12 @@ class PerSampleGrads:
             return view.view(B, *entry.shape), first
 
         def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-            if (
-                not args
-                or not isinstance(output, Tensor)
-                or output.shape[:1] != (B,)
-                or args[0].shape[:1] != (B,)
-            ):
+            batch_dims = (args[0].shape[:1] if args else None, getattr(output, "shape", (None,))[:1])
+            if batch_dims != ((B,), (B,)):
                 raise ValueError(
-                    f"{type(module).__name__} must be called with a batch-first tensor input and output of "
-                    f"batch size {B}"
+                    f"a hooked {type(module).__name__} ran with batch dims {batch_dims} (input, output), not "
+                    f"{B}: a tensor broadcast over the batch (e.g. default position ids) has no per-sample "
+                    "gradient; pass position_ids of shape (B, L)"
                 )
             x = args[0].detach()
             if not output.requires_grad:
@@ -414,9 +403,7 @@ class PerSampleGrads:
 def _checked_dlogits(dlogits_fn: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:
     dlogits = dlogits_fn(logits.detach())
     if dlogits.shape != logits.shape:
-        raise ValueError(
-            f"dlogits_fn must return the logits' shape {tuple(logits.shape)}; got {tuple(dlogits.shape)}"
-        )
+        raise ValueError(f"dlogits_fn must return the logits' shape {tuple(logits.shape)}; got {tuple(dlogits.shape)}")
     return dlogits
 
 
@@ -436,9 +423,7 @@ def batch_moments(S: Tensor, A: Tensor) -> dict[str, int | float | np.ndarray]:
         ValueError: when S is not (B, P) with B ≥ 1 or A is not (B,).
     """
     if S.dim() != 2 or S.shape[0] < 1 or A.shape != S.shape[:1]:
-        raise ValueError(
-            f"S must be (B, P) with B >= 1 and A (B,); got {tuple(S.shape)} and {tuple(A.shape)}"
-        )
+        raise ValueError(f"S must be (B, P) with B >= 1 and A (B,); got {tuple(S.shape)} and {tuple(A.shape)}")
     B, P = S.shape
     a = A.detach().to(device="cpu", dtype=torch.float64)
     mean_a = a.mean()

@@ -136,13 +136,15 @@ def _block_moments(s: np.ndarray, a: np.ndarray) -> np.ndarray:
     ra = a - a[0]
     mean_a = a[0] + ra.sum() / n
     ac = ra - ra.sum() / n  # (n,) a − mean_a
-    d = np.subtract(s, s[0], dtype=np.float64)  # (n, Pc) shifted by the first row, upcast in one pass
-    sum_d = d.sum(axis=0)  # (Pc,)
+    d = s.astype(np.float64)  # (n, Pc)
+    first = d[0].copy()  # (Pc,)
+    d -= first  # shift by the first row, in float64 (exact for float32 scores)
+    sum_d, dot_a = np.stack([np.ones(n), ac]) @ d  # (Pc,) each, one BLAS pass over the block
     out = np.empty((1, 6, s.shape[1]))
-    out[0, _MEAN_S] = s[0] + sum_d / n
+    out[0, _MEAN_S] = first + sum_d / n
     # Σd² ≥ (Σd)²/n exactly; the clip only removes rounding below zero
     out[0, _M2_S] = np.maximum(np.einsum("ij,ij->j", d, d) - sum_d * sum_d / n, 0.0)
-    out[0, _C_AS] = ac @ d - sum_d * (ac.sum() / n)  # the second term removes Σ(a − mean_a)'s rounding
+    out[0, _C_AS] = dot_a - sum_d * (ac.sum() / n)  # the second term removes Σ(a − mean_a)'s rounding
     out[0, _COUNT] = n
     out[0, _MEAN_A] = mean_a
     out[0, _M2_A] = ac @ ac

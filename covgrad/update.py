@@ -56,9 +56,7 @@ def bf16_half_spacing(w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"bf16_half_spacing needs a floating tensor, got dtype {w.dtype}")
     wb = w.detach().to(torch.bfloat16)
     if not torch.isfinite(wb).all():
-        raise ValueError(
-            "bf16_half_spacing: bf16(w) has inf or NaN entries; pass finite weights within bf16 range"
-        )
+        raise ValueError("bf16_half_spacing: bf16(w) has inf or NaN entries; pass finite weights within bf16 range")
     bits = wb.view(torch.int16).to(torch.int32) & 0x7FFF  # magnitude bits: 8 exponent, 7 mantissa
     biased = bits >> 7
     mantissa = bits & 0x7F
@@ -75,9 +73,7 @@ def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
     if pred.dtype != torch.bool or true.dtype != torch.bool:
         raise ValueError(f"set_metrics needs bool masks, got {pred.dtype} and {true.dtype}")
     if pred.shape != true.shape:
-        raise ValueError(
-            f"set_metrics: mask shapes differ, pred {tuple(pred.shape)} vs true {tuple(true.shape)}"
-        )
+        raise ValueError(f"set_metrics: mask shapes differ, pred {tuple(pred.shape)} vs true {tuple(true.shape)}")
     n_pred = int(pred.sum())
     n_true = int(true.sum())
     n_both = int((pred & true).sum())
@@ -261,15 +257,11 @@ def update_grid(
     """
     for name, stat in (("F", F), ("G", G), ("rho", rho)):
         if stat.shape != (layout.P,):
-            raise ValueError(
-                f"update_grid: {name} has shape {tuple(stat.shape)}, expected ({layout.P},) = layout.P"
-            )
+            raise ValueError(f"update_grid: {name} has shape {tuple(stat.shape)}, expected ({layout.P},) = layout.P")
     for opt in optimizers:
         _check_optimizer(opt)
     if not steps or min(steps) < 1:
-        raise ValueError(
-            f"update_grid: steps must be a non-empty list of positive step counts, got {list(steps)}"
-        )
+        raise ValueError(f"update_grid: steps must be a non-empty list of positive step counts, got {list(steps)}")
     start = _bf16_start(model_fn, layout)
     orders = ranking_orders(start, F, G, rho, seed)
     if sgd_lrs is None:
@@ -277,13 +269,9 @@ def update_grid(
     rows = []
     for optimizer, precision in itertools.product(optimizers, precisions):
         for lr in sgd_lrs if optimizer == "sgd" else adam_lrs:
-            cell_start, ends = _train(
-                model_fn, layout, batches, optimizer, precision, lr, steps, fresh_minibatches
-            )
+            cell_start, ends = _train(model_fn, layout, batches, optimizer, precision, lr, steps, fresh_minibatches)
             if not torch.equal(cell_start, start):
-                raise ValueError(
-                    "update_grid: model_fn built different weights on two calls; seed it inside model_fn"
-                )
+                raise ValueError("update_grid: model_fn built different weights on two calls; seed it inside model_fn")
             for n_steps in sorted(set(steps)):
                 changed = changed_sets(layout, start, ends[n_steps])
                 rules = rule_masks(start, F, G, adv_rms, optimizer, lr, n_steps)
@@ -372,9 +360,7 @@ def _bf16_rounded_model(model_fn: Callable[[], nn.Module], layout: ParamLayout) 
     params = dict(model.named_parameters())
     for e in layout.entries:
         if e.name not in params or tuple(params[e.name].shape) != e.shape:
-            raise ValueError(
-                f"layout tensor {e.name!r} {e.shape} is not a parameter of the model model_fn builds"
-            )
+            raise ValueError(f"layout tensor {e.name!r} {e.shape} is not a parameter of the model model_fn builds")
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16))
@@ -402,19 +388,13 @@ def _check_optimizer(optimizer: str) -> None:
 
 def _check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> None:
     """Shapes (N, L) agree, no response token at position 0 (nothing predicts it), none on padding."""
-    if (
-        input_ids.dim() != 2
-        or attention_mask.shape != input_ids.shape
-        or response_mask.shape != input_ids.shape
-    ):
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape or response_mask.shape != input_ids.shape:
         raise ValueError(
             f"input_ids, attention_mask, response_mask must all be (N, L); got {tuple(input_ids.shape)}, "
             f"{tuple(attention_mask.shape)}, {tuple(response_mask.shape)}"
         )
     response = response_mask.bool()
     if bool(response[:, 0].any()):
-        raise ValueError(
-            "response_mask marks position 0, which no logit predicts; rows start with the prompt"
-        )
+        raise ValueError("response_mask marks position 0, which no logit predicts; rows start with the prompt")
     if bool((response & ~attention_mask.bool()).any()):
         raise ValueError("response_mask marks padding (attention_mask == 0); mark only real response tokens")

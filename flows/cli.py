@@ -34,9 +34,7 @@ def load_config(path: str | None, overrides: list[str]) -> Any:
     try:
         data = yaml.safe_load(source.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ValueError(
-            f"config file {str(source)!r} is not valid YAML: {str(exc).splitlines()[0]}"
-        ) from None
+        raise ValueError(f"config file {str(source)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(source)!r} must hold a mapping of sections")
     return PipelineConfig.model_validate(apply_overrides(data, overrides))
@@ -91,9 +89,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'stage':14s} {'key':26s} {'state':9s} {'size':>10s}  {'created':25s} config")
     for r in rows:
         state = "complete" if r["complete"] else "partial"
-        print(
-            f"{r['stage']:14s} {r['key']:26s} {state:9s} {_size(r['bytes']):>10s}  {r['created']:25s} {r['config']}"
-        )
+        print(f"{r['stage']:14s} {r['key']:26s} {state:9s} {_size(r['bytes']):>10s}  {r['created']:25s} {r['config']}")
     return 0
 
 
@@ -129,6 +125,35 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    import json
+
+    from covgrad.ckpt_diff import diff_state_dicts
+    from storage.checkpoints import load_state_dict
+
+    before, after = load_state_dict(args.before), load_state_dict(args.after)
+    masks = layout = None
+    if args.masks:
+        from storage.masks import load_masks
+
+        masks, layout = load_masks(args.masks, args.q)
+    result = diff_state_dicts(before, after, atol=args.atol, masks=masks, layout=layout)
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+        return 0
+    print(f"{'tensor':50s} {'numel':>10s} {'changed(bf16/dtype)':>20s} {'changed(|d|>atol)':>18s}")
+    for row in result["tensors"]:
+        print(f"{row['name']:50s} {row['numel']:>10d} {row['frac_exact']:>20.4f} {row['frac_abs']:>18.4f}")
+    tot = result
+    print(f"{'global (numel-weighted)':50s} {tot['numel']:>10d} {tot['frac_exact']:>20.4f} {tot['frac_abs']:>18.4f}")
+    for m in result["mismatched"]:
+        print(f"not compared: {m}")
+    for name, sets in result.get("overlap", {}).items():
+        e = sets["exact"]
+        print(f"changed vs {name}: precision {e['precision']:.3f} recall {e['recall']:.3f} jaccard {e['jaccard']:.3f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     _offline_env()
     parser = argparse.ArgumentParser(prog="covgrad", description=__doc__.splitlines()[0])
@@ -145,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default="runs")
     p.add_argument("--yes", action="store_true", help="do not ask before deleting")
     p.set_defaults(fn=cmd_gc)
+    p = sub.add_parser("diff", help="update sparsity between two checkpoints")
+    p.add_argument("before")
+    p.add_argument("after")
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--masks", help="a masks artifact directory to compare the changed set with")
+    p.add_argument("--q", type=float, default=0.01, help="top-q fraction of the masks to compare")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_diff)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

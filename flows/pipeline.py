@@ -19,9 +19,7 @@ from tasks.registry import STAGE_TASKS
 log = logging.getLogger("covgrad")
 
 
-def run_node(
-    cfg: PipelineConfig, name: str, ref: ArtifactRef, upstream: dict[str, ArtifactRef]
-) -> StageResult:
+def run_node(cfg: PipelineConfig, name: str, ref: ArtifactRef, upstream: dict[str, ArtifactRef]) -> StageResult:
     """Submit one planned artifact's task through Prefect with the artifact cache policy."""
     store = ArtifactStore(cfg.root)
     task_fn = STAGE_TASKS[ref.stage].with_options(name=name, **cache_options(store, ref))

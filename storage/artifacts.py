@@ -40,9 +40,7 @@ def canonical_json(obj: Any) -> str:
 
 def stage_key(stage: str, version: str, config: Any, upstream: Sequence[str]) -> str:
     """sha256 (hex, 24 characters) of (stage, code version, canonical config JSON, upstream keys)."""
-    payload = canonical_json(
-        {"stage": stage, "version": version, "config": config, "upstream": list(upstream)}
-    )
+    payload = canonical_json({"stage": stage, "version": version, "config": config, "upstream": list(upstream)})
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -280,9 +278,7 @@ def create_progress(group: zarr.Group, n_batches: int) -> zarr.Array:
     if "batch_done" in group:
         arr = group["batch_done"]
         if arr.shape != (n_batches,):
-            raise ValueError(
-                f"existing progress has {arr.shape[0]} batches, expected {n_batches}; clear the artifact"
-            )
+            raise ValueError(f"existing progress has {arr.shape[0]} batches, expected {n_batches}; clear the artifact")
         return arr
     return group.create_array(
         "batch_done", shape=(n_batches,), chunks=(1,), dtype="uint8", fill_value=0, dimension_names=["batch"]

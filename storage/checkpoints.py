@@ -55,9 +55,7 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"{str(file)!r}: entry {name!r} is a {type(value).__name__}, not a tensor")
         return state
-    raise ValueError(
-        f"checkpoint file {str(file)!r} is not .safetensors, {'/'.join(_TORCH_SUFFIXES)} or *.index.json"
-    )
+    raise ValueError(f"checkpoint file {str(file)!r} is not .safetensors, {'/'.join(_TORCH_SUFFIXES)} or *.index.json")
 
 
 def _load_sharded(index_file: Path) -> dict[str, torch.Tensor]:

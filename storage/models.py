@@ -42,13 +42,9 @@ def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool
     """
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(
-            f"model path {str(path)!r} does not exist; give a Hugging Face model directory"
-        )
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist; give a Hugging Face model directory")
     if not (root / "config.json").is_file():
-        raise ValueError(
-            f"model path {str(path)!r} has no config.json; it is not a Hugging Face model directory"
-        )
+        raise ValueError(f"model path {str(path)!r} has no config.json; it is not a Hugging Face model directory")
     if not any((root / w).is_file() for w in _WEIGHT_FILES):
         raise ValueError(f"model path {str(path)!r} has no weights ({', '.join(_WEIGHT_FILES)})")
     try:
@@ -61,9 +57,7 @@ def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool
         )
     except ValueError as exc:
         arch = json.loads((root / "config.json").read_text()).get("architectures")
-        raise ValueError(
-            f"model path {str(path)!r} ({arch}) is not a causal LM: {str(exc).splitlines()[0]}"
-        ) from None
+        raise ValueError(f"model path {str(path)!r} ({arch}) is not a causal LM: {str(exc).splitlines()[0]}") from None
     check_causal_lm(model, f"model path {str(path)!r}")
     return model.eval()
 

@@ -37,9 +37,7 @@ def _jsonl_objects(path_or_url: str) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path_or_url}:{lineno}: not valid JSON ({err.msg} at column {err.colno})"
-                ) from None
+                raise ValueError(f"{path_or_url}:{lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{path_or_url}:{lineno}: expected a JSON object; got {type(obj).__name__}")
             found = True
@@ -105,8 +103,6 @@ def read_prompt_file(path: str) -> list[dict[str, Any]]:
     prompts = []
     for lineno, obj in _jsonl_objects(path):
         if not isinstance(obj.get("prompt"), str):
-            raise ValueError(
-                f"{path}:{lineno}: the line needs a string 'prompt' field; got keys {sorted(obj)}"
-            )
+            raise ValueError(f"{path}:{lineno}: the line needs a string 'prompt' field; got keys {sorted(obj)}")
         prompts.append(obj)
     return prompts

@@ -9,9 +9,7 @@ from covgrad.config import PipelineConfig
 from storage.artifacts import ArtifactRef, ArtifactStore, now
 
 
-def write_run_index(
-    store: ArtifactStore, cfg: PipelineConfig, key: str, refs: dict[str, ArtifactRef]
-) -> None:
+def write_run_index(store: ArtifactStore, cfg: PipelineConfig, key: str, refs: dict[str, ArtifactRef]) -> None:
     """Write ``{root}/runs/{key}.json`` and the friendly alias ``{root}/runs/{name}.json``."""
     record = {
         "run": key,
@@ -32,9 +30,7 @@ def read_run_index(store: ArtifactStore, run: str) -> dict[str, Any]:
 
     path = f"{store.base}/runs/{run}.json"
     if not store.fs.exists(path):
-        known = sorted(
-            p.rsplit("/", 1)[-1].removesuffix(".json") for p in store.fs.glob(f"{store.base}/runs/*.json")
-        )
+        known = sorted(p.rsplit("/", 1)[-1].removesuffix(".json") for p in store.fs.glob(f"{store.base}/runs/*.json"))
         raise FileNotFoundError(f"no run {run!r} under {store.root}; known runs: {known}")
     with store.fs.open(path, "r") as f:
         return json.load(f)

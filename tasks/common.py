@@ -24,7 +24,6 @@ from typing import Any
 
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
-from prefect.filesystems import LocalFileSystem
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.locking.memory import MemoryLockManager
 from prefect.transactions import IsolationLevel
@@ -67,7 +66,7 @@ def cache_options(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
             isolation_level=IsolationLevel.SERIALIZABLE,
             lock_manager=FileSystemLockManager(lock_files_directory=base / ".prefect-locks"),
         )
-        storage: dict[str, Any] = {"result_storage": LocalFileSystem(basepath=str(base / ".prefect-results"))}
+        storage: dict[str, Any] = {"result_storage": base / ".prefect-results"}
     else:
         policy = ArtifactCache().configure(
             isolation_level=IsolationLevel.SERIALIZABLE, lock_manager=MemoryLockManager()

@@ -30,13 +30,7 @@ VERSIONS = {
 
 def on_policy(s: SamplerSection) -> bool:
     """True when the sampler is the policy itself, untruncated at temperature 1 (μ = p)."""
-    return (
-        s.model == "policy"
-        and s.import_path is None
-        and s.temperature == 1.0
-        and s.top_p == 1.0
-        and s.top_k == 0
-    )
+    return s.model == "policy" and s.import_path is None and s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == 0
 
 
 def centerings(s: SamplerSection) -> list[str]:
@@ -59,9 +53,7 @@ class Node:
     config: Any
 
 
-def _node(
-    store: ArtifactStore, nodes: dict[str, Node], name: str, config: Any, upstream: tuple[str, ...]
-) -> None:
+def _node(store: ArtifactStore, nodes: dict[str, Node], name: str, config: Any, upstream: tuple[str, ...]) -> None:
     stage = name.split(".", 1)[0]
     keys = [nodes[u].ref.key for u in upstream]
     key = stage_key(stage, VERSIONS[stage], config, keys)
@@ -110,10 +102,13 @@ def plan(cfg: PipelineConfig) -> dict[str, Node]:
             {**cfg.update_check.model_dump(), "params": cfg.scores.params},
             ("base_model", f"rollouts.{cfg.rollouts.analyse}", f"stats.{main}"),
         )
-    _node(store, nodes, "report", {"name": cfg.name}, tuple(nodes))
-    return nodes
+    from tasks.registry import STAGE_TASKS
+
+    if "report" in STAGE_TASKS:
+        _node(store, nodes, "report", {"name": cfg.name}, tuple(nodes))
+    return {n: node for n, node in nodes.items() if node.ref.stage in STAGE_TASKS}
 
 
 def run_key(nodes: dict[str, Node]) -> str:
     """The pipeline run's key: that of its report, which covers every upstream key."""
-    return nodes["report"].ref.key
+    return stage_key("run", "1", {}, [n.ref.key for n in nodes.values()])

@@ -3,7 +3,15 @@
 from prefect import Task
 
 from tasks.base_model import base_model_task
+from tasks.masks import masks_task
+from tasks.rollouts import rollouts_task
+from tasks.scores import scores_task
+from tasks.stats import stats_task
 
 STAGE_TASKS: dict[str, Task] = {
     "base_model": base_model_task,
+    "rollouts": rollouts_task,
+    "scores": scores_task,
+    "stats": stats_task,
+    "masks": masks_task,
 }

@@ -97,6 +97,9 @@ def test_architecture_mismatch_names_the_first_mismatched_tensor():
     }
     with pytest.raises(ValueError, match=r"'x': before \(2, 2\) float32, after \(2, 2\) bfloat16"):
         diff_state_dicts(before, mostly_other_dtype)
+    one_of_three = {"x": torch.zeros(2, 2), "y": torch.zeros(4), "w": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"only 1 of 3 tensors.*first mismatch 'y'"):
+        diff_state_dicts(before, one_of_three)
     with pytest.raises(ValueError, match="empty"):
         diff_state_dicts({}, {})
     with pytest.raises(ValueError, match="atol"):

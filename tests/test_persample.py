@@ -75,9 +75,7 @@ def gpt2() -> nn.Module:
     torch.manual_seed(0)
     return _perturb_norms(
         GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2
-            )
+            GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
         ),
         3,
     )
@@ -110,9 +108,7 @@ def make_batch(seed: int, prompt_lens: list[int], resp_lens: list[int]) -> dict:
     """Left-padded batch; per sample the unpadded ids and response weights for the naive loop."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(0, V, (p + r,), generator=gen) for p, r in zip(prompt_lens, resp_lens, strict=True)]
-    weights = [
-        torch.cat([torch.zeros(p), torch.ones(r)]) for p, r in zip(prompt_lens, resp_lens, strict=True)
-    ]
+    weights = [torch.cat([torch.zeros(p), torch.ones(r)]) for p, r in zip(prompt_lens, resp_lens, strict=True)]
     L = max(len(s) for s in seqs)
     B = len(seqs)
     input_ids = torch.full((B, L), PAD, dtype=torch.long)
@@ -136,9 +132,7 @@ def make_batch(seed: int, prompt_lens: list[int], resp_lens: list[int]) -> dict:
 BATCH = {"prompt_lens": [3, 5, 2, 4], "resp_lens": [6, 3, 8, 5]}
 
 
-def naive_scores(
-    model: nn.Module, layout: ParamLayout, batch: dict, tau: float = 1.0, mu=None
-) -> torch.Tensor:
+def naive_scores(model: nn.Module, layout: ParamLayout, batch: dict, tau: float = 1.0, mu=None) -> torch.Tensor:
     """(B, P): per sequence, unpadded forward and torch.autograd.grad of its own objective."""
     params = dict(model.named_parameters())
     ps = [params[e.name] for e in layout.entries]
@@ -154,12 +148,7 @@ def naive_scores(
             token = z.gather(-1, y)[:, 0] - (q * z).sum(-1)
         grads = torch.autograd.grad((w[1:] * token).sum(), ps, allow_unused=True)
         rows.append(
-            torch.cat(
-                [
-                    torch.zeros(p.numel()) if g is None else g.reshape(-1)
-                    for p, g in zip(ps, grads, strict=True)
-                ]
-            )
+            torch.cat([torch.zeros(p.numel()) if g is None else g.reshape(-1) for p, g in zip(ps, grads, strict=True)])
         )
     return torch.stack(rows)
 
@@ -316,9 +305,7 @@ def test_batch_moments_match_numpy_float64(B):
         assert m[key].dtype == np.float64 and m[key].shape == (70000,)
     np.testing.assert_allclose(m["mean_s"], s.mean(0), rtol=1e-13)
     np.testing.assert_allclose(m["m2_s"], ((s - s.mean(0)) ** 2).sum(0), rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(
-        m["c_as"], ((a - a.mean())[:, None] * (s - s.mean(0))).sum(0), rtol=1e-9, atol=1e-12
-    )
+    np.testing.assert_allclose(m["c_as"], ((a - a.mean())[:, None] * (s - s.mean(0))).sum(0), rtol=1e-9, atol=1e-12)
     if B == 1:
         assert m["m2_a"] == 0 and not m["m2_s"].any() and not m["c_as"].any()
     else:
@@ -364,9 +351,7 @@ def test_self_check_catches_rule_mismatch():
     model.model.layers[0].mlp.up_proj = new
     layout = select_parameters(model)
     batch = make_batch(16, **BATCH)
-    with pytest.raises(
-        ValueError, match=r"self-check failed for parameter 'model\.layers\.0\.mlp\.up_proj\.weight'"
-    ):
+    with pytest.raises(ValueError, match=r"self-check failed for parameter 'model\.layers\.0\.mlp\.up_proj\.weight'"):
         hook_scores(model, layout, batch)
     hook_scores(model, layout, batch, check=False)  # unchecked runs, silently wrong by design
 
@@ -383,9 +368,7 @@ def test_leaves_no_grad_restores_flags_and_repeats():
     assert torch.equal(first, second)
     assert all(p.grad is None for p in model.parameters())
     assert not model.model.layers[0].mlp.down_proj.weight.requires_grad
-    assert all(
-        p.requires_grad for n, p in model.named_parameters() if "down_proj" not in n or "layers.1" in n
-    )
+    assert all(p.requires_grad for n, p in model.named_parameters() if "down_proj" not in n or "layers.1" in n)
 
 
 def test_training_mode_rejected():
@@ -404,3 +387,35 @@ def test_bf16_model_close_to_fp32():
     assert got.dtype == torch.float32
     rel = float((got.double() - ref.double()).norm() / ref.double().norm())
     assert rel < 1e-2, rel
+
+
+def test_broadcast_position_ids_rejected_with_a_hint():
+    model = gpt2()
+    batch = make_batch(20, **BATCH)
+    with pytest.raises(ValueError, match="position_ids"):
+        PerSampleGrads(model, select_parameters(model))(
+            batch["input_ids"],
+            batch["attention_mask"],
+            lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"]),
+        )
+
+
+def test_out_buffer_is_filled_and_checked():
+    model = llama(tied=True)
+    layout = select_parameters(model)
+    batch = make_batch(21, **BATCH)
+    psg = PerSampleGrads(model, layout)
+    fn = lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"])  # noqa: E731
+    fresh = psg(batch["input_ids"], batch["attention_mask"], fn, batch["position_ids"])
+    out = torch.full((4, layout.P), float("nan"))
+    got = psg(batch["input_ids"], batch["attention_mask"], fn, batch["position_ids"], out=out)
+    assert got is out and torch.equal(out, fresh)
+    with pytest.raises(ValueError, match="out must be"):
+        psg(batch["input_ids"], batch["attention_mask"], fn, batch["position_ids"], out=torch.empty(4, layout.P + 1))
+
+
+def test_batch_moments_leaves_float64_input_alone():
+    S = torch.randn(3, 10, dtype=torch.float64)
+    before = S.clone()
+    batch_moments(S, torch.randn(3))
+    assert torch.equal(S, before)

@@ -66,15 +66,6 @@ def rollouts(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def layout():
     return select_parameters(tiny_llama())
@@ -205,9 +196,7 @@ def test_sgd_bound_rule_contains_every_changed_parameter_after_one_step(layout, 
     in fp32_master and bf16 the gradient carries bf16 rounding, which the Cauchy–Schwarz slack covers here."""
     F, G, _, adv_rms = score_moments(layout, batches[0])
     lr = 0.01
-    result = run_update_cell(
-        tiny_llama, layout, batches, "sgd", precision, lr, steps=1, fresh_minibatches=True
-    )
+    result = run_update_cell(tiny_llama, layout, batches, "sgd", precision, lr, steps=1, fresh_minibatches=True)
     rules = rule_masks(result["start"], F, G, adv_rms, "sgd", lr, steps=1)
     bound = set_metrics(rules["bound"], result["changed_bf16"])
     assert bound["recall"] == 1.0
@@ -219,12 +208,8 @@ def test_sgd_bound_rule_contains_every_changed_parameter_after_one_step(layout, 
 def test_adam_first_step_rule_predicts_the_changed_set(layout, batches):
     F, G, _, adv_rms = score_moments(layout, batches[0])
     lr = 1e-5
-    result = run_update_cell(
-        tiny_llama, layout, batches, "adam", "fp32", lr, steps=1, fresh_minibatches=False
-    )
-    metrics = set_metrics(
-        rule_masks(result["start"], F, G, adv_rms, "adam", lr, 1)["absorb"], result["changed_bf16"]
-    )
+    result = run_update_cell(tiny_llama, layout, batches, "adam", "fp32", lr, steps=1, fresh_minibatches=False)
+    metrics = set_metrics(rule_masks(result["start"], F, G, adv_rms, "adam", lr, 1)["absorb"], result["changed_bf16"])
     assert metrics["recall"] == 1.0
     assert metrics["precision"] > 0.99
     assert 0.01 < result["changed_bf16"].float().mean() < 0.9
@@ -256,12 +241,8 @@ def test_bf16_half_spacing_against_neighbours_from_bits():
     assert got.dtype == torch.float32
     np.testing.assert_array_equal(got.double().numpy(), want)
     assert got[w == 0].unique().tolist() == [2.0**-134]
-    x32 = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 10.0 ** torch.randint(
-        -40, 30, (1000,)
-    )
-    torch.testing.assert_close(
-        bf16_half_spacing(x32), bf16_half_spacing(x32.to(torch.bfloat16)), rtol=0, atol=0
-    )
+    x32 = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 10.0 ** torch.randint(-40, 30, (1000,))
+    torch.testing.assert_close(bf16_half_spacing(x32), bf16_half_spacing(x32.to(torch.bfloat16)), rtol=0, atol=0)
 
 
 def test_bf16_half_spacing_rejects_bad_input():
@@ -376,9 +357,7 @@ def test_run_update_cell_rejects_bad_arguments(layout, batches):
         run_update_cell(tiny_llama, layout, no_adv, "sgd", "fp32", **args)
     other = select_parameters(
         LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1
-            )
+            LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1)
         )
     )
     with pytest.raises(ValueError, match="is not a parameter"):

@@ -1,0 +1,28 @@
+"""Reading a masks artifact back as boolean vectors on its flat parameter axis."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from covgrad.layout import ParamLayout
+
+
+def load_masks(artifact_dir: str, q: float) -> tuple[dict[str, np.ndarray], ParamLayout]:
+    """Every ``{metric}_{scope}`` mask of ``{artifact_dir}/masks.zarr`` at fraction ``q``, and the layout.
+
+    ValueError naming the available fractions when ``q`` was not computed.
+    """
+    path = Path(artifact_dir) / "masks.zarr"
+    if not path.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} does not exist; pass a masks artifact directory ({{root}}/masks/<key>)")
+    g = zarr.open_group(str(path), mode="r")
+    qs = g["q"][:]
+    hits = np.flatnonzero(np.isclose(qs, q))
+    if not hits.size:
+        raise ValueError(f"masks were computed for q in {qs.tolist()}, not {q}")
+    i = int(hits[0])
+    masks = {name: arr[i] for name, arr in g.arrays() if name != "q"}
+    return masks, ParamLayout.from_records(g.attrs["tensors"])

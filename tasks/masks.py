@@ -1,0 +1,109 @@
+"""masks stage: exact top-q sets by F, |G| and |ρ|, overlap with honest baselines, bound masks.
+
+Store ``masks.zarr``: ``{metric}_{scope}`` (q, param) bool masks for metric ∈ {F, absG, absrho} and
+scope ∈ {global, per_tensor}; tables ``overlap.{csv,json,md}``, ``bound.{csv,json}``,
+``tensors.{csv,md}`` (each tensor's share of the top sets) and ``summary.json`` (Spearman, q list).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+import numpy as np
+from prefect import task
+
+from covgrad.config import PipelineConfig
+from covgrad.layout import ParamLayout
+from covgrad.topk import bound_mask_table, overlap_table, spearman, topk_global, topk_per_tensor
+from storage.artifacts import ArtifactRef, ArtifactStore
+from tasks.common import StageResult, run_stage
+from tasks.stats import STORE as STATS
+
+STORE = "masks.zarr"
+
+
+def to_csv(rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def to_markdown(rows: list[dict[str, Any]], floatfmt: str = ".4g") -> str:
+    """A GitHub-style markdown table of ``rows`` (same keys in every row)."""
+    cols = list(rows[0])
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:
+    st = store.open_group(up, STATS, mode="r")
+    layout = ParamLayout.from_records(st.attrs["tensors"])
+    scalars = st.attrs["scalars"]
+    F, G, rho, Fvar, Cov = (st[n][:] for n in ("F", "G", "rho", "Fvar", "Cov"))
+    metrics = {"F": F, "absG": np.abs(G), "absrho": np.abs(rho)}
+    qs = cfg.masks.qs
+    P = layout.P
+    g = store.open_group(ref, STORE, mode="w")
+    g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
+    share_rows = []
+    for metric, values in metrics.items():
+        for scope in ("global", "per_tensor"):
+            mask = np.zeros((len(qs), P), dtype=bool)
+            for i, q in enumerate(qs):
+                idx = topk_global(values, q) if scope == "global" else topk_per_tensor(values, layout, q)
+                mask[i, idx] = True
+            g.create_array(f"{metric}_{scope}", data=mask, chunks=(1, min(P, 65536)), dimension_names=["q", "param"])
+            if scope == "global" and metric in ("F", "absG"):
+                i = int(np.argmin(np.abs(np.asarray(qs) - 0.01)))
+                total = max(int(mask[i].sum()), 1)
+                for e in layout.entries:
+                    n = int(mask[i, e.offset : e.offset + e.numel].sum())
+                    share_rows.append(
+                        {
+                            "tensor": e.name,
+                            "metric": metric,
+                            "q": qs[i],
+                            "count": n,
+                            "share": n / total,
+                            "numel_share": e.numel / P,
+                        }
+                    )
+    overlap = overlap_table(F, np.abs(G), layout, qs)
+    bound = bound_mask_table(scalars["std_A"], Fvar, np.abs(Cov), qs=qs)
+    rho_s = spearman(F, np.abs(G))
+    store.write_text(ref, "overlap.csv", to_csv(overlap))
+    store.write_json(ref, "overlap.json", overlap)
+    store.write_text(ref, "overlap.md", to_markdown(overlap))
+    store.write_text(ref, "bound.csv", to_csv(bound))
+    store.write_json(ref, "bound.json", bound)
+    store.write_text(ref, "tensors.csv", to_csv(share_rows))
+    store.write_text(ref, "tensors.md", to_markdown(share_rows))
+    summary = {"spearman_F_absG": rho_s, "qs": qs, "P": P, "bound_recall_min": _min_recall(bound)}
+    store.write_json(ref, "summary.json", summary)
+    g.attrs.update({"summary": json.loads(json.dumps(summary, default=float)), "tensors": st.attrs["tensors"]})
+    store.consolidate(ref, STORE)
+    return {"spearman_F_absG": rho_s}
+
+
+def _min_recall(rows: list[dict[str, Any]]) -> float:
+    recalls = [r["recall"] for r in rows if r["recall"] == r["recall"]]
+    return float(min(recalls)) if recalls else float("nan")
+
+
+@task(name="masks")
+def masks_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Top-q masks and overlap tables from the main stats artifact."""
+    (source,) = upstream.values()
+    return run_stage(ref, cfg.masks.model_dump(), lambda store, r: _compute(store, r, cfg, source))

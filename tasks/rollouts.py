@@ -1,0 +1,204 @@
+"""rollouts stage: responses from a sampler (or imported), rewards, advantages, the sampler's μ.
+
+Store ``rollouts.zarr`` (dims: sample, token = index in the full right-padded row, position =
+response position, vocab, k, batch):
+tokens (sample, token) int32; prompt_len, response_len, group, prompt_index, sample_index (sample,)
+int32; response_mask (sample, token) bool; reward, advantage (sample,) float64; sampler_logp
+(sample, position) float32; prompt, response (sample,) text; optionally mu_logp (sample, position,
+vocab) or mu_topk_ids / mu_topk_logp (sample, position, k) and mu_tail (sample, position); and the
+``batch_done`` progress array. Generation is resumable by batch of prompts; advantages are written
+once all rewards exist (``global_mean`` needs them all).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+
+from covgrad.config import PipelineConfig, SamplerSection
+from covgrad.models import context_length
+from covgrad.rollout_import import records_to_rollouts
+from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
+from covgrad.task import response_texts, score_rewards
+from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from storage.readers import read_records
+from tasks.base_model import load_models
+from tasks.common import StageResult, progress_bar, run_stage
+from tasks.preflight import load_task
+
+STORE = "rollouts.zarr"
+
+
+def sampler_spec(s: SamplerSection) -> SamplerSpec:
+    return SamplerSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens)
+
+
+def _create_arrays(g: Any, N: int, width: int, T: int, V: int, rows: int, s: SamplerSection) -> None:
+    def arr(name: str, shape: tuple[int, ...], dtype: Any, dims: list[str], fill: Any = 0) -> None:
+        if name not in g:
+            chunks = (rows, *shape[1:])
+            g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill, dimension_names=dims)
+
+    arr("tokens", (N, width), "int32", ["sample", "token"])
+    arr("response_mask", (N, width), "bool", ["sample", "token"], False)
+    for name in ("prompt_len", "response_len", "group", "prompt_index", "sample_index"):
+        arr(name, (N,), "int32", ["sample"])
+    arr("reward", (N,), "float64", ["sample"], np.nan)
+    arr("sampler_logp", (N, T), "float32", ["sample", "position"])
+    arr("prompt", (N,), str, ["sample"], "")
+    arr("response", (N,), str, ["sample"], "")
+    if s.store_mu == "full":
+        arr("mu_logp", (N, T, V), "float32", ["sample", "position", "vocab"])
+    elif s.store_mu == "topk":
+        arr("mu_topk_ids", (N, T, s.mu_topk), "int32", ["sample", "position", "k"])
+        arr("mu_topk_logp", (N, T, s.mu_topk), "float32", ["sample", "position", "k"])
+        arr("mu_tail", (N, T), "float32", ["sample", "position"])
+
+
+def _write_rows(g: Any, lo: int, out: dict[str, Any], width: int) -> None:
+    """Write one batch of rows starting at sample ``lo`` (arrays padded to the store's width)."""
+    n = len(out["prompt_len"])
+    for name, value in out.items():
+        v = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+        if name in ("tokens", "response_mask"):
+            padded = np.zeros((n, width), dtype=v.dtype)
+            padded[:, : v.shape[1]] = v
+            v = padded
+        g[name][lo : lo + n] = v
+
+
+def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: SamplerSection, base: ArtifactRef):
+    problems, reward_fn = load_task(cfg)
+    policy, tokenizer = load_models(store, base, "policy", cfg)
+    sampler = policy if s.model == "policy" else load_models(store, base, s.model, cfg)[0]
+    V = policy.get_input_embeddings().num_embeddings
+    if sampler.get_input_embeddings().num_embeddings != V:
+        raise ValueError(f"sampler model {s.model!r} has a different vocabulary size than the policy ({V})")
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    limit = context_length(policy)
+    for i, p in enumerate(prompts):
+        if len(p) + s.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={s.max_new_tokens} it exceeds the "
+                f"model's context of {limit}"
+            )
+    G, T = s.group_size, s.max_new_tokens
+    per_batch = max(1, s.batch_size // G)
+    n_batches = -(-len(prompts) // per_batch)
+    N, width = len(prompts) * G, max(len(p) for p in prompts) + T
+    g = store.open_group(ref, STORE, mode="a")
+    _create_arrays(g, N, width, T, V, per_batch * G, s)
+    create_progress(g, n_batches)
+    spec = sampler_spec(s)
+    todo = pending_batches(g)
+    with progress_bar(f"rollouts {ref.key[:8]}", n_batches) as bar:
+        bar.update(n_batches - len(todo))
+        for b in todo:
+            idx = list(range(b * per_batch, min(len(prompts), (b + 1) * per_batch)))
+            out = generate(
+                sampler,
+                [prompts[i] for i in idx],
+                idx,
+                G,
+                spec,
+                s.seed,
+                batch_size=s.batch_size,
+                eos_id=tokenizer.eos_token_id,
+                pad_id=tokenizer.pad_token_id,
+                mu_mode=s.store_mu,
+                mu_topk=s.mu_topk if s.store_mu == "topk" else 0,
+            )
+            texts = response_texts(tokenizer, out["tokens"].tolist(), out["prompt_len"], out["response_len"])
+            pi = [idx[int(k)] for k in out["prompt_index"]]
+            out["prompt_index"] = np.asarray(pi, dtype=np.int32)
+            out["group"] = out["prompt_index"]
+            out["reward"] = score_rewards(
+                reward_fn, [problems[i].prompt for i in pi], texts, [problems[i].answer for i in pi]
+            )
+            out["prompt"] = np.asarray([problems[i].prompt for i in pi], dtype=object).astype(str)
+            out["response"] = np.asarray(texts, dtype=object).astype(str)
+            out["sample_index"] = out["sample_index"].numpy().astype(np.int32)
+            for key in ("prompt_len", "response_len"):
+                out[key] = out[key].numpy().astype(np.int32)
+            _write_rows(g, b * per_batch * G, out, width)
+            mark_batch_done(g, b)
+            bar.update(1)
+    return g, tokenizer.eos_token_id, tokenizer.pad_token_id
+
+
+def _import(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: SamplerSection, base: ArtifactRef):
+    assert s.import_path is not None
+    policy, tokenizer = load_models(store, base, "policy", cfg)
+    V = policy.get_input_embeddings().num_embeddings
+    data = records_to_rollouts(
+        read_records(s.import_path), V, context_length(policy), tokenizer=tokenizer, pad_id=tokenizer.pad_token_id
+    )
+    order = np.argsort(data["group"], kind="stable")
+    data = {k: v[order] for k, v in data.items()}
+    sizes = np.bincount(data["group"])
+    if np.any(sizes != sizes[0]):
+        bad = int(np.flatnonzero(sizes != sizes[0])[0])
+        raise ValueError(
+            f"imported group {bad} has {sizes[bad]} samples but group 0 has {sizes[0]}; "
+            "covgrad needs groups of equal size"
+        )
+    N, width = data["tokens"].shape
+    T = data["sampler_logp"].shape[1]
+    s = s.model_copy(update={"group_size": int(sizes[0]), "max_new_tokens": T})
+    if "mu_topk_ids" in data:
+        s = s.model_copy(update={"store_mu": "topk", "mu_topk": int(data["mu_topk_ids"].shape[2])})
+    texts = response_texts(tokenizer, data["tokens"].tolist(), data["prompt_len"], data["response_len"])
+    prompts = [
+        tokenizer.decode(list(r[:p]), skip_special_tokens=True) for r, p in zip(data["tokens"], data["prompt_len"])
+    ]
+    g = store.open_group(ref, STORE, mode="a")
+    _create_arrays(g, N, width, T, V, N, s)
+    create_progress(g, 1)
+    rows = {k: v for k, v in data.items() if k != "reward"}
+    for k in ("prompt_len", "response_len", "group", "prompt_index", "sample_index"):
+        rows[k] = rows[k].astype(np.int32)
+    rows["reward"] = data["reward"]
+    rows["prompt"] = np.asarray(prompts, dtype=object).astype(str)
+    rows["response"] = np.asarray(texts, dtype=object).astype(str)
+    _write_rows(g, 0, rows, width)
+    mark_batch_done(g, 0)
+    return g, tokenizer.eos_token_id, tokenizer.pad_token_id
+
+
+@task(name="rollouts")
+def rollouts_task(
+    ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]
+) -> StageResult:
+    """Generate (or import) the rollouts of sampler ``instance`` = ``rollouts.<sampler>``."""
+    name = instance.split(".", 1)[1]
+    s = cfg.rollouts.samplers[name]
+
+    def compute(store: ArtifactStore, r: ArtifactRef) -> dict[str, Any]:
+        make = _import if s.import_path else _generate
+        g, eos, pad = make(store, r, cfg, s, upstream["base_model"])
+        rewards = g["reward"][:]
+        check_rewards(rewards)
+        adv = compute_advantages(rewards, g["group"][:], cfg.rollouts.advantage)
+        if "advantage" not in g:
+            g.create_array(
+                "advantage", shape=adv.shape, chunks=g["reward"].chunks, dtype="float64", dimension_names=["sample"]
+            )
+        g["advantage"][:] = adv
+        g.attrs.update(
+            {
+                "sampler": name,
+                "sampler_spec": s.model_dump(),
+                "advantage_kind": cfg.rollouts.advantage,
+                "eos_id": eos,
+                "pad_id": pad,
+                "n_samples": len(rewards),
+                "mean_reward": float(np.mean(rewards)),
+            }
+        )
+        store.consolidate(r, STORE)
+        return {"n_samples": len(rewards), "mean_reward": float(np.mean(rewards))}
+
+    return run_stage(ref, {"sampler": s.model_dump(), "advantage": cfg.rollouts.advantage}, compute, resumable=True)

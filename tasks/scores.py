@@ -1,0 +1,192 @@
+"""scores stage: exact per-sample scores of the policy, centered under the policy or the sampler.
+
+Store ``scores.zarr`` (dims: sample, param, row, batch):
+- moment rows, always: ``count, mean_a, m2_a (row,)`` and ``mean_s, m2_s, c_as (row, param)``
+  float64, two rows per batch (row 2b + h holds the batch's samples of prompt groups with parity h,
+  for the cross-fit); a half with no samples has count 0;
+- per-sample rows ``scores (sample, param)`` float32 when N·P·4 bytes fit ``scores.byte_budget``;
+- ``advantage``, ``group (sample,)``, ``batch_done (batch,)``; attrs: the tensor table, centering.
+Batches hold whole prompt groups, so group-relative advantages and the parity split stay exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+
+from covgrad.centering import align_full_mu, align_topk_mu, mask_unscored
+from covgrad.config import PipelineConfig
+from covgrad.layout import select_parameters
+from covgrad.persample import PerSampleGrads, batch_moments, score_logit_grad
+from covgrad.sampling import recompute_sampler_logp
+from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from tasks.base_model import load_models
+from tasks.common import StageResult, progress_bar, run_stage
+from tasks.rollouts import STORE as ROLLOUTS
+from tasks.rollouts import sampler_spec
+
+STORE = "scores.zarr"
+PARAM_CHUNK = 65536
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("scores.device=cuda but no CUDA device is visible; use auto or cpu")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def group_batches(group: np.ndarray, groups_per_batch: int) -> list[tuple[int, int]]:
+    """[lo, hi) sample ranges, each holding ``groups_per_batch`` whole consecutive groups."""
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    bounds = [*starts[::groups_per_batch].tolist(), len(group)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+class MuSource:
+    """How the sampler's μ is obtained for one rollouts store (full, top-k record, or the sampler model)."""
+
+    def __init__(self, store: ArtifactStore, base: ArtifactRef, cfg: PipelineConfig, ro: Any, sampler: str) -> None:
+        s = cfg.rollouts.samplers[sampler]
+        self.ro = ro
+        self.kind = "full" if "mu_logp" in ro else "topk" if "mu_topk_ids" in ro else "model"
+        self.spec = sampler_spec(s)
+        self.model = None
+        if self.kind == "model":
+            if s.import_path is not None:
+                raise ValueError(
+                    f"sampler centering for imported rollouts {sampler!r} needs their top-k log-probs "
+                    "(top_logprobs in the file); without them μ cannot be obtained"
+                )
+            self.model = load_models(store, base, s.model, cfg)[0]
+
+    def dlogits_fn(self, lo: int, hi: int, tokens: torch.Tensor, pl: torch.Tensor, rl: torch.Tensor, target):
+        """The logit-gradient function of batch [lo, hi) under sampler centering."""
+        L = tokens.shape[1]
+        if self.kind == "full":
+            mu = align_full_mu(torch.from_numpy(self.ro["mu_logp"][lo:hi]), pl, rl, L)
+            return lambda logits: score_logit_grad(logits, tokens, target, mu=mu.to(logits.device))
+        if self.kind == "topk":
+            ids = torch.from_numpy(self.ro["mu_topk_ids"][lo:hi])
+            logp = torch.from_numpy(self.ro["mu_topk_logp"][lo:hi])
+            tail = torch.from_numpy(self.ro["mu_tail"][lo:hi])
+
+            def fn(logits: torch.Tensor) -> torch.Tensor:
+                mu = align_topk_mu(logits.detach().float().cpu(), ids, logp, tail, pl, rl)
+                return score_logit_grad(logits, tokens, target, mu=mu.to(logits.device))
+
+            return fn
+        log_mu = recompute_sampler_logp(self.model, tokens, pl, rl, self.spec)
+        mu = mask_unscored(log_mu, target.bool())
+        return lambda logits: score_logit_grad(logits, tokens, target, mu=mu.to(logits.device))
+
+
+def _compute(
+    store: ArtifactStore,
+    ref: ArtifactRef,
+    cfg: PipelineConfig,
+    instance: str,
+    up: dict[str, ArtifactRef],
+    shard: tuple[int, int] = (0, 1),
+) -> dict[str, Any] | None:
+    """Compute the batches of shard ``shard = (i, n)`` (batches b with b % n == i; all when n = 1).
+
+    Shards write disjoint batch regions of one store. The store is finalised (attrs, consolidated
+    metadata) by whichever call finds every batch done; it then returns the provenance, else None.
+    """
+    _, sampler, centering = instance.split(".")
+    ro = store.open_group(up[f"rollouts.{sampler}"], ROLLOUTS, mode="r")
+    model, _ = load_models(store, up["base_model"], "policy", cfg)
+    device = pick_device(cfg.scores.device)
+    model.to(device).eval()
+    layout = select_parameters(model, cfg.scores.params)
+    group = ro["group"][:]
+    adv = ro["advantage"][:]
+    N, P = len(group), layout.P
+    batches = group_batches(group, cfg.scores.groups_per_batch)
+    B = max(hi - lo for lo, hi in batches)
+    keep_rows = cfg.scores.byte_budget >= N * P * 4 and all(hi - lo == B for lo, hi in batches[:-1])
+    mu_source = MuSource(store, up["base_model"], cfg, ro, sampler) if centering == "sampler" else None
+
+    g = store.open_group(ref, STORE, mode="a")
+    chunk_p = min(P, PARAM_CHUNK)
+    rows = 2 * len(batches)
+
+    def arr(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, dims: list[str]) -> None:
+        if name not in g:
+            g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, dimension_names=dims)
+
+    for name in ("count", "mean_a", "m2_a"):
+        arr(name, (rows,), (2,), "float64", ["row"])
+    for name in ("mean_s", "m2_s", "c_as"):
+        arr(name, (rows, P), (2, chunk_p), "float64", ["row", "param"])
+    if keep_rows:
+        arr("scores", (N, P), (B, chunk_p), "float32", ["sample", "param"])
+    arr("advantage", (N,), (N,), "float64", ["sample"])
+    arr("group", (N,), (N,), "int64", ["sample"])
+    g["advantage"][:] = adv
+    g["group"][:] = group
+    create_progress(g, len(batches))
+    psg = PerSampleGrads(model, layout, check=cfg.scores.self_check)
+    todo = [b for b in pending_batches(g) if b % shard[1] == shard[0]]
+    with progress_bar(f"scores {sampler}/{centering}", len(batches)) as bar:
+        bar.update(len(batches) - len(todo))
+        for b in todo:
+            lo, hi = batches[b]
+            tokens = torch.from_numpy(ro["tokens"][lo:hi]).long()
+            pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
+            rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
+            target = torch.from_numpy(ro["response_mask"][lo:hi]).float()
+            attn = (torch.arange(tokens.shape[1]).unsqueeze(0) < (pl + rl).unsqueeze(1)).long()
+            if mu_source is None:
+                fn = lambda logits, t=tokens, w=target: score_logit_grad(logits, t, w)  # noqa: E731
+            else:
+                fn = mu_source.dlogits_fn(lo, hi, tokens, pl, rl, target)
+            S = psg(tokens.to(device), attn.to(device), fn).cpu()  # (b, P) float32
+            a = torch.from_numpy(adv[lo:hi])
+            half = torch.from_numpy(group[lo:hi] % 2)
+            for h in (0, 1):
+                sel = half == h
+                if not bool(sel.any()):
+                    continue
+                mom = batch_moments(S[sel], a[sel])
+                r = 2 * b + h
+                for name in ("count", "mean_a", "m2_a"):
+                    g[name][r] = mom[name]
+                for name in ("mean_s", "m2_s", "c_as"):
+                    g[name][r] = mom[name]
+            if keep_rows:
+                g["scores"][lo:hi] = S.numpy()
+            mark_batch_done(g, b)
+            bar.update(1)
+    if pending_batches(g):
+        return None
+    g.attrs.update(
+        {
+            "tensors": layout.to_records(),
+            "centering": centering,
+            "sampler": sampler,
+            "n_samples": N,
+            "n_params": P,
+            "per_sample_rows": keep_rows,
+            "device": str(device),
+            "dtype": cfg.model.dtype,
+        }
+    )
+    store.consolidate(ref, STORE)
+    return {"n_samples": N, "n_params": P, "per_sample_rows": keep_rows}
+
+
+@task(name="scores")
+def scores_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Per-sample scores of ``scores.<sampler>.<centering>``."""
+    return run_stage(
+        ref,
+        {"instance": instance, "params": cfg.scores.params},
+        lambda store, r: _compute(store, r, cfg, instance, upstream),
+        resumable=True,
+    )
