@@ -139,7 +139,9 @@ def _block_moments(s: np.ndarray, a: np.ndarray) -> np.ndarray:
     d = s.astype(np.float64)  # (n, Pc)
     first = d[0].copy()  # (Pc,)
     d -= first  # shift by the first row, in float64 (exact for float32 scores)
-    sum_d, dot_a = np.stack([np.ones(n), ac]) @ d  # (Pc,) each, one BLAS pass over the block
+    # numpy loops, not BLAS: BLAS threads inside dask threads oversubscribe the cores
+    sum_d = d.sum(axis=0)  # (Pc,)
+    dot_a = np.einsum("i,ij->j", ac, d)  # (Pc,)
     out = np.empty((1, 6, s.shape[1]))
     out[0, _MEAN_S] = first + sum_d / n
     # Σd² ≥ (Σd)²/n exactly; the clip only removes rounding below zero

@@ -14,6 +14,8 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -71,6 +73,34 @@ def qwen2() -> nn.Module:
     return _perturb_norms(model, 2)
 
 
+def mistral() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return _perturb_norms(MistralForCausalLM(cfg), 5)
+
+
+def llama_torch_rmsnorm() -> nn.Module:
+    """Llama with every LlamaRMSNorm swapped for torch.nn.RMSNorm (same weights and eps)."""
+    model = llama(tied=False)
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ == "LlamaRMSNorm":
+            norm = nn.RMSNorm(module.weight.shape[0], eps=module.variance_epsilon)
+            with torch.no_grad():
+                norm.weight.copy_(module.weight)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, norm)
+    assert any(isinstance(m, nn.RMSNorm) for m in model.modules())
+    return model.eval()
+
+
 def gpt2() -> nn.Module:
     torch.manual_seed(0)
     return _perturb_norms(
@@ -98,7 +128,9 @@ def neox() -> nn.Module:
 MODELS = {
     "llama-untied": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
+    "llama-torch-rmsnorm": llama_torch_rmsnorm,
     "qwen2-bias": qwen2,
+    "mistral": mistral,
     "gpt2-conv1d": gpt2,
     "gpt-neox": neox,
 }

@@ -141,9 +141,7 @@ def correlated_pair(seed: int) -> tuple[np.ndarray, np.ndarray]:
 def test_scopes_match_reference(q: float) -> None:
     F, _ = correlated_pair(1)
     assert set(topk_global(F, q).tolist()) == scope_reference(F, q, "global")
-    assert set(topk_per_tensor(da.from_array(F, chunks=128), LAYOUT, q).tolist()) == scope_reference(
-        F, q, "per_tensor"
-    )
+    assert set(topk_per_tensor(da.from_array(F, chunks=128), LAYOUT, q).tolist()) == scope_reference(F, q, "per_tensor")
     with pytest.raises(ValueError, match="layout has P"):
         topk_per_tensor(F[:-1], LAYOUT, q)
 
@@ -187,7 +185,9 @@ def naive_spearman(x: np.ndarray, y: np.ndarray) -> float:
 @settings(max_examples=100, deadline=None)
 @given(
     pairs=hnp.arrays(
-        np.float64, st.tuples(st.integers(2, 60), st.just(2)), elements=st.sampled_from([-1.5, -0.0, 0.0, 1.0, 2.0, 7.0])
+        np.float64,
+        st.tuples(st.integers(2, 60), st.just(2)),
+        elements=st.sampled_from([-1.5, -0.0, 0.0, 1.0, 2.0, 7.0]),
     ),
 )
 def test_spearman_matches_definition_with_ties(pairs: np.ndarray) -> None:
