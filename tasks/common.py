@@ -7,8 +7,14 @@ config and upstream keys) and returns a ``StageResult``. Two layers keep reruns 
    artifacts and SERIALIZABLE isolation under a file-system lock, so two concurrent runs of the same
    stage compute it once. The flow asks Prefect to refresh the cache whenever the artifact on disk is
    not complete, because Prefect alone would hand back a reference to a deleted artifact.
-2. ``run_stage`` itself: a complete artifact (marker present) is returned at once; otherwise the
-   artifact is resumed (batched stages) or cleared, computed, and the marker is written last.
+2. ``run_stage`` itself: a complete artifact (marker present, upstream unchanged since) is returned
+   at once; otherwise it takes the artifact's writer lock (``ArtifactStore.lock``), checks again (a
+   concurrent run may have finished it meanwhile), resumes an interrupted writer's batches or clears
+   the directory, computes, and writes the marker last.
+
+Prefect never expires its file-system locks, so a run killed inside a stage would leave one that makes
+every later run wait forever. ``cache_options`` removes such a leftover: a Prefect lock on an artifact
+that is incomplete and whose writer lock nobody holds belongs to a dead run.
 """
 
 from __future__ import annotations
@@ -24,15 +30,30 @@ from typing import Any
 
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
+from prefect.exceptions import MissingContextError
 from prefect.locking.filesystem import FileSystemLockManager
 from prefect.locking.memory import MemoryLockManager
+from prefect.logging import get_run_logger
 from prefect.transactions import IsolationLevel
 from pydantic import BaseModel
 from tqdm.auto import tqdm
 
 from storage.artifacts import ArtifactRef, ArtifactStore
 
-log = logging.getLogger("covgrad")
+
+class _StageLog:
+    """Logs to the Prefect run logger inside a flow or task run (shown in the terminal and the UI),
+    else to the ``covgrad`` logger."""
+
+    def info(self, msg: str, *args: Any) -> None:
+        try:
+            logger = get_run_logger()
+        except MissingContextError:
+            logger = logging.getLogger("covgrad")
+        logger.info(msg, *args)
+
+
+log = _StageLog()
 
 
 class StageResult(BaseModel):
@@ -53,18 +74,27 @@ class ArtifactCache(CachePolicy):
         ref = inputs.get("ref")
         if not isinstance(ref, ArtifactRef):
             return None
-        return f"covgrad-{ref.stage}-{ref.key}"
+        return cache_key(ref)
+
+
+def cache_key(ref: ArtifactRef) -> str:
+    """The Prefect cache (and lock) key of one artifact."""
+    return f"covgrad-{ref.stage}-{ref.key}"
 
 
 def cache_options(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
     """``task.with_options(**...)`` for one planned artifact: cache policy with locking, result storage
     beside the artifacts on local roots, and a forced refresh when the artifact is not complete."""
+    complete = store.is_complete(ref)
     if store.local:
         base = Path(store.base)
         base.mkdir(parents=True, exist_ok=True)
+        locks = base / ".prefect-locks"
+        if not complete and not store.busy(ref):
+            (locks / f"{cache_key(ref)}.lock").unlink(missing_ok=True)
         policy = ArtifactCache().configure(
             isolation_level=IsolationLevel.SERIALIZABLE,
-            lock_manager=FileSystemLockManager(lock_files_directory=base / ".prefect-locks"),
+            lock_manager=FileSystemLockManager(lock_files_directory=locks),
         )
         storage: dict[str, Any] = {"result_storage": base / ".prefect-results"}
     else:
@@ -75,7 +105,7 @@ def cache_options(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
     return {
         "cache_policy": policy,
         "persist_result": True,
-        "refresh_cache": not store.is_complete(ref),
+        "refresh_cache": not complete,
         **storage,
     }
 
@@ -95,10 +125,14 @@ def run_stage(
     if store.is_complete(ref):
         log.info("%s %s: cache hit", ref.stage, ref.key)
         return StageResult(ref=ref, computed=False)
-    t0 = time.perf_counter()
-    claim = store.begin(ref, config, resume=resumable)
-    extra = compute(store, ref) or {}
-    store.complete(ref, claim, {"seconds": round(time.perf_counter() - t0, 3), **extra})
+    with store.lock(ref):
+        if store.is_complete(ref):
+            log.info("%s %s: computed meanwhile by another run", ref.stage, ref.key)
+            return StageResult(ref=ref, computed=False)
+        t0 = time.perf_counter()
+        claim = store.begin(ref, config, resume=resumable)
+        extra = compute(store, ref) or {}
+        store.complete(ref, claim, {"seconds": round(time.perf_counter() - t0, 3), **extra})
     seconds = time.perf_counter() - t0
     log.info("%s %s: computed in %.1f s", ref.stage, ref.key, seconds)
     return StageResult(ref=ref, computed=True, seconds=seconds)

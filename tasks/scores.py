@@ -132,6 +132,7 @@ def _compute(
     g["group"][:] = group
     create_progress(g, len(batches))
     psg = PerSampleGrads(model, layout, check=cfg.scores.self_check)
+    buffer = torch.empty((B, P), dtype=torch.float32, device=device)  # reused: fresh pages are slow
     todo = [b for b in pending_batches(g) if b % shard[1] == shard[0]]
     with progress_bar(f"scores {sampler}/{centering}", len(batches)) as bar:
         bar.update(len(batches) - len(todo))
@@ -146,7 +147,9 @@ def _compute(
                 fn = lambda logits, t=tokens, w=target: score_logit_grad(logits, t, w)  # noqa: E731
             else:
                 fn = mu_source.dlogits_fn(lo, hi, tokens, pl, rl, target)
-            S = psg(tokens.to(device), attn.to(device), fn).cpu()  # (b, P) float32
+            pos = torch.arange(tokens.shape[1]).expand_as(tokens)  # right-padded rows: positions 0..L-1
+            out = buffer[: hi - lo]
+            S = psg(tokens.to(device), attn.to(device), fn, position_ids=pos.to(device), out=out).cpu()  # (b, P)
             a = torch.from_numpy(adv[lo:hi])
             half = torch.from_numpy(group[lo:hi] % 2)
             for h in (0, 1):

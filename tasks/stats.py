@@ -89,8 +89,8 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     )
     for name, values in summary.items():
         g.create_array(f"tensor_{name}", data=values, dimension_names=["tensor"])
-    names = np.asarray([e.name for e in layout.entries], dtype=object).astype(str)
-    g.create_array("tensor_name", data=names, dimension_names=["tensor"])
+    names = g.create_array("tensor_name", shape=(len(layout.entries),), dtype=str, dimension_names=["tensor"])
+    names[:] = np.asarray([e.name for e in layout.entries])
     g.create_array("tensor_offset", data=np.asarray([e.offset for e in layout.entries]), dimension_names=["tensor"])
     scalars = {k: stats[k].item() for k in SCALARS}
     finite_rho = stats["rho"][np.isfinite(stats["rho"])]
