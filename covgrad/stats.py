@@ -138,7 +138,7 @@ def _block_moments(s: np.ndarray, a: np.ndarray) -> np.ndarray:
     ac = ra - ra.sum() / n  # (n,) a − mean_a
     d = s.astype(np.float64)  # (n, Pc)
     first = d[0].copy()  # (Pc,)
-    d -= first  # shift by the first row, in float64 (exact for float32 scores)
+    d -= first  # shift by the first row (in float64) so that the squares below do not cancel
     # numpy loops, not BLAS: BLAS threads inside dask threads oversubscribe the cores
     sum_d = d.sum(axis=0)  # (Pc,)
     dot_a = np.einsum("i,ij->j", ac, d)  # (Pc,)
@@ -163,7 +163,7 @@ def sample_moments(S: Array, A: Array, *, block_rows: int | None = None) -> Mome
             batch), or all N samples of a numpy ``S``.
 
     Returns:
-        Moments with nb = number of blocks rows; lazy (dask) when ``S`` is a dask array.
+        Moments with one row per block; lazy (dask) when ``S`` is a dask array.
 
     Raises:
         ValueError: on mismatched shapes or a non-positive ``block_rows``.
@@ -222,6 +222,11 @@ def _merge_packed(x: np.ndarray, axis: Any = None, keepdims: bool = True) -> np.
     return out
 
 
+def _rows(x: np.ndarray, axis: Any = None, keepdims: bool = True) -> np.ndarray:
+    """Leave a block's rows as they are; the tree's combine steps merge them."""
+    return x
+
+
 def merge_moments(moments: Moments, *, split_every: int | None = None) -> Moments:
     """Merge all moment rows into one (Chan's parallel formulas, float64).
 
@@ -236,7 +241,7 @@ def merge_moments(moments: Moments, *, split_every: int | None = None) -> Moment
     if _is_dask(packed):
         merged = da.reduction(
             packed,
-            chunk=_merge_packed,
+            chunk=_rows,
             combine=_merge_packed,
             aggregate=_merge_packed,
             axis=0,
@@ -318,8 +323,8 @@ def compute_stats(moments: Moments) -> dict[str, Array]:
     Warns:
         RuntimeWarning: std_A = 0 (for dask input, when std_A or rho is computed).
     """
-    xp = da if _is_dask(moments.mean_s) else np
     c = _finalize(moments)
+    xp = da if _is_dask(c.m) else np
     m, Fvar, Cov = c.m, c.Fvar, c.Cov
     bound = c.std_A * xp.sqrt(Fvar)  # (P,)
     varies = Fvar > 0  # (P,)
@@ -363,9 +368,9 @@ def crossfit_stats(fisher_half: Moments, cov_half: Moments) -> dict[str, Array]:
     """
     if fisher_half.P != cov_half.P:
         raise ValueError(f"the halves have different P: {fisher_half.P} (Fisher) vs {cov_half.P} (Cov)")
-    xp = da if _is_dask(fisher_half.mean_s, cov_half.mean_s) else np
     f = _finalize(fisher_half)
     c = _finalize(cov_half)
+    xp = da if _is_dask(f.Fvar, c.Cov) else np
     num = abs(c.Cov)  # (P,)
     den = c.std_A * xp.sqrt(f.Fvar)  # (P,)
     ratio = xp.where(den > 0, num / xp.where(den > 0, den, 1.0), xp.where(num > 0, np.inf, np.nan))
@@ -400,7 +405,7 @@ def tensor_summary(stats: dict[str, Array], layout: ParamLayout) -> dict[str, Ar
     F = stats["F"]
     if F.shape != (layout.P,):
         raise ValueError(f"stats arrays have shape {F.shape} but the layout has P = {layout.P}")
-    xp = da if _is_dask(F) else np
+    xp = da if _is_dask(F, stats["G"], stats["rho"]) else np
     absG = abs(stats["G"])
     abs_rho = xp.where(xp.isnan(stats["rho"]), -np.inf, abs(stats["rho"]))  # (P,) NaN never wins a max
     slices = [slice(e.offset, e.offset + e.numel) for e in layout.entries]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from functools import reduce
+from functools import partial, reduce
 from typing import Any
 
 import dask
@@ -80,9 +80,7 @@ def _select(v: np.ndarray, offset: int, threshold: int, need: int) -> Selection:
 def _merge_selections(parts: Sequence[Selection], need: int) -> Selection:
     """Concatenate selections of consecutive chunks (in index order), keeping the best ``need`` ties."""
     above = np.concatenate([p[0] for p in parts])
-    tie_idx, tie_vals = _best(
-        np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]), need
-    )
+    tie_idx, tie_vals = _best(np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]), need)
     return above, tie_idx, tie_vals
 
 
@@ -100,9 +98,7 @@ def _pass(values: Array, fn: Callable[..., Any], combine: Callable[[list[Any]], 
             for blk, off in zip(values.to_delayed().ravel(), offsets, strict=True)
         ]
         while len(parts) > 1:
-            parts = [
-                dask.delayed(combine)(parts[i : i + _TREE_WIDTH]) for i in range(0, len(parts), _TREE_WIDTH)
-            ]
+            parts = [dask.delayed(combine)(parts[i : i + _TREE_WIDTH]) for i in range(0, len(parts), _TREE_WIDTH)]
         return parts[0].compute()
     starts = range(0, max(len(values), 1), NUMPY_CHUNK)
     return reduce(
@@ -133,14 +129,12 @@ def topk_indices(values: Array, k: int) -> np.ndarray:
         Sorted indices, shape (min(k, number of non-NaN values),), int64.
 
     Raises:
-        ValueError: values is not a 1-D float32/float64 array, or k is outside [0, P].
+        ValueError: values is not a 1-D float32/float64 array, or k is not an integer in [0, P].
     """
     if values.ndim != 1 or values.dtype not in (np.float32, np.float64):
-        raise ValueError(
-            f"values must be a 1-D float32/float64 array; got shape {values.shape}, dtype {values.dtype}"
-        )
-    if not 0 <= k <= values.shape[0]:
-        raise ValueError(f"k = {k} is outside [0, P = {values.shape[0]}]")
+        raise ValueError(f"values must be a 1-D float32/float64 array; got shape {values.shape}, dtype {values.dtype}")
+    if not isinstance(k, int | np.integer) or not 0 <= k <= values.shape[0]:
+        raise ValueError(f"k must be an integer in [0, P = {values.shape[0]}]; got {k!r}")
     if k == 0:
         return np.zeros(0, dtype=np.int64)
     hist = _pass(values, _hist_high, _sum_hists)  # (65536,)
@@ -154,7 +148,7 @@ def topk_indices(values: Array, k: int) -> np.ndarray:
     above, ties, _ = _pass(
         values,
         _select,
-        lambda parts: _merge_selections(parts, need),
+        partial(_merge_selections, need=need),
         (high << 16) | low,
         need,
     )
@@ -200,9 +194,7 @@ def _tensor_counts(idx: np.ndarray, layout: ParamLayout) -> np.ndarray:
     return np.bincount(tensor, minlength=len(offsets))
 
 
-def overlap_table(
-    F: Array, absG: Array, layout: ParamLayout, qs: Sequence[float] = DEFAULT_QS
-) -> list[dict[str, Any]]:
+def overlap_table(F: Array, absG: Array, layout: ParamLayout, qs: Sequence[float] = DEFAULT_QS) -> list[dict[str, Any]]:
     """Overlap of the top sets by |G| and by F, with random and per-tensor random baselines.
 
     For each q and scope (``global``: top ceil(q·P) overall; ``per_tensor``: top ceil(q·n_k) inside
@@ -220,6 +212,9 @@ def overlap_table(
     Returns:
         One dict per (q, scope): q, scope, n_G, n_F, n_both (int), overlap, random,
         per_tensor_random (float; NaN when topG is empty).
+
+    Raises:
+        ValueError: F or absG does not have the layout's shape (P,), or a q is outside (0, 1].
     """
     if F.shape != (layout.P,) or absG.shape != (layout.P,):
         raise ValueError(f"F {F.shape} and absG {absG.shape} must both have shape ({layout.P},) of the layout")
