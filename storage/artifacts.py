@@ -6,17 +6,30 @@ artifacts. A completion marker ``_COMPLETE.json`` holding provenance is written 
 artifact with a valid marker is served from cache. Batched stages keep per-batch progress in a
 ``batch_done`` zarr array (one chunk per batch, written after the batch's data), so a killed run
 resumes at the first unfinished batch.
+
+Freshness: every marker gets a random ``completion`` id and records the ``upstream_stamps`` (the
+completion ids of the upstream artifacts it was computed from). An artifact counts as complete only
+while each upstream artifact is still that same completion, so recomputing an upstream artifact makes
+everything below it recompute even though the content keys did not change (a recompute need not be
+bit-identical, e.g. on a GPU, and a downstream artifact must describe the upstream bytes on disk).
+
+Writers: ``_STARTED.json`` (the claim) exists from ``begin`` until the marker is written, so a claim
+without a marker is an interrupted writer, the only state that is resumed. ``lock`` serialises
+writers of one artifact across processes on local roots.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import hashlib
 import json
 import platform
 import socket
 import subprocess
 import sys
+import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +44,16 @@ from zarr.storage import FsspecStore, LocalStore
 
 MARKER = "_COMPLETE.json"
 CLAIM = "_STARTED.json"
+LOCKS = ".locks"
+RUNS = "runs"  # the run indexes (storage/runs.py), not a stage
+
+_PROCESS_LOCKS: dict[str, threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+def _process_lock(name: str) -> threading.Lock:
+    with _PROCESS_LOCKS_GUARD:
+        return _PROCESS_LOCKS.setdefault(name, threading.Lock())
 
 
 def canonical_json(obj: Any) -> str:
@@ -135,31 +158,75 @@ class ArtifactStore:
             return None
         return data if data.get("key") == ref.key and data.get("stage") == ref.stage else None
 
+    def find_marker(self, key: str) -> dict[str, Any] | None:
+        """The valid completion marker of the artifact with content key ``key`` in any stage, or None."""
+        if not self.fs.exists(self.base):
+            return None
+        for stage_dir in self.fs.ls(self.base, detail=False):
+            stage = stage_dir.rstrip("/").rsplit("/", 1)[-1]
+            if stage.startswith((".", "_")) or stage == RUNS:
+                continue
+            mark = self.marker(self.ref(stage, key))
+            if mark is not None:
+                return mark
+        return None
+
+    def upstream_stamps(self, keys: Sequence[str]) -> dict[str, str | None]:
+        """Current completion id of each upstream artifact key (None where it is absent or incomplete)."""
+        return {k: (self.find_marker(k) or {}).get("completion") for k in keys}
+
     def is_complete(self, ref: ArtifactRef) -> bool:
-        return self.marker(ref) is not None
+        """True when the marker is present and every upstream artifact is still the completion this
+        artifact was computed from."""
+        mark = self.marker(ref)
+        if mark is None or not isinstance(mark.get("upstream_stamps"), dict):
+            return False
+        recorded = mark["upstream_stamps"]
+        current = self.upstream_stamps(list(recorded))
+        return None not in current.values() and current == recorded
 
     def exists(self, ref: ArtifactRef) -> bool:
         return self.fs.exists(self.path(ref))
 
     def begin(self, ref: ArtifactRef, config: Any, resume: bool) -> dict[str, Any]:
-        """Prepare the artifact directory for computing: keep it (``resume``, minus leftover temporary
-        files) or clear it. Returns the claim record (start time) to pass to ``complete``."""
-        if self.exists(ref) and not resume:
-            self.fs.rm(self.path(ref), recursive=True)
-        if self.exists(ref) and resume:
+        """Prepare the artifact directory for computing and write the claim (returned, for ``complete``).
+
+        With ``resume`` an interrupted writer's files are kept (minus leftover ``*.partial`` files) when
+        its claim was made against the same upstream completions and no marker exists; anything else
+        (a finished artifact whose marker was removed, a stale one, another upstream) is cleared.
+        Raises ValueError when an upstream artifact is not complete.
+        """
+        stamps = self.upstream_stamps(ref.upstream)
+        missing = [k for k, v in stamps.items() if v is None]
+        if missing:
+            raise ValueError(
+                f"upstream artifact(s) {missing} of {ref.stage} {ref.key} are not complete; compute them first"
+            )
+        previous = self._read_optional(ref, CLAIM)
+        keep = (
+            resume
+            and previous is not None
+            and previous.get("upstream_stamps") == stamps
+            and not self.fs.exists(self.path(ref, MARKER))
+        )
+        if keep:
             self.remove_partials(ref)
+        else:
+            self.clear(ref)
         self.fs.makedirs(self.path(ref), exist_ok=True)
-        claim = {"stage": ref.stage, "key": ref.key, "started": now(), "config": config}
+        claim = {"stage": ref.stage, "key": ref.key, "started": now(), "config": config, "upstream_stamps": stamps}
         self.write_json(ref, CLAIM, claim)
         return claim
 
     def complete(self, ref: ArtifactRef, claim: dict[str, Any], extra: dict[str, Any] | None = None) -> dict:
-        """Write the completion marker (last) with provenance."""
+        """Write the completion marker (last) with provenance and a fresh completion id, then drop the claim."""
         record = {
             "stage": ref.stage,
             "key": ref.key,
             "version": ref.version,
             "upstream": ref.upstream,
+            "upstream_stamps": claim["upstream_stamps"],
+            "completion": uuid.uuid4().hex,
             "config": claim["config"],
             "started": claim["started"],
             "finished": now(),
@@ -167,7 +234,55 @@ class ArtifactStore:
             **(extra or {}),
         }
         self.write_json(ref, MARKER, record)
+        self.fs.rm(self.path(ref, CLAIM))
         return record
+
+    def _read_optional(self, ref: ArtifactRef, name: str) -> dict[str, Any] | None:
+        try:
+            return self.read_json(ref, name)
+        except (FileNotFoundError, json.JSONDecodeError, OSError):
+            return None
+
+    # ----- writer lock -------------------------------------------------------------------------
+    def _lock_path(self, ref: ArtifactRef) -> Path:
+        return Path(self.base) / LOCKS / f"{ref.stage}-{ref.key}.lock"
+
+    @contextmanager
+    def lock(self, ref: ArtifactRef) -> Iterator[None]:
+        """Hold the exclusive right to write ``ref``, waiting for another holder to finish.
+
+        Local roots: an advisory ``flock`` on ``{root}/.locks/{stage}-{key}.lock``, exclusive across
+        processes and threads and released by the kernel when its holder dies, so a killed run never
+        leaves it held. Other filesystems: a lock within this process only (``memory://`` is
+        process-local; object stores offer no exclusive create, so there Prefect's lock is the guard).
+        """
+        if not self.local:
+            with _process_lock(join_url(self.root, ref.stage, ref.key)):
+                yield
+            return
+        path = self._lock_path(ref)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def busy(self, ref: ArtifactRef) -> bool:
+        """True while some writer holds ``lock(ref)`` (for other filesystems: within this process)."""
+        if not self.local:
+            return _process_lock(join_url(self.root, ref.stage, ref.key)).locked()
+        path = self._lock_path(ref)
+        if not path.exists():
+            return False
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
 
     def clear(self, ref: ArtifactRef) -> None:
         if self.exists(ref):
@@ -251,10 +366,12 @@ class ArtifactStore:
             return rows
         for stage_dir in sorted(self.fs.ls(self.base, detail=False)):
             stage = stage_dir.rstrip("/").rsplit("/", 1)[-1]
-            if stage.startswith((".", "_")) or not self.fs.isdir(stage_dir):
+            if stage.startswith((".", "_")) or stage == RUNS or not self.fs.isdir(stage_dir):
                 continue
             for key_dir in sorted(self.fs.ls(stage_dir, detail=False)):
                 key = key_dir.rstrip("/").rsplit("/", 1)[-1]
+                if not self.fs.isdir(key_dir):
+                    continue
                 ref = self.ref(stage, key)
                 mark = self.marker(ref)
                 size = sum(self.fs.du(key_dir, total=False).values()) if self.fs.isdir(key_dir) else 0

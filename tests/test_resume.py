@@ -1,0 +1,257 @@
+"""Resumability, invalidation and concurrency of stage artifacts, driving the stage functions (``.fn``)
+directly: no Prefect server. One tiny pipeline is computed once per module (the reference root);
+each test works on a copy of it (local path or ``memory://``).
+
+Killed runs and concurrent runs happen in subprocesses that execute ``CHILD`` below.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from tests.conftest import REPO, tiny_config
+
+# Many small batches, so a kill can land in the middle: 8 score batches and 8 rollout batches.
+OVERRIDES = {
+    "tokens.enabled": False,
+    "update_check.enabled": False,
+    "scores.groups_per_batch": 1,
+    "rollouts.samplers.policy.batch_size": 4,
+}
+
+# argv: root, instance, mode ("kill" | "race"), arg (kill: calls to let through; race: directory
+# for the ready/go files), overrides JSON. Prints {"computed": ...} as its last line.
+CHILD = r"""
+import importlib, json, os, signal, sys, time
+from pathlib import Path
+import tests.conftest as conftest
+from tasks.plan import plan
+from tasks.registry import STAGE_TASKS
+
+root, instance, mode, arg, overrides = sys.argv[1:6]
+cfg = conftest.tiny_config(root, **json.loads(overrides))
+nodes = plan(cfg)
+node = nodes[instance]
+module = importlib.import_module(f"tasks.{node.ref.stage}")
+real_mark = module.mark_batch_done
+calls = []
+
+def mark(group, b):
+    if mode == "kill" and len(calls) == int(arg):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "race":
+        time.sleep(0.2)
+    calls.append(b)
+    real_mark(group, b)
+
+module.mark_batch_done = mark
+if mode == "race":
+    sync = Path(arg)
+    (sync / f"ready-{os.getpid()}").touch()
+    while not (sync / "go").exists():
+        time.sleep(0.02)
+upstream = {u: nodes[u].ref for u in node.upstream}
+result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, instance, upstream)
+print(json.dumps({"computed": result.computed, "batches": len(calls)}))
+"""
+
+
+def run_chain(cfg) -> dict[str, str]:
+    """Every planned stage through its task function, in order; instance → computed/cached."""
+    from tasks.plan import plan
+    from tasks.registry import STAGE_TASKS
+
+    refs, status = {}, {}
+    for name, node in plan(cfg).items():
+        result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
+        refs[name] = result.ref
+        status[name] = "computed" if result.computed else "cached"
+    return status
+
+
+def below(cfg, instance: str) -> set[str]:
+    """``instance`` and every planned instance that reads it, directly or transitively."""
+    from tasks.plan import plan
+
+    out = {instance}
+    for name, node in plan(cfg).items():
+        if out.intersection(node.upstream):
+            out.add(name)
+    return out
+
+
+def computed(status: dict[str, str]) -> set[str]:
+    return {n for n, s in status.items() if s == "computed"}
+
+
+def data_digests(store_dir: Path) -> dict[str, str]:
+    """sha256 of every file of a zarr store except metadata (``zarr.json`` holds attrs/timestamps)."""
+    return {
+        str(p.relative_to(store_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(store_dir.rglob("*"))
+        if p.is_file() and p.name != "zarr.json"
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(root, cfg, node map) of one uninterrupted tiny pipeline on a local path."""
+    from tasks.plan import plan
+
+    root = tmp_path_factory.mktemp("reference")
+    cfg = tiny_config(str(root), **OVERRIDES)
+    status = run_chain(cfg)
+    assert set(status.values()) == {"computed"}
+    return root, cfg, plan(cfg)
+
+
+def copy_root(reference, dest: Path, drop: tuple[str, ...] = ()) -> object:
+    """A copy of the reference root at ``dest`` without the artifacts of instances ``drop``; its cfg."""
+    root, _, nodes = reference
+    shutil.copytree(root, dest, ignore=shutil.ignore_patterns(".locks"))
+    for name in drop:
+        shutil.rmtree(dest / nodes[name].ref.stage / nodes[name].ref.key)
+    return tiny_config(str(dest), **OVERRIDES)
+
+
+def artifact_dir(root: Path, nodes, instance: str) -> Path:
+    return root / nodes[instance].ref.stage / nodes[instance].ref.key
+
+
+def spawn(root: Path, instance: str, mode: str, arg: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(root), instance, mode, arg, json.dumps(OVERRIDES)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_rerun_cached_and_invalidation_recomputes_exactly_below(reference, tmp_path, where):
+    root, _, nodes = reference
+    if where == "local":
+        cfg = copy_root(reference, tmp_path / "root")
+    else:
+        target = f"/covgrad-test-{uuid.uuid4().hex[:8]}"
+        fs = fsspec.filesystem("memory")
+        fs.put(str(root), target, recursive=True)
+        cfg = tiny_config(f"memory://{target.lstrip('/')}", **OVERRIDES)
+    from storage.artifacts import MARKER, ArtifactStore
+
+    store = ArtifactStore(cfg.root)
+    assert set(run_chain(cfg).values()) == {"cached"}
+
+    store.fs.rm(store.path(nodes["rollouts.stale"].ref, MARKER))
+    status = run_chain(cfg)
+    expected = below(cfg, "rollouts.stale")
+    assert {"scores.stale.sampler", "stats.stale.policy"} <= expected
+    assert "masks" not in expected and "rollouts.policy" not in expected
+    assert computed(status) == expected
+
+    # A truncated scores store: one chunk file and the marker gone -> recomputed from scratch.
+    ref = nodes["scores.policy.policy"].ref
+    chunks = sorted(p for p in store.fs.find(store.path(ref, "scores.zarr", "mean_s")) if "/c/" in p)
+    before = store.fs.cat_file(chunks[1])
+    store.fs.rm([chunks[1], store.path(ref, MARKER)])
+    status = run_chain(cfg)
+    assert computed(status) == below(cfg, "scores.policy.policy")
+    assert store.fs.cat_file(chunks[1]) == before
+    assert set(run_chain(cfg).values()) == {"cached"}
+    if where == "memory":
+        store.fs.rm(store.base, recursive=True)
+
+
+def test_stale_upstream_is_not_resumed(reference, tmp_path):
+    """Batches written against an upstream completion that has since been replaced are discarded."""
+    from storage.artifacts import CLAIM, MARKER, ArtifactStore
+
+    _, _, nodes = reference
+    cfg = copy_root(reference, tmp_path / "root")
+    store = ArtifactStore(cfg.root)
+    ref = nodes["scores.policy.policy"].ref
+    claim = {"stage": ref.stage, "key": ref.key, "started": "x", "config": {}, "upstream_stamps": {}}
+    store.write_json(ref, CLAIM, claim)
+    store.fs.rm(store.path(ref, MARKER))
+    claim = store.begin(ref, {}, resume=True)
+    assert store.fs.ls(store.path(ref), detail=False) == [store.path(ref, CLAIM)]
+    assert claim["upstream_stamps"] == store.upstream_stamps(ref.upstream)
+    assert None not in claim["upstream_stamps"].values()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("instance", ["scores.policy.policy", "rollouts.policy"])
+def test_sigkill_at_random_batch_then_resume_is_byte_identical(reference, tmp_path, instance, monkeypatch):
+    import importlib
+
+    from tasks.plan import plan
+    from tasks.registry import STAGE_TASKS
+
+    ref_root, _, nodes = reference
+    seed = random.randrange(2**32)
+    kill_after = random.Random(seed).randrange(1, 7)
+    root = tmp_path / "root"
+    cfg = copy_root(reference, root, drop=(instance,))
+    child = spawn(root, instance, "kill", str(kill_after))
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == -signal.SIGKILL, f"seed {seed}: child did not die by SIGKILL:\n{err[-2000:]}"
+    art = artifact_dir(root, nodes, instance)
+    assert not (art / "_COMPLETE.json").exists()
+    store_name = "scores.zarr" if instance.startswith("scores") else "rollouts.zarr"
+    leftover = art / store_name / "stray.partial"
+    leftover.write_bytes(b"torn")
+
+    module = importlib.import_module(f"tasks.{nodes[instance].ref.stage}")
+    real_mark, marked = module.mark_batch_done, []
+    monkeypatch.setattr(module, "mark_batch_done", lambda g, b: (marked.append(b), real_mark(g, b)))
+    here = plan(cfg)
+    node = here[instance]
+    assert node.ref.root == str(root)
+    result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, instance, {u: here[u].ref for u in node.upstream})
+    assert result.computed
+    assert len(marked) == 8 - kill_after, f"seed {seed}: resumed {len(marked)} batches, killed after {kill_after}"
+    assert not list(art.rglob("*.partial"))
+    got = data_digests(art / store_name)
+    want = data_digests(artifact_dir(ref_root, nodes, instance) / store_name)
+    assert got == want, f"seed {seed}: files differ: {sorted(k for k in want if got.get(k) != want[k])}"
+
+
+@pytest.mark.slow
+def test_two_concurrent_writers_compute_once(reference, tmp_path):
+    ref_root, _, nodes = reference
+    instance = "scores.policy.policy"
+    root = tmp_path / "root"
+    copy_root(reference, root, drop=(instance,))
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    children = [spawn(root, instance, "race", str(sync)) for _ in range(2)]
+    deadline = time.monotonic() + 300
+    while len(list(sync.glob("ready-*"))) < 2:
+        assert time.monotonic() < deadline and all(c.poll() is None for c in children), "children did not start"
+        time.sleep(0.05)
+    (sync / "go").touch()
+    outs = []
+    for c in children:
+        out, err = c.communicate(timeout=300)
+        assert c.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(o["computed"] for o in outs) == [False, True]
+    assert sorted(o["batches"] for o in outs) == [0, 8]
+    art = artifact_dir(root, nodes, instance)
+    assert (art / "_COMPLETE.json").exists() and not (art / "_STARTED.json").exists()
+    assert data_digests(art / "scores.zarr") == data_digests(artifact_dir(ref_root, nodes, instance) / "scores.zarr")
