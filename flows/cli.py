@@ -79,6 +79,27 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
         print(f"report:  {store.root}/report/{report['key']}/report.html")
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    import fsspec
+
+    from storage.artifacts import ArtifactStore, join_url
+    from storage.runs import read_run_index
+    from tasks.report import render_report, write_report
+
+    store = ArtifactStore(args.root)
+    index = read_run_index(store, args.run)
+    report = render_report(store, index)
+    for name in report.missing:
+        a = index["artifacts"][name]
+        print(f"covgrad: stage {name} ({a['stage']}/{a['key']}) is missing or incomplete; skipped", file=sys.stderr)
+    out = args.out or join_url(store.root, "_reports", args.run)
+    fs_out, base = fsspec.core.url_to_fs(out)
+    write_report(fs_out, base, report)
+    print(report.headline_markdown())
+    print(f"report:  {join_url(out, 'report.html')}")
+    return 0
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from storage.artifacts import ArtifactStore
 
@@ -163,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--root", help="artifact root (local path or fsspec URL)")
     p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("report", help="rebuild a run's report from its stores (no model needed)")
+    p.add_argument("run", help="run key or name")
+    p.add_argument("--root", default="runs")
+    p.add_argument("--out", help="output directory (default: {root}/_reports/{run})")
+    p.set_defaults(fn=cmd_report)
     p = sub.add_parser("ls", help="list artifacts under a root")
     p.add_argument("--root", default="runs")
     p.set_defaults(fn=cmd_ls)

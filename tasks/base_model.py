@@ -52,7 +52,12 @@ def _train_demo(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig) -> 
     def report(step: int, acc: float) -> None:
         log.info("base_model: step %d sampled accuracy %.3f", step, acc)
 
-    result = train_sft(model, tokenizer, demo, train_problems, eval_problems, answer_tokens(digits), report)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 1e5-parameter model trains fastest on one thread; more only contend
+    try:
+        result = train_sft(model, tokenizer, demo, train_problems, eval_problems, answer_tokens(digits), report)
+    finally:
+        torch.set_num_threads(threads)
     for name, state in (("policy", result.policy_state), ("stale", result.stale_state)):
         model.load_state_dict(state)
         with store.local_dir(ref, name, write=True) as d:

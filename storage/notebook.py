@@ -1,0 +1,127 @@
+"""Notebook access to a pipeline run: lazy xarray Datasets per stage instance, tensors by name.
+
+``open_run(root, run)`` reads the run index (``{root}/runs/{run}.json``, by run key or friendly name)
+and returns a :class:`RunData`, a read-only mapping from instance name (``stats.policy.policy``,
+``masks``, ``rollouts.stale`` ...) to the artifact's zarr store opened lazily with
+``xr.open_zarr(..., consolidated=True)``. Each Dataset's attrs hold the zarr group's attributes plus
+``provenance`` (the completion marker) and ``instance``. Importing this module registers the
+``covgrad`` accessor::
+
+    ds = open_run("runs", "demo")["stats.policy.policy"]
+    ds.covgrad.tensor("model.layers.0.mlp.up_proj.weight")["F"]   # lazy, shape (64, 32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import xarray as xr
+
+from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.runs import read_run_index
+
+PARAM_DIM = "param"
+
+
+class RunData(Mapping[str, xr.Dataset]):
+    """The artifacts of one pipeline run, as lazy Datasets keyed by instance name.
+
+    Only instances whose artifact is complete and holds a zarr store are keys; ``missing`` lists the
+    instances the run index names whose artifact is absent or incomplete.
+    """
+
+    def __init__(self, store: ArtifactStore, index: dict[str, Any]) -> None:
+        self.store = store
+        self.index = index
+        self.run: str = index.get("run", "")
+        self.name: str = index.get("name", "")
+        self.config: dict[str, Any] = index.get("config", {})
+        self.refs: dict[str, ArtifactRef] = {
+            n: store.ref(a["stage"], a["key"]) for n, a in index.get("artifacts", {}).items()
+        }
+        self.missing: list[str] = [n for n, r in self.refs.items() if not store.is_complete(r)]
+        self._zarr_names: dict[str, str] = {}
+        for n, ref in self.refs.items():
+            if n in self.missing:
+                continue
+            stores = [p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store.path(ref), detail=False)]
+            zarrs = sorted(s for s in stores if s.endswith(".zarr"))
+            if zarrs:
+                self._zarr_names[n] = zarrs[0]
+        self._cache: dict[str, xr.Dataset] = {}
+
+    def __getitem__(self, instance: str) -> xr.Dataset:
+        if instance not in self._zarr_names:
+            if instance in self.missing:
+                raise KeyError(f"{instance!r} is missing or incomplete under {self.store.root}; rerun the pipeline")
+            raise KeyError(f"{instance!r} has no zarr store in this run; instances: {list(self._zarr_names)}")
+        if instance not in self._cache:
+            ref = self.refs[instance]
+            zstore = self.store.zarr_store(ref, self._zarr_names[instance], read_only=True)
+            ds = xr.open_zarr(zstore, consolidated=True)
+            ds.attrs["provenance"] = self.store.marker(ref)
+            ds.attrs["instance"] = instance
+            self._cache[instance] = ds
+        return self._cache[instance]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._zarr_names)
+
+    def __len__(self) -> int:
+        return len(self._zarr_names)
+
+    def __repr__(self) -> str:
+        return f"RunData(run={self.run!r}, name={self.name!r}, instances={list(self)}, missing={self.missing})"
+
+
+def open_run(root: str, run: str) -> RunData:
+    """Open a pipeline run under ``root`` (local path or fsspec URL) by run key or friendly name.
+
+    Raises FileNotFoundError listing the known runs when ``run`` has no index under ``root``.
+    """
+    store = ArtifactStore(root)
+    return RunData(store, read_run_index(store, run))
+
+
+@xr.register_dataset_accessor("covgrad")
+class CovgradAccessor:
+    """``ds.covgrad``: per-tensor views of a Dataset on the flat ``param`` axis (attr ``tensors``)."""
+
+    def __init__(self, ds: xr.Dataset) -> None:
+        self._ds = ds
+
+    @property
+    def layout(self) -> list[dict[str, Any]]:
+        """The tensor table: one record (name, offset, numel, shape, dtype) per tensor, in flat order."""
+        table = self._ds.attrs.get("tensors")
+        if not table:
+            raise ValueError("this Dataset has no 'tensors' attribute; open a scores, stats, masks or tokens store")
+        return list(table)
+
+    @property
+    def names(self) -> list[str]:
+        """Parameter tensor names in flat-axis order."""
+        return [t["name"] for t in self.layout]
+
+    def tensor(self, name: str) -> xr.Dataset:
+        """Every ``param``-dimension variable restricted to tensor ``name`` and reshaped to its shape.
+
+        A variable of dims (..., param) becomes (..., dim_0, ..., dim_{k-1}) with the tensor's shape;
+        data stay lazy (dask). Raises KeyError naming the tensor and the known names when absent.
+        """
+        entry = next((t for t in self.layout if t["name"] == name), None)
+        if entry is None:
+            raise KeyError(f"tensor {name!r} is not in this store; known: {self.names}")
+        lo, hi, shape = int(entry["offset"]), int(entry["offset"]) + int(entry["numel"]), tuple(entry["shape"])
+        tensor_dims = [f"dim_{i}" for i in range(len(shape))]
+        out = {}
+        for var_name, var in self._ds.data_vars.items():
+            if PARAM_DIM not in var.dims:
+                continue
+            lead = [d for d in var.dims if d != PARAM_DIM]
+            var = var.transpose(*lead, PARAM_DIM)
+            data = var.data[..., lo:hi].reshape(var.shape[:-1] + shape)
+            coords = {d: self._ds.coords[d] for d in lead if d in self._ds.coords}
+            out[var_name] = xr.DataArray(data, dims=[*lead, *tensor_dims], coords=coords, attrs=var.attrs)
+        return xr.Dataset(out, attrs={"tensor": name, "offset": lo, "shape": list(shape)})

@@ -1,0 +1,149 @@
+"""open_run and the ``covgrad`` xarray accessor on hand-made stores, and the explore notebook, headless."""
+
+import json
+
+import dask.array as da
+import numpy as np
+import pytest
+import torch
+
+from storage.artifacts import ArtifactStore
+from storage.notebook import open_run
+from tests.conftest import REPO, tiny_config
+
+SHAPES = {"a.weight": (3, 5), "b.bias": (7,), "c.weight": (2, 3, 4)}
+
+
+def _layout() -> list[dict]:
+    records, offset = [], 0
+    for name, shape in SHAPES.items():
+        numel = int(np.prod(shape))
+        records.append({"name": name, "offset": offset, "numel": numel, "shape": list(shape), "dtype": "float32"})
+        offset += numel
+    return records
+
+
+def _make_run(root: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A run index naming one complete stats artifact, one masks artifact and one absent artifact."""
+    store = ArtifactStore(root)
+    layout = _layout()
+    P = layout[-1]["offset"] + layout[-1]["numel"]
+    data = {"F": rng.random(P), "G": rng.standard_normal(P), "mask": rng.random((2, P)) < 0.3}
+    stats, masks = store.ref("stats", "k-stats"), store.ref("masks", "k-masks", upstream=["k-stats"])
+    for ref, arrays in ((stats, {"F": data["F"], "G": data["G"]}), (masks, {"F_global": data["mask"]})):
+        claim = store.begin(ref, {"test": True}, resume=False)
+        g = store.open_group(ref, f"{ref.stage}.zarr", mode="w")
+        for name, values in arrays.items():
+            dims = ["param"] if values.ndim == 1 else ["q", "param"]
+            chunks = (4,) if values.ndim == 1 else (1, 4)
+            g.create_array(name, data=values, chunks=chunks, dimension_names=dims)
+        if ref.stage == "masks":
+            g.create_array("q", data=np.array([0.01, 0.1]), dimension_names=["q"])
+        g.attrs.update({"tensors": layout, "note": ref.stage})
+        store.consolidate(ref, f"{ref.stage}.zarr")
+        store.complete(ref, claim, {"seconds": 0.0})
+    index = {
+        "run": "runkey",
+        "name": "toy",
+        "config": {},
+        "artifacts": {
+            "stats.policy.policy": {"stage": "stats", "key": "k-stats"},
+            "masks": {"stage": "masks", "key": "k-masks"},
+            "tokens": {"stage": "tokens", "key": "k-absent"},
+        },
+    }
+    store.fs.makedirs(f"{store.base}/runs", exist_ok=True)
+    for stem in ("runkey", "toy"):
+        store.fs.pipe_file(f"{store.base}/runs/{stem}.json", json.dumps(index).encode())
+    return data
+
+
+@pytest.fixture(params=["local", "memory"])
+def toy_root(request, tmp_path):
+    if request.param == "local":
+        yield str(tmp_path / "root")
+        return
+    root = f"memory://h7-notebook-{tmp_path.name}"
+    yield root
+    store = ArtifactStore(root)
+    store.fs.rm(store.base, recursive=True)
+
+
+def test_tensor_views_equal_numpy_reshape(toy_root):
+    data = _make_run(toy_root, np.random.default_rng(0))
+    for run_name in ("toy", "runkey"):
+        run = open_run(toy_root, run_name)
+        assert sorted(run) == ["masks", "stats.policy.policy"] and run.missing == ["tokens"]
+    stats, masks = run["stats.policy.policy"], run["masks"]
+    assert stats.attrs["provenance"]["key"] == "k-stats" and stats.attrs["note"] == "stats"
+    offset = 0
+    for name, shape in SHAPES.items():
+        numel = int(np.prod(shape))
+        view = stats.covgrad.tensor(name)
+        assert isinstance(view["F"].data, da.Array)
+        np.testing.assert_array_equal(view["F"].values, data["F"][offset : offset + numel].reshape(shape))
+        np.testing.assert_array_equal(view["G"].values, data["G"][offset : offset + numel].reshape(shape))
+        mview = masks.covgrad.tensor(name)["F_global"]
+        assert mview.dims[0] == "q" and mview.shape == (2, *shape)
+        np.testing.assert_array_equal(mview.sel(q=0.1).values, data["mask"][1, offset : offset + numel].reshape(shape))
+        offset += numel
+    assert stats.covgrad.names == list(SHAPES)
+
+
+def test_bad_names_raise_with_the_known_ones(tmp_path):
+    root = str(tmp_path / "root")
+    _make_run(root, np.random.default_rng(1))
+    run = open_run(root, "toy")
+    with pytest.raises(KeyError, match="no.such.weight"):
+        run["stats.policy.policy"].covgrad.tensor("no.such.weight")
+    with pytest.raises(KeyError, match="tokens.*missing"):
+        run["tokens"]
+    with pytest.raises(FileNotFoundError, match="known runs"):
+        open_run(root, "nope")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A policy-only tiny pipeline run (no tokens, no update check), task bodies called directly."""
+    from storage.runs import write_run_index
+    from tasks.plan import plan, run_key
+    from tasks.registry import STAGE_TASKS
+
+    torch.set_num_threads(1)
+    cfg = tiny_config(
+        str(tmp_path_factory.mktemp("notebook") / "root"),
+        **{
+            "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16}},
+            "tokens.enabled": False,
+            "update_check.enabled": False,
+        },
+    )
+    nodes = plan(cfg)
+    refs = {}
+    for name, node in nodes.items():
+        STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
+        refs[name] = node.ref
+    write_run_index(ArtifactStore(cfg.root), cfg, run_key(nodes), refs)
+    return cfg
+
+
+@pytest.mark.slow
+def test_explore_notebook_executes_headless(tiny_run, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("COVGRAD_ROOT", tiny_run.root)
+    monkeypatch.setenv("COVGRAD_RUN", tiny_run.name)
+    nb = nbformat.read(REPO / "notebooks" / "explore.ipynb", as_version=4)
+    client = NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}
+    )
+    client.execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = json.dumps([o.get("data", {}).get("text/markdown", "") for o in outputs])
+    assert "spearman_F_absG" in text and "overlap(q=0.01)" in text
+    assert "model.layers.0.mlp.up_proj.weight {'dim_0': 64, 'dim_1': 32}" in json.dumps(
+        [o.get("text", "") for o in outputs]
+    )
+    assert any("image/png" in o.get("data", {}) for o in outputs)

@@ -1,0 +1,184 @@
+"""The report stage against the stores it reads: numbers, plots, HTML, Prefect keys, ``covgrad report``."""
+
+import base64
+import io
+import json
+import math
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from covgrad.config import PipelineConfig
+from storage.artifacts import MARKER, ArtifactStore
+from storage.runs import read_run_index, write_run_index
+from tasks.plan import plan, run_key
+from tasks.registry import STAGE_TASKS
+from tasks.report import artifact_key, publish, render_report
+from tests.conftest import tiny_config
+
+PLOTS = (
+    "fisher_vs_grad.png",
+    "overlap.png",
+    "tensor_shares.png",
+    "zero_mean.png",
+    "token_trace.png",
+    "update_check.png",
+)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One tiny pipeline run with every stage (policy and stale samplers), task bodies called directly."""
+    torch.set_num_threads(1)
+    cfg = tiny_config(str(tmp_path_factory.mktemp("report") / "root"))
+    nodes = plan(cfg)
+    refs = {}
+    for name, node in nodes.items():
+        STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
+        refs[name] = node.ref
+    store = ArtifactStore(cfg.root)
+    write_run_index(store, cfg, run_key(nodes), refs)
+    return cfg, refs, store
+
+
+def _read(store: ArtifactStore, ref, name: str) -> bytes:
+    with store.fs.open(store.path(ref, name), "rb") as f:
+        return f.read()
+
+
+def _fmt(v: float) -> str:
+    return format(v, ".4g")
+
+
+def _topk_reference(values: np.ndarray, q: float) -> set[int]:
+    """Top ceil(q·P) indices by value, ties to the lowest index (stable argsort of the negated values)."""
+    k = math.ceil(q * values.size)
+    return set(np.argsort(-values, kind="stable")[:k].tolist())
+
+
+@pytest.mark.slow
+def test_report_numbers_equal_the_stores(run):
+    _, refs, store = run
+    out = json.loads(_read(store, refs["report"], "report.json"))["numbers"]
+    st = store.open_group(refs[out["main_stats"]], "stats.zarr", mode="r")
+    s = st.attrs["scalars"]
+    for k in ("N", "P", "std_A", "max_abs_rho", "bound_violations", "zero_mean_trace", "zero_mean_coord"):
+        assert out[k] == s[k], k
+    assert out["crossfit_frac_exceed_odd_F_even_G"] == s["crossfit_odd_F_even_G_frac_exceed"]
+    summary = store.read_json(refs["masks"], "summary.json")
+    assert out["spearman_F_absG"] == summary["spearman_F_absG"]
+    assert out["overlap"] == store.read_json(refs["masks"], "overlap.json")
+
+    headline = _read(store, refs["report"], "headline.md").decode()
+    cells = dict(re.findall(r"^\| (\S+) \| ([^|]+?) \|", headline, flags=re.M))
+    assert cells["N"] == str(s["N"]) and cells["std_A"] == _fmt(s["std_A"])
+    assert cells["max_abs_rho"] == _fmt(s["max_abs_rho"])
+    assert cells["spearman_F_absG"] == _fmt(summary["spearman_F_absG"])
+    q1 = next(r for r in out["overlap"] if r["scope"] == "global" and r["q"] == 0.01)
+    assert cells["overlap(q=0.01)"] == _fmt(q1["overlap"])
+
+    rows = {(r["sampler"], r["centering"]): r for r in out["off_policy"]}
+    assert set(rows) == {(n.split(".")[1], n.split(".")[2]) for n in refs if n.startswith("stats.")}
+    G = {key: store.open_group(refs[f"stats.{key[0]}.{key[1]}"], "stats.zarr")["G"][:] for key in rows}
+    gs, gp = G[("stale", "sampler")].astype(np.float64), G[("stale", "policy")].astype(np.float64)
+    expected = math.sqrt(((gs - gp) ** 2).sum()) / math.sqrt((gs**2).sum())
+    assert rows[("stale", "sampler")]["rel_diff_G"] == pytest.approx(expected, rel=1e-12)
+    assert rows[("policy", "policy")]["rel_diff_G"] is None
+    for (sampler, centering), row in rows.items():
+        g = store.open_group(refs[f"stats.{sampler}.{centering}"], "stats.zarr")
+        assert row["zero_mean_trace"] == g.attrs["scalars"]["zero_mean_trace"]
+        top_g, top_f = _topk_reference(np.abs(g["G"][:]), 0.01), _topk_reference(g["F"][:], 0.01)
+        assert row["overlap_1pct"] == pytest.approx(len(top_g & top_f) / len(top_g), abs=1e-15)
+
+
+@pytest.mark.slow
+def test_plots_are_valid_pngs_embedded_in_the_html(run):
+    _, refs, store = run
+    html = _read(store, refs["report"], "report.html").decode()
+    md = _read(store, refs["report"], "report.md").decode()
+    for name in PLOTS:
+        data = _read(store, refs["report"], name)
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+        rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.int16)
+        assert rgb.shape[0] > 200 and rgb.shape[1] > 200 and rgb.std() > 10, name
+        colored = (rgb.max(axis=2) - rgb.min(axis=2)) > 40  # data marks; axes and text are gray
+        assert colored.sum() > 100, name
+        assert f"data:image/png;base64,{base64.b64encode(data).decode()}" in html, name
+        assert f"]({name})" in md, name
+    assert html.count("<img") == len(PLOTS) and 'src="http' not in html
+
+
+@pytest.mark.slow
+def test_cli_report_names_the_missing_stage_and_renders_the_rest(run, tmp_path, capsys):
+    from flows.cli import main
+
+    cfg, refs, _ = run
+    root = tmp_path / "copy"
+    shutil.copytree(cfg.root, root)
+    (root / "masks" / refs["masks"].key / MARKER).unlink()
+    assert main(["report", cfg.name, "--root", str(root)]) == 0
+    captured = capsys.readouterr()
+    assert f"stage masks (masks/{refs['masks'].key}) is missing" in captured.err
+    out = root / "_reports" / cfg.name
+    assert {p.name for p in out.iterdir()} >= {"report.md", "report.html", "headline.md", "fisher_vs_grad.png"}
+    assert not (out / "overlap.png").exists()
+    text = (out / "report.md").read_text()
+    assert "Overlap and tensor shares: skipped, masks is missing" in text
+    assert "| N | 32 |" in (out / "headline.md").read_text()
+
+
+@pytest.mark.slow
+def test_render_report_on_memory_root(run):
+    """The same numbers from a ``memory://`` copy of the run (an fsspec root, no local paths)."""
+    cfg, _, store = run
+    mem = ArtifactStore("memory://h7-report")
+    mem.fs.put(store.base, mem.base, recursive=True)
+    index = read_run_index(mem, cfg.name)
+    local = render_report(store, read_run_index(store, cfg.name))
+    remote = render_report(mem, index)
+    assert remote.numbers == local.numbers and not remote.missing
+    assert remote.plots.keys() == local.plots.keys()
+    mem.fs.rm(mem.base, recursive=True)
+
+
+def test_artifact_keys_are_valid_and_publish_needs_a_run_context():
+    for text in ("covgrad-report-Demo_Run.v2", "covgrad-headline-__x__", "A--B"):
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", artifact_key(text)), text
+    from tasks.report import Report
+
+    publish(Report(title="t", headline=[{"quantity": "N", "value": 1}]), "Demo_Run")
+
+
+def test_config_round_trip_in_run_index(tmp_path):
+    """render_report validates the index's config; an index from write_run_index holds a valid one."""
+    cfg = tiny_config(str(tmp_path))
+    store = ArtifactStore(cfg.root)
+    write_run_index(store, cfg, "k", {})
+    index = read_run_index(store, "tiny")
+    assert PipelineConfig.model_validate(index["config"]) == cfg
+    report = render_report(store, index)
+    assert report.missing == [] and "Statistics: skipped" in report.markdown()
+
+
+@pytest.mark.slow
+def test_publish_creates_prefect_artifacts_in_a_flow(prefect_server):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from tasks.report import Report
+
+    report = Report(title="t", headline=[{"quantity": "N", "value": 32}, {"quantity": "std_A", "value": 0.5}])
+
+    @flow(name="h7-publish")
+    def publish_flow() -> None:
+        publish(report, "Demo_Run.v2")
+
+    publish_flow()
+    with get_client(sync_client=True) as client:
+        keys = {a.key: a for a in client.read_artifacts()}
+    assert {"covgrad-report-demo-run-v2", "covgrad-headline-demo-run-v2"} <= set(keys)
+    assert "std_A" in str(keys["covgrad-headline-demo-run-v2"].data)
