@@ -1,0 +1,176 @@
+"""update_check stage: real REINFORCE steps from the policy against the masks the statistics predict.
+
+Every (optimizer, precision, lr) cell of ``update_check`` trains a fresh copy of the policy (float32
+weights rounded to bf16, so every cell starts at the same bf16 point) for max(steps) steps on the loss
+``-mean_n(A_n · log p(y_n))`` and compares the parameters that changed after each of ``steps`` with
+the top sets by F, |G|, |ρ|, random and small |w| and with the bf16 absorption and bound rules
+(``covgrad.update.update_grid``). F, G and ρ come from the main stats artifact over the same flat
+parameter axis. A minibatch is ``scores.groups_per_batch`` whole prompt groups of the analysed
+rollouts (the scores stage's batches); ``fresh_minibatches`` cycles through them, otherwise every step
+reuses the first. The statistics describe all N samples, so the SGD bound rule is exact (recall 1 at
+one fp32 step) only when one minibatch holds every sample; ``summary.json`` records whether it does.
+An empty ``update_check.sgd_lrs`` uses, for each Adam lr, the SGD lr whose absorption rule predicts as
+many changed parameters.
+
+Files: ``grid.{csv,json}`` (one row per optimizer, precision, lr, steps; every column of
+``update_grid``, NaN where a rule does not apply), ``grid.md`` (the main columns), ``summary.json`` (per
+cell at one step: changed fraction, the best ranked predictor's Jaccard against random, the rules'
+recall), and ``update.zarr`` holding the grid as (cell,) arrays, one per column, with the tensor table
+in attrs. Deterministic on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+
+from covgrad.config import PipelineConfig
+from covgrad.layout import ParamLayout, select_parameters
+from covgrad.update import RANKED_PREDICTORS, update_grid
+from storage.artifacts import ArtifactRef, ArtifactStore
+from tasks.base_model import load_models
+from tasks.common import StageResult, run_stage
+from tasks.masks import to_csv, to_markdown
+from tasks.rollouts import STORE as ROLLOUTS
+from tasks.scores import group_batches
+from tasks.stats import STORE as STATS
+
+STORE = "update.zarr"
+MD_COLUMNS = (
+    "optimizer",
+    "precision",
+    "lr",
+    "steps",
+    "frac_changed_bf16",
+    "frac_changed_abs",
+    *(f"bf16_{p}_jaccard" for p in RANKED_PREDICTORS),
+    "bf16_absorb_recall",
+    "bf16_absorb_precision",
+    "bf16_bound_recall",
+    "bf16_bound_precision",
+)
+
+
+def check_layout(layout: ParamLayout, stats_layout: ParamLayout) -> None:
+    """Raise ValueError when the model's selected parameters are not the stats store's flat axis."""
+    mine = [(e.name, e.offset, e.numel, e.shape) for e in layout.entries]
+    theirs = [(e.name, e.offset, e.numel, e.shape) for e in stats_layout.entries]
+    for a, b in itertools.zip_longest(mine, theirs):
+        if a != b:
+            raise ValueError(
+                f"the policy's selected parameters do not match the stats store's tensor table (model {a} vs "
+                f"stats {b}); run update_check with the scores.params that produced the stats"
+            )
+
+
+def minibatches(ro: Any, groups_per_batch: int) -> list[dict[str, torch.Tensor]]:
+    """The rollouts as minibatches of whole prompt groups: (n, L_b) rows trimmed of trailing padding."""
+    out = []
+    for lo, hi in group_batches(ro["group"][:], groups_per_batch):
+        pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
+        rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
+        L = int((pl + rl).max())
+        out.append(
+            {
+                "input_ids": torch.from_numpy(ro["tokens"][lo:hi, :L]).long(),
+                "attention_mask": (torch.arange(L)[None, :] < (pl + rl)[:, None]).long(),
+                "response_mask": torch.from_numpy(ro["response_mask"][lo:hi, :L]),
+                "advantages": torch.from_numpy(ro["advantage"][lo:hi]),
+            }
+        )
+    return out
+
+
+def summarize(rows: list[dict[str, Any]], one_batch: bool) -> dict[str, Any]:
+    """Per cell at one step: changed fraction (bf16 metric), best ranked predictor vs random, rule recall."""
+    cells = []
+    for r in rows:
+        if r["steps"] != 1:
+            continue
+        ranked = {p: r[f"bf16_{p}_jaccard"] for p in RANKED_PREDICTORS if p != "random"}
+        finite = {p: v for p, v in ranked.items() if not math.isnan(v)}
+        best = max(finite, key=lambda p: finite[p]) if finite else None
+        cell = {
+            "optimizer": r["optimizer"],
+            "precision": r["precision"],
+            "lr": r["lr"],
+            "frac_changed_bf16": r["frac_changed_bf16"],
+            "frac_changed_abs": r["frac_changed_abs"],
+            "best_predictor": best,
+            "best_jaccard": finite[best] if best else float("nan"),
+            "random_jaccard": r["bf16_random_jaccard"],
+            "absorb_recall": r["bf16_absorb_recall"],
+            "absorb_precision": r["bf16_absorb_precision"],
+        }
+        if r["optimizer"] == "sgd":
+            cell["bound_recall"] = r["bf16_bound_recall"]
+            cell["bound_precision"] = r["bf16_bound_precision"]
+        cells.append(cell)
+    return {"one_minibatch_holds_all_samples": one_batch, "cells_at_one_step": cells}
+
+
+def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: dict[str, ArtifactRef]) -> dict[str, Any]:
+    (stats_name,) = [name for name in up if name.startswith("stats.")]
+    st = store.open_group(up[stats_name], STATS, mode="r")
+    ro = store.open_group(up[f"rollouts.{cfg.rollouts.analyse}"], ROLLOUTS, mode="r")
+    policy = load_models(store, up["base_model"], "policy", cfg)[0].float().eval()
+    layout = select_parameters(policy, cfg.scores.params)
+    check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]))
+    F, G, rho = (torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
+    scalars = st.attrs["scalars"]
+    adv_rms = math.sqrt(scalars["std_A"] ** 2 + scalars["mean_A"] ** 2)
+    batches = minibatches(ro, cfg.scores.groups_per_batch)
+    uc = cfg.update_check
+    rows = update_grid(
+        lambda: copy.deepcopy(policy),
+        layout,
+        batches,
+        F,
+        G,
+        rho,
+        adv_rms,
+        optimizers=uc.optimizers,
+        precisions=uc.precisions,
+        adam_lrs=uc.adam_lrs,
+        sgd_lrs=uc.sgd_lrs or None,
+        steps=uc.steps,
+        fresh_minibatches=uc.fresh_minibatches,
+        seed=uc.seed,
+    )
+    columns = list(dict.fromkeys(col for r in rows for col in r))  # SGD rows add the bound rule's columns
+    rows = [{col: r.get(col, float("nan")) for col in columns} for r in rows]
+    summary = summarize(rows, len(batches) == 1)
+    summary.update({"P": layout.P, "N": int(ro["tokens"].shape[0]), "minibatches": len(batches)})
+    summary.update({"centering": st.attrs["centering"], "adv_rms": adv_rms})
+    store.write_text(ref, "grid.csv", to_csv(rows))
+    store.write_json(ref, "grid.json", rows)
+    store.write_text(ref, "grid.md", to_markdown([{col: r[col] for col in MD_COLUMNS} for r in rows]))
+    store.write_json(ref, "summary.json", summary)
+    g = store.open_group(ref, STORE, mode="w")
+    for col in rows[0]:
+        values = np.asarray([r[col] for r in rows])
+        if values.dtype.kind == "U":
+            g.create_array(col, shape=values.shape, dtype=str, dimension_names=["cell"])[:] = values
+        else:
+            g.create_array(col, data=values, dimension_names=["cell"])
+    g.attrs.update({"tensors": layout.to_records(), "summary": summary})
+    store.consolidate(ref, STORE)
+    return {"cells": len(rows), "one_minibatch_holds_all_samples": summary["one_minibatch_holds_all_samples"]}
+
+
+@task(name="update_check")
+def update_check_task(
+    ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]
+) -> StageResult:
+    """Optimizer steps on the analysed rollouts against the masks predicted by the main statistics."""
+    return run_stage(
+        ref,
+        {**cfg.update_check.model_dump(), "params": cfg.scores.params},
+        lambda store, r: _compute(store, r, cfg, upstream),
+    )
