@@ -43,3 +43,14 @@ bench: install
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
+
+# Prefect on this machine or a cluster (README "Running on a cluster"); scripts/env.sh holds the
+# settings. `make server` and `make worker` run in the foreground.
+server: install
+	scripts/server.sh
+
+deploy: install
+	scripts/deploy.sh
+
+worker: install
+	scripts/worker.sh

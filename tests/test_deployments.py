@@ -1,0 +1,274 @@
+"""Deployments end to end: a real Prefect server, the work pool, ``prefect deploy --all`` from
+prefect.yaml, a process worker, deployment runs, server-side parameter validation, a schedule, and
+the ``covgrad-watch`` flow. One server, pool and worker serve the whole module."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from covgrad.config import DemoModel, PipelineConfig
+from tests.conftest import REPO, tiny_config
+
+pytestmark = pytest.mark.integration
+
+SCRIPTS = REPO / "scripts"
+PROMPTS = [(1, 2), (3, 4), (5, 1), (2, 2), (7, 1), (0, 9), (4, 4), (6, 3)]
+
+
+def digit_reward(prompt: str, response: str, answer: str) -> float:
+    """1 when the response starts with a digit: a reward an untrained model earns about half the time."""
+    del prompt, answer
+    return float(response[:1].isdigit())
+
+
+def write_checkpoint(path: Path) -> Path:
+    """A randomly initialised tiny Llama with the character tokenizer, saved as a model directory."""
+    from covgrad.models import build_demo_model
+    from covgrad.task import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = build_demo_model(DemoModel(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64), tok)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def user_config(root: Path, checkpoint: Path, task_file: Path, **overrides: object) -> PipelineConfig:
+    """The tiny config on a user checkpoint and a JSONL task with ``digit_reward`` (no training)."""
+    if not task_file.exists():
+        lines = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a, b in PROMPTS]
+        task_file.write_text("\n".join(lines) + "\n")
+    return tiny_config(
+        str(root),
+        **{
+            "name": "user",
+            "model.path": str(checkpoint),
+            "task": {"kind": "jsonl", "path": str(task_file), "reward": "tests.test_deployments:digit_reward"},
+            "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16}},
+            "tokens.enabled": False,
+            "update_check.enabled": False,
+            **overrides,
+        },
+    )
+
+
+def assert_run_complete(cfg: PipelineConfig) -> None:
+    """Every planned artifact has its completion marker and the run index names them."""
+    from storage.artifacts import ArtifactStore
+    from storage.runs import read_run_index
+    from tasks.plan import plan
+
+    store = ArtifactStore(cfg.root)
+    nodes = plan(cfg)
+    incomplete = [name for name, node in nodes.items() if not store.is_complete(node.ref)]
+    assert not incomplete, f"artifacts without a completion marker: {incomplete}"
+    index = read_run_index(store, cfg.name)
+    assert {n: a["key"] for n, a in index["artifacts"].items()} == {n: node.ref.key for n, node in nodes.items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen, signals: int) -> None:
+    """SIGTERM ``signals`` times (a worker needs two), then SIGKILL if it still runs."""
+    for _ in range(signals):
+        if proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            continue
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=15)
+
+
+@dataclass
+class Server:
+    """The module's live server: its API URL, the environment for CLI calls, and temporary paths."""
+
+    url: str
+    env: dict[str, str]
+    tmp: Path
+    checkpoint: Path
+    task_file: Path
+
+    def prefect(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["prefect", *args], env=self.env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
+
+    def client(self) -> Any:
+        """A synchronous Prefect client for this server (use inside ``with self.settings():``)."""
+        from prefect.client.orchestration import get_client
+
+        return get_client(sync_client=True)
+
+    def settings(self) -> Any:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        return temporary_settings(updates={PREFECT_API_URL: self.url})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("deployments")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    (tmp / "watch-empty").mkdir()
+    env = {
+        **os.environ,
+        "PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "PREFECT_HOME": str(tmp / "prefect-home"),
+        "PREFECT_API_URL": url,
+        "COVGRAD_PREFECT_PORT": str(port),
+        "COVGRAD_HOME": str(REPO),
+        "COVGRAD_ROOT": str(tmp / "default-root"),
+        "COVGRAD_WATCH_DIR": str(tmp / "watch-empty"),
+        "COVGRAD_MODEL_PATH": str(tmp / "ckpt"),
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(tmp / "prefect-results"),
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_MAX_RUNS": "3",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "COLUMNS": "200",
+    }
+    env.pop("PREFECT_PROFILES_PATH", None)
+    logs = tmp / "logs"
+    logs.mkdir()
+    with open(logs / "server.log", "w") as server_log, open(logs / "worker.log", "w") as worker_log:
+        srv = subprocess.Popen([str(SCRIPTS / "server.sh")], env=env, stdout=server_log, stderr=subprocess.STDOUT)
+        worker = None
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                        if r.read().strip() == b"true":
+                            break
+                except OSError:
+                    pass
+                if srv.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"Prefect server did not start:\n{(logs / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.5)
+            deploy = subprocess.run(
+                [str(SCRIPTS / "deploy.sh")], env=env, cwd=REPO, capture_output=True, text=True, timeout=180
+            )
+            assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+            worker = subprocess.Popen(
+                [str(SCRIPTS / "worker.sh")], env=env, stdout=worker_log, stderr=subprocess.STDOUT
+            )
+            yield Server(url, env, tmp, write_checkpoint(tmp / "ckpt"), tmp / "task.jsonl")
+        finally:
+            if worker is not None:
+                stop(worker, signals=2)
+            stop(srv, signals=1)
+
+
+def test_prefect_yaml_deployments_are_registered(server: Server):
+    with server.settings(), server.client() as client:
+        demo = client.read_deployment_by_name("covgrad-pipeline/demo")
+        user = client.read_deployment_by_name("covgrad-pipeline/user-model")
+        watch = client.read_deployment_by_name("covgrad-watch/checkpoints")
+    expected = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    expected["root"] = server.env["COVGRAD_ROOT"]
+    assert PipelineConfig.model_validate(demo.parameters["config"]) == PipelineConfig.model_validate(expected)
+    assert PipelineConfig.model_validate(user.parameters["config"]).model.path == str(server.tmp / "ckpt")
+    for d in (demo, user, watch):
+        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        assert d.work_pool_name == "covgrad-pool" and d.enforce_parameter_schema
+    assert watch.parameters["directory"] == server.env["COVGRAD_WATCH_DIR"]
+    assert watch.global_concurrency_limit is not None and watch.global_concurrency_limit.limit == 1
+    assert [(s.schedule.interval.total_seconds(), s.active) for s in watch.schedules] == [(900.0, True)]
+
+
+def test_pipeline_deployment_run_completes(server: Server):
+    cfg = user_config(server.tmp / "run-root", server.checkpoint, server.task_file)
+    params = json.dumps({"config": cfg.model_dump(mode="json")})
+    run = server.prefect(
+        "deployment",
+        "run",
+        "covgrad-pipeline/user-model",
+        "--params",
+        params,
+        "--watch",
+        "--watch-interval",
+        "1",
+        "--watch-timeout",
+        "240",
+        timeout=270,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Completed" in run.stdout
+    assert_run_complete(cfg)
+
+
+def test_bad_parameter_is_rejected_before_a_run_exists(server: Server):
+    with server.settings(), server.client() as client:
+        before = len(client.read_flow_runs())
+    cfg = user_config(server.tmp / "bad-root", server.checkpoint, server.task_file).model_dump(mode="json")
+    cfg["scores"]["groups_per_batch"] = -1
+    run = server.prefect(
+        "deployment", "run", "covgrad-pipeline/user-model", "--params", json.dumps({"config": cfg}), timeout=60
+    )
+    out = " ".join((run.stdout + run.stderr).split())  # the CLI wraps lines at the terminal width
+    assert run.returncode == 1, out[-3000:]
+    assert "Validation failed for field 'config.scores.groups_per_batch'" in out, out[-3000:]
+    with server.settings(), server.client() as client:
+        assert len(client.read_flow_runs()) == before
+    assert not (server.tmp / "bad-root").exists()
+
+
+def test_watch_analyses_each_checkpoint_once(prefect_server, server: Server):
+    # In-process flows use the session's test API: flows run against the module server would leave
+    # log and event workers trying to reach it after it stops.
+    from flows.watch import checkpoint_config, covgrad_watch, read_record
+
+    directory = server.tmp / "checkpoints"
+    shutil.copytree(server.checkpoint, directory / "step-100")
+    (directory / "notes").mkdir()
+    (directory / "notes" / "readme.txt").write_text("not a checkpoint")
+    (directory / "other-5").mkdir()
+    shutil.copy(server.checkpoint / "config.json", directory / "other-5")
+    cfg = user_config(server.tmp / "watch-root", server.checkpoint, server.task_file, name="watch")
+    first = covgrad_watch(str(directory), cfg, pattern="step-*")
+    second = covgrad_watch(str(directory), cfg, pattern="step-*")
+    assert first["analysed"] == ["step-100"] and first["skipped"] == []
+    assert second["analysed"] == [] and second["skipped"] == ["step-100"]
+    assert first["runs"] == second["runs"]
+    record = read_record(cfg.root, "watch")
+    assert set(record) == {"step-100"} and record["step-100"]["run"] == first["runs"]["step-100"]
+    assert_run_complete(checkpoint_config(cfg, directory / "step-100"))
+
+
+def test_interval_schedule_fires(server: Server):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    created = server.prefect("deployment", "schedule", "create", "covgrad-watch/checkpoints", "--interval", "2")
+    assert created.returncode == 0, created.stdout + created.stderr
+    with server.settings(), server.client() as client:
+        deployment = client.read_deployment_by_name("covgrad-watch/checkpoints")
+        flt = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        deadline = time.monotonic() + 120
+        states: list[str] = []
+        while time.monotonic() < deadline:
+            runs = client.read_flow_runs(deployment_filter=flt)
+            states = [r.state_name for r in runs if r.auto_scheduled]
+            if "Completed" in states:
+                break
+            time.sleep(1)
+    assert "Completed" in states, f"no scheduled run completed within 120 s; states {states}"
