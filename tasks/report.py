@@ -147,11 +147,20 @@ def _png(fig: Figure) -> bytes:
 
 # ----- plots: arrays in, PNG bytes out -----------------------------------------------------------------
 def plot_fisher_vs_grad(F: np.ndarray, absG: np.ndarray, adv_rms: float) -> bytes:
-    """Log-log hexbin density of |G_i| against F_i (both (P,); entries with F or |G| = 0 are left out,
-    at least one must remain) with the bound √mean(A²)·√F."""
+    """Log-log hexbin density of |G_i| against F_i (both (P,); entries with F or |G| = 0 are left out)
+    with the bound √mean(A²)·√F. When no entry has F, |G| > 0 (e.g. every advantage is 0), the
+    histogram of F is drawn instead, with a note saying why."""
     keep = (F > 0) & (absG > 0)
     fig = Figure(figsize=(6, 4.5))
     ax = fig.add_subplot()
+    if not keep.any():
+        positive = F[F > 0]
+        if positive.size:
+            ax.hist(np.log10(positive), bins=50, color="C0")
+        ax.set_xlabel("log10 Fisher F = mean(s²)")
+        ax.set_ylabel("parameters")
+        ax.set_title("|G| = 0 for every parameter: no reward signal (std(A) = 0)")
+        return _png(fig)
     hb = ax.hexbin(F[keep], absG[keep], xscale="log", yscale="log", bins="log", gridsize=50, mincnt=1, cmap="viridis")
     fig.colorbar(hb, ax=ax, label="parameters per bin")
     x = np.geomspace(F[keep].min(), F[keep].max(), 100)
