@@ -152,7 +152,8 @@ def _import(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: Samp
         s = s.model_copy(update={"store_mu": "topk", "mu_topk": int(data["mu_topk_ids"].shape[2])})
     texts = response_texts(tokenizer, data["tokens"].tolist(), data["prompt_len"], data["response_len"])
     prompts = [
-        tokenizer.decode(list(r[:p]), skip_special_tokens=True) for r, p in zip(data["tokens"], data["prompt_len"])
+        tokenizer.decode(list(r[:p]), skip_special_tokens=True)
+        for r, p in zip(data["tokens"], data["prompt_len"], strict=True)
     ]
     g = store.open_group(ref, STORE, mode="a")
     _create_arrays(g, N, width, T, V, N, s)

@@ -159,15 +159,11 @@ def test_cli_bad_input_one_line_nothing_written(tmp_path, extra, needle):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{not json\n')
     (tmp_path / "noprompt.jsonl").write_text('{"question": "1+1="}\n')
     extra = [
-        a.replace("BADFILE", str(tmp_path / "bad.jsonl")).replace(
-            "NOPROMPT", str(tmp_path / "noprompt.jsonl")
-        )
+        a.replace("BADFILE", str(tmp_path / "bad.jsonl")).replace("NOPROMPT", str(tmp_path / "noprompt.jsonl"))
         for a in extra
     ]
     root = tmp_path / "runs"
-    out = _cli(
-        ["run", "--config", str(REPO / "configs" / "tiny.yaml"), "--root", str(root), *extra], tmp_path
-    )
+    out = _cli(["run", "--config", str(REPO / "configs" / "tiny.yaml"), "--root", str(root), *extra], tmp_path)
     assert out.returncode == 2, out.stderr
     lines = [ln for ln in out.stderr.strip().splitlines() if ln]
     assert len(lines) == 1 and lines[0].startswith("covgrad: error:") and needle in lines[0], out.stderr

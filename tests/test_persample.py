@@ -12,8 +12,6 @@ from transformers import (
     GPT2LMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -22,6 +20,7 @@ from transformers import (
 
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, batch_moments, score_logit_grad
+from tests.models import tiny_llama
 
 V = 32
 PAD = 0
@@ -38,19 +37,8 @@ def _perturb_norms(model: nn.Module, seed: int) -> nn.Module:
 
 
 def llama(tied: bool) -> nn.Module:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=PAD,
-        tie_word_embeddings=tied,
-    )
-    return _perturb_norms(LlamaForCausalLM(cfg), 1)
+    model = tiny_llama(V, intermediate=48, tied=tied, pad_token_id=PAD)
+    return _perturb_norms(model, 1)
 
 
 def qwen2() -> nn.Module:

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, generate, mu_from_topk
 from storage.readers import read_prompt_file, read_records
+from tests.models import tiny_llama
 
 V = 16
 EOS, PAD = 0, 15
@@ -23,18 +23,7 @@ EOS, PAD = 0, 15
 @pytest.fixture(scope="module")
 def rollouts() -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.5,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(V, initializer_range=0.5)
     spec = SamplerSpec(temperature=0.8, top_p=0.9, max_new_tokens=8)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
     return generate(model, prompts, [0, 1, 2], 3, spec, 3, 4, EOS, PAD, mu_mode="topk", mu_topk=4)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from covgrad.sampling import (
     SamplerSpec,
@@ -25,6 +25,7 @@ from covgrad.sampling import (
     sample_uniforms,
     sampler_log_probs,
 )
+from tests.models import tiny_llama
 
 V = 16
 EOS, PAD = 0, 15
@@ -41,18 +42,7 @@ SPECS = {
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.5,  # peaked next-token distributions, so truncation matters
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(V, initializer_range=0.5)  # peaked next-token distributions, so truncation matters
 
 
 def _run(model, spec, seed=1, batch_size=8, **kw):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from covgrad.layout import select_parameters
 from covgrad.token_fisher import cross_term_ratio, lm_head_token_fisher, token_fisher, token_scores
+from tests.models import tiny_llama
 
 V = 16
 PROMPT_LEN = torch.tensor([2, 1, 3])
@@ -17,18 +18,7 @@ L = 7  # one row is fully used, the others are right-padded
 
 
 def _tiny_llama(tied: bool, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=V,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(V, hidden=16, intermediate=32, heads=2, kv_heads=2, max_positions=32, tied=tied, seed=seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # RMSNorm weights start at exactly 1; perturb so a wrong rule shows
@@ -208,9 +198,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="prompt_len must be >= 1"):
         token_scores(model, layout, input_ids, attention_mask, PROMPT_LEN - 1, RESPONSE_LEN)
     with pytest.raises(ValueError, match="attention_mask is 0"):
-        token_scores(
-            model, layout, input_ids, torch.ones_like(attention_mask).tril(), PROMPT_LEN, RESPONSE_LEN
-        )
+        token_scores(model, layout, input_ids, torch.ones_like(attention_mask).tril(), PROMPT_LEN, RESPONSE_LEN)
     with pytest.raises(ValueError, match="must both have shape"):
         cross_term_ratio(torch.ones(3, 4), torch.ones(3, 5))
     with pytest.raises(ValueError, match="undefined"):

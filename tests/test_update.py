@@ -22,23 +22,15 @@ from covgrad.update import (
     set_metrics,
     update_grid,
 )
+from tests.models import tiny_llama as build_llama
 
 VOCAB = 16
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config)
+    return build_llama(
+        VOCAB, hidden=16, intermediate=32, heads=2, kv_heads=1, max_positions=32, attn_implementation="eager"
+    ).train()
 
 
 def rollouts(seed: int, n: int = 6) -> dict[str, torch.Tensor]:

@@ -1,0 +1,149 @@
+"""tokens stage on one tiny pipeline: the documented store, the in-stage checks, and recomputation from
+scratch (one batch of all samples, per-sample score loop) as the slow reference."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import tasks.tokens
+from covgrad.layout import select_parameters
+from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.token_fisher import cross_term_ratio, token_fisher, token_scores
+from storage.artifacts import ArtifactStore, mark_batch_done
+from tasks.base_model import load_models
+from tasks.plan import plan
+from tasks.registry import STAGE_TASKS
+from tasks.rollouts import STORE as ROLLOUTS
+from tasks.tokens import POSITION_ARRAYS, STORE
+from tests.conftest import tiny_config
+
+POLICY_ONLY = {"rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16}}}
+
+
+def run_upto(cfg, target: str) -> dict:
+    """Run ``target`` and the planned nodes it depends on, in plan order, by calling the task bodies."""
+    nodes = plan(cfg)
+    needed, stack = set(), [target]
+    while stack:
+        name = stack.pop()
+        if name not in needed:
+            needed.add(name)
+            stack.extend(nodes[name].upstream)
+    refs = {}
+    for name, node in nodes.items():
+        if name in needed:
+            STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
+            refs[name] = node.ref
+    return refs
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    torch.set_num_threads(1)
+    cfg = tiny_config(str(tmp_path_factory.mktemp("tokens")), **POLICY_ONLY)
+    refs = run_upto(cfg, "tokens")
+    store = ArtifactStore(cfg.root)
+    return cfg, refs, store, store.open_group(refs["tokens"], STORE, mode="r")
+
+
+@pytest.mark.slow
+def test_store_has_documented_arrays(run):
+    cfg, refs, store, g = run
+    N = cfg.tokens.max_samples
+    T = cfg.rollouts.samplers["policy"].max_new_tokens
+    P = g["fisher_seq"].shape[0]
+    assert store.is_complete(refs["tokens"])
+    assert g.attrs["modes"] == ["exact", "topk", "mc"]
+    for name in POSITION_ARRAYS:
+        assert g[name].shape == (N, T)
+    for name in ("fisher_exact", "fisher_topk", "fisher_mc", "fisher_seq"):
+        assert g[name].shape == (P,)
+        assert np.isfinite(g[name][:]).all() and g[name][:].sum() > 0
+    mass = g["covered_mass"][:][g["p_drawn"][:] > 0]
+    assert ((mass > 0) & (mass <= 1 + 1e-12)).all()
+    rows = g.attrs["errors_vs_seq"]
+    assert sorted({r["n"] for r in rows}) == [2, 4, 8]
+    assert all(math.isfinite(r["relerr_vs_seq"]) for r in rows)
+
+
+@pytest.mark.slow
+def test_in_stage_checks_hold(run):
+    _, _, _, g = run
+    s = g.attrs["scalars"]
+    assert s["score_sum_relerr_max"] < 1e-5  # Σ_t s_t = s per sample
+    assert s["lm_head_closed_form_relerr_max"] < 1e-5
+    assert 0 < s["mc_expected_relerr"] < 10 and math.isfinite(s["mc_vs_exact"])
+
+
+@pytest.mark.slow
+def test_matches_one_batch_recomputation(run):
+    """Batched, resumable sums agree with token_fisher / token_scores on all N samples at once."""
+    cfg, refs, store, g = run
+    ro = store.open_group(refs["rollouts.policy"], ROLLOUTS, mode="r")
+    model = load_models(store, refs["base_model"], "policy", cfg)[0].eval()
+    layout = select_parameters(model, cfg.scores.params)
+    N = cfg.tokens.max_samples
+    pl = torch.from_numpy(ro["prompt_len"][:N]).long()
+    rl = torch.from_numpy(ro["response_len"][:N]).long()
+    L = int((pl + rl).max())
+    ids = torch.from_numpy(ro["tokens"][:N, :L]).long()
+    attn = (torch.arange(L)[None, :] < (pl + rl)[:, None]).long()
+    target = torch.from_numpy(ro["response_mask"][:N, :L]).float()
+    exact = token_fisher(model, layout, ids, attn, pl, rl, "exact")
+    np.testing.assert_allclose(g["fisher_exact"][:], exact["fisher_sum"].numpy() / N, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(g["trace_exact"][:, : exact["trace"].shape[1]], exact["trace"].numpy(), rtol=1e-5)
+    psg = PerSampleGrads(model, layout)
+    seq = torch.stack(
+        [psg(ids[n : n + 1], attn[n : n + 1], lambda z, n=n: score_logit_grad(z, ids[n : n + 1], target[n : n + 1]))[0]
+         for n in range(N)]
+    )  # fmt: skip
+    tok = token_scores(model, layout, ids, attn, pl, rl)
+    np.testing.assert_allclose(g["fisher_seq"][:], seq.double().square().mean(0).numpy(), rtol=1e-5, atol=1e-12)
+    expected = cross_term_ratio(seq, tok.double().square().sum(1))
+    assert g.attrs["scalars"]["cross_term_ratio"] == pytest.approx(expected, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.slow
+def test_topk_with_k_equal_v_is_exact_and_resume_is_identical(run, monkeypatch):
+    cfg, _, store, g = run
+    V = g.attrs["V"]
+    cfg_v = cfg.model_copy(update={"tokens": cfg.tokens.model_copy(update={"topk": V})})
+    ref = plan(cfg_v)["tokens"].ref
+
+    def killed_at_batch_2(group, b):
+        if b == 2:
+            raise RuntimeError("killed")
+        mark_batch_done(group, b)
+
+    monkeypatch.setattr(tasks.tokens, "mark_batch_done", killed_at_batch_2)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_upto(cfg_v, "tokens")
+    assert not store.is_complete(ref)
+    monkeypatch.undo()
+    computed = []
+    batch = tasks.tokens._batch
+    monkeypatch.setattr(tasks.tokens, "_batch", lambda *a: computed.append(a[7]) or batch(*a))
+    run_upto(cfg_v, "tokens")
+    assert store.is_complete(ref) and computed == [2, 3]
+    resumed = {name: array[:] for name, array in store.open_group(ref, STORE, mode="r").arrays()}
+    gv = store.open_group(ref, STORE, mode="r")
+    np.testing.assert_allclose(gv["fisher_topk"][:], g["fisher_exact"][:], rtol=1e-6, atol=1e-12)
+
+    store.clear(ref)
+    run_upto(cfg_v, "tokens")
+    fresh = store.open_group(ref, STORE, mode="r")
+    assert sorted(resumed) == sorted(name for name, _ in fresh.arrays())
+    for name, values in resumed.items():
+        np.testing.assert_array_equal(fresh[name][:], values, err_msg=name)
+
+
+@pytest.mark.slow
+def test_topk_above_vocabulary_is_one_clear_error(run):
+    cfg, _, store, g = run
+    V = g.attrs["V"]
+    bad = cfg.model_copy(update={"tokens": cfg.tokens.model_copy(update={"topk": V + 1})})
+    with pytest.raises(ValueError, match=rf"tokens.topk = {V + 1} exceeds the vocabulary size V = {V}"):
+        run_upto(bad, "tokens")
+    assert not store.is_complete(plan(bad)["tokens"].ref)
