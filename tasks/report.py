@@ -167,7 +167,7 @@ def plot_fisher_vs_grad(F: np.ndarray, absG: np.ndarray, adv_rms: float) -> byte
     ax.plot(x, adv_rms * np.sqrt(x), "r-", label="bound √mean(A²)·√F (= std(A)·√F when mean A = 0)")
     ax.set_xlabel("Fisher F = mean(s²)  [(log-prob / parameter unit)²]")
     ax.set_ylabel("|G| = |mean(A·s)|  [advantage × log-prob / parameter unit]")
-    ax.set_title(f"F against |G| ({int(keep.sum())} of {F.size} parameters with F, |G| > 0)")
+    ax.set_title(f"F vs |G|: {int(keep.sum())} of {F.size} parameters with F, |G| > 0", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     return _png(fig)
 
