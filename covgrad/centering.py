@@ -65,3 +65,17 @@ def mask_unscored(mu_logp_aligned: Tensor, response_mask: Tensor) -> Tensor:
     out = mu_logp_aligned.double().exp().float()
     out[~scored] = 1.0 / V
     return out
+
+
+def kl_sampler_policy(mu: Tensor, logits: Tensor, target_mask: Tensor) -> tuple[float, int]:
+    """Σ over scored tokens of KL(μ_t ‖ p_t) in nats, and the number of scored tokens.
+
+    ``mu`` and ``logits`` are (B, L, V) aligned as in the score (index t predicts token t+1);
+    ``target_mask`` (B, L) marks scored response tokens, so logit position t counts when
+    ``target_mask[:, t + 1]`` is set. Terms with μ_v = 0 contribute 0.
+    """
+    scored = target_mask[:, 1:].bool()
+    m = mu[:, :-1][scored].double()
+    logp = torch.log_softmax(logits[:, :-1][scored].double(), dim=-1)
+    kl = torch.where(m > 0, m * (m.clamp_min(1e-300).log() - logp), torch.zeros_like(m)).sum()
+    return float(kl), int(scored.sum())

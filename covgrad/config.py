@@ -98,9 +98,7 @@ class RolloutsSection(Section):
     @model_validator(mode="after")
     def _analyse_exists(self) -> Self:
         if self.analyse not in self.samplers:
-            raise ValueError(
-                f"rollouts.analyse {self.analyse!r} is not one of the samplers {list(self.samplers)}"
-            )
+            raise ValueError(f"rollouts.analyse {self.analyse!r} is not one of the samplers {list(self.samplers)}")
         for name in self.samplers:
             if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
                 raise ValueError(f"sampler name {name!r}: use lowercase letters, digits, '-' and '_'")

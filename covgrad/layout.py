@@ -93,9 +93,7 @@ def select_parameters(model: nn.Module, patterns: Sequence[str] | None = None) -
     entries = []
     offset = 0
     for name, p in named:
-        entries.append(
-            TensorEntry(name, offset, p.numel(), tuple(p.shape), str(p.dtype).removeprefix("torch."))
-        )
+        entries.append(TensorEntry(name, offset, p.numel(), tuple(p.shape), str(p.dtype).removeprefix("torch.")))
         offset += p.numel()
     return ParamLayout(tuple(entries))
 

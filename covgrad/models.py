@@ -8,9 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrai
 from covgrad.config import DemoModel
 
 
-def build_demo_model(
-    cfg: DemoModel, tokenizer: PreTrainedTokenizerBase, max_positions: int = 64
-) -> LlamaForCausalLM:
+def build_demo_model(cfg: DemoModel, tokenizer: PreTrainedTokenizerBase, max_positions: int = 64) -> LlamaForCausalLM:
     """A tiny Llama (RMSNorm, rotary, SwiGLU) for the demo, initialised from ``cfg.seed``.
 
     Sizes come from ``cfg``; the default (hidden 96, 2 layers) has about 2.2e5 parameters.
@@ -60,6 +58,4 @@ def context_length(model: PreTrainedModel) -> int:
         value = getattr(cfg, attr, None)
         if isinstance(value, int) and value > 0:
             return value
-    raise ValueError(
-        f"cannot tell the context length of {type(model).__name__}; its config has no max positions"
-    )
+    raise ValueError(f"cannot tell the context length of {type(model).__name__}; its config has no max positions")

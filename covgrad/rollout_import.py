@@ -51,9 +51,7 @@ def _token_ids(value: Any, i: int, field: str, vocab_size: int) -> np.ndarray:
     ids = arr.astype(np.int64)
     out_of_range = (ids < 0) | (ids >= vocab_size)
     if out_of_range.any():
-        raise ValueError(
-            f"record {i}: '{field}' has token id {ids[out_of_range][0]} outside [0, {vocab_size})"
-        )
+        raise ValueError(f"record {i}: '{field}' has token id {ids[out_of_range][0]} outside [0, {vocab_size})")
     return ids
 
 
@@ -88,9 +86,7 @@ def _top_position(entry: Any, i: int, j: int, vocab_size: int) -> tuple[np.ndarr
         if len(ids) != len(lp):
             raise ValueError(f"record {i}: '{field}' has {len(ids)} ids but {len(lp)} log-probs")
     else:
-        raise ValueError(
-            f"record {i}: '{field}' must be {{id: logp}} or [[ids...], [logps...]]; got {entry!r:.80}"
-        )
+        raise ValueError(f"record {i}: '{field}' must be {{id: logp}} or [[ids...], [logps...]]; got {entry!r:.80}")
     if len(ids) == 0:
         raise ValueError(f"record {i}: '{field}' is empty; give at least the top token")
     if len(np.unique(ids)) != len(ids):
@@ -104,9 +100,7 @@ def _prompt(rec: dict, i: int, vocab_size: int, tokenizer: TextEncoder | None) -
         ids = _token_ids(rec["prompt_ids"], i, "prompt_ids", vocab_size)
     elif "prompt" in rec:
         if tokenizer is None:
-            raise ValueError(
-                f"record {i}: has text 'prompt' but no tokenizer was given; pass one or use prompt_ids"
-            )
+            raise ValueError(f"record {i}: has text 'prompt' but no tokenizer was given; pass one or use prompt_ids")
         if not isinstance(rec["prompt"], str):
             raise ValueError(f"record {i}: 'prompt' must be a string; got {type(rec['prompt']).__name__}")
         ids = _token_ids(list(tokenizer.encode(rec["prompt"])), i, "prompt (tokenized)", vocab_size)
@@ -173,24 +167,19 @@ def records_to_rollouts(
             raise ValueError(f"record {i}: 'response_ids' is empty; a response needs at least one token")
         if max_len is not None and len(prompt) + len(response) > max_len:
             raise ValueError(
-                f"record {i}: prompt + response is {len(prompt)} + {len(response)} tokens, "
-                f"over max_len={max_len}"
+                f"record {i}: prompt + response is {len(prompt)} + {len(response)} tokens, over max_len={max_len}"
             )
         reward = rec["reward"]
         if not _is_number(reward) or not math.isfinite(reward):
             raise ValueError(f"record {i}: 'reward' must be a finite number; got {reward!r}")
         logp = _log_probs(rec["logprobs"], i, "logprobs", allow_neg_inf=False)
         if len(logp) != len(response):
-            raise ValueError(
-                f"record {i}: 'logprobs' has {len(logp)} entries for {len(response)} response tokens"
-            )
+            raise ValueError(f"record {i}: 'logprobs' has {len(logp)} entries for {len(response)} response tokens")
         has_top = _all_or_none("top_logprobs", "top_logprobs" in rec, has_top, i)
         if has_top:
             top = rec["top_logprobs"]
             if not isinstance(top, list | tuple) or len(top) != len(response):
-                raise ValueError(
-                    f"record {i}: 'top_logprobs' must be a list with one entry per response token"
-                )
+                raise ValueError(f"record {i}: 'top_logprobs' must be a list with one entry per response token")
             tops.append([_top_position(entry, i, j, vocab_size) for j, entry in enumerate(top)])
         has_group = _all_or_none("group", "group" in rec, has_group, i)
         if has_group:

@@ -184,14 +184,10 @@ def _generate_batch(
         attn[b, width - len(prompt) :] = 1
     position_ids = (attn.cumsum(-1) - 1).clamp_min(0)
     next_pos = attn.sum(-1, keepdim=True)  # (B, 1)
-    input_ids, attn, position_ids, next_pos = (
-        x.to(device) for x in (input_ids, attn, position_ids, next_pos)
-    )
+    input_ids, attn, position_ids, next_pos = (x.to(device) for x in (input_ids, attn, position_ids, next_pos))
 
     cache_name = _cache_name(model)
-    out = model(
-        input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=True, logits_to_keep=1
-    )
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=True, logits_to_keep=1)
     response = torch.full((B, T), pad_id, dtype=torch.long)
     logp = torch.zeros((B, T), dtype=torch.float32)
     length = torch.zeros(B, dtype=torch.long)
@@ -303,9 +299,7 @@ def generate(
                 batch = rows[start : start + batch_size]
                 uniforms = torch.stack([sample_uniforms(seed, prompt_ids[p], g, T) for p, g in batch])
                 batch_prompts = [list(prompts[p]) for p, _ in batch]
-                parts.append(
-                    _generate_batch(model, batch_prompts, uniforms, spec, eos_id, pad_id, mu_mode, mu_topk)
-                )
+                parts.append(_generate_batch(model, batch_prompts, uniforms, spec, eos_id, pad_id, mu_mode, mu_topk))
                 if progress is not None:
                     progress(len(batch))
     finally:
@@ -354,8 +348,7 @@ def recompute_sampler_logp(
     N, L = tokens.shape
     if prompt_len.shape != (N,) or response_len.shape != (N,):
         raise ValueError(
-            f"prompt_len and response_len must be ({N},); got {tuple(prompt_len.shape)} and "
-            f"{tuple(response_len.shape)}"
+            f"prompt_len and response_len must be ({N},); got {tuple(prompt_len.shape)} and {tuple(response_len.shape)}"
         )
     total = (prompt_len + response_len).long()
     if bool((prompt_len < 1).any()) or bool((response_len < 0).any()) or bool((total > L).any()):
@@ -428,9 +421,7 @@ def check_rewards(rewards: np.ndarray) -> None:
         raise ValueError(f"reward[{i}] = {rewards[i]} is not finite; fix the reward function for that sample")
 
 
-def compute_advantages(
-    rewards: np.ndarray, group: np.ndarray, kind: AdvantageKind, eps: float = 1e-6
-) -> np.ndarray:
+def compute_advantages(rewards: np.ndarray, group: np.ndarray, kind: AdvantageKind, eps: float = 1e-6) -> np.ndarray:
     """Advantages A_n from rewards (DESIGN.md §1).
 
     ``group_mean``: r − mean of its group. ``group_zscore``: (r − group mean) / (group std + eps), std

@@ -71,9 +71,7 @@ def sampled_accuracy(
         pad_id=tokenizer.pad_token_id,
     )
     texts = response_texts(tokenizer, out["tokens"].tolist(), out["prompt_len"], out["response_len"])
-    return sum(addition_reward(p.prompt, t, p.answer) for p, t in zip(problems, texts, strict=True)) / len(
-        problems
-    )
+    return sum(addition_reward(p.prompt, t, p.answer) for p, t in zip(problems, texts, strict=True)) / len(problems)
 
 
 def train_sft(
@@ -100,9 +98,7 @@ def train_sft(
     for step in range(cfg.max_steps + 1):
         if step % cfg.eval_every == 0:
             model.eval()
-            acc = sampled_accuracy(
-                model, tokenizer, eval_problems, seed=cfg.seed, max_new_tokens=max_new_tokens
-            )
+            acc = sampled_accuracy(model, tokenizer, eval_problems, seed=cfg.seed, max_new_tokens=max_new_tokens)
             history.append((step, acc))
             if progress is not None:
                 progress(step, acc)

@@ -91,9 +91,7 @@ def _check_rows(
         raise ValueError(f"prompt_len + response_len = {end.tolist()} exceeds the row length L = {L}")
     inside = torch.arange(L, device=end.device)[None, :] < end[:, None]  # (B, L): prompt and response tokens
     if bool((attention_mask[inside] == 0).any()):
-        raise ValueError(
-            "attention_mask is 0 on a prompt or response token; rows must be prompt, response, padding"
-        )
+        raise ValueError("attention_mask is 0 on a prompt or response token; rows must be prompt, response, padding")
 
 
 def _response_positions(
@@ -327,8 +325,6 @@ def cross_term_ratio(seq_scores: torch.Tensor, token_scores_sq_sum: torch.Tensor
     s2 = seq_scores.double().square().mean(0)  # (P,)
     denom = torch.linalg.vector_norm(s2)
     if denom == 0:
-        raise ValueError(
-            "mean(s²) is zero for every parameter; the ratio is undefined (are the scores all zero?)"
-        )
+        raise ValueError("mean(s²) is zero for every parameter; the ratio is undefined (are the scores all zero?)")
     cross = s2 - token_scores_sq_sum.double().mean(0)  # (P,)
     return float(torch.linalg.vector_norm(cross) / denom)

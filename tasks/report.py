@@ -420,13 +420,16 @@ def _off_policy(report: Report, run: _Run) -> None:
                 "zero_mean_trace": float(s["zero_mean_trace"]),
                 "zero_mean_coord": float(s["zero_mean_coord"]),
                 "rel_diff_G": float("nan"),
+                "kl_per_token": float(s.get("kl_sampler_policy_per_token", float("nan"))),
                 "max_abs_rho": float(s["max_abs_rho"]),
                 "bound_violations": int(s["bound_violations"]),
                 "crossfit_frac_exceed": float(s["crossfit_even_F_odd_G_frac_exceed"]),
                 "overlap_1pct": float(ov[0]["overlap"]) if ov else float("nan"),
             }
         )
+    kl = {r["sampler"]: r["kl_per_token"] for r in rows if r["centering"] == "sampler"}
     for r in rows:
+        r["kl_per_token"] = kl.get(r["sampler"], 0.0)  # a property of the rollouts; 0 on-policy (μ = p)
         pair = (grads.get((r["sampler"], "sampler")), grads.get((r["sampler"], "policy")))
         if pair[0] is not None and pair[1] is not None and np.linalg.norm(pair[0]) > 0:
             r["rel_diff_G"] = float(np.linalg.norm(pair[0] - pair[1]) / np.linalg.norm(pair[0]))
@@ -437,7 +440,8 @@ def _off_policy(report: Report, run: _Run) -> None:
         (
             "p",
             "rel_diff_G = ‖G_sampler − G_policy‖ / ‖G_sampler‖ between the two centerings of one sampler "
-            "(NaN when the sampler is the policy); overlap_1pct is the global overlap at q = 1%; "
+            "(NaN when the sampler is the policy); kl_per_token = mean over response tokens of KL(μ ‖ p) in "
+            "nats (recorded by sampler-centered scores; 0 when μ = p); overlap_1pct is the global overlap at q = 1%; "
             "crossfit_frac_exceed uses F from even prompt groups and G from odd ones.",
         )
     )

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from prefect import task
 
-from covgrad.centering import align_full_mu, align_topk_mu, mask_unscored
+from covgrad.centering import align_full_mu, align_topk_mu, kl_sampler_policy, mask_unscored
 from covgrad.config import PipelineConfig
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, batch_moments, score_logit_grad
@@ -56,6 +56,7 @@ class MuSource:
         self.kind = "full" if "mu_logp" in ro else "topk" if "mu_topk_ids" in ro else "model"
         self.spec = sampler_spec(s)
         self.model = None
+        self.kl: tuple[float, int] = (0.0, 0)
         if self.kind == "model":
             if s.import_path is not None:
                 raise ValueError(
@@ -65,24 +66,27 @@ class MuSource:
             self.model = load_models(store, base, s.model, cfg)[0]
 
     def dlogits_fn(self, lo: int, hi: int, tokens: torch.Tensor, pl: torch.Tensor, rl: torch.Tensor, target):
-        """The logit-gradient function of batch [lo, hi) under sampler centering."""
+        """The logit-gradient function of batch [lo, hi) under sampler centering. Each call also
+        records the batch's Σ KL(μ‖p) over scored tokens and their count in ``self.kl``."""
         L = tokens.shape[1]
         if self.kind == "full":
-            mu = align_full_mu(torch.from_numpy(self.ro["mu_logp"][lo:hi]), pl, rl, L)
-            return lambda logits: score_logit_grad(logits, tokens, target, mu=mu.to(logits.device))
-        if self.kind == "topk":
+            fixed = align_full_mu(torch.from_numpy(self.ro["mu_logp"][lo:hi]), pl, rl, L)
+        elif self.kind == "model":
+            fixed = mask_unscored(recompute_sampler_logp(self.model, tokens, pl, rl, self.spec), target.bool())
+        else:
             ids = torch.from_numpy(self.ro["mu_topk_ids"][lo:hi])
             logp = torch.from_numpy(self.ro["mu_topk_logp"][lo:hi])
             tail = torch.from_numpy(self.ro["mu_tail"][lo:hi])
 
-            def fn(logits: torch.Tensor) -> torch.Tensor:
+        def fn(logits: torch.Tensor) -> torch.Tensor:
+            if self.kind == "topk":
                 mu = align_topk_mu(logits.detach().float().cpu(), ids, logp, tail, pl, rl)
-                return score_logit_grad(logits, tokens, target, mu=mu.to(logits.device))
+            else:
+                mu = fixed
+            self.kl = kl_sampler_policy(mu, logits.detach().cpu(), target)
+            return score_logit_grad(logits, tokens, target, mu=mu.to(logits.device))
 
-            return fn
-        log_mu = recompute_sampler_logp(self.model, tokens, pl, rl, self.spec)
-        mu = mask_unscored(log_mu, target.bool())
-        return lambda logits: score_logit_grad(logits, tokens, target, mu=mu.to(logits.device))
+        return fn
 
 
 def _compute(
@@ -127,6 +131,9 @@ def _compute(
     if keep_rows:
         arr("scores", (N, P), (B, chunk_p), "float32", ["sample", "param"])
     arr("advantage", (N,), (N,), "float64", ["sample"])
+    if mu_source is not None:
+        arr("kl_sum", (len(batches),), (1,), "float64", ["batch"])
+        arr("kl_tokens", (len(batches),), (1,), "float64", ["batch"])
     arr("group", (N,), (N,), "int64", ["sample"])
     g["advantage"][:] = adv
     g["group"][:] = group
@@ -164,6 +171,8 @@ def _compute(
                     g[name][r] = mom[name]
             if keep_rows:
                 g["scores"][lo:hi] = S.numpy()
+            if mu_source is not None:
+                g["kl_sum"][b], g["kl_tokens"][b] = mu_source.kl
             mark_batch_done(g, b)
             bar.update(1)
     if pending_batches(g):
@@ -180,6 +189,8 @@ def _compute(
             "dtype": cfg.model.dtype,
         }
     )
+    if mu_source is not None:
+        g.attrs["kl_sampler_policy_per_token"] = float(g["kl_sum"][:].sum() / max(g["kl_tokens"][:].sum(), 1.0))
     store.consolidate(ref, STORE)
     return {"n_samples": N, "n_params": P, "per_sample_rows": keep_rows}
 

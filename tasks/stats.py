@@ -96,6 +96,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     finite_rho = stats["rho"][np.isfinite(stats["rho"])]
     scalars["max_abs_rho"] = float(np.abs(finite_rho).max()) if finite_rho.size else float("nan")
     scalars["P"] = layout.P
+    scalars["kl_sampler_policy_per_token"] = sc.attrs.get("kl_sampler_policy_per_token", float("nan"))
     for i, c in enumerate(cross):
         tag = "even_F_odd_G" if i == 0 else "odd_F_even_G"
         scalars[f"crossfit_{tag}_n_exceed"] = int(c["n_exceed"])

@@ -95,3 +95,34 @@ def test_moment_rows_match_per_sample_rows(run):
     merged = (count[:, None] * mean_s).sum(0) / count.sum()
     np.testing.assert_allclose(merged, S.mean(0), rtol=1e-9, atol=1e-12)
     assert g.attrs["per_sample_rows"] and len(A) == len(S)
+
+
+def test_kl_recorded_and_equal_across_mu_sources(run):
+    _, store, refs = run
+    kls = [
+        store.open_group(refs[f"scores.{s}.sampler"], "scores.zarr").attrs["kl_sampler_policy_per_token"]
+        for s in ("full", "topk", "model")
+    ]
+    assert kls[0] > 0
+    np.testing.assert_allclose(kls, kls[0], rtol=1e-5)
+
+
+def test_kl_sampler_policy_against_numpy():
+    from covgrad.centering import kl_sampler_policy
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 7, generator=gen)
+    mu = torch.softmax(torch.randn(2, 5, 7, generator=gen), -1)
+    mu[0, 1, :3] = 0.0  # truncated sampler: zero-mass tokens contribute nothing
+    mu[0, 1] /= mu[0, 1].sum()
+    target = torch.zeros(2, 5)
+    target[0, 2:4] = 1
+    target[1, 1:5] = 1
+    total, count = kl_sampler_policy(mu, logits, target)
+    ref = 0.0
+    for b, t in zip(*np.nonzero(target[:, 1:].numpy()), strict=True):
+        m = mu[b, t].double().numpy()
+        logp = torch.log_softmax(logits[b, t].double(), -1).numpy()
+        ref += sum(mi * (np.log(mi) - lp) for mi, lp in zip(m, logp, strict=True) if mi > 0)
+    assert count == 6
+    np.testing.assert_allclose(total, ref, rtol=1e-12)
