@@ -112,3 +112,12 @@ def plan(cfg: PipelineConfig) -> dict[str, Node]:
 def run_key(nodes: dict[str, Node]) -> str:
     """The pipeline run's key: that of its report, which covers every upstream key."""
     return stage_key("run", "1", {}, [n.ref.key for n in nodes.values()])
+
+
+def downstream(nodes: dict[str, Node], instance: str) -> set[str]:
+    """``instance`` and every planned instance that reads it, directly or transitively."""
+    out = {instance}
+    for name, node in nodes.items():  # execution order: upstreams come first
+        if out.intersection(node.upstream):
+            out.add(name)
+    return out

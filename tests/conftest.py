@@ -33,6 +33,13 @@ def tiny_config(root: str, **overrides: object):
     return PipelineConfig.model_validate(apply_overrides(data, cleaned))
 
 
+def below(cfg, instance: str) -> set[str]:
+    """``instance`` and every instance of ``cfg``'s plan that reads it, directly or transitively."""
+    from tasks.plan import downstream, plan
+
+    return downstream(plan(cfg), instance)
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """A temporary Prefect API (SQLite) for tests that run flows; started once per session."""

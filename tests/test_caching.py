@@ -3,22 +3,11 @@ Prefect lock of a killed run, and ``covgrad ls`` / ``gc``. One tiny pipeline per
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import below, tiny_config
 
 pytestmark = pytest.mark.slow
 
 OVERRIDES = {"tokens.enabled": False, "update_check.enabled": False}
-
-
-def below(cfg, instance: str) -> set[str]:
-    """``instance`` and every planned instance that reads it, directly or transitively."""
-    from tasks.plan import plan
-
-    out = {instance}
-    for name, node in plan(cfg).items():
-        if out.intersection(node.upstream):
-            out.add(name)
-    return out
 
 
 def computed(result: dict) -> set[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from tests.conftest import REPO, tiny_config
+from tests.conftest import REPO, below, tiny_config
 
 # Many small batches, so a kill can land in the middle: 8 score batches and 8 rollout batches.
 OVERRIDES = {
@@ -78,17 +78,6 @@ def run_chain(cfg) -> dict[str, str]:
         refs[name] = result.ref
         status[name] = "computed" if result.computed else "cached"
     return status
-
-
-def below(cfg, instance: str) -> set[str]:
-    """``instance`` and every planned instance that reads it, directly or transitively."""
-    from tasks.plan import plan
-
-    out = {instance}
-    for name, node in plan(cfg).items():
-        if out.intersection(node.upstream):
-            out.add(name)
-    return out
 
 
 def computed(status: dict[str, str]) -> set[str]:
