@@ -7,7 +7,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
@@ -196,7 +195,6 @@ def test_sft_reaches_band_and_is_bit_identical(tmp_path):
     assert files[0] == files[1]
     tok = AutoTokenizer.from_pretrained(str(Path(store.path(node.ref, "policy"))))
     assert tok.decode(tok("3+4=")["input_ids"], skip_special_tokens=True) == "3+4="
-    torch.manual_seed(0)
 
 
 def test_readme_commands_exist():

@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from covgrad.layout import select_parameters
 from storage.artifacts import ArtifactStore
@@ -144,4 +143,3 @@ def test_empty_parameter_selection_is_an_error(generated):
     with pytest.raises(ValueError, match=r"'nothing\.\*' matches no trainable parameter"):
         select_parameters(model, ["nothing.*"])
     assert model.model.norm.weight.numel() == select_parameters(model, ["model.norm.weight"]).P
-    torch.manual_seed(0)
