@@ -19,7 +19,7 @@ from tasks import base_model
 VERSIONS = {
     "base_model": base_model.VERSION,
     "rollouts": "1",
-    "scores": "1",
+    "scores": "2",
     "stats": "1",
     "masks": "1",
     "tokens": "1",
