@@ -24,7 +24,7 @@ VERSIONS = {
     "masks": "1",
     "tokens": "1",
     "update_check": "1",
-    "report": "1",
+    "report": "2",
 }
 
 

@@ -70,8 +70,41 @@ class Report:
     missing: list[str] = field(default_factory=list)
 
     def headline_markdown(self) -> str:
-        """The headline table as markdown (what ``covgrad run`` prints at the end)."""
+        """The headline as markdown (what ``covgrad run`` prints at the end): the main table, the
+        off-policy table, and one line each for the token Fisher and the update check when present."""
         text = f"## {self.title}\n\n" + (to_markdown(_md_rows(self.headline), FLOAT_FORMAT) if self.headline else "")
+        off = self.numbers.get("off_policy")
+        if off:
+            cols = (
+                "sampler",
+                "centering",
+                "kl_per_token",
+                "zero_mean_trace",
+                "zero_mean_coord",
+                "rel_diff_G",
+                "max_abs_rho",
+                "bound_violations",
+                "overlap_1pct",
+            )
+            rows = [{c: float("nan") if r.get(c) is None else r[c] for c in cols} for r in off]
+            text += "\n### Off-policy: policy vs sampler centering\n\n" + to_markdown(_md_rows(rows), FLOAT_FORMAT)
+        tok = self.numbers.get("tokens")
+        if tok:
+            text += (
+                f"\ntoken Fisher: top-k vs exact rel. L2 {tok.get('topk_vs_exact', float('nan')):.3g}, Monte Carlo "
+                f"vs exact {tok.get('mc_vs_exact', float('nan')):.3g} (expected MC error "
+                f"{tok.get('mc_expected_relerr', float('nan')):.3g}), cross-term ratio "
+                f"{tok.get('cross_term_ratio', float('nan')):.3g}\n"
+            )
+        upd = self.numbers.get("update_check", {}).get("cells_at_one_step")
+        if upd:
+            best = ", ".join(
+                f"{c['optimizer']}/{c['precision']}/lr={c['lr']:g}: {c['frac_changed_bf16']:.2%} changed, best "
+                f"{c['best_predictor']} J={c['best_jaccard']:.2f} (random {c['random_jaccard']:.3f})"
+                for c in upd
+                if c["precision"] == "bf16"
+            )
+            text += f"\nupdate check (1 step, bf16): {best}\n"
         if self.missing:
             text += f"\nmissing or incomplete: {', '.join(self.missing)}\n"
         return text
