@@ -20,6 +20,7 @@ def _offline_env() -> None:
     os.environ.setdefault("PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def load_config(path: str | None, overrides: list[str]) -> Any:
@@ -177,6 +178,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     _offline_env()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars drown the stage log
     parser = argparse.ArgumentParser(prog="covgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run the covgrad-pipeline flow")
