@@ -11,6 +11,7 @@ Batches hold whole prompt groups, so group-relative advantages and the parity sp
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -84,7 +85,8 @@ class MuSource:
             else:
                 mu = fixed
             self.kl = kl_sampler_policy(mu, logits.detach().cpu(), target)
-            return score_logit_grad(logits, tokens, target, mu=mu.to(logits.device))
+            dev = logits.device
+            return score_logit_grad(logits, tokens.to(dev), target.to(dev), mu=mu.to(dev))
 
         return fn
 
@@ -151,7 +153,7 @@ def _compute(
             target = torch.from_numpy(ro["response_mask"][lo:hi]).float()
             attn = (torch.arange(tokens.shape[1]).unsqueeze(0) < (pl + rl).unsqueeze(1)).long()
             if mu_source is None:
-                fn = lambda logits, t=tokens, w=target: score_logit_grad(logits, t, w)  # noqa: E731
+                fn = partial(score_logit_grad, input_ids=tokens.to(device), target_mask=target.to(device))
             else:
                 fn = mu_source.dlogits_fn(lo, hi, tokens, pl, rl, target)
             pos = torch.arange(tokens.shape[1]).expand_as(tokens)  # right-padded rows: positions 0..L-1
@@ -163,12 +165,8 @@ def _compute(
                 sel = half == h
                 if not bool(sel.any()):
                     continue
-                mom = batch_moments(S[sel], a[sel])
-                r = 2 * b + h
-                for name in ("count", "mean_a", "m2_a"):
-                    g[name][r] = mom[name]
-                for name in ("mean_s", "m2_s", "c_as"):
-                    g[name][r] = mom[name]
+                for name, value in batch_moments(S[sel], a[sel]).items():
+                    g[name][2 * b + h] = value
             if keep_rows:
                 g["scores"][lo:hi] = S.numpy()
             if mu_source is not None:
