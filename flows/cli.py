@@ -12,13 +12,14 @@ from typing import Any
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
-def _offline_env() -> None:
+def offline_env() -> None:
     """Prefect settings for machines without internet; set before prefect is imported."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
     os.environ.setdefault("PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
@@ -177,7 +178,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _offline_env()
+    offline_env()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars drown the stage log

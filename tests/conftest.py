@@ -1,21 +1,15 @@
 """Shared fixtures: offline settings before anything imports prefect or transformers, one thread,
 a tiny pipeline configuration, and an opt-in Prefect test server."""
 
-import os
+from flows.cli import offline_env
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
-os.environ.setdefault("PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS", "false")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+offline_env()  # flows.cli imports nothing heavy at module level, so this runs before prefect loads
 
-from pathlib import Path
+from pathlib import Path  # noqa: E402
 
-import pytest
-import torch
-import yaml
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
