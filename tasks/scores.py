@@ -91,106 +91,127 @@ class MuSource:
         return fn
 
 
+class ScoresJob:
+    """One scores artifact as three explicit steps, so that shards can share a store:
+    ``prepare`` creates every array (once, before any shard runs), ``run(shard)`` computes the
+    pending batches b with b % n == i for ``shard = (i, n)``, and ``finalize`` writes the attributes
+    and consolidated metadata once every batch is done."""
+
+    def __init__(
+        self, store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, instance: str, up: dict[str, ArtifactRef]
+    ) -> None:
+        _, self.sampler, self.centering = instance.split(".")
+        self.store, self.ref, self.cfg = store, ref, cfg
+        self.ro = store.open_group(up[f"rollouts.{self.sampler}"], ROLLOUTS, mode="r")
+        self.model, _ = load_models(store, up["base_model"], "policy", cfg)
+        self.device = pick_device(cfg.scores.device)
+        self.model.to(self.device).eval()
+        self.layout = select_parameters(self.model, cfg.scores.params)
+        self.group = self.ro["group"][:]
+        self.adv = self.ro["advantage"][:]
+        self.N, self.P = len(self.group), self.layout.P
+        self.batches = group_batches(self.group, cfg.scores.groups_per_batch)
+        self.B = max(hi - lo for lo, hi in self.batches)
+        self.keep_rows = cfg.scores.byte_budget >= self.N * self.P * 4 and all(
+            hi - lo == self.B for lo, hi in self.batches[:-1]
+        )
+        sampler_centered = self.centering == "sampler"
+        self.mu_source = MuSource(store, up["base_model"], cfg, self.ro, self.sampler) if sampler_centered else None
+
+    def prepare(self) -> None:
+        """Create the store's arrays (idempotent: existing arrays and finished batches are kept)."""
+        g = self.store.open_group(self.ref, STORE, mode="a")
+        N, P, nb = self.N, self.P, len(self.batches)
+        chunk_p = min(P, PARAM_CHUNK)
+
+        def arr(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, dims: list[str]) -> None:
+            if name not in g:
+                g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, dimension_names=dims)
+
+        for name in ("count", "mean_a", "m2_a"):
+            arr(name, (2 * nb,), (2,), "float64", ["row"])
+        for name in ("mean_s", "m2_s", "c_as"):
+            arr(name, (2 * nb, P), (2, chunk_p), "float64", ["row", "param"])
+        if self.keep_rows:
+            arr("scores", (N, P), (self.B, chunk_p), "float32", ["sample", "param"])
+        if self.mu_source is not None:
+            arr("kl_sum", (nb,), (1,), "float64", ["batch"])
+            arr("kl_tokens", (nb,), (1,), "float64", ["batch"])
+        arr("advantage", (N,), (N,), "float64", ["sample"])
+        arr("group", (N,), (N,), "int64", ["sample"])
+        g["advantage"][:] = self.adv
+        g["group"][:] = self.group
+        create_progress(g, nb)
+
+    def run(self, shard: tuple[int, int] = (0, 1)) -> None:
+        """Compute and write the pending batches of ``shard``; each batch is marked done after its data."""
+        g = self.store.open_group(self.ref, STORE, mode="a")
+        ro, device, mu_source = self.ro, self.device, self.mu_source
+        psg = PerSampleGrads(self.model, self.layout, check=self.cfg.scores.self_check)
+        buffer = torch.empty((self.B, self.P), dtype=torch.float32, device=device)  # reused: fresh pages are slow
+        todo = [b for b in pending_batches(g) if b % shard[1] == shard[0]]
+        with progress_bar(f"scores {self.sampler}/{self.centering}", len(self.batches)) as bar:
+            bar.update(len(self.batches) - len(todo))
+            for b in todo:
+                lo, hi = self.batches[b]
+                tokens = torch.from_numpy(ro["tokens"][lo:hi]).long()
+                pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
+                rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
+                target = torch.from_numpy(ro["response_mask"][lo:hi]).float()
+                attn = (torch.arange(tokens.shape[1]).unsqueeze(0) < (pl + rl).unsqueeze(1)).long()
+                if mu_source is None:
+                    fn = partial(score_logit_grad, input_ids=tokens.to(device), target_mask=target.to(device))
+                else:
+                    fn = mu_source.dlogits_fn(lo, hi, tokens, pl, rl, target)
+                pos = torch.arange(tokens.shape[1]).expand_as(tokens)  # right-padded rows: positions 0..L-1
+                S = psg(tokens.to(device), attn.to(device), fn, position_ids=pos.to(device), out=buffer[: hi - lo])
+                S = S.cpu()  # (b, P) float32
+                a = torch.from_numpy(self.adv[lo:hi])
+                half = torch.from_numpy(self.group[lo:hi] % 2)
+                for h in (0, 1):
+                    sel = half == h
+                    if bool(sel.any()):
+                        for name, value in batch_moments(S[sel], a[sel]).items():
+                            g[name][2 * b + h] = value
+                if self.keep_rows:
+                    g["scores"][lo:hi] = S.numpy()
+                if mu_source is not None:
+                    g["kl_sum"][b], g["kl_tokens"][b] = mu_source.kl
+                mark_batch_done(g, b)
+                bar.update(1)
+
+    def finalize(self) -> dict[str, Any] | None:
+        """Write attrs and consolidated metadata when every batch is done; return the provenance
+        (None while batches are pending)."""
+        g = self.store.open_group(self.ref, STORE, mode="a")
+        if pending_batches(g):
+            return None
+        g.attrs.update(
+            {
+                "tensors": self.layout.to_records(),
+                "centering": self.centering,
+                "sampler": self.sampler,
+                "n_samples": self.N,
+                "n_params": self.P,
+                "per_sample_rows": self.keep_rows,
+                "device": str(self.device),
+                "dtype": self.cfg.model.dtype,
+            }
+        )
+        if self.mu_source is not None:
+            kl = float(g["kl_sum"][:].sum() / max(g["kl_tokens"][:].sum(), 1.0))
+            g.attrs["kl_sampler_policy_per_token"] = kl
+        self.store.consolidate(self.ref, STORE)
+        return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.keep_rows}
+
+
 def _compute(
-    store: ArtifactStore,
-    ref: ArtifactRef,
-    cfg: PipelineConfig,
-    instance: str,
-    up: dict[str, ArtifactRef],
-    shard: tuple[int, int] = (0, 1),
+    store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, instance: str, up: dict[str, ArtifactRef]
 ) -> dict[str, Any] | None:
-    """Compute the batches of shard ``shard = (i, n)`` (batches b with b % n == i; all when n = 1).
-
-    Shards write disjoint batch regions of one store. The store is finalised (attrs, consolidated
-    metadata) by whichever call finds every batch done; it then returns the provenance, else None.
-    """
-    _, sampler, centering = instance.split(".")
-    ro = store.open_group(up[f"rollouts.{sampler}"], ROLLOUTS, mode="r")
-    model, _ = load_models(store, up["base_model"], "policy", cfg)
-    device = pick_device(cfg.scores.device)
-    model.to(device).eval()
-    layout = select_parameters(model, cfg.scores.params)
-    group = ro["group"][:]
-    adv = ro["advantage"][:]
-    N, P = len(group), layout.P
-    batches = group_batches(group, cfg.scores.groups_per_batch)
-    B = max(hi - lo for lo, hi in batches)
-    keep_rows = cfg.scores.byte_budget >= N * P * 4 and all(hi - lo == B for lo, hi in batches[:-1])
-    mu_source = MuSource(store, up["base_model"], cfg, ro, sampler) if centering == "sampler" else None
-
-    g = store.open_group(ref, STORE, mode="a")
-    chunk_p = min(P, PARAM_CHUNK)
-    rows = 2 * len(batches)
-
-    def arr(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, dims: list[str]) -> None:
-        if name not in g:
-            g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, dimension_names=dims)
-
-    for name in ("count", "mean_a", "m2_a"):
-        arr(name, (rows,), (2,), "float64", ["row"])
-    for name in ("mean_s", "m2_s", "c_as"):
-        arr(name, (rows, P), (2, chunk_p), "float64", ["row", "param"])
-    if keep_rows:
-        arr("scores", (N, P), (B, chunk_p), "float32", ["sample", "param"])
-    arr("advantage", (N,), (N,), "float64", ["sample"])
-    if mu_source is not None:
-        arr("kl_sum", (len(batches),), (1,), "float64", ["batch"])
-        arr("kl_tokens", (len(batches),), (1,), "float64", ["batch"])
-    arr("group", (N,), (N,), "int64", ["sample"])
-    g["advantage"][:] = adv
-    g["group"][:] = group
-    create_progress(g, len(batches))
-    psg = PerSampleGrads(model, layout, check=cfg.scores.self_check)
-    buffer = torch.empty((B, P), dtype=torch.float32, device=device)  # reused: fresh pages are slow
-    todo = [b for b in pending_batches(g) if b % shard[1] == shard[0]]
-    with progress_bar(f"scores {sampler}/{centering}", len(batches)) as bar:
-        bar.update(len(batches) - len(todo))
-        for b in todo:
-            lo, hi = batches[b]
-            tokens = torch.from_numpy(ro["tokens"][lo:hi]).long()
-            pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
-            rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
-            target = torch.from_numpy(ro["response_mask"][lo:hi]).float()
-            attn = (torch.arange(tokens.shape[1]).unsqueeze(0) < (pl + rl).unsqueeze(1)).long()
-            if mu_source is None:
-                fn = partial(score_logit_grad, input_ids=tokens.to(device), target_mask=target.to(device))
-            else:
-                fn = mu_source.dlogits_fn(lo, hi, tokens, pl, rl, target)
-            pos = torch.arange(tokens.shape[1]).expand_as(tokens)  # right-padded rows: positions 0..L-1
-            out = buffer[: hi - lo]
-            S = psg(tokens.to(device), attn.to(device), fn, position_ids=pos.to(device), out=out).cpu()  # (b, P)
-            a = torch.from_numpy(adv[lo:hi])
-            half = torch.from_numpy(group[lo:hi] % 2)
-            for h in (0, 1):
-                sel = half == h
-                if not bool(sel.any()):
-                    continue
-                for name, value in batch_moments(S[sel], a[sel]).items():
-                    g[name][2 * b + h] = value
-            if keep_rows:
-                g["scores"][lo:hi] = S.numpy()
-            if mu_source is not None:
-                g["kl_sum"][b], g["kl_tokens"][b] = mu_source.kl
-            mark_batch_done(g, b)
-            bar.update(1)
-    if pending_batches(g):
-        return None
-    g.attrs.update(
-        {
-            "tensors": layout.to_records(),
-            "centering": centering,
-            "sampler": sampler,
-            "n_samples": N,
-            "n_params": P,
-            "per_sample_rows": keep_rows,
-            "device": str(device),
-            "dtype": cfg.model.dtype,
-        }
-    )
-    if mu_source is not None:
-        g.attrs["kl_sampler_policy_per_token"] = float(g["kl_sum"][:].sum() / max(g["kl_tokens"][:].sum(), 1.0))
-    store.consolidate(ref, STORE)
-    return {"n_samples": N, "n_params": P, "per_sample_rows": keep_rows}
+    job = ScoresJob(store, ref, cfg, instance, up)
+    job.prepare()
+    job.run()
+    return job.finalize()
 
 
 @task(name="scores")

@@ -56,7 +56,7 @@ def scores_shard(
 ) -> None:
     """Compute the batches of ``shard = (i, n)`` into the store at ``ref`` with ``torch_threads`` threads."""
     torch.set_num_threads(torch_threads)
-    scores._compute(ArtifactStore(ref.root), ref, cfg, instance, upstream, shard=shard)
+    scores.ScoresJob(ArtifactStore(ref.root), ref, cfg, instance, upstream).run(shard)
 
 
 @flow(name="covgrad-scores-sharded")
@@ -77,8 +77,8 @@ def sharded_scores_flow(
         if store.is_complete(ref):
             return {"key": ref.key, "computed": False, "n_shards": n_shards}
         claim = store.begin(ref, {"instance": instance, "params": config.scores.params}, resume=True)
-        # Shard index n selects no batch (b % n < n): this call only creates the arrays.
-        scores._compute(store, ref, config, instance, upstream, shard=(n_shards, n_shards))
+        job = scores.ScoresJob(store, ref, config, instance, upstream)
+        job.prepare()
         futures = scores_shard.map(
             unmapped(ref),
             unmapped(config),
@@ -88,8 +88,7 @@ def sharded_scores_flow(
             unmapped(torch_threads),
         )
         futures.result()
-        # Every batch is done now: the same selector finalises the store once, from this process.
-        extra = scores._compute(store, ref, config, instance, upstream, shard=(n_shards, n_shards))
+        extra = job.finalize()
         if extra is None:
             raise RuntimeError(f"scores {ref.key}: batches still pending after all {n_shards} shards finished")
         store.complete(ref, claim, {"n_shards": n_shards, **extra})
