@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
@@ -203,3 +204,11 @@ def test_readme_commands_exist():
     make = (REPO / "Makefile").read_text()
     assert textwrap.dedent("demo: install") in make and "test: install" in make
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_user_config_template_validates():
+    """configs/user.yaml (the README's starting point for your own model) is a valid config."""
+    data = yaml.safe_load((REPO / "configs" / "user.yaml").read_text())
+    cfg = PipelineConfig.model_validate(data)
+    assert cfg.model.path is not None and cfg.task.kind == "jsonl"
+    assert all(s.model != "stale" for s in cfg.rollouts.samplers.values())
