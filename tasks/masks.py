@@ -7,8 +7,6 @@ scope ∈ {global, per_tensor}; tables ``overlap.{csv,json,md}``, ``bound.{csv,j
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from typing import Any
 
@@ -19,32 +17,11 @@ from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout
 from covgrad.topk import bound_mask_table, overlap_table, spearman, topk_global, topk_per_tensor
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, run_stage
 from tasks.stats import STORE as STATS
 
 STORE = "masks.zarr"
-
-
-def to_csv(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
-
-
-def to_markdown(rows: list[dict[str, Any]], floatfmt: str = ".4g") -> str:
-    """A GitHub-style markdown table of ``rows`` (same keys in every row)."""
-    cols = list(rows[0])
-
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            return format(v, floatfmt)
-        return str(v)
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
 
 
 def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:

@@ -32,8 +32,8 @@ from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout
 from covgrad.topk import overlap_table
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.tables import to_markdown, uniform
 from tasks.common import StageResult, log, run_stage
-from tasks.masks import to_markdown
 from tasks.plan import main_centering
 from tasks.stats import STORE as STATS
 from tasks.tokens import STORE as TOKENS
@@ -72,7 +72,7 @@ class Report:
     def headline_markdown(self) -> str:
         """The headline as markdown (what ``covgrad run`` prints at the end): the main table, the
         off-policy table, and one line each for the token Fisher and the update check when present."""
-        text = f"## {self.title}\n\n" + (to_markdown(_md_rows(self.headline), FLOAT_FORMAT) if self.headline else "")
+        text = f"## {self.title}\n\n" + (to_markdown(self.headline, FLOAT_FORMAT) if self.headline else "")
         off = self.numbers.get("off_policy")
         if off:
             cols = (
@@ -87,7 +87,7 @@ class Report:
                 "overlap_1pct",
             )
             rows = [{c: float("nan") if r.get(c) is None else r[c] for c in cols} for r in off]
-            text += "\n### Off-policy: policy vs sampler centering\n\n" + to_markdown(_md_rows(rows), FLOAT_FORMAT)
+            text += "\n### Off-policy: policy vs sampler centering\n\n" + to_markdown(rows, FLOAT_FORMAT)
         tok = self.numbers.get("tokens")
         if tok:
             text += (
@@ -119,7 +119,7 @@ class Report:
             elif kind == "p":
                 parts.append(f"{block[1]}\n")
             elif kind == "table":
-                parts.append(to_markdown(_md_rows(block[1]), FLOAT_FORMAT))
+                parts.append(to_markdown(block[1], FLOAT_FORMAT))
             else:
                 parts.append(f"![{block[2]}]({block[1]})\n")
         return "\n".join(parts)
@@ -150,23 +150,12 @@ class Report:
         )
 
 
-def _uniform(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` over the union of their keys (first-seen order); absent cells are empty strings."""
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    return [{c: r.get(c, "") for c in cols} for r in rows]
-
-
-def _md_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` made uniform, with ``|`` escaped in string cells so that a markdown table keeps its columns."""
-    return [{k: v.replace("|", "\\|") if isinstance(v, str) else v for k, v in r.items()} for r in _uniform(rows)]
-
-
 def _cell(v: Any) -> str:
     return format(v, FLOAT_FORMAT) if isinstance(v, float) else str(v)
 
 
 def _html_table(rows: list[dict[str, Any]]) -> str:
-    rows = _uniform(rows)
+    rows = uniform(rows)
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in rows[0])
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"

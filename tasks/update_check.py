@@ -34,9 +34,9 @@ from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.update import RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.tables import to_csv, to_markdown
 from tasks.base_model import load_models
 from tasks.common import StageResult, run_stage
-from tasks.masks import to_csv, to_markdown
 from tasks.rollouts import STORE as ROLLOUTS
 from tasks.scores import group_batches
 from tasks.stats import STORE as STATS

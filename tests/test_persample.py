@@ -41,9 +41,10 @@ def llama(tied: bool) -> nn.Module:
     return _perturb_norms(model, 1)
 
 
-def qwen2() -> nn.Module:
+def _small(config_cls: type, model_cls: type, **extra: object) -> nn.Module:
+    """A 2-layer, hidden-32 model of the Llama-like family ``config_cls``/``model_cls``, seeded."""
     torch.manual_seed(0)
-    cfg = Qwen2Config(
+    cfg = config_cls(
         vocab_size=V,
         hidden_size=32,
         intermediate_size=48,
@@ -51,9 +52,13 @@ def qwen2() -> nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        **extra,
     )
-    model = Qwen2ForCausalLM(cfg)
+    return model_cls(cfg)
+
+
+def qwen2() -> nn.Module:
+    model = _small(Qwen2Config, Qwen2ForCausalLM, tie_word_embeddings=False)
     with torch.no_grad():  # biases start at 0; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -62,17 +67,7 @@ def qwen2() -> nn.Module:
 
 
 def mistral() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = MistralConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return _perturb_norms(MistralForCausalLM(cfg), 5)
+    return _perturb_norms(_small(MistralConfig, MistralForCausalLM), 5)
 
 
 def llama_torch_rmsnorm() -> nn.Module:
