@@ -315,10 +315,6 @@ class ArtifactStore:
     def write_text(self, ref: ArtifactRef, name: str, text: str) -> None:
         self.fs.pipe_file(self.path(ref, name), text.encode())
 
-    def write_bytes(self, ref: ArtifactRef, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self.path(ref, name), data)
-
-    # ----- zarr --------------------------------------------------------------------------------
     def zarr_store(self, ref: ArtifactRef, name: str, read_only: bool = False) -> LocalStore | FsspecStore:
         """A zarr v3 store for ``{artifact}/{name}``."""
         if self.local:

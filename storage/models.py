@@ -35,18 +35,42 @@ def model_fingerprint(path: str) -> str:
     return h.hexdigest()[:24]
 
 
+def check_model_dir(path: str, what: str) -> None:
+    """FileNotFoundError / ValueError naming ``path`` (as ``what``) unless it is a Hugging Face causal-LM
+    directory with weights; reads only config.json and the file listing."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{what} {path!r} does not exist; give a Hugging Face model directory")
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{what} {path!r} has no config.json; it is not a Hugging Face model directory")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path!r}: config.json is not valid JSON ({exc.msg})") from None
+    archs = config.get("architectures") or []
+    causal = (
+        any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+        if archs
+        else config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
+    if not causal:
+        raise ValueError(
+            f"{what} {path!r} is not a causal LM (model_type={config.get('model_type')!r}, architectures={archs})"
+        )
+    if not any((root / w).is_file() for w in _WEIGHT_FILES):
+        raise ValueError(f"{what} {path!r} has no weights ({', '.join(_WEIGHT_FILES)})")
+
+
 def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` in eval mode.
 
     FileNotFoundError naming the path when it is missing; ValueError when it is not a causal LM.
     """
+    check_model_dir(str(path), "model path")
     root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist; give a Hugging Face model directory")
-    if not (root / "config.json").is_file():
-        raise ValueError(f"model path {str(path)!r} has no config.json; it is not a Hugging Face model directory")
-    if not any((root / w).is_file() for w in _WEIGHT_FILES):
-        raise ValueError(f"model path {str(path)!r} has no weights ({', '.join(_WEIGHT_FILES)})")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(root),

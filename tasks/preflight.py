@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from covgrad.config import PipelineConfig
@@ -14,33 +13,8 @@ from covgrad.task import (
     problems_from_records,
     resolve_reward,
 )
+from storage.models import check_model_dir
 from storage.readers import read_prompt_file
-
-
-def check_model_dir(path: str, what: str) -> None:
-    """FileNotFoundError / ValueError naming ``path`` unless it is a causal-LM model directory."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{what} {path!r} does not exist; give a Hugging Face model directory")
-    cfg_file = root / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{what} {path!r} has no config.json; it is not a Hugging Face model directory")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} {path!r}: config.json is not valid JSON ({exc.msg})") from None
-    archs = config.get("architectures") or []
-    causal = (
-        any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
-        if archs
-        else config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    )
-    if not causal:
-        raise ValueError(
-            f"{what} {path!r} is not a causal LM (model_type={config.get('model_type')!r}, architectures={archs})"
-        )
 
 
 def load_task(cfg: PipelineConfig) -> tuple[list[Problem], RewardFn]:
