@@ -8,7 +8,7 @@ gradient by 1/N).
 
 How: forward hooks on the leaf modules that own the selected parameters save each module's input, and
 a tensor hook on the module's output receives ∂objective/∂output during the backward; a per-module rule
-(Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm) turns the pair into every sample's parameter
+(:mod:`covgrad.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm) turns the pair into every sample's parameter
 gradient. During the call all parameters are frozen and the backward is taken with respect to the
 outputs of the first hooked modules, so autograd never computes a batched weight gradient: the
 per-sample products replace those GEMMs instead of adding to them. A parameter shared by several
@@ -24,25 +24,14 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-from transformers.pytorch_utils import Conv1D
 
 from covgrad.layout import ParamLayout, TensorEntry
-
-# A rule's view of one parameter: (B, *param.shape) float32 slice of the output, and whether this is
-# the first contribution in the call (write) or a later one from a tied module (accumulate).
-Slot = Callable[[str], tuple[Tensor, bool] | None]
-Rule = Callable[[nn.Module, Tensor, Tensor, Slot], None]
+from covgrad.rules import Rule, rule_for
 
 # Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
 # because the batched reference gradient itself is accumulated in bf16/fp16.
 _CHECK_RTOL = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-
-_HF_RMSNORMS = (LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm)
 
 
 def score_logit_grad(
@@ -111,110 +100,6 @@ def score_logit_grad(
     return dlogits
 
 
-def _flat(t: Tensor, B: int, features: int) -> Tensor:
-    """(B, *, features) -> (B, T', features) float32."""
-    return t.reshape(B, -1, features).to(torch.float32)
-
-
-def _bmm_into(view: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
-    if first:
-        torch.bmm(a, b, out=view)
-    else:
-        view.baddbmm_(a, b)
-
-
-def _sum_into(view: Tensor, x: Tensor, first: bool) -> None:
-    """view (B, n) = or += x.sum over positions; x (B, T', n)."""
-    if first:
-        torch.sum(x, dim=1, out=view)
-    else:
-        view.add_(x.sum(dim=1))
-
-
-def _linear_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
-    """y = x Wᵀ + b: per-sample ∂W = Σ_t g_t x_tᵀ (B, out, in), ∂b = Σ_t g_t."""
-    B = g.shape[0]
-    g = _flat(g, B, module.out_features)  # (B, T', O)
-    if (s := slot("weight")) is not None:
-        _bmm_into(s[0], g.transpose(1, 2), _flat(x, B, module.in_features), s[1])
-    if (s := slot("bias")) is not None:
-        _sum_into(s[0], g, s[1])
-
-
-def _conv1d_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
-    """GPT-2 Conv1D, y = x W + b with W (in, out): per-sample ∂W = Σ_t x_t g_tᵀ (B, in, out)."""
-    B = g.shape[0]
-    g = _flat(g, B, module.nf)
-    if (s := slot("weight")) is not None:
-        _bmm_into(s[0], _flat(x, B, module.nx).transpose(1, 2), g, s[1])
-    if (s := slot("bias")) is not None:
-        _sum_into(s[0], g, s[1])
-
-
-def _embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
-    """Row y of the table gets Σ_{t: id_t = y} g_t per sample; the padding row gets nothing."""
-    B, H = g.shape[0], module.embedding_dim
-    ids = x.reshape(B, -1)  # (B, T')
-    g = _flat(g, B, H)
-    if module.padding_idx is not None:
-        g = g.masked_fill((ids == module.padding_idx)[..., None], 0.0)
-    view, first = slot("weight")
-    if first:
-        view.zero_()
-    view.scatter_add_(1, ids[..., None].expand(-1, -1, H), g)  # view (B, V, H)
-
-
-def _layernorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
-    """y = x̂ ⊙ w + b with x̂ recomputed by the same kernel in float32: ∂w = Σ_t g ⊙ x̂, ∂b = Σ_t g."""
-    B, n = g.shape[0], module.weight.numel()
-    g = _flat(g, B, n)
-    if (s := slot("weight")) is not None:
-        xhat = F.layer_norm(x.to(torch.float32), module.normalized_shape, None, None, module.eps)
-        _sum_into(s[0].view(B, n), g * _flat(xhat, B, n), s[1])
-    if (s := slot("bias")) is not None:
-        _sum_into(s[0].view(B, n), g, s[1])
-
-
-def _hf_rmsnorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
-    """Llama/Qwen2/Mistral RMSNorm, y = w ⊙ (x·rsqrt(mean x² + ε) in float32, cast back to x's dtype)."""
-    B, n = g.shape[0], module.weight.numel()
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    h = h.to(x.dtype)  # the module multiplies the weight by the normalised input in the input's dtype
-    view, first = slot("weight")
-    _sum_into(view.view(B, n), _flat(g, B, n) * _flat(h, B, n), first)
-
-
-def _torch_rmsnorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
-    """torch.nn.RMSNorm: x̂ recomputed by F.rms_norm without weight, ∂w = Σ_t g ⊙ x̂."""
-    B, n = g.shape[0], module.weight.numel()
-    xhat = F.rms_norm(x, module.normalized_shape, None, module.eps)
-    view, first = slot("weight")
-    _sum_into(view.view(B, n), _flat(g, B, n) * _flat(xhat, B, n), first)
-
-
-def _rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
-    """The module's rule and the parameter names it covers, or the reason it has none."""
-    if isinstance(module, nn.Linear):
-        return _linear_rule, frozenset({"weight", "bias"})
-    if isinstance(module, Conv1D):
-        return _conv1d_rule, frozenset({"weight", "bias"})
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None or module.scale_grad_by_freq:
-            return "max_norm and scale_grad_by_freq change the gradient and have no per-sample rule"
-        return _embedding_rule, frozenset({"weight"})
-    if isinstance(module, nn.LayerNorm):
-        return _layernorm_rule, frozenset({"weight", "bias"})
-    if isinstance(module, _HF_RMSNORMS):
-        return _hf_rmsnorm_rule, frozenset({"weight"})
-    if isinstance(module, nn.RMSNorm):
-        return _torch_rmsnorm_rule, frozenset({"weight"})
-    return (
-        "supported: nn.Linear, transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, "
-        "Llama/Qwen2/Mistral RMSNorm; deselect it or add a rule"
-    )
-
-
 class PerSampleGrads:
     """Every sample's gradient of its own objective, flat in a layout's order, from one batched pass.
 
@@ -246,7 +131,7 @@ class PerSampleGrads:
             local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
             if not local:
                 continue
-            found = _rule_for(module)
+            found = rule_for(module)
             uncovered = [pn for pn in local if isinstance(found, str) or pn not in found[1]]
             if uncovered:
                 reason = found if isinstance(found, str) else f"its rule covers only {sorted(found[1])}"
