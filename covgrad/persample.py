@@ -25,9 +25,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.rules import Rule, rule_for
+from covgrad.rules import FLATTENING_PARENTS, Call, Rule, float_outputs, rule_for
 
 # Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
 # because the batched reference gradient itself is accumulated in bf16/fp16.
@@ -140,6 +141,9 @@ class PerSampleGrads:
                     f"{uncovered[0]}, in a {type(module).__name__}); {reason}"
                 )
             self._bindings.append((module, found[0], local))
+        # Modules run on a flattened (B·L, …) batch by a verified parent (OPT layers, MoE blocks).
+        flattening = [m for m in model.modules() if type(m) in FLATTENING_PARENTS]
+        self._flat_ok = {id(m) for parent in flattening for m in parent.modules()}
         # Per-call state, set and cleared by __call__.
         self._out: Tensor | None = None
         self._written: set[str] = set()
@@ -217,7 +221,7 @@ class PerSampleGrads:
             for p, _ in flags:
                 p.requires_grad_(False)
             for module, rule, local in self._bindings:
-                handles.append(module.register_forward_hook(self._forward_hook(B, rule, local)))
+                handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
             with torch.enable_grad():
                 logits = self.model(**inputs, use_cache=False).logits
                 if self._roots:
@@ -246,20 +250,59 @@ class PerSampleGrads:
             view = self._out[:, entry.offset : entry.offset + entry.numel]
             return view.view(B, *entry.shape), first
 
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-            batch_dims = (args[0].shape[:1] if args else None, getattr(output, "shape", (None,))[:1])
-            if batch_dims != ((B,), (B,)):
+        needs_call = getattr(rule, "needs_call", False)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple:
+            first_in = args[0] if args else next(iter(kwargs.values()), None)
+            outs = float_outputs(output)
+            n_in = first_in.shape[0] if isinstance(first_in, Tensor) and first_in.dim() else None
+            n_out = outs[0].shape[0] if outs and outs[0].dim() else None
+            flat = n_in is not None and n_in == n_out != B and n_in % B == 0 and id(module) in self._flat_ok
+            if not flat and (n_in, n_out) != (B, B):
+                if n_in is not None and n_in == n_out and n_in % B == 0:
+                    raise ValueError(
+                        f"a hooked {type(module).__name__} ran on a flattened batch of {n_in} = {B}·{n_in // B} rows "
+                        "(its caller reshaped (B, L, …) to (B·L, …)) inside a parent not verified to flatten "
+                        "sample by sample; deselect its parameters"
+                    )
                 raise ValueError(
-                    f"a hooked {type(module).__name__} ran with batch dims {batch_dims} (input, output), not "
+                    f"a hooked {type(module).__name__} ran with batch dims {(n_in, n_out)} (input, output), not "
                     f"{B}: a tensor broadcast over the batch (e.g. default position ids) has no per-sample "
                     "gradient; pass position_ids of shape (B, L)"
                 )
-            x = args[0].detach()
-            if not output.requires_grad:
-                output = output.detach().requires_grad_()
-                self._roots.append(output)
-            output.register_hook(lambda g: rule(module, x, g, slot))
-            return output
+
+            def unflat(t: object) -> object:
+                if flat and isinstance(t, Tensor) and t.dim() and t.shape[0] == n_in:
+                    return t.reshape(B, n_in // B, *t.shape[1:])
+                return t
+
+            x = unflat(first_in.detach())
+            detached = tree_map(lambda t: unflat(t.detach()) if isinstance(t, Tensor) else t, (args, kwargs))
+            call = Call(detached[0], detached[1], flat) if needs_call else None
+
+            def run(g: Tensor | tuple[Tensor, ...]) -> None:
+                g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
+                if needs_call:
+                    rule(module, x, g, slot, call=call)
+                else:
+                    rule(module, x, g, slot)
+
+            if isinstance(output, Tensor):
+                if not output.requires_grad:
+                    output = output.detach().requires_grad_()
+                    self._roots.append(output)
+                output.register_hook(run)
+                return output
+            if not isinstance(output, tuple | list) or not outs:
+                raise ValueError(
+                    f"a hooked {type(module).__name__} returned {type(output).__name__}; per-sample rules need "
+                    "a tensor or a tuple of tensors"
+                )
+            if not any(o.requires_grad for o in outs):
+                outs = tuple(o.detach().requires_grad_() for o in outs)
+                self._roots.extend(outs)
+            tapped = iter(_Tap.apply(run, *outs))
+            return type(output)(next(tapped) if isinstance(t, Tensor) and t.is_floating_point() else t for t in output)
 
         return hook
 
@@ -283,6 +326,21 @@ class PerSampleGrads:
                     f"from the batched gradient by {err / scale:.3g} (relative, tolerance {rtol:g}); its "
                     "module's forward does not match the per-sample rule"
                 )
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a module's floating outputs whose backward hands all their gradients to one callback
+    at once (missing ones as zeros), for modules that return tuples (MoE routers)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, fn: Callable, *outs: Tensor) -> tuple[Tensor, ...]:
+        ctx.fn = fn
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        ctx.fn(grads)
+        return (None, *grads)
 
 
 def _checked_dlogits(dlogits_fn: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:

@@ -5,18 +5,38 @@ input ``x`` and the gradient ``g`` of the objective with respect to the module's
 leading batch dimension B. For each parameter it owns it asks ``slot(name)`` for a (B, *param.shape)
 float32 view to write (first contribution) or accumulate into (a later call of the same module or a
 tied module), or None when that parameter is not selected. :func:`rule_for` picks a module's rule.
+
+Fast rules are matched by exact class (a subclass may change the forward: Gemma's scaled embedding
+multiplies inside it), and RMSNorm and fused-expert classes by the source text of their forward, so any
+family whose norm is a verbatim copy of Llama's, OLMo2's or Gemma's gets the fast rule. Every other leaf
+module gets :func:`generic_rule`, the exact per-sample vector-Jacobian product of its own forward. Rules
+marked by :func:`full_call` also receive the hooked call's full inputs (:class:`Call`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from transformers.integrations.moe import _default_apply_gate
+from transformers.models.falcon.modeling_falcon import FalconLinear
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+from transformers.models.opt.modeling_opt import OPTDecoderLayer
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock
 from transformers.pytorch_utils import Conv1D
 
 # A rule's view of one parameter: (B, *param.shape) float32 slice of the output, and whether this is
@@ -24,7 +44,31 @@ from transformers.pytorch_utils import Conv1D
 Slot = Callable[[str], tuple[Tensor, bool] | None]
 Rule = Callable[[nn.Module, Tensor, Tensor, Slot], None]
 
-_HF_RMSNORMS = (LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm)
+
+@dataclass(frozen=True)
+class Call:
+    """A hooked call's full (detached) inputs, passed as ``call=`` to rules marked by :func:`full_call`.
+
+    ``args``/``kwargs`` are the call's arguments; when ``flat`` the module ran on a flattened (B·L, …)
+    batch and every tensor argument with leading dimension B·L is given reshaped to (B, L, …).
+    """
+
+    args: tuple
+    kwargs: dict[str, Any]
+    flat: bool
+
+
+# Parents that run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's
+# position t): OPT's decoder layer (final norm and MLP) and the MoE blocks (router, experts, shared expert).
+FLATTENING_PARENTS = frozenset(
+    {OPTDecoderLayer, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock}
+)
+
+
+def full_call(rule: Callable[..., None]) -> Callable[..., None]:
+    """Mark a rule that needs the call's full inputs: it is called as ``rule(module, x, g, slot, call=...)``."""
+    rule.needs_call = True  # type: ignore[attr-defined]
+    return rule
 
 
 def _flat(t: Tensor, B: int, features: int) -> Tensor:
@@ -91,12 +135,18 @@ def _layernorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None
         _sum_into(s[0].view(B, n), g, s[1])
 
 
-def _hf_rmsnorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
-    """Llama/Qwen2/Mistral RMSNorm, y = w ⊙ (x·rsqrt(mean x² + ε) in float32, cast back to x's dtype)."""
+def _rmsnorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
+    """Hugging Face RMSNorms: x̂ = x·rsqrt(mean x² + ε) in float32, ∂w = Σ_t g ⊙ x̂ per sample.
+
+    Llama-style norms cast x̂ back to the input dtype before multiplying by w; OLMo2-style (w ⊙ x̂, then
+    cast) and Gemma-style (x̂ ⊙ (1 + w), then cast) multiply in float32, so x̂ stays float32 there.
+    """
     B, n = g.shape[0], module.weight.numel()
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
     h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    h = h.to(x.dtype)  # the module multiplies the weight by the normalised input in the input's dtype
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if _rmsnorm_style(type(module)) == "cast-then-scale":
+        h = h.to(x.dtype)
     view, first = slot("weight")
     _sum_into(view.view(B, n), _flat(g, B, n) * _flat(h, B, n), first)
 
@@ -109,23 +159,181 @@ def _torch_rmsnorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> 
     _sum_into(view.view(B, n), _flat(g, B, n) * _flat(xhat, B, n), first)
 
 
-def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
-    """The module's rule and the parameter names it covers, or the reason it has none."""
-    if isinstance(module, nn.Linear):
-        return _linear_rule, frozenset({"weight", "bias"})
-    if isinstance(module, Conv1D):
-        return _conv1d_rule, frozenset({"weight", "bias"})
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None or module.scale_grad_by_freq:
-            return "max_norm and scale_grad_by_freq change the gradient and have no per-sample rule"
-        return _embedding_rule, frozenset({"weight"})
-    if isinstance(module, nn.LayerNorm):
-        return _layernorm_rule, frozenset({"weight", "bias"})
-    if isinstance(module, _HF_RMSNORMS):
-        return _hf_rmsnorm_rule, frozenset({"weight"})
-    if isinstance(module, nn.RMSNorm):
-        return _torch_rmsnorm_rule, frozenset({"weight"})
+def _source_key(fn: Callable) -> str | None:
+    """A function's source without comments and whitespace (None when it has no Python source)."""
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    return re.sub(r"\s+", "", re.sub(r"#[^\n]*", "", src))
+
+
+# Verbatim RMSNorm forwards of transformers and how each multiplies the weight (see _rmsnorm_rule);
+# Gemma's forward calls self._norm, which must match too.
+_RMSNORM_FORWARDS = {
+    "cast-then-scale": (LlamaRMSNorm, ("forward",)),
+    "scale-then-cast": (Olmo2RMSNorm, ("forward",)),
+    "one-plus-w": (GemmaRMSNorm, ("forward", "_norm")),
+}
+
+
+@functools.cache
+def _rmsnorm_style(cls: type) -> str | None:
+    """Which verified RMSNorm forward ``cls`` runs, or None."""
+    for style, (ref, methods) in _RMSNORM_FORWARDS.items():
+        if all(hasattr(cls, m) and _source_key(getattr(cls, m)) == _source_key(getattr(ref, m)) for m in methods):
+            return style
+    return None
+
+
+def _fused_experts_ok(module: nn.Module) -> bool:
+    """Whether ``module`` runs transformers' fused-expert forward in its default layout (Qwen3-MoE, Mixtral,
+    OLMoE, Qwen2-MoE): gate_up_proj (E, 2I, H) concatenated [gate; up], down_proj (E, H, I), no biases."""
+    cls = type(module)
     return (
-        "supported: nn.Linear, transformers Conv1D, nn.Embedding, nn.LayerNorm, nn.RMSNorm, "
-        "Llama/Qwen2/Mistral RMSNorm; deselect it or add a rule"
+        _source_key(cls.forward) == _source_key(Qwen3MoeExperts.forward)
+        and getattr(cls, "_apply_gate", None) is _default_apply_gate
+        and getattr(module, "is_concatenated", False)
+        and getattr(module, "has_gate", False)
+        and not getattr(module, "is_transposed", True)
+        and not getattr(module, "has_bias", True)
+        and not getattr(module, "has_post_expert_norm", True)
     )
+
+
+def _call_arg(call: Call, i: int, name: str) -> Any:
+    return call.args[i] if len(call.args) > i else call.kwargs[name]
+
+
+def _grouped_outer(sample: Tensor, left: Tensor, right: Tensor, B: int) -> Tensor:
+    """(B, a, b) float32: Σ over rows r with sample[r] = n of left_r right_rᵀ; left (m, a), right (m, b)."""
+    order = torch.argsort(sample, stable=True)
+    sample, left, right = sample[order], left[order], right[order]
+    counts = torch.bincount(sample, minlength=B)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(sample.numel(), device=sample.device) - starts[sample]
+    M = int(counts.max())
+    lp = left.new_zeros(B, M, left.shape[1])
+    rp = right.new_zeros(B, M, right.shape[1])
+    lp[sample, rank] = left
+    rp[sample, rank] = right
+    return torch.bmm(lp.transpose(1, 2), rp)
+
+
+@full_call
+def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
+    """Fused experts: out_t = Σ_k w_{t,k} D_e act(G_e x_t) ⊙ (U_e x_t) with e = index_{t,k}.
+
+    Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ and ∂[G_e; U_e] = Σ_{(t,k)→e} δ_t x_tᵀ
+    with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e contribute.
+    Computed in float32; the router weights w are constants here (the router has its own rule).
+    """
+    B, H = g.shape[0], x.shape[-1]
+    h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
+    go = g.reshape(-1, H).to(torch.float32)
+    T = h.shape[0] // B
+    index = _call_arg(call, 1, "top_k_index").reshape(B * T, -1)
+    weights = _call_arg(call, 2, "top_k_weights").reshape(B * T, -1).to(torch.float32)
+    s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
+    for s in (s_gu, s_d):
+        if s is not None and s[1]:
+            s[0].zero_()
+    for e in range(module.num_experts):
+        tok, kpos = torch.where(index == e)
+        if tok.numel() == 0:
+            continue
+        xe, sample = h[tok], torch.div(tok, T, rounding_mode="floor")
+        W_gu, W_d = module.gate_up_proj[e].to(torch.float32), module.down_proj[e].to(torch.float32)
+        do = go[tok] * weights[tok, kpos, None]  # (m, H): gradient of the expert's output
+        with torch.enable_grad():
+            gu = F.linear(xe, W_gu).requires_grad_()
+            a = module._apply_gate(gu)  # (m, I)
+            if s_gu is not None:
+                (dgu,) = torch.autograd.grad(a, gu, do @ W_d)
+        if s_d is not None:
+            s_d[0][:, e] += _grouped_outer(sample, do, a.detach(), B)
+        if s_gu is not None:
+            s_gu[0][:, e] += _grouped_outer(sample, dgu, xe, B)
+
+
+def float_outputs(output: Any) -> tuple[Tensor, ...]:
+    """The floating-point tensors a module returns (the ones a gradient can reach), in order."""
+    if isinstance(output, Tensor):
+        return (output,)
+    if isinstance(output, tuple | list):
+        return tuple(t for t in output if isinstance(t, Tensor) and t.is_floating_point())
+    return ()
+
+
+@full_call
+def generic_rule(module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], slot: Slot, call: Call) -> None:
+    """Any leaf module: per sample, the vector-Jacobian product of its own forward with respect to its
+    selected parameters, at the sample's saved inputs and against the sample's output gradient(s) ``g``
+    (one per floating output, see :func:`float_outputs`), vectorised over samples with torch.func.vmap.
+
+    Tensor arguments with leading dimension B are split by sample (shown to the forward with a batch of
+    one, or as the sample's own (L, …) rows for a flattened call); others are shared.
+    """
+    cots = (g,) if isinstance(g, Tensor) else tuple(g)
+    B = cots[0].shape[0]
+    slots = {pn: s for pn, _ in module.named_parameters(recurse=False) if (s := slot(pn)) is not None}
+    if not slots:
+        return
+    primals = {pn: getattr(module, pn).detach() for pn in slots}
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    split = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == B for t in leaves]
+    per_sample = [t for t, s in zip(leaves, split, strict=True) if s]
+
+    def one(params: dict[str, Tensor], mine: list[Tensor], cot: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        own = iter(t if call.flat else t.unsqueeze(0) for t in mine)
+        args, kwargs = tree_unflatten([next(own) if s else t for t, s in zip(leaves, split, strict=True)], spec)
+
+        def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
+            with _reparametrize_module(module, p):
+                return float_outputs(module.forward(*args, **kwargs))
+
+        _, vjp_fn = torch.func.vjp(forward, params)
+        return vjp_fn(tuple(c if call.flat else c.unsqueeze(0) for c in cot))[0]
+
+    with torch.enable_grad():
+        grads = torch.func.vmap(one, in_dims=(None, 0, 0))(primals, per_sample, cots)
+    for pn, (view, first) in slots.items():
+        if first:
+            view.copy_(grads[pn])
+        else:
+            view.add_(grads[pn].to(torch.float32))
+
+
+_EXACT: dict[type, tuple[Rule, frozenset[str]]] = {
+    nn.Linear: (_linear_rule, frozenset({"weight", "bias"})),
+    FalconLinear: (_linear_rule, frozenset({"weight", "bias"})),  # input @ weight.T + bias: the same map
+    Conv1D: (_conv1d_rule, frozenset({"weight", "bias"})),
+    nn.Embedding: (_embedding_rule, frozenset({"weight"})),
+    nn.LayerNorm: (_layernorm_rule, frozenset({"weight", "bias"})),
+    nn.RMSNorm: (_torch_rmsnorm_rule, frozenset({"weight"})),
+}
+
+
+def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
+    """The module's rule and the parameter names it covers, or the reason it has none.
+
+    Fast rules by exact class (and verified forward source for RMSNorms and fused experts); any other
+    module whose submodules own no parameters gets :func:`generic_rule`.
+    """
+    cls = type(module)
+    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
+        return "max_norm and scale_grad_by_freq change the gradient and have no per-sample rule"
+    if cls in _EXACT:
+        return _EXACT[cls]
+    if _rmsnorm_style(cls) is not None:
+        return _rmsnorm_rule, frozenset({"weight"})
+    if _fused_experts_ok(module):
+        return _experts_rule, frozenset({"gate_up_proj", "down_proj"})
+    nested = next((n for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))), None)
+    if nested is not None:
+        return (
+            f"it owns parameters and so does its submodule {nested!r}; per-sample gradients need the "
+            "parameters on leaf modules (deselect this module's own parameters)"
+        )
+    own = frozenset(pn for pn, _ in module.named_parameters(recurse=False))
+    return generic_rule, own

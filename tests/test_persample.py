@@ -333,14 +333,15 @@ def test_batch_moments_rejects_bad_shapes():
 
 
 class ScaleNorm(nn.Module):
-    """A norm-like module with a parameter and no per-sample rule."""
+    """A norm-like module that owns a parameter and wraps a parametrised submodule: no per-sample rule."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.clone())
+        self.inner = nn.Linear(weight.numel(), weight.numel(), bias=False)
 
     def forward(self, x):
-        return x * self.weight
+        return self.inner(x) * self.weight
 
 
 def test_unsupported_module_names_parameter_and_type():
@@ -351,18 +352,12 @@ def test_unsupported_module_names_parameter_and_type():
     PerSampleGrads(model, select_parameters(model, ["model.layers.*"]))  # deselected: fine
 
 
-class DoubledLinear(nn.Linear):
-    """A Linear whose forward uses 2·W: the Linear rule applies by type but is wrong by a factor 2."""
-
-    def forward(self, x):
-        return F.linear(x, 2 * self.weight, self.bias)
-
-
 def test_self_check_catches_rule_mismatch():
     model = llama(tied=False)
     old = model.model.layers[0].mlp.up_proj
-    new = DoubledLinear(old.in_features, old.out_features, bias=False).eval()
+    new = nn.Linear(old.in_features, old.out_features, bias=False).eval()
     new.weight = old.weight
+    new.forward = lambda x: F.linear(x, 2 * new.weight)  # the Linear rule applies by class, wrong by 2
     model.model.layers[0].mlp.up_proj = new
     layout = select_parameters(model)
     batch = make_batch(16, **BATCH)
