@@ -175,9 +175,10 @@ class MomentAccumulator:
         return out
 
     def load(self, rows: dict[str, np.ndarray], cols: slice = slice(None)) -> None:
-        """Restore state written by :meth:`rows` (scalars always; the (H, columns) arrays at ``cols``)."""
+        """Restore state written by :meth:`rows`: the scalars and (H, columns) arrays at ``cols`` it holds."""
         for name in ("count", "mean_a", "m2_a"):
-            getattr(self, name)[:] = rows[name]
+            if name in rows:
+                getattr(self, name)[:] = rows[name]
         pairs = [("mean_s", self.mean), ("m2_s", self.m2), ("c_as", self.c)]
         if self.mean_lo is not None:
             pairs.append(("mean_s_lo", self.mean_lo))

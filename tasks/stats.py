@@ -55,6 +55,8 @@ def load_moments(sc: Any) -> tuple[Moments, Moments, Moments]:
         return sample_moments(S, A, block_rows=rows), halves[0], halves[1]
     count = sc["count"][:]
     arrays = {n: da.from_zarr(sc[n]) for n in ("mean_s", "m2_s", "c_as")}
+    if "mean_s_lo" in sc:  # float32 state: the mean is an unevaluated pair hi + lo
+        arrays["mean_s"] = arrays["mean_s"].astype(np.float64) + da.from_zarr(sc["mean_s_lo"]).astype(np.float64)
     scal = {n: sc[n][:] for n in ("mean_a", "m2_a")}
 
     def pick(sel: np.ndarray) -> Moments:
