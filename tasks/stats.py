@@ -3,8 +3,9 @@
 Reads the scores store lazily: per-sample rows when they were kept (exact float64 moments of the
 stored float32 scores), else the moment-state rows (two per shard), chunk by chunk along ``param``,
 and writes the (param,) outputs chunk by chunk, so memory is bounded by the chunk size, not P. Runs
-on dask's threaded scheduler, or on the dask.distributed scheduler at ``dask.address``. Store ``stats.zarr``: (param,) float64 arrays m, F,
-Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries over dim ``tensor``; scalars in attrs.
+on dask's threaded scheduler, or on the dask.distributed scheduler at ``dask.address``. Store
+``stats.zarr``: (param,) float64 arrays m, F, Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries
+over dim ``tensor``; scalars in attrs.
 """
 
 from __future__ import annotations
