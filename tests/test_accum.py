@@ -104,12 +104,12 @@ def test_accumulator_rejects_bad_use():
         acc.fold(2, torch.zeros(2, 4))
 
 
-def fused(model, layout, batches, state_dtype="float64", rows=False, check=True):
+def fused(model, layout, batches, state_dtype="float64", rows=False, check=True, device="cpu"):
     """Accumulate ``batches`` (list of (batch, advantages, half)) through PerSampleGrads.accumulate."""
     psg = PerSampleGrads(model, layout, check=check)
-    acc = MomentAccumulator(layout.P, "cpu", state_dtype)
+    acc = MomentAccumulator(layout.P, device, state_dtype)
     for batch, a, h in batches:
-        out = torch.empty(len(a), layout.P) if rows else None
+        out = torch.empty(len(a), layout.P, device=device) if rows else None
         fn = lambda z, b=batch: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
         psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, acc, a, h, batch["position_ids"], out=out)
     return acc
