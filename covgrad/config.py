@@ -113,6 +113,12 @@ class ScoresSection(Section):
     byte_budget: int = Field(2 * 1024**3, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     self_check: bool = True
+    # Moment state on the device and in the store: float64 (48 bytes per parameter for the two halves) or
+    # float32 (32 bytes: mean as a float32 pair, sums in float32; relative error ≲ batches × 6e-8).
+    state_dtype: Literal["float64", "float32"] = "float64"
+    # Checkpoint the state every this many batches or seconds, whichever comes first (never affects results).
+    checkpoint_batches: int = Field(64, ge=1)
+    checkpoint_seconds: float = Field(1800.0, gt=0)
 
 
 class MasksSection(Section):

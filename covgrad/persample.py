@@ -21,12 +21,14 @@ vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layo
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from covgrad.accum import MomentAccumulator
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.rules import FLATTENING_PARENTS, Call, Rule, float_outputs, rule_for
 
@@ -144,9 +146,15 @@ class PerSampleGrads:
         # Modules run on a flattened (B·L, …) batch by a verified parent (OPT layers, MoE blocks).
         flattening = [m for m in model.modules() if type(m) in FLATTENING_PARENTS]
         self._flat_ok = {id(m) for parent in flattening for m in parent.modules()}
-        # Per-call state, set and cleared by __call__.
+        # Per-call state, set and cleared by _per_sample.
+        self._B = 0
         self._out: Tensor | None = None
+        self._acc: MomentAccumulator | None = None
+        self._sums: dict[str, Tensor] | None = None
         self._written: set[str] = set()
+        self._folded: set[str] = set()
+        self._pending: dict[str, int] = {}  # module calls whose backward contribution is still to come
+        self._blocks: dict[str, Tensor] = {}  # in-flight per-sample blocks (fused reduction without rows)
         self._roots: list[Tensor] = []
 
     def __call__(
@@ -179,6 +187,71 @@ class PerSampleGrads:
             ValueError: when the model is in training mode, shapes or ``out`` disagree, or (first call,
                 ``check``) a parameter's summed per-sample gradient differs from the batched gradient.
         """
+        inputs = self._checked_inputs(input_ids, attention_mask, position_ids)
+        B, device = input_ids.shape[0], input_ids.device
+        if out is None:
+            out = torch.empty(B, self.layout.P, dtype=torch.float32, device=device)
+        else:
+            self._check_out(out, B, device)
+        scores = self._per_sample(inputs, dlogits_fn, out)
+        if self.check:
+            self._self_check(inputs, dlogits_fn, partial(_column_sums, scores))
+            self.check = False
+        return scores
+
+    def accumulate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        dlogits_fn: Callable[[Tensor], Tensor],
+        acc: MomentAccumulator,
+        advantages: Tensor | np.ndarray,
+        half: Tensor | np.ndarray,
+        position_ids: Tensor | None = None,
+        *,
+        out: Tensor | None = None,
+    ) -> None:
+        """The fused reduction: fold every sample's gradient into ``acc``, tensor by tensor, as it is produced.
+
+        Each selected tensor's per-sample block (B, *shape) lives only from its first contribution in the
+        backward until its last (tied tensors sum their modules' contributions first) and is then folded
+        into the accumulator's rows and dropped, so the extra device memory is the blocks in flight (one
+        tensor's, or a tied embedding's across the backward) instead of B × P. Same arguments as
+        :meth:`__call__`, plus:
+
+        Args:
+            acc: accumulator on the inputs' device with the layout's P.
+            advantages: shape (B,), each sample's advantage.
+            half: shape (B,) integers in [0, acc.H), the accumulator row of each sample.
+            out: optional (B, P) float32 buffer: the per-sample rows are also written there (for stores
+                that keep them); the fold then reads them from it.
+
+        Raises:
+            ValueError: as :meth:`__call__`, or when ``acc`` does not match the layout or device.
+        """
+        inputs = self._checked_inputs(input_ids, attention_mask, position_ids)
+        B, device = input_ids.shape[0], input_ids.device
+        if acc.P != self.layout.P or acc.device != device:
+            raise ValueError(
+                f"accumulator has P={acc.P} on {acc.device}; this layout needs P={self.layout.P} on {device}"
+            )
+        if out is not None:
+            self._check_out(out, B, device)
+        sums: dict[str, Tensor] | None = {} if self.check else None
+        acc.begin_batch(advantages, half)
+        try:
+            self._per_sample(inputs, dlogits_fn, out, acc, sums)
+        except BaseException:
+            acc.abort_batch()
+            raise
+        acc.end_batch()
+        if sums is not None:
+            self._self_check(inputs, dlogits_fn, lambda e: sums[e.name])
+            self.check = False
+
+    def _checked_inputs(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None
+    ) -> dict[str, Tensor | None]:
         training = [name for name, m in self.model.named_modules() if m.training]
         if training:
             raise ValueError(f"model must be in eval mode (dropout off); {training[0] or 'the model'} is training")
@@ -189,11 +262,10 @@ class PerSampleGrads:
             )
         if position_ids is not None and position_ids.shape != input_ids.shape:
             raise ValueError(f"position_ids must have shape {tuple(input_ids.shape)}; got {tuple(position_ids.shape)}")
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        B, device = input_ids.shape[0], input_ids.device
-        if out is None:
-            out = torch.empty(B, self.layout.P, dtype=torch.float32, device=device)
-        elif (
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+    def _check_out(self, out: Tensor, B: int, device: torch.device) -> None:
+        if (
             out.shape != (B, self.layout.P)
             or out.dtype != torch.float32
             or out.device != device
@@ -203,17 +275,17 @@ class PerSampleGrads:
                 f"out must be a contiguous float32 tensor of shape {(B, self.layout.P)} on {device}; got "
                 f"{out.dtype} {tuple(out.shape)} on {out.device}"
             )
-        scores = self._per_sample(inputs, dlogits_fn, out)
-        if self.check:
-            self._self_check(inputs, dlogits_fn, scores)
-            self.check = False
-        return scores
 
     def _per_sample(
-        self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor], out: Tensor
-    ) -> Tensor:
-        B = out.shape[0]
-        self._out = out
+        self,
+        inputs: dict[str, Tensor | None],
+        dlogits_fn: Callable[[Tensor], Tensor],
+        out: Tensor | None,
+        acc: MomentAccumulator | None = None,
+        sums: dict[str, Tensor] | None = None,
+    ) -> Tensor | None:
+        B = inputs["input_ids"].shape[0]
+        self._B, self._out, self._acc, self._sums = B, out, acc, sums
         flags = [(p, p.requires_grad) for p in self.model.parameters()]
         handles = []
         try:
@@ -228,15 +300,50 @@ class PerSampleGrads:
                     dlogits = _checked_dlogits(dlogits_fn, logits)
                     torch.autograd.grad(logits, self._roots, dlogits.to(logits.dtype), allow_unused=True)
             for e in self.layout.entries:
-                if e.name not in self._written:  # the parameter does not reach the logits
-                    self._out[:, e.offset : e.offset + e.numel].zero_()
-            return self._out
+                if e.name not in self._written and out is not None:  # the parameter does not reach the logits
+                    out[:, e.offset : e.offset + e.numel].zero_()
+                if acc is not None and e.name not in self._folded:  # not reached, or a call without a backward
+                    self._fold(e)
+            return out
         finally:
             for h in handles:
                 h.remove()
             for p, flag in flags:
                 p.requires_grad_(flag)
-            self._out, self._written, self._roots = None, set(), []
+            self._out, self._acc, self._sums, self._roots = None, None, None, []
+            self._written, self._folded, self._pending, self._blocks = set(), set(), {}, {}
+
+    def _block(self, entry: TensorEntry) -> Tensor:
+        """The (B, numel) float32 per-sample block of ``entry``: a view of the output rows, or its own
+        buffer while it is in flight (fused reduction without rows)."""
+        if self._out is not None:
+            return self._out[:, entry.offset : entry.offset + entry.numel]
+        block = self._blocks.get(entry.name)
+        if block is None:
+            block = torch.empty(self._B, entry.numel, dtype=torch.float32, device=self._acc.device)
+            self._blocks[entry.name] = block
+        return block
+
+    def _fold(self, entry: TensorEntry) -> None:
+        """Fold ``entry``'s finished block into the accumulator and release it."""
+        block = self._block(entry)
+        if entry.name not in self._written:
+            block.zero_()
+        self._acc.fold(entry.offset, block)
+        if self._sums is not None:
+            self._sums[entry.name] = block.sum(0, dtype=torch.float64)
+        self._blocks.pop(entry.name, None)
+        self._folded.add(entry.name)
+
+    def _run_rule(self, apply: Callable[[], None], local: dict[str, TensorEntry]) -> None:
+        """Run a rule (``apply``); in the fused reduction, fold every tensor whose last contribution this was."""
+        apply()
+        if self._acc is None:
+            return
+        for entry in local.values():
+            self._pending[entry.name] -= 1
+            if self._pending[entry.name] == 0:
+                self._fold(entry)
 
     def _forward_hook(self, B: int, rule: Rule, local: dict[str, TensorEntry]) -> Callable:
         """Forward hook: save the input, make the output a graph root if needed, hook its gradient."""
@@ -247,8 +354,7 @@ class PerSampleGrads:
                 return None
             first = entry.name not in self._written
             self._written.add(entry.name)
-            view = self._out[:, entry.offset : entry.offset + entry.numel]
-            return view.view(B, *entry.shape), first
+            return self._block(entry).view(B, *entry.shape), first
 
         needs_call = getattr(rule, "needs_call", False)
 
@@ -283,9 +389,12 @@ class PerSampleGrads:
             def run(g: Tensor | tuple[Tensor, ...]) -> None:
                 g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
                 if needs_call:
-                    rule(module, x, g, slot, call=call)
+                    self._run_rule(lambda: rule(module, x, g, slot, call=call), local)
                 else:
-                    rule(module, x, g, slot)
+                    self._run_rule(lambda: rule(module, x, g, slot), local)
+
+            for entry in local.values():  # contributions the backward will bring (tied or repeated modules)
+                self._pending[entry.name] = self._pending.get(entry.name, 0) + 1
 
             if isinstance(output, Tensor):
                 if not output.requires_grad:
@@ -307,9 +416,13 @@ class PerSampleGrads:
         return hook
 
     def _self_check(
-        self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor], scores: Tensor
+        self,
+        inputs: dict[str, Tensor | None],
+        dlogits_fn: Callable[[Tensor], Tensor],
+        summed_of: Callable[[TensorEntry], Tensor],
     ) -> None:
-        """Raise unless Σ_n s_n matches the batched autograd gradient for every selected tensor."""
+        """Raise unless Σ_n s_n (``summed_of(entry)``, (numel,) float64) matches the batched autograd
+        gradient for every selected tensor."""
         with torch.enable_grad():
             logits = self.model(**inputs, use_cache=False).logits
             dlogits = _checked_dlogits(dlogits_fn, logits).to(logits.dtype)
@@ -318,7 +431,7 @@ class PerSampleGrads:
         # holds only rounding noise; it is compared against 1e-4 of the whole gradient's norm instead.
         floor = 1e-4 * float(sum(float(g.double().norm()) ** 2 for g in grads if g is not None) ** 0.5)
         for e, p, g in zip(self.layout.entries, self._params, grads, strict=True):
-            summed = scores[:, e.offset : e.offset + e.numel].sum(0, dtype=torch.float64)
+            summed = summed_of(e)
             ref = torch.zeros_like(summed) if g is None else g.detach().reshape(-1).to(torch.float64)
             err = float((summed - ref).norm())
             scale = max(float(ref.norm()), float(summed.norm()), floor)
@@ -346,50 +459,13 @@ class _Tap(torch.autograd.Function):
         return (None, *grads)
 
 
+def _column_sums(scores: Tensor, entry: TensorEntry) -> Tensor:
+    """Σ over samples of ``entry``'s columns of (B, P) scores, (numel,) float64."""
+    return scores[:, entry.offset : entry.offset + entry.numel].sum(0, dtype=torch.float64)
+
+
 def _checked_dlogits(dlogits_fn: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:
     dlogits = dlogits_fn(logits.detach())
     if dlogits.shape != logits.shape:
         raise ValueError(f"dlogits_fn must return the logits' shape {tuple(logits.shape)}; got {tuple(dlogits.shape)}")
     return dlogits
-
-
-def batch_moments(S: Tensor, A: Tensor) -> dict[str, int | float | np.ndarray]:
-    """Moment row of one batch of scores and advantages, in float64 (the row the reduction merges).
-
-    Args:
-        S: shape (B, P) scores, float32 (any float dtype), B ≥ 1.
-        A: shape (B,) advantages.
-
-    Returns:
-        ``count`` (int B), ``mean_a`` (float), ``m2_a`` (float, Σ_n (a_n − ā)²), and float64 numpy arrays
-        of shape (P,): ``mean_s``, ``m2_s`` = Σ_n (s_n − s̄)², ``c_as`` = Σ_n (a_n − ā)(s_n − s̄).
-        Sums are not divided by B; rows combine with Chan's parallel update.
-
-    Raises:
-        ValueError: when S is not (B, P) with B ≥ 1 or A is not (B,).
-    """
-    if S.dim() != 2 or S.shape[0] < 1 or A.shape != S.shape[:1]:
-        raise ValueError(f"S must be (B, P) with B >= 1 and A (B,); got {tuple(S.shape)} and {tuple(A.shape)}")
-    B, P = S.shape
-    a = A.detach().to(device="cpu", dtype=torch.float64)
-    mean_a = a.mean()
-    ac = a - mean_a  # (B,)
-    mean_s = torch.empty(P, dtype=torch.float64)
-    m2_s = torch.empty(P, dtype=torch.float64)
-    c_as = torch.empty(P, dtype=torch.float64)
-    block = 4096  # columns per float64 block: B·4096·8 bytes stays in cache (4x faster than 65536 at B=32)
-    for j in range(0, P, block):
-        d = S[:, j : j + block].detach().to(device="cpu", dtype=torch.float64, copy=True)  # (B, b)
-        m = d.mean(0)
-        d.sub_(m)  # demean before multiplying (no E[s²] − E[s]² cancellation)
-        mean_s[j : j + block] = m
-        m2_s[j : j + block] = (d * d).sum(0)
-        c_as[j : j + block] = ac @ d
-    return {
-        "count": B,
-        "mean_a": float(mean_a),
-        "m2_a": float((ac * ac).sum()),
-        "mean_s": mean_s.numpy(),
-        "m2_s": m2_s.numpy(),
-        "c_as": c_as.numpy(),
-    }

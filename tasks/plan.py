@@ -19,7 +19,7 @@ from tasks import base_model
 VERSIONS = {
     "base_model": base_model.VERSION,
     "rollouts": "1",
-    "scores": "2",
+    "scores": "3",
     "stats": "1",
     "masks": "1",
     "tokens": "1",
@@ -80,6 +80,7 @@ def plan(cfg: PipelineConfig) -> dict[str, Node]:
                 "params": cfg.scores.params,
                 "groups_per_batch": cfg.scores.groups_per_batch,
                 "byte_budget": cfg.scores.byte_budget,
+                "state_dtype": cfg.scores.state_dtype,
                 "dtype": cfg.model.dtype,
             }
             _node(store, nodes, f"scores.{name}.{c}", score_cfg, ("base_model", f"rollouts.{name}"))

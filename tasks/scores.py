@@ -1,9 +1,17 @@
-"""scores stage: exact per-sample scores of the policy, centered under the policy or the sampler.
+"""scores stage: exact per-sample scores of the policy, folded on the device into O(P) moment state.
 
-Store ``scores.zarr`` (dims: sample, param, row, batch):
-- moment rows, always: ``count, mean_a, m2_a (row,)`` and ``mean_s, m2_s, c_as (row, param)``
-  float64, two rows per batch (row 2b + h holds the batch's samples of prompt groups with parity h,
-  for the cross-fit); a half with no samples has count 0;
+Store ``scores.zarr`` (dims: sample, param, row, batch, shard):
+- moment state, always: ``count, mean_a, m2_a (row,)`` float64 and ``mean_s, m2_s, c_as (row, param)`` in
+  ``scores.state_dtype`` (float32 adds ``mean_s_lo``, the low half of the mean), two rows per shard: row
+  2i + h holds shard i's samples of the prompt groups with parity h (the cross-fit). The rows are the
+  accumulators of :class:`covgrad.accum.MomentAccumulator` (Chan-merged over the shard's batches on the
+  device), so the store's size does not grow with the number of samples; a row with no samples has count 0;
+- ``shard_batches (shard,)``: batches folded into shard i's final rows, written after them (-1 until then);
+- while a shard runs, checkpoints ``ckpt/shard{i}/n{k}/`` (same arrays for the shard's two rows, then
+  ``batches`` = k written last), every ``scores.checkpoint_batches`` batches or ``checkpoint_seconds``;
+  a batch is marked in ``batch_done`` only once a checkpoint that contains it is complete, so a resumed
+  run restores the newest complete checkpoint, recomputes the batches after it in the same order and
+  ends with the same bytes as an uninterrupted run;
 - per-sample rows ``scores (sample, param)`` float32 when N·P·4 bytes fit ``scores.byte_budget``;
 - ``advantage``, ``group (sample,)``, ``batch_done (batch,)``; attrs: the tensor table, centering.
 Batches hold whole prompt groups, so group-relative advantages and the parity split stay exact.
@@ -11,6 +19,7 @@ Batches hold whole prompt groups, so group-relative advantages and the parity sp
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -18,10 +27,11 @@ import numpy as np
 import torch
 from prefect import task
 
+from covgrad.accum import MomentAccumulator
 from covgrad.centering import align_full_mu, align_topk_mu, kl_sampler_policy, mask_unscored
 from covgrad.config import PipelineConfig
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, batch_moments, score_logit_grad
+from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.sampling import recompute_sampler_logp
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from tasks.base_model import load_models
@@ -31,6 +41,8 @@ from tasks.rollouts import sampler_spec
 
 STORE = "scores.zarr"
 PARAM_CHUNK = 65536
+SCALARS = ("count", "mean_a", "m2_a")
+STATE = ("mean_s", "m2_s", "c_as")
 
 
 def pick_device(choice: str) -> torch.device:
@@ -93,15 +105,21 @@ class MuSource:
 
 class ScoresJob:
     """One scores artifact as three explicit steps, so that shards can share a store:
-    ``prepare`` creates every array (once, before any shard runs), ``run(shard)`` computes the
-    pending batches b with b % n == i for ``shard = (i, n)``, and ``finalize`` writes the attributes
-    and consolidated metadata once every batch is done."""
+    ``prepare`` creates every array (once, before any shard runs), ``run(shard)`` folds the batches
+    b with b % n == i of ``shard = (i, n)`` into that shard's rows, and ``finalize`` writes the
+    attributes and consolidated metadata once every batch is done."""
 
     def __init__(
-        self, store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, instance: str, up: dict[str, ArtifactRef]
+        self,
+        store: ArtifactStore,
+        ref: ArtifactRef,
+        cfg: PipelineConfig,
+        instance: str,
+        up: dict[str, ArtifactRef],
+        n_shards: int = 1,
     ) -> None:
         _, self.sampler, self.centering = instance.split(".")
-        self.store, self.ref, self.cfg = store, ref, cfg
+        self.store, self.ref, self.cfg, self.n_shards = store, ref, cfg, n_shards
         self.ro = store.open_group(up[f"rollouts.{self.sampler}"], ROLLOUTS, mode="r")
         self.model, _ = load_models(store, up["base_model"], "policy", cfg)
         self.device = pick_device(cfg.scores.device)
@@ -115,25 +133,55 @@ class ScoresJob:
         self.keep_rows = cfg.scores.byte_budget >= self.N * self.P * 4 and all(
             hi - lo == self.B for lo, hi in self.batches[:-1]
         )
+        self.state_dtype = cfg.scores.state_dtype
+        self.state_names = STATE + (("mean_s_lo",) if self.state_dtype == "float32" else ())
+        self.chunk_p = max(1, min(self.P, PARAM_CHUNK))
         sampler_centered = self.centering == "sampler"
         self.mu_source = MuSource(store, up["base_model"], cfg, self.ro, self.sampler) if sampler_centered else None
 
+    def _state_arrays(self, g: Any, rows: int) -> None:
+        """Create the moment-state arrays with ``rows`` rows in group ``g`` (existing ones are kept)."""
+        for name in SCALARS:
+            if name not in g:
+                g.create_array(name, shape=(rows,), chunks=(2,), dtype="float64", fill_value=0, dimension_names=["row"])
+        for name in self.state_names:
+            if name not in g:
+                g.create_array(
+                    name,
+                    shape=(rows, self.P),
+                    chunks=(2, self.chunk_p),
+                    dtype=self.state_dtype,
+                    fill_value=0,
+                    compressors=None,  # float noise does not compress; fixed size: O(P), independent of N
+                    dimension_names=["row", "param"],
+                )
+
     def prepare(self) -> None:
-        """Create the store's arrays (idempotent: existing arrays and finished batches are kept)."""
+        """Create the store's arrays (idempotent: existing arrays, checkpoints and finished batches are kept)."""
         g = self.store.open_group(self.ref, STORE, mode="a")
         N, P, nb = self.N, self.P, len(self.batches)
-        chunk_p = min(P, PARAM_CHUNK)
+        if "shard_batches" in g and g["shard_batches"].shape != (self.n_shards,):
+            raise ValueError(
+                f"{self.store.path(self.ref, STORE)} holds the state of {g['shard_batches'].shape[0]} shards, not "
+                f"{self.n_shards}; resume with that many shards or delete the artifact directory"
+            )
 
         def arr(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, dims: list[str]) -> None:
             if name not in g:
                 g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, dimension_names=dims)
 
-        for name in ("count", "mean_a", "m2_a"):
-            arr(name, (2 * nb,), (2,), "float64", ["row"])
-        for name in ("mean_s", "m2_s", "c_as"):
-            arr(name, (2 * nb, P), (2, chunk_p), "float64", ["row", "param"])
+        self._state_arrays(g, 2 * self.n_shards)
+        if "shard_batches" not in g:
+            g.create_array(
+                "shard_batches",
+                shape=(self.n_shards,),
+                chunks=(1,),
+                dtype="int64",
+                fill_value=-1,
+                dimension_names=["shard"],
+            )
         if self.keep_rows:
-            arr("scores", (N, P), (self.B, chunk_p), "float32", ["sample", "param"])
+            arr("scores", (N, P), (self.B, self.chunk_p), "float32", ["sample", "param"])
         if self.mu_source is not None:
             arr("kl_sum", (nb,), (1,), "float64", ["batch"])
             arr("kl_tokens", (nb,), (1,), "float64", ["batch"])
@@ -144,15 +192,29 @@ class ScoresJob:
         create_progress(g, nb)
 
     def run(self, shard: tuple[int, int] = (0, 1)) -> None:
-        """Compute and write the pending batches of ``shard``; each batch is marked done after its data."""
+        """Fold the batches of ``shard`` into its rows, resuming from its newest complete checkpoint."""
+        i, n = shard
+        if n != self.n_shards or not 0 <= i < n:
+            raise ValueError(f"shard {shard} does not belong to a job of {self.n_shards} shards")
         g = self.store.open_group(self.ref, STORE, mode="a")
+        mine = list(range(i, len(self.batches), n))
+        acc = MomentAccumulator(self.P, self.device, self.state_dtype)
+        done = self._restore(g, i, acc)
+        for b in mine[:done]:  # folded into a complete checkpoint, perhaps killed before marking
+            if g["batch_done"][b] == 0:
+                mark_batch_done(g, b)
+        todo = mine[done:]
+        if not mine and g["shard_batches"][i] < 0:
+            self._checkpoint(g, i, acc, 0, final=True)
         ro, device, mu_source = self.ro, self.device, self.mu_source
         psg = PerSampleGrads(self.model, self.layout, check=self.cfg.scores.self_check)
-        buffer = torch.empty((self.B, self.P), dtype=torch.float32, device=device)  # reused: fresh pages are slow
-        todo = [b for b in pending_batches(g) if b % shard[1] == shard[0]]
+        buffer = torch.empty((self.B, self.P), dtype=torch.float32, device=device) if self.keep_rows else None
+        every, seconds = self.cfg.scores.checkpoint_batches, self.cfg.scores.checkpoint_seconds
+        since: list[int] = []
+        last_save = time.monotonic()
         with progress_bar(f"scores {self.sampler}/{self.centering}", len(self.batches)) as bar:
             bar.update(len(self.batches) - len(todo))
-            for b in todo:
+            for k, b in enumerate(todo):
                 lo, hi = self.batches[b]
                 tokens = torch.from_numpy(ro["tokens"][lo:hi]).long()
                 pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
@@ -164,27 +226,97 @@ class ScoresJob:
                 else:
                     fn = mu_source.dlogits_fn(lo, hi, tokens, pl, rl, target)
                 pos = torch.arange(tokens.shape[1]).expand_as(tokens)  # right-padded rows: positions 0..L-1
-                S = psg(tokens.to(device), attn.to(device), fn, position_ids=pos.to(device), out=buffer[: hi - lo])
-                S = S.cpu()  # (b, P) float32
-                a = torch.from_numpy(self.adv[lo:hi])
-                half = torch.from_numpy(self.group[lo:hi] % 2)
-                for h in (0, 1):
-                    sel = half == h
-                    if bool(sel.any()):
-                        for name, value in batch_moments(S[sel], a[sel]).items():
-                            g[name][2 * b + h] = value
-                if self.keep_rows:
-                    g["scores"][lo:hi] = S.numpy()
+                out = None if buffer is None else buffer[: hi - lo]
+                psg.accumulate(
+                    tokens.to(device),
+                    attn.to(device),
+                    fn,
+                    acc,
+                    self.adv[lo:hi],
+                    self.group[lo:hi] % 2,
+                    position_ids=pos.to(device),
+                    out=out,
+                )
+                if out is not None:
+                    g["scores"][lo:hi] = out.cpu().numpy()
                 if mu_source is not None:
                     g["kl_sum"][b], g["kl_tokens"][b] = mu_source.kl
-                mark_batch_done(g, b)
-                bar.update(1)
+                since.append(b)
+                final = k == len(todo) - 1
+                if final or len(since) >= every or time.monotonic() - last_save >= seconds:
+                    self._checkpoint(g, i, acc, done + k + 1, final)
+                    for bb in since:
+                        mark_batch_done(g, bb)
+                    self._drop_checkpoints(g, i, keep=None if final else done + k + 1)
+                    bar.update(len(since))
+                    since, last_save = [], time.monotonic()
+
+    def _ckpt_group(self, g: Any, i: int) -> Any:
+        return g.require_group(f"ckpt/shard{i}")
+
+    def _restore(self, g: Any, i: int, acc: MomentAccumulator) -> int:
+        """Load shard i's newest complete state into ``acc``; return how many of its batches it holds."""
+        folded = int(g["shard_batches"][i])
+        if folded >= 0:  # the final rows are complete: nothing left to fold
+            self._drop_checkpoints(g, i, keep=None)
+            return folded
+        ck = self._ckpt_group(g, i)
+        complete = [int(ck[k]["batches"][0]) for k in ck.group_keys() if "batches" in ck[k]]
+        complete = [c for c in complete if c >= 0]
+        if not complete:
+            self._drop_checkpoints(g, i, keep=None)
+            return 0
+        best = max(complete)
+        src = ck[f"n{best}"]
+        acc.load({name: src[name][:] for name in SCALARS})
+        step = self._write_step()
+        for j in range(0, self.P, step):
+            cols = slice(j, min(self.P, j + step))
+            acc.load({name: src[name][:, cols] for name in self.state_names}, cols)
+        self._drop_checkpoints(g, i, keep=best)
+        return best
+
+    def _write_step(self) -> int:
+        """Columns per state read/write: whole chunks, about 64 MiB of host memory per array."""
+        return self.chunk_p * max(1, (1 << 23) // (2 * self.chunk_p))
+
+    def _checkpoint(self, g: Any, i: int, acc: MomentAccumulator, folded: int, final: bool) -> None:
+        """Write shard i's state (``folded`` batches) to its final rows or a new checkpoint, commit record last."""
+        if final:
+            target, rows = g, slice(2 * i, 2 * i + 2)
+        else:
+            ck = self._ckpt_group(g, i)
+            name = f"n{folded}"
+            if name in ck:  # a torn attempt of an earlier run
+                del ck[name]
+            target, rows = ck.create_group(name), slice(0, 2)
+            self._state_arrays(target, 2)
+        state = acc.rows(slice(0, 0))
+        for name in SCALARS:
+            target[name][rows] = state[name]
+        step = self._write_step()
+        for j in range(0, self.P, step):
+            cols = slice(j, min(self.P, j + step))
+            part = acc.rows(cols)
+            for name in self.state_names:
+                write_state(target[name], rows, cols, part[name])
+        if final:
+            g["shard_batches"][i] = folded
+        else:
+            target.create_array("batches", data=np.array([folded], dtype=np.int64), fill_value=-1)
+
+    def _drop_checkpoints(self, g: Any, i: int, keep: int | None) -> None:
+        """Delete shard i's checkpoints other than ``n{keep}`` (all when keep is None)."""
+        ck = self._ckpt_group(g, i)
+        for name in list(ck.group_keys()):
+            if name != f"n{keep}":
+                del ck[name]
 
     def finalize(self) -> dict[str, Any] | None:
         """Write attrs and consolidated metadata when every batch is done; return the provenance
         (None while batches are pending)."""
         g = self.store.open_group(self.ref, STORE, mode="a")
-        if pending_batches(g):
+        if pending_batches(g) or bool((g["shard_batches"][:] < 0).any()):
             return None
         g.attrs.update(
             {
@@ -193,6 +325,8 @@ class ScoresJob:
                 "sampler": self.sampler,
                 "n_samples": self.N,
                 "n_params": self.P,
+                "n_shards": self.n_shards,
+                "state_dtype": self.state_dtype,
                 "per_sample_rows": self.keep_rows,
                 "device": str(self.device),
                 "dtype": self.cfg.model.dtype,
@@ -203,6 +337,11 @@ class ScoresJob:
             g.attrs["kl_sampler_policy_per_token"] = kl
         self.store.consolidate(self.ref, STORE)
         return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.keep_rows}
+
+
+def write_state(array: Any, rows: slice, cols: slice, values: np.ndarray) -> None:
+    """One block of a state array: ``array[rows, cols] = values`` (a seam for the kill-during-write test)."""
+    array[rows, cols] = values
 
 
 def _compute(

@@ -1,9 +1,9 @@
 """Sharded score extraction: one ``scores`` artifact computed by several dask workers at once.
 
-Shard ``i`` of ``n`` computes the batches ``b`` with ``b % n == i`` of one ``scores.zarr`` store
-(layout in ``tasks/scores.py``). Every batch owns its own chunks (moment rows, per-sample rows and
-its ``batch_done`` flag), so shards never write the same chunk. The order of operations keeps the
-store consistent:
+Shard ``i`` of ``n`` folds the batches ``b`` with ``b % n == i`` of one ``scores.zarr`` store
+(layout in ``tasks/scores.py``) into its own two moment-state rows (2i, 2i + 1) and checkpoints; every
+batch owns its per-sample rows and ``batch_done`` flag, so shards never write the same chunk. The
+order of operations keeps the store consistent:
 
 1. ``begin`` claims the artifact (resuming finished batches) and one call creates every array
    before any shard starts, so no two shards race on ``create_array``;
@@ -13,8 +13,9 @@ store consistent:
    completion marker is written last; the flow holds the artifact's writer lock throughout, exactly
    as ``tasks.common.run_stage`` does.
 
-The result is the same store the unsharded stage writes: each batch's numbers depend only on the
-batch, not on which worker computed it (given the same torch thread count).
+The per-sample rows are those the unsharded stage writes (each batch's numbers depend only on the
+batch, given the same torch thread count); the moment state has two rows per shard, which the stats
+stage merges, so the statistics agree with the unsharded run's to float64 rounding.
 """
 
 from typing import Any
@@ -56,7 +57,7 @@ def scores_shard(
 ) -> None:
     """Compute the batches of ``shard = (i, n)`` into the store at ``ref`` with ``torch_threads`` threads."""
     torch.set_num_threads(torch_threads)
-    scores.ScoresJob(ArtifactStore(ref.root), ref, cfg, instance, upstream).run(shard)
+    scores.ScoresJob(ArtifactStore(ref.root), ref, cfg, instance, upstream, n_shards=shard[1]).run(shard)
 
 
 @flow(name="covgrad-scores-sharded")
@@ -77,7 +78,7 @@ def sharded_scores_flow(
         if store.is_complete(ref):
             return {"key": ref.key, "computed": False, "n_shards": n_shards}
         claim = store.begin(ref, {"instance": instance, "params": config.scores.params}, resume=True)
-        job = scores.ScoresJob(store, ref, config, instance, upstream)
+        job = scores.ScoresJob(store, ref, config, instance, upstream, n_shards=n_shards)
         job.prepare()
         futures = scores_shard.map(
             unmapped(ref),

@@ -1,9 +1,11 @@
 """stats stage: Fisher, covariance, alignment, the bound and the cross-fit, reduced with dask.
 
 Reads the scores store lazily: per-sample rows when they were kept (exact float64 moments of the
-stored float32 scores), else the moment rows. Runs on dask's threaded scheduler, or on the
-dask.distributed scheduler at ``dask.address``. Store ``stats.zarr``: (param,) float64 arrays m, F,
-Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries over dim ``tensor``; scalars in attrs.
+stored float32 scores), else the moment-state rows (two per shard), chunk by chunk along ``param``,
+and writes the (param,) outputs chunk by chunk, so memory is bounded by the chunk size, not P. Runs
+on dask's threaded scheduler, or on the dask.distributed scheduler at ``dask.address``. Store
+``stats.zarr``: (param,) float64 arrays m, F, Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries
+over dim ``tensor``; scalars in attrs.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def load_moments(sc: Any) -> tuple[Moments, Moments, Moments]:
         return sample_moments(S, A, block_rows=rows), halves[0], halves[1]
     count = sc["count"][:]
     arrays = {n: da.from_zarr(sc[n]) for n in ("mean_s", "m2_s", "c_as")}
+    if "mean_s_lo" in sc:  # float32 state: the mean is an unevaluated pair hi + lo
+        arrays["mean_s"] = arrays["mean_s"].astype(np.float64) + da.from_zarr(sc["mean_s_lo"]).astype(np.float64)
     scal = {n: sc[n][:] for n in ("mean_a", "m2_a")}
 
     def pick(sel: np.ndarray) -> Moments:
@@ -71,33 +75,37 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     sc = store.open_group(up, SCORES, mode="r")
     layout = ParamLayout.from_records(sc.attrs["tensors"])
     full, even, odd = load_moments(sc)
-    with dask_scheduler(cfg.dask.address):
-        stats = compute_stats(full)
-        cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
-        (stats, cross) = dask.compute(stats, cross)
-    stats = {k: np.asarray(v) for k, v in stats.items()}
-    summary = {k: np.asarray(v) for k, v in tensor_summary(stats, layout).items()}
+    stats = compute_stats(full)
+    cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
+    summary = tensor_summary(stats, layout)
+    rho = stats["rho"]
+    max_abs_rho = da.nanmax(da.where(da.isfinite(rho), abs(rho), np.nan)) if layout.P else da.asarray(np.nan)
     g = store.open_group(ref, STORE, mode="w")
-    chunk = min(layout.P, 65536)
-    for name in PARAM_STATS:
-        g.create_array(name, data=stats[name].astype(np.float64), chunks=(chunk,), dimension_names=["param"])
-    g.create_array(
-        "crossfit_ratio",
-        data=np.asarray(cross[0]["ratio"], dtype=np.float64),
-        chunks=(chunk,),
-        dimension_names=["param"],
-    )
+    chunk = max(1, min(layout.P, 65536))
+    columns = {name: stats[name] for name in PARAM_STATS} | {"crossfit_ratio": cross[0]["ratio"]}
+    targets = [
+        g.create_array(name, shape=(layout.P,), chunks=(chunk,), dtype="float64", dimension_names=["param"])
+        for name in columns
+    ]
+    # (param,) arrays go to the store chunk by chunk (memory bounded by the chunk size, not P); the
+    # scalars and per-tensor sums come out of the same pass over the moment rows.
+    sources = [da.asarray(x, dtype=np.float64).rechunk(chunk) for x in columns.values()]
+    with dask_scheduler(cfg.dask.address):
+        small = {k: stats[k] for k in SCALARS}
+        crossed = [{k: c[k] for k in ("n_exceed", "n_finite", "frac_exceed")} for c in cross]
+        stored = da.store(sources, targets, lock=False, compute=False)
+        _, small, crossed, summary, max_abs_rho = dask.compute(stored, small, crossed, summary, max_abs_rho)
+    summary = {k: np.asarray(v) for k, v in summary.items()}
     for name, values in summary.items():
         g.create_array(f"tensor_{name}", data=values, dimension_names=["tensor"])
     names = g.create_array("tensor_name", shape=(len(layout.entries),), dtype=str, dimension_names=["tensor"])
     names[:] = np.asarray([e.name for e in layout.entries])
     g.create_array("tensor_offset", data=np.asarray([e.offset for e in layout.entries]), dimension_names=["tensor"])
-    scalars = {k: stats[k].item() for k in SCALARS}
-    finite_rho = stats["rho"][np.isfinite(stats["rho"])]
-    scalars["max_abs_rho"] = float(np.abs(finite_rho).max()) if finite_rho.size else float("nan")
+    scalars = {k: np.asarray(small[k]).item() for k in SCALARS}
+    scalars["max_abs_rho"] = float(max_abs_rho)
     scalars["P"] = layout.P
     scalars["kl_sampler_policy_per_token"] = sc.attrs.get("kl_sampler_policy_per_token", float("nan"))
-    for i, c in enumerate(cross):
+    for i, c in enumerate(crossed):
         tag = "even_F_odd_G" if i == 0 else "odd_F_even_G"
         scalars[f"crossfit_{tag}_n_exceed"] = int(c["n_exceed"])
         scalars[f"crossfit_{tag}_n_finite"] = int(c["n_finite"])

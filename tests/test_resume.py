@@ -22,16 +22,19 @@ import pytest
 
 from tests.conftest import REPO, below, tiny_config
 
-# Many small batches, so a kill can land in the middle: 8 score batches and 8 rollout batches.
+# Many small batches, so a kill can land in the middle: 8 score batches and 8 rollout batches; the
+# scores state is checkpointed every 3 batches (after batches 3, 6 and the final 8).
 OVERRIDES = {
     "tokens.enabled": False,
     "update_check.enabled": False,
     "scores.groups_per_batch": 1,
+    "scores.checkpoint_batches": 3,
     "rollouts.samplers.policy.batch_size": 4,
 }
 
-# argv: root, instance, mode ("kill" | "race"), arg (kill: calls to let through; race: directory
-# for the ready/go files), overrides JSON. Prints {"computed": ...} as its last line.
+# argv: root, instance, mode ("kill" | "kill-write" | "race"), arg (kill: batch marks to let through;
+# kill-write: state block writes to let through; race: directory for the ready/go files), overrides
+# JSON. Prints {"computed": ...} as its last line.
 CHILD = r"""
 import importlib, json, os, signal, sys, time
 from pathlib import Path
@@ -56,6 +59,16 @@ def mark(group, b):
     real_mark(group, b)
 
 module.mark_batch_done = mark
+if mode == "kill-write":
+    real_write, writes = module.write_state, []
+
+    def write(*args):
+        if len(writes) == int(arg):
+            os.kill(os.getpid(), signal.SIGKILL)
+        writes.append(1)
+        real_write(*args)
+
+    module.write_state = write
 if mode == "race":
     sync = Path(arg)
     (sync / f"ready-{os.getpid()}").touch()
@@ -65,6 +78,9 @@ upstream = {u: nodes[u].ref for u in node.upstream}
 result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, instance, upstream)
 print(json.dumps({"computed": result.computed, "batches": len(calls)}))
 """
+
+
+STATE_ARRAYS = {"count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as", "shard_batches", "ckpt"}
 
 
 def run_chain(cfg) -> dict[str, str]:
@@ -156,11 +172,11 @@ def test_rerun_cached_and_invalidation_recomputes_exactly_below(reference, tmp_p
     # A truncated scores store: one chunk file and the marker gone -> recomputed from scratch.
     ref = nodes["scores.policy.policy"].ref
     chunks = sorted(p for p in store.fs.find(store.path(ref, "scores.zarr", "mean_s")) if "/c/" in p)
-    before = store.fs.cat_file(chunks[1])
-    store.fs.rm([chunks[1], store.path(ref, MARKER)])
+    before = store.fs.cat_file(chunks[0])
+    store.fs.rm([chunks[0], store.path(ref, MARKER)])
     status = run_chain(cfg)
     assert computed(status) == below(cfg, "scores.policy.policy")
-    assert store.fs.cat_file(chunks[1]) == before
+    assert store.fs.cat_file(chunks[0]) == before
     assert set(run_chain(cfg).values()) == {"cached"}
     if where == "memory":
         store.fs.rm(store.base, recursive=True)
@@ -183,27 +199,24 @@ def test_stale_upstream_is_not_resumed(reference, tmp_path):
     assert None not in claim["upstream_stamps"].values()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("instance", ["scores.policy.policy", "rollouts.policy"])
-def test_sigkill_at_random_batch_then_resume_is_byte_identical(reference, tmp_path, instance, monkeypatch):
+def resume_after_kill(reference, tmp_path, instance, mode, arg, monkeypatch) -> tuple[list[int], Path]:
+    """Kill a child computing ``instance`` (``mode``, ``arg``), leave a torn ``*.partial`` file, resume in
+    this process; return the batches the resumed run marked done and the artifact directory."""
     import importlib
 
     from tasks.plan import plan
     from tasks.registry import STAGE_TASKS
 
-    ref_root, _, nodes = reference
-    seed = random.randrange(2**32)
-    kill_after = random.Random(seed).randrange(1, 7)
+    _, _, nodes = reference
     root = tmp_path / "root"
     cfg = copy_root(reference, root, drop=(instance,))
-    child = spawn(root, instance, "kill", str(kill_after))
+    child = spawn(root, instance, mode, str(arg))
     _, err = child.communicate(timeout=300)
-    assert child.returncode == -signal.SIGKILL, f"seed {seed}: child did not die by SIGKILL:\n{err[-2000:]}"
+    assert child.returncode == -signal.SIGKILL, f"{mode} {arg}: child did not die by SIGKILL:\n{err[-2000:]}"
     art = artifact_dir(root, nodes, instance)
     assert not (art / "_COMPLETE.json").exists()
     store_name = "scores.zarr" if instance.startswith("scores") else "rollouts.zarr"
-    leftover = art / store_name / "stray.partial"
-    leftover.write_bytes(b"torn")
+    (art / store_name / "stray.partial").write_bytes(b"torn")
 
     module = importlib.import_module(f"tasks.{nodes[instance].ref.stage}")
     real_mark, marked = module.mark_batch_done, []
@@ -213,11 +226,68 @@ def test_sigkill_at_random_batch_then_resume_is_byte_identical(reference, tmp_pa
     assert node.ref.root == str(root)
     result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, instance, {u: here[u].ref for u in node.upstream})
     assert result.computed
-    assert len(marked) == 8 - kill_after, f"seed {seed}: resumed {len(marked)} batches, killed after {kill_after}"
     assert not list(art.rglob("*.partial"))
+    return marked, art
+
+
+def assert_same_store(reference, art: Path, instance: str, note: str) -> None:
+    ref_root, _, nodes = reference
+    store_name = "scores.zarr" if instance.startswith("scores") else "rollouts.zarr"
     got = data_digests(art / store_name)
     want = data_digests(artifact_dir(ref_root, nodes, instance) / store_name)
-    assert got == want, f"seed {seed}: files differ: {sorted(k for k in want if got.get(k) != want[k])}"
+    assert got == want, (
+        f"{note}: files differ: {sorted(set(want) ^ set(got) | {k for k in want if got.get(k) != want[k]})}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("instance", ["scores.policy.policy", "rollouts.policy"])
+def test_sigkill_at_random_batch_then_resume_is_byte_identical(reference, tmp_path, instance, monkeypatch):
+    """Killed while marking batches done (rollouts: after any batch; scores: between checkpoints, whose
+    marks come after each complete checkpoint): the resumed run redoes exactly the unmarked batches."""
+    seed = random.randrange(2**32)
+    kill_after = random.Random(seed).randrange(1, 7)
+    marked, art = resume_after_kill(reference, tmp_path, instance, "kill", kill_after, monkeypatch)
+    if instance.startswith("scores"):
+        # marks come in checkpoint groups [0, 1, 2], [3, 4, 5], [6, 7]; the kill lands inside a group whose
+        # checkpoint is complete, so the resumed run finishes that group's marks and recomputes the rest.
+        assert sorted(marked) == list(range(kill_after, 8)), f"seed {seed}: {marked}"
+    else:
+        assert len(marked) == 8 - kill_after, f"seed {seed}: resumed {len(marked)} batches, killed after {kill_after}"
+    assert_same_store(reference, art, instance, f"seed {seed}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writes", [1, 5])
+def test_sigkill_while_writing_a_checkpoint_then_resume_is_byte_identical(reference, tmp_path, writes, monkeypatch):
+    """Killed in the middle of writing the state (first checkpoint, or the second after a complete first):
+    the torn checkpoint is discarded and the batches after the last complete one are recomputed."""
+    instance = "scores.policy.policy"
+    marked, art = resume_after_kill(reference, tmp_path, instance, "kill-write", writes, monkeypatch)
+    blocks = 3  # state arrays per checkpoint (one block each in the tiny model)
+    first_incomplete = 3 * (writes // blocks)  # batches of the last complete checkpoint
+    assert sorted(marked) == list(range(first_incomplete, 8)), marked
+    assert_same_store(reference, art, instance, f"kill after {writes} writes")
+
+
+@pytest.mark.slow
+def test_scores_store_size_does_not_grow_with_samples(tmp_path):
+    """The moment state is O(P): its bytes are the same for N and 4N samples."""
+    from tasks.plan import plan
+    from tasks.registry import STAGE_TASKS
+
+    sizes = {}
+    for groups in (4, 16):
+        cfg = tiny_config(str(tmp_path / f"g{groups}"), **{**OVERRIDES, "task.n_prompts": groups})
+        nodes = plan(cfg)
+        refs = {}
+        for name in ("base_model", "rollouts.policy", "scores.policy.policy"):
+            node = nodes[name]
+            refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream}).ref
+        art = artifact_dir(Path(cfg.root), nodes, "scores.policy.policy") / "scores.zarr"
+        state = [p for p in art.rglob("*") if p.is_file() and p.relative_to(art).parts[0] in STATE_ARRAYS]
+        sizes[groups] = (sum(p.stat().st_size for p in state), len(state))
+    assert sizes[4] == sizes[16] and sizes[4][1] >= 7, sizes
 
 
 @pytest.mark.slow

@@ -84,17 +84,25 @@ def test_stage_scores_match_naive_loop(run):
         assert np.linalg.norm(stored[n] - ref) / np.linalg.norm(ref) < 1e-5
 
 
-def test_moment_rows_match_per_sample_rows(run):
+def test_moment_state_matches_per_sample_rows(run):
+    """The state rows (one per parity half, folded on the device) equal two-pass float64 moments of the
+    stored per-sample rows within 1e-9."""
     _, store, refs = run
     g = store.open_group(refs["scores.policy.policy"], "scores.zarr")
     S = g["scores"][:].astype(np.float64)
     A = g["advantage"][:]
-    count = g["count"][:]
-    assert count.sum() == len(S)
-    mean_s = g["mean_s"][:]
-    merged = (count[:, None] * mean_s).sum(0) / count.sum()
-    np.testing.assert_allclose(merged, S.mean(0), rtol=1e-9, atol=1e-12)
-    assert g.attrs["per_sample_rows"] and len(A) == len(S)
+    half = g["group"][:] % 2
+    assert g["count"].shape == (2,) and g["mean_s"].shape == (2, S.shape[1]) and g["shard_batches"][:].tolist() == [4]
+    assert g.attrs["per_sample_rows"] and g.attrs["state_dtype"] == "float64"
+    assert list(g["ckpt/shard0"].group_keys()) == []  # checkpoints are dropped once the final rows are written
+    for h in (0, 1):
+        s, a = S[half == h], A[half == h]
+        ds, da = s - s.mean(0), a - a.mean()
+        assert g["count"][h] == len(a)
+        np.testing.assert_allclose([g["mean_a"][h], g["m2_a"][h]], [a.mean(), da @ da], rtol=1e-12)
+        for name, want in (("mean_s", s.mean(0)), ("m2_s", (ds * ds).sum(0)), ("c_as", da @ ds)):
+            err = np.abs(g[name][h] - want).max() / np.abs(want).max()
+            assert err < 1e-9, (name, h, err)
 
 
 def test_kl_recorded_and_equal_across_mu_sources(run):

@@ -1,0 +1,215 @@
+"""Score moments accumulated on the scores' device: O(P) state per parity half, merged batch by batch.
+
+The scores stage never keeps a (B, P) block of scores longer than needed: each parameter tensor's
+per-sample block (B, n) is folded into the accumulators as soon as it is complete, and dropped. The
+state of half h (the cross-fit's prompt-group parity) is one moment row in the format of
+:class:`covgrad.stats.Moments`: the sample count, the mean advantage and Σ(a − ā)², and per parameter
+the mean score, ``m2_s`` = Σ(s − s̄)² and ``c_as`` = Σ(a − ā)(s − s̄), so ``covgrad.stats`` merges the
+rows of several shards exactly as it merged the per-batch rows.
+
+Merge (Chan's update): a batch of b samples of half h, shifted by a common K (the running mean, or the
+batch's first sample before the first batch), gives S1 = Σd, S2 = Σd², SA = Σ(a − ā_b)d with d = s − K
+(two GEMMs with the (2H, b) indicator/advantage matrix, one pass for d²). Then with n_old samples
+before and n = n_old + b after, δ = K + S1/b − mean_old:
+    mean += δ·b/n,   m2 += (S2 − S1²/b) + δ²·n_old·b/n,   c += (SA − S1·Σ(a − ā_b)/b) + δ·Δā·n_old·b/n.
+
+``state_dtype=float64`` (default): 24 bytes per parameter per half. ``float32``: the mean is kept as an
+unevaluated float32 pair (hi + lo, error-free TwoSum renormalisation, so the shift K = hi stays within
+rounding of the true mean and δ is accurate even when mean/std is 1e4), m2 and c as float32 sums of
+non-negative-dominated per-batch terms (relative error ≲ batches·6e-8): 16 bytes per parameter per half.
+
+Shape notation: H halves (rows), B samples in a batch, P parameter elements, n columns of one tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+STATE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+# Columns per fold step: bounds the transient (B, columns) state-dtype buffers. CPU: small enough to stay
+# in cache; accelerators: large enough that a step is a few big kernels.
+_FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}
+
+
+class MomentAccumulator:
+    """Running per-half moments of per-sample scores and advantages, on one device.
+
+    Args:
+        P: parameter elements (flat axis of the layout).
+        device: where the (H, P) state lives; folded blocks must be on it.
+        state_dtype: ``"float64"`` or ``"float32"`` (see the module docstring for the error model).
+        halves: H, the number of independent rows (2: the prompt-group parity halves).
+
+    Attributes:
+        count, mean_a, m2_a: shape (H,) float64 numpy, samples, mean advantage and Σ(a − ā)² per half.
+        mean, m2, c: shape (H, P) tensors of ``state_dtype`` on ``device``: mean score (the hi part
+            for float32), Σ(s − s̄)² and Σ(a − ā)(s − s̄).
+        mean_lo: shape (H, P) float32 low part of the mean (float32 state only), else None.
+    """
+
+    def __init__(self, P: int, device: torch.device | str, state_dtype: str = "float64", halves: int = 2) -> None:
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype {state_dtype!r} is not supported; use one of {sorted(STATE_DTYPES)}")
+        if P < 0 or halves < 1:
+            raise ValueError(f"P must be >= 0 and halves >= 1; got P={P}, halves={halves}")
+        self.P, self.H, self.device = P, halves, torch.device(device)
+        self.dtype = STATE_DTYPES[state_dtype]
+        self.state_dtype = state_dtype
+        self.count = np.zeros(halves)
+        self.mean_a = np.zeros(halves)
+        self.m2_a = np.zeros(halves)
+        self.mean = torch.zeros(halves, P, dtype=self.dtype, device=self.device)
+        self.m2 = torch.zeros_like(self.mean)
+        self.c = torch.zeros_like(self.mean)
+        self.mean_lo = torch.zeros_like(self.mean) if self.dtype == torch.float32 else None
+        self._batch: _Batch | None = None
+        self._fold_elements = _FOLD_ELEMENTS.get(self.device.type, 1 << 22)
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Device bytes of state per parameter element (all halves)."""
+        return self.H * (4 if self.mean_lo is not None else 3) * self.mean.element_size()
+
+    def begin_batch(self, advantages: Tensor | np.ndarray, half: Tensor | np.ndarray) -> None:
+        """Start a batch: its advantages (B,) and each sample's half (B,) integers in [0, H)."""
+        a = np.asarray(torch.as_tensor(advantages).cpu(), dtype=np.float64)
+        h = np.asarray(torch.as_tensor(half).cpu(), dtype=np.int64)
+        if a.ndim != 1 or h.shape != a.shape or a.size < 1:
+            raise ValueError(f"advantages and half must both be (B,) with B >= 1; got {a.shape} and {h.shape}")
+        if h.min() < 0 or h.max() >= self.H:
+            raise ValueError(f"half values must lie in [0, {self.H}); got range [{h.min()}, {h.max()}]")
+        if self._batch is not None:
+            raise ValueError("begin_batch called twice; call end_batch after folding every tensor")
+        self._batch = _Batch(a, h, self)
+
+    def fold(self, offset: int, block: Tensor) -> None:
+        """Fold one tensor's per-sample block (B, n) (any float dtype) into columns [offset, offset + n)."""
+        batch = self._batch
+        if batch is None:
+            raise ValueError("fold called outside a batch; call begin_batch first")
+        B, n = block.shape[0], block[0].numel()
+        if B != batch.B or offset < 0 or offset + n > self.P:
+            raise ValueError(
+                f"block of {B} samples × {n} columns at offset {offset} does not fit the batch of {batch.B} "
+                f"and P={self.P}"
+            )
+        block = block.reshape(B, n)
+        step = max(1, self._fold_elements // B)
+        for j in range(0, n, step):
+            self._fold_columns(batch, offset + j, block[:, j : j + step])
+
+    def _fold_columns(self, batch: _Batch, p0: int, x: Tensor) -> None:
+        cols = slice(p0, p0 + x.shape[1])
+        f32 = self.mean_lo is not None
+        first = batch.first
+        K = x[0].to(self.dtype) if self.count[first] == 0 else self.mean[first, cols].clone()  # (n,)
+        d = torch.sub(x, K) if x.dtype == self.dtype else torch.sub(x.to(self.dtype), K)  # (B, n)
+        lin = batch.weights @ d  # (2H, n): rows h: Σ_h d; rows H + h: Σ_h (a − ā_b) d
+        sq = batch.weights[: self.H] @ (d * d)  # (H, n): Σ_h d²
+        for h in batch.active:
+            nb, n_old = batch.nb[h], self.count[h]
+            s1, s2, sa = lin[h], sq[h], lin[self.H + h]
+            m2b = s2 - s1 * s1 / nb
+            cb = sa - s1 * (batch.ac_sum[h] / nb)
+            rel = s1 / nb  # batch mean − K
+            if n_old == 0:
+                self.m2[h, cols] = m2b
+                self.c[h, cols] = cb
+                self._set_mean(h, cols, K, rel)
+                continue
+            w, f = nb / (n_old + nb), n_old * nb / (n_old + nb)
+            old = self.mean[h, cols]
+            if f32:
+                delta = ((K - old) - self.mean_lo[h, cols]) + rel
+            else:
+                delta = (K - old) + rel
+            self.m2[h, cols] += m2b + (f * delta) * delta
+            self.c[h, cols] += cb + (f * batch.d_a[h]) * delta
+            if f32:
+                self._set_mean(h, cols, old.clone(), self.mean_lo[h, cols] + w * delta)
+            else:
+                old += w * delta
+
+    def _set_mean(self, h: int, cols: slice, base: Tensor, add: Tensor) -> None:
+        """mean[h, cols] = base + add, as an error-free float32 pair (TwoSum) in the float32 state."""
+        if self.mean_lo is None:
+            torch.add(base, add, out=self.mean[h, cols])
+            return
+        hi = base + add
+        bp = hi - base
+        self.mean_lo[h, cols] = (base - (hi - bp)) + (add - bp)
+        self.mean[h, cols] = hi
+
+    def end_batch(self) -> None:
+        """Commit the batch's advantage moments (after every tensor of the batch is folded)."""
+        batch = self._batch
+        if batch is None:
+            raise ValueError("end_batch called outside a batch")
+        for h in batch.active:
+            nb, n_old = batch.nb[h], self.count[h]
+            n = n_old + nb
+            if n_old == 0:
+                self.mean_a[h], self.m2_a[h] = batch.mean_a[h], batch.m2_a[h]
+            else:
+                self.m2_a[h] += batch.m2_a[h] + batch.d_a[h] ** 2 * n_old * nb / n
+                self.mean_a[h] += batch.d_a[h] * nb / n
+            self.count[h] = n
+        self._batch = None
+
+    def abort_batch(self) -> None:
+        """Forget a batch whose folds failed (the state must then be restored from a checkpoint)."""
+        self._batch = None
+
+    def rows(self, cols: slice = slice(None)) -> dict[str, np.ndarray]:
+        """The state as host numpy: ``count, mean_a, m2_a`` (H,) float64 and ``mean_s, m2_s, c_as``
+        (H, columns) in the state dtype (plus ``mean_s_lo`` for float32 state)."""
+        out = {"count": self.count.copy(), "mean_a": self.mean_a.copy(), "m2_a": self.m2_a.copy()}
+        out["mean_s"] = self.mean[:, cols].cpu().numpy()
+        out["m2_s"] = self.m2[:, cols].cpu().numpy()
+        out["c_as"] = self.c[:, cols].cpu().numpy()
+        if self.mean_lo is not None:
+            out["mean_s_lo"] = self.mean_lo[:, cols].cpu().numpy()
+        return out
+
+    def load(self, rows: dict[str, np.ndarray], cols: slice = slice(None)) -> None:
+        """Restore state written by :meth:`rows`: the scalars and (H, columns) arrays at ``cols`` it holds."""
+        for name in ("count", "mean_a", "m2_a"):
+            if name in rows:
+                getattr(self, name)[:] = rows[name]
+        pairs = [("mean_s", self.mean), ("m2_s", self.m2), ("c_as", self.c)]
+        if self.mean_lo is not None:
+            pairs.append(("mean_s_lo", self.mean_lo))
+        for name, t in pairs:
+            if name in rows:
+                t[:, cols] = torch.from_numpy(np.ascontiguousarray(rows[name])).to(self.device, self.dtype)
+
+
+class _Batch:
+    """Per-batch constants of the merge: per-half counts, advantage moments, the GEMM weights."""
+
+    def __init__(self, a: np.ndarray, half: np.ndarray, acc: MomentAccumulator) -> None:
+        H = acc.H
+        self.B = len(a)
+        self.nb = np.bincount(half, minlength=H).astype(np.float64)
+        self.active = [h for h in range(H) if self.nb[h] > 0]
+        self.first = int(half[0])
+        self.mean_a = np.zeros(H)
+        self.m2_a = np.zeros(H)
+        self.ac_sum = np.zeros(H)
+        self.d_a = np.zeros(H)
+        weights = np.zeros((2 * H, self.B))
+        for h in self.active:
+            sel = half == h
+            ah = a[sel]
+            ra = ah - ah[0]
+            self.mean_a[h] = ah[0] + ra.sum() / self.nb[h]
+            ac = ra - ra.sum() / self.nb[h]  # a − ā_b, shifted first so that it does not cancel
+            self.m2_a[h] = ac @ ac
+            self.ac_sum[h] = ac.sum()
+            self.d_a[h] = self.mean_a[h] - acc.mean_a[h] if acc.count[h] > 0 else 0.0
+            weights[h, sel] = 1.0
+            weights[H + h, sel] = ac
+        self.weights = torch.from_numpy(weights).to(acc.device, acc.dtype)  # (2H, B)

@@ -1,0 +1,177 @@
+"""The device-resident reduction: MomentAccumulator against numpy float64, and PerSampleGrads.accumulate
+(blocks folded tensor by tensor during the backward) against the moments of the per-sample rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from covgrad.accum import MomentAccumulator
+from covgrad.layout import select_parameters
+from covgrad.persample import PerSampleGrads, score_logit_grad
+from tests.test_persample import BATCH, MODELS, DoubledLinear, llama, make_batch, naive_scores
+
+TOL = {"float64": 1e-9, "float32": 1e-5}
+
+
+def numpy_moments(S: np.ndarray, A: np.ndarray, half: np.ndarray, H: int = 2) -> dict[str, np.ndarray]:
+    """Per-half count, mean_a, m2_a (H,) and mean_s, m2_s, c_as (H, P), two-pass float64."""
+    out = {k: [] for k in ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as")}
+    for h in range(H):
+        s, a = S[half == h].astype(np.float64), A[half == h].astype(np.float64)
+        ds, da = s - s.mean(0), a - a.mean()
+        for k, v in zip(out, (len(a), a.mean(), da @ da, s.mean(0), (ds * ds).sum(0), da @ ds), strict=True):
+            out[k].append(v)
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def state(acc: MomentAccumulator) -> dict[str, np.ndarray]:
+    """The accumulator's rows with the float32 mean pair summed in float64."""
+    rows = acc.rows()
+    rows["mean_s"] = rows["mean_s"].astype(np.float64) + rows.pop("mean_s_lo", 0.0)
+    return rows
+
+
+def assert_close(got: dict, want: dict, rtol: float) -> None:
+    """Every array within ``rtol`` of the largest magnitude of its reference row."""
+    for k, w in want.items():
+        g = np.asarray(got[k], dtype=np.float64)
+        scale = np.maximum(np.abs(w).max(axis=-1, keepdims=True) if w.ndim > 1 else np.abs(w), 1e-300)
+        err = np.abs(g - w) / scale
+        assert err.max() <= rtol, f"{k}: relative error {err.max():.3g} > {rtol:g}"
+
+
+@pytest.mark.parametrize("state_dtype", ["float64", "float32"])
+@pytest.mark.parametrize("ratio", [1.0, 1e4])
+def test_accumulator_matches_numpy_float64(state_dtype, ratio):
+    """Uneven batches (single-sample, single-half) and mean/std up to 1e4 against a two-pass float64."""
+    rng = np.random.default_rng(int(ratio) + len(state_dtype))
+    N, P = 120, 300
+    S = (rng.standard_normal((N, P)) * rng.uniform(0.5, 2, P) + ratio * rng.standard_normal(P)).astype(np.float32)
+    S[:, 7] = 3.25  # a constant column: zero variance, exactly
+    A = rng.standard_normal(N) + 5.0
+    half = rng.integers(0, 2, N)
+    half[:9] = 1  # the first batch holds one half only
+    acc = MomentAccumulator(P, "cpu", state_dtype)
+    bounds = [0, 9, 10, 33, 64, 120]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        acc.begin_batch(A[lo:hi], half[lo:hi])
+        for c0, c1 in ((0, 100), (100, 101), (101, P)):  # tensors folded in any order, any sizes
+            acc.fold(c0, torch.from_numpy(S[lo:hi, c0:c1]))
+        acc.end_batch()
+    want = numpy_moments(S, A, half)
+    got = state(acc)
+    assert_close(got, want, TOL[state_dtype])
+    assert got["m2_s"][:, 7].tolist() == [0.0, 0.0] and got["c_as"][:, 7].tolist() == [0.0, 0.0]
+    assert acc.mean.dtype == (torch.float64 if state_dtype == "float64" else torch.float32)
+    assert acc.bytes_per_param == (48 if state_dtype == "float64" else 32)
+
+
+def test_accumulator_state_round_trips_and_continues_identically():
+    rng = np.random.default_rng(5)
+    S = rng.standard_normal((40, 50)).astype(np.float32)
+    A, half = rng.standard_normal(40), rng.integers(0, 2, 40)
+
+    def feed(acc: MomentAccumulator, lo: int, hi: int) -> None:
+        for b in range(lo, hi, 8):
+            acc.begin_batch(A[b : b + 8], half[b : b + 8])
+            acc.fold(0, torch.from_numpy(S[b : b + 8]))
+            acc.end_batch()
+
+    for dt in ("float64", "float32"):
+        whole = MomentAccumulator(50, "cpu", dt)
+        feed(whole, 0, 40)
+        part = MomentAccumulator(50, "cpu", dt)
+        feed(part, 0, 16)
+        resumed = MomentAccumulator(50, "cpu", dt)
+        resumed.load(part.rows())
+        feed(resumed, 16, 40)
+        for k, v in whole.rows().items():
+            assert v.tobytes() == resumed.rows()[k].tobytes(), k
+
+
+def test_accumulator_rejects_bad_use():
+    acc = MomentAccumulator(4, "cpu")
+    with pytest.raises(ValueError, match="state_dtype 'float16'"):
+        MomentAccumulator(4, "cpu", "float16")
+    with pytest.raises(ValueError, match="outside a batch"):
+        acc.fold(0, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="half values"):
+        acc.begin_batch(np.zeros(2), np.array([0, 2]))
+    acc.begin_batch(np.zeros(2), np.array([0, 1]))
+    with pytest.raises(ValueError, match="does not fit"):
+        acc.fold(2, torch.zeros(2, 4))
+
+
+def fused(model, layout, batches, state_dtype="float64", rows=False, check=True, device="cpu"):
+    """Accumulate ``batches`` (list of (batch, advantages, half)) through PerSampleGrads.accumulate."""
+    psg = PerSampleGrads(model, layout, check=check)
+    acc = MomentAccumulator(layout.P, device, state_dtype)
+    for batch, a, h in batches:
+        out = torch.empty(len(a), layout.P, device=device) if rows else None
+        fn = lambda z, b=batch: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
+        psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, acc, a, h, batch["position_ids"], out=out)
+    return acc
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_reduction_matches_moments_of_rows(name):
+    """The fused fold sees exactly the rows __call__ returns (bitwise), and its state equals numpy float64
+    moments of them; the rows themselves match the naive loop."""
+    model = MODELS[name]()
+    layout = select_parameters(model)
+    batches, rows = [], []
+    psg = PerSampleGrads(model, layout, check=False)
+    for seed in (30, 31, 32):
+        batch = make_batch(seed, **BATCH)
+        gen = np.random.default_rng(seed)
+        batches.append((batch, gen.standard_normal(4), np.array([0, 1, 1, seed % 2])))
+        fn = lambda z, b=batch: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
+        rows.append(psg(batch["input_ids"], batch["attention_mask"], fn, batch["position_ids"]))
+    S = torch.cat(rows).numpy()
+    ref = naive_scores(model, layout, batches[0][0]).double()
+    assert float((rows[0].double() - ref).norm() / ref.norm()) < 1e-5
+    A = np.concatenate([a for _, a, _ in batches])
+    half = np.concatenate([h for _, _, h in batches])
+    want = numpy_moments(S, A, half)
+    acc = fused(model, layout, batches)
+    assert_close(state(acc), want, 1e-9)
+    with_rows = fused(model, layout, batches, rows=True, check=False)
+    for k, v in acc.rows().items():
+        assert np.array_equal(v, with_rows.rows()[k]), k
+    assert_close(state(fused(model, layout, batches, "float32", check=False)), want, 1e-5)
+
+
+def test_fused_reduction_never_holds_all_blocks():
+    """Untied model: at every fold, the blocks in flight are a small part of B × P."""
+    model = llama(tied=False)
+    layout = select_parameters(model)
+    batch = make_batch(33, **BATCH)
+    psg = PerSampleGrads(model, layout, check=False)
+    acc = MomentAccumulator(layout.P, "cpu")
+    in_flight = []
+    real_fold = acc.fold
+    acc.fold = lambda offset, block: (
+        in_flight.append(sum(b.numel() for b in psg._blocks.values())),
+        real_fold(offset, block),
+    )
+    fn = lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"])  # noqa: E731
+    psg.accumulate(
+        batch["input_ids"], batch["attention_mask"], fn, acc, np.ones(4), np.zeros(4, int), batch["position_ids"]
+    )
+    assert len(in_flight) == len(layout.entries)
+    largest = max(e.numel for e in layout.entries)
+    assert max(in_flight) <= 4 * largest < 4 * layout.P / 3
+
+
+def test_fused_self_check_catches_rule_mismatch():
+    model = llama(tied=False)
+    old = model.model.layers[0].mlp.up_proj
+    new = DoubledLinear(old.in_features, old.out_features, bias=False).eval()
+    new.weight = old.weight
+    model.model.layers[0].mlp.up_proj = new
+    layout = select_parameters(model)
+    batch = make_batch(34, **BATCH)
+    with pytest.raises(ValueError, match=r"self-check failed for parameter 'model\.layers\.0\.mlp\.up_proj\.weight'"):
+        fused(model, layout, [(batch, np.ones(4), np.zeros(4, int))])

@@ -1,0 +1,52 @@
+"""The same code on cuda: per-sample rows against the naive loop, the fused reduction against numpy float64,
+and the bf16 tensor-core products against the fp32 products of the same values. Skipped without cuda."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from covgrad.layout import select_parameters
+from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.rules import _bmm_into, _flat
+from tests.test_accum import assert_close, fused, numpy_moments, state
+from tests.test_persample import BATCH, MODELS, make_batch, naive_scores
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda device")
+
+
+def on(batch: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cuda_rows_match_naive_loop_and_fused_state_matches_numpy(name):
+    model = MODELS[name]()
+    layout = select_parameters(model)
+    batch = make_batch(40, **BATCH)
+    ref = naive_scores(model, layout, batch).double()
+    model.cuda()
+    b = on(batch, "cuda")
+    psg = PerSampleGrads(model, layout)
+    fn = lambda z: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
+    rows = psg(b["input_ids"], b["attention_mask"], fn, b["position_ids"])
+    assert float((rows.double().cpu() - ref).norm() / ref.norm()) < 1e-5
+    a, h = np.array([0.5, -1.0, 2.0, 0.25]), np.array([0, 1, 1, 0])
+    acc = fused(model, layout, [(b, a, h)], device="cuda")
+    assert acc.mean.is_cuda
+    assert_close(state(acc), numpy_moments(rows.cpu().numpy(), a, h), 1e-9)
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_low_precision_products_on_tensor_cores_equal_fp32_products(low):
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 40, 48, generator=gen).to(low).cuda()
+    x = torch.randn(3, 40, 24, generator=gen).to(low).cuda()
+    gf, xf = _flat(g, 3, 48), _flat(x, 3, 24)
+    assert gf.dtype == torch.float32 and gf.covgrad_low == low
+    got = torch.empty(3, 48, 24, device="cuda")
+    _bmm_into(got, gf.transpose(1, 2), xf, True)
+    _bmm_into(got, gf.transpose(1, 2), xf, False)
+    want = 2 * torch.bmm(gf.transpose(1, 2).double(), xf.double())
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
