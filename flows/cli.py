@@ -138,6 +138,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         why = "partial" if not r["complete"] else "unreferenced"
         print(f"remove {r['stage']}/{r['key']} ({why}, {_size(r['bytes'])})")
     if not args.yes:
+        if not sys.stdin.isatty():
+            print("nothing removed: not a terminal; pass --yes to delete without asking")
+            return 0
         answer = input(f"delete these {len(doomed)} artifact(s)? [y/N] ").strip().lower()
         if answer != "y":
             print("nothing removed")
@@ -146,6 +149,34 @@ def cmd_gc(args: argparse.Namespace) -> int:
         store.clear(store.ref(r["stage"], r["key"]))
     print(f"removed {len(doomed)} artifact(s)")
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-hash every file of the run's (or, with ``--all``, every) complete artifact against its manifest."""
+    from storage.artifacts import ArtifactStore
+    from storage.runs import read_run_index
+
+    store = ArtifactStore(args.root)
+    if args.all == (args.run is not None):
+        raise ValueError("covgrad verify needs a run name or key, or --all (not both)")
+    if args.all:
+        refs = [store.ref(r["stage"], r["key"]) for r in store.list_artifacts() if r["complete"]]
+    else:
+        artifacts = read_run_index(store, args.run)["artifacts"]
+        refs = sorted({(a["stage"], a["key"]) for a in artifacts.values()})
+        refs = [store.ref(stage, key) for stage, key in refs]
+    damaged = 0
+    for ref in refs:
+        if store.marker(ref) is None:
+            print(f"missing {ref.stage}/{ref.key}: not complete")
+            damaged += 1
+            continue
+        problems = store.damage(ref, full=True)
+        damaged += bool(problems)
+        for p in problems:
+            print(f"damaged {ref.stage}/{ref.key}: {p}")
+    print(f"verified {len(refs)} artifact(s) under {store.root}: {damaged} damaged")
+    return 1 if damaged else 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -182,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars drown the stage log
+    default_root = os.environ.get("COVGRAD_ROOT") or "runs"
     parser = argparse.ArgumentParser(prog="covgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run the covgrad-pipeline flow")
@@ -191,16 +223,21 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="rebuild a run's report from its stores (no model needed)")
     p.add_argument("run", help="run key or name")
-    p.add_argument("--root", default="runs")
+    p.add_argument("--root", default=default_root)
     p.add_argument("--out", help="output directory (default: {root}/_reports/{run})")
     p.set_defaults(fn=cmd_report)
     p = sub.add_parser("ls", help="list artifacts under a root")
-    p.add_argument("--root", default="runs")
+    p.add_argument("--root", default=default_root)
     p.set_defaults(fn=cmd_ls)
     p = sub.add_parser("gc", help="remove partial and unreferenced artifacts")
-    p.add_argument("--root", default="runs")
+    p.add_argument("--root", default=default_root)
     p.add_argument("--yes", action="store_true", help="do not ask before deleting")
     p.set_defaults(fn=cmd_gc)
+    p = sub.add_parser("verify", help="check every checksum of a run's (or all) artifacts; exit 1 on damage")
+    p.add_argument("run", nargs="?", help="run key or name")
+    p.add_argument("--all", action="store_true", help="every complete artifact under the root")
+    p.add_argument("--root", default=default_root)
+    p.set_defaults(fn=cmd_verify)
     p = sub.add_parser("diff", help="update sparsity between two checkpoints")
     p.add_argument("before")
     p.add_argument("after")

@@ -13,6 +13,15 @@ while each upstream artifact is still that same completion, so recomputing an up
 everything below it recompute even though the content keys did not change (a recompute need not be
 bit-identical, e.g. on a GPU, and a downstream artifact must describe the upstream bytes on disk).
 
+Integrity: before the marker, ``complete`` writes every chunk a zarr array of the artifact lacks
+(zarr skips chunks equal to the fill value, which would make a deleted chunk indistinguishable from
+zeros) and then ``_MANIFEST.json``: size, crc32c and mtime of every file of the artifact. The marker
+records the manifest's own checksum. An artifact whose files disagree with its manifest is damaged
+and counts as incomplete: ``damage(ref)`` compares names and sizes, and re-hashes a file only when
+its mtime changed (cheap, for every cache hit); ``damage(ref, full=True)`` re-hashes everything
+(``covgrad verify``). Zarr stores of a complete artifact opened read-only check every chunk they
+read against the manifest and raise ``DamagedArtifactError`` naming the store, array and chunk.
+
 Writers: ``_STARTED.json`` (the claim) exists from ``begin`` until the marker is written, so a claim
 without a marker is an interrupted writer, the only state that is resumed. ``lock`` serialises
 writers of one artifact across processes on local roots.
@@ -42,8 +51,12 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel
 from zarr.storage import FsspecStore, LocalStore
 
+from storage.integrity import VerifiedStore, crc32c, fill_missing_chunks
+
 MARKER = "_COMPLETE.json"
 CLAIM = "_STARTED.json"
+MANIFEST = "_MANIFEST.json"
+BOOKKEEPING = (MARKER, CLAIM, MANIFEST)
 LOCKS = ".locks"
 RUNS = "runs"  # the run indexes (storage/runs.py), not a stage
 
@@ -176,14 +189,100 @@ class ArtifactStore:
         return {k: (self.find_marker(k) or {}).get("completion") for k in keys}
 
     def is_complete(self, ref: ArtifactRef) -> bool:
-        """True when the marker is present and every upstream artifact is still the completion this
-        artifact was computed from."""
+        """True when the marker is present, the files agree with the manifest (cheap check: names,
+        sizes, and checksums of files whose mtime changed) and every upstream artifact is still the
+        completion this artifact was computed from."""
         mark = self.marker(ref)
         if mark is None or not isinstance(mark.get("upstream_stamps"), dict):
             return False
         recorded = mark["upstream_stamps"]
         current = self.upstream_stamps(list(recorded))
-        return None not in current.values() and current == recorded
+        return None not in current.values() and current == recorded and not self.damage(ref)
+
+    # ----- integrity ---------------------------------------------------------------------------
+    def _files(self, ref: ArtifactRef) -> dict[str, dict[str, Any]]:
+        """Every file of the artifact but the bookkeeping ones: path relative to the artifact → fs info."""
+        top = self.path(ref)
+        if not self.fs.exists(top):
+            return {}
+        out = {}
+        for path, info in self.fs.find(top, detail=True).items():
+            rel = path[len(top) :].lstrip("/")
+            if rel not in BOOKKEEPING and not rel.startswith(".") and info.get("type", "file") == "file":
+                out[rel] = info
+        return out
+
+    def _mtime_ns(self, ref: ArtifactRef, rel: str) -> int | None:
+        return Path(self.path(ref, rel)).stat().st_mtime_ns if self.local else None
+
+    def write_manifest(self, ref: ArtifactRef) -> dict[str, Any]:
+        """Fill every missing zarr chunk, then write ``_MANIFEST.json`` (size, crc32c and mtime of every
+        file); returns the summary the marker records (file count, bytes, the manifest's crc32c)."""
+
+        def store_for(array_dir: str) -> LocalStore | FsspecStore:
+            if self.local:
+                return LocalStore(array_dir)
+            return FsspecStore.from_url(self.fs.unstrip_protocol(array_dir))
+
+        fill_missing_chunks(self.fs, self.path(ref), store_for)
+        files = {}
+        for rel in sorted(self._files(ref)):
+            data = self.fs.cat_file(self.path(ref, rel))
+            files[rel] = {"size": len(data), "crc32c": crc32c(data), "mtime_ns": self._mtime_ns(ref, rel)}
+        text = json.dumps({"algorithm": "crc32c", "files": files}, sort_keys=True)
+        target = self.path(ref, MANIFEST)
+        if self.local:
+            tmp = Path(target + ".partial")
+            tmp.write_text(text)
+            tmp.replace(target)
+        else:
+            self.fs.pipe_file(target, text.encode())
+        return {
+            "files": len(files),
+            "bytes": sum(f["size"] for f in files.values()),
+            "crc32c": crc32c(text.encode()),
+        }
+
+    def manifest(self, ref: ArtifactRef) -> dict[str, dict[str, Any]] | None:
+        """The manifest's files of a complete artifact, or None when the marker, the manifest or its
+        checksum (recorded in the marker) is missing or wrong."""
+        mark = self.marker(ref)
+        summary = (mark or {}).get("manifest")
+        if not isinstance(summary, dict):
+            return None
+        try:
+            data = self.fs.cat_file(self.path(ref, MANIFEST))
+        except (FileNotFoundError, OSError):
+            return None
+        if crc32c(data) != summary.get("crc32c"):
+            return None
+        return json.loads(data)["files"]
+
+    def damage(self, ref: ArtifactRef, full: bool = False) -> list[str]:
+        """What is wrong with a complete artifact's files, one ``file: why`` line each ([] when intact
+        or when there is no marker). Cheap by default: names and sizes, plus the checksum of any file
+        whose mtime changed; ``full`` checks every file's checksum."""
+        if self.marker(ref) is None:
+            return []
+        expected = self.manifest(ref)
+        if expected is None:
+            return [f"{MANIFEST}: missing, or does not match the checksum in {MARKER}"]
+        found = self._files(ref)
+        problems = []
+        for rel, want in expected.items():
+            info = found.get(rel)
+            if info is None:
+                problems.append(f"{rel}: missing")
+                continue
+            size = int(info.get("size", -1))
+            if size != want["size"]:
+                problems.append(f"{rel}: truncated or resized ({size} bytes, expected {want['size']})")
+                continue
+            touched = want.get("mtime_ns") is not None and self._mtime_ns(ref, rel) != want["mtime_ns"]
+            if (full or touched) and crc32c(self.fs.cat_file(self.path(ref, rel))) != want["crc32c"]:
+                problems.append(f"{rel}: corrupted (checksum mismatch)")
+        problems.extend(f"{rel}: unexpected file" for rel in sorted(set(found) - set(expected)))
+        return problems
 
     def exists(self, ref: ArtifactRef) -> bool:
         return self.fs.exists(self.path(ref))
@@ -232,6 +331,7 @@ class ArtifactStore:
             "finished": now(),
             "environment": environment(),
             **(extra or {}),
+            "manifest": self.write_manifest(ref),
         }
         self.write_json(ref, MARKER, record)
         self.fs.rm(self.path(ref, CLAIM))
@@ -315,11 +415,21 @@ class ArtifactStore:
     def write_text(self, ref: ArtifactRef, name: str, text: str) -> None:
         self.fs.pipe_file(self.path(ref, name), text.encode())
 
-    def zarr_store(self, ref: ArtifactRef, name: str, read_only: bool = False) -> LocalStore | FsspecStore:
-        """A zarr v3 store for ``{artifact}/{name}``."""
+    def zarr_store(
+        self, ref: ArtifactRef, name: str, read_only: bool = False
+    ) -> LocalStore | FsspecStore | VerifiedStore:
+        """A zarr v3 store for ``{artifact}/{name}``; read-only stores of a complete artifact check each
+        object they read against the manifest (``DamagedArtifactError`` naming store, array, chunk)."""
         if self.local:
-            return LocalStore(self.path(ref, name), read_only=read_only)
-        return FsspecStore.from_url(join_url(self.root, ref.stage, ref.key, name), read_only=read_only)
+            store: LocalStore | FsspecStore = LocalStore(self.path(ref, name), read_only=read_only)
+        else:
+            store = FsspecStore.from_url(join_url(self.root, ref.stage, ref.key, name), read_only=read_only)
+        files = self.manifest(ref) if read_only else None
+        if files is None:
+            return store
+        prefix = name.strip("/") + "/"
+        expected = {r[len(prefix) :]: (f["size"], f["crc32c"]) for r, f in files.items() if r.startswith(prefix)}
+        return VerifiedStore(store, expected, f"{ref.stage}/{ref.key}", name)
 
     def open_group(self, ref: ArtifactRef, name: str, mode: str = "r") -> zarr.Group:
         return zarr.open_group(self.zarr_store(ref, name, read_only=mode == "r"), mode=mode)

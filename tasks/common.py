@@ -7,8 +7,9 @@ config and upstream keys) and returns a ``StageResult``. Two layers keep reruns 
    artifacts and SERIALIZABLE isolation under a file-system lock, so two concurrent runs of the same
    stage compute it once. The flow asks Prefect to refresh the cache whenever the artifact on disk is
    not complete, because Prefect alone would hand back a reference to a deleted artifact.
-2. ``run_stage`` itself: a complete artifact (marker present, upstream unchanged since) is returned
-   at once; otherwise it takes the artifact's writer lock (``ArtifactStore.lock``), checks again (a
+2. ``run_stage`` itself: a complete artifact (marker present, files matching its manifest, upstream
+   unchanged since) is returned at once; a damaged one is reported in one warning line and recomputed.
+   Otherwise it takes the artifact's writer lock (``ArtifactStore.lock``), checks again (a
    concurrent run may have finished it meanwhile), resumes an interrupted writer's batches or clears
    the directory, computes, and writes the marker last.
 
@@ -45,12 +46,18 @@ class _StageLog:
     """Logs to the Prefect run logger inside a flow or task run (shown in the terminal and the UI),
     else to the ``covgrad`` logger."""
 
-    def info(self, msg: str, *args: Any) -> None:
+    @staticmethod
+    def _logger() -> Any:
         try:
-            logger = get_run_logger()
+            return get_run_logger()
         except MissingContextError:
-            logger = logging.getLogger("covgrad")
-        logger.info(msg, *args)
+            return logging.getLogger("covgrad")
+
+    def info(self, msg: str, *args: Any) -> None:
+        self._logger().info(msg, *args)
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self._logger().warning(msg, *args)
 
 
 log = _StageLog()
@@ -122,6 +129,12 @@ def run_stage(
     nothing is marked complete; a batched (``resumable``) stage keeps its finished batches.
     """
     store = ArtifactStore(ref.root)
+    problems = store.damage(ref)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        log.warning(
+            "%s %s: damaged, %s%s; recomputing it and everything below it", ref.stage, ref.key, problems[0], more
+        )
     if store.is_complete(ref):
         log.info("%s %s: cache hit", ref.stage, ref.key)
         return StageResult(ref=ref, computed=False)

@@ -1,0 +1,174 @@
+"""Damaged artifacts are never served: a deleted, truncated or corrupted chunk of a complete store is
+noticed on the next run (one warning line), that artifact and everything below it are recomputed
+byte-identically, reads of a damaged chunk fail in one line, and ``covgrad verify`` names the damage.
+
+Stages run through their task functions (``.fn``), without a Prefect server. One tiny pipeline is
+computed once per module; each test works on a copy of it.
+"""
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import below, tiny_config
+
+OVERRIDES = {"tokens.enabled": False, "update_check.enabled": False}
+
+
+def run_chain(cfg) -> dict[str, str]:
+    """Every planned stage through its task function, in order, then the run index; instance →
+    computed/cached."""
+    from storage.artifacts import ArtifactStore
+    from storage.runs import write_run_index
+    from tasks.plan import plan, run_key
+    from tasks.registry import STAGE_TASKS
+
+    nodes = plan(cfg)
+    refs, status = {}, {}
+    for name, node in nodes.items():
+        result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
+        refs[name] = result.ref
+        status[name] = "computed" if result.computed else "cached"
+    write_run_index(ArtifactStore(cfg.root), cfg, run_key(nodes), refs)
+    return status
+
+
+def digests(directory: Path) -> dict[str, bytes]:
+    """Every data file of an artifact (not the bookkeeping files, not zarr.json with its timestamps)."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and not p.name.startswith("_") and p.name != "zarr.json" and p.suffix != ".html"
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(root, node map, headline text) of one uninterrupted tiny pipeline."""
+    from tasks.plan import plan
+
+    root = tmp_path_factory.mktemp("reference")
+    cfg = tiny_config(str(root), **OVERRIDES)
+    assert set(run_chain(cfg).values()) == {"computed"}
+    nodes = plan(cfg)
+    return root, nodes, headline(root, nodes)
+
+
+def headline(root: Path, nodes) -> str:
+    ref = nodes["report"].ref
+    return (root / ref.stage / ref.key / "headline.md").read_text()
+
+
+def copy(reference, dest: Path):
+    root, _, _ = reference
+    shutil.copytree(root, dest, ignore=shutil.ignore_patterns(".locks"))
+    return tiny_config(str(dest), **OVERRIDES)
+
+
+def chunk_file(root: Path, nodes, instance: str, array: str) -> Path:
+    ref = nodes[instance].ref
+    store = f"{ref.stage}.zarr"
+    chunks = sorted(p for p in (root / ref.stage / ref.key / store / array / "c").rglob("*") if p.is_file())
+    assert chunks, f"{instance} {array} has no chunk files"
+    return chunks[len(chunks) // 2]
+
+
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "delete":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        i = len(data) // 2
+        path.write_bytes(data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1 :])
+
+
+@pytest.mark.parametrize(
+    ("instance", "array", "how"),
+    [
+        ("rollouts.policy", "reward", "delete"),
+        ("scores.policy.policy", "mean_s", "delete"),
+        ("scores.policy.policy", "mean_s", "truncate"),
+        ("scores.stale.sampler", "m2_s", "flip"),
+        ("stats.policy.policy", "F", "flip"),
+        ("stats.stale.sampler", "rho", "truncate"),
+    ],
+)
+def test_damaged_chunk_recomputes_artifact_and_below(reference, tmp_path, caplog, instance, array, how):
+    ref_root, nodes, want_headline = reference
+    root = tmp_path / "root"
+    cfg = copy(reference, root)
+    target = chunk_file(root, nodes, instance, array)
+    damage(target, how)
+    with caplog.at_level(logging.WARNING, logger="covgrad"):
+        status = run_chain(cfg)
+    assert {n for n, s in status.items() if s == "computed"} == below(cfg, instance)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    ref = nodes[instance].ref
+    assert f"{ref.stage} {ref.key}: damaged" in warnings[0]
+    assert str(target.relative_to(root / ref.stage / ref.key)) in warnings[0]
+    assert headline(root, nodes) == want_headline
+    for name in below(cfg, instance):
+        r = nodes[name].ref
+        assert digests(root / r.stage / r.key) == digests(ref_root / r.stage / r.key), name
+    assert set(run_chain(cfg).values()) == {"cached"}
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "flip"])
+def test_reading_a_damaged_chunk_raises_one_line(reference, tmp_path, how):
+    from storage.artifacts import ArtifactStore
+    from storage.integrity import DamagedArtifactError
+
+    _, nodes, _ = reference
+    root = tmp_path / "root"
+    cfg = copy(reference, root)
+    ref = nodes["scores.policy.policy"].ref
+    target = chunk_file(root, nodes, "scores.policy.policy", "mean_s")
+    damage(target, how)
+    g = ArtifactStore(cfg.root).open_group(ref, "scores.zarr", mode="r")
+    with pytest.raises(DamagedArtifactError) as err:
+        g["mean_s"][:]
+    message = str(err.value)
+    assert "\n" not in message
+    chunk = "/".join(target.relative_to(target.parents[2]).parts)
+    assert f"damaged artifact scores/{ref.key}: store 'scores.zarr' array 'mean_s' chunk {chunk}" in message
+
+
+def test_every_chunk_exists_and_missing_one_is_not_read_as_fill(reference):
+    """zarr skips chunks equal to the fill value; complete stores have every chunk on disk."""
+    import zarr
+
+    root, nodes, _ = reference
+    ref = nodes["scores.policy.policy"].ref
+    g = zarr.open_group(str(root / ref.stage / ref.key / "scores.zarr"), mode="r")
+    for name, arr in g.arrays():
+        assert arr.nchunks_initialized == arr.nchunks, name
+
+
+def test_verify_names_each_damaged_artifact_and_chunk(reference, tmp_path, capsys):
+    from flows.cli import main
+
+    _, nodes, _ = reference
+    root = tmp_path / "root"
+    cfg = copy(reference, root)
+    capsys.readouterr()
+    assert main(["verify", "--all", "--root", cfg.root]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith(": 0 damaged\n") and "damaged " not in out.splitlines()[0], out
+    assert main(["verify", "tiny", "--root", cfg.root]) == 0
+    capsys.readouterr()
+
+    flipped = chunk_file(root, nodes, "stats.policy.policy", "F")
+    damage(flipped, "flip")
+    deleted = chunk_file(root, nodes, "rollouts.stale", "tokens")
+    damage(deleted, "delete")
+    assert main(["verify", "--all", "--root", cfg.root]) == 1
+    out = capsys.readouterr().out
+    for path, why in ((flipped, "corrupted"), (deleted, "missing")):
+        art = path.relative_to(root).parts
+        assert f"damaged {art[0]}/{art[1]}: {'/'.join(art[2:])}: {why}" in out, out
+    assert main(["verify", "tiny", "--root", cfg.root]) == 1
