@@ -135,14 +135,33 @@ class MasksSection(Section):
         return sorted(set(v))
 
 
+TokenMode = Literal["exact", "topk", "mc", "probe", "probe_seq"]
+
+
 class TokensSection(Section):
-    """Token-level Fisher."""
+    """Token-level Fisher (estimators in covgrad/token_fisher.py).
+
+    ``modes`` unset picks by vocabulary: exact, topk, mc and probe side by side when exact's T·V
+    cotangent rows per sample fit ``exact_budget`` (T = the sampler's max_new_tokens), else probe
+    alone. Listing ``exact`` above the budget is an error naming the modes that fit.
+    """
 
     enabled: bool = True
     max_samples: int = Field(64, ge=2)
+    modes: list[TokenMode] | None = None
     topk: int = Field(4, ge=1)
     mc_samples: int = Field(8, ge=1)
+    probes: int = Field(8, ge=1)
+    exact_budget: int = Field(65536, ge=1)
+    row_bytes: int = Field(512 * 1024**2, ge=1)
     seed: int = 0
+
+    @field_validator("modes")
+    @classmethod
+    def _distinct(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or len(set(v)) != len(v)):
+            raise ValueError(f"tokens.modes {v} must be a non-empty list without repeats (or unset: chosen by V)")
+        return v
 
 
 class UpdateCheckSection(Section):

@@ -11,55 +11,242 @@ Summed over positions and samples and divided by N it estimates the sequence Fis
 because the cross-terms E[s_t s_t'] (t ≠ t') vanish in expectation on the policy's own samples;
 ``cross_term_ratio`` measures how far they are from vanishing in a finite sample.
 
-One backward pass of the batch gives one centered sensitivity g_{t,v} per sample (the row's logit
-gradient is the one-hot of v minus p at that position), so the cost is T·C batched forward and
-backward passes for C candidates per position: all V (``exact``), the k most likely (``topk``) or
-k draws from p (``mc``).
+How: one forward of the batch with per-sample hooks (:class:`TokenBackward`), then backward passes of
+*batched* logit cotangents (``torch.autograd.grad(..., is_grads_batched=True)``): a block of R
+cotangent rows, each a (B, L, V) gradient on the logits, gives R·B per-sample gradient rows, the
+per-module rules of :mod:`covgrad.rules` being applied to the (R·B, …) output gradient against the
+module's (B, …) saved input repeated R times. Every row costs one per-sample backward of the body; the
+forward is shared by all rows of all modes (and the stage's token and sequence scores).
+
+The cotangent rows of each mode, per sample and response position t (p = p_t):
+
+- ``exact``: e_v − p for all V tokens v, weight p_v: T·V rows, refused above a budget.
+- ``topk``: e_v − p for the k most likely v (ties to the lowest id), weight p_v / covered mass (the
+  Fisher conditioned on the top-k set; the sensitivities stay centered by the full p, so k = V is exact).
+- ``mc``: e_v − p for k draws v ~ p with replacement, weight 1/k (unbiased).
+- ``probe``: k Rademacher probes u = ε ⊙ √p − p (εᵀ√p), ε ∈ {±1}^V, weight 1/k. The per-sample
+  gradient h = Jᵀu has E_ε[h²] = diag(Jᵀ(diag p − p pᵀ)J) = f_t elementwise, since
+  E[u uᵀ] = diag(√p)diag(√p) − 2 p pᵀ + p pᵀ = diag(p) − p pᵀ. Unbiased, T·k rows.
+- ``probe_seq``: k rows per *sequence*, each the sum over positions of probes with independent ε per
+  position; E[h²] = Σ_t f_t because the cross-position terms have zero mean. k rows, but no
+  per-position trace.
+
+The LM head weight, when it is an untied ``nn.Linear`` whose output is the logits, is never taken from
+the backward in these modes: its sensitivity at (u, j) is (δ_{vu} − p_u) h_j, so the weighted second
+moment over candidates is a_u h_j² with a_u = W_u (1 − 2 p_u) + p_u² Σ_c w_c (W_u = weight on candidate
+u), which is p_u (1 − p_u) for ``exact`` and both probe modes (the probes' expectation, exactly).
 
 Rows are right-padded (prompt, response, padding). Response position j of sample n is the token at
 full index ``prompt_len[n] + j``; its distribution is the logit row at ``prompt_len[n] + j - 1``.
 
 Shape notation: B samples in the batch, L padded sequence length, T = max(response_len) response
-positions, V vocabulary, H hidden size, P selected parameter elements.
+positions, V vocabulary, H hidden size, P selected parameter elements, R cotangent rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from covgrad.layout import ParamLayout
-from covgrad.persample import PerSampleGrads
+from covgrad.layout import ParamLayout, TensorEntry
+from covgrad.rules import Rule, rule_for
 
-Mode = Literal["exact", "topk", "mc"]
-PerSampleFn = Callable[[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+Mode = Literal["exact", "topk", "mc", "probe", "probe_seq"]
+MODES: tuple[str, ...] = ("exact", "topk", "mc", "probe", "probe_seq")
+DEFAULT_EXACT_BUDGET = 65536  # most T·V cotangent rows per sample that mode "exact" accepts
+DEFAULT_ROW_BYTES = 512 * 1024**2  # memory aimed at per block of cotangent rows (activations + gradient rows)
+_SQ_ELEMENTS = 1 << 22  # float64 elements squared per block of the Fisher accumulation
 
 
-class _CenteredOneHot:
-    """Logit gradient of one position per row: one-hot of a candidate minus p, zero elsewhere.
+def exact_rows(T: int, V: int) -> int:
+    """Cotangent rows per sample of mode ``exact``: T·V."""
+    return T * V
 
-    ``cols``, ``cand`` and ``active`` have shape (B,): logit row index, candidate token and whether the
-    row has a response token at this position. p is taken from the logits being differentiated, so the
-    centering is exactly that of the graph.
+
+def default_mode(T: int, V: int, exact_budget: int = DEFAULT_EXACT_BUDGET) -> str:
+    """``exact`` when its T·V rows per sample fit ``exact_budget``, else ``probe``."""
+    return "exact" if exact_rows(T, V) <= exact_budget else "probe"
+
+
+def check_exact_budget(T: int, V: int, exact_budget: int) -> None:
+    """Raise a one-line ValueError when mode ``exact`` (T·V rows per sample) exceeds ``exact_budget``."""
+    if exact_rows(T, V) > exact_budget:
+        raise ValueError(
+            f"mode='exact' needs T·V = {T}·{V} = {T * V} backward rows per sample, above the exact budget "
+            f"{exact_budget}; use mode='probe' (T·k rows, unbiased), 'probe_seq' (k rows, no per-position trace), "
+            f"'mc' or 'topk' (T·k rows), or raise the budget"
+        )
+
+
+class TokenBackward:
+    """One forward of a batch with per-sample hooks, then per-sample gradients of batched logit cotangents.
+
+    The forward runs with every parameter frozen and saves each hooked module's input; the first hooked
+    outputs become the graph's roots, so no batched weight gradient is ever formed. ``grads`` then
+    takes R cotangents at once.
+
+    Args:
+        model: causal LM called as ``model(input_ids=, attention_mask=, position_ids=, use_cache=False)``
+            returning ``.logits`` (B, L, V), in ``eval()``.
+        layout: the selected parameters (the P axis).
+        input_ids: shape (B, L) token ids.
+        attention_mask: shape (B, L).
+        position_ids: shape (B, L) or None for 0..L-1 on every row (right-padded rows).
+        closed_form_head: allow the LM head weight's closed form (``head_entry``); False always takes it
+            from the backward.
+
+    Raises:
+        ValueError: when the model is training, a selected parameter is not in the model or its module has
+            no per-sample rule.
     """
 
-    def __init__(self, cols: torch.Tensor, cand: torch.Tensor, active: torch.Tensor) -> None:
-        self.rows = torch.arange(cols.shape[0], device=cols.device)
-        self.cols = cols
-        self.cand = cand
-        self.active = active
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ParamLayout,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor | None = None,
+        closed_form_head: bool = True,
+    ) -> None:
+        training = [name for name, m in model.named_modules() if m.training]
+        if training:
+            raise ValueError(f"model must be in eval mode (dropout off); {training[0] or 'the model'} is training")
+        params = dict(model.named_parameters())
+        missing = [name for name in layout.names if name not in params]
+        if missing:
+            raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
+        by_id = {id(params[e.name]): e for e in layout.entries}
+        bindings: list[tuple[nn.Module, Rule, dict[str, TensorEntry]]] = []
+        for module_name, module in model.named_modules():
+            local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
+            if not local:
+                continue
+            found = rule_for(module)
+            uncovered = [pn for pn in local if isinstance(found, str) or pn not in found[1]]
+            if uncovered:
+                reason = found if isinstance(found, str) else f"its rule covers only {sorted(found[1])}"
+                raise ValueError(
+                    f"no per-sample rule for parameter {local[uncovered[0]].name!r} (as {module_name}."
+                    f"{uncovered[0]}, in a {type(module).__name__}); {reason}"
+                )
+            bindings.append((module, found[0], local))
+        self.layout = layout
+        self.B, self.L = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(self.L, device=input_ids.device).expand(self.B, self.L)
+        head = model.get_output_embeddings()
+        tied = head is None or head.weight is model.get_input_embeddings().weight
+        self._calls: list[tuple[nn.Module, Rule, dict[str, TensorEntry], Tensor]] = []
+        outputs: list[Tensor] = []
+        head_io: list[tuple[Tensor, Tensor]] = []
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        z = logits[self.rows, self.cols].detach()  # (B, V)
-        g = -torch.softmax(z.float(), dim=-1).to(logits.dtype)  # (B, V)
-        g[self.rows, self.cand] += 1
-        g[~self.active] = 0
-        d = torch.zeros_like(logits)  # (B, L, V)
-        d[self.rows, self.cols] = g
-        return d
+        def hooked(rule: Rule, local: dict[str, TensorEntry]) -> Callable:
+            def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+                if args[0].shape[:1] != (self.B,) or output.shape[:1] != (self.B,):
+                    raise ValueError(
+                        f"a hooked {type(module).__name__} ran without the batch dimension {self.B}; "
+                        "pass position_ids of shape (B, L)"
+                    )
+                if not output.requires_grad:
+                    output = output.detach().requires_grad_()
+                self._calls.append((module, rule, local, args[0].detach()))
+                outputs.append(output)
+                if module is head:
+                    head_io.append((args[0].detach(), output))
+                return output
+
+            return hook
+
+        flags = [(p, p.requires_grad) for p in model.parameters()]
+        handles = [m.register_forward_hook(hooked(rule, local)) for m, rule, local in bindings]
+        try:
+            for p, _ in flags:
+                p.requires_grad_(False)
+            with torch.enable_grad():
+                logits = model(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                ).logits
+        finally:
+            for h in handles:
+                h.remove()
+            for p, flag in flags:
+                p.requires_grad_(flag)
+        self.logits = logits
+        self._outputs = outputs
+        # Closed form for the LM head weight: untied nn.Linear, selected, called once, output = logits.
+        self.head_entry: TensorEntry | None = None
+        self.hidden: Tensor | None = None
+        head_name = next((n for n, p in params.items() if head is not None and p is head.weight), None)
+        if (
+            closed_form_head
+            and not tied
+            and isinstance(head, nn.Linear)
+            and head_name in layout.names
+            and len(head_io) == 1
+            and head_io[0][1] is logits
+        ):
+            self.head_entry = layout.entry(head_name)
+            self.hidden = head_io[0][0]  # (B, L, H)
+
+    @property
+    def V(self) -> int:
+        """Vocabulary size (last dimension of the logits)."""
+        return self.logits.shape[-1]
+
+    def rows_per_block(self, budget_bytes: int = DEFAULT_ROW_BYTES) -> int:
+        """Cotangent rows per ``grads`` call that keep its memory near ``budget_bytes`` (at least 1)."""
+        act = sum(o.numel() for o in self._outputs) + self.logits.numel()  # gradient elements per row
+        per_row = 4 * (2 * act + 2 * self.B * self.layout.P)
+        return max(1, budget_bytes // per_row)
+
+    def grads(self, cot: Tensor, head: bool = True) -> Tensor:
+        """Per-sample parameter gradients of R logit cotangents.
+
+        Args:
+            cot: shape (R, B, L, V): row r's gradient of the objective with respect to the logits.
+            head: False skips the LM head weight's rule when it is in closed form (``head_entry`` set);
+                its columns are then 0.
+
+        Returns:
+            shape (R, B, P) float32; [r, n] is ∇θ of row r's objective restricted to sample n.
+        """
+        R = cot.shape[0]
+        if cot.shape[1:] != self.logits.shape:
+            raise ValueError(f"cot must have shape (R, *{tuple(self.logits.shape)}); got {tuple(cot.shape)}")
+        out = torch.empty(R * self.B, self.layout.P, dtype=torch.float32, device=self.logits.device)
+        written: set[str] = set()
+        skip = None if head or self.head_entry is None else self.head_entry.name
+        gs = torch.autograd.grad(
+            self.logits,
+            self._outputs,
+            cot.to(self.logits.dtype),
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=True,
+        )
+        for (module, rule, local, x), g in zip(self._calls, gs, strict=True):
+            if g is None:
+                continue
+
+            def slot(name: str, local: dict[str, TensorEntry] = local) -> tuple[Tensor, bool] | None:
+                entry = local.get(name)
+                if entry is None or entry.name == skip:
+                    return None
+                first = entry.name not in written
+                written.add(entry.name)
+                view = out[:, entry.offset : entry.offset + entry.numel]
+                return view.view(R * self.B, *entry.shape), first
+
+            xr = x.expand(R, *x.shape).reshape(R * self.B, *x.shape[1:])
+            rule(module, xr, g.reshape(R * self.B, *g.shape[2:]), slot)
+        for e in self.layout.entries:
+            if e.name not in written:
+                out[:, e.offset : e.offset + e.numel].zero_()
+        return out.view(R, self.B, self.layout.P)
 
 
 def _check_rows(
@@ -109,13 +296,8 @@ def _response_positions(
     return cols, active, drawn
 
 
-def _policy_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-
 def _candidates(
-    p: torch.Tensor, mode: Mode, k: int, seed: int, exact_vocab_limit: int
+    p: torch.Tensor, mode: str, k: int, seed: int, exact_budget: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Candidate tokens (B, T, C), their weights (B, T, C) float64 and the covered mass (B, T).
 
@@ -123,34 +305,44 @@ def _candidates(
     """
     B, T, V = p.shape
     if mode == "exact":
-        if exact_vocab_limit < V:
-            raise ValueError(
-                f"mode='exact' needs V = {V} backward passes per position, above exact_vocab_limit = "
-                f"{exact_vocab_limit}; use mode='topk' or mode='mc', or raise the limit"
-            )
+        check_exact_budget(T, V, exact_budget)
         cand = torch.arange(V, device=p.device).expand(B, T, V)
         return cand, p, torch.ones_like(p[..., 0])
     if mode == "topk":
-        if not 1 <= k <= V:
-            raise ValueError(f"mode='topk' needs 1 <= k <= V; got k = {k}, V = {V}")
         # stable descending sort: ties go to the lowest token id
         cand = torch.argsort(p, dim=-1, descending=True, stable=True)[..., :k]  # (B, T, k)
         pk = p.gather(-1, cand)
         mass = pk.sum(-1)  # (B, T)
         return cand, pk / mass[..., None], mass
-    if mode == "mc":
-        if k < 1:
-            raise ValueError(f"mode='mc' needs k >= 1 draws per position; got k = {k} (V = {V})")
-        # drawn on the CPU so that a seed gives the same candidates on every device
-        gen = torch.Generator().manual_seed(seed)
-        flat = p.reshape(B * T, V).cpu()
-        cand = torch.multinomial(flat, k, replacement=True, generator=gen).reshape(B, T, k).to(p.device)
-        return (
-            cand,
-            torch.full((B, T, k), 1.0 / k, dtype=torch.float64, device=p.device),
-            torch.ones_like(p[..., 0]),
-        )
-    raise ValueError(f"mode must be 'exact', 'topk' or 'mc'; got {mode!r}")
+    # mc: drawn on the CPU so that a seed gives the same candidates on every device
+    gen = torch.Generator().manual_seed(seed)
+    flat = p.reshape(B * T, V).cpu()
+    cand = torch.multinomial(flat, k, replacement=True, generator=gen).reshape(B, T, k).to(p.device)
+    return cand, torch.full((B, T, k), 1.0 / k, dtype=torch.float64, device=p.device), torch.ones_like(p[..., 0])
+
+
+def _blocks(n: int, size: int) -> Iterator[slice]:
+    for lo in range(0, n, size):
+        yield slice(lo, min(lo + size, n))
+
+
+def _accumulate(rows: Tensor, w: Tensor, fisher: Tensor) -> Tensor:
+    """fisher (P,) += Σ_{r,n} w[r, n] rows[r, n]² in float64; returns the squared norms (R, B) float64."""
+    R, B, P = rows.shape
+    norms = torch.zeros(R, B, dtype=torch.float64, device=rows.device)
+    step = max(1, _SQ_ELEMENTS // (R * B))
+    for j in range(0, P, step):
+        sq = rows[:, :, j : j + step].double().square()  # (R, B, b)
+        fisher[j : j + step] += torch.einsum("rb,rbp->p", w, sq)
+        norms += sq.sum(-1)
+    return norms
+
+
+def _probes(gen: torch.Generator, shape: tuple[int, ...], sqrt_p: Tensor, p: Tensor) -> Tensor:
+    """Rademacher probes u = ε ⊙ √p − p (εᵀ√p) of shape ``shape`` + (V,), float64; ε drawn on the CPU."""
+    eps = (torch.randint(0, 2, (*shape, p.shape[-1]), generator=gen, dtype=torch.int8) * 2 - 1).to(p.device)
+    es = eps * sqrt_p
+    return es - p * es.sum(-1, keepdim=True)
 
 
 def token_fisher(
@@ -163,18 +355,17 @@ def token_fisher(
     mode: Mode,
     k: int = 0,
     seed: int = 0,
-    per_sample_grads: PerSampleFn | None = None,
-    exact_vocab_limit: int = 4096,
+    exact_budget: int = DEFAULT_EXACT_BUDGET,
+    engine: TokenBackward | None = None,
+    row_bytes: int = DEFAULT_ROW_BYTES,
+    closed_form_head: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Token Fisher f_t = Σ_v p_v g_{t,v}² of every response position, summed, with per-position diagnostics.
+    """Token Fisher f_t of every response position, summed, with per-position diagnostics.
 
-    The estimate replaces Σ_v p_v g_v² by a weighted sum over candidates v_c with weights w_c:
-    ``exact``: all V tokens, w = p_v. ``topk``: the k most likely tokens (ties to the lowest id),
-    w = p_v / covered mass, i.e. the Fisher conditioned on the top-k set; the sensitivities stay
-    centered by the full p, so k = V is exact. ``mc``: k tokens drawn from p with replacement
-    (``torch.Generator`` seeded with ``seed``), w = 1/k, an unbiased estimate.
-
-    Cost: T·C batched forward and backward passes, C = V (exact) or k (topk, mc), plus one forward.
+    See the module docstring for the modes; ``mc`` draws with a ``torch.Generator`` seeded with ``seed``
+    on the CPU, the probe modes draw ε the same way. Cost: one forward (shared through ``engine``) and
+    the mode's cotangent rows per sample (exact T·V, topk/mc/probe T·k, probe_seq k), in blocks of
+    ``row_bytes``.
 
     Args:
         model: causal LM returning ``.logits`` (B, L, V); put it in ``eval()`` first.
@@ -183,53 +374,108 @@ def token_fisher(
         attention_mask: shape (B, L), 1 on prompt and response tokens.
         prompt_len: prompt tokens per row, shape (B,), each >= 1.
         response_len: response tokens per row, shape (B,); T = max(response_len).
-        mode: ``"exact"``, ``"topk"`` or ``"mc"``.
-        k: candidates per position for topk and mc (ignored by exact).
-        seed: seed of the mc draws.
-        per_sample_grads: callable ``(input_ids, attention_mask, dlogits_fn) -> (B, P)`` returning each
-            row's parameter gradient for the logit gradient ``dlogits_fn(logits)``; default
-            ``PerSampleGrads(model, layout)``.
-        exact_vocab_limit: largest V that mode ``"exact"`` accepts.
+        mode: one of ``MODES``.
+        k: candidates (topk, mc) or probes (probe, probe_seq) per position or sequence; ignored by exact.
+        seed: seed of the mc draws and the probes.
+        exact_budget: most T·V rows per sample that ``exact`` accepts.
+        engine: a :class:`TokenBackward` of these rows to reuse its forward; default builds one.
+        row_bytes: memory aimed at per block of cotangent rows.
+        closed_form_head: as in :class:`TokenBackward` (used when ``engine`` is None).
 
     Returns:
         ``fisher_sum``: shape (P,) float64, Σ_{n,t} f_{n,t} (divide by N for the token estimate of F).
-        ``trace``: shape (B, T) float64, Σ_i f_{t,i} over the selected parameters per position.
+        ``trace``: shape (B, T) float64, Σ_i f_{t,i} over the selected parameters per position (NaN at
+        response positions for ``probe_seq``, which has no per-position estimate).
         ``entropy``: shape (B, T) float64, entropy of p in nats.
         ``p_drawn``: shape (B, T) float64, probability of the response token.
-        ``covered_mass``: shape (B, T) float64, p-mass of the candidates (1 for exact and mc).
+        ``covered_mass``: shape (B, T) float64, p-mass of the candidates (1 except for topk).
         Entries of the (B, T) arrays beyond a row's response_len are 0.
 
     Raises:
-        ValueError: on a bad mode, k, vocabulary size above ``exact_vocab_limit`` or row layout.
+        ValueError: on a bad mode or k, ``exact`` above the budget, or a bad row layout.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     _check_rows(input_ids, attention_mask, prompt_len, response_len)
     dev = input_ids.device
     prompt_len, response_len = prompt_len.to(dev), response_len.to(dev)
     cols, active, drawn = _response_positions(input_ids, prompt_len, response_len)  # (B, T)
     B, T = cols.shape
-    rows = torch.arange(B, device=dev)[:, None]
-    logits = _policy_logits(model, input_ids, attention_mask)
-    logp = torch.log_softmax(logits[rows, cols].double(), dim=-1)  # (B, T, V)
+    eng = engine or TokenBackward(model, layout, input_ids, attention_mask, closed_form_head=closed_form_head)
+    z = eng.logits.detach()[torch.arange(B, device=dev)[:, None], cols]  # (B, T, V)
+    logp = torch.log_softmax(z.double(), dim=-1)  # (B, T, V)
     p = logp.exp()
-    cand, weight, covered = _candidates(p, mode, k, seed, exact_vocab_limit)
-    weight = weight * active[..., None]  # (B, T, C)
-
-    out = {
-        "fisher_sum": torch.zeros(layout.P, dtype=torch.float64, device=dev),
-        "trace": torch.zeros(B, T, dtype=torch.float64, device=dev),
+    if mode != "exact" and not 1 <= k <= (p.shape[-1] if mode == "topk" else k):
+        raise ValueError(
+            f"mode={mode!r} needs 1 <= k{' <= V' if mode == 'topk' else ''}; got k = {k}, V = {p.shape[-1]}"
+        )
+    fisher = torch.zeros(layout.P, dtype=torch.float64, device=dev)
+    trace = torch.zeros(B, T, dtype=torch.float64, device=dev)
+    covered = torch.ones_like(trace)
+    block = eng.rows_per_block(row_bytes)
+    if mode in ("exact", "topk", "mc"):
+        cand, weight, covered = _candidates(p, mode, k, seed, exact_budget)
+        weight = weight * active[..., None]  # (B, T, C)
+        C = cand.shape[-1]
+        p32 = torch.softmax(z.float(), dim=-1)  # the centering the graph's own softmax would use
+        js = torch.arange(T, device=dev).repeat_interleave(C)  # row r = (position j, candidate c)
+        cs = torch.arange(C, device=dev).repeat(T)
+        for sl in _blocks(T * C, block):
+            jr, cr = js[sl], cs[sl]
+            R = jr.shape[0]
+            rr = torch.arange(R, device=dev)[:, None].expand(R, B)
+            bb = torch.arange(B, device=dev)[None, :].expand(R, B)
+            val = -p32[:, jr].transpose(0, 1)  # (R, B, V)
+            val[rr, bb, cand[:, jr, cr].T] += 1
+            val *= active[:, jr].T[..., None]
+            cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
+            cot[rr, bb, cols[:, jr].T] = val
+            w = weight[:, jr, cr].T  # (R, B)
+            norms = _accumulate(eng.grads(cot, head=False), w, fisher)
+            trace.index_add_(1, jr, (w * norms).T)
+        on_cand = torch.zeros_like(p).scatter_add_(-1, cand, weight)  # W_u (B, T, V)
+        a = on_cand * (1 - 2 * p) + p.square() * weight.sum(-1, keepdim=True)  # (B, T, V)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        sqrt_p = p.sqrt()
+        if mode == "probe":
+            js = torch.arange(T, device=dev).repeat_interleave(k)  # row r = (position j, probe)
+            for sl in _blocks(T * k, block):
+                jr = js[sl]
+                R = jr.shape[0]
+                rr = torch.arange(R, device=dev)[:, None].expand(R, B)
+                bb = torch.arange(B, device=dev)[None, :].expand(R, B)
+                u = _probes(gen, (R, B), sqrt_p[:, jr].transpose(0, 1), p[:, jr].transpose(0, 1))  # (R, B, V)
+                u *= active[:, jr].T[..., None]
+                cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
+                cot[rr, bb, cols[:, jr].T] = u.float()
+                w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
+                norms = _accumulate(eng.grads(cot, head=False), w, fisher)
+                trace.index_add_(1, jr, (w * norms).T)
+        else:
+            bt = torch.arange(B, device=dev)[:, None].expand(B, T)
+            for sl in _blocks(k, block):
+                R = sl.stop - sl.start
+                u = _probes(gen, (R, B, T), sqrt_p, p) * active[..., None]  # (R, B, T, V)
+                cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
+                cot[:, bt, cols] = u.float()
+                w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
+                _accumulate(eng.grads(cot, head=False), w, fisher)
+        a = p * (1 - p) * active[..., None]
+    if eng.head_entry is not None:
+        e = eng.head_entry
+        h2 = eng.hidden.detach()[torch.arange(B, device=dev)[:, None], cols].double().square()  # (B, T, H)
+        fisher[e.offset : e.offset + e.numel] += torch.einsum("btv,bth->vh", a, h2).reshape(-1)
+        trace += a.sum(-1) * h2.sum(-1)
+    if mode == "probe_seq":
+        trace = torch.where(active, float("nan"), 0.0)
+    return {
+        "fisher_sum": fisher,
+        "trace": trace,
         "entropy": torch.where(active, -(p * logp).sum(-1), 0.0),
         "p_drawn": torch.where(active, p.gather(-1, drawn[..., None])[..., 0], 0.0),
         "covered_mass": torch.where(active, covered, 0.0),
     }
-    psg = per_sample_grads if per_sample_grads is not None else PerSampleGrads(model, layout)
-    for j in range(T):
-        for c in range(cand.shape[-1]):
-            g = psg(input_ids, attention_mask, _CenteredOneHot(cols[:, j], cand[:, j, c], active[:, j]))
-            sq = g.double().square()  # (B, P)
-            w = weight[:, j, c]  # (B,)
-            out["fisher_sum"] += w @ sq  # (P,)
-            out["trace"][:, j] += w * sq.sum(1)
-    return out
 
 
 def token_scores(
@@ -239,9 +485,10 @@ def token_scores(
     attention_mask: torch.Tensor,
     prompt_len: torch.Tensor,
     response_len: torch.Tensor,
-    per_sample_grads: PerSampleFn | None = None,
+    engine: TokenBackward | None = None,
+    row_bytes: int = DEFAULT_ROW_BYTES,
 ) -> torch.Tensor:
-    """Per-position token scores s_t = ∇θ log p(y_t | prefix) of a small batch, one backward per position.
+    """Per-position token scores s_t = ∇θ log p(y_t | prefix) of a small batch: T cotangent rows, one forward.
 
     Σ_t s_t over a row is that row's sequence score. Memory is B·T·P floats; use it on small batches.
 
@@ -252,7 +499,8 @@ def token_scores(
         attention_mask: shape (B, L).
         prompt_len: shape (B,), each >= 1.
         response_len: shape (B,); T = max(response_len).
-        per_sample_grads: as in ``token_fisher``; default ``PerSampleGrads(model, layout)``.
+        engine: a :class:`TokenBackward` of these rows to reuse its forward; default builds one.
+        row_bytes: memory aimed at per block of cotangent rows.
 
     Returns:
         Shape (B, T, P) float32; zero beyond a row's response_len.
@@ -265,10 +513,21 @@ def token_scores(
     prompt_len, response_len = prompt_len.to(dev), response_len.to(dev)
     cols, active, drawn = _response_positions(input_ids, prompt_len, response_len)  # (B, T)
     B, T = cols.shape
-    psg = per_sample_grads if per_sample_grads is not None else PerSampleGrads(model, layout)
+    eng = engine if engine is not None else TokenBackward(model, layout, input_ids, attention_mask)
+    p32 = torch.softmax(eng.logits.detach()[torch.arange(B, device=dev)[:, None], cols].float(), dim=-1)
     out = torch.zeros(B, T, layout.P, dtype=torch.float32, device=dev)
-    for j in range(T):
-        out[:, j] = psg(input_ids, attention_mask, _CenteredOneHot(cols[:, j], drawn[:, j], active[:, j]))
+    js = torch.arange(T, device=dev)
+    for sl in _blocks(T, eng.rows_per_block(row_bytes)):
+        jr = js[sl]
+        R = jr.shape[0]
+        rr = torch.arange(R, device=dev)[:, None].expand(R, B)
+        bb = torch.arange(B, device=dev)[None, :].expand(R, B)
+        val = -p32[:, jr].transpose(0, 1)  # (R, B, V)
+        val[rr, bb, drawn[:, jr].T] += 1
+        val *= active[:, jr].T[..., None]
+        cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
+        cot[rr, bb, cols[:, jr].T] = val
+        out[:, sl] = eng.grads(cot).transpose(0, 1)
     return out
 
 

@@ -1,26 +1,30 @@
-"""tokens stage: how the sequence Fisher splits over response positions, in three estimators.
+"""tokens stage: how the sequence Fisher splits over response positions, in several estimators.
 
 Over the first ``tokens.max_samples`` samples of the analysed rollouts, in batches of at most
 ``BATCH_ROWS`` rows (and at most a quarter of them, so the error can be read at three sample counts),
-the stage computes the token Fisher Σ_t f_t of every sample three ways: ``exact`` (all V candidates
-per position, only when V <= ``EXACT_VOCAB_LIMIT``), ``topk`` (the ``tokens.topk`` most likely,
-renormalised; the covered mass is recorded) and ``mc`` (``tokens.mc_samples`` draws from p, run as
-two independent halves so that their disagreement estimates the Monte Carlo error). On the same
-samples it computes the sequence scores s_n and the token scores s_{n,t}, checks Σ_t s_{n,t} = s_n,
-and keeps Σ_n s_n² and Σ_n Σ_t s_{n,t}² for the sequence Fisher F = mean(s²) and the cross-term
-measure ‖mean(s² − Σ_t s_t²)‖ / ‖mean(s²)‖. All scores are centered under the policy p.
+the stage computes the token Fisher Σ_t f_t of every sample with each mode of ``tokens.modes`` (unset:
+``exact``, ``topk``, ``mc`` and ``probe`` when exact's T·V rows per sample fit ``tokens.exact_budget``,
+else ``probe`` alone; see :mod:`covgrad.token_fisher`). ``mc`` (``tokens.mc_samples`` draws per
+position) and the probe modes (``tokens.probes`` probes) run as two independent halves so that their
+disagreement estimates their own error. On the same samples it computes the sequence scores s_n and
+the token scores s_{n,t}, checks Σ_t s_{n,t} = s_n, and keeps Σ_n s_n² and Σ_n Σ_t s_{n,t}² for the
+sequence Fisher F = mean(s²) and the cross-term measure ‖mean(s² − Σ_t s_t²)‖ / ‖mean(s²)‖. All scores
+are centered under the policy p. Every batch runs one forward for all of it (:class:`TokenBackward`);
+the sequence scores come from :class:`PerSampleGrads` (self-checked against autograd), so the sum check
+also checks the batched-cotangent path against it.
 
 Store ``tokens.zarr`` (dims: sample, position = response position, param, batch):
-- ``trace_{mode}``, ``entropy``, ``p_drawn``, ``covered_mass`` (sample, position) float64 (0 beyond a
-  row's response), ``trace_mc`` is the K-draw estimate; ``score_sum_relerr`` (sample,) float64,
-  ‖Σ_t s_t − s‖ / ‖s‖ per sample;
+- ``trace_{mode}`` (modes with a per-position estimate: all but ``probe_seq``), ``entropy``, ``p_drawn``,
+  ``covered_mass`` (sample, position) float64 (0 beyond a row's response; ``covered_mass`` is the
+  top-k mass, 1 without topk); ``score_sum_relerr`` (sample,) float64, ‖Σ_t s_t − s‖ / ‖s‖ per sample;
 - batch rows (batch, param) float64: ``rows_{name}`` = the batch's Σ_n Σ_t f_{n,t} for name in
-  (exact, topk, mc_a, mc_b), Σ_n s_n² (``seq_sq``) and Σ_n Σ_t s_{n,t}² (``tok_sq``); ``batch_count``
-  (batch,) rows per batch; ``lm_head_relerr`` (batch,) closed form vs exact (NaN when not checked);
+  ``row_names(modes)`` (``mc_a``/``mc_b`` etc. for the halved modes), Σ_n s_n² (``seq_sq``) and
+  Σ_n Σ_t s_{n,t}² (``tok_sq``); ``batch_count`` (batch,) rows per batch; ``lm_head_relerr`` (batch,)
+  closed form vs exact (NaN when not checked);
 - ``fisher_{mode}`` (param,) = Σ f / N per mode and ``fisher_seq`` (param,) = mean(s²);
-- ``batch_done`` progress; attrs: ``scalars`` (cross-term ratio, errors against F at three N, mode
-  agreement, expected MC error, sum check, LM-head check), ``errors_vs_seq`` (rows of the three-N
-  table), the tensor table, sampler and modes.
+- ``batch_done`` progress; attrs: ``scalars`` (cross-term ratio, errors against F at three N,
+  Spearman against F, mode agreement, expected error of each halved mode, sum check, LM-head check),
+  ``errors_vs_seq`` (rows of the three-N table), the tensor table, sampler, modes and main mode.
 Resumable by batch; same config and seed give identical stores.
 """
 
@@ -37,7 +41,14 @@ from torch import nn
 from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.token_fisher import lm_head_token_fisher, token_fisher, token_scores
+from covgrad.token_fisher import (
+    TokenBackward,
+    check_exact_budget,
+    default_mode,
+    token_fisher,
+    token_scores,
+)
+from covgrad.topk import spearman
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from tasks.base_model import load_models
 from tasks.common import StageResult, progress_bar, run_stage
@@ -47,9 +58,31 @@ from tasks.scores import PARAM_CHUNK, pick_device
 
 STORE = "tokens.zarr"
 BATCH_ROWS = 16  # most samples per batch: the per-sample gradients are BATCH_ROWS x P float32
-EXACT_VOCAB_LIMIT = 4096  # the exact mode costs V backward passes per response position
-ROW_NAMES = ("exact", "topk", "mc_a", "mc_b", "seq_sq", "tok_sq")
-POSITION_ARRAYS = ("trace_exact", "trace_topk", "trace_mc", "entropy", "p_drawn", "covered_mass")
+HALVED = ("mc", "probe", "probe_seq")  # random modes, run as two independent halves
+POSITION_ARRAYS = ("entropy", "p_drawn", "covered_mass")
+SEED_OFFSET = {"mc": 0, "probe": 1 << 40, "probe_seq": 2 << 40}  # independent draws for each random mode
+
+
+def resolve_modes(modes: list[str] | None, T: int, V: int, exact_budget: int) -> list[str]:
+    """The modes to run, main mode first: ``modes`` as given (exact checked against the budget), or by V."""
+    if modes is None:
+        if default_mode(T, V, exact_budget) == "exact":
+            return ["exact", "topk", "mc", "probe"]
+        return ["probe"]
+    if "exact" in modes:
+        check_exact_budget(T, V, exact_budget)
+    return list(modes)
+
+
+def row_names(modes: list[str]) -> list[str]:
+    """Names of the (batch, param) row arrays: each mode (halves ``_a``/``_b`` for random modes), seq_sq, tok_sq."""
+    names = [n for m in modes for n in ((f"{m}_a", f"{m}_b") if m in HALVED else (m,))]
+    return [*names, "seq_sq", "tok_sq"]
+
+
+def draws(cfg: PipelineConfig, mode: str) -> int:
+    """Candidates or probes per position (per sequence for probe_seq) of ``mode``; 0 for exact."""
+    return {"exact": 0, "topk": cfg.tokens.topk, "mc": cfg.tokens.mc_samples}.get(mode, cfg.tokens.probes)
 
 
 def batch_bounds(n: int) -> list[tuple[int, int]]:
@@ -59,7 +92,7 @@ def batch_bounds(n: int) -> list[tuple[int, int]]:
 
 
 def mc_split(k: int) -> tuple[int, int]:
-    """Draws of the two independent Monte Carlo halves: (ceil(k/2), floor(k/2))."""
+    """Draws of the two independent halves of a random mode: (ceil(k/2), floor(k/2))."""
     return (k + 1) // 2, k // 2
 
 
@@ -80,39 +113,34 @@ def lm_head_entry(model: nn.Module, layout: ParamLayout) -> str | None:
 
 def lm_head_check(
     model: nn.Module,
+    head: str,
     ids: torch.Tensor,
     attn: torch.Tensor,
-    target: torch.Tensor,
-    exact_sum: torch.Tensor,
+    pl: torch.Tensor,
+    rl: torch.Tensor,
+    closed: torch.Tensor,
     shape: tuple[int, ...],
 ) -> float:
-    """Relative L2 error of the LM-head closed form against the exact token Fisher of one batch.
+    """Relative L2 error of the LM head's closed-form exact token Fisher against the backward's.
 
-    ``ids``, ``attn``, ``target`` (B, L): rows, attention mask and response-token mask; ``exact_sum``:
-    the exact mode's Σ f restricted to the LM head weight, ``numel`` float64 values of shape ``shape``.
+    ``closed``: the exact mode's Σ f restricted to the head weight ``head`` (float64, ``shape`` elements).
+    The reference runs mode exact on a layout of the head alone with the closed form disabled, so its
+    backward stops at the head's output (cheap).
     """
-    captured: list[torch.Tensor] = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda m, inp, out: captured.append(inp[0]))
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, L, V)
-    finally:
-        hook.remove()
-    weights = torch.zeros_like(target)
-    weights[:, :-1] = target[:, 1:]  # logit row t predicts token t + 1
-    closed = lm_head_token_fisher(captured[0], torch.softmax(logits.double(), dim=-1), weights)
-    return rel_l2(closed.reshape(shape).cpu().numpy(), exact_sum.reshape(shape).cpu().numpy())
+    layout = select_parameters(model, [head])
+    ref = token_fisher(model, layout, ids, attn, pl, rl, "exact", exact_budget=2**62, closed_form_head=False)
+    return rel_l2(closed.reshape(shape).cpu().numpy(), ref["fisher_sum"].reshape(shape).cpu().numpy())
 
 
-def _create_arrays(g: Any, N: int, T: int, P: int, n_batches: int, chunk_rows: int) -> None:
+def _create_arrays(g: Any, N: int, T: int, P: int, n_batches: int, chunk_rows: int, modes: list[str]) -> None:
     def arr(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dims: list[str], fill: float = 0.0) -> None:
         if name not in g:
             g.create_array(name, shape=shape, chunks=chunks, dtype="float64", fill_value=fill, dimension_names=dims)
 
-    for name in POSITION_ARRAYS:
+    for name in (*POSITION_ARRAYS, *(f"trace_{m}" for m in modes if m != "probe_seq")):
         arr(name, (N, T), (chunk_rows, T), ["sample", "position"])
     arr("score_sum_relerr", (N,), (chunk_rows,), ["sample"])
-    for name in ROW_NAMES:
+    for name in row_names(modes):
         arr(f"rows_{name}", (n_batches, P), (1, min(P, PARAM_CHUNK)), ["batch", "param"])
     arr("batch_count", (n_batches,), (1,), ["batch"])
     arr("lm_head_relerr", (n_batches,), (1,), ["batch"], float("nan"))
@@ -127,33 +155,40 @@ def _batch(
     lo: int,
     hi: int,
     b: int,
-    exact: bool,
+    modes: list[str],
     head: str | None,
     device: torch.device,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray, float]:
-    """One batch: (param,) row sums, (rows, T_b) position arrays, (rows,) sum-check errors, LM-head error."""
+    """One batch, one forward: (param,) row sums, (rows, T_b) position arrays, (rows,) sum-check errors,
+    LM-head error."""
     pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
     rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
     L = int((pl + rl).max())
     ids = torch.from_numpy(ro["tokens"][lo:hi, :L]).long().to(device)
     attn = (torch.arange(L)[None, :] < (pl + rl)[:, None]).long().to(device)
     target = torch.from_numpy(ro["response_mask"][lo:hi, :L]).float().to(device)
+    pos = torch.arange(L, device=device).expand(hi - lo, L)  # right-padded rows: positions 0..L-1
     pl, rl = pl.to(device), rl.to(device)
+    tb = cfg.tokens
+    eng = TokenBackward(model, layout, ids, attn, pos)
 
     def run(mode: str, k: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
-        limit = EXACT_VOCAB_LIMIT
-        return token_fisher(model, layout, ids, attn, pl, rl, mode, k, seed, psg, exact_vocab_limit=limit)
+        return token_fisher(
+            model, layout, ids, attn, pl, rl, mode, k, seed, tb.exact_budget, engine=eng, row_bytes=tb.row_bytes
+        )
 
-    outs = {"topk": run("topk", k=cfg.tokens.topk)}
-    if exact:
-        outs["exact"] = run("exact")
-    ka, kb = mc_split(cfg.tokens.mc_samples)
-    base_seed = cfg.tokens.seed * 1_000_003 + 2 * b
-    outs["mc_a"] = run("mc", k=ka, seed=base_seed)
-    if kb:
-        outs["mc_b"] = run("mc", k=kb, seed=base_seed + 1)
-    seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target)).double()  # (B, P)
-    tok = token_scores(model, layout, ids, attn, pl, rl, per_sample_grads=psg).double()  # (B, T_b, P)
+    outs: dict[str, dict[str, torch.Tensor]] = {}
+    for mode in modes:
+        if mode in HALVED:
+            ka, kb = mc_split(draws(cfg, mode))
+            base_seed = tb.seed * 1_000_003 + 2 * b + SEED_OFFSET[mode]
+            outs[f"{mode}_a"] = run(mode, k=ka, seed=base_seed)
+            if kb:
+                outs[f"{mode}_b"] = run(mode, k=kb, seed=base_seed + 1)
+        else:
+            outs[mode] = run(mode, k=draws(cfg, mode))
+    seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target), position_ids=pos).double()  # (B, P)
+    tok = token_scores(model, layout, ids, attn, pl, rl, engine=eng, row_bytes=tb.row_bytes).double()  # (B, T_b, P)
     diff = torch.linalg.vector_norm(tok.sum(1) - seq, dim=1)
     norm = torch.linalg.vector_norm(seq, dim=1)
     relerr = torch.where(norm > 0, diff / norm.clamp(min=torch.finfo(torch.float64).tiny), diff)
@@ -161,21 +196,26 @@ def _batch(
     rows = {name: out["fisher_sum"] for name, out in outs.items()}
     rows["seq_sq"] = seq.square().sum(0)
     rows["tok_sq"] = tok.square().sum((0, 1))
-    K = cfg.tokens.mc_samples
-    trace_mc = (ka * outs["mc_a"]["trace"] + (kb * outs["mc_b"]["trace"] if kb else 0)) / K
+    first = next(iter(outs.values()))
     positions = {
-        "trace_topk": outs["topk"]["trace"],
-        "trace_mc": trace_mc,
-        "entropy": outs["topk"]["entropy"],
-        "p_drawn": outs["topk"]["p_drawn"],
-        "covered_mass": outs["topk"]["covered_mass"],
+        "entropy": first["entropy"],
+        "p_drawn": first["p_drawn"],
+        "covered_mass": outs["topk"]["covered_mass"] if "topk" in outs else first["covered_mass"],
     }
-    if exact:
-        positions["trace_exact"] = outs["exact"]["trace"]
+    for mode in modes:
+        if mode == "probe_seq":
+            continue
+        if mode in HALVED:
+            ka, kb = mc_split(draws(cfg, mode))
+            trace_b = kb * outs[f"{mode}_b"]["trace"] if kb else 0
+            positions[f"trace_{mode}"] = (ka * outs[f"{mode}_a"]["trace"] + trace_b) / (ka + kb)
+        else:
+            positions[f"trace_{mode}"] = outs[mode]["trace"]
     head_err = float("nan")
-    if exact and head is not None:
-        e = layout.entry(head)
-        head_err = lm_head_check(model, ids, attn, target, rows["exact"][e.offset : e.offset + e.numel], e.shape)
+    if "exact" in outs and head is not None and eng.head_entry is not None:
+        e = eng.head_entry
+        closed = rows["exact"][e.offset : e.offset + e.numel]
+        head_err = lm_head_check(model, head, ids, attn, pl, rl, closed, e.shape)
     return (
         {k: v.cpu().numpy() for k, v in rows.items()},
         {k: v.cpu().numpy() for k, v in positions.items()},
@@ -185,20 +225,21 @@ def _batch(
 
 
 def summarize(
-    g: Any, response: np.ndarray, exact: bool, K: int
+    g: Any, response: np.ndarray, modes: list[str], draws_per_mode: dict[str, int]
 ) -> tuple[dict[str, np.ndarray], dict[str, Any], list[dict]]:
     """The (param,) Fisher arrays, scalars and the three-N error table from the arrays of ``g``.
 
-    ``response``: (N, T) bool, True at response positions; ``K``: Monte Carlo draws per position.
+    ``response``: (N, T) bool, True at response positions; ``draws_per_mode``: k of each halved mode.
     """
     N = response.shape[0]
     counts = g["batch_count"][:].astype(np.int64)
     cum_n = np.cumsum(counts)
-    modes = ["exact", "topk", "mc"] if exact else ["topk", "mc"]
-    ka, kb = mc_split(K)
-    rows = {name: g[f"rows_{name}"][:] for name in ROW_NAMES}
+    rows = {name: g[f"rows_{name}"][:] for name in row_names(modes)}
     cums = {name: np.cumsum(v, axis=0) for name, v in rows.items()}
-    cums["mc"] = (ka * cums["mc_a"] + kb * cums["mc_b"]) / K
+    for m in modes:
+        if m in HALVED:
+            ka, kb = mc_split(draws_per_mode[m])
+            cums[m] = (ka * cums[f"{m}_a"] + kb * cums[f"{m}_b"]) / (ka + kb)
     table = []
     for target in (N / 4, N / 2, N):
         i = int(np.argmin(np.abs(cum_n - target)))
@@ -210,23 +251,36 @@ def summarize(
     fisher["fisher_seq"] = cums["seq_sq"][-1] / N
     scalars: dict[str, Any] = {
         "N": N,
-        "mc_samples": K,
+        "main_mode": modes[0],
         "cross_term_ratio": rel_l2(cums["tok_sq"][-1] / N, fisher["fisher_seq"]),
         "score_sum_relerr_max": float(np.max(g["score_sum_relerr"][:])),
-        "covered_mass_topk_mean": float(g["covered_mass"][:][response].mean()),
+        "covered_mass_topk_mean": float(g["covered_mass"][:][response].mean()) if "topk" in modes else None,
         "entropy_mean": float(g["entropy"][:][response].mean()),
-        "mc_vs_topk": rel_l2(fisher["fisher_mc"], fisher["fisher_topk"]),
     }
+    for mode in modes:
+        scalars[f"relerr_{mode}_vs_seq"] = rel_l2(fisher[f"fisher_{mode}"], fisher["fisher_seq"])
+        scalars[f"spearman_{mode}_vs_seq"] = spearman(fisher[f"fisher_{mode}"], fisher["fisher_seq"])
     for r in table:
         scalars[f"relerr_{r['mode']}_vs_seq_n{r['n']}"] = r["relerr_vs_seq"]
-    if kb:
-        gap = np.linalg.norm(cums["mc_a"][-1] - cums["mc_b"][-1]) / N
-        scalars["mc_expected_relerr"] = float(gap * math.sqrt(ka * kb) / K / np.linalg.norm(fisher["fisher_mc"]))
-    else:
-        scalars["mc_expected_relerr"] = float("nan")
-    if exact:
-        scalars["topk_vs_exact"] = rel_l2(fisher["fisher_topk"], fisher["fisher_exact"])
-        scalars["mc_vs_exact"] = rel_l2(fisher["fisher_mc"], fisher["fisher_exact"])
+    for m in modes:
+        if m not in HALVED:
+            continue
+        scalars[f"{m}_samples"] = draws_per_mode[m]
+        ka, kb = mc_split(draws_per_mode[m])
+        if kb:
+            # the halves differ by (mean_a − mean_b), whose variance is (1/ka + 1/kb)·σ²; the full estimate's
+            # variance is σ²/(ka + kb), so its expected error is the gap times √(ka·kb)/(ka + kb)
+            gap = np.linalg.norm(cums[f"{m}_a"][-1] - cums[f"{m}_b"][-1]) / N
+            scalars[f"{m}_expected_relerr"] = float(
+                gap * math.sqrt(ka * kb) / (ka + kb) / np.linalg.norm(fisher[f"fisher_{m}"])
+            )
+        else:
+            scalars[f"{m}_expected_relerr"] = float("nan")
+    if "topk" in modes and "mc" in modes:
+        scalars["mc_vs_topk"] = rel_l2(fisher["fisher_mc"], fisher["fisher_topk"])
+    if "exact" in modes:
+        for m in modes[1:]:
+            scalars[f"{m}_vs_exact"] = rel_l2(fisher[f"fisher_{m}"], fisher["fisher_exact"])
     head = g["lm_head_relerr"][:]
     scalars["lm_head_closed_form_relerr_max"] = float(np.max(head)) if np.isfinite(head).all() else None
     return fisher, scalars, table
@@ -239,16 +293,16 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
     device = pick_device(cfg.scores.device)
     model.to(device).eval()
     V = model.get_output_embeddings().weight.shape[0]
-    if cfg.tokens.topk > V:
+    T = ro["sampler_logp"].shape[1]
+    modes = resolve_modes(cfg.tokens.modes, T, V, cfg.tokens.exact_budget)
+    if "topk" in modes and cfg.tokens.topk > V:
         raise ValueError(f"tokens.topk = {cfg.tokens.topk} exceeds the vocabulary size V = {V}; set tokens.topk <= {V}")
     layout = select_parameters(model, cfg.scores.params)
-    exact = V <= EXACT_VOCAB_LIMIT
     head = lm_head_entry(model, layout)
     N = min(cfg.tokens.max_samples, ro["tokens"].shape[0])
-    T = ro["sampler_logp"].shape[1]
     batches = batch_bounds(N)
     g = store.open_group(ref, STORE, mode="a")
-    _create_arrays(g, N, T, layout.P, len(batches), batches[0][1])
+    _create_arrays(g, N, T, layout.P, len(batches), batches[0][1], modes)
     create_progress(g, len(batches))
     psg = PerSampleGrads(model, layout, check=cfg.scores.self_check)
     todo = pending_batches(g)
@@ -256,7 +310,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
         bar.update(len(batches) - len(todo))
         for b in todo:
             lo, hi = batches[b]
-            rows, positions, relerr, head_err = _batch(model, layout, psg, cfg, ro, lo, hi, b, exact, head, device)
+            rows, positions, relerr, head_err = _batch(model, layout, psg, cfg, ro, lo, hi, b, modes, head, device)
             for name, value in rows.items():
                 g[f"rows_{name}"][b] = value
             for name, value in positions.items():
@@ -267,7 +321,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
             mark_batch_done(g, b)
             bar.update(1)
     response = np.arange(T)[None, :] < ro["response_len"][:N][:, None]  # (N, T)
-    fisher, scalars, table = summarize(g, response, exact, cfg.tokens.mc_samples)
+    fisher, scalars, table = summarize(g, response, modes, {m: draws(cfg, m) for m in modes})
     for name, values in fisher.items():
         g.create_array(
             name, data=values, chunks=(min(layout.P, PARAM_CHUNK),), dimension_names=["param"], overwrite=True
@@ -279,8 +333,9 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
             "tensors": layout.to_records(),
             "sampler": sampler,
             "on_policy": on_policy(cfg.rollouts.samplers[sampler]),
-            "modes": [m.removeprefix("fisher_") for m in fisher if m != "fisher_seq"],
-            "exact_vocab_limit": EXACT_VOCAB_LIMIT,
+            "modes": modes,
+            "main_mode": modes[0],
+            "exact_budget": cfg.tokens.exact_budget,
             "lm_head": head,
             "V": V,
         }
@@ -291,7 +346,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
 
 @task(name="tokens")
 def tokens_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """Token-level Fisher (exact / top-k / Monte Carlo) of the analysed rollouts."""
+    """Token-level Fisher (exact / top-k / Monte Carlo / probes) of the analysed rollouts."""
     return run_stage(
         ref,
         {**cfg.tokens.model_dump(), "params": cfg.scores.params},

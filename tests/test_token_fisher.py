@@ -8,7 +8,18 @@ import torch
 from transformers import LlamaForCausalLM
 
 from covgrad.layout import select_parameters
-from covgrad.token_fisher import cross_term_ratio, lm_head_token_fisher, token_fisher, token_scores
+from covgrad.persample import PerSampleGrads
+from covgrad.token_fisher import (
+    TokenBackward,
+    _candidates,
+    _response_positions,
+    check_exact_budget,
+    cross_term_ratio,
+    default_mode,
+    lm_head_token_fisher,
+    token_fisher,
+    token_scores,
+)
 from tests.models import tiny_llama
 
 V = 16
@@ -189,8 +200,10 @@ def test_bad_inputs():
         token_fisher(*args, "topk", k=0)
     with pytest.raises(ValueError, match="k = 0"):
         token_fisher(*args, "mc", k=0)
-    with pytest.raises(ValueError, match="exact_vocab_limit = 8"):
-        token_fisher(*args, "exact", exact_vocab_limit=8)
+    with pytest.raises(ValueError, match="k = 0"):
+        token_fisher(*args, "probe", k=0)
+    with pytest.raises(ValueError, match=r"T·V = 4·16 = 64 .* above the exact budget 63; use mode='probe'"):
+        token_fisher(*args, "exact", exact_budget=63)
     with pytest.raises(ValueError, match="mode must be"):
         token_fisher(*args, "sampled", k=2)
     with pytest.raises(ValueError, match="exceeds the row length"):
@@ -205,3 +218,116 @@ def test_bad_inputs():
         cross_term_ratio(torch.zeros(3, 4), torch.zeros(3, 4))
     with pytest.raises(ValueError, match="need hidden"):
         lm_head_token_fisher(torch.ones(2, 3, 4), torch.ones(2, 3, 5), torch.ones(2, 4))
+
+
+def _per_candidate_loop(model, layout, input_ids, attention_mask, mode, k=0, seed=0) -> torch.Tensor:
+    """The stage's former path: one PerSampleGrads forward and backward per (position, candidate); Σ f (P,)."""
+    psg = PerSampleGrads(model, layout, check=False)
+    cols, active, _ = _response_positions(input_ids, PROMPT_LEN, RESPONSE_LEN)
+    B, T = cols.shape
+    rows = torch.arange(B)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    p = torch.softmax(logits[rows[:, None], cols].double(), -1)
+    cand, weight, _ = _candidates(p, mode, k, seed, 10**9)
+    fisher = torch.zeros(layout.P, dtype=torch.float64)
+    for j in range(T):
+        for c in range(cand.shape[-1]):
+
+            def onehot(z, j=j, c=c):
+                g = -torch.softmax(z[rows, cols[:, j]].float(), -1)
+                g[rows, cand[:, j, c]] += 1
+                g[~active[:, j]] = 0
+                d = torch.zeros_like(z)
+                d[rows, cols[:, j]] = g
+                return d
+
+            sq = psg(input_ids, attention_mask, onehot).double().square()
+            fisher += (weight[:, j, c] * active[:, j]) @ sq
+    return fisher
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_batched_cotangents_equal_the_per_candidate_loop(tied):
+    """One forward + batched cotangent rows (small blocks, so several backward calls) = the former loop."""
+    torch.set_num_threads(1)
+    model = _tiny_llama(tied, seed=13)
+    layout = select_parameters(model)
+    input_ids, attention_mask = _batch(seed=17)
+    args = (model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN)
+    for mode, k in (("exact", 0), ("mc", 3)):
+        new = token_fisher(*args, mode, k=k, seed=4, row_bytes=1)  # one cotangent row per backward
+        old = _per_candidate_loop(model, layout, input_ids, attention_mask, mode, k=k, seed=4)
+        assert _rel(new["fisher_sum"], old) < 1e-6, mode
+        assert _rel(token_fisher(*args, mode, k=k, seed=4)["fisher_sum"], old) < 1e-6, mode
+
+
+def _tensor_sums(layout, x: torch.Tensor) -> torch.Tensor:
+    """(..., P) -> (..., tensors): the sum over each tensor's elements."""
+    return torch.stack([x[..., e.offset : e.offset + e.numel].sum(-1) for e in layout.entries], -1)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_probe_is_unbiased_on_every_tensor(tied):
+    """2,000 Rademacher probes u = ε⊙√p − p(εᵀ√p), batched as cotangent rows with every tensor (the LM
+    head included) taken from the backward: the per-tensor mean of h² is within 3 standard errors of the
+    exact token Fisher, per sequence (probes summed over positions) and per position; token_fisher's
+    probe modes (LM head in closed form) land within the same bounds."""
+    torch.set_num_threads(1)
+    model = _tiny_llama(tied, seed=3)
+    layout = select_parameters(model)
+    input_ids, attention_mask = _batch(seed=5)
+    args = (model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN)
+    exact = _tensor_sums(layout, token_fisher(*args, "exact")["fisher_sum"])  # (tensors,)
+    eng = TokenBackward(model, layout, input_ids, attention_mask)
+    cols, active, _ = _response_positions(input_ids, PROMPT_LEN, RESPONSE_LEN)
+    B, T = cols.shape
+    p = torch.softmax(eng.logits.detach()[torch.arange(B)[:, None], cols].double(), -1)  # (B, T, V)
+    R = 2000
+    gen = torch.Generator().manual_seed(0)
+    eps = torch.randint(0, 2, (R, B, T, V), generator=gen).double() * 2 - 1
+    u = (eps * p.sqrt() - p * (eps * p.sqrt()).sum(-1, keepdim=True)) * active[..., None]  # (R, B, T, V)
+    bt = torch.arange(B)[:, None].expand(B, T)
+    seq_est, pos_est = [], []
+    for lo in range(0, R, 250):
+        cot = torch.zeros(250, B, L, V)
+        cot[:, bt, cols] = u[lo : lo + 250].float()
+        seq_est.append(_tensor_sums(layout, eng.grads(cot).double().square().sum(1)))  # (250, tensors)
+        per_pos = torch.zeros(250, B, L, V)
+        total = torch.zeros(250, layout.P, dtype=torch.float64)
+        for j in range(T):
+            per_pos.zero_()
+            per_pos[:, torch.arange(B), cols[:, j]] = u[lo : lo + 250, :, j].float()
+            total += eng.grads(per_pos).double().square().sum(1)
+        pos_est.append(_tensor_sums(layout, total))
+    for name, est in (("per sequence", torch.cat(seq_est)), ("per position", torch.cat(pos_est))):
+        mean, se = est.mean(0), est.std(0) / R**0.5
+        z = (mean - exact).abs() / se
+        assert (z < 3).all(), (name, z)
+        assert (se < 0.2 * exact).all(), (name, se / exact)  # the test has power
+        mode = "probe_seq" if name == "per sequence" else "probe"
+        fast = _tensor_sums(layout, token_fisher(*args, mode, k=R, seed=1)["fisher_sum"])
+        assert ((fast - exact).abs() < 3 * se).all(), (name, (fast - exact).abs() / se)
+
+
+def test_probe_modes_are_seeded_and_report_traces():
+    torch.set_num_threads(1)
+    model = _tiny_llama(False, seed=3)
+    layout = select_parameters(model)
+    input_ids, attention_mask = _batch(seed=5)
+    args = (model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN)
+    a, b, c = (token_fisher(*args, "probe", k=2, seed=s) for s in (1, 1, 2))
+    assert torch.equal(a["fisher_sum"], b["fisher_sum"]) and not torch.equal(a["fisher_sum"], c["fisher_sum"])
+    active = _active()
+    assert (a["trace"][active] > 0).all() and (a["trace"][~active] == 0).all()
+    torch.testing.assert_close(a["fisher_sum"].sum(), a["trace"].sum(), rtol=1e-10, atol=0)
+    seq = token_fisher(*args, "probe_seq", k=2, seed=1)
+    assert seq["trace"][active].isnan().all() and (seq["trace"][~active] == 0).all()
+
+
+def test_budget_and_default_mode():
+    assert default_mode(4, 16) == "exact" and default_mode(64, 49152) == "probe"
+    assert default_mode(4, 16, exact_budget=63) == "probe"
+    check_exact_budget(4, 16, 64)
+    with pytest.raises(ValueError, match="T·V = 64·49152 = 3145728 .* budget 65536; use mode='probe'"):
+        check_exact_budget(64, 49152, 65536)

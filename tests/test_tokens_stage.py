@@ -55,10 +55,10 @@ def test_store_has_documented_arrays(run):
     T = cfg.rollouts.samplers["policy"].max_new_tokens
     P = g["fisher_seq"].shape[0]
     assert store.is_complete(refs["tokens"])
-    assert g.attrs["modes"] == ["exact", "topk", "mc"]
-    for name in POSITION_ARRAYS:
+    assert g.attrs["modes"] == ["exact", "topk", "mc", "probe"]  # chosen by V: exact fits the budget
+    for name in (*POSITION_ARRAYS, "trace_exact", "trace_topk", "trace_mc", "trace_probe"):
         assert g[name].shape == (N, T)
-    for name in ("fisher_exact", "fisher_topk", "fisher_mc", "fisher_seq"):
+    for name in ("fisher_exact", "fisher_topk", "fisher_mc", "fisher_probe", "fisher_seq"):
         assert g[name].shape == (P,)
         assert np.isfinite(g[name][:]).all() and g[name][:].sum() > 0
     mass = g["covered_mass"][:][g["p_drawn"][:] > 0]
@@ -75,6 +75,8 @@ def test_in_stage_checks_hold(run):
     assert s["score_sum_relerr_max"] < 1e-5  # Σ_t s_t = s per sample
     assert s["lm_head_closed_form_relerr_max"] < 1e-5
     assert 0 < s["mc_expected_relerr"] < 10 and math.isfinite(s["mc_vs_exact"])
+    assert 0 < s["probe_expected_relerr"] < 10 and math.isfinite(s["probe_vs_exact"])
+    assert -1 <= s["spearman_exact_vs_seq"] <= 1
 
 
 @pytest.mark.slow
@@ -147,3 +149,19 @@ def test_topk_above_vocabulary_is_one_clear_error(run):
     with pytest.raises(ValueError, match=rf"tokens.topk = {V + 1} exceeds the vocabulary size V = {V}"):
         run_upto(bad, "tokens")
     assert not store.is_complete(plan(bad)["tokens"].ref)
+
+
+@pytest.mark.slow
+def test_budget_picks_probe_and_refuses_exact(run):
+    """Above the exact budget the default is the probe mode alone; asking for exact is one clear error."""
+    cfg, _, store, g = run
+    V, T = g.attrs["V"], cfg.rollouts.samplers["policy"].max_new_tokens
+    small = cfg.model_copy(update={"tokens": cfg.tokens.model_copy(update={"exact_budget": T * V - 1})})
+    refs = run_upto(small, "tokens")
+    gp = store.open_group(refs["tokens"], STORE, mode="r")
+    assert gp.attrs["modes"] == ["probe"] and "trace_probe" in gp and "fisher_exact" not in gp
+    s = gp.attrs["scalars"]
+    assert 0 < s["probe_expected_relerr"] < 10 and s["score_sum_relerr_max"] < 1e-5
+    bad = small.model_copy(update={"tokens": small.tokens.model_copy(update={"modes": ["exact", "probe"]})})
+    with pytest.raises(ValueError, match=rf"T·V = {T}·{V} = {T * V} backward rows .* use mode='probe'"):
+        run_upto(bad, "tokens")
