@@ -134,3 +134,29 @@ def test_kl_sampler_policy_against_numpy():
         ref += sum(mi * (np.log(mi) - lp) for mi, lp in zip(m, logp, strict=True) if mi > 0)
     assert count == 6
     np.testing.assert_allclose(total, ref, rtol=1e-12)
+
+
+def test_row_writer_writes_every_batch_in_the_background_and_reports_failures(tmp_path):
+    import zarr
+
+    from tasks.scores import RowWriter
+
+    arr = zarr.open_group(str(tmp_path / "g.zarr"), mode="w").create_array(
+        "scores", shape=(10, 7), chunks=(4, 7), dtype="float32"
+    )
+    rows = torch.randn(10, 7)
+    writer = RowWriter(arr, 4, 7, torch.device("cpu"), depth=2)
+    buffer = torch.empty(4, 7)  # reused between batches, as in the stage
+    for lo in (0, 4, 8):
+        hi = min(lo + 4, 10)
+        buffer[: hi - lo] = rows[lo:hi]
+        writer.submit(lo, hi, buffer[: hi - lo])
+    writer.close()
+    assert np.array_equal(arr[:], rows.numpy())
+
+    read_only = zarr.open_group(str(tmp_path / "g.zarr"), mode="r")["scores"]
+    broken = RowWriter(read_only, 4, 7, torch.device("cpu"))
+    broken.submit(0, 4, torch.zeros(4, 7))
+    with pytest.raises(RuntimeError, match="writing per-sample rows failed"):
+        broken.close()
+    assert not broken.thread.is_alive()
