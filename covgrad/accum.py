@@ -121,7 +121,7 @@ class MomentAccumulator:
             return
         for h in batch.active:  # a half's first samples: its state starts at the batch's moments
             nb = batch.nb[h]
-            m2b = sums[h] - s1[h] * s1[h] / nb
+            m2b = (sums[h] - s1[h] * s1[h] / nb).clamp_(min=0)
             cb = sa[h] - s1[h] * (batch.ac_sum[h] / nb)
             if self.count[h] == 0:
                 self.m2[h, cols] = m2b
@@ -138,7 +138,7 @@ class MomentAccumulator:
         exact zero updates)."""
         inv_nb, w, f, fda, acs = batch.coef  # each (H, 1)
         rel = s1 * inv_nb  # (H, n) batch mean − K
-        m2b = s2 - s1 * rel
+        m2b = (s2 - s1 * rel).clamp_(min=0)  # Σd² ≥ (Σd)²/b exactly; the clip only removes rounding below 0
         cb = sa - s1 * acs
         self._merge(cols, slice(None), K, rel, m2b, cb, w, f, fda)
 

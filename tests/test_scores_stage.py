@@ -13,24 +13,22 @@ from tasks.registry import STAGE_TASKS
 from tests.conftest import tiny_config
 
 STALE = {"model": "stale", "group_size": 4, "max_new_tokens": 3, "batch_size": 16}
+OVERRIDES = {
+    "rollouts.samplers": {
+        "policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16},
+        "full": {**STALE, "store_mu": "full"},
+        "topk": {**STALE, "store_mu": "topk", "mu_topk": 16},
+        "model": {**STALE, "store_mu": "none"},
+    },
+    "tokens.enabled": False,
+    "update_check.enabled": False,
+}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("scores-stage")
-    cfg = tiny_config(
-        str(root),
-        **{
-            "rollouts.samplers": {
-                "policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16},
-                "full": {**STALE, "store_mu": "full"},
-                "topk": {**STALE, "store_mu": "topk", "mu_topk": 16},
-                "model": {**STALE, "store_mu": "none"},
-            },
-            "tokens.enabled": False,
-            "update_check.enabled": False,
-        },
-    )
+    cfg = tiny_config(str(root), **OVERRIDES)
     nodes = plan(cfg)
     refs = {}
     for name, node in nodes.items():
@@ -160,3 +158,38 @@ def test_row_writer_writes_every_batch_in_the_background_and_reports_failures(tm
     with pytest.raises(RuntimeError, match="writing per-sample rows failed"):
         broken.close()
     assert not broken.thread.is_alive()
+
+
+@pytest.mark.slow
+def test_stats_from_moment_state_equal_stats_from_rows(run):
+    """Without per-sample rows the stats stage reads the O(P) state (float64 or float32) and gets the
+    statistics of the rows path: to 1e-9 (float64 state) and 1e-5 (float32 state)."""
+    cfg, _, _ = run
+    with_rows = _stats(cfg, "rows")
+    for state_dtype, rtol in (("float64", 1e-9), ("float32", 1e-5)):
+        over = {**OVERRIDES, "scores.byte_budget": 0, "scores.state_dtype": state_dtype}
+        other = tiny_config(cfg.root, **over)
+        got = _stats(other, "state")
+        assert "scores" not in ArtifactStore(other.root).open_group(_ref(other, "scores"), "scores.zarr")
+        for name in ("m", "F", "Fvar", "G", "Cov"):
+            scale = np.abs(with_rows[name]).max()
+            assert np.abs(got[name] - with_rows[name]).max() <= rtol * scale, (state_dtype, name)
+        finite = np.isfinite(with_rows["rho"])
+        assert np.array_equal(finite, np.isfinite(got["rho"]))
+        np.testing.assert_allclose(got["rho"][finite], with_rows["rho"][finite], rtol=100 * rtol, atol=rtol)
+
+
+def _ref(cfg, stage: str):
+    return plan(cfg)[f"{stage}.policy.policy"].ref
+
+
+def _stats(cfg, source: str) -> dict:
+    """Run scores.policy.policy and stats.policy.policy of ``cfg``; the stats arrays (numpy)."""
+    nodes = plan(cfg)
+    refs = {}
+    for name in ("base_model", "rollouts.policy", "scores.policy.policy", "stats.policy.policy"):
+        node = nodes[name]
+        refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream}).ref
+    g = ArtifactStore(cfg.root).open_group(refs["stats.policy.policy"], "stats.zarr")
+    assert g.attrs["source"] == ("per-sample rows" if source == "rows" else "moment rows")
+    return {k: g[k][:] for k in ("m", "F", "Fvar", "G", "Cov", "rho")}
