@@ -14,6 +14,11 @@ outputs of the first hooked modules, so autograd never computes a batched weight
 per-sample products replace those GEMMs instead of adding to them. A parameter shared by several
 modules (tied embedding and LM head) gets the sum of their contributions per sample.
 
+Two outputs: ``__call__`` returns the (B, P) float32 rows; ``accumulate`` (the scores stage's fused
+reduction) folds each tensor's (B, numel) block into a :class:`covgrad.accum.MomentAccumulator` as soon
+as its last contribution of the backward has arrived (modules' forward calls are counted, so tied and
+repeated modules are summed first) and drops it, so no B × P buffer exists.
+
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V
 vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layout.ParamLayout`).
 """
