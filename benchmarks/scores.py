@@ -8,17 +8,21 @@ requiring grad: what a trainer pays per step) in the same repetition and the med
 - "covgrad streaming step": what the scores stage runs per batch: ``PerSampleGrads.accumulate`` folds
   each tensor's per-sample block into the float64 moment accumulators on the device while the backward
   runs (nothing B × P is formed or copied to the host);
+  ("float32 state": the same with ``scores.state_dtype: float32``);
 - "covgrad rows": the (B, P) float32 per-sample rows (``PerSampleGrads.__call__``, one reused buffer);
 - vmap(grad) and the naive loop (one backward per sample); on cuda they run on ``--sub`` samples and
   their time is scaled to B (their per-sample cost does not fall with B).
 
-Peak memory: on cuda the allocator's peak above the level at the call's start
-(``torch.cuda.max_memory_allocated``); on CPU the torch profiler's allocator bytes above the start.
+The floor differentiates the selected parameters (all of them unless ``--params``). Peak memory: on
+cuda the allocator's peak above the level at the call's start (``torch.cuda.max_memory_allocated``);
+on CPU the torch profiler's allocator bytes above the start.
 The bf16/fp16 per-sample products use ``torch.bmm(..., out_dtype=torch.float32)`` on cuda (tensor cores);
 CPU kernels lack that overload, so there they run as fp32 GEMMs on upcast operands (printed per run).
 
     python -m benchmarks.scores --device cpu                     # small and large CPU models, ~2 min
-    python -m benchmarks.scores --device cuda --model llama-134m llama-0.85b qwen2.5-7b
+    python -m benchmarks.scores --device cuda --model llama-134m llama-0.85b
+    python -m benchmarks.scores --device cuda --model qwen2.5-7b --params "model.layers.1[4-9].mlp.*" \
+        "model.layers.2[0-7].mlp.*"    # all 7.6e9 parameters need 366 GB of float64 state (README)
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def methods(model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor, sub: 
     adv = np.random.default_rng(0).standard_normal(B)
     half = np.arange(B) % 2
     psg = PerSampleGrads(model, layout, check=True)
-    acc = MomentAccumulator(layout.P, device)
+    accs: dict[str, MomentAccumulator] = {}
     fn = lambda z: score_logit_grad(z, ids, w)  # noqa: E731
 
     def floor() -> Tensor:
@@ -132,10 +136,16 @@ def methods(model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor, sub: 
         gs = per_sample_grad({n: p.detach() for n, p in params.items()}, ids[:sub], w[:sub])
         return torch.cat([gs[n].reshape(sub, -1).float() for n in names], dim=1)
 
-    def streaming() -> None:
-        psg.accumulate(ids, mask, fn, acc, adv, half, position_ids=pos)
+    def streaming(state_dtype: str) -> None:
+        if state_dtype not in accs:  # allocated by the warm-up call (an OOM there is reported as such)
+            accs[state_dtype] = MomentAccumulator(layout.P, device, state_dtype)
+        psg.accumulate(ids, mask, fn, accs[state_dtype], adv, half, position_ids=pos)
 
-    out: dict[str, tuple] = {"floor: batched backward": (floor, B), "covgrad streaming step": (streaming, B)}
+    out: dict[str, tuple] = {
+        "floor: batched backward": (floor, B),
+        "covgrad streaming step": (lambda: streaming("float64"), B),
+        "covgrad streaming step, float32 state": (lambda: streaming("float32"), B),
+    }
     if _rows_limit(device) > B * layout.P * 4:
         buffer = torch.empty(B, layout.P, device=device)
         out["covgrad rows (B x P)"] = (lambda: psg(ids, mask, fn, position_ids=pos, out=buffer), B)
@@ -185,9 +195,11 @@ def _try(fn: Callable[[], object]) -> object | str:
         return "OOM"
 
 
-def run_model(name: str, device: torch.device, reps: int, sub: int, batch: int | None) -> None:
+def run_model(
+    name: str, device: torch.device, reps: int, sub: int, batch: int | None, params: list[str] | None
+) -> None:
     model = build(name, device)
-    layout = select_parameters(model)
+    layout = select_parameters(model, params)
     _, vocab, *_, dtype, B, prompt, response = MODELS[name]
     B = batch or B
     sub = min(sub, B) if device.type == "cuda" else B
@@ -274,6 +286,7 @@ def main() -> None:
     parser.add_argument("--model", nargs="+", default=None, choices=list(MODELS), help="default: small large (cpu)")
     parser.add_argument("--batch", type=int, default=None, help="samples per batch (default: the model's)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up")
+    parser.add_argument("--params", nargs="+", default=None, help="glob patterns of the selected parameters")
     parser.add_argument("--sub", type=int, default=4, help="cuda: samples for vmap and the naive loop")
     parser.add_argument("--stream-n", type=int, nargs="+", default=[256, 4096], help="samples streamed (cpu)")
     args = parser.parse_args()
@@ -285,7 +298,7 @@ def main() -> None:
     names = args.model or (["small", "large"] if device.type == "cpu" else ["llama-134m", "llama-0.85b"])
     print(f"torch {torch.__version__} on {device.type}" + (", 1 thread" if device.type == "cpu" else ""))
     for name in names:
-        run_model(name, device, args.reps, args.sub, args.batch)
+        run_model(name, device, args.reps, args.sub, args.batch, args.params)
     if device.type == "cpu":
         run_streaming("small", device, args.stream_n)
 
