@@ -110,11 +110,10 @@ class MomentAccumulator:
         first = batch.first
         K = x[0].to(self.dtype) if self.count[first] == 0 else self.mean[first, cols].clone()  # (n,)
         B, n = x.shape
-        d, sq, lin, sums = self._workspace(B, n)
+        d, lin, sums = self._workspace(B, n)
         d.copy_(x).sub_(K)  # (B, n) in the state dtype; copy then subtract beats a mixed-dtype sub 2x on CPU
         torch.mm(batch.weights, d, out=lin)  # (2H, n): rows h: Σ_h d; rows H + h: Σ_h (a − ā_b) d
-        torch.mul(d, d, out=sq)
-        torch.mm(batch.weights[: self.H], sq, out=sums)  # (H, n): Σ_h d²
+        torch.mm(batch.weights[: self.H], d.mul_(d), out=sums)  # (H, n): Σ_h d²
         s1, sa = lin[: self.H], lin[self.H :]
         if batch.started:
             self._merge_all(batch, cols, K, s1, sums, sa)
@@ -167,15 +166,14 @@ class MomentAccumulator:
         lo_out.copy_((base - (hi - bp)) + (add - bp))
         hi_out.copy_(hi)
 
-    def _workspace(self, B: int, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Reused buffers (B, n), (B, n), (2H, n), (H, n) of the state dtype: fresh large allocations
-        page-fault on every fold step (measured 2x the whole fold on a CPU)."""
+    def _workspace(self, B: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Reused buffers (B, n), (2H, n), (H, n) of the state dtype: fresh large allocations page-fault
+        on every fold step (measured 2x the whole fold on a CPU)."""
         size = B * max(n, min(self.P, max(1, self._fold_elements // B)))
         if self._work is None or self._work[0].numel() < size:
-            big = [torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(2)]
-            small = [torch.empty(k * size // B, dtype=self.dtype, device=self.device) for k in (2 * self.H, self.H)]
-            self._work = (*big, *small)
-        return tuple(w[: r * n].view(r, n) for w, r in zip(self._work, (B, B, 2 * self.H, self.H), strict=True))
+            rows = (B, 2 * self.H, self.H)
+            self._work = tuple(torch.empty(r * size // B, dtype=self.dtype, device=self.device) for r in rows)
+        return tuple(w[: r * n].view(r, n) for w, r in zip(self._work, (B, 2 * self.H, self.H), strict=True))
 
     def end_batch(self) -> None:
         """Commit the batch's advantage moments (after every tensor of the batch is folded)."""
