@@ -111,7 +111,10 @@ class MomentAccumulator:
         K = x[0].to(self.dtype) if self.count[first] == 0 else self.mean[first, cols].clone()  # (n,)
         B, n = x.shape
         d, lin, sums = self._workspace(B, n)
-        d.copy_(x).sub_(K)  # (B, n) in the state dtype; copy then subtract beats a mixed-dtype sub 2x on CPU
+        if d.is_cuda:  # (B, n) in the state dtype: x is converted exactly, then K subtracted (same bits both ways)
+            torch.sub(x, K, out=d)  # one kernel
+        else:
+            d.copy_(x).sub_(K)  # copy then subtract beats the mixed-dtype sub 2x on CPU
         torch.mm(batch.weights, d, out=lin)  # (2H, n): rows h: Σ_h d; rows H + h: Σ_h (a − ā_b) d
         torch.mm(batch.weights[: self.H], d.mul_(d), out=sums)  # (H, n): Σ_h d²
         s1, sa = lin[: self.H], lin[self.H :]
