@@ -1,15 +1,28 @@
-"""Per-sample scores: covgrad's hooks against a plain batched backward, a naive loop and torch.func vmap.
+"""Per-sample scores: the scores stage's whole streaming step against a plain batched backward, vmap and a loop.
 
-All methods see the same batch of one process (prompt tokens masked out, response tokens scored,
+All methods see the same batch in one process (prompt tokens masked out, response tokens scored,
 objective Σ_t log p(y_t)), timed in interleaved repetitions after one warm-up; each repetition's time
-is divided by the floor's (plain batched backward of the summed objective) in the same repetition and
-the median ratio is reported. Peak memory is the torch profiler's allocator bytes above the level at the
-call's start (``profile_memory=True``, running sum of its [memory] events), one call per method.
-A last section streams N samples through PerSampleGrads + batch_moments in batches and reports the
-peak for two values of N (it should not grow with N).
+is divided by the floor's (one batched forward + backward of the summed objective, every parameter
+requiring grad: what a trainer pays per step) in the same repetition and the median ratio is reported.
 
-    python -m benchmarks.scores                       # both model sizes, ~2 minutes on one core
-    python -m benchmarks.scores --sizes small --reps 3
+- "covgrad streaming step": what the scores stage runs per batch: ``PerSampleGrads.accumulate`` folds
+  each tensor's per-sample block into the float64 moment accumulators on the device while the backward
+  runs (nothing B × P is formed or copied to the host);
+  ("float32 state": the same with ``scores.state_dtype: float32``);
+- "covgrad rows": the (B, P) float32 per-sample rows (``PerSampleGrads.__call__``, one reused buffer);
+- vmap(grad) and the naive loop (one backward per sample); on cuda they run on ``--sub`` samples and
+  their time is scaled to B (their per-sample cost does not fall with B).
+
+The floor differentiates the selected parameters (all of them unless ``--params``). Peak memory: on
+cuda the allocator's peak above the level at the call's start (``torch.cuda.max_memory_allocated``);
+on CPU the torch profiler's allocator bytes above the start.
+The bf16/fp16 per-sample products use ``torch.bmm(..., out_dtype=torch.float32)`` on cuda (tensor cores);
+CPU kernels lack that overload, so there they run as fp32 GEMMs on upcast operands (printed per run).
+
+    python -m benchmarks.scores --device cpu                     # small and large CPU models, ~2 min
+    python -m benchmarks.scores --device cuda --model llama-134m llama-0.85b
+    python -m benchmarks.scores --device cuda --model qwen2.5-7b --params "model.layers.1[4-9].mlp.*" \
+        "model.layers.2[0-7].mlp.*"    # all 7.6e9 parameters need 366 GB of float64 state (README)
 """
 
 from __future__ import annotations
@@ -22,75 +35,96 @@ from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from covgrad.accum import MomentAccumulator
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.persample import PerSampleGrads, batch_moments, score_logit_grad
+from covgrad.persample import PerSampleGrads, score_logit_grad
 
-# name: (vocab, hidden, intermediate, layers, heads)
-SIZES = {"small": (16, 128, 256, 2, 4), "large": (256, 256, 640, 4, 4)}
+# name: (family, vocab, hidden, intermediate, layers, heads, kv heads, dtype, batch, prompt, response)
+MODELS = {
+    "small": ("llama", 16, 128, 256, 2, 4, 4, torch.float32, 32, 8, 32),
+    "large": ("llama", 256, 256, 640, 4, 4, 4, torch.float32, 32, 8, 32),
+    "llama-134m": ("llama", 32000, 768, 2048, 12, 12, 12, torch.float32, 16, 128, 384),
+    "llama-0.85b": ("llama", 32000, 2048, 5632, 16, 32, 8, torch.bfloat16, 8, 128, 384),
+    "qwen2.5-7b": ("qwen2", 152064, 3584, 18944, 28, 28, 4, torch.bfloat16, 4, 128, 384),
+}
 
 
-def build(size: str) -> nn.Module:
-    """A Llama from config (eager attention so vmap has batching rules), norms perturbed, eval mode."""
-    vocab, hidden, inter, layers, heads = SIZES[size]
+def build(name: str, device: torch.device) -> nn.Module:
+    """Random-init model from config on ``device`` (eager attention on CPU so vmap has batching rules,
+    sdpa on cuda), norms perturbed, eval mode."""
+    family, vocab, hidden, inter, layers, heads, kv, dtype = MODELS[name][:8]
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    model = LlamaForCausalLM(cfg)
+    kwargs = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "attn_implementation": "sdpa" if device.type == "cuda" else "eager",
+    }
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = model_cls(config_cls(**kwargs))
+    finally:
+        torch.set_default_dtype(previous)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
                 p.add_(0.1 * torch.randn_like(p))
     return model.eval()
 
 
-def make_batch(vocab: int, batch: int, prompt: int, response: int, seed: int) -> tuple[Tensor, Tensor]:
+def make_batch(vocab: int, batch: int, prompt: int, response: int, seed: int, device: torch.device) -> tuple:
     """Token ids (B, L) and response weights (B, L), L = prompt + response."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, prompt + response), generator=gen)
     w = torch.zeros(batch, prompt + response)
     w[:, prompt:] = 1.0
-    return ids, w
+    return ids.to(device), w.to(device)
 
 
 def objective(logits: Tensor, ids: Tensor, w: Tensor) -> Tensor:
     """Σ over scored positions of log p(token); logits (..., L, V), ids and w (..., L)."""
-    lp = F.log_softmax(logits[..., :-1, :], -1).gather(-1, ids[..., 1:, None])[..., 0]
+    lp = F.log_softmax(logits[..., :-1, :].float(), -1).gather(-1, ids[..., 1:, None])[..., 0]
     return (w[..., 1:] * lp).sum()
 
 
-def methods(model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor) -> dict[str, Callable[[], Tensor]]:
-    """Each method returns its product: the summed gradient (P,) for the floor, scores (B, P) otherwise."""
+def methods(model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor, sub: int) -> dict[str, tuple]:
+    """name -> (fn, samples it covers); fns return their product (summed gradient, rows, or None)."""
     names = layout.names
     params = dict(model.named_parameters())
     plist = [params[n] for n in names]
+    B, device = ids.shape[0], ids.device
     mask = torch.ones_like(ids)
-    adv = torch.randn(ids.shape[0])
+    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    adv = np.random.default_rng(0).standard_normal(B)
+    half = np.arange(B) % 2
     psg = PerSampleGrads(model, layout, check=True)
+    accs: dict[str, MomentAccumulator] = {}
+    fn = lambda z: score_logit_grad(z, ids, w)  # noqa: E731
 
     def floor() -> Tensor:
         gs = torch.autograd.grad(objective(model(input_ids=ids).logits, ids, w), plist)
-        return torch.cat([g.reshape(-1) for g in gs])
+        return torch.cat([g.reshape(-1).float() for g in gs])
 
     def naive() -> Tensor:
         rows = []
-        for n in range(ids.shape[0]):
+        for n in range(sub):
             gs = torch.autograd.grad(objective(model(input_ids=ids[n : n + 1]).logits[0], ids[n], w[n]), plist)
-            rows.append(torch.cat([g.reshape(-1) for g in gs]))
+            rows.append(torch.cat([g.reshape(-1).float() for g in gs]))
         return torch.stack(rows)
 
     def one(p: dict[str, Tensor], x: Tensor, wx: Tensor) -> Tensor:
@@ -99,31 +133,48 @@ def methods(model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor) -> di
     per_sample_grad = vmap(grad(one), in_dims=(None, 0, 0))
 
     def vmapped() -> Tensor:
-        gs = per_sample_grad({n: p.detach() for n, p in params.items()}, ids, w)
-        return torch.cat([gs[n].reshape(ids.shape[0], -1) for n in names], dim=1)
+        gs = per_sample_grad({n: p.detach() for n, p in params.items()}, ids[:sub], w[:sub])
+        return torch.cat([gs[n].reshape(sub, -1).float() for n in names], dim=1)
 
-    buffer = torch.empty(ids.shape[0], layout.P)
+    def streaming(state_dtype: str) -> None:
+        if state_dtype not in accs:  # allocated by the warm-up call (an OOM there is reported as such)
+            accs[state_dtype] = MomentAccumulator(layout.P, device, state_dtype)
+        psg.accumulate(ids, mask, fn, accs[state_dtype], adv, half, position_ids=pos)
 
-    def covgrad_scores(out: Tensor | None = None) -> Tensor:
-        return psg(ids, mask, lambda z: score_logit_grad(z, ids, w), out=out)
-
-    def covgrad_moments() -> Tensor:
-        S = covgrad_scores(buffer)
-        batch_moments(S, adv)
-        return S
-
-    return {
-        "floor: batched backward": floor,
-        "naive loop": naive,
-        "vmap(grad)": vmapped,
-        "covgrad scores, fresh output": covgrad_scores,
-        "covgrad scores, reused output": lambda: covgrad_scores(buffer),
-        "covgrad scores+moments, reused output": covgrad_moments,
+    out: dict[str, tuple] = {
+        "floor: batched backward": (floor, B),
+        "covgrad streaming step": (lambda: streaming("float64"), B),
+        "covgrad streaming step, float32 state": (lambda: streaming("float32"), B),
     }
+    if _rows_limit(device) > B * layout.P * 4:
+        buffer = torch.empty(B, layout.P, device=device)
+        out["covgrad rows (B x P)"] = (lambda: psg(ids, mask, fn, position_ids=pos, out=buffer), B)
+    out["vmap(grad)"] = (vmapped, sub)
+    out["naive loop"] = (naive, sub)
+    return out
 
 
-def peak_mib(fn: Callable[[], object]) -> float:
-    """Peak allocator MiB above the start level during fn(), from the profiler's memory events."""
+def _rows_limit(device: torch.device) -> int:
+    """Bytes allowed for a (B, P) rows buffer in the benchmark (a fifth of the device's memory)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 5
+    return 4 << 30
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_mib(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak allocator MiB above the start level during fn()."""
+    if device.type == "cuda":
+        _sync(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        _sync(device)
+        return (torch.cuda.max_memory_allocated(device) - start) / 2**20
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted(
@@ -137,76 +188,119 @@ def peak_mib(fn: Callable[[], object]) -> float:
     return peak / 2**20
 
 
-def run_size(size: str, batch: int, prompt: int, response: int, reps: int) -> None:
-    model = build(size)
-    layout = select_parameters(model)
-    ids, w = make_batch(SIZES[size][0], batch, prompt, response, seed=1)
-    fns = methods(model, layout, ids, w)
-    products = {name: fn().clone() for name, fn in fns.items()}  # warm-up; covgrad's first call self-checks
-    ref = products["naive loop"].double()
-    errors = {
-        "floor: batched backward": float((products["floor: batched backward"] - ref.sum(0)).norm() / ref.sum(0).norm())
-    }
-    for name, out in products.items():
-        if name not in errors:
-            errors[name] = float((out.double() - ref).norm() / ref.norm())
-    times: dict[str, list[float]] = {name: [] for name in fns}
+def _try(fn: Callable[[], object]) -> object | str:
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        return "OOM"
+
+
+def run_model(
+    name: str, device: torch.device, reps: int, sub: int, batch: int | None, params: list[str] | None
+) -> None:
+    model = build(name, device)
+    layout = select_parameters(model, params)
+    _, vocab, *_, dtype, B, prompt, response = MODELS[name]
+    B = batch or B
+    sub = min(sub, B) if device.type == "cuda" else B
+    ids, w = make_batch(vocab, B, prompt, response, seed=1, device=device)
+    fns = methods(model, layout, ids, w, sub)
+    products = {}
+    for m, (fn, _) in fns.items():  # warm-up; covgrad's first call self-checks
+        got = _try(fn)
+        products[m] = got.clone() if isinstance(got, Tensor) else got
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ref = products["naive loop"]
+    errors: dict[str, str] = {}
+    if isinstance(ref, Tensor):
+        ref = ref.double()
+        for m, got in products.items():
+            if isinstance(got, Tensor) and m != "floor: batched backward":
+                errors[m] = f"{float((got[:sub].double() - ref).norm() / ref.norm()):.1e}"
+    times: dict[str, list[float]] = {m: [] for m in fns}
     for _ in range(reps):
-        for name, fn in fns.items():
+        for m, (fn, _) in fns.items():
+            if isinstance(products[m], str):
+                continue
+            _sync(device)
             t0 = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            _sync(device)
+            times[m].append(time.perf_counter() - t0)
     floor = times["floor: batched backward"]
-    print(
-        f"\n## {size}: {layout.P:,} params, B={batch}, prompt {prompt} + response {response} tokens, "
-        f"{reps} reps; per-sample scores {batch * layout.P * 4 / 2**20:.1f} MiB (a reused output buffer is "
-        "allocated once, outside the measured peak)"
+    low = dtype in (torch.bfloat16, torch.float16)
+    products_note = (
+        "bf16 products on tensor cores (bmm out_dtype=float32)"
+        if low and device.type == "cuda"
+        else "fp32 GEMMs on upcast operands (CPU has no bmm out_dtype kernel)"
+        if low
+        else "fp32 products"
     )
-    print(f"| method | median ms | samples/s | ratio to floor | peak MiB | rel err vs naive |\n|{'---|' * 6}")
-    for name, fn in fns.items():
-        med = statistics.median(times[name])
-        ratio = statistics.median(t / f for t, f in zip(times[name], floor, strict=True))
-        print(
-            f"| {name} | {med * 1e3:.1f} | {batch / med:.0f} | {ratio:.2f} | {peak_mib(fn):.1f} | {errors[name]:.1e} |"
-        )
+    print(
+        f"\n## {name} on {device.type}: {layout.P:,} params, {str(dtype).removeprefix('torch.')}, B={B}, prompt "
+        f"{prompt} + response {response} tokens, {reps} reps; {products_note}; float64 accumulators "
+        f"{2 * 3 * 8 * layout.P / 2**20:.0f} MiB; B x P float32 rows would be {B * layout.P * 4 / 2**20:.0f} MiB"
+    )
+    print(f"| method | median ms (per B) | samples/s | ratio to floor | peak MiB | rel err vs naive |\n|{'---|' * 6}")
+    for m, (fn, covered) in fns.items():
+        if isinstance(products[m], str):
+            print(f"| {m} | {products[m]} | | | | |")
+            continue
+        scale = B / covered
+        med = statistics.median(times[m]) * scale
+        ratio = statistics.median(t * scale / f for t, f in zip(times[m], floor, strict=True))
+        peak = peak_mib(fn, device)
+        print(f"| {m} | {med * 1e3:.1f} | {B / med:.0f} | {ratio:.2f} | {peak:.1f} | {errors.get(m, '')} |")
+    del fns, products
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def run_streaming(size: str, batch: int, prompt: int, response: int, ns: list[int]) -> None:
-    model = build(size)
+def run_streaming(name: str, device: torch.device, ns: list[int]) -> None:
+    """The scores stage's loop over N samples: peak memory must not grow with N."""
+    model = build(name, device)
     layout = select_parameters(model)
+    vocab, B, prompt, response = MODELS[name][1], *MODELS[name][8:]
     psg = PerSampleGrads(model, layout, check=False)
 
     def stream(n_samples: int) -> None:
-        buffer = torch.empty(batch, layout.P)  # inside the measured window
-        for b in range(n_samples // batch):
-            ids, w = make_batch(SIZES[size][0], batch, prompt, response, seed=100 + b)
-            S = psg(ids, torch.ones_like(ids), lambda z, ids=ids, w=w: score_logit_grad(z, ids, w), out=buffer)
-            batch_moments(S, torch.randn(batch))  # the row a pipeline would write and drop
+        acc = MomentAccumulator(layout.P, device)  # inside the measured window
+        for b in range(n_samples // B):
+            ids, w = make_batch(vocab, B, prompt, response, seed=100 + b, device=device)
+            fn = lambda z, ids=ids, w=w: score_logit_grad(z, ids, w)  # noqa: E731
+            psg.accumulate(ids, torch.ones_like(ids), fn, acc, np.ones(B), np.arange(B) % 2)
 
-    stream(batch)
-    print(f"\n## streaming ({size}, batches of {batch}, PerSampleGrads into one reused buffer + batch_moments)")
+    stream(B)
+    print(f"\n## streaming ({name}, batches of {B}, PerSampleGrads.accumulate into float64 accumulators)")
     print("| N samples | wall s | peak MiB |\n|---|---|---|")
     for n in ns:
         t0 = time.perf_counter()
-        peak = peak_mib(lambda n=n: stream(n))
+        peak = peak_mib(lambda n=n: stream(n), device)
         print(f"| {n} | {time.perf_counter() - t0:.1f} | {peak:.1f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["small", "large"], choices=list(SIZES))
-    parser.add_argument("--batch", type=int, default=32, help="samples per batch")
-    parser.add_argument("--prompt", type=int, default=8, help="prompt tokens (not scored)")
-    parser.add_argument("--response", type=int, default=32, help="response tokens (scored)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", nargs="+", default=None, choices=list(MODELS), help="default: small large (cpu)")
+    parser.add_argument("--batch", type=int, default=None, help="samples per batch (default: the model's)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up")
-    parser.add_argument("--stream-size", default="small", choices=list(SIZES))
-    parser.add_argument("--stream-n", type=int, nargs="+", default=[256, 4096], help="samples streamed")
+    parser.add_argument("--params", nargs="+", default=None, help="glob patterns of the selected parameters")
+    parser.add_argument("--sub", type=int, default=4, help="cuda: samples for vmap and the naive loop")
+    parser.add_argument("--stream-n", type=int, nargs="+", default=[256, 4096], help="samples streamed (cpu)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread; peak memory: torch profiler allocator bytes above start")
-    for size in args.sizes:
-        run_size(size, args.batch, args.prompt, args.response, args.reps)
-    run_streaming(args.stream_size, args.batch, args.prompt, args.response, args.stream_n)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no CUDA device is visible; use --device cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    names = args.model or (["small", "large"] if device.type == "cpu" else ["llama-134m", "llama-0.85b"])
+    print(f"torch {torch.__version__} on {device.type}" + (", 1 thread" if device.type == "cpu" else ""))
+    for name in names:
+        run_model(name, device, args.reps, args.sub, args.batch, args.params)
+    if device.type == "cpu":
+        run_streaming("small", device, args.stream_n)
 
 
 if __name__ == "__main__":

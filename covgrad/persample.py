@@ -14,6 +14,11 @@ outputs of the first hooked modules, so autograd never computes a batched weight
 per-sample products replace those GEMMs instead of adding to them. A parameter shared by several
 modules (tied embedding and LM head) gets the sum of their contributions per sample.
 
+Two outputs: ``__call__`` returns the (B, P) float32 rows; ``accumulate`` (the scores stage's fused
+reduction) folds each tensor's (B, numel) block into a :class:`covgrad.accum.MomentAccumulator` as soon
+as its last contribution of the backward has arrived (modules' forward calls are counted, so tied and
+repeated modules are summed first) and drops it, so no B × P buffer exists.
+
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V
 vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layout.ParamLayout`).
 """
@@ -155,6 +160,9 @@ class PerSampleGrads:
         self._folded: set[str] = set()
         self._pending: dict[str, int] = {}  # module calls whose backward contribution is still to come
         self._blocks: dict[str, Tensor] = {}  # in-flight per-sample blocks (fused reduction without rows)
+        # Flat float32 buffers of finished blocks, reused by the next ones: fresh large host allocations
+        # page-fault on first touch (about as slow as the products themselves on a CPU).
+        self._pool: list[Tensor] = []
         self._roots: list[Tensor] = []
 
     def __call__(
@@ -320,7 +328,14 @@ class PerSampleGrads:
             return self._out[:, entry.offset : entry.offset + entry.numel]
         block = self._blocks.get(entry.name)
         if block is None:
-            block = torch.empty(self._B, entry.numel, dtype=torch.float32, device=self._acc.device)
+            need = self._B * entry.numel
+            fits = [i for i, buf in enumerate(self._pool) if buf.numel() >= need and buf.device == self._acc.device]
+            if fits:
+                buf = self._pool.pop(fits[0])
+            else:  # sized for any tensor of the layout, so that a few buffers serve every batch
+                size = self._B * max(e.numel for e in self.layout.entries)
+                buf = torch.empty(size, dtype=torch.float32, device=self._acc.device)
+            block = buf[:need].view(self._B, entry.numel)
             self._blocks[entry.name] = block
         return block
 
@@ -332,7 +347,8 @@ class PerSampleGrads:
         self._acc.fold(entry.offset, block)
         if self._sums is not None:
             self._sums[entry.name] = block.sum(0, dtype=torch.float64)
-        self._blocks.pop(entry.name, None)
+        if entry.name in self._blocks:
+            self._pool.append(self._blocks.pop(entry.name)._base)
         self._folded.add(entry.name)
 
     def _run_rule(self, apply: Callable[[], None], local: dict[str, TensorEntry]) -> None:

@@ -28,14 +28,15 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     st = store.open_group(up, STATS, mode="r")
     layout = ParamLayout.from_records(st.attrs["tensors"])
     scalars = st.attrs["scalars"]
-    F, G, rho, Fvar, Cov = (st[n][:] for n in ("F", "G", "rho", "Fvar", "Cov"))
-    metrics = {"F": F, "absG": np.abs(G), "absrho": np.abs(rho)}
+    # (param,) arrays are read when needed and released after: memory holds a few of them, not all seven
+    metrics = {"F": lambda: st["F"][:], "absG": lambda: np.abs(st["G"][:]), "absrho": lambda: np.abs(st["rho"][:])}
     qs = cfg.masks.qs
     P = layout.P
     g = store.open_group(ref, STORE, mode="w")
     g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
     share_rows = []
-    for metric, values in metrics.items():
+    for metric, read in metrics.items():
+        values = read()
         for scope in ("global", "per_tensor"):
             mask = np.zeros((len(qs), P), dtype=bool)
             for i, q in enumerate(qs):
@@ -57,9 +58,12 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
                             "numel_share": e.numel / P,
                         }
                     )
-    overlap = overlap_table(F, np.abs(G), layout, qs)
-    bound = bound_mask_table(scalars["std_A"], Fvar, np.abs(Cov), qs=qs)
-    rho_s = spearman(F, np.abs(G))
+        del values
+    F, absG = st["F"][:], np.abs(st["G"][:])
+    overlap = overlap_table(F, absG, layout, qs)
+    rho_s = spearman(F, absG)
+    del F, absG
+    bound = bound_mask_table(scalars["std_A"], st["Fvar"][:], np.abs(st["Cov"][:]), qs=qs)
     store.write_text(ref, "overlap.csv", to_csv(overlap))
     store.write_json(ref, "overlap.json", overlap)
     store.write_text(ref, "overlap.md", to_markdown(overlap))

@@ -19,6 +19,8 @@ Batches hold whole prompt groups, so group-relative advantages and the parity sp
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from functools import partial
 from typing import Any
@@ -206,9 +208,29 @@ class ScoresJob:
         todo = mine[done:]
         if not mine and g["shard_batches"][i] < 0:
             self._checkpoint(g, i, acc, 0, final=True)
-        ro, device, mu_source = self.ro, self.device, self.mu_source
+        device = self.device
         psg = PerSampleGrads(self.model, self.layout, check=self.cfg.scores.self_check)
         buffer = torch.empty((self.B, self.P), dtype=torch.float32, device=device) if self.keep_rows else None
+        writer = RowWriter(g["scores"], self.B, self.P, device) if self.keep_rows and todo else None
+        try:
+            self._fold_batches(g, i, acc, psg, todo, done, buffer, writer)
+        finally:
+            if writer is not None:
+                writer.close()
+
+    def _fold_batches(
+        self,
+        g: Any,
+        i: int,
+        acc: MomentAccumulator,
+        psg: PerSampleGrads,
+        todo: list[int],
+        done: int,
+        buffer: torch.Tensor | None,
+        writer: RowWriter | None,
+    ) -> None:
+        """Fold batches ``todo`` of shard i (``done`` of its batches already in ``acc``), checkpointing."""
+        ro, device, mu_source = self.ro, self.device, self.mu_source
         every, seconds = self.cfg.scores.checkpoint_batches, self.cfg.scores.checkpoint_seconds
         since: list[int] = []
         last_save = time.monotonic()
@@ -237,13 +259,15 @@ class ScoresJob:
                     position_ids=pos.to(device),
                     out=out,
                 )
-                if out is not None:
-                    g["scores"][lo:hi] = out.cpu().numpy()
+                if writer is not None:
+                    writer.submit(lo, hi, out)
                 if mu_source is not None:
                     g["kl_sum"][b], g["kl_tokens"][b] = mu_source.kl
                 since.append(b)
                 final = k == len(todo) - 1
                 if final or len(since) >= every or time.monotonic() - last_save >= seconds:
+                    if writer is not None:
+                        writer.flush()  # a batch is marked done only once its rows are stored too
                     self._checkpoint(g, i, acc, done + k + 1, final)
                     for bb in since:
                         mark_batch_done(g, bb)
@@ -337,6 +361,78 @@ class ScoresJob:
             g.attrs["kl_sampler_policy_per_token"] = kl
         self.store.consolidate(self.ref, STORE)
         return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.keep_rows}
+
+
+class RowWriter:
+    """Writes per-sample rows (B, P) float32 to a zarr array from host buffers in a background thread.
+
+    ``submit`` copies a batch's rows into a free host buffer (pinned, on a side CUDA stream, when the rows
+    are on cuda; a plain copy on CPU) and returns at once: the zarr write runs in the thread, so the
+    device never waits on storage. ``depth`` buffers bound the host memory (depth × B × P × 4 bytes);
+    ``flush`` waits for every submitted write and re-raises the first failure.
+    """
+
+    def __init__(self, array: Any, B: int, P: int, device: torch.device, depth: int = 2) -> None:
+        self.array = array
+        cuda = device.type == "cuda"
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(depth):
+            self.free.put(torch.empty((B, P), dtype=torch.float32, pin_memory=cuda))
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.jobs: queue.Queue[tuple | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._work, name="covgrad-row-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, lo: int, hi: int, rows: torch.Tensor) -> None:
+        """Queue ``array[lo:hi] = rows`` for rows (hi − lo, P) float32 on any device."""
+        self._raise()
+        buf = self.free.get()
+        host = buf[: hi - lo]
+        event = None
+        if self.stream is None:
+            host.copy_(rows)
+        else:
+            main = torch.cuda.current_stream(rows.device)
+            self.stream.wait_stream(main)  # the rows are complete
+            with torch.cuda.stream(self.stream):
+                host.copy_(rows, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            main.wait_stream(self.stream)  # the next batch overwrites the rows only after the copy
+        self.jobs.put((lo, hi, buf, event))
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            lo, hi, buf, event = job
+            try:
+                if event is not None:
+                    event.synchronize()
+                if self.error is None:
+                    self.array[lo:hi] = buf[: hi - lo].numpy()
+            except BaseException as e:  # re-raised in the caller's thread by flush/submit
+                self.error = e
+            finally:
+                self.free.put(buf)
+                self.jobs.task_done()
+        self.jobs.task_done()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"writing per-sample rows failed: {self.error}") from self.error
+
+    def flush(self) -> None:
+        """Wait until every submitted batch is written; raise if a write failed."""
+        self.jobs.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Flush and stop the thread (also after a failure elsewhere: the thread never outlives the run)."""
+        try:
+            self.flush()
+        finally:
+            self.jobs.put(None)
+            self.thread.join()
 
 
 def write_state(array: Any, rows: slice, cols: slice, values: np.ndarray) -> None:

@@ -13,24 +13,22 @@ from tasks.registry import STAGE_TASKS
 from tests.conftest import tiny_config
 
 STALE = {"model": "stale", "group_size": 4, "max_new_tokens": 3, "batch_size": 16}
+OVERRIDES = {
+    "rollouts.samplers": {
+        "policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16},
+        "full": {**STALE, "store_mu": "full"},
+        "topk": {**STALE, "store_mu": "topk", "mu_topk": 16},
+        "model": {**STALE, "store_mu": "none"},
+    },
+    "tokens.enabled": False,
+    "update_check.enabled": False,
+}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("scores-stage")
-    cfg = tiny_config(
-        str(root),
-        **{
-            "rollouts.samplers": {
-                "policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16},
-                "full": {**STALE, "store_mu": "full"},
-                "topk": {**STALE, "store_mu": "topk", "mu_topk": 16},
-                "model": {**STALE, "store_mu": "none"},
-            },
-            "tokens.enabled": False,
-            "update_check.enabled": False,
-        },
-    )
+    cfg = tiny_config(str(root), **OVERRIDES)
     nodes = plan(cfg)
     refs = {}
     for name, node in nodes.items():
@@ -134,3 +132,64 @@ def test_kl_sampler_policy_against_numpy():
         ref += sum(mi * (np.log(mi) - lp) for mi, lp in zip(m, logp, strict=True) if mi > 0)
     assert count == 6
     np.testing.assert_allclose(total, ref, rtol=1e-12)
+
+
+def test_row_writer_writes_every_batch_in_the_background_and_reports_failures(tmp_path):
+    import zarr
+
+    from tasks.scores import RowWriter
+
+    arr = zarr.open_group(str(tmp_path / "g.zarr"), mode="w").create_array(
+        "scores", shape=(10, 7), chunks=(4, 7), dtype="float32"
+    )
+    rows = torch.randn(10, 7)
+    writer = RowWriter(arr, 4, 7, torch.device("cpu"), depth=2)
+    buffer = torch.empty(4, 7)  # reused between batches, as in the stage
+    for lo in (0, 4, 8):
+        hi = min(lo + 4, 10)
+        buffer[: hi - lo] = rows[lo:hi]
+        writer.submit(lo, hi, buffer[: hi - lo])
+    writer.close()
+    assert np.array_equal(arr[:], rows.numpy())
+
+    read_only = zarr.open_group(str(tmp_path / "g.zarr"), mode="r")["scores"]
+    broken = RowWriter(read_only, 4, 7, torch.device("cpu"))
+    broken.submit(0, 4, torch.zeros(4, 7))
+    with pytest.raises(RuntimeError, match="writing per-sample rows failed"):
+        broken.close()
+    assert not broken.thread.is_alive()
+
+
+@pytest.mark.slow
+def test_stats_from_moment_state_equal_stats_from_rows(run):
+    """Without per-sample rows the stats stage reads the O(P) state (float64 or float32) and gets the
+    statistics of the rows path: to 1e-9 (float64 state) and 1e-5 (float32 state)."""
+    cfg, _, _ = run
+    with_rows = _stats(cfg, "rows")
+    for state_dtype, rtol in (("float64", 1e-9), ("float32", 1e-5)):
+        over = {**OVERRIDES, "scores.byte_budget": 0, "scores.state_dtype": state_dtype}
+        other = tiny_config(cfg.root, **over)
+        got = _stats(other, "state")
+        assert "scores" not in ArtifactStore(other.root).open_group(_ref(other, "scores"), "scores.zarr")
+        for name in ("m", "F", "Fvar", "G", "Cov"):
+            scale = np.abs(with_rows[name]).max()
+            assert np.abs(got[name] - with_rows[name]).max() <= rtol * scale, (state_dtype, name)
+        finite = np.isfinite(with_rows["rho"])
+        assert np.array_equal(finite, np.isfinite(got["rho"]))
+        np.testing.assert_allclose(got["rho"][finite], with_rows["rho"][finite], rtol=100 * rtol, atol=rtol)
+
+
+def _ref(cfg, stage: str):
+    return plan(cfg)[f"{stage}.policy.policy"].ref
+
+
+def _stats(cfg, source: str) -> dict:
+    """Run scores.policy.policy and stats.policy.policy of ``cfg``; the stats arrays (numpy)."""
+    nodes = plan(cfg)
+    refs = {}
+    for name in ("base_model", "rollouts.policy", "scores.policy.policy", "stats.policy.policy"):
+        node = nodes[name]
+        refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream}).ref
+    g = ArtifactStore(cfg.root).open_group(refs["stats.policy.policy"], "stats.zarr")
+    assert g.attrs["source"] == ("per-sample rows" if source == "rows" else "moment rows")
+    return {k: g[k][:] for k in ("m", "F", "Fvar", "G", "Cov", "rho")}
