@@ -139,10 +139,12 @@ def _batch(
     attn = (torch.arange(L)[None, :] < (pl + rl)[:, None]).long().to(device)
     target = torch.from_numpy(ro["response_mask"][lo:hi, :L]).float().to(device)
     pl, rl = pl.to(device), rl.to(device)
+    pos = torch.arange(L, device=device).expand_as(ids)  # right-padded rows, as in the scores stage
+    fn = lambda i, a, d: psg(i, a, d, position_ids=pos)  # noqa: E731
 
     def run(mode: str, k: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
         limit = EXACT_VOCAB_LIMIT
-        return token_fisher(model, layout, ids, attn, pl, rl, mode, k, seed, psg, exact_vocab_limit=limit)
+        return token_fisher(model, layout, ids, attn, pl, rl, mode, k, seed, fn, exact_vocab_limit=limit)
 
     outs = {"topk": run("topk", k=cfg.tokens.topk)}
     if exact:
@@ -152,8 +154,8 @@ def _batch(
     outs["mc_a"] = run("mc", k=ka, seed=base_seed)
     if kb:
         outs["mc_b"] = run("mc", k=kb, seed=base_seed + 1)
-    seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target)).double()  # (B, P)
-    tok = token_scores(model, layout, ids, attn, pl, rl, per_sample_grads=psg).double()  # (B, T_b, P)
+    seq = fn(ids, attn, lambda logits: score_logit_grad(logits, ids, target)).double()  # (B, P)
+    tok = token_scores(model, layout, ids, attn, pl, rl, per_sample_grads=fn).double()  # (B, T_b, P)
     diff = torch.linalg.vector_norm(tok.sum(1) - seq, dim=1)
     norm = torch.linalg.vector_norm(seq, dim=1)
     relerr = torch.where(norm > 0, diff / norm.clamp(min=torch.finfo(torch.float64).tiny), diff)
