@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import re
 
-_INT = re.compile(r"-?\d+")
 
+def mentions_answer(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the response contains the answer as a whole word or number (case-insensitive), else 0.0.
 
-def first_integer(prompt: str, response: str, answer: str) -> float:
-    """1.0 when the first integer written in the response equals the answer, else 0.0.
-
-    For chat models that wrap a number in a sentence ("The answer is 7."): only the first number counts,
-    so listing several candidates earns nothing unless the first one is right.
+    For chat models that wrap a short answer in a sentence ("The capital of Japan is Tokyo."); "14"
+    is not found in "140", nor "Oslo" in "Oslofjord".
     """
     del prompt
-    found = _INT.search(response)
-    return 1.0 if found is not None and found.group() == answer.strip() else 0.0
+    pattern = r"(?<!\w)" + re.escape(answer.strip()) + r"(?!\w)"
+    return 1.0 if re.search(pattern, response, flags=re.IGNORECASE) else 0.0

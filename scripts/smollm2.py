@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import random
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,22 +52,28 @@ def convert(gguf: Path, out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def write_prompts(model_dir: Path, out: Path, n: int = 32, seed: int = 0) -> None:
-    """``n`` one-digit additions as chat-templated prompts (JSONL prompt/answer lines) for the model's tokenizer.
+CAPITALS = {
+    "Germany": "Berlin", "Japan": "Tokyo", "Canada": "Ottawa", "Australia": "Canberra",
+    "Turkey": "Ankara", "Kenya": "Nairobi", "Norway": "Oslo", "Egypt": "Cairo",
+    "France": "Paris", "Italy": "Rome", "Spain": "Madrid", "Russia": "Moscow",
+    "China": "Beijing", "Greece": "Athens", "Portugal": "Lisbon", "Poland": "Warsaw",
+}  # fmt: skip
 
-    Each prompt is the rendered chat (system, user question, assistant header), so the pipeline's plain
-    tokenization of it is what the model sees in a chat; the answer is the sum's digits.
+
+def write_prompts(model_dir: Path, out: Path) -> None:
+    """One question per country of :data:`CAPITALS` as a chat-templated prompt (JSONL prompt/answer lines).
+
+    Each prompt is the rendered chat (default system turn, user question, assistant header), so the
+    pipeline's plain tokenization of it is what the model sees in a chat; the answer is the capital.
     """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    rng = random.Random(seed)
     lines = []
-    for _ in range(n):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        chat = [{"role": "user", "content": f"What is {a}+{b}? Reply with the number only."}]
+    for country, capital in CAPITALS.items():
+        chat = [{"role": "user", "content": f"What is the capital of {country}? Answer with the city name only."}]
         prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        lines.append(json.dumps({"prompt": prompt, "answer": str(a + b)}))
+        lines.append(json.dumps({"prompt": prompt, "answer": capital}))
     out.write_text("\n".join(lines) + "\n")
 
 
