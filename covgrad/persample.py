@@ -399,8 +399,10 @@ class PerSampleGrads:
                 return t
 
             x = unflat(first_in.detach())
-            detached = tree_map(lambda t: unflat(t.detach()) if isinstance(t, Tensor) else t, (args, kwargs))
-            call = Call(detached[0], detached[1], flat) if needs_call else None
+            call = None
+            if needs_call:  # rules that read more than the first input (generic rule, fused experts)
+                detached = tree_map(lambda t: unflat(t.detach()) if isinstance(t, Tensor) else t, (args, kwargs))
+                call = Call(detached[0], detached[1], flat)
 
             def run(g: Tensor | tuple[Tensor, ...]) -> None:
                 g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)

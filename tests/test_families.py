@@ -105,6 +105,15 @@ FAMILIES = {
         T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
     ),
     "mixtral": lambda: build(T.MixtralConfig, T.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": lambda: build(T.OlmoeConfig, T.OlmoeForCausalLM, num_experts=4, num_experts_per_tok=2),
+    "qwen2-moe-shared-expert": lambda: build(
+        T.Qwen2MoeConfig,
+        T.Qwen2MoeForCausalLM,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
     "lora-llama": lora_llama,
 }
 

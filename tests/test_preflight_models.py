@@ -1,4 +1,5 @@
-"""Preflight on model directories, and the whole pipeline on tiny Qwen3 and Gemma 3 directories."""
+"""Preflight on model directories, and the whole pipeline (token Fisher included) on tiny Qwen3, Gemma 3
+and GPT-2 directories."""
 
 from __future__ import annotations
 
@@ -48,22 +49,26 @@ def family_dir(path: Path, family: str, layers: int = 3) -> Path:
     from covgrad.task import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    config_cls, model_cls, extra = FAMILIES[family]
+    special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
     torch.manual_seed(0)
-    cfg = config_cls(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        **extra,
-    )
-    model_cls(cfg).save_pretrained(path)
+    if family == "gpt2":  # absolute position embeddings: every stage must pass position ids
+        cfg = T.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=layers, n_head=4, n_positions=64, **special)
+        model = T.GPT2LMHeadModel(cfg)
+    else:
+        config_cls, model_cls, extra = FAMILIES[family]
+        cfg = config_cls(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **special,
+            **extra,
+        )
+        model = model_cls(cfg)
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
@@ -122,7 +127,7 @@ def test_pipeline_refuses_unsupported_module_before_rollouts(prefect_server, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt2"])
 def test_pipeline_completes_every_stage(prefect_server, tmp_path, family):
     from flows.pipeline import covgrad_pipeline
     from storage.artifacts import ArtifactStore

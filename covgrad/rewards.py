@@ -1,0 +1,16 @@
+"""Reward functions for JSONL tasks (``task.reward: covgrad.rewards:<name>``)."""
+
+from __future__ import annotations
+
+import re
+
+
+def mentions_answer(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the response contains the answer as a whole word or number (case-insensitive), else 0.0.
+
+    For chat models that wrap a short answer in a sentence ("The capital of Japan is Tokyo."); "14"
+    is not found in "140", nor "Oslo" in "Oslofjord".
+    """
+    del prompt
+    pattern = r"(?<!\w)" + re.escape(answer.strip()) + r"(?!\w)"
+    return 1.0 if re.search(pattern, response, flags=re.IGNORECASE) else 0.0
