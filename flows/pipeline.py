@@ -10,6 +10,7 @@ from typing import Any
 from prefect import flow
 
 from covgrad.config import PipelineConfig
+from flows.deployment import deployment_config
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.runs import write_run_index
 from tasks.common import StageResult, cache_options
@@ -33,7 +34,9 @@ def run_node(cfg: PipelineConfig, name: str, ref: ArtifactRef, upstream: dict[st
 @flow(name="covgrad-pipeline", log_prints=True)
 def covgrad_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008
     """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status."""
+    config = deployment_config(config)  # a deployment run's partial config keeps the deployment's defaults
     nodes = plan(config)
+    key = run_key(nodes)
     refs: dict[str, ArtifactRef] = {}
     status: dict[str, str] = {}
     for name, node in nodes.items():
@@ -42,6 +45,5 @@ def covgrad_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any
         refs[name] = result.ref
         status[name] = "computed" if result.computed else "cached"
         print(f"{name:28s} {status[name]:8s} {result.ref.key}")
-    key = run_key(nodes)
-    write_run_index(ArtifactStore(config.root), config, key, refs)
+        write_run_index(ArtifactStore(config.root), config, key, refs)  # a failed run's finished stages stay reachable
     return {"run": key, "name": config.name, "root": config.root, "status": status}

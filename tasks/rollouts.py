@@ -24,7 +24,7 @@ from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
 from covgrad.task import response_texts, score_rewards
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.readers import read_records
+from storage.readers import read_located_records
 from tasks.base_model import load_models
 from tasks.common import StageResult, progress_bar, run_stage
 from tasks.preflight import load_task
@@ -134,7 +134,11 @@ def _import(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: Samp
     policy, tokenizer = load_models(store, base, "policy", cfg)
     V = policy.get_input_embeddings().num_embeddings
     data = records_to_rollouts(
-        read_records(s.import_path), V, context_length(policy), tokenizer=tokenizer, pad_id=tokenizer.pad_token_id
+        read_located_records(s.import_path),
+        V,
+        context_length(policy),
+        tokenizer=tokenizer,
+        pad_id=tokenizer.pad_token_id,
     )
     order = np.argsort(data["group"], kind="stable")
     data = {k: v[order] for k, v in data.items()}

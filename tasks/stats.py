@@ -3,12 +3,14 @@
 Reads the scores store lazily: per-sample rows when they were kept (exact float64 moments of the
 stored float32 scores), else the moment rows. Runs on dask's threaded scheduler, or on the
 dask.distributed scheduler at ``dask.address``. Store ``stats.zarr``: (param,) float64 arrays m, F,
-Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries over dim ``tensor``; scalars in attrs.
+Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries over dim ``tensor``; scalars in attrs, and
+``degenerate``: why the run has no finding about G (std(A) = 0, no scored tokens), else None.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,15 +69,29 @@ def load_moments(sc: Any) -> tuple[Moments, Moments, Moments]:
     return pick(np.ones_like(r, dtype=bool)), pick(r % 2 == 0), pick(r % 2 == 1)
 
 
+def degenerate(stats: dict[str, np.ndarray]) -> str | None:
+    """Why the run's statistics carry no finding about G (in words), or None: every score is 0 (no
+    scored tokens), or std(A) = 0 (no reward variance: G ≡ 0)."""
+    if not np.any(stats["F"] > 0):
+        return "no scored tokens: every score is 0; F, G, overlap, ρ and the bound are undefined"
+    if not float(stats["std_A"]) > 0:
+        return "no reward variance: G ≡ 0; overlap, ρ and the bound are undefined"
+    return None
+
+
 def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:
     sc = store.open_group(up, SCORES, mode="r")
     layout = ParamLayout.from_records(sc.attrs["tensors"])
     full, even, odd = load_moments(sc)
-    with dask_scheduler(cfg.dask.address):
+    with dask_scheduler(cfg.dask.address), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported below, as a finding
         stats = compute_stats(full)
         cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
         (stats, cross) = dask.compute(stats, cross)
     stats = {k: np.asarray(v) for k, v in stats.items()}
+    finding = degenerate(stats)
+    if finding:
+        log.warning("stats %s: %s", ref.key, finding)
     summary = {k: np.asarray(v) for k, v in tensor_summary(stats, layout).items()}
     g = store.open_group(ref, STORE, mode="w")
     chunk = min(layout.P, 65536)
@@ -109,6 +125,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
             "centering": sc.attrs["centering"],
             "sampler": sc.attrs["sampler"],
             "source": "per-sample rows" if "scores" in sc else "moment rows",
+            "degenerate": finding,
         }
     )
     store.consolidate(ref, STORE)

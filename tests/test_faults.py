@@ -172,3 +172,46 @@ def test_verify_names_each_damaged_artifact_and_chunk(reference, tmp_path, capsy
         art = path.relative_to(root).parts
         assert f"damaged {art[0]}/{art[1]}: {'/'.join(art[2:])}: {why}" in out, out
     assert main(["verify", "tiny", "--root", cfg.root]) == 1
+
+
+def zero_reward(prompt: str, response: str, answer: str) -> float:
+    """A reward that never varies (every response scores 0): std(A) = 0."""
+    del prompt, response, answer
+    return 0.0
+
+
+def test_all_rewards_equal_is_a_finding_without_overlap_numbers(reference, tmp_path, caplog, capsys):
+    import warnings
+
+    from flows.cli import main
+
+    root = tmp_path / "root"
+    copy(reference, root)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n' for a, b in [(1, 2), (3, 4)]))
+    task = {"kind": "jsonl", "digits": 1, "n_prompts": 2, "path": str(prompts), "reward": f"{__name__}:zero_reward"}
+    cfg = tiny_config(str(root), **OVERRIDES, name="flat", task=task)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="covgrad"):
+        warnings.simplefilter("error", RuntimeWarning)
+        run_chain(cfg)
+    logged = [r.getMessage() for r in caplog.records if "no reward variance" in r.getMessage()]
+    assert logged and all(m.startswith("stats ") for m in logged), logged
+    capsys.readouterr()
+    assert main(["report", "flat", "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "no reward variance: G ≡ 0; overlap, ρ and the bound are undefined" in out
+    assert not [line for line in out.splitlines() if line.startswith(("| overlap(", "| max_abs_rho", "| spearman"))]
+    for line in out.splitlines():
+        if line.startswith("| policy") or line.startswith("| stale"):
+            assert line.rstrip(" |").endswith("nan"), line  # overlap_1pct is the last column
+
+
+def test_degenerate_conditions():
+    import numpy as np
+
+    from tasks.stats import degenerate
+
+    base = {"F": np.array([0.0, 1.0]), "std_A": np.array(0.5)}
+    assert degenerate(base) is None
+    assert degenerate({**base, "std_A": np.array(0.0)}).startswith("no reward variance: G ≡ 0")
+    assert degenerate({**base, "F": np.zeros(2)}).startswith("no scored tokens")
