@@ -50,9 +50,28 @@ def log_path() -> Path:
     return _LOG_PATH
 
 
-class _BelowError(logging.Filter):
+class _NoFailures(logging.Filter):
+    """Drops ERROR records and Prefect's "Finished in state Failed(...)" lines (they repeat the cause)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR
+        if record.levelno >= logging.ERROR:
+            return False
+        return not str(record.msg).startswith(("Finished in state Failed", "Finished in state Crashed"))
+
+
+def stop_prefect_server() -> None:
+    """Stop the temporary Prefect server this process started, if any (so its shutdown message comes
+    before covgrad's last line)."""
+    module = sys.modules.get("prefect.server.api.server")
+    if module is None or not module.SubprocessASGIServer._instances:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):  # send what is queued while the server still listens
+        worker.drain_all(timeout=5)
+    for server in list(module.SubprocessASGIServer._instances.values()):
+        server.stop()
 
 
 def route_errors_to_log() -> None:
@@ -66,7 +85,7 @@ def route_errors_to_log() -> None:
     for logger in loggers:
         for h in getattr(logger, "handlers", []):
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                h.addFilter(_BelowError())
+                h.addFilter(_NoFailures())
 
 
 def stop_children(signum: int, frame: Any = None) -> None:
@@ -83,7 +102,8 @@ def stop_children(signum: int, frame: Any = None) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     name = signal.Signals(signum).name
-    print(f"covgrad: stopped by {name}; finished batches are kept, rerun to resume", file=sys.stderr, flush=True)
+    line = f"covgrad: stopped by {name}; finished batches are kept, rerun to resume\n"
+    os.write(2, line.encode())  # not print: inside a run, Prefect's log_prints captures it
     os._exit(128 + signum)
 
 
@@ -323,6 +343,7 @@ def fail(exc: BaseException, status: int) -> int:
     """Write the traceback to the log file and one line naming the cause to stderr; return ``status``."""
     from covgrad.config import format_validation_error
 
+    stop_prefect_server()
     path = log_path()
     with open(path, "a") as f:
         f.write("".join(traceback.format_exception(exc)))

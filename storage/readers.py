@@ -115,3 +115,8 @@ def read_prompt_file(path: str) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{lineno}: the line needs a string 'prompt' field; got keys {sorted(obj)}")
         prompts.append(obj)
     return prompts
+
+
+def prompt_locations(path: str) -> list[str]:
+    """``file:line`` of each prompt of a JSONL task file, in the order :func:`read_prompt_file` returns them."""
+    return [f"{path}:{lineno}" for lineno, _ in _jsonl_objects(path)]
