@@ -88,7 +88,7 @@ def nan_on_seven(prompt: str, response: str, answer: str) -> float:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_during_scores_leaves_no_child_and_rerun_under_load_is_identical(reference, tmp_path, signum):
+def test_signal_during_scores_leaves_no_child_and_rerun_under_load_resumes_identically(reference, tmp_path, signum):
     ref_root, nodes = reference
     root = tmp_path / "root"
     shutil.copytree(ref_root, root)
@@ -110,6 +110,8 @@ def test_signal_during_scores_leaves_no_child_and_rerun_under_load_is_identical(
     left = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"child processes left running: {left}"
     assert not (root / ref.stage / ref.key / "_COMPLETE.json").exists()
+    if signum == signal.SIGINT:
+        return  # the resume (under load) is checked once, after SIGTERM
 
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
