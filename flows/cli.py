@@ -198,7 +198,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'stage':14s} {'key':26s} {'state':9s} {'size':>10s}  {'created':25s} config")
     for r in rows:
-        state = "complete" if r["complete"] else "partial"
+        state = "damaged" if r["damaged"] else "complete" if r["complete"] else "partial"
         print(f"{r['stage']:14s} {r['key']:26s} {state:9s} {_size(r['bytes']):>10s}  {r['created']:25s} {r['config']}")
     return 0
 
@@ -217,12 +217,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(args.root)
     keep = referenced_keys(store)
-    doomed = [r for r in store.list_artifacts() if not r["complete"] or (r["stage"], r["key"]) not in keep]
+    doomed = [
+        r for r in store.list_artifacts() if not r["complete"] or r["damaged"] or (r["stage"], r["key"]) not in keep
+    ]
     if not doomed:
         print("nothing to remove")
         return 0
     for r in doomed:
-        why = "partial" if not r["complete"] else "unreferenced"
+        why = "partial" if not r["complete"] else "damaged" if r["damaged"] else "unreferenced"
         print(f"remove {r['stage']}/{r['key']} ({why}, {_size(r['bytes'])})")
     if not args.yes:
         if not sys.stdin.isatty():

@@ -172,6 +172,30 @@ def test_verify_names_each_damaged_artifact_and_chunk(reference, tmp_path, capsy
         art = path.relative_to(root).parts
         assert f"damaged {art[0]}/{art[1]}: {'/'.join(art[2:])}: {why}" in out, out
     assert main(["verify", "tiny", "--root", cfg.root]) == 1
+    capsys.readouterr()
+
+
+def test_ls_gc_verify_default_to_covgrad_root_and_gc_without_tty_removes_nothing(
+    reference, tmp_path, capsys, monkeypatch
+):
+    from flows.cli import main
+
+    _, nodes, _ = reference
+    root = tmp_path / "root"
+    copy(reference, root)
+    damage(chunk_file(root, nodes, "stats.policy.policy", "F"), "truncate")
+    monkeypatch.setenv("COVGRAD_ROOT", str(root))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["ls"]) == 0
+    states = {line.split()[1]: line.split()[2] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert states[nodes["stats.policy.policy"].ref.key] == "damaged"
+    assert main(["verify", "--all"]) == 1
+    assert main(["gc"]) == 0
+    out = capsys.readouterr().out
+    assert "(damaged" in out and "nothing removed: not a terminal" in out
+    assert (root / "stats" / nodes["stats.policy.policy"].ref.key).exists()
+    assert not (tmp_path / "runs").exists()
 
 
 def zero_reward(prompt: str, response: str, answer: str) -> float:
