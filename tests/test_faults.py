@@ -297,3 +297,11 @@ def test_sigkills_at_random_moments_then_rerun_is_byte_identical(reference, tmp_
     assert (root / base.stage / base.key / "_COMPLETE.json").exists()
     assert claims, f"seed {seed}: no kill landed inside a stage"
     print(f"seed {seed}: kills while writing {sorted(set(claims))}")
+
+
+def test_describe_key_names_array_and_chunk():
+    from storage.integrity import describe_key
+
+    assert describe_key("s.zarr", "c_as/c/0/1") == "store 's.zarr' array 'c_as' chunk c/0/1"
+    assert describe_key("s.zarr", "g/arr/c") == "store 's.zarr' array 'g/arr' chunk c"
+    assert describe_key("s.zarr", "F/zarr.json") == "store 's.zarr' metadata of 'F' (F/zarr.json)"
