@@ -101,8 +101,14 @@ def test_damaged_chunk_recomputes_artifact_and_below(reference, tmp_path, caplog
     ref_root, nodes, want_headline = reference
     root = tmp_path / "root"
     cfg = copy(reference, root)
+    from storage.artifacts import ArtifactStore
+    from tasks.common import cache_options
+
     target = chunk_file(root, nodes, instance, array)
+    store = ArtifactStore(cfg.root)
+    assert cache_options(store, nodes[instance].ref)["refresh_cache"] is False
     damage(target, how)
+    assert cache_options(store, nodes[instance].ref)["refresh_cache"] is True  # Prefect's cache is bypassed too
     with caplog.at_level(logging.WARNING, logger="covgrad"):
         status = run_chain(cfg)
     assert {n for n, s in status.items() if s == "computed"} == below(cfg, instance)
