@@ -7,6 +7,7 @@ Each ``covgrad run`` is a subprocess without PREFECT_API_URL, so it starts its o
 The runs start from a copy of a finished tiny pipeline, so only the stages under test compute.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -79,6 +80,8 @@ def test_nan_reward_is_one_line_naming_the_task_file_line(reference, tmp_path):
     assert f"{task}:3: reward function returned nan; rewards must be finite" in errors[0]
     log = Path(errors[0].rsplit("(traceback: ", 1)[1].rstrip(")"))
     assert "Traceback" in log.read_text()
+    index = json.loads((root / "runs" / "tiny.json").read_text())  # written as stages complete
+    assert list(index["artifacts"]) == ["base_model"]
 
 
 def nan_on_seven(prompt: str, response: str, answer: str) -> float:

@@ -116,3 +116,23 @@ def test_deployment_parameters_merge_onto_the_defaults():
     assert list(merged.rollouts.samplers) == ["policy"] and merged.rollouts.samplers["policy"].group_size == 4
     full = PipelineConfig.model_validate(PipelineConfig().model_dump(mode="json"))
     assert merge_config(defaults, full) == full
+
+
+def test_mu_model_recomputes_mu_for_an_import(ckpt):
+    """Sampler centering of an import with μ recomputed from ``mu_model``: with the policy's own
+    checkpoint at temperature 1, μ = p, so the sampler-centred scores equal the policy-centred ones."""
+    import numpy as np
+
+    tmp, path_ckpt = ckpt
+    path = tmp / "mu.jsonl"
+    path.write_text(_records())
+    cfg = _cfg(tmp, path_ckpt, path, "runs-mu", mu_model=str(path_ckpt))
+    from tasks.preflight import preflight
+
+    preflight(cfg)
+    refs = _run(cfg)
+    store = ArtifactStore(cfg.root)
+    st = {c: store.open_group(refs[f"stats.engine.{c}"], "stats.zarr") for c in ("policy", "sampler")}
+    for name in ("F", "G", "m"):
+        np.testing.assert_allclose(st["sampler"][name][:], st["policy"][name][:], rtol=1e-4, atol=1e-7)
+    assert st["sampler"].attrs["scalars"]["kl_sampler_policy_per_token"] < 1e-6
