@@ -87,17 +87,17 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: Sa
     if sampler.get_input_embeddings().num_embeddings != V:
         raise ValueError(f"sampler model {s.model!r} has a different vocabulary size than the policy ({V})")
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    if cfg.task.kind == "jsonl" and cfg.task.path is not None:
+        where = prompt_locations(cfg.task.path)
+    else:
+        where = [f"prompt {i}" for i in range(len(problems))]
     limit = context_length(policy)
     for i, p in enumerate(prompts):
         if len(p) + s.max_new_tokens > limit:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={s.max_new_tokens} it exceeds the "
-                f"model's context of {limit}"
+                f"model's context of {limit} (at {where[i]})"
             )
-    if cfg.task.kind == "jsonl" and cfg.task.path is not None:
-        where = prompt_locations(cfg.task.path)
-    else:
-        where = [f"prompt {i}" for i in range(len(problems))]
     G, T = s.group_size, s.max_new_tokens
     per_batch = max(1, s.batch_size // G)
     n_batches = -(-len(prompts) // per_batch)

@@ -136,3 +136,14 @@ def test_mu_model_recomputes_mu_for_an_import(ckpt):
     for name in ("F", "G", "m"):
         np.testing.assert_allclose(st["sampler"][name][:], st["policy"][name][:], rtol=1e-4, atol=1e-7)
     assert st["sampler"].attrs["scalars"]["kl_sampler_policy_per_token"] < 1e-6
+
+
+def test_prompt_over_the_context_names_the_task_file_line(ckpt):
+    import re
+
+    tmp, path_ckpt = ckpt
+    task = tmp / "long.jsonl"
+    task.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n" + json.dumps({"prompt": "1" * 70}) + "\n")
+    cfg = user_config(tmp / "runs-long", path_ckpt, task)
+    with pytest.raises(ValueError, match=rf"prompt 1 has 71 tokens.*\(at {re.escape(str(task))}:3\)$"):
+        _run(cfg)
