@@ -73,7 +73,10 @@ class TaskSection(Section):
 
 class SamplerSection(Section):
     """Who draws the responses and how: the policy, the demo's stale checkpoint, another model
-    directory, or a file of rollouts imported from elsewhere."""
+    directory, or a file of rollouts imported from elsewhere (``import_path``). Imported rollouts need
+    a source for the sampler's μ: ``on_policy: true`` when they were sampled from the policy itself at
+    temperature 1, untruncated (μ = p: policy centering only), ``mu_model`` (the sampler's checkpoint
+    directory, μ recomputed with this section's temperature/top_p/top_k), or top_logprobs in the file."""
 
     model: str = "policy"
     temperature: float = Field(1.0, gt=0.0, le=100.0)
@@ -86,6 +89,16 @@ class SamplerSection(Section):
     store_mu: Literal["none", "full", "topk"] = "none"
     mu_topk: int = Field(8, ge=1)
     import_path: str | None = None
+    on_policy: bool = False
+    mu_model: str | None = None
+
+    @model_validator(mode="after")
+    def _import_options(self) -> Self:
+        if (self.on_policy or self.mu_model is not None) and self.import_path is None:
+            raise ValueError("on_policy and mu_model describe imported rollouts; set import_path or drop them")
+        if self.on_policy and self.mu_model is not None:
+            raise ValueError("on_policy: true says μ = p, so there is no μ to recompute; drop mu_model")
+        return self
 
 
 class RolloutsSection(Section):

@@ -36,22 +36,22 @@ class TextEncoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-def _token_ids(value: Any, i: int, field: str, vocab_size: int) -> np.ndarray:
-    """Validate a list of token ids of record i; return it as int64 (n,)."""
+def _token_ids(value: Any, at: str, field: str, vocab_size: int) -> np.ndarray:
+    """Validate a list of token ids of the record at ``at``; return it as int64 (n,)."""
     try:
         arr = np.asarray(value) if isinstance(value, list | tuple | np.ndarray) else None
     except ValueError:  # ragged nesting
         arr = None
     if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iuf"):
-        raise ValueError(f"record {i}: '{field}' must be a flat list of integer token ids; got {value!r:.80}")
+        raise ValueError(f"{at}: '{field}' must be a flat list of integer token ids; got {value!r:.80}")
     if arr.dtype.kind == "f":
         bad = ~np.isfinite(arr) | (arr != np.round(arr))
         if bad.any():
-            raise ValueError(f"record {i}: '{field}' has non-integer token id {arr[bad][0].item()!r}")
+            raise ValueError(f"{at}: '{field}' has non-integer token id {arr[bad][0].item()!r}")
     ids = arr.astype(np.int64)
     out_of_range = (ids < 0) | (ids >= vocab_size)
     if out_of_range.any():
-        raise ValueError(f"record {i}: '{field}' has token id {ids[out_of_range][0]} outside [0, {vocab_size})")
+        raise ValueError(f"{at}: '{field}' has token id {ids[out_of_range][0]} outside [0, {vocab_size})")
     return ids
 
 
@@ -59,63 +59,63 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _log_probs(value: Any, i: int, field: str, allow_neg_inf: bool) -> np.ndarray:
-    """Validate a list of log-probabilities of record i; return it as float32 (n,)."""
+def _log_probs(value: Any, at: str, field: str, allow_neg_inf: bool) -> np.ndarray:
+    """Validate a list of log-probabilities of the record at ``at``; return it as float32 (n,)."""
     if not isinstance(value, list | tuple | np.ndarray) or not all(_is_number(x) for x in value):
-        raise ValueError(f"record {i}: '{field}' must be a list of numbers; got {value!r:.80}")
+        raise ValueError(f"{at}: '{field}' must be a list of numbers; got {value!r:.80}")
     lp = np.asarray(value, dtype=np.float64)
     bad = np.isnan(lp) | (lp == np.inf) | ((lp == -np.inf) & (not allow_neg_inf))
     if bad.any():
-        raise ValueError(f"record {i}: '{field}' has invalid log-probability {lp[bad][0]} (must be finite)")
+        raise ValueError(f"{at}: '{field}' has invalid log-probability {lp[bad][0]} (must be finite)")
     return lp.astype(np.float32)
 
 
-def _top_position(entry: Any, i: int, j: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _top_position(entry: Any, at: str, j: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """One position's top-k as (ids int64, logp float32), sorted by decreasing logp, ties by lowest id."""
     field = f"top_logprobs[{j}]"
     if isinstance(entry, dict):
         try:
             keys = [int(k) for k in entry]
         except ValueError as err:
-            raise ValueError(f"record {i}: '{field}' has a non-integer token id key ({err})") from None
-        ids = _token_ids(keys, i, field, vocab_size)
-        lp = _log_probs(list(entry.values()), i, field, allow_neg_inf=True)
+            raise ValueError(f"{at}: '{field}' has a non-integer token id key ({err})") from None
+        ids = _token_ids(keys, at, field, vocab_size)
+        lp = _log_probs(list(entry.values()), at, field, allow_neg_inf=True)
     elif isinstance(entry, list | tuple) and len(entry) == 2:
-        ids = _token_ids(entry[0], i, field, vocab_size)
-        lp = _log_probs(entry[1], i, field, allow_neg_inf=True)
+        ids = _token_ids(entry[0], at, field, vocab_size)
+        lp = _log_probs(entry[1], at, field, allow_neg_inf=True)
         if len(ids) != len(lp):
-            raise ValueError(f"record {i}: '{field}' has {len(ids)} ids but {len(lp)} log-probs")
+            raise ValueError(f"{at}: '{field}' has {len(ids)} ids but {len(lp)} log-probs")
     else:
-        raise ValueError(f"record {i}: '{field}' must be {{id: logp}} or [[ids...], [logps...]]; got {entry!r:.80}")
+        raise ValueError(f"{at}: '{field}' must be {{id: logp}} or [[ids...], [logps...]]; got {entry!r:.80}")
     if len(ids) == 0:
-        raise ValueError(f"record {i}: '{field}' is empty; give at least the top token")
+        raise ValueError(f"{at}: '{field}' is empty; give at least the top token")
     if len(np.unique(ids)) != len(ids):
-        raise ValueError(f"record {i}: '{field}' repeats a token id; each id may appear once per position")
+        raise ValueError(f"{at}: '{field}' repeats a token id; each id may appear once per position")
     order = np.lexsort((ids, -lp.astype(np.float64)))
     return ids[order], lp[order]
 
 
-def _prompt(rec: dict, i: int, vocab_size: int, tokenizer: TextEncoder | None) -> np.ndarray:
+def _prompt(rec: dict, at: str, vocab_size: int, tokenizer: TextEncoder | None) -> np.ndarray:
     if "prompt_ids" in rec:
-        ids = _token_ids(rec["prompt_ids"], i, "prompt_ids", vocab_size)
+        ids = _token_ids(rec["prompt_ids"], at, "prompt_ids", vocab_size)
     elif "prompt" in rec:
         if tokenizer is None:
-            raise ValueError(f"record {i}: has text 'prompt' but no tokenizer was given; pass one or use prompt_ids")
+            raise ValueError(f"{at}: has text 'prompt' but no tokenizer was given; pass one or use prompt_ids")
         if not isinstance(rec["prompt"], str):
-            raise ValueError(f"record {i}: 'prompt' must be a string; got {type(rec['prompt']).__name__}")
-        ids = _token_ids(list(tokenizer.encode(rec["prompt"])), i, "prompt (tokenized)", vocab_size)
+            raise ValueError(f"{at}: 'prompt' must be a string; got {type(rec['prompt']).__name__}")
+        ids = _token_ids(list(tokenizer.encode(rec["prompt"])), at, "prompt (tokenized)", vocab_size)
     else:
-        raise ValueError(f"record {i}: missing field 'prompt_ids' (or text 'prompt' with a tokenizer)")
+        raise ValueError(f"{at}: missing field 'prompt_ids' (or text 'prompt' with a tokenizer)")
     if len(ids) == 0:
-        raise ValueError(f"record {i}: the prompt is empty; every prompt needs at least one token")
+        raise ValueError(f"{at}: the prompt is empty; every prompt needs at least one token")
     return ids
 
 
-def _all_or_none(field: str, present: bool, first: bool | None, i: int) -> bool:
-    """Whether `field` is in use; raise when record i disagrees with record 0."""
+def _all_or_none(field: str, present: bool, first: bool | None, at: str, first_at: str) -> bool:
+    """Whether `field` is in use; raise when the record at ``at`` disagrees with the first one."""
     if first is not None and present != first:
         have = "has" if present else "lacks"
-        raise ValueError(f"record {i}: {have} '{field}' unlike record 0; give it in every record or in none")
+        raise ValueError(f"{at}: {have} '{field}' unlike {first_at}; give it in every record or in none")
     return present
 
 
@@ -129,7 +129,9 @@ def records_to_rollouts(
     """Validate imported rollout records and build the arrays of :func:`covgrad.sampling.generate`.
 
     Args:
-        records: one dict per sampled response (fields in the module docstring).
+        records: one dict per sampled response (fields in the module docstring), or ``(where, dict)``
+            pairs, where ``where`` names the record in messages (e.g. ``file.jsonl:3``; default
+            ``record i``, 0-based).
         vocab_size: V; every token id must be in [0, V).
         max_len: largest allowed prompt + response length, or None for no limit.
         tokenizer: encodes text ``prompt`` fields; needed only for them.
@@ -145,7 +147,7 @@ def records_to_rollouts(
         all 0 after the end.
 
     Raises:
-        ValueError: one line naming the record index and the bad field or value.
+        ValueError: one line naming the record (``where`` or its index) and the bad field or value.
     """
     prompts: list[np.ndarray] = []
     responses: list[np.ndarray] = []
@@ -155,37 +157,40 @@ def records_to_rollouts(
     group_keys: list[tuple] = []
     has_group: bool | None = None
     has_top: bool | None = None
-    for i, rec in enumerate(records):
+    first_at = ""
+    for i, item in enumerate(records):
+        at, rec = item if isinstance(item, tuple) else (f"record {i}", item)
+        first_at = first_at or at
         if not isinstance(rec, dict):
-            raise ValueError(f"record {i}: expected a dict; got {type(rec).__name__}")
-        prompt = _prompt(rec, i, vocab_size, tokenizer)
+            raise ValueError(f"{at}: expected a dict; got {type(rec).__name__}")
+        prompt = _prompt(rec, at, vocab_size, tokenizer)
         for field in ("response_ids", "reward", "logprobs"):
             if field not in rec:
-                raise ValueError(f"record {i}: missing field '{field}'")
-        response = _token_ids(rec["response_ids"], i, "response_ids", vocab_size)
+                raise ValueError(f"{at}: missing field '{field}'")
+        response = _token_ids(rec["response_ids"], at, "response_ids", vocab_size)
         if len(response) == 0:
-            raise ValueError(f"record {i}: 'response_ids' is empty; a response needs at least one token")
+            raise ValueError(f"{at}: 'response_ids' is empty; a response needs at least one token")
         if max_len is not None and len(prompt) + len(response) > max_len:
             raise ValueError(
-                f"record {i}: prompt + response is {len(prompt)} + {len(response)} tokens, over max_len={max_len}"
+                f"{at}: prompt + response is {len(prompt)} + {len(response)} tokens, over max_len={max_len}"
             )
         reward = rec["reward"]
         if not _is_number(reward) or not math.isfinite(reward):
-            raise ValueError(f"record {i}: 'reward' must be a finite number; got {reward!r}")
-        logp = _log_probs(rec["logprobs"], i, "logprobs", allow_neg_inf=False)
+            raise ValueError(f"{at}: 'reward' must be a finite number; got {reward!r}")
+        logp = _log_probs(rec["logprobs"], at, "logprobs", allow_neg_inf=False)
         if len(logp) != len(response):
-            raise ValueError(f"record {i}: 'logprobs' has {len(logp)} entries for {len(response)} response tokens")
-        has_top = _all_or_none("top_logprobs", "top_logprobs" in rec, has_top, i)
+            raise ValueError(f"{at}: 'logprobs' has {len(logp)} entries for {len(response)} response tokens")
+        has_top = _all_or_none("top_logprobs", "top_logprobs" in rec, has_top, at, first_at)
         if has_top:
             top = rec["top_logprobs"]
             if not isinstance(top, list | tuple) or len(top) != len(response):
-                raise ValueError(f"record {i}: 'top_logprobs' must be a list with one entry per response token")
-            tops.append([_top_position(entry, i, j, vocab_size) for j, entry in enumerate(top)])
-        has_group = _all_or_none("group", "group" in rec, has_group, i)
+                raise ValueError(f"{at}: 'top_logprobs' must be a list with one entry per response token")
+            tops.append([_top_position(entry, at, j, vocab_size) for j, entry in enumerate(top)])
+        has_group = _all_or_none("group", "group" in rec, has_group, at, first_at)
         if has_group:
             label = rec["group"]
             if not isinstance(label, int | str) or isinstance(label, bool):
-                raise ValueError(f"record {i}: 'group' must be an int or a string; got {label!r}")
+                raise ValueError(f"{at}: 'group' must be an int or a string; got {label!r}")
             group_keys.append(("group", label))
         else:
             group_keys.append(("prompt", *prompt.tolist()))
@@ -258,3 +263,16 @@ def _topk_arrays(tops: list[list[tuple[np.ndarray, np.ndarray]]], T: int) -> dic
         "mu_topk_logp": logp_arr,
         "mu_tail": np.where(live, tail, 0.0).astype(np.float32),
     }
+
+
+def require_mu_source(what: str, first_record: dict, on_policy: bool, mu_model: str | None) -> None:
+    """ValueError naming ``what`` (the sampler's config section) when sampler-centred scores of imported
+    rollouts would have no μ: not ``on_policy``, no ``mu_model`` and no ``top_logprobs`` in the records
+    (every record has them or none, so the first record tells)."""
+    if on_policy or mu_model is not None or "top_logprobs" in first_record:
+        return
+    raise ValueError(
+        f"{what}: imported rollouts without top_logprobs give no sampler μ for sampler centering; set "
+        f"{what}.on_policy: true if they were sampled from the policy (temperature 1, untruncated), or name "
+        f"the sampler's checkpoint in {what}.mu_model"
+    )

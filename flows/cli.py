@@ -1,11 +1,20 @@
-"""``covgrad`` command line: run the pipeline, list and clean artifacts, rebuild reports, diff checkpoints.
+"""``covgrad`` command line: run the pipeline, list, verify and clean artifacts, rebuild reports, diff checkpoints.
 
-Every bad input ends in one line on stderr naming the bad value, and exit status 2.
+Every expected failure (bad input, damaged artifact, reward error) ends in one line on stderr naming
+the cause and where, exit status 2; the full traceback goes to a log file that line names. The config
+is read and validated before anything heavy (torch, Prefect) is imported. SIGINT and SIGTERM stop the
+run and every child process (e.g. the temporary Prefect server); a rerun resumes.
 """
 
 import argparse
+import contextlib
+import datetime as dt
+import logging
 import os
+import signal
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +30,81 @@ def offline_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also transformers' "Loading weights" bars
+    # The temporary server `covgrad run` starts without PREFECT_API_URL needs far more than the default
+    # 20 s on a loaded machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
+
+
+_LOG_PATH: Path | None = None
+
+
+def log_path() -> Path:
+    """This invocation's log file (created on first use): ``$COVGRAD_LOG_DIR`` or {tmp}/covgrad-logs."""
+    global _LOG_PATH
+    if _LOG_PATH is None:
+        directory = Path(os.environ.get("COVGRAD_LOG_DIR") or Path(tempfile.gettempdir()) / "covgrad-logs")
+        directory.mkdir(parents=True, exist_ok=True)
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        _LOG_PATH = directory / f"covgrad-{stamp}-{os.getpid()}.log"
+    return _LOG_PATH
+
+
+class _NoFailures(logging.Filter):
+    """Drops ERROR records and Prefect's "Finished in state Failed(...)" lines (they repeat the cause)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return False
+        return not str(record.msg).startswith(("Finished in state Failed", "Finished in state Crashed"))
+
+
+def stop_prefect_server() -> None:
+    """Stop the temporary Prefect server this process started, if any (so its shutdown message comes
+    before covgrad's last line)."""
+    module = sys.modules.get("prefect.server.api.server")
+    if module is None or not module.SubprocessASGIServer._instances:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):  # send what is queued while the server still listens
+        worker.drain_all(timeout=5)
+    for server in list(module.SubprocessASGIServer._instances.values()):
+        server.stop()
+
+
+def route_errors_to_log() -> None:
+    """Send every log record to the log file, and keep ERROR records (Prefect's task and flow failure
+    tracebacks) off the terminal: the failure is reported once, in one line, by ``main``."""
+    root = logging.getLogger()
+    handler = logging.FileHandler(log_path(), delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    loggers = [root, *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    for logger in loggers:
+        for h in getattr(logger, "handlers", []):
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                h.addFilter(_NoFailures())
+
+
+def stop_children(signum: int, frame: Any = None) -> None:
+    """SIGINT/SIGTERM handler: terminate every child process (SIGKILL after 5 s), say so in one
+    line and exit 128 + signum. Finished batches are kept, so a rerun resumes."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=5)
+    for child in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    name = signal.Signals(signum).name
+    line = f"covgrad: stopped by {name}; finished batches are kept, rerun to resume\n"
+    os.write(2, line.encode())  # not print: inside a run, Prefect's log_prints captures it
+    os._exit(128 + signum)
 
 
 def load_config(path: str | None, overrides: list[str]) -> Any:
@@ -43,14 +126,18 @@ def load_config(path: str | None, overrides: list[str]) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.pipeline import covgrad_pipeline
-    from tasks.preflight import preflight
-
     overrides = list(args.set or [])
     if args.root:
         overrides.append(f"root={args.root}")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)  # yaml + pydantic only: a typo is reported at once
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop_children)
+    from tasks.preflight import preflight
+
     preflight(cfg)
+    from flows.pipeline import covgrad_pipeline
+
+    route_errors_to_log()
     result = covgrad_pipeline(cfg)
     _print_summary(cfg, result)
     return 0
@@ -111,7 +198,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'stage':14s} {'key':26s} {'state':9s} {'size':>10s}  {'created':25s} config")
     for r in rows:
-        state = "complete" if r["complete"] else "partial"
+        state = "damaged" if r["damaged"] else "complete" if r["complete"] else "partial"
         print(f"{r['stage']:14s} {r['key']:26s} {state:9s} {_size(r['bytes']):>10s}  {r['created']:25s} {r['config']}")
     return 0
 
@@ -130,12 +217,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(args.root)
     keep = referenced_keys(store)
-    doomed = [r for r in store.list_artifacts() if not r["complete"] or (r["stage"], r["key"]) not in keep]
+    doomed = [
+        r for r in store.list_artifacts() if not r["complete"] or r["damaged"] or (r["stage"], r["key"]) not in keep
+    ]
     if not doomed:
         print("nothing to remove")
         return 0
     for r in doomed:
-        why = "partial" if not r["complete"] else "unreferenced"
+        why = "partial" if not r["complete"] else "damaged" if r["damaged"] else "unreferenced"
         print(f"remove {r['stage']}/{r['key']} ({why}, {_size(r['bytes'])})")
     if not args.yes:
         if not sys.stdin.isatty():
@@ -210,9 +299,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     offline_env()
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars drown the stage log
     default_root = os.environ.get("COVGRAD_ROOT") or "runs"
     parser = argparse.ArgumentParser(prog="covgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -250,10 +336,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:
-        from covgrad.config import format_validation_error
+        return fail(exc, 2)
+    except Exception as exc:  # a bug: still one line, the traceback in the log
+        return fail(exc, 1)
 
-        print(f"covgrad: error: {format_validation_error(exc)}", file=sys.stderr)
-        return 2
+
+def fail(exc: BaseException, status: int) -> int:
+    """Write the traceback to the log file and one line naming the cause to stderr; return ``status``."""
+    from covgrad.config import format_validation_error
+
+    stop_prefect_server()
+    path = log_path()
+    with open(path, "a") as f:
+        f.write("".join(traceback.format_exception(exc)))
+    lines = format_validation_error(exc).strip().splitlines() if isinstance(exc, Exception) else []
+    text = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, KeyError) and not lines[1:]:
+        text = f"missing key {text}"
+    kind = "error" if status == 2 else f"internal error ({type(exc).__name__})"
+    print(f"covgrad: {kind}: {text} (traceback: {path})", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

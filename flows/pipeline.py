@@ -11,6 +11,7 @@ from prefect import flow
 
 from covgrad.config import PipelineConfig
 from covgrad.preflight import check_model
+from flows.deployment import deployment_config
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.runs import write_run_index
 from tasks.common import StageResult, cache_options
@@ -34,10 +35,12 @@ def run_node(cfg: PipelineConfig, name: str, ref: ArtifactRef, upstream: dict[st
 @flow(name="covgrad-pipeline", log_prints=True)
 def covgrad_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008
     """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status."""
+    config = deployment_config(config)  # a deployment run's partial config keeps the deployment's defaults
     if config.model.path is not None:  # unsupported modules fail here, in seconds, not after rollouts
         m = config.model
         check_model(m.path, config.scores.params, m.trust_remote_code, config.scores.self_check)
     nodes = plan(config)
+    key = run_key(nodes)
     refs: dict[str, ArtifactRef] = {}
     status: dict[str, str] = {}
     for name, node in nodes.items():
@@ -46,6 +49,5 @@ def covgrad_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any
         refs[name] = result.ref
         status[name] = "computed" if result.computed else "cached"
         print(f"{name:28s} {status[name]:8s} {result.ref.key}")
-    key = run_key(nodes)
-    write_run_index(ArtifactStore(config.root), config, key, refs)
+        write_run_index(ArtifactStore(config.root), config, key, refs)  # a failed run's finished stages stay reachable
     return {"run": key, "name": config.name, "root": config.root, "status": status}

@@ -4,7 +4,8 @@ A checkpoint is a subdirectory holding a Hugging Face ``config.json`` (and weigh
 For each one the flow runs ``covgrad-pipeline`` as a subflow with ``model.path`` set to it. A
 checkpoint whose planned artifacts are all complete is skipped without starting a subflow; the
 artifact keys cover the checkpoint's fingerprint, so a rewritten checkpoint is analysed again.
-Analysed checkpoints are recorded in ``{root}/watch/{config.name}.json``.
+Analysed checkpoints are recorded in ``{root}/watch/{config.name}.json``, each with its ``finding``: the
+degenerate condition of its statistics in words (e.g. no reward variance on a fresh checkpoint), or null.
 
 No ``from __future__ import annotations`` here: Prefect builds the parameter schema from the
 annotations at import time.
@@ -46,6 +47,17 @@ def is_analysed(cfg: PipelineConfig) -> bool:
     """True when every artifact planned for ``cfg`` is complete."""
     store = ArtifactStore(cfg.root)
     return all(store.is_complete(node.ref) for node in plan(cfg).values())
+
+
+def finding(cfg: PipelineConfig) -> str | None:
+    """The degenerate condition the run's main statistics recorded (e.g. "no reward variance: G ≡ 0;
+    ..."), or None when the statistics carry a finding about G."""
+    from tasks.plan import main_centering
+    from tasks.stats import STORE
+
+    store = ArtifactStore(cfg.root)
+    ref = plan(cfg)[f"stats.{cfg.rollouts.analyse}.{main_centering(cfg)}"].ref
+    return store.open_group(ref, STORE, mode="r").attrs.get("degenerate")
 
 
 def _record_path(store: ArtifactStore, name: str) -> str:
@@ -96,8 +108,17 @@ def covgrad_watch(
                 failed.append(checkpoint.name)
                 continue
             analysed.append(checkpoint.name)
-        if record.get(checkpoint.name, {}).get("run") != key:
-            record[checkpoint.name] = {"path": str(checkpoint.resolve()), "run": key, "analysed": now()}
+        note = finding(cfg)
+        if note:
+            logger.warning("checkpoint %s: %s", checkpoint.name, note)
+        entry = record.get(checkpoint.name, {})
+        if entry.get("run") != key or entry.get("finding") != note:
+            record[checkpoint.name] = {
+                "path": str(checkpoint.resolve()),
+                "run": key,
+                "analysed": now(),
+                "finding": note,
+            }
             _write_record(config.root, config.name, record)
     print(f"watch {directory}: {len(analysed)} analysed, {len(skipped)} already analysed, {len(failed)} failed")
     if failed:

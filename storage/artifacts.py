@@ -466,7 +466,8 @@ class ArtifactStore:
 
     # ----- listing -----------------------------------------------------------------------------
     def list_artifacts(self) -> list[dict[str, Any]]:
-        """Every artifact under the root: stage, key, complete, bytes, created, short config."""
+        """Every artifact under the root: stage, key, complete (marker present), damaged (its files
+        disagree with the manifest: the cheap check), bytes, created, short config."""
         rows = []
         if not self.fs.exists(self.base):
             return rows
@@ -486,6 +487,7 @@ class ArtifactStore:
                         "stage": stage,
                         "key": key,
                         "complete": mark is not None,
+                        "damaged": mark is not None and bool(self.damage(ref)),
                         "bytes": int(size),
                         "created": (mark or {}).get("finished", ""),
                         "upstream": (mark or {}).get("upstream", []),

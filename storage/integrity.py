@@ -34,10 +34,10 @@ def crc32c(data: bytes) -> str:
 
 def describe_key(store_name: str, key: str) -> str:
     """``store 'scores.zarr' array 'mean_s' chunk c/1/0`` for a zarr key inside ``store_name``."""
-    if "/c/" in key or key.startswith("c/") or key == "c":
-        array, _, chunk = key.rpartition("c/") if key != "c" else ("", "", "")
-        array = array.rstrip("/") or "/"
-        return f"store {store_name!r} array {array!r} chunk c/{chunk}" if chunk else f"store {store_name!r} array"
+    parts = key.split("/")
+    if "c" in parts:  # default chunk keys: {array}/c/{i}/{j}..., the array's own name never ends the path
+        i = len(parts) - 1 - parts[::-1].index("c")
+        return f"store {store_name!r} array {'/'.join(parts[:i]) or '/'!r} chunk {'/'.join(parts[i:])}"
     node = key.rsplit("/", 1)[0] if "/" in key else "/"
     return f"store {store_name!r} metadata of {node!r} ({key})"
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from covgrad.models import check_causal_lm, check_vocab
+from storage.weights import check_weights
 
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -37,7 +38,7 @@ def model_fingerprint(path: str) -> str:
 
 def check_model_dir(path: str, what: str) -> None:
     """FileNotFoundError / ValueError naming ``path`` (as ``what``) unless it is a Hugging Face causal-LM
-    directory with weights; reads only config.json and the file listing."""
+    directory with complete weights; reads only config.json, the file listing and safetensors headers."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     root = Path(path)
@@ -62,6 +63,7 @@ def check_model_dir(path: str, what: str) -> None:
         )
     if not any((root / w).is_file() for w in _WEIGHT_FILES):
         raise ValueError(f"{what} {path!r} has no weights ({', '.join(_WEIGHT_FILES)})")
+    check_weights(root)
 
 
 def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:

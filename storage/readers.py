@@ -86,6 +86,15 @@ def read_records(path_or_url: str) -> Iterator[dict[str, Any]]:
     return (obj for _, obj in _jsonl_objects(path_or_url))
 
 
+def read_located_records(path_or_url: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Like :func:`read_records`, each record paired with where it is: ``file:line`` (1-based) for
+    JSONL, ``file row r`` (0-based) for parquet; for error messages that point into the file."""
+    records = read_records(path_or_url)
+    if path_or_url.rstrip("/").endswith(".parquet"):
+        return ((f"{path_or_url} row {r}", rec) for r, rec in enumerate(records))
+    return ((f"{path_or_url}:{lineno}", obj) for lineno, obj in _jsonl_objects(path_or_url))
+
+
 def read_prompt_file(path: str) -> list[dict[str, Any]]:
     """Read a JSONL task file of ``{"prompt": str, "answer": ...}`` lines.
 
@@ -106,3 +115,8 @@ def read_prompt_file(path: str) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{lineno}: the line needs a string 'prompt' field; got keys {sorted(obj)}")
         prompts.append(obj)
     return prompts
+
+
+def prompt_locations(path: str) -> list[str]:
+    """``file:line`` of each prompt of a JSONL task file, in the order :func:`read_prompt_file` returns them."""
+    return [f"{path}:{lineno}" for lineno, _ in _jsonl_objects(path)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from covgrad.config import PipelineConfig
+from covgrad.rollout_import import require_mu_source
 from covgrad.task import (
     Problem,
     RewardFn,
@@ -14,7 +15,7 @@ from covgrad.task import (
     resolve_reward,
 )
 from storage.models import check_model_dir
-from storage.readers import read_prompt_file
+from storage.readers import read_prompt_file, read_records
 
 
 def load_task(cfg: PipelineConfig) -> tuple[list[Problem], RewardFn]:
@@ -37,4 +38,9 @@ def preflight(cfg: PipelineConfig) -> None:
             check_model_dir(s.model, f"rollouts.samplers.{name}.model")
         if s.import_path is not None and not Path(s.import_path).is_file() and "://" not in s.import_path:
             raise FileNotFoundError(f"rollouts.samplers.{name}.import_path {s.import_path!r} does not exist")
+        if s.import_path is not None:
+            first = next(iter(read_records(s.import_path)))
+            require_mu_source(f"rollouts.samplers.{name}", first, s.on_policy, s.mu_model)
+        if s.mu_model is not None:
+            check_model_dir(s.mu_model, f"rollouts.samplers.{name}.mu_model")
     load_task(cfg)

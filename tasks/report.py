@@ -88,6 +88,9 @@ class Report:
             )
             rows = [{c: float("nan") if r.get(c) is None else r[c] for c in cols} for r in off]
             text += "\n### Off-policy: policy vs sampler centering\n\n" + to_markdown(rows, FLOAT_FORMAT)
+            for r in off:
+                if r.get("finding"):
+                    text += f"\n{r['sampler']}/{r['centering']}: {r['finding']}\n"
         tok = self.numbers.get("tokens")
         if tok:
             text += (
@@ -364,23 +367,27 @@ def _headline(report: Report, run: _Run, cfg: PipelineConfig, main: str) -> None
     rows: list[dict[str, Any]] = [
         {"quantity": "model", "value": _model_label(cfg.model_dump(mode="json")), "note": cfg.name}
     ]
+    finding = None
     if run.has(main):
         st = run.group(main, STATS)
         s = st.attrs["scalars"]
+        finding = st.attrs.get("degenerate")
         F, G = st["F"][:], st["G"][:]
         adv_rms = math.sqrt(s["std_A"] ** 2 + s["mean_A"] ** 2)
         cross = [s["crossfit_even_F_odd_G_frac_exceed"], s["crossfit_odd_F_even_G_frac_exceed"]]
-        numbers = {
-            "N": int(s["N"]),
-            "P": int(s["P"]),
-            "std_A": float(s["std_A"]),
-            "max_abs_rho": float(s["max_abs_rho"]),
-            "bound_violations": int(s["bound_violations"]),
-            "crossfit_frac_exceed_even_F_odd_G": float(cross[0]),
-            "crossfit_frac_exceed_odd_F_even_G": float(cross[1]),
-            "zero_mean_trace": float(s["zero_mean_trace"]),
-            "zero_mean_coord": float(s["zero_mean_coord"]),
-        }
+        numbers = {"N": int(s["N"]), "P": int(s["P"]), "std_A": float(s["std_A"])}
+        if finding:
+            rows.append({"quantity": "finding", "value": finding, "note": main})
+            report.numbers["degenerate"] = finding
+            report.blocks.append(("p", f"Finding: {finding}."))
+        else:
+            numbers |= {
+                "max_abs_rho": float(s["max_abs_rho"]),
+                "bound_violations": int(s["bound_violations"]),
+                "crossfit_frac_exceed_even_F_odd_G": float(cross[0]),
+                "crossfit_frac_exceed_odd_F_even_G": float(cross[1]),
+            }
+        numbers |= {"zero_mean_trace": float(s["zero_mean_trace"]), "zero_mean_coord": float(s["zero_mean_coord"])}
         report.numbers.update(numbers)
         rows += [{"quantity": k, "value": v, "note": HEADLINE_NOTES.get(k, "")} for k, v in numbers.items()]
         if np.any((F > 0) & (G != 0)):
@@ -388,7 +395,9 @@ def _headline(report: Report, run: _Run, cfg: PipelineConfig, main: str) -> None
     else:
         _skip(report, "Statistics", main)
     overlap: list[dict[str, Any]] = []
-    if run.has("masks"):
+    if finding:
+        report.blocks.append(("p", "No overlap or tensor shares: the top set by |G| is undefined."))
+    elif run.has("masks"):
         summary = run.json("masks", "summary.json")
         overlap = run.json("masks", "overlap.json")
         report.numbers["spearman_F_absG"] = float(summary["spearman_F_absG"])
@@ -434,7 +443,9 @@ def _off_policy(report: Report, run: _Run) -> None:
         F, G = st["F"][:], st["G"][:]
         grads[(sampler, centering)] = G
         layout = ParamLayout.from_records(st.attrs["tensors"])
-        ov = [r for r in overlap_table(F, np.abs(G), layout, [Q_OFFPOLICY]) if r["scope"] == "global"]
+        finding = st.attrs.get("degenerate")
+        ov = [] if finding else overlap_table(F, np.abs(G), layout, [Q_OFFPOLICY])
+        ov = [r for r in ov if r["scope"] == "global"]
         rows.append(
             {
                 "sampler": sampler,
@@ -447,6 +458,7 @@ def _off_policy(report: Report, run: _Run) -> None:
                 "bound_violations": int(s["bound_violations"]),
                 "crossfit_frac_exceed": float(s["crossfit_even_F_odd_G_frac_exceed"]),
                 "overlap_1pct": float(ov[0]["overlap"]) if ov else float("nan"),
+                "finding": finding or "",
             }
         )
     kl = {r["sampler"]: r["kl_per_token"] for r in rows if r["centering"] == "sampler"}

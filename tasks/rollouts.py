@@ -24,7 +24,7 @@ from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
 from covgrad.task import response_texts, score_rewards
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.readers import read_records
+from storage.readers import prompt_locations, read_located_records
 from tasks.base_model import load_models
 from tasks.common import StageResult, progress_bar, run_stage
 from tasks.preflight import load_task
@@ -70,6 +70,15 @@ def _write_rows(g: Any, lo: int, out: dict[str, Any], width: int) -> None:
         g[name][lo : lo + n] = v
 
 
+def _reward(reward_fn: Any, problem: Any, response: str, where: str) -> float:
+    """The reward of one response; ValueError naming the prompt's location (``file:line``) otherwise."""
+    try:
+        return score_rewards(reward_fn, [problem.prompt], [response], [problem.answer])[0]
+    except ValueError as exc:
+        msg = str(exc).replace(" on record 0", "").replace(" for record 0", "")
+        raise ValueError(f"{where}: {msg} (response {response!r})") from None
+
+
 def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: SamplerSection, base: ArtifactRef):
     problems, reward_fn = load_task(cfg)
     policy, tokenizer = load_models(store, base, "policy", cfg)
@@ -78,12 +87,16 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: Sa
     if sampler.get_input_embeddings().num_embeddings != V:
         raise ValueError(f"sampler model {s.model!r} has a different vocabulary size than the policy ({V})")
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    if cfg.task.kind == "jsonl" and cfg.task.path is not None:
+        where = prompt_locations(cfg.task.path)
+    else:
+        where = [f"prompt {i}" for i in range(len(problems))]
     limit = context_length(policy)
     for i, p in enumerate(prompts):
         if len(p) + s.max_new_tokens > limit:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={s.max_new_tokens} it exceeds the "
-                f"model's context of {limit}"
+                f"model's context of {limit} (at {where[i]})"
             )
     G, T = s.group_size, s.max_new_tokens
     per_batch = max(1, s.batch_size // G)
@@ -115,9 +128,7 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: Sa
             pi = [idx[int(k)] for k in out["prompt_index"]]
             out["prompt_index"] = np.asarray(pi, dtype=np.int32)
             out["group"] = out["prompt_index"]
-            out["reward"] = score_rewards(
-                reward_fn, [problems[i].prompt for i in pi], texts, [problems[i].answer for i in pi]
-            )
+            out["reward"] = [_reward(reward_fn, problems[i], text, where[i]) for i, text in zip(pi, texts, strict=True)]
             out["prompt"] = np.asarray([problems[i].prompt for i in pi], dtype=object).astype(str)
             out["response"] = np.asarray(texts, dtype=object).astype(str)
             out["sample_index"] = out["sample_index"].numpy().astype(np.int32)
@@ -134,7 +145,11 @@ def _import(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: Samp
     policy, tokenizer = load_models(store, base, "policy", cfg)
     V = policy.get_input_embeddings().num_embeddings
     data = records_to_rollouts(
-        read_records(s.import_path), V, context_length(policy), tokenizer=tokenizer, pad_id=tokenizer.pad_token_id
+        read_located_records(s.import_path),
+        V,
+        context_length(policy),
+        tokenizer=tokenizer,
+        pad_id=tokenizer.pad_token_id,
     )
     order = np.argsort(data["group"], kind="stable")
     data = {k: v[order] for k, v in data.items()}

@@ -63,7 +63,8 @@ def group_batches(group: np.ndarray, groups_per_batch: int) -> list[tuple[int, i
 
 
 class MuSource:
-    """How the sampler's μ is obtained for one rollouts store (full, top-k record, or the sampler model)."""
+    """How the sampler's μ is obtained for one rollouts store (full, top-k record, or the sampler model:
+    ``mu_model`` for imported rollouts)."""
 
     def __init__(self, store: ArtifactStore, base: ArtifactRef, cfg: PipelineConfig, ro: Any, sampler: str) -> None:
         s = cfg.rollouts.samplers[sampler]
@@ -73,12 +74,12 @@ class MuSource:
         self.model = None
         self.kl: tuple[float, int] = (0.0, 0)
         if self.kind == "model":
-            if s.import_path is not None:
+            if s.import_path is not None and s.mu_model is None:
                 raise ValueError(
-                    f"sampler centering for imported rollouts {sampler!r} needs their top-k log-probs "
-                    "(top_logprobs in the file); without them μ cannot be obtained"
+                    f"sampler centering for imported rollouts {sampler!r} needs a μ source: "
+                    f"rollouts.samplers.{sampler}.on_policy: true, a mu_model checkpoint, or top_logprobs in the file"
                 )
-            self.model = load_models(store, base, s.model, cfg)[0]
+            self.model = load_models(store, base, s.mu_model or s.model, cfg)[0]
 
     def dlogits_fn(self, lo: int, hi: int, tokens: torch.Tensor, pl: torch.Tensor, rl: torch.Tensor, target):
         """The logit-gradient function of batch [lo, hi) under sampler centering. Each call also

@@ -1,16 +1,20 @@
 """stats stage: Fisher, covariance, alignment, the bound and the cross-fit, reduced with dask.
 
 Reads the scores store lazily: per-sample rows when they were kept (exact float64 moments of the
-stored float32 scores), else the moment-state rows (two per shard), chunk by chunk along ``param``,
-and writes the (param,) outputs chunk by chunk, so memory is bounded by the chunk size, not P. Runs
-on dask's threaded scheduler, or on the dask.distributed scheduler at ``dask.address``. Store
-``stats.zarr``: (param,) float64 arrays m, F, Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries
-over dim ``tensor``; scalars in attrs.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported below, as a finding
+        stats = compute_stats(full)
+        cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
+        summary = tensor_summary(stats, layout)
+    rho = stats["rho"]
+    max_abs_rho = da.nanmax(da.where(da.isfinite(rho), abs(rho), np.nan)) if layout.P else da.asarray(np.nan)
+    any_score = (da.asarray(stats["F"]) > 0).any()
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,15 +75,28 @@ def load_moments(sc: Any) -> tuple[Moments, Moments, Moments]:
     return pick(np.ones_like(r, dtype=bool)), pick(r % 2 == 0), pick(r % 2 == 1)
 
 
+def degenerate(any_score: bool, std_A: float) -> str | None:
+    """Why the run's statistics carry no finding about G (in words), or None: every score is 0 (no
+    scored tokens; ``any_score`` is whether some F_i > 0), or std(A) = 0 (no reward variance: G ≡ 0)."""
+    if not any_score:
+        return "no scored tokens: every score is 0; F, G, overlap, ρ and the bound are undefined"
+    if not float(std_A) > 0:
+        return "no reward variance: G ≡ 0; overlap, ρ and the bound are undefined"
+    return None
+
+
 def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:
     sc = store.open_group(up, SCORES, mode="r")
     layout = ParamLayout.from_records(sc.attrs["tensors"])
     full, even, odd = load_moments(sc)
-    stats = compute_stats(full)
-    cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
-    summary = tensor_summary(stats, layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported below, as a finding
+        stats = compute_stats(full)
+        cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
+        summary = tensor_summary(stats, layout)
     rho = stats["rho"]
     max_abs_rho = da.nanmax(da.where(da.isfinite(rho), abs(rho), np.nan)) if layout.P else da.asarray(np.nan)
+    any_score = (da.asarray(stats["F"]) > 0).any()
     g = store.open_group(ref, STORE, mode="w")
     chunk = max(1, min(layout.P, 65536))
     columns = {name: stats[name] for name in PARAM_STATS} | {"crossfit_ratio": cross[0]["ratio"]}
@@ -90,11 +107,16 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     # (param,) arrays go to the store chunk by chunk (memory bounded by the chunk size, not P); the
     # scalars and per-tensor sums come out of the same pass over the moment rows.
     sources = [da.asarray(x, dtype=np.float64).rechunk(chunk) for x in columns.values()]
-    with dask_scheduler(cfg.dask.address):
+    with dask_scheduler(cfg.dask.address), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # reported below as a finding, not from inside dask
         small = {k: stats[k] for k in SCALARS}
         crossed = [{k: c[k] for k in ("n_exceed", "n_finite", "frac_exceed")} for c in cross]
         stored = da.store(sources, targets, lock=False, compute=False)
-        _, small, crossed, summary, max_abs_rho = dask.compute(stored, small, crossed, summary, max_abs_rho)
+        computed = dask.compute(stored, small, crossed, summary, max_abs_rho, any_score)
+        _, small, crossed, summary, max_abs_rho, any_score = computed
+    finding = degenerate(bool(any_score), float(small["std_A"]))
+    if finding:
+        log.warning("stats %s: %s", ref.key, finding)
     summary = {k: np.asarray(v) for k, v in summary.items()}
     for name, values in summary.items():
         g.create_array(f"tensor_{name}", data=values, dimension_names=["tensor"])
@@ -117,6 +139,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
             "centering": sc.attrs["centering"],
             "sampler": sc.attrs["sampler"],
             "source": "per-sample rows" if "scores" in sc else "moment rows",
+            "degenerate": finding,
         }
     )
     store.consolidate(ref, STORE)

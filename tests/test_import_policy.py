@@ -1,0 +1,149 @@
+"""Imported rollouts: ``on_policy: true`` (policy centering only) completes without top-k log-probs,
+preflight refuses a sampler-centred import with no μ source before anything runs, a bad record is
+named by file and line, and a truncated weights file by its path."""
+
+import json
+
+import pytest
+
+from storage.artifacts import ArtifactStore
+from tasks.plan import plan
+from tasks.registry import STAGE_TASKS
+from tests.test_deployments import user_config, write_checkpoint
+
+G = 4
+
+
+def _run(cfg):
+    refs = {}
+    for name, node in plan(cfg).items():
+        refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream}).ref
+    return refs
+
+
+def _records(n: int = 2 * G, bad_line: int | None = None) -> str:
+    lines = []
+    for i in range(n):
+        reward = float("nan") if bad_line == i + 1 else float(i % 2)
+        rec = {"prompt_ids": [1, 5 + i // G], "response_ids": [6, 2], "reward": reward, "logprobs": [-1.0, -0.5]}
+        lines.append(json.dumps(rec))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("imports")
+    return tmp, write_checkpoint(tmp / "ckpt")
+
+
+def _cfg(tmp, ckpt, path, root: str, **sampler):
+    samplers = {"engine": {"import_path": str(path), **sampler}}
+    overrides = {"rollouts.samplers": samplers, "rollouts.analyse": "engine"}
+    return user_config(tmp / root, ckpt, tmp / "task.jsonl", **overrides)
+
+
+def test_on_policy_import_without_top_k_completes_with_policy_centering(ckpt):
+    tmp, path_ckpt = ckpt
+    path = tmp / "onpolicy.jsonl"
+    path.write_text(_records())
+    cfg = _cfg(tmp, path_ckpt, path, "runs-on", on_policy=True)
+    assert not any(n.endswith(".sampler") for n in plan(cfg))
+    from tasks.preflight import preflight
+
+    preflight(cfg)
+    refs = _run(cfg)
+    store = ArtifactStore(cfg.root)
+    assert all(store.is_complete(r) for r in refs.values())
+    assert "scores.engine.policy" in refs
+
+
+def test_sampler_centred_import_without_mu_source_is_refused_by_preflight(ckpt):
+    from tasks.preflight import preflight
+
+    tmp, path_ckpt = ckpt
+    path = tmp / "plain.jsonl"
+    path.write_text(_records())
+    cfg = _cfg(tmp, path_ckpt, path, "runs-plain")
+    with pytest.raises(ValueError, match=r"rollouts\.samplers\.engine\.on_policy: true") as err:
+        preflight(cfg)
+    assert "\n" not in str(err.value)
+    assert not (tmp / "runs-plain").exists()
+
+
+def test_import_options_need_an_import_path():
+    from covgrad.config import SamplerSection
+
+    with pytest.raises(ValueError, match="describe imported rollouts"):
+        SamplerSection(on_policy=True)
+    with pytest.raises(ValueError, match="drop mu_model"):
+        SamplerSection(import_path="x.jsonl", on_policy=True, mu_model="ckpt")
+
+
+def test_nan_reward_is_named_by_file_and_line(ckpt):
+    tmp, path_ckpt = ckpt
+    path = tmp / "nan.jsonl"
+    path.write_text(_records(bad_line=3))
+    cfg = _cfg(tmp, path_ckpt, path, "runs-nan", on_policy=True)
+    with pytest.raises(ValueError, match=rf"^{path}:3: 'reward' must be a finite number; got nan$"):
+        _run(cfg)
+
+
+def test_truncated_safetensors_is_named(tmp_path):
+    from storage.models import check_model_dir
+
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    check_model_dir(str(ckpt), "model.path")
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"weights file {weights} is truncated or damaged"):
+        check_model_dir(str(ckpt), "model.path")
+    weights.write_bytes(b"\x00" * 4)
+    with pytest.raises(ValueError, match=rf"weights file {weights} is truncated"):
+        check_model_dir(str(ckpt), "model.path")
+
+
+def test_deployment_parameters_merge_onto_the_defaults():
+    from covgrad.config import PipelineConfig
+    from flows.deployment import merge_config
+
+    defaults = {"name": "user-model", "root": "/data/runs", "model": {"path": "/models/a", "dtype": "float32"}}
+    defaults["rollouts"] = {"samplers": {"policy": {"group_size": 8}, "hot": {"temperature": 2.0}}}
+    given = PipelineConfig.model_validate(
+        {"name": "mine", "model": {"path": "/models/b"}, "rollouts": {"samplers": {"policy": {"group_size": 4}}}}
+    )
+    merged = merge_config(defaults, given)
+    assert (merged.name, merged.root, merged.model.path) == ("mine", "/data/runs", "/models/b")
+    assert list(merged.rollouts.samplers) == ["policy"] and merged.rollouts.samplers["policy"].group_size == 4
+    full = PipelineConfig.model_validate(PipelineConfig().model_dump(mode="json"))
+    assert merge_config(defaults, full) == full
+
+
+def test_mu_model_recomputes_mu_for_an_import(ckpt):
+    """Sampler centering of an import with μ recomputed from ``mu_model``: with the policy's own
+    checkpoint at temperature 1, μ = p, so the sampler-centred scores equal the policy-centred ones."""
+    import numpy as np
+
+    tmp, path_ckpt = ckpt
+    path = tmp / "mu.jsonl"
+    path.write_text(_records())
+    cfg = _cfg(tmp, path_ckpt, path, "runs-mu", mu_model=str(path_ckpt))
+    from tasks.preflight import preflight
+
+    preflight(cfg)
+    refs = _run(cfg)
+    store = ArtifactStore(cfg.root)
+    st = {c: store.open_group(refs[f"stats.engine.{c}"], "stats.zarr") for c in ("policy", "sampler")}
+    for name in ("F", "G", "m"):
+        np.testing.assert_allclose(st["sampler"][name][:], st["policy"][name][:], rtol=1e-4, atol=1e-7)
+    assert st["sampler"].attrs["scalars"]["kl_sampler_policy_per_token"] < 1e-6
+
+
+def test_prompt_over_the_context_names_the_task_file_line(ckpt):
+    import re
+
+    tmp, path_ckpt = ckpt
+    task = tmp / "long.jsonl"
+    task.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n" + json.dumps({"prompt": "1" * 70}) + "\n")
+    cfg = user_config(tmp / "runs-long", path_ckpt, task)
+    with pytest.raises(ValueError, match=rf"prompt 1 has 71 tokens.*\(at {re.escape(str(task))}:3\)$"):
+        _run(cfg)
