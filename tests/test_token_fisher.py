@@ -102,7 +102,7 @@ def test_exact_matches_per_vocab_autograd(case):
     active = _active()
     torch.testing.assert_close(exact["trace"][active], f.sum(-1)[active], rtol=1e-5, atol=0)
     assert (exact["trace"][~active] == 0).all()
-    torch.testing.assert_close(exact["fisher_sum"].sum(), exact["trace"].sum(), rtol=1e-10, atol=0)
+    torch.testing.assert_close(exact["fisher_sum"].sum(), exact["trace"].sum(), rtol=1e-6, atol=0)
 
     p = ref["p"][active]  # (tokens, V)
     index = PROMPT_LEN[:, None] + torch.arange(active.shape[1])[None, :]  # (B, T) full token index
@@ -320,7 +320,7 @@ def test_probe_modes_are_seeded_and_report_traces():
     assert torch.equal(a["fisher_sum"], b["fisher_sum"]) and not torch.equal(a["fisher_sum"], c["fisher_sum"])
     active = _active()
     assert (a["trace"][active] > 0).all() and (a["trace"][~active] == 0).all()
-    torch.testing.assert_close(a["fisher_sum"].sum(), a["trace"].sum(), rtol=1e-10, atol=0)
+    torch.testing.assert_close(a["fisher_sum"].sum(), a["trace"].sum(), rtol=1e-6, atol=0)
     seq = token_fisher(*args, "probe_seq", k=2, seed=1)
     assert seq["trace"][active].isnan().all() and (seq["trace"][~active] == 0).all()
 
