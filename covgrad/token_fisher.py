@@ -46,7 +46,7 @@ positions, V vocabulary, H hidden size, P selected parameter elements, R cotange
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -332,15 +332,88 @@ def _blocks(n: int, size: int) -> Iterator[slice]:
 
 
 def _accumulate(rows: Tensor, w: Tensor, fisher: Tensor) -> Tensor:
-    """fisher (P,) += Σ_{r,n} w[r, n] rows[r, n]²; returns the squared norms (R, B) float64.
+    """fisher (n, P) += Σ_{r,b} w[r, b, i] rows[r, b]² for each estimator i; returns the squared norms (R, B).
 
-    ``rows`` (R, B, P) float32 is squared in place; the weighted sum over the R·B rows is one float32
-    matrix-vector product added to the float64 ``fisher`` (its rounding is ~1e-7 relative).
+    ``rows`` (R, B, P) float32 is squared in place; ``w`` (R, B, n) float64. The weighted sums over the R·B
+    rows are one float32 matrix product added to the float64 ``fisher`` (its rounding is ~1e-7 relative).
     """
     R, B, P = rows.shape
     sq = rows.view(R * B, P).square_()
-    fisher += torch.mv(sq.t(), w.reshape(-1).to(sq.dtype)).double()
+    fisher += (sq.t() @ w.reshape(R * B, -1).to(sq.dtype)).t().double()
     return sq.sum(-1).double().view(R, B)
+
+
+def _candidate_pass(
+    eng: TokenBackward, cols: Tensor, active: Tensor, p32: Tensor, cand: Tensor, weight: Tensor, row_bytes: int
+) -> tuple[Tensor, Tensor]:
+    """Fisher sums (n, P) and traces (n, B, T) float64 of n weightings of the same candidate rows.
+
+    Row (j, c) has the cotangent e_{cand[b, j, c]} − p32[b, j] at sample b's logit row ``cols[b, j]`` (0 at
+    inactive positions); ``cand`` (B, T, C), ``weight`` (n, B, T, C). The LM head weight is left out when
+    it is in closed form (see :func:`_head_closed_form`).
+    """
+    dev = cols.device
+    (B, T), n, C = cols.shape, weight.shape[0], cand.shape[-1]
+    fisher = torch.zeros(n, eng.layout.P, dtype=torch.float64, device=dev)
+    trace = torch.zeros(n, B, T, dtype=torch.float64, device=dev)
+    js = torch.arange(T, device=dev).repeat_interleave(C)  # row r = (position j, candidate c)
+    cs = torch.arange(C, device=dev).repeat(T)
+    for sl in _blocks(T * C, eng.rows_per_block(row_bytes)):
+        jr, cr = js[sl], cs[sl]
+        R = jr.shape[0]
+        rr = torch.arange(R, device=dev)[:, None].expand(R, B)
+        bb = torch.arange(B, device=dev)[None, :].expand(R, B)
+        val = -p32[:, jr].transpose(0, 1)  # (R, B, V)
+        val[rr, bb, cand[:, jr, cr].T] += 1
+        val *= active[:, jr].T[..., None]
+        cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
+        cot[rr, bb, cols[:, jr].T] = val
+        w = weight[:, :, jr, cr].permute(2, 1, 0)  # (R, B, n)
+        norms = _accumulate(eng.grads(cot, head=False), w, fisher)
+        for i in range(n):
+            trace[i].index_add_(1, jr, (w[..., i] * norms).T)
+    return fisher, trace
+
+
+def _head_closed_form(eng: TokenBackward, cols: Tensor, a: Tensor, fisher: Tensor, trace: Tensor) -> None:
+    """Add the LM head weight's Σ_{b,t} a[b, t, u] h_{b,t,j}² to ``fisher`` (P,) and Σ_u a ‖h‖² to ``trace``
+    (B, T) when the head is in closed form; ``a`` (B, T, V) float64 (see the module docstring)."""
+    if eng.head_entry is None:
+        return
+    e = eng.head_entry
+    B = cols.shape[0]
+    h2 = eng.hidden.detach()[torch.arange(B, device=cols.device)[:, None], cols].double().square()  # (B, T, H)
+    fisher[e.offset : e.offset + e.numel] += torch.einsum("btv,bth->vh", a, h2).reshape(-1)
+    trace += a.sum(-1) * h2.sum(-1)
+
+
+def response_policy(
+    engine: TokenBackward, input_ids: Tensor, prompt_len: Tensor, response_len: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The policy p (B, T, V) float64 at the response positions of the engine's forward, the active mask
+    (B, T) bool and the response tokens (B, T)."""
+    dev = input_ids.device
+    cols, active, drawn = _response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
+    z = engine.logits.detach()[torch.arange(cols.shape[0], device=dev)[:, None], cols]
+    return torch.softmax(z.double(), dim=-1), active, drawn
+
+
+def candidate_weights(
+    p: Tensor, active: Tensor, mode: str, k: int = 0, seed: int = 0, exact_budget: int = DEFAULT_EXACT_BUDGET
+) -> tuple[Tensor, Tensor]:
+    """A candidate mode as weights over the whole vocabulary, for ``token_fisher(..., also=...)``.
+
+    Args:
+        p: policy at the response positions, (B, T, V) float64 (``token_fisher``'s ``p``).
+        active: (B, T) bool, response positions.
+        mode: ``exact``, ``topk`` or ``mc``; k and seed as in :func:`token_fisher`.
+
+    Returns:
+        Weights (B, T, V) float64 (0 at inactive positions) and the covered mass (B, T).
+    """
+    cand, weight, covered = _candidates(p, mode, k, seed, exact_budget)
+    full = torch.zeros_like(p).scatter_add_(-1, cand, weight * active[..., None])
+    return full, torch.where(active, covered, 0.0)
 
 
 def _probes(gen: torch.Generator, shape: tuple[int, ...], sqrt_p: Tensor, p: Tensor) -> Tensor:
@@ -364,7 +437,8 @@ def token_fisher(
     engine: TokenBackward | None = None,
     row_bytes: int = DEFAULT_ROW_BYTES,
     closed_form_head: bool = True,
-) -> dict[str, torch.Tensor]:
+    also: dict[str, Tensor] | None = None,
+) -> dict[str, Any]:
     """Token Fisher f_t of every response position, summed, with per-position diagnostics.
 
     See the module docstring for the modes; ``mc`` draws with a ``torch.Generator`` seeded with ``seed``
@@ -386,6 +460,9 @@ def token_fisher(
         engine: a :class:`TokenBackward` of these rows to reuse its forward; default builds one.
         row_bytes: memory aimed at per block of cotangent rows.
         closed_form_head: as in :class:`TokenBackward` (used when ``engine`` is None).
+        also: mode ``exact`` only: more weightings of its rows, name -> (B, T, V) float64 weights (e.g.
+            :func:`candidate_weights` of topk or mc, or the one-hot of the drawn tokens for Σ_t s_t²),
+            estimated from the same backward passes at the cost of one more matrix column each.
 
     Returns:
         ``fisher_sum``: shape (P,) float64, Σ_{n,t} f_{n,t} (divide by N for the token estimate of F).
@@ -395,6 +472,8 @@ def token_fisher(
         ``p_drawn``: shape (B, T) float64, probability of the response token.
         ``covered_mass``: shape (B, T) float64, p-mass of the candidates (1 except for topk).
         Entries of the (B, T) arrays beyond a row's response_len are 0.
+        ``also`` (only when given): name -> {``fisher_sum``, ``trace``} of each extra weighting.
+        ``p``: the policy at the response positions, (B, T, V) float64; ``active``: (B, T) bool.
 
     Raises:
         ValueError: on a bad mode or k, ``exact`` above the budget, or a bad row layout.
@@ -418,28 +497,25 @@ def token_fisher(
     trace = torch.zeros(B, T, dtype=torch.float64, device=dev)
     covered = torch.ones_like(trace)
     block = eng.rows_per_block(row_bytes)
+    extra: dict[str, dict[str, Tensor]] = {}
     if mode in ("exact", "topk", "mc"):
         cand, weight, covered = _candidates(p, mode, k, seed, exact_budget)
-        weight = weight * active[..., None]  # (B, T, C)
-        C = cand.shape[-1]
+        weight = (weight * active[..., None])[None]  # (1, B, T, C)
+        if also:
+            if mode != "exact":
+                raise ValueError(f"also= needs mode='exact' (its rows cover every candidate); got mode={mode!r}")
+            weight = torch.cat([weight, torch.stack([w * active[..., None] for w in also.values()])])
         p32 = torch.softmax(z.float(), dim=-1)  # the centering the graph's own softmax would use
-        js = torch.arange(T, device=dev).repeat_interleave(C)  # row r = (position j, candidate c)
-        cs = torch.arange(C, device=dev).repeat(T)
-        for sl in _blocks(T * C, block):
-            jr, cr = js[sl], cs[sl]
-            R = jr.shape[0]
-            rr = torch.arange(R, device=dev)[:, None].expand(R, B)
-            bb = torch.arange(B, device=dev)[None, :].expand(R, B)
-            val = -p32[:, jr].transpose(0, 1)  # (R, B, V)
-            val[rr, bb, cand[:, jr, cr].T] += 1
-            val *= active[:, jr].T[..., None]
-            cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
-            cot[rr, bb, cols[:, jr].T] = val
-            w = weight[:, jr, cr].T  # (R, B)
-            norms = _accumulate(eng.grads(cot, head=False), w, fisher)
-            trace.index_add_(1, jr, (w * norms).T)
-        on_cand = torch.zeros_like(p).scatter_add_(-1, cand, weight)  # W_u (B, T, V)
-        a = on_cand * (1 - 2 * p) + p.square() * weight.sum(-1, keepdim=True)  # (B, T, V)
+        fishers, traces = _candidate_pass(eng, cols, active, p32, cand, weight, row_bytes)
+        fisher, trace = fishers[0], traces[0]
+        for i, name in enumerate(also or {}, start=1):
+            extra[name] = {"fisher_sum": fishers[i], "trace": traces[i]}
+            w_i = weight[i]  # (B, T, V): the candidates of exact are the whole vocabulary in order
+            _head_closed_form(
+                eng, cols, w_i * (1 - 2 * p) + p.square() * w_i.sum(-1, keepdim=True), fishers[i], traces[i]
+            )
+        on_cand = torch.zeros_like(p).scatter_add_(-1, cand, weight[0])  # W_u (B, T, V)
+        a = on_cand * (1 - 2 * p) + p.square() * weight[0].sum(-1, keepdim=True)  # (B, T, V)
     else:
         gen = torch.Generator().manual_seed(seed)
         sqrt_p = p.sqrt()
@@ -455,7 +531,7 @@ def token_fisher(
                 cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
                 cot[rr, bb, cols[:, jr].T] = u.float()
                 w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
-                norms = _accumulate(eng.grads(cot, head=False), w, fisher)
+                norms = _accumulate(eng.grads(cot, head=False), w[..., None], fisher[None])
                 trace.index_add_(1, jr, (w * norms).T)
         else:
             bt = torch.arange(B, device=dev)[:, None].expand(B, T)
@@ -465,13 +541,9 @@ def token_fisher(
                 cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
                 cot[:, bt, cols] = u.float()
                 w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
-                _accumulate(eng.grads(cot, head=False), w, fisher)
+                _accumulate(eng.grads(cot, head=False), w[..., None], fisher[None])
         a = p * (1 - p) * active[..., None]
-    if eng.head_entry is not None:
-        e = eng.head_entry
-        h2 = eng.hidden.detach()[torch.arange(B, device=dev)[:, None], cols].double().square()  # (B, T, H)
-        fisher[e.offset : e.offset + e.numel] += torch.einsum("btv,bth->vh", a, h2).reshape(-1)
-        trace += a.sum(-1) * h2.sum(-1)
+    _head_closed_form(eng, cols, a, fisher, trace)
     if mode == "probe_seq":
         trace = torch.where(active, float("nan"), 0.0)
     return {
@@ -480,6 +552,9 @@ def token_fisher(
         "entropy": torch.where(active, -(p * logp).sum(-1), 0.0),
         "p_drawn": torch.where(active, p.gather(-1, drawn[..., None])[..., 0], 0.0),
         "covered_mass": torch.where(active, covered, 0.0),
+        "p": p,
+        "active": active,
+        **({"also": extra} if also else {}),
     }
 
 

@@ -43,8 +43,10 @@ from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import (
     TokenBackward,
+    candidate_weights,
     check_exact_budget,
     default_mode,
+    response_policy,
     token_fisher,
     token_scores,
 )
@@ -172,30 +174,64 @@ def _batch(
     tb = cfg.tokens
     eng = TokenBackward(model, layout, ids, attn, pos)
 
-    def run(mode: str, k: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
+    def run(mode: str, k: int = 0, seed: int = 0, also: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         return token_fisher(
-            model, layout, ids, attn, pl, rl, mode, k, seed, tb.exact_budget, engine=eng, row_bytes=tb.row_bytes
+            model,
+            layout,
+            ids,
+            attn,
+            pl,
+            rl,
+            mode,
+            k,
+            seed,
+            tb.exact_budget,
+            engine=eng,
+            row_bytes=tb.row_bytes,
+            also=also,
         )
 
     outs: dict[str, dict[str, torch.Tensor]] = {}
+    tok_sq = None
+    if "exact" in modes:  # one pass over all V candidates serves exact, topk, mc and Σ_t s_t²
+        p, active, drawn = response_policy(eng, ids, pl, rl)
+        also = {"tok": torch.zeros_like(p).scatter_(-1, drawn[..., None], 1.0)}
+        if "topk" in modes:
+            also["topk"], covered = candidate_weights(p, active, "topk", k=tb.topk)
+        if "mc" in modes:
+            ka, kb = mc_split(tb.mc_samples)
+            seed = tb.seed * 1_000_003 + 2 * b
+            also["mc_a"] = candidate_weights(p, active, "mc", ka, seed)[0]
+            if kb:
+                also["mc_b"] = candidate_weights(p, active, "mc", kb, seed + 1)[0]
+        outs["exact"] = run("exact", also=also)
+        for name, out in outs["exact"].pop("also").items():
+            if name == "tok":
+                tok_sq = out["fisher_sum"]
+            else:
+                outs[name] = {**outs["exact"], **out, **({"covered_mass": covered} if name == "topk" else {})}
     for mode in modes:
-        if mode in HALVED:
+        if mode in HALVED and f"{mode}_a" not in outs:
             ka, kb = mc_split(draws(cfg, mode))
             base_seed = tb.seed * 1_000_003 + 2 * b + SEED_OFFSET[mode]
             outs[f"{mode}_a"] = run(mode, k=ka, seed=base_seed)
             if kb:
                 outs[f"{mode}_b"] = run(mode, k=kb, seed=base_seed + 1)
-        else:
+        elif mode not in HALVED and mode not in outs:
             outs[mode] = run(mode, k=draws(cfg, mode))
     seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target), position_ids=pos).double()  # (B, P)
-    tok = token_scores(model, layout, ids, attn, pl, rl, engine=eng, row_bytes=tb.row_bytes).double()  # (B, T_b, P)
-    diff = torch.linalg.vector_norm(tok.sum(1) - seq, dim=1)
+    # Σ_t s_t from the batched-cotangent engine: one row, the summed cotangent of the token scores
+    summed = eng.grads(score_logit_grad(eng.logits.detach(), ids, target)[None])[0].double()  # (B, P)
+    diff = torch.linalg.vector_norm(summed - seq, dim=1)
     norm = torch.linalg.vector_norm(seq, dim=1)
     relerr = torch.where(norm > 0, diff / norm.clamp(min=torch.finfo(torch.float64).tiny), diff)
+    if tok_sq is None:  # no exact pass: the token scores themselves, T rows
+        tok_sq = token_scores(model, layout, ids, attn, pl, rl, engine=eng, row_bytes=tb.row_bytes)
+        tok_sq = tok_sq.double().square().sum((0, 1))
 
     rows = {name: out["fisher_sum"] for name, out in outs.items()}
     rows["seq_sq"] = seq.square().sum(0)
-    rows["tok_sq"] = tok.square().sum((0, 1))
+    rows["tok_sq"] = tok_sq
     first = next(iter(outs.values()))
     positions = {
         "entropy": first["entropy"],

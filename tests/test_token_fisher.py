@@ -13,10 +13,12 @@ from covgrad.token_fisher import (
     TokenBackward,
     _candidates,
     _response_positions,
+    candidate_weights,
     check_exact_budget,
     cross_term_ratio,
     default_mode,
     lm_head_token_fisher,
+    response_policy,
     token_fisher,
     token_scores,
 )
@@ -331,3 +333,25 @@ def test_budget_and_default_mode():
     check_exact_budget(4, 16, 64)
     with pytest.raises(ValueError, match="T·V = 64·49152 = 3145728 .* budget 65536; use mode='probe'"):
         check_exact_budget(64, 49152, 65536)
+
+
+def test_weightings_of_the_exact_rows_equal_their_own_modes(case):
+    """topk, mc and Σ_t s_t² as extra weightings of exact's rows (one pass) = their own runs."""
+    model, layout, input_ids, attention_mask, _, _ = case
+    args = (model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN)
+    eng = TokenBackward(model, layout, input_ids, attention_mask)
+    p, active, drawn = response_policy(eng, input_ids, PROMPT_LEN, RESPONSE_LEN)
+    also = {
+        "topk": candidate_weights(p, active, "topk", k=3)[0],
+        "mc": candidate_weights(p, active, "mc", k=4, seed=9)[0],
+        "tok": torch.zeros_like(p).scatter_(-1, drawn[..., None], 1.0),
+    }
+    out = token_fisher(*args, "exact", engine=eng, also=also)["also"]
+    for mode, k, seed in (("topk", 3, 0), ("mc", 4, 9)):
+        own = token_fisher(*args, mode, k=k, seed=seed, engine=eng)
+        assert _rel(out[mode]["fisher_sum"], own["fisher_sum"]) < 1e-6, mode
+        torch.testing.assert_close(out[mode]["trace"], own["trace"], rtol=1e-6, atol=1e-12)
+    tok_sq = token_scores(*args).double().square().sum((0, 1))
+    assert _rel(out["tok"]["fisher_sum"], tok_sq) < 1e-6
+    with pytest.raises(ValueError, match="also= needs mode='exact'"):
+        token_fisher(*args, "topk", k=2, engine=eng, also=also)
