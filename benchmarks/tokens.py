@@ -17,8 +17,9 @@ process, timed in interleaved repetitions after one warm-up; ratios are the medi
    few samples: token_fisher in probe_seq and probe mode and the whole stage batch in its default
    (probe) mode against the scores batch. ``--skip-smollm`` leaves it out.
 
-    python -m benchmarks.tokens                 # all sections, ~10 minutes on one core
+    python -m benchmarks.tokens                 # all sections, ~15 minutes on one core
     python -m benchmarks.tokens --skip-smollm --reps 3
+    python -m benchmarks.tokens --skip-demo     # only the SmolLM2-shaped model (~4 GB peak)
 """
 
 from __future__ import annotations
@@ -260,15 +261,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="draws / probes per position in the comparison")
     parser.add_argument("--skip-smollm", action="store_true")
     parser.add_argument("--smollm-rows", type=int, default=2)
-    parser.add_argument("--smollm-prompt", type=int, default=16)
-    parser.add_argument("--smollm-response", type=int, default=16)
+    parser.add_argument("--smollm-prompt", type=int, default=8)
+    parser.add_argument("--smollm-response", type=int, default=8)
+    parser.add_argument("--smollm-reps", type=int, default=2)
+    parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread")
-    demo(args.reps)
-    equal_cost(args.k, args.seeds)
+    if not args.skip_demo:
+        demo(args.reps)
+        equal_cost(args.k, args.seeds)
     if not args.skip_smollm:
-        smollm(args.reps, args.smollm_rows, args.smollm_prompt, args.smollm_response)
+        smollm(args.smollm_reps, args.smollm_rows, args.smollm_prompt, args.smollm_response)
 
 
 if __name__ == "__main__":

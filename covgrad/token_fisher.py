@@ -16,7 +16,12 @@ How: one forward of the batch with per-sample hooks (:class:`TokenBackward`), th
 cotangent rows, each a (B, L, V) gradient on the logits, gives R·B per-sample gradient rows, the
 per-module rules of :mod:`covgrad.rules` being applied to the (R·B, …) output gradient against the
 module's (B, …) saved input repeated R times. Every row costs one per-sample backward of the body; the
-forward is shared by all rows of all modes (and the stage's token and sequence scores).
+forward is shared by all rows of all modes (and the stage's token and sequence scores). Mode ``exact``
+can weight its rows several ways at once (``also=``): its rows cover every candidate, so topk, mc and
+Σ_t s_t² cost one more matrix column each instead of their own rows. Rows come in blocks of about
+``row_bytes``; a block of one row is a plain backward (vmap's fallback loops over ops without a batching
+rule, e.g. CPU flash attention's backward, and small blocks stay in cache: 1 row per block was the
+fastest on a 2-core CPU).
 
 The cotangent rows of each mode, per sample and response position t (p = p_t):
 
@@ -545,7 +550,7 @@ def token_fisher(
         a = p * (1 - p) * active[..., None]
     _head_closed_form(eng, cols, a, fisher, trace)
     if mode == "probe_seq":
-        trace = torch.where(active, float("nan"), 0.0)
+        trace = torch.where(active, torch.full_like(trace, float("nan")), 0.0)
     return {
         "fisher_sum": fisher,
         "trace": trace,

@@ -355,3 +355,17 @@ def test_weightings_of_the_exact_rows_equal_their_own_modes(case):
     assert _rel(out["tok"]["fisher_sum"], tok_sq) < 1e-6
     with pytest.raises(ValueError, match="also= needs mode='exact'"):
         token_fisher(*args, "topk", k=2, engine=eng, also=also)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu():
+    """The same code on cuda: exact equal to the CPU's, probes drawn on the CPU so seeded results agree."""
+    model = _tiny_llama(False, seed=3)
+    layout = select_parameters(model)
+    input_ids, attention_mask = _batch(seed=5)
+    cpu = {m: token_fisher(model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN, m, k=4, seed=2)
+           for m in ("exact", "probe")}  # fmt: skip
+    model.cuda()
+    for mode, want in cpu.items():
+        got = token_fisher(model, layout, input_ids.cuda(), attention_mask.cuda(), PROMPT_LEN, RESPONSE_LEN, mode, 4, 2)
+        assert _rel(got["fisher_sum"].cpu(), want["fisher_sum"]) < 1e-4, mode
