@@ -563,6 +563,28 @@ def token_fisher(
     }
 
 
+def token_score_squares(
+    engine: TokenBackward,
+    input_ids: torch.Tensor,
+    prompt_len: torch.Tensor,
+    response_len: torch.Tensor,
+    row_bytes: int = DEFAULT_ROW_BYTES,
+) -> torch.Tensor:
+    """Σ_{n,t} s_{n,t}² (P,) float64 without holding the (B, T, P) token scores: T cotangent rows whose squares
+    are accumulated as they come (the LM head in closed form when the engine has it: (δ_{yu} − p_u)² h_j²)."""
+    dev = input_ids.device
+    cols, active, drawn = _response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
+    z = engine.logits.detach()[torch.arange(cols.shape[0], device=dev)[:, None], cols]  # (B, T, V)
+    ones = active[None, ..., None].double()  # (1, B, T, 1): weight 1 on the drawn token
+    fisher, trace = _candidate_pass(
+        engine, cols, active, torch.softmax(z.float(), -1), drawn[..., None], ones, row_bytes
+    )
+    p = torch.softmax(z.double(), -1)
+    onehot = torch.zeros_like(p).scatter_(-1, drawn[..., None], 1.0) * active[..., None]
+    _head_closed_form(engine, cols, onehot * (1 - 2 * p) + p.square() * active[..., None], fisher[0], trace[0])
+    return fisher[0]
+
+
 def token_scores(
     model: nn.Module,
     layout: ParamLayout,

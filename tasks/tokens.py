@@ -48,7 +48,7 @@ from covgrad.token_fisher import (
     default_mode,
     response_policy,
     token_fisher,
-    token_scores,
+    token_score_squares,
 )
 from covgrad.topk import spearman
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
@@ -96,6 +96,11 @@ def batch_bounds(n: int) -> list[tuple[int, int]]:
 def mc_split(k: int) -> tuple[int, int]:
     """Draws of the two independent halves of a random mode: (ceil(k/2), floor(k/2))."""
     return (k + 1) // 2, k // 2
+
+
+def _square_sum(x: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
+    """Σ_n x[n]² (P,) float64 of a (B, P) tensor, squared in float64 in column blocks."""
+    return torch.cat([x[:, j : j + block].double().square().sum(0) for j in range(0, x.shape[1], block)])
 
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
@@ -191,6 +196,16 @@ def _batch(
             also=also,
         )
 
+    # sequence scores first, then freed: at real sizes each (B, P) block is large
+    seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target), position_ids=pos)  # (B, P)
+    seq_sq = _square_sum(seq)
+    # Σ_t s_t from the batched-cotangent engine: one row, the summed cotangent of the token scores
+    summed = eng.grads(score_logit_grad(eng.logits.detach(), ids, target)[None])[0]  # (B, P)
+    norm = torch.linalg.vector_norm(seq, dim=1).double()
+    diff = torch.linalg.vector_norm(summed.sub_(seq), dim=1).double()
+    del seq, summed
+    relerr = torch.where(norm > 0, diff / norm.clamp(min=torch.finfo(torch.float64).tiny), diff)
+
     outs: dict[str, dict[str, torch.Tensor]] = {}
     tok_sq = None
     if "exact" in modes:  # one pass over all V candidates serves exact, topk, mc and Σ_t s_t²
@@ -219,18 +234,11 @@ def _batch(
                 outs[f"{mode}_b"] = run(mode, k=kb, seed=base_seed + 1)
         elif mode not in HALVED and mode not in outs:
             outs[mode] = run(mode, k=draws(cfg, mode))
-    seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target), position_ids=pos).double()  # (B, P)
-    # Σ_t s_t from the batched-cotangent engine: one row, the summed cotangent of the token scores
-    summed = eng.grads(score_logit_grad(eng.logits.detach(), ids, target)[None])[0].double()  # (B, P)
-    diff = torch.linalg.vector_norm(summed - seq, dim=1)
-    norm = torch.linalg.vector_norm(seq, dim=1)
-    relerr = torch.where(norm > 0, diff / norm.clamp(min=torch.finfo(torch.float64).tiny), diff)
-    if tok_sq is None:  # no exact pass: the token scores themselves, T rows
-        tok_sq = token_scores(model, layout, ids, attn, pl, rl, engine=eng, row_bytes=tb.row_bytes)
-        tok_sq = tok_sq.double().square().sum((0, 1))
+    if tok_sq is None:  # no exact pass: the token scores' squares, T rows
+        tok_sq = token_score_squares(eng, ids, pl, rl, tb.row_bytes)
 
     rows = {name: out["fisher_sum"] for name, out in outs.items()}
-    rows["seq_sq"] = seq.square().sum(0)
+    rows["seq_sq"] = seq_sq
     rows["tok_sq"] = tok_sq
     first = next(iter(outs.values()))
     positions = {

@@ -20,6 +20,7 @@ from covgrad.token_fisher import (
     lm_head_token_fisher,
     response_policy,
     token_fisher,
+    token_score_squares,
     token_scores,
 )
 from tests.models import tiny_llama
@@ -353,6 +354,7 @@ def test_weightings_of_the_exact_rows_equal_their_own_modes(case):
         torch.testing.assert_close(out[mode]["trace"], own["trace"], rtol=1e-6, atol=1e-12)
     tok_sq = token_scores(*args).double().square().sum((0, 1))
     assert _rel(out["tok"]["fisher_sum"], tok_sq) < 1e-6
+    assert _rel(token_score_squares(eng, input_ids, PROMPT_LEN, RESPONSE_LEN, row_bytes=1), tok_sq) < 1e-6
     with pytest.raises(ValueError, match="also= needs mode='exact'"):
         token_fisher(*args, "topk", k=2, engine=eng, also=also)
 
