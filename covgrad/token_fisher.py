@@ -344,7 +344,7 @@ def _accumulate(rows: Tensor, w: Tensor, fisher: Tensor) -> Tensor:
     """
     R, B, P = rows.shape
     sq = rows.view(R * B, P).square_()
-    fisher += (sq.t() @ w.reshape(R * B, -1).to(sq.dtype)).t().double()
+    fisher.add_((sq.t() @ w.reshape(R * B, -1).to(sq.dtype)).t())  # float32 (n, P) added in float64, no copy
     return sq.sum(-1).double().view(R, B)
 
 
