@@ -166,7 +166,7 @@ class TokensSection(Section):
     mc_samples: int = Field(8, ge=1)
     probes: int = Field(8, ge=1)
     exact_budget: int = Field(65536, ge=1)
-    row_bytes: int = Field(512 * 1024**2, ge=1)
+    row_bytes: int = Field(32 * 1024**2, ge=1)
     seed: int = 0
 
     @field_validator("modes")

@@ -16,7 +16,12 @@ How: one forward of the batch with per-sample hooks (:class:`TokenBackward`), th
 cotangent rows, each a (B, L, V) gradient on the logits, gives R·B per-sample gradient rows, the
 per-module rules of :mod:`covgrad.rules` being applied to the (R·B, …) output gradient against the
 module's (B, …) saved input repeated R times. Every row costs one per-sample backward of the body; the
-forward is shared by all rows of all modes (and the stage's token and sequence scores).
+forward is shared by all rows of all modes (and the stage's token and sequence scores). Mode ``exact``
+can weight its rows several ways at once (``also=``): its rows cover every candidate, so topk, mc and
+Σ_t s_t² cost one more matrix column each instead of their own rows. Rows come in blocks of about
+``row_bytes``; a block of one row is a plain backward (vmap's fallback loops over ops without a batching
+rule, e.g. CPU flash attention's backward, and small blocks stay in cache: 1 row per block was the
+fastest on a 2-core CPU).
 
 The cotangent rows of each mode, per sample and response position t (p = p_t):
 
@@ -46,7 +51,7 @@ positions, V vocabulary, H hidden size, P selected parameter elements, R cotange
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -57,8 +62,7 @@ from covgrad.rules import Rule, rule_for
 Mode = Literal["exact", "topk", "mc", "probe", "probe_seq"]
 MODES: tuple[str, ...] = ("exact", "topk", "mc", "probe", "probe_seq")
 DEFAULT_EXACT_BUDGET = 65536  # most T·V cotangent rows per sample that mode "exact" accepts
-DEFAULT_ROW_BYTES = 512 * 1024**2  # memory aimed at per block of cotangent rows (activations + gradient rows)
-_SQ_ELEMENTS = 1 << 22  # float64 elements squared per block of the Fisher accumulation
+DEFAULT_ROW_BYTES = 32 * 1024**2  # memory aimed at per block of cotangent rows (small blocks stay in cache)
 
 
 def exact_rows(T: int, V: int) -> int:
@@ -220,14 +224,20 @@ class TokenBackward:
         out = torch.empty(R * self.B, self.layout.P, dtype=torch.float32, device=self.logits.device)
         written: set[str] = set()
         skip = None if head or self.head_entry is None else self.head_entry.name
-        gs = torch.autograd.grad(
-            self.logits,
-            self._outputs,
-            cot.to(self.logits.dtype),
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=True,
-        )
+        if R == 1:  # a plain backward: no vmap, whose fallback loops over ops without a batching rule
+            gs = torch.autograd.grad(
+                self.logits, self._outputs, cot[0].to(self.logits.dtype), retain_graph=True, allow_unused=True
+            )
+            gs = tuple(None if g is None else g[None] for g in gs)
+        else:
+            gs = torch.autograd.grad(
+                self.logits,
+                self._outputs,
+                cot.to(self.logits.dtype),
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
         for (module, rule, local, x), g in zip(self._calls, gs, strict=True):
             if g is None:
                 continue
@@ -327,15 +337,88 @@ def _blocks(n: int, size: int) -> Iterator[slice]:
 
 
 def _accumulate(rows: Tensor, w: Tensor, fisher: Tensor) -> Tensor:
-    """fisher (P,) += Σ_{r,n} w[r, n] rows[r, n]² in float64; returns the squared norms (R, B) float64."""
+    """fisher (n, P) += Σ_{r,b} w[r, b, i] rows[r, b]² for each estimator i; returns the squared norms (R, B).
+
+    ``rows`` (R, B, P) float32 is squared in place; ``w`` (R, B, n) float64. The weighted sums over the R·B
+    rows are one float32 matrix product added to the float64 ``fisher`` (its rounding is ~1e-7 relative).
+    """
     R, B, P = rows.shape
-    norms = torch.zeros(R, B, dtype=torch.float64, device=rows.device)
-    step = max(1, _SQ_ELEMENTS // (R * B))
-    for j in range(0, P, step):
-        sq = rows[:, :, j : j + step].double().square()  # (R, B, b)
-        fisher[j : j + step] += torch.einsum("rb,rbp->p", w, sq)
-        norms += sq.sum(-1)
-    return norms
+    sq = rows.view(R * B, P).square_()
+    fisher.add_((sq.t() @ w.reshape(R * B, -1).to(sq.dtype)).t())  # float32 (n, P) added in float64, no copy
+    return sq.sum(-1).double().view(R, B)
+
+
+def _candidate_pass(
+    eng: TokenBackward, cols: Tensor, active: Tensor, p32: Tensor, cand: Tensor, weight: Tensor, row_bytes: int
+) -> tuple[Tensor, Tensor]:
+    """Fisher sums (n, P) and traces (n, B, T) float64 of n weightings of the same candidate rows.
+
+    Row (j, c) has the cotangent e_{cand[b, j, c]} − p32[b, j] at sample b's logit row ``cols[b, j]`` (0 at
+    inactive positions); ``cand`` (B, T, C), ``weight`` (n, B, T, C). The LM head weight is left out when
+    it is in closed form (see :func:`_head_closed_form`).
+    """
+    dev = cols.device
+    (B, T), n, C = cols.shape, weight.shape[0], cand.shape[-1]
+    fisher = torch.zeros(n, eng.layout.P, dtype=torch.float64, device=dev)
+    trace = torch.zeros(n, B, T, dtype=torch.float64, device=dev)
+    js = torch.arange(T, device=dev).repeat_interleave(C)  # row r = (position j, candidate c)
+    cs = torch.arange(C, device=dev).repeat(T)
+    for sl in _blocks(T * C, eng.rows_per_block(row_bytes)):
+        jr, cr = js[sl], cs[sl]
+        R = jr.shape[0]
+        rr = torch.arange(R, device=dev)[:, None].expand(R, B)
+        bb = torch.arange(B, device=dev)[None, :].expand(R, B)
+        val = -p32[:, jr].transpose(0, 1)  # (R, B, V)
+        val[rr, bb, cand[:, jr, cr].T] += 1
+        val *= active[:, jr].T[..., None]
+        cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
+        cot[rr, bb, cols[:, jr].T] = val
+        w = weight[:, :, jr, cr].permute(2, 1, 0)  # (R, B, n)
+        norms = _accumulate(eng.grads(cot, head=False), w, fisher)
+        for i in range(n):
+            trace[i].index_add_(1, jr, (w[..., i] * norms).T)
+    return fisher, trace
+
+
+def _head_closed_form(eng: TokenBackward, cols: Tensor, a: Tensor, fisher: Tensor, trace: Tensor) -> None:
+    """Add the LM head weight's Σ_{b,t} a[b, t, u] h_{b,t,j}² to ``fisher`` (P,) and Σ_u a ‖h‖² to ``trace``
+    (B, T) when the head is in closed form; ``a`` (B, T, V) float64 (see the module docstring)."""
+    if eng.head_entry is None:
+        return
+    e = eng.head_entry
+    B = cols.shape[0]
+    h2 = eng.hidden.detach()[torch.arange(B, device=cols.device)[:, None], cols].double().square()  # (B, T, H)
+    fisher[e.offset : e.offset + e.numel] += torch.einsum("btv,bth->vh", a, h2).reshape(-1)
+    trace += a.sum(-1) * h2.sum(-1)
+
+
+def response_policy(
+    engine: TokenBackward, input_ids: Tensor, prompt_len: Tensor, response_len: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The policy p (B, T, V) float64 at the response positions of the engine's forward, the active mask
+    (B, T) bool and the response tokens (B, T)."""
+    dev = input_ids.device
+    cols, active, drawn = _response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
+    z = engine.logits.detach()[torch.arange(cols.shape[0], device=dev)[:, None], cols]
+    return torch.softmax(z.double(), dim=-1), active, drawn
+
+
+def candidate_weights(
+    p: Tensor, active: Tensor, mode: str, k: int = 0, seed: int = 0, exact_budget: int = DEFAULT_EXACT_BUDGET
+) -> tuple[Tensor, Tensor]:
+    """A candidate mode as weights over the whole vocabulary, for ``token_fisher(..., also=...)``.
+
+    Args:
+        p: policy at the response positions, (B, T, V) float64 (``token_fisher``'s ``p``).
+        active: (B, T) bool, response positions.
+        mode: ``exact``, ``topk`` or ``mc``; k and seed as in :func:`token_fisher`.
+
+    Returns:
+        Weights (B, T, V) float64 (0 at inactive positions) and the covered mass (B, T).
+    """
+    cand, weight, covered = _candidates(p, mode, k, seed, exact_budget)
+    full = torch.zeros_like(p).scatter_add_(-1, cand, weight * active[..., None])
+    return full, torch.where(active, covered, 0.0)
 
 
 def _probes(gen: torch.Generator, shape: tuple[int, ...], sqrt_p: Tensor, p: Tensor) -> Tensor:
@@ -359,7 +442,8 @@ def token_fisher(
     engine: TokenBackward | None = None,
     row_bytes: int = DEFAULT_ROW_BYTES,
     closed_form_head: bool = True,
-) -> dict[str, torch.Tensor]:
+    also: dict[str, Tensor] | None = None,
+) -> dict[str, Any]:
     """Token Fisher f_t of every response position, summed, with per-position diagnostics.
 
     See the module docstring for the modes; ``mc`` draws with a ``torch.Generator`` seeded with ``seed``
@@ -381,6 +465,9 @@ def token_fisher(
         engine: a :class:`TokenBackward` of these rows to reuse its forward; default builds one.
         row_bytes: memory aimed at per block of cotangent rows.
         closed_form_head: as in :class:`TokenBackward` (used when ``engine`` is None).
+        also: mode ``exact`` only: more weightings of its rows, name -> (B, T, V) float64 weights (e.g.
+            :func:`candidate_weights` of topk or mc, or the one-hot of the drawn tokens for Σ_t s_t²),
+            estimated from the same backward passes at the cost of one more matrix column each.
 
     Returns:
         ``fisher_sum``: shape (P,) float64, Σ_{n,t} f_{n,t} (divide by N for the token estimate of F).
@@ -390,6 +477,8 @@ def token_fisher(
         ``p_drawn``: shape (B, T) float64, probability of the response token.
         ``covered_mass``: shape (B, T) float64, p-mass of the candidates (1 except for topk).
         Entries of the (B, T) arrays beyond a row's response_len are 0.
+        ``also`` (only when given): name -> {``fisher_sum``, ``trace``} of each extra weighting.
+        ``p``: the policy at the response positions, (B, T, V) float64; ``active``: (B, T) bool.
 
     Raises:
         ValueError: on a bad mode or k, ``exact`` above the budget, or a bad row layout.
@@ -413,28 +502,25 @@ def token_fisher(
     trace = torch.zeros(B, T, dtype=torch.float64, device=dev)
     covered = torch.ones_like(trace)
     block = eng.rows_per_block(row_bytes)
+    extra: dict[str, dict[str, Tensor]] = {}
     if mode in ("exact", "topk", "mc"):
         cand, weight, covered = _candidates(p, mode, k, seed, exact_budget)
-        weight = weight * active[..., None]  # (B, T, C)
-        C = cand.shape[-1]
+        weight = (weight * active[..., None])[None]  # (1, B, T, C)
+        if also:
+            if mode != "exact":
+                raise ValueError(f"also= needs mode='exact' (its rows cover every candidate); got mode={mode!r}")
+            weight = torch.cat([weight, torch.stack([w * active[..., None] for w in also.values()])])
         p32 = torch.softmax(z.float(), dim=-1)  # the centering the graph's own softmax would use
-        js = torch.arange(T, device=dev).repeat_interleave(C)  # row r = (position j, candidate c)
-        cs = torch.arange(C, device=dev).repeat(T)
-        for sl in _blocks(T * C, block):
-            jr, cr = js[sl], cs[sl]
-            R = jr.shape[0]
-            rr = torch.arange(R, device=dev)[:, None].expand(R, B)
-            bb = torch.arange(B, device=dev)[None, :].expand(R, B)
-            val = -p32[:, jr].transpose(0, 1)  # (R, B, V)
-            val[rr, bb, cand[:, jr, cr].T] += 1
-            val *= active[:, jr].T[..., None]
-            cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
-            cot[rr, bb, cols[:, jr].T] = val
-            w = weight[:, jr, cr].T  # (R, B)
-            norms = _accumulate(eng.grads(cot, head=False), w, fisher)
-            trace.index_add_(1, jr, (w * norms).T)
-        on_cand = torch.zeros_like(p).scatter_add_(-1, cand, weight)  # W_u (B, T, V)
-        a = on_cand * (1 - 2 * p) + p.square() * weight.sum(-1, keepdim=True)  # (B, T, V)
+        fishers, traces = _candidate_pass(eng, cols, active, p32, cand, weight, row_bytes)
+        fisher, trace = fishers[0], traces[0]
+        for i, name in enumerate(also or {}, start=1):
+            extra[name] = {"fisher_sum": fishers[i], "trace": traces[i]}
+            w_i = weight[i]  # (B, T, V): the candidates of exact are the whole vocabulary in order
+            _head_closed_form(
+                eng, cols, w_i * (1 - 2 * p) + p.square() * w_i.sum(-1, keepdim=True), fishers[i], traces[i]
+            )
+        on_cand = torch.zeros_like(p).scatter_add_(-1, cand, weight[0])  # W_u (B, T, V)
+        a = on_cand * (1 - 2 * p) + p.square() * weight[0].sum(-1, keepdim=True)  # (B, T, V)
     else:
         gen = torch.Generator().manual_seed(seed)
         sqrt_p = p.sqrt()
@@ -450,7 +536,7 @@ def token_fisher(
                 cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
                 cot[rr, bb, cols[:, jr].T] = u.float()
                 w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
-                norms = _accumulate(eng.grads(cot, head=False), w, fisher)
+                norms = _accumulate(eng.grads(cot, head=False), w[..., None], fisher[None])
                 trace.index_add_(1, jr, (w * norms).T)
         else:
             bt = torch.arange(B, device=dev)[:, None].expand(B, T)
@@ -460,22 +546,43 @@ def token_fisher(
                 cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
                 cot[:, bt, cols] = u.float()
                 w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
-                _accumulate(eng.grads(cot, head=False), w, fisher)
+                _accumulate(eng.grads(cot, head=False), w[..., None], fisher[None])
         a = p * (1 - p) * active[..., None]
-    if eng.head_entry is not None:
-        e = eng.head_entry
-        h2 = eng.hidden.detach()[torch.arange(B, device=dev)[:, None], cols].double().square()  # (B, T, H)
-        fisher[e.offset : e.offset + e.numel] += torch.einsum("btv,bth->vh", a, h2).reshape(-1)
-        trace += a.sum(-1) * h2.sum(-1)
+    _head_closed_form(eng, cols, a, fisher, trace)
     if mode == "probe_seq":
-        trace = torch.where(active, float("nan"), 0.0)
+        trace = torch.where(active, torch.full_like(trace, float("nan")), 0.0)
     return {
         "fisher_sum": fisher,
         "trace": trace,
         "entropy": torch.where(active, -(p * logp).sum(-1), 0.0),
         "p_drawn": torch.where(active, p.gather(-1, drawn[..., None])[..., 0], 0.0),
         "covered_mass": torch.where(active, covered, 0.0),
+        "p": p,
+        "active": active,
+        **({"also": extra} if also else {}),
     }
+
+
+def token_score_squares(
+    engine: TokenBackward,
+    input_ids: torch.Tensor,
+    prompt_len: torch.Tensor,
+    response_len: torch.Tensor,
+    row_bytes: int = DEFAULT_ROW_BYTES,
+) -> torch.Tensor:
+    """Σ_{n,t} s_{n,t}² (P,) float64 without holding the (B, T, P) token scores: T cotangent rows whose squares
+    are accumulated as they come (the LM head in closed form when the engine has it: (δ_{yu} − p_u)² h_j²)."""
+    dev = input_ids.device
+    cols, active, drawn = _response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
+    z = engine.logits.detach()[torch.arange(cols.shape[0], device=dev)[:, None], cols]  # (B, T, V)
+    ones = active[None, ..., None].double()  # (1, B, T, 1): weight 1 on the drawn token
+    fisher, trace = _candidate_pass(
+        engine, cols, active, torch.softmax(z.float(), -1), drawn[..., None], ones, row_bytes
+    )
+    p = torch.softmax(z.double(), -1)
+    onehot = torch.zeros_like(p).scatter_(-1, drawn[..., None], 1.0) * active[..., None]
+    _head_closed_form(engine, cols, onehot * (1 - 2 * p) + p.square() * active[..., None], fisher[0], trace[0])
+    return fisher[0]
 
 
 def token_scores(

@@ -30,7 +30,7 @@ from prefect import task
 
 from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout
-from covgrad.topk import overlap_table
+from covgrad.topk import overlap_table, spearman
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.tables import to_markdown, uniform
 from tasks.common import StageResult, log, run_stage
@@ -93,11 +93,14 @@ class Report:
                     text += f"\n{r['sampler']}/{r['centering']}: {r['finding']}\n"
         tok = self.numbers.get("tokens")
         if tok:
+            main = tok.get("main_mode", "exact")
             text += (
-                f"\ntoken Fisher: top-k vs exact rel. L2 {tok.get('topk_vs_exact', float('nan')):.3g}, Monte Carlo "
-                f"vs exact {tok.get('mc_vs_exact', float('nan')):.3g} (expected MC error "
-                f"{tok.get('mc_expected_relerr', float('nan')):.3g}), cross-term ratio "
-                f"{tok.get('cross_term_ratio', float('nan')):.3g}\n"
+                f"\ntoken Fisher ({main}): Σ f / N vs F rel. L2 {_num(tok.get(f'relerr_{main}_vs_seq')):.3g}, "
+                f"Spearman {_num(tok.get(f'spearman_{main}_vs_seq')):.3g}; top-k vs exact rel. L2 "
+                f"{_num(tok.get('topk_vs_exact')):.3g}, Monte Carlo vs exact {_num(tok.get('mc_vs_exact')):.3g} "
+                f"(expected {_num(tok.get('mc_expected_relerr')):.3g}), probe vs exact "
+                f"{_num(tok.get('probe_vs_exact')):.3g} (expected {_num(tok.get('probe_expected_relerr')):.3g}), "
+                f"cross-term ratio {_num(tok.get('cross_term_ratio')):.3g}\n"
             )
         upd = self.numbers.get("update_check", {}).get("cells_at_one_step")
         if upd:
@@ -293,6 +296,11 @@ def plot_update_check(rows: list[dict[str, Any]], predictors: list[str]) -> byte
 
 
 # ----- reading the stores -------------------------------------------------------------------------------
+def _num(v: Any) -> float:
+    """A stored scalar as a float for formatting: NaN when absent (None)."""
+    return float("nan") if v is None else float(v)
+
+
 def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
@@ -493,6 +501,21 @@ def _tokens(report: Report, run: _Run) -> None:
         return
     g = run.group("tokens", TOKENS)
     scalars = g.attrs.get("scalars", {})
+    modes = list(g.attrs.get("modes", []))
+    vs_f = [
+        {
+            "mode": m,
+            "N": scalars.get("N"),
+            "rel_L2_vs_F": scalars.get(f"relerr_{m}_vs_seq"),
+            "spearman_vs_F": scalars.get(f"spearman_{m}_vs_seq"),
+            "expected_relerr": scalars.get(f"{m}_expected_relerr"),
+        }
+        for m in modes
+        if f"relerr_{m}_vs_seq" in scalars
+    ]
+    if vs_f:
+        report.blocks.append(("p", "Σ token Fisher / N against the sequence Fisher F = mean(s²), over parameters:"))
+        report.blocks.append(("table", [{k: float("nan") if v is None else v for k, v in r.items()} for r in vs_f]))
     rows = [{"quantity": k, "value": v} for k, v in scalars.items() if isinstance(v, int | float | str)]
     report.numbers["tokens"] = {k: _finite(v) for k, v in scalars.items()}
     if rows:
@@ -500,13 +523,17 @@ def _tokens(report: Report, run: _Run) -> None:
     errors = g.attrs.get("errors_vs_seq") or []
     if errors:
         report.blocks.append(("table", errors))
-    modes = list(g.attrs.get("modes", []))
-    mode = "exact" if "exact" in modes else (modes[0] if modes else None)
-    if mode is not None and f"trace_{mode}" in g and "entropy" in g:
+    traced = [m for m in [g.attrs.get("main_mode"), "exact", *modes] if m and f"trace_{m}" in g]
+    if traced and "entropy" in g:
+        mode = traced[0]
         trace, entropy = g[f"trace_{mode}"][:], g["entropy"][:]
         valid = g["p_drawn"][:] > 0 if "p_drawn" in g else trace > 0
         if not np.any(trace[valid] > 0):
             return
+        if int(valid.sum()) >= 2:
+            rho = spearman(entropy[valid], trace[valid])
+            report.numbers["tokens"]["spearman_trace_entropy"] = _finite(rho)
+            report.blocks.append(("p", f"Spearman(per-position trace ({mode}), entropy) = {rho:.3g}"))
         report.plots["token_trace.png"] = plot_token_trace(entropy[valid], trace[valid], mode)
         report.blocks.append(("img", "token_trace.png", "Token Fisher trace against token entropy"))
 

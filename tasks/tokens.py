@@ -43,10 +43,12 @@ from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import (
     TokenBackward,
+    candidate_weights,
     check_exact_budget,
     default_mode,
+    response_policy,
     token_fisher,
-    token_scores,
+    token_score_squares,
 )
 from covgrad.topk import spearman
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
@@ -94,6 +96,11 @@ def batch_bounds(n: int) -> list[tuple[int, int]]:
 def mc_split(k: int) -> tuple[int, int]:
     """Draws of the two independent halves of a random mode: (ceil(k/2), floor(k/2))."""
     return (k + 1) // 2, k // 2
+
+
+def _square_sum(x: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
+    """Σ_n x[n]² (P,) float64 of a (B, P) tensor, squared in float64 in column blocks."""
+    return torch.cat([x[:, j : j + block].double().square().sum(0) for j in range(0, x.shape[1], block)])
 
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
@@ -172,30 +179,67 @@ def _batch(
     tb = cfg.tokens
     eng = TokenBackward(model, layout, ids, attn, pos)
 
-    def run(mode: str, k: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
+    def run(mode: str, k: int = 0, seed: int = 0, also: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         return token_fisher(
-            model, layout, ids, attn, pl, rl, mode, k, seed, tb.exact_budget, engine=eng, row_bytes=tb.row_bytes
+            model,
+            layout,
+            ids,
+            attn,
+            pl,
+            rl,
+            mode,
+            k,
+            seed,
+            tb.exact_budget,
+            engine=eng,
+            row_bytes=tb.row_bytes,
+            also=also,
         )
 
+    # sequence scores first, then freed: at real sizes each (B, P) block is large
+    seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target), position_ids=pos)  # (B, P)
+    seq_sq = _square_sum(seq)
+    # Σ_t s_t from the batched-cotangent engine: one row, the summed cotangent of the token scores
+    summed = eng.grads(score_logit_grad(eng.logits.detach(), ids, target)[None])[0]  # (B, P)
+    norm = torch.linalg.vector_norm(seq, dim=1).double()
+    diff = torch.linalg.vector_norm(summed.sub_(seq), dim=1).double()
+    del seq, summed
+    relerr = torch.where(norm > 0, diff / norm.clamp(min=torch.finfo(torch.float64).tiny), diff)
+
     outs: dict[str, dict[str, torch.Tensor]] = {}
+    tok_sq = None
+    if "exact" in modes:  # one pass over all V candidates serves exact, topk, mc and Σ_t s_t²
+        p, active, drawn = response_policy(eng, ids, pl, rl)
+        also = {"tok": torch.zeros_like(p).scatter_(-1, drawn[..., None], 1.0)}
+        if "topk" in modes:
+            also["topk"], covered = candidate_weights(p, active, "topk", k=tb.topk)
+        if "mc" in modes:
+            ka, kb = mc_split(tb.mc_samples)
+            seed = tb.seed * 1_000_003 + 2 * b
+            also["mc_a"] = candidate_weights(p, active, "mc", ka, seed)[0]
+            if kb:
+                also["mc_b"] = candidate_weights(p, active, "mc", kb, seed + 1)[0]
+        outs["exact"] = run("exact", also=also)
+        for name, out in outs["exact"].pop("also").items():
+            if name == "tok":
+                tok_sq = out["fisher_sum"]
+            else:
+                outs[name] = {**outs["exact"], **out, **({"covered_mass": covered} if name == "topk" else {})}
     for mode in modes:
-        if mode in HALVED:
+        if mode in HALVED and f"{mode}_a" not in outs:
             ka, kb = mc_split(draws(cfg, mode))
             base_seed = tb.seed * 1_000_003 + 2 * b + SEED_OFFSET[mode]
             outs[f"{mode}_a"] = run(mode, k=ka, seed=base_seed)
             if kb:
                 outs[f"{mode}_b"] = run(mode, k=kb, seed=base_seed + 1)
-        else:
+        elif mode not in HALVED and mode not in outs:
             outs[mode] = run(mode, k=draws(cfg, mode))
-    seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target), position_ids=pos).double()  # (B, P)
-    tok = token_scores(model, layout, ids, attn, pl, rl, engine=eng, row_bytes=tb.row_bytes).double()  # (B, T_b, P)
-    diff = torch.linalg.vector_norm(tok.sum(1) - seq, dim=1)
-    norm = torch.linalg.vector_norm(seq, dim=1)
-    relerr = torch.where(norm > 0, diff / norm.clamp(min=torch.finfo(torch.float64).tiny), diff)
+    if tok_sq is None:  # no exact pass: the token scores' squares, T rows
+        tok_sq = token_score_squares(eng, ids, pl, rl, tb.row_bytes)
 
     rows = {name: out["fisher_sum"] for name, out in outs.items()}
-    rows["seq_sq"] = seq.square().sum(0)
-    rows["tok_sq"] = tok.square().sum((0, 1))
+    rows["seq_sq"] = seq_sq
+    rows["tok_sq"] = tok_sq
     first = next(iter(outs.values()))
     positions = {
         "entropy": first["entropy"],

@@ -104,7 +104,8 @@ def test_matches_one_batch_recomputation(run):
     tok = token_scores(model, layout, ids, attn, pl, rl)
     np.testing.assert_allclose(g["fisher_seq"][:], seq.double().square().mean(0).numpy(), rtol=1e-5, atol=1e-12)
     expected = cross_term_ratio(seq, tok.double().square().sum(1))
-    assert g.attrs["scalars"]["cross_term_ratio"] == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    # the ratio is a difference of float32 per-sample squares over ‖mean s²‖: resolved to ~1e-7 absolute
+    assert g.attrs["scalars"]["cross_term_ratio"] == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
 
 @pytest.mark.slow
