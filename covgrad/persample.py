@@ -108,6 +108,39 @@ def score_logit_grad(
     return dlogits
 
 
+Binding = tuple[nn.Module, Rule, dict[str, TensorEntry]]
+
+
+def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
+    """Every module owning selected parameters, with its per-sample rule and its selected parameters
+    (local name → layout entry), in ``named_modules`` order.
+
+    Raises:
+        ValueError: when a selected parameter is not in the model, or is owned by a module without a
+            per-sample rule (the message names the parameter and the module type).
+    """
+    params = dict(model.named_parameters())
+    missing = [name for name in layout.names if name not in params]
+    if missing:
+        raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
+    by_id = {id(params[e.name]): e for e in layout.entries}
+    bindings: list[Binding] = []
+    for module_name, module in model.named_modules():
+        local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
+        if not local:
+            continue
+        found = rule_for(module)
+        uncovered = [pn for pn in local if isinstance(found, str) or pn not in found[1]]
+        if uncovered:
+            reason = found if isinstance(found, str) else f"its rule covers only {sorted(found[1])}"
+            raise ValueError(
+                f"no per-sample rule for parameter {local[uncovered[0]].name!r} (as {module_name}."
+                f"{uncovered[0]}, in a {type(module).__name__}); {reason}"
+            )
+        bindings.append((module, found[0], local))
+    return bindings
+
+
 class PerSampleGrads:
     """Every sample's gradient of its own objective, flat in a layout's order, from one batched pass.
 
@@ -126,28 +159,11 @@ class PerSampleGrads:
 
     def __init__(self, model: nn.Module, layout: ParamLayout, check: bool = True) -> None:
         params = dict(model.named_parameters())
-        missing = [name for name in layout.names if name not in params]
-        if missing:
-            raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
-        by_id = {id(params[e.name]): e for e in layout.entries}
         self.model = model
         self.layout = layout
         self.check = check
+        self._bindings = bind_rules(model, layout)
         self._params = [params[e.name] for e in layout.entries]
-        self._bindings: list[tuple[nn.Module, Rule, dict[str, TensorEntry]]] = []
-        for module_name, module in model.named_modules():
-            local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
-            if not local:
-                continue
-            found = rule_for(module)
-            uncovered = [pn for pn in local if isinstance(found, str) or pn not in found[1]]
-            if uncovered:
-                reason = found if isinstance(found, str) else f"its rule covers only {sorted(found[1])}"
-                raise ValueError(
-                    f"no per-sample rule for parameter {local[uncovered[0]].name!r} (as {module_name}."
-                    f"{uncovered[0]}, in a {type(module).__name__}); {reason}"
-                )
-            self._bindings.append((module, found[0], local))
         # Modules run on a flattened (B·L, …) batch by a verified parent (OPT layers, MoE blocks).
         flattening = [m for m in model.modules() if type(m) in FLATTENING_PARENTS]
         self._flat_ok = {id(m) for parent in flattening for m in parent.modules()}

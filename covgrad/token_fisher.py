@@ -57,7 +57,8 @@ import torch
 from torch import Tensor, nn
 
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.rules import Rule, rule_for
+from covgrad.persample import PerSampleGrads, bind_rules
+from covgrad.rules import FLATTENING_PARENTS, Rule
 
 Mode = Literal["exact", "topk", "mc", "probe", "probe_seq"]
 MODES: tuple[str, ...] = ("exact", "topk", "mc", "probe", "probe_seq")
@@ -120,24 +121,7 @@ class TokenBackward:
         if training:
             raise ValueError(f"model must be in eval mode (dropout off); {training[0] or 'the model'} is training")
         params = dict(model.named_parameters())
-        missing = [name for name in layout.names if name not in params]
-        if missing:
-            raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
-        by_id = {id(params[e.name]): e for e in layout.entries}
-        bindings: list[tuple[nn.Module, Rule, dict[str, TensorEntry]]] = []
-        for module_name, module in model.named_modules():
-            local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
-            if not local:
-                continue
-            found = rule_for(module)
-            uncovered = [pn for pn in local if isinstance(found, str) or pn not in found[1]]
-            if uncovered:
-                reason = found if isinstance(found, str) else f"its rule covers only {sorted(found[1])}"
-                raise ValueError(
-                    f"no per-sample rule for parameter {local[uncovered[0]].name!r} (as {module_name}."
-                    f"{uncovered[0]}, in a {type(module).__name__}); {reason}"
-                )
-            bindings.append((module, found[0], local))
+        bindings = bind_rules(model, layout)
         self.layout = layout
         self.B, self.L = input_ids.shape
         if position_ids is None:
@@ -147,6 +131,16 @@ class TokenBackward:
         self._calls: list[tuple[nn.Module, Rule, dict[str, TensorEntry], Tensor]] = []
         outputs: list[Tensor] = []
         head_io: list[tuple[Tensor, Tensor]] = []
+        # Rules that read the whole module call (the generic torch.func rule, MoE experts) and modules run
+        # on a flattened (B·L, …) batch go through PerSampleGrads on the batch repeated R times instead.
+        self._repeat: PerSampleGrads | None = None
+        if any(getattr(rule, "needs_call", False) for _, rule, _ in bindings) or any(
+            type(m) in FLATTENING_PARENTS for m in model.modules()
+        ):
+            self._repeat = PerSampleGrads(model, layout, check=False)
+            self._inputs = (input_ids, attention_mask, position_ids)
+            bindings = []
+            closed_form_head = False
 
         def hooked(rule: Rule, local: dict[str, TensorEntry]) -> Callable:
             def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
@@ -170,7 +164,7 @@ class TokenBackward:
         try:
             for p, _ in flags:
                 p.requires_grad_(False)
-            with torch.enable_grad():
+            with torch.set_grad_enabled(self._repeat is None):
                 logits = model(
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
                 ).logits
@@ -203,7 +197,8 @@ class TokenBackward:
 
     def rows_per_block(self, budget_bytes: int = DEFAULT_ROW_BYTES) -> int:
         """Cotangent rows per ``grads`` call that keep its memory near ``budget_bytes`` (at least 1)."""
-        act = sum(o.numel() for o in self._outputs) + self.logits.numel()  # gradient elements per row
+        # gradient elements per row; the repeated-batch path holds a forward's activations per row instead
+        act = sum(o.numel() for o in self._outputs) + self.logits.numel() * (8 if self._repeat else 1)
         per_row = 4 * (2 * act + 2 * self.B * self.layout.P)
         return max(1, budget_bytes // per_row)
 
@@ -221,6 +216,10 @@ class TokenBackward:
         R = cot.shape[0]
         if cot.shape[1:] != self.logits.shape:
             raise ValueError(f"cot must have shape (R, *{tuple(self.logits.shape)}); got {tuple(cot.shape)}")
+        if self._repeat is not None:
+            ids, attn, pos = (t.repeat(R, 1) for t in self._inputs)  # row r·B + n is sample n
+            rows = cot.reshape(R * self.B, *self.logits.shape[1:])
+            return self._repeat(ids, attn, lambda z: rows, position_ids=pos).view(R, self.B, self.layout.P)
         out = torch.empty(R * self.B, self.layout.P, dtype=torch.float32, device=self.logits.device)
         written: set[str] = set()
         skip = None if head or self.head_entry is None else self.head_entry.name
