@@ -130,15 +130,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.root:
         overrides.append(f"root={args.root}")
     cfg = load_config(args.config, overrides)  # yaml + pydantic only: a typo is reported at once
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop_children)
-    from tasks.preflight import preflight
+    previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        from tasks.preflight import preflight
 
-    preflight(cfg)
-    from flows.pipeline import covgrad_pipeline
+        preflight(cfg)
+        from flows.pipeline import covgrad_pipeline
 
-    route_errors_to_log()
-    result = covgrad_pipeline(cfg)
+        route_errors_to_log()
+        result = covgrad_pipeline(cfg)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     _print_summary(cfg, result)
     return 0
 
@@ -333,19 +336,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_diff)
     args = parser.parse_args(argv)
+    # As the process's entry point (the console script, argv None) covgrad stops the temporary server
+    # before its last line; called in-process (tests, notebooks) the server belongs to the caller.
+    entry = argv is None
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:
-        return fail(exc, 2)
+        return fail(exc, 2, entry)
     except Exception as exc:  # a bug: still one line, the traceback in the log
-        return fail(exc, 1)
+        return fail(exc, 1, entry)
 
 
-def fail(exc: BaseException, status: int) -> int:
-    """Write the traceback to the log file and one line naming the cause to stderr; return ``status``."""
+def fail(exc: BaseException, status: int, stop_server: bool = True) -> int:
+    """Write the traceback to the log file and one line naming the cause to stderr; return ``status``.
+    With ``stop_server`` the temporary Prefect server this process started is stopped first."""
     from covgrad.config import format_validation_error
 
-    stop_prefect_server()
+    if stop_server:
+        stop_prefect_server()
     path = log_path()
     with open(path, "a") as f:
         f.write("".join(traceback.format_exception(exc)))
