@@ -1,14 +1,12 @@
 """stats stage: Fisher, covariance, alignment, the bound and the cross-fit, reduced with dask.
 
 Reads the scores store lazily: per-sample rows when they were kept (exact float64 moments of the
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported below, as a finding
-        stats = compute_stats(full)
-        cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
-        summary = tensor_summary(stats, layout)
-    rho = stats["rho"]
-    max_abs_rho = da.nanmax(da.where(da.isfinite(rho), abs(rho), np.nan)) if layout.P else da.asarray(np.nan)
-    any_score = (da.asarray(stats["F"]) > 0).any()
+stored float32 scores), else the moment-state rows (two per shard), in blocks along ``param``, and
+writes the (param,) outputs block by block, so memory is bounded by the block size, not P. Runs on
+dask's threaded scheduler, or on the dask.distributed scheduler at ``dask.address``. Store
+``stats.zarr``: (param,) float64 arrays m, F, Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries
+over dim ``tensor``; scalars in attrs, and ``degenerate``: why the run has no finding about G
+(std(A) = 0, no scored tokens), else None.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from tasks.scores import STORE as SCORES
 
 STORE = "stats.zarr"
 PARAM_STATS = ("m", "F", "Fvar", "G", "Cov", "rho")
-SCALARS = ("N", "mean_A", "std_A", "rho_undefined", "bound_violations", "zero_mean_trace", "zero_mean_coord")
 
 
 @contextlib.contextmanager
@@ -50,19 +47,21 @@ def dask_scheduler(address: str | None) -> Iterator[None]:
             yield
 
 
-def load_moments(sc: Any) -> tuple[Moments, Moments, Moments]:
-    """All moments and the two prompt-group-parity halves, lazily, from a scores group."""
+def load_moments(sc: Any, cols: slice = slice(None)) -> tuple[Moments, Moments, Moments]:
+    """All moments and the two prompt-group-parity halves of the parameters ``cols``, lazily, from a
+    scores group."""
     if "scores" in sc:
-        S = da.from_zarr(sc["scores"])
+        S = da.from_zarr(sc["scores"])[:, cols]
         A = sc["advantage"][:]
         parity = sc["group"][:] % 2
         rows = S.chunks[0][0]
         halves = [sample_moments(S[parity == h], A[parity == h], block_rows=rows) for h in (0, 1)]
         return sample_moments(S, A, block_rows=rows), halves[0], halves[1]
     count = sc["count"][:]
-    arrays = {n: da.from_zarr(sc[n]) for n in ("mean_s", "m2_s", "c_as")}
+    arrays = {n: da.from_zarr(sc[n])[:, cols] for n in ("mean_s", "m2_s", "c_as")}
     if "mean_s_lo" in sc:  # float32 state: the mean is an unevaluated pair hi + lo
-        arrays["mean_s"] = arrays["mean_s"].astype(np.float64) + da.from_zarr(sc["mean_s_lo"]).astype(np.float64)
+        lo = da.from_zarr(sc["mean_s_lo"])[:, cols]
+        arrays["mean_s"] = arrays["mean_s"].astype(np.float64) + lo.astype(np.float64)
     scal = {n: sc[n][:] for n in ("mean_a", "m2_a")}
 
     def pick(sel: np.ndarray) -> Moments:
@@ -88,50 +87,69 @@ def degenerate(any_score: bool, std_A: float) -> str | None:
 def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:
     sc = store.open_group(up, SCORES, mode="r")
     layout = ParamLayout.from_records(sc.attrs["tensors"])
-    full, even, odd = load_moments(sc)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported below, as a finding
-        stats = compute_stats(full)
-        cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
-        summary = tensor_summary(stats, layout)
-    rho = stats["rho"]
-    max_abs_rho = da.nanmax(da.where(da.isfinite(rho), abs(rho), np.nan)) if layout.P else da.asarray(np.nan)
-    any_score = (da.asarray(stats["F"]) > 0).any()
+    P = layout.P
     g = store.open_group(ref, STORE, mode="w")
-    chunk = max(1, min(layout.P, 65536))
-    columns = {name: stats[name] for name in PARAM_STATS} | {"crossfit_ratio": cross[0]["ratio"]}
-    targets = [
-        g.create_array(name, shape=(layout.P,), chunks=(chunk,), dtype="float64", dimension_names=["param"])
-        for name in columns
-    ]
-    # (param,) arrays go to the store chunk by chunk (memory bounded by the chunk size, not P); the
-    # scalars and per-tensor sums come out of the same pass over the moment rows.
-    sources = [da.asarray(x, dtype=np.float64).rechunk(chunk) for x in columns.values()]
+    chunk = max(1, min(P, 65536))
+    outputs = (*PARAM_STATS, "crossfit_ratio")
+    for name in outputs:
+        g.create_array(name, shape=(P,), chunks=(chunk,), dtype="float64", dimension_names=["param"])
+    # Parameter blocks of whole chunks, one after the other: memory is bounded by the block, not P. The
+    # (param,) statistics are elementwise in the parameter, so blocks give exactly the whole-P values;
+    # the scalars are sums, counts and maxima over blocks.
+    block = chunk * 64
+    totals = {"bound_violations": 0, "m2_sum": 0.0, "fvar_sum": 0.0, "coord_sum": 0.0, "coord_n": 0, "max_rho": -1.0}
+    cross_counts = [{"n_exceed": 0, "n_finite": 0} for _ in range(2)]
+    first: dict[str, Any] = {}
+    any_score = False
     with dask_scheduler(cfg.dask.address), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # reported below as a finding, not from inside dask
-        small = {k: stats[k] for k in SCALARS}
-        crossed = [{k: c[k] for k in ("n_exceed", "n_finite", "frac_exceed")} for c in cross]
-        stored = da.store(sources, targets, lock=False, compute=False)
-        computed = dask.compute(stored, small, crossed, summary, max_abs_rho, any_score)
-        _, small, crossed, summary, max_abs_rho, any_score = computed
-    finding = degenerate(bool(any_score), float(small["std_A"]))
+        warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported below, as a finding
+        for j in range(0, max(P, 1), block):
+            cols = slice(j, min(P, j + block))
+            full, even, odd = load_moments(sc, cols)
+            lazy = (compute_stats(full), crossfit_stats(even, odd), crossfit_stats(odd, even))
+            stats, *cross = dask.compute(*lazy)
+            for name in PARAM_STATS:
+                g[name][cols] = np.asarray(stats[name], dtype=np.float64)
+            g["crossfit_ratio"][cols] = np.asarray(cross[0]["ratio"], dtype=np.float64)
+            first = first or stats
+            m, Fvar, rho = (np.asarray(stats[k]) for k in ("m", "Fvar", "rho"))
+            varies = Fvar > 0
+            any_score = any_score or bool((np.asarray(stats["F"]) > 0).any())
+            totals["bound_violations"] += int(stats["bound_violations"])
+            totals["m2_sum"] += float((m * m).sum())
+            totals["fvar_sum"] += float(Fvar.sum())
+            totals["coord_sum"] += float((m[varies] ** 2 / Fvar[varies]).sum())
+            totals["coord_n"] += int(varies.sum())
+            finite = np.abs(rho[np.isfinite(rho)])
+            totals["max_rho"] = max(totals["max_rho"], float(finite.max()) if finite.size else -1.0)
+            for c, counts in zip(cross, cross_counts, strict=True):
+                counts["n_exceed"] += int(c["n_exceed"])
+                counts["n_finite"] += int(c["n_finite"])
+        stored = {k: da.from_zarr(g[k]) for k in ("F", "Fvar", "G", "rho")}
+        (summary,) = dask.compute(tensor_summary(stored, layout))
+    N = float(first["N"])
+    finding = degenerate(any_score, float(first["std_A"]))
     if finding:
         log.warning("stats %s: %s", ref.key, finding)
+    scalars: dict[str, Any] = {k: np.asarray(first[k]).item() for k in ("N", "mean_A", "std_A", "rho_undefined")}
+    scalars["bound_violations"] = totals["bound_violations"]
+    nan = float("nan")
+    scalars["zero_mean_trace"] = N * totals["m2_sum"] / totals["fvar_sum"] if totals["fvar_sum"] > 0 else nan
+    scalars["zero_mean_coord"] = N * totals["coord_sum"] / totals["coord_n"] if totals["coord_n"] else nan
     summary = {k: np.asarray(v) for k, v in summary.items()}
     for name, values in summary.items():
         g.create_array(f"tensor_{name}", data=values, dimension_names=["tensor"])
     names = g.create_array("tensor_name", shape=(len(layout.entries),), dtype=str, dimension_names=["tensor"])
     names[:] = np.asarray([e.name for e in layout.entries])
     g.create_array("tensor_offset", data=np.asarray([e.offset for e in layout.entries]), dimension_names=["tensor"])
-    scalars = {k: np.asarray(small[k]).item() for k in SCALARS}
-    scalars["max_abs_rho"] = float(max_abs_rho)
-    scalars["P"] = layout.P
-    scalars["kl_sampler_policy_per_token"] = sc.attrs.get("kl_sampler_policy_per_token", float("nan"))
-    for i, c in enumerate(crossed):
+    scalars["max_abs_rho"] = totals["max_rho"] if totals["max_rho"] >= 0 else nan
+    scalars["P"] = P
+    scalars["kl_sampler_policy_per_token"] = sc.attrs.get("kl_sampler_policy_per_token", nan)
+    for i, c in enumerate(cross_counts):
         tag = "even_F_odd_G" if i == 0 else "odd_F_even_G"
-        scalars[f"crossfit_{tag}_n_exceed"] = int(c["n_exceed"])
-        scalars[f"crossfit_{tag}_n_finite"] = int(c["n_finite"])
-        scalars[f"crossfit_{tag}_frac_exceed"] = float(c["frac_exceed"])
+        scalars[f"crossfit_{tag}_n_exceed"] = c["n_exceed"]
+        scalars[f"crossfit_{tag}_n_finite"] = c["n_finite"]
+        scalars[f"crossfit_{tag}_frac_exceed"] = c["n_exceed"] / c["n_finite"] if c["n_finite"] else nan
     g.attrs.update(
         {
             "scalars": scalars,
