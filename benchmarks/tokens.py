@@ -131,8 +131,8 @@ def former_batch(model: nn.Module, layout: ParamLayout, psg: PerSampleGrads, ro:
     psg(ids, attn, lambda z: score_logit_grad(z, ids, target))
 
 
-def timed(fns: dict[str, Callable[[], Any]], reps: int, floor: str) -> dict[str, tuple[float, float]]:
-    """name -> (median seconds, median ratio to ``floor``) over interleaved repetitions after one warm-up."""
+def timed(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """name -> seconds per repetition, in interleaved repetitions after one warm-up."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -141,19 +141,19 @@ def timed(fns: dict[str, Callable[[], Any]], reps: int, floor: str) -> dict[str,
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {
-        name: (
-            statistics.median(ts),
-            statistics.median(t / f for t, f in zip(ts, times[floor], strict=True)),
-        )
-        for name, ts in times.items()
-    }
+    return times
 
 
-def print_table(title: str, res: dict[str, tuple[float, float]]) -> None:
+def paired(a: list[float], b: list[float]) -> float:
+    """Median over repetitions of a / b in the same repetition."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def print_table(title: str, times: dict[str, list[float]]) -> None:
+    floor = next(iter(times.values()))
     print(f"\n## {title}\n\n| method | median s | ratio to scores batch |\n|---|---|---|")
-    for name, (med, ratio) in res.items():
-        print(f"| {name} | {med:.3f} | {ratio:.2f} |")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.3f} | {paired(ts, floor):.2f} |")
 
 
 def stage_cfg(modes: list[str] | None, **tokens: Any) -> PipelineConfig:
@@ -187,13 +187,15 @@ def demo(reps: int) -> None:
         f"tokens batch, batched cotangents ({', '.join(former_modes)})": stage(former_modes),
         f"tokens batch, batched cotangents, default ({', '.join(default)})": stage(default),
     }
-    res = timed(fns, reps, next(iter(fns)))
+    res = timed(fns, reps)
     print_table(
         f"demo: V = {V}, P = {layout.P:,}, B = {B}, prompt 8 + response <= {T}, topk 6, mc 8, probes 8, {reps} reps",
         res,
     )
     names = list(res)
-    print(f"\nformer / batched (same modes): {res[names[1]][0] / res[names[2]][0]:.1f}x")
+    print(
+        f"\nformer / batched, same modes (median of per-repetition ratios): {paired(res[names[1]], res[names[2]]):.1f}x"
+    )
 
 
 def equal_cost(k: int, seeds: int) -> None:
@@ -246,7 +248,7 @@ def smollm(reps: int, rows: int, prompt: int, response: int) -> None:
             model, layout, psg, cfg, ro, 0, B, 0, modes, head, torch.device("cpu")
         ),
     }
-    res = timed(fns, reps, next(iter(fns)))
+    res = timed(fns, reps)
     print_table(
         f"SmolLM2-135M-shaped (tied, V = {V}), P = {layout.P:,}, B = {B}, prompt {prompt} + response <= {T}, "
         f"{reps} reps; per-sample rows {B * layout.P * 4 / 2**30:.2f} GiB",

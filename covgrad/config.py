@@ -156,7 +156,10 @@ class TokensSection(Section):
 
     ``modes`` unset picks by vocabulary: exact, topk, mc and probe side by side when exact's T·V
     cotangent rows per sample fit ``exact_budget`` (T = the sampler's max_new_tokens), else probe
-    alone. Listing ``exact`` above the budget is an error naming the modes that fit.
+    alone. Listing ``exact`` above the budget is an error naming the modes that fit. ``topk``,
+    ``mc_samples`` and ``probes``: candidates, draws and Rademacher probes per position (per sequence for
+    probe_seq); ``row_bytes``: memory aimed at per block of cotangent rows (larger blocks batch the
+    backward with vmap, which suits a GPU; on a CPU one row per block was fastest).
     """
 
     enabled: bool = True

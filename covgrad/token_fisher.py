@@ -213,14 +213,26 @@ class TokenBackward:
         Returns:
             shape (R, B, P) float32; [r, n] is ∇θ of row r's objective restricted to sample n.
         """
+        blocks = self.grad_blocks(cot, head)
+        return torch.cat(blocks, dim=1).view(cot.shape[0], self.B, self.layout.P)
+
+    def grad_blocks(self, cot: Tensor, head: bool = True) -> list[Tensor]:
+        """``grads`` as one contiguous (R·B, numel) float32 block per layout entry, in layout order (no copy:
+        the rules write each block in place, which a strided column slice of an (R·B, P) matrix would not allow).
+        """
         R = cot.shape[0]
         if cot.shape[1:] != self.logits.shape:
             raise ValueError(f"cot must have shape (R, *{tuple(self.logits.shape)}); got {tuple(cot.shape)}")
+        RB = R * self.B
         if self._repeat is not None:
             ids, attn, pos = (t.repeat(R, 1) for t in self._inputs)  # row r·B + n is sample n
-            rows = cot.reshape(R * self.B, *self.logits.shape[1:])
-            return self._repeat(ids, attn, lambda z: rows, position_ids=pos).view(R, self.B, self.layout.P)
-        out = torch.empty(R * self.B, self.layout.P, dtype=torch.float32, device=self.logits.device)
+            rows = cot.reshape(RB, *self.logits.shape[1:])
+            out = self._repeat(ids, attn, lambda z: rows, position_ids=pos)  # (R·B, P)
+            return [out[:, e.offset : e.offset + e.numel].contiguous() for e in self.layout.entries]
+        flat = torch.empty(RB * self.layout.P, dtype=torch.float32, device=self.logits.device)
+        blocks = {
+            e.name: flat[RB * e.offset : RB * (e.offset + e.numel)].view(RB, e.numel) for e in self.layout.entries
+        }
         written: set[str] = set()
         skip = None if head or self.head_entry is None else self.head_entry.name
         if R == 1:  # a plain backward: no vmap, whose fallback loops over ops without a batching rule
@@ -247,15 +259,14 @@ class TokenBackward:
                     return None
                 first = entry.name not in written
                 written.add(entry.name)
-                view = out[:, entry.offset : entry.offset + entry.numel]
-                return view.view(R * self.B, *entry.shape), first
+                return blocks[entry.name].view(RB, *entry.shape), first
 
-            xr = x.expand(R, *x.shape).reshape(R * self.B, *x.shape[1:])
-            rule(module, xr, g.reshape(R * self.B, *g.shape[2:]), slot)
+            xr = x.expand(R, *x.shape).reshape(RB, *x.shape[1:])
+            rule(module, xr, g.reshape(RB, *g.shape[2:]), slot)
         for e in self.layout.entries:
             if e.name not in written:
-                out[:, e.offset : e.offset + e.numel].zero_()
-        return out.view(R, self.B, self.layout.P)
+                blocks[e.name].zero_()
+        return list(blocks.values())
 
 
 def _check_rows(
@@ -335,16 +346,23 @@ def _blocks(n: int, size: int) -> Iterator[slice]:
         yield slice(lo, min(lo + size, n))
 
 
-def _accumulate(rows: Tensor, w: Tensor, fisher: Tensor) -> Tensor:
-    """fisher (n, P) += Σ_{r,b} w[r, b, i] rows[r, b]² for each estimator i; returns the squared norms (R, B).
+def _accumulate(blocks: list[Tensor], w: Tensor, fisher: Tensor) -> Tensor:
+    """fisher (n, P) += Σ_{r,b} w[r, b, i] g[r, b]² for each estimator i; returns the squared norms (R, B).
 
-    ``rows`` (R, B, P) float32 is squared in place; ``w`` (R, B, n) float64. The weighted sums over the R·B
-    rows are one float32 matrix product added to the float64 ``fisher`` (its rounding is ~1e-7 relative).
+    ``blocks``: :meth:`TokenBackward.grad_blocks`, squared in place; ``w`` (R, B, n) float64. Per block the
+    weighted sum over the R·B rows is one float32 matrix product added to the float64 ``fisher`` (its
+    rounding is ~1e-7 relative).
     """
-    R, B, P = rows.shape
-    sq = rows.view(R * B, P).square_()
-    fisher.add_((sq.t() @ w.reshape(R * B, -1).to(sq.dtype)).t())  # float32 (n, P) added in float64, no copy
-    return sq.sum(-1).double().view(R, B)
+    R, B, n = w.shape
+    wf = w.reshape(R * B, n).to(torch.float32)
+    norms = torch.zeros(R * B, dtype=torch.float64, device=w.device)
+    offset = 0
+    for blk in blocks:
+        sq = blk.square_()  # (R·B, numel)
+        fisher[:, offset : offset + sq.shape[1]].add_((sq.t() @ wf).t())
+        norms += sq.sum(-1)
+        offset += sq.shape[1]
+    return norms.view(R, B)
 
 
 def _candidate_pass(
@@ -373,7 +391,7 @@ def _candidate_pass(
         cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
         cot[rr, bb, cols[:, jr].T] = val
         w = weight[:, :, jr, cr].permute(2, 1, 0)  # (R, B, n)
-        norms = _accumulate(eng.grads(cot, head=False), w, fisher)
+        norms = _accumulate(eng.grad_blocks(cot, head=False), w, fisher)
         for i in range(n):
             trace[i].index_add_(1, jr, (w[..., i] * norms).T)
     return fisher, trace
@@ -535,7 +553,7 @@ def token_fisher(
                 cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
                 cot[rr, bb, cols[:, jr].T] = u.float()
                 w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
-                norms = _accumulate(eng.grads(cot, head=False), w[..., None], fisher[None])
+                norms = _accumulate(eng.grad_blocks(cot, head=False), w[..., None], fisher[None])
                 trace.index_add_(1, jr, (w * norms).T)
         else:
             bt = torch.arange(B, device=dev)[:, None].expand(B, T)
@@ -545,7 +563,7 @@ def token_fisher(
                 cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
                 cot[:, bt, cols] = u.float()
                 w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
-                _accumulate(eng.grads(cot, head=False), w[..., None], fisher[None])
+                _accumulate(eng.grad_blocks(cot, head=False), w[..., None], fisher[None])
         a = p * (1 - p) * active[..., None]
     _head_closed_form(eng, cols, a, fisher, trace)
     if mode == "probe_seq":

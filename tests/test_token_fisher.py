@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads
@@ -245,16 +245,24 @@ def _per_candidate_loop(model, layout, input_ids, attention_mask, mode, k=0, see
                 d[rows, cols[:, j]] = g
                 return d
 
-            sq = psg(input_ids, attention_mask, onehot).double().square()
+            pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+            sq = psg(input_ids, attention_mask, onehot, position_ids=pos).double().square()
             fisher += (weight[:, j, c] * active[:, j]) @ sq
     return fisher
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_batched_cotangents_equal_the_per_candidate_loop(tied):
+def _tiny_gpt2() -> GPT2LMHeadModel:
+    """GPT-2 (Conv1D, LayerNorm, absolute positions, tied head) with dropout off."""
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0, embd_pdrop=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama-untied", "llama-tied", "gpt2"])
+def test_batched_cotangents_equal_the_per_candidate_loop(arch):
     """One forward + batched cotangent rows (small blocks, so several backward calls) = the former loop."""
     torch.set_num_threads(1)
-    model = _tiny_llama(tied, seed=13)
+    model = _tiny_gpt2() if arch == "gpt2" else _tiny_llama(arch == "llama-tied", seed=13)
     layout = select_parameters(model)
     input_ids, attention_mask = _batch(seed=17)
     args = (model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN)
