@@ -21,14 +21,14 @@ that is incomplete and whose writer lock nobody holds belongs to a dead run.
 from __future__ import annotations
 
 import logging
-import os
-import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 from prefect.exceptions import MissingContextError
@@ -37,7 +37,6 @@ from prefect.locking.memory import MemoryLockManager
 from prefect.logging import get_run_logger
 from prefect.transactions import IsolationLevel
 from pydantic import BaseModel
-from tqdm.auto import tqdm
 
 from storage.artifacts import ArtifactRef, ArtifactStore
 
@@ -144,11 +143,41 @@ def run_stage(
             return StageResult(ref=ref, computed=False)
         t0 = time.perf_counter()
         claim = store.begin(ref, config, resume=resumable)
-        extra = compute(store, ref) or {}
-        store.complete(ref, claim, {"seconds": round(time.perf_counter() - t0, 3), **extra})
+        with PeakRSS() as rss:
+            extra = compute(store, ref) or {}
+        timing = {"seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": rss.peak}
+        store.complete(ref, claim, {**timing, **extra})
     seconds = time.perf_counter() - t0
-    log.info("%s %s: computed in %.1f s", ref.stage, ref.key, seconds)
+    log.info("%s %s: computed in %.1f s, peak resident memory %.2f GiB", ref.stage, ref.key, seconds, rss.peak / 2**30)
     return StageResult(ref=ref, computed=True, seconds=seconds)
+
+
+class PeakRSS:
+    """Context manager: the largest resident set size (bytes) of this process while the block runs,
+    sampled every ``interval`` seconds by a daemon thread (``peak`` after exit). Work done in other
+    processes (dask workers at ``dask.address``) is not included."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
 
 
 def progress_bar(stage: str, total: int, unit: str = "batch") -> tqdm:
