@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from transformers.integrations.moe import _default_apply_gate
 from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -36,8 +35,14 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts, Qwen3MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 from transformers.pytorch_utils import Conv1D
+
+try:  # fused expert tensors arrived with transformers 5; older versions keep one Linear per expert
+    from transformers.integrations.moe import _default_apply_gate
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+except ImportError:
+    _default_apply_gate = Qwen3MoeExperts = None
 
 # A rule's view of one parameter: (B, *param.shape) float32 slice of the output, and whether this is
 # the first contribution in the call (write) or a later one from a tied module (accumulate).
@@ -216,7 +221,8 @@ def _fused_experts_ok(module: nn.Module) -> bool:
     OLMoE, Qwen2-MoE): gate_up_proj (E, 2I, H) concatenated [gate; up], down_proj (E, H, I), no biases."""
     cls = type(module)
     return (
-        _source_key(cls.forward) == _source_key(Qwen3MoeExperts.forward)
+        Qwen3MoeExperts is not None
+        and _source_key(cls.forward) == _source_key(Qwen3MoeExperts.forward)
         and getattr(cls, "_apply_gate", None) is _default_apply_gate
         and getattr(module, "is_concatenated", False)
         and getattr(module, "has_gate", False)
