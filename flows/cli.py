@@ -60,8 +60,8 @@ class _NoFailures(logging.Filter):
 
 
 def stop_prefect_server() -> None:
-    """Stop the temporary Prefect server this process started, if any (so its shutdown message comes
-    before covgrad's last line)."""
+    """Stop the temporary Prefect server ``covgrad run`` started, if any, after sending it the queued
+    logs and events (so its shutdown message comes before covgrad's last line)."""
     module = sys.modules.get("prefect.server.api.server")
     if module is None or not module.SubprocessASGIServer._instances:
         return
@@ -138,7 +138,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import covgrad_pipeline
 
     route_errors_to_log()
-    result = covgrad_pipeline(cfg)
+    try:
+        result = covgrad_pipeline(cfg)
+    except Exception:
+        stop_prefect_server()  # before the one error line, so nothing is printed after it
+        raise
     _print_summary(cfg, result)
     return 0
 
@@ -345,7 +349,6 @@ def fail(exc: BaseException, status: int) -> int:
     """Write the traceback to the log file and one line naming the cause to stderr; return ``status``."""
     from covgrad.config import format_validation_error
 
-    stop_prefect_server()
     path = log_path()
     with open(path, "a") as f:
         f.write("".join(traceback.format_exception(exc)))
