@@ -60,8 +60,8 @@ class _NoFailures(logging.Filter):
 
 
 def stop_prefect_server() -> None:
-    """Stop the temporary Prefect server this process started, if any (so its shutdown message comes
-    before covgrad's last line)."""
+    """Stop the temporary Prefect server ``covgrad run`` started, if any, after sending it the queued
+    logs and events (so its shutdown message comes before covgrad's last line)."""
     module = sys.modules.get("prefect.server.api.server")
     if module is None or not module.SubprocessASGIServer._instances:
         return

@@ -21,6 +21,8 @@ that is incomplete and whose writer lock nobody holds belongs to a dead run.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from prefect.locking.memory import MemoryLockManager
 from prefect.logging import get_run_logger
 from prefect.transactions import IsolationLevel
 from pydantic import BaseModel
+from tqdm.auto import tqdm
 
 from storage.artifacts import ArtifactRef, ArtifactStore
 
