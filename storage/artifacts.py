@@ -230,13 +230,7 @@ class ArtifactStore:
             data = self.fs.cat_file(self.path(ref, rel))
             files[rel] = {"size": len(data), "crc32c": crc32c(data), "mtime_ns": self._mtime_ns(ref, rel)}
         text = json.dumps({"algorithm": "crc32c", "files": files}, sort_keys=True)
-        target = self.path(ref, MANIFEST)
-        if self.local:
-            tmp = Path(target + ".partial")
-            tmp.write_text(text)
-            tmp.replace(target)
-        else:
-            self.fs.pipe_file(target, text.encode())
+        self._write_text(self.path(ref, MANIFEST), text)
         return {
             "files": len(files),
             "bytes": sum(f["size"] for f in files.values()),
@@ -398,9 +392,13 @@ class ArtifactStore:
     # ----- files -------------------------------------------------------------------------------
     def write_json(self, ref: ArtifactRef, name: str, obj: Any) -> None:
         """Write JSON atomically on local disks (temp file + rename); object stores put whole objects."""
-        text = json.dumps(obj, indent=1, sort_keys=True, default=str)
         target = self.path(ref, name)
         self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        self._write_text(target, json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+    def _write_text(self, target: str, text: str) -> None:
+        """Write ``text`` to ``target`` atomically on local disks (temp file + rename); object stores put
+        whole objects."""
         if self.local:
             tmp = Path(target + ".partial")
             tmp.write_text(text)

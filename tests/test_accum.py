@@ -6,13 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
-from tests.test_persample import BATCH, MODELS, llama, make_batch, naive_scores
+from tests.test_persample import BATCH, MODELS, doubled_up_proj, llama, make_batch, naive_scores
 
 TOL = {"float64": 1e-9, "float32": 1e-5}
 
@@ -168,12 +166,7 @@ def test_fused_reduction_never_holds_all_blocks():
 
 
 def test_fused_self_check_catches_rule_mismatch():
-    model = llama(tied=False)
-    old = model.model.layers[0].mlp.up_proj
-    new = nn.Linear(old.in_features, old.out_features, bias=False).eval()
-    new.weight = old.weight
-    new.forward = lambda x: F.linear(x, 2 * new.weight)  # the Linear rule applies by class, wrong by 2
-    model.model.layers[0].mlp.up_proj = new
+    model = doubled_up_proj(llama(tied=False))
     layout = select_parameters(model)
     batch = make_batch(34, **BATCH)
     with pytest.raises(ValueError, match=r"self-check failed for parameter 'model\.layers\.0\.mlp\.up_proj\.weight'"):

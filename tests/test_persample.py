@@ -324,13 +324,19 @@ def test_unsupported_module_names_parameter_and_type():
     PerSampleGrads(model, select_parameters(model, ["model.layers.*"]))  # deselected: fine
 
 
-def test_self_check_catches_rule_mismatch():
-    model = llama(tied=False)
+def doubled_up_proj(model: nn.Module) -> nn.Module:
+    """Replace layer 0's up_proj by an nn.Linear whose forward uses 2·W: the Linear rule applies by class
+    but is wrong by a factor 2 (only the self-check can tell)."""
     old = model.model.layers[0].mlp.up_proj
     new = nn.Linear(old.in_features, old.out_features, bias=False).eval()
     new.weight = old.weight
-    new.forward = lambda x: F.linear(x, 2 * new.weight)  # the Linear rule applies by class, wrong by 2
+    new.forward = lambda x: F.linear(x, 2 * new.weight)
     model.model.layers[0].mlp.up_proj = new
+    return model
+
+
+def test_self_check_catches_rule_mismatch():
+    model = doubled_up_proj(llama(tied=False))
     layout = select_parameters(model)
     batch = make_batch(16, **BATCH)
     with pytest.raises(ValueError, match=r"self-check failed for parameter 'model\.layers\.0\.mlp\.up_proj\.weight'"):
