@@ -14,9 +14,10 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+if TYPE_CHECKING:  # transformers loads lazily: reading prompts and a reward must not wait for it
+    from transformers import PreTrainedTokenizerFast
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -60,6 +61,9 @@ def build_char_tokenizer(chars: str = ADDITION_CHARS) -> PreTrainedTokenizerFast
     Ids: 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``<unk>``, then the characters in order.
     ``save_pretrained(dir)`` makes it loadable with ``AutoTokenizer.from_pretrained(dir)``.
     """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     if len(set(chars)) != len(chars):
         raise ValueError(f"tokenizer characters must be distinct, got {chars!r}")
     vocab = {PAD: 0, BOS: 1, EOS: 2, UNK: 3}

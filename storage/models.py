@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
-from covgrad.models import check_causal_lm, check_vocab
 from storage.weights import check_weights
+
+if TYPE_CHECKING:  # torch and transformers load lazily: checking a directory must not wait for them
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -39,8 +39,6 @@ def model_fingerprint(path: str) -> str:
 def check_model_dir(path: str, what: str) -> None:
     """FileNotFoundError / ValueError naming ``path`` (as ``what``) unless it is a Hugging Face causal-LM
     directory with complete weights; reads only config.json, the file listing and safetensors headers."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{what} {path!r} does not exist; give a Hugging Face model directory")
@@ -52,11 +50,12 @@ def check_model_dir(path: str, what: str) -> None:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} {path!r}: config.json is not valid JSON ({exc.msg})") from None
     archs = config.get("architectures") or []
-    causal = (
-        any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
-        if archs
-        else config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    )
+    if archs:
+        causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    else:  # no architectures listed: ask transformers' registry (the only case that imports it)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        causal = config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if not causal:
         raise ValueError(
             f"{what} {path!r} is not a causal LM (model_type={config.get('model_type')!r}, architectures={archs})"
@@ -71,6 +70,11 @@ def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool
 
     FileNotFoundError naming the path when it is missing; ValueError when it is not a causal LM.
     """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from covgrad.models import check_causal_lm
+
     check_model_dir(str(path), "model path")
     root = Path(path)
     try:
@@ -90,6 +94,8 @@ def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved next to a model (``AutoTokenizer.from_pretrained(path)``)."""
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -99,6 +105,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 def load_model_and_tokenizer(
     path: str | Path, dtype: str = "float32", trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from covgrad.models import check_vocab
+
     model = load_model(path, dtype, trust_remote_code)
     tok = load_tokenizer(path)
     check_vocab(model, tok, f"model path {str(path)!r}")

@@ -64,6 +64,28 @@ def test_config_typo_is_one_line_in_under_two_seconds(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
+def test_truncated_weights_are_one_line_in_under_two_seconds(tmp_path):
+    """Preflight reads the model directory (config and safetensors header) before torch or Prefect load."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (model / "model.safetensors").write_bytes((1000).to_bytes(8, "little") + b'{"a": ')  # header cut short
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    sets = [f"model.path={model}", f"task.path={task}", "task.reward=covgrad.rewards:mentions_answer"]
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO / "configs" / "user.yaml")]
+    cmd += ["--root", str(tmp_path / "root"), *(a for x in sets for a in ("--set", x))]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs")}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.safetensors" in lines[0], proc.stderr
+    assert seconds < 2.0, f"preflight took {seconds:.2f} s"
+    assert not (tmp_path / "root").exists()
+
+
 def test_nan_reward_is_one_line_naming_the_task_file_line(reference, tmp_path):
     root = tmp_path / "root"
     shutil.copytree(reference[0], root)
