@@ -19,7 +19,7 @@ def response_to_logit_index(prompt_len: Tensor, response_len: Tensor, T: int) ->
     Returns two 1-D int64 tensors ``(rows, cols)``; the logit at ``cols = prompt_len[n] + j − 1``
     predicts response token j, so ``j = cols − prompt_len[rows] + 1``.
     """
-    j = torch.arange(T).unsqueeze(0)  # (1, T)
+    j = torch.arange(T, device=response_len.device).unsqueeze(0)  # (1, T)
     valid = j < response_len.unsqueeze(1)  # (B, T)
     rows, js = valid.nonzero(as_tuple=True)
     return rows, prompt_len[rows].long() + js - 1
@@ -60,8 +60,8 @@ def mask_unscored(mu_logp_aligned: Tensor, response_mask: Tensor) -> Tensor:
     """μ (B, L, V) float32 from log μ aligned with the logits (e.g. ``recompute_sampler_logp``),
     uniform at positions that predict no response token."""
     B, L, V = mu_logp_aligned.shape
-    scored = torch.zeros((B, L), dtype=torch.bool)
-    scored[:, :-1] = response_mask[:, 1:]
+    scored = torch.zeros((B, L), dtype=torch.bool, device=mu_logp_aligned.device)
+    scored[:, :-1] = response_mask[:, 1:].to(scored.device)
     out = mu_logp_aligned.double().exp().float()
     out[~scored] = 1.0 / V
     return out

@@ -95,13 +95,15 @@ class MuSource:
             tail = torch.from_numpy(self.ro["mu_tail"][lo:hi])
 
         def fn(logits: torch.Tensor) -> torch.Tensor:
+            # everything on the logits' device: no (B, L, V) tensor crosses to the host per batch
+            dev, z = logits.device, logits.detach()
             if self.kind == "topk":
-                mu = align_topk_mu(logits.detach().float().cpu(), ids, logp, tail, pl, rl)
+                mu = align_topk_mu(z.float(), *(t.to(dev) for t in (ids, logp, tail, pl, rl)))
             else:
-                mu = fixed
-            self.kl = kl_sampler_policy(mu, logits.detach().cpu(), target)
-            dev = logits.device
-            return score_logit_grad(logits, tokens.to(dev), target.to(dev), mu=mu.to(dev))
+                mu = fixed.to(dev)
+            tgt = target.to(dev)
+            self.kl = kl_sampler_policy(mu, z, tgt)
+            return score_logit_grad(logits, tokens.to(dev), tgt, mu=mu)
 
         return fn
 
