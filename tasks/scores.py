@@ -34,6 +34,7 @@ from covgrad.centering import align_full_mu, align_topk_mu, kl_sampler_policy, m
 from covgrad.config import PipelineConfig
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.rollout_import import require_mu_source
 from covgrad.sampling import recompute_sampler_logp
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from tasks.base_model import load_models
@@ -74,11 +75,8 @@ class MuSource:
         self.model = None
         self.kl: tuple[float, int] = (0.0, 0)
         if self.kind == "model":
-            if s.import_path is not None and s.mu_model is None:
-                raise ValueError(
-                    f"sampler centering for imported rollouts {sampler!r} needs a μ source: "
-                    f"rollouts.samplers.{sampler}.on_policy: true, a mu_model checkpoint, or top_logprobs in the file"
-                )
+            if s.import_path is not None:  # the store holds no top-k record: the preflight's check, again
+                require_mu_source(f"rollouts.samplers.{sampler}", {}, s.on_policy, s.mu_model)
             self.model = load_models(store, base, s.mu_model or s.model, cfg)[0]
 
     def dlogits_fn(self, lo: int, hi: int, tokens: torch.Tensor, pl: torch.Tensor, rl: torch.Tensor, target):
