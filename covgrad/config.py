@@ -132,6 +132,18 @@ class ScoresSection(Section):
     # Checkpoint the state every this many batches or seconds, whichever comes first (never affects results).
     checkpoint_batches: int = Field(64, ge=1)
     checkpoint_seconds: float = Field(1800.0, gt=0)
+    # The partition of the work, part of the artifact's key: [sample shards, parameter blocks]. Sample
+    # shard i folds the batches b with b % samples == i; the parameter axis is split into blocks of whole
+    # tensors (covgrad.layout.split_blocks). "auto": the fewest blocks whose shard fits one device (the
+    # README's memory model), as many sample shards as that leaves workers; `covgrad plan` prints it.
+    shards: Literal["auto"] | tuple[int, int] = (1, 1)
+
+    @field_validator("shards")
+    @classmethod
+    def _shards(cls, v: Literal["auto"] | tuple[int, int]) -> Literal["auto"] | tuple[int, int]:
+        if v != "auto" and min(v) < 1:
+            raise ValueError(f"scores.shards {list(v)} needs at least 1 sample shard and 1 parameter block")
+        return v
 
 
 class MasksSection(Section):

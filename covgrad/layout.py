@@ -110,3 +110,38 @@ def parameters_flat(model: nn.Module, layout: ParamLayout) -> torch.Tensor:
     """The model's current values of the selected parameters as one (P,) tensor (a copy)."""
     params = dict(model.named_parameters())
     return torch.cat([params[e.name].detach().reshape(-1) for e in layout.entries])
+
+
+def split_blocks(layout: ParamLayout, n_blocks: int) -> list[ParamLayout]:
+    """Split the layout into ``n_blocks`` contiguous runs of whole tensors of about P / n_blocks elements
+    each; every block is re-based to offset 0 (its own flat axis of ``block.P`` elements).
+
+    Block k ends at the tensor boundary nearest to (k + 1)·P / n_blocks (each block keeps at least one
+    tensor), so the split depends only on the tensor sizes. The blocks concatenated in order are the
+    layout's flat axis: block k starts at column ``sum(b.P for b in blocks[:k])``.
+
+    Raises ValueError naming the count when it is below 1 or above the number of tensors.
+    """
+    entries = layout.entries
+    if not 1 <= n_blocks <= len(entries):
+        raise ValueError(
+            f"{n_blocks} parameter blocks cannot be made from {len(entries)} selected tensors; "
+            f"use between 1 and {len(entries)} blocks"
+        )
+    ends = [e.offset + e.numel for e in entries]  # (tensors,) column where each tensor ends
+    cuts, lo = [], 0
+    for k in range(1, n_blocks):
+        target = k * layout.P / n_blocks
+        # the first tensor after the previous cut, and keep one tensor for each block still to come
+        hi = len(entries) - (n_blocks - k)
+        cut = min(range(lo + 1, hi + 1), key=lambda t: (abs(ends[t - 1] - target), t))
+        cuts.append(cut)
+        lo = cut
+    bounds = [0, *cuts, len(entries)]
+    blocks = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        base = entries[a].offset
+        blocks.append(
+            ParamLayout(tuple(TensorEntry(e.name, e.offset - base, e.numel, e.shape, e.dtype) for e in entries[a:b]))
+        )
+    return blocks

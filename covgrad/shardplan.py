@@ -1,0 +1,227 @@
+"""Shard planning: how the scores stage splits into (sample shard × parameter block) jobs, what each job
+needs in device memory, and what the store will hold, computed before anything runs.
+
+The memory model is the README's ("Memory and state dtype"), per worker running one job of block k:
+
+    weights      P_model × dtype bytes (every worker holds the whole frozen model: the forward needs it)
+    activations  layers × B·L·((8·H + 4·I)·dtype + heads·L·(dtype + 4))  (saved for one backward:
+                 norms, q/k/v/o and MLP inputs and outputs, the eager attention probabilities)
+    logits       B·L·V·(dtype + 8)  (logits, their float32 gradient and softmax)
+    in flight    B·4·numel of the block's largest tensor (a tied embedding's block lives through the whole
+                 backward: B·4·(embedding + the largest other tensor) when the block holds it)
+    workspace    min(2^26 on cuda or 2^17 on cpu, B·largest) × (1 + 3·2/B) × state element bytes
+    state        (48 float64 | 32 float32) × P_k   (2 halves × mean, M2, co-moment [, mean low part])
+    rows         B·P_k·4 when per-sample rows are kept (one block only)
+
+A job fits a device when the total is at most ``HEADROOM`` of its memory (the rest: CUDA context,
+allocator fragmentation). Store bytes: the final state of every sample shard, (48 | 32)·P each, plus one
+checkpoint per running job at the peak, plus N·P·4 per-sample rows when kept.
+
+Shape notation: B samples per batch, L tokens per sample, V vocabulary, H hidden size, I intermediate
+size, P selected parameter elements, P_k those of block k, N samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from covgrad.layout import ParamLayout, split_blocks
+
+HEADROOM = 0.9
+STATE_BYTES = {"float64": 48, "float32": 32}  # per parameter element, both halves
+_FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}  # covgrad.accum's fold step
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs of the model beyond the selected layout."""
+
+    n_params: int  # every parameter element of the model (weights held by each worker)
+    dtype_bytes: int  # 2 (bf16) or 4 (fp32)
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    vocab: int
+    tied_embedding: str | None  # the layout name of a tied input embedding / LM head, else None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShape:
+        """Read the shape of a Hugging Face causal LM (weights may live on the meta device)."""
+        c = model.config
+        params = list(model.parameters())
+        emb = model.get_input_embeddings().weight
+        out = model.get_output_embeddings()
+        tied = out is not None and out.weight is emb
+        name = next((n for n, p in model.named_parameters() if p is emb), None) if tied else None
+        return cls(
+            n_params=sum(p.numel() for p in params),
+            dtype_bytes=params[0].element_size(),
+            hidden=c.hidden_size,
+            intermediate=getattr(c, "intermediate_size", 4 * c.hidden_size),
+            layers=c.num_hidden_layers,
+            heads=c.num_attention_heads,
+            vocab=c.vocab_size,
+            tied_embedding=name,
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run's sizes: B samples per batch, L tokens per sample, N samples in ``n_batches`` batches."""
+
+    B: int
+    L: int
+    N: int
+    n_batches: int
+    state_dtype: str  # "float64" | "float32"
+    device: str  # "cuda" | "cpu"
+    keep_rows: bool  # per-sample rows fit scores.byte_budget (only kept with one block)
+
+
+@dataclass(frozen=True)
+class BlockNeed:
+    """Device bytes of one job of a parameter block, by item of the memory model."""
+
+    tensors: int
+    P: int
+    fixed: int  # weights + activations + logits: the same for every block
+    in_flight: int
+    workspace: int
+    state: int
+    rows: int
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.in_flight + self.workspace + self.state + self.rows
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """``samples`` × ``blocks`` jobs on ``workers`` workers of ``device_bytes`` each."""
+
+    samples: int
+    blocks: int
+    needs: tuple[BlockNeed, ...]  # (blocks,)
+    workers: int
+    device_bytes: int
+    store_bytes: int  # the finished store
+    peak_store_bytes: int  # while jobs run: plus two checkpoints per running job
+
+    @property
+    def need(self) -> int:
+        """The most device bytes any job needs."""
+        return max(n.total for n in self.needs)
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= HEADROOM * self.device_bytes
+
+    def lines(self) -> list[str]:
+        """The plan as printable lines (sizes in GB = 1e9 bytes)."""
+        jobs = self.samples * self.blocks
+        big = max(self.needs, key=lambda n: n.total)
+        out = [
+            f"shards: {self.samples} sample shards x {self.blocks} parameter blocks = {jobs} jobs "
+            f"on {self.workers} workers ({-(-jobs // self.workers)} rounds)",
+            f"per-worker device memory: {gb(self.need)} GB needed of {gb(self.device_bytes)} GB "
+            f"({'fits' if self.fits else 'does NOT fit'}, {HEADROOM:.0%} usable)",
+            f"  largest job: weights+activations+logits {gb(big.fixed)}, block in flight {gb(big.in_flight)}, "
+            f"fold workspace {gb(big.workspace)}, state {gb(big.state)}, per-sample rows {gb(big.rows)} GB",
+            "  block  tensors  parameters  state GB  total GB",
+        ]
+        for k, n in enumerate(self.needs):
+            out.append(f"  {k:5d}  {n.tensors:7d}  {n.P:10.4g}  {gb(n.state):>8}  {gb(n.total):>8}")
+        out.append(f"store: {gb(self.store_bytes)} GB when complete, {gb(self.peak_store_bytes)} GB at most while running")
+        return out
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def block_needs(layout: ParamLayout, shape: ModelShape, work: Workload, n_blocks: int) -> tuple[BlockNeed, ...]:
+    """Device bytes of a job of each of the ``n_blocks`` blocks of :func:`covgrad.layout.split_blocks`."""
+    B, L, d = work.B, work.L, shape.dtype_bytes
+    act = shape.layers * B * L * ((8 * shape.hidden + 4 * shape.intermediate) * d + shape.heads * L * (d + 4))
+    fixed = shape.n_params * d + act + B * L * shape.vocab * (d + 8)
+    elem = 8 if work.state_dtype == "float64" else 4
+    needs = []
+    for block in split_blocks(layout, n_blocks):
+        sizes = sorted((e.numel for e in block.entries), reverse=True)
+        in_flight = sizes[0]
+        if shape.tied_embedding in block.names:
+            tied = block.entry(shape.tied_embedding).numel
+            in_flight = tied + max((s for s in sizes if s != tied), default=0)
+        columns = min(_FOLD_ELEMENTS[work.device], B * sizes[0])
+        rows = B * block.P * 4 if work.keep_rows and n_blocks == 1 else 0
+        needs.append(
+            BlockNeed(
+                tensors=len(block.entries),
+                P=block.P,
+                fixed=fixed,
+                in_flight=B * 4 * in_flight,
+                workspace=int(columns * (1 + 6 / B) * elem),
+                state=STATE_BYTES[work.state_dtype] * block.P,
+                rows=rows,
+            )
+        )
+    return tuple(needs)
+
+
+def make_plan(
+    layout: ParamLayout,
+    shape: ModelShape,
+    work: Workload,
+    shards: tuple[int, int] | str,
+    workers: int,
+    device_bytes: int,
+) -> ShardPlan:
+    """The plan for ``shards`` = (sample shards, parameter blocks), or ``"auto"``: the fewest blocks whose
+    jobs fit a device, and as many sample shards as leave no worker idle (at most one per batch).
+
+    Raises ValueError naming the values when ``"auto"`` finds no fitting split (one tensor too large).
+    """
+    if workers < 1 or device_bytes <= 0:
+        raise ValueError(f"workers ({workers}) and device memory ({device_bytes} bytes) must be positive")
+    if shards != "auto":
+        samples, blocks = shards
+        needs = block_needs(layout, shape, work, blocks)
+        return _plan(layout, work, samples, blocks, needs, workers, device_bytes)
+    for blocks in range(1, len(layout.entries) + 1):
+        needs = block_needs(layout, shape, work, blocks)
+        if max(n.total for n in needs) <= HEADROOM * device_bytes:
+            samples = max(1, min(workers // blocks, work.n_batches))
+            return _plan(layout, work, samples, blocks, needs, workers, device_bytes)
+    need = max(n.total for n in needs)
+    raise ValueError(
+        f"scores.shards=auto: even one tensor per block needs {gb(need)} GB per worker, more than "
+        f"{HEADROOM:.0%} of {gb(device_bytes)} GB; select fewer parameters (scores.params), use "
+        f"scores.state_dtype=float32 or a smaller batch (scores.groups_per_batch)"
+    )
+
+
+def _plan(
+    layout: ParamLayout,
+    work: Workload,
+    samples: int,
+    blocks: int,
+    needs: tuple[BlockNeed, ...],
+    workers: int,
+    device_bytes: int,
+) -> ShardPlan:
+    state = STATE_BYTES[work.state_dtype] * layout.P
+    rows = work.N * layout.P * 4 if work.keep_rows and blocks == 1 else 0
+    # checkpoints held at once: per running job its newest one and the one being written
+    ckpt = 2 * min(workers, samples * blocks) * max(n.state for n in needs)
+    return ShardPlan(
+        samples=samples,
+        blocks=blocks,
+        needs=needs,
+        workers=workers,
+        device_bytes=device_bytes,
+        store_bytes=samples * state + rows,
+        peak_store_bytes=samples * state + rows + ckpt,
+    )
