@@ -134,7 +134,9 @@ class ShardPlan:
         ]
         for k, n in enumerate(self.needs):
             out.append(f"  {k:5d}  {n.tensors:7d}  {n.P:10.4g}  {gb(n.state):>8}  {gb(n.total):>8}")
-        out.append(f"store: {gb(self.store_bytes)} GB when complete, {gb(self.peak_store_bytes)} GB at most while running")
+        out.append(
+            f"store: {gb(self.store_bytes)} GB when complete, {gb(self.peak_store_bytes)} GB at most while running"
+        )
         return out
 
 

@@ -19,7 +19,7 @@ from tasks import base_model
 VERSIONS = {
     "base_model": base_model.VERSION,
     "rollouts": "1",
-    "scores": "3",
+    "scores": "4",
     "stats": "2",
     "masks": "1",
     "tokens": "2",
@@ -85,6 +85,9 @@ def plan(cfg: PipelineConfig) -> dict[str, Node]:
                 "byte_budget": cfg.scores.byte_budget,
                 "state_dtype": cfg.scores.state_dtype,
                 "dtype": cfg.model.dtype,
+                # the partition is part of what is computed (which batches merge in which order); where
+                # the jobs run is not
+                "shards": cfg.scores.shards if cfg.scores.shards == "auto" else list(cfg.scores.shards),
             }
             _node(store, nodes, f"scores.{name}.{c}", score_cfg, ("base_model", f"rollouts.{name}"))
             _node(store, nodes, f"stats.{name}.{c}", {}, (f"scores.{name}.{c}",))

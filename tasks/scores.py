@@ -1,19 +1,28 @@
 """scores stage: exact per-sample scores of the policy, folded on the device into O(P) moment state.
 
-Store ``scores.zarr`` (dims: sample, param, row, batch, shard):
+Store ``scores.zarr`` (dims: sample, param, row, batch, shard, block):
+- the work is split into ``scores.shards`` = S sample shards × K parameter blocks (whole tensors,
+  :func:`covgrad.layout.split_blocks`); job (i, k) folds the batches b with b % S == i into the columns of
+  block k, with hooks on that block's tensors only. Each column's numbers depend only on its tensor and on
+  the sample shard (the fold tiles every tensor from its own first column), never on the block split;
 - moment state, always: ``count, mean_a, m2_a (row,)`` float64 and ``mean_s, m2_s, c_as (row, param)`` in
-  ``scores.state_dtype`` (float32 adds ``mean_s_lo``, the low half of the mean), two rows per shard: row
-  2i + h holds shard i's samples of the prompt groups with parity h (the cross-fit). The rows are the
+  ``scores.state_dtype`` (float32 adds ``mean_s_lo``, the low half of the mean), two rows per sample shard:
+  row 2i + h holds shard i's samples of the prompt groups with parity h (the cross-fit). The rows are the
   accumulators of :class:`covgrad.accum.MomentAccumulator` (Chan-merged over the shard's batches on the
   device), so the store's size does not grow with the number of samples; a row with no samples has count 0;
-- ``shard_batches (shard,)``: batches folded into shard i's final rows, written after them (-1 until then);
-- while a shard runs, checkpoints ``ckpt/shard{i}/n{k}/`` (same arrays for the shard's two rows, then
-  ``batches`` = k written last), every ``scores.checkpoint_batches`` batches or ``checkpoint_seconds``;
-  a batch is marked in ``batch_done`` only once a checkpoint that contains it is complete, so a resumed
-  run restores the newest complete checkpoint, recomputes the batches after it in the same order and
-  ends with the same bytes as an uninterrupted run;
-- per-sample rows ``scores (sample, param)`` float32 when N·P·4 bytes fit ``scores.byte_budget``;
-- ``advantage``, ``group (sample,)``, ``batch_done (batch,)``; attrs: the tensor table, centering.
+- ``shard_batches (shard, block)``: batches folded into job (i, k)'s final state, written after it (-1
+  until then). A job owns the state chunks that lie inside its block; the columns of a chunk that a block
+  boundary cuts go to ``edges/shard{i}/block{k}/`` (the block's first and last partial chunks, concatenated)
+  and ``finalize`` copies them into place once every job is done, so no two jobs write one chunk;
+- while a job runs, checkpoints ``ckpt/shard{i}/block{k}/n{c}/`` (the state of its block's columns, then
+  ``batches`` = c written last), every ``scores.checkpoint_batches`` batches or ``checkpoint_seconds``, so a
+  resumed job restores the newest complete checkpoint, recomputes the batches after it in the same order and
+  ends with the same bytes as an uninterrupted run. With one block a batch is marked in ``batch_done`` once
+  a checkpoint that contains it is complete; with several, ``finalize`` marks them (a batch is done only
+  when every block has folded it);
+- per-sample rows ``scores (sample, param)`` float32 when N·P·4 bytes fit ``scores.byte_budget`` and there
+  is one parameter block;
+- ``advantage``, ``group (sample,)``, ``batch_done (batch,)``; attrs: the tensor table, centering, shards.
 Batches hold whole prompt groups, so group-relative advantages and the parity split stay exact.
 """
 
@@ -32,7 +41,7 @@ from prefect import task
 from covgrad.accum import MomentAccumulator
 from covgrad.centering import align_full_mu, align_topk_mu, kl_sampler_policy, mask_unscored
 from covgrad.config import PipelineConfig
-from covgrad.layout import select_parameters
+from covgrad.layout import ParamLayout, select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.rollout_import import require_mu_source
 from covgrad.sampling import recompute_sampler_logp
@@ -106,11 +115,22 @@ class MuSource:
         return fn
 
 
+def column_split(a: int, b: int, chunk: int, P: int) -> tuple[slice, list[slice]]:
+    """Columns [a, b) of a (row, P) array chunked by ``chunk`` along P: the part made of whole chunks
+    inside [a, b) (possibly empty) and the edge parts, which share a chunk with columns outside."""
+    lo = -(-a // chunk) * chunk
+    hi = b if b == P else b // chunk * chunk
+    if lo >= hi:
+        return slice(a, a), [slice(a, b)]
+    return slice(lo, hi), [e for e in (slice(a, lo), slice(hi, b)) if e.stop > e.start]
+
+
 class ScoresJob:
-    """One scores artifact as three explicit steps, so that shards can share a store:
-    ``prepare`` creates every array (once, before any shard runs), ``run(shard)`` folds the batches
-    b with b % n == i of ``shard = (i, n)`` into that shard's rows, and ``finalize`` writes the
-    attributes and consolidated metadata once every batch is done."""
+    """One scores artifact as three explicit steps, so that jobs can share a store: ``prepare`` creates
+    every array (once, before any job runs), ``run((i, k))`` folds the batches b with b % S == i into
+    the columns of parameter block k, and ``finalize`` assembles the block edges and writes the attributes
+    and consolidated metadata once every job is done. ``shards`` = (S, K) defaults to ``scores.shards``
+    (``"auto"``: planned for ``workers`` devices like this process's, :func:`tasks.shards.resolve_shards`)."""
 
     def __init__(
         self,
@@ -119,10 +139,11 @@ class ScoresJob:
         cfg: PipelineConfig,
         instance: str,
         up: dict[str, ArtifactRef],
-        n_shards: int = 1,
+        shards: tuple[int, int] | None = None,
+        workers: int = 1,
     ) -> None:
         _, self.sampler, self.centering = instance.split(".")
-        self.store, self.ref, self.cfg, self.n_shards = store, ref, cfg, n_shards
+        self.store, self.ref, self.cfg = store, ref, cfg
         self.ro = store.open_group(up[f"rollouts.{self.sampler}"], ROLLOUTS, mode="r")
         self.model, _ = load_models(store, up["base_model"], "policy", cfg)
         self.device = pick_device(cfg.scores.device)
@@ -133,8 +154,17 @@ class ScoresJob:
         self.N, self.P = len(self.group), self.layout.P
         self.batches = group_batches(self.group, cfg.scores.groups_per_batch)
         self.B = max(hi - lo for lo, hi in self.batches)
-        self.keep_rows = cfg.scores.byte_budget >= self.N * self.P * 4 and all(
-            hi - lo == self.B for lo, hi in self.batches[:-1]
+        if shards is None and cfg.scores.shards == "auto":
+            from tasks.shards import resolve_shards
+
+            shards = resolve_shards(self, workers)
+        self.S, self.K = shards or cfg.scores.shards
+        self.blocks: list[ParamLayout] = split_blocks(self.layout, self.K)
+        self.starts = np.cumsum([0] + [blk.P for blk in self.blocks]).tolist()  # (K + 1,) block column bounds
+        self.keep_rows = (
+            self.K == 1
+            and cfg.scores.byte_budget >= self.N * self.P * 4
+            and all(hi - lo == self.B for lo, hi in self.batches[:-1])
         )
         self.state_dtype = cfg.scores.state_dtype
         self.state_names = STATE + (("mean_s_lo",) if self.state_dtype == "float32" else ())
@@ -142,8 +172,8 @@ class ScoresJob:
         sampler_centered = self.centering == "sampler"
         self.mu_source = MuSource(store, up["base_model"], cfg, self.ro, self.sampler) if sampler_centered else None
 
-    def _state_arrays(self, g: Any, rows: int) -> None:
-        """Create the moment-state arrays with ``rows`` rows in group ``g`` (existing ones are kept)."""
+    def _state_arrays(self, g: Any, rows: int, P: int) -> None:
+        """Create the moment-state arrays (rows, P) in group ``g`` (existing ones are kept)."""
         for name in SCALARS:
             if name not in g:
                 g.create_array(name, shape=(rows,), chunks=(2,), dtype="float64", fill_value=0, dimension_names=["row"])
@@ -151,8 +181,8 @@ class ScoresJob:
             if name not in g:
                 g.create_array(
                     name,
-                    shape=(rows, self.P),
-                    chunks=(2, self.chunk_p),
+                    shape=(rows, P),
+                    chunks=(2, min(P, self.chunk_p)),
                     dtype=self.state_dtype,
                     fill_value=0,
                     compressors=None,  # float noise does not compress; fixed size: O(P), independent of N
@@ -163,26 +193,31 @@ class ScoresJob:
         """Create the store's arrays (idempotent: existing arrays, checkpoints and finished batches are kept)."""
         g = self.store.open_group(self.ref, STORE, mode="a")
         N, P, nb = self.N, self.P, len(self.batches)
-        if "shard_batches" in g and g["shard_batches"].shape != (self.n_shards,):
+        if "shard_batches" in g and g["shard_batches"].shape != (self.S, self.K):
             raise ValueError(
-                f"{self.store.path(self.ref, STORE)} holds the state of {g['shard_batches'].shape[0]} shards, not "
-                f"{self.n_shards}; resume with that many shards or delete the artifact directory"
+                f"{self.store.path(self.ref, STORE)} holds {list(g['shard_batches'].shape)} shards, not "
+                f"{[self.S, self.K]}; resume with scores.shards={list(g['shard_batches'].shape)} or delete it"
             )
 
         def arr(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, dims: list[str]) -> None:
             if name not in g:
                 g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, dimension_names=dims)
 
-        self._state_arrays(g, 2 * self.n_shards)
+        self._state_arrays(g, 2 * self.S, P)
         if "shard_batches" not in g:
             g.create_array(
                 "shard_batches",
-                shape=(self.n_shards,),
-                chunks=(1,),
+                shape=(self.S, self.K),
+                chunks=(1, 1),
                 dtype="int64",
                 fill_value=-1,
-                dimension_names=["shard"],
+                dimension_names=["shard", "block"],
             )
+        for i in range(self.S):  # every job's groups exist before any job runs: no racing parent groups
+            for k in range(self.K):
+                g.require_group(f"ckpt/shard{i}/block{k}")
+                if self.K > 1:
+                    g.require_group(f"edges/shard{i}/block{k}")
         if self.keep_rows:
             arr("scores", (N, P), (self.B, self.chunk_p), "float32", ["sample", "param"])
         if self.mu_source is not None:
@@ -194,35 +229,56 @@ class ScoresJob:
         g["group"][:] = self.group
         create_progress(g, nb)
 
-    def run(self, shard: tuple[int, int] = (0, 1)) -> None:
-        """Fold the batches of ``shard`` into its rows, resuming from its newest complete checkpoint."""
-        i, n = shard
-        if n != self.n_shards or not 0 <= i < n:
-            raise ValueError(f"shard {shard} does not belong to a job of {self.n_shards} shards")
+    def jobs(self) -> list[tuple[int, int]]:
+        """Every (sample shard, parameter block) of the artifact, sample-major."""
+        return [(i, k) for i in range(self.S) for k in range(self.K)]
+
+    def run(self, job: tuple[int, int] = (0, 0)) -> None:
+        """Fold sample shard i's batches into block k's columns (``job`` = (i, k)), resuming from the
+        job's newest complete checkpoint."""
+        i, k = job
+        if not (0 <= i < self.S and 0 <= k < self.K):
+            raise ValueError(f"job {job} is not one of the {self.S} x {self.K} (sample shard, block) jobs")
         g = self.store.open_group(self.ref, STORE, mode="a")
-        mine = list(range(i, len(self.batches), n))
-        acc = MomentAccumulator(self.P, self.device, self.state_dtype)
-        done = self._restore(g, i, acc)
-        for b in mine[:done]:  # folded into a complete checkpoint, perhaps killed before marking
-            if g["batch_done"][b] == 0:
-                mark_batch_done(g, b)
+        block = self.blocks[k]
+        mine = list(range(i, len(self.batches), self.S))
+        self._check_device_memory(k)
+        acc = MomentAccumulator(block.P, self.device, self.state_dtype)
+        done = self._restore(g, job, acc)
+        if self.K == 1:
+            for b in mine[:done]:  # folded into a complete checkpoint, perhaps killed before marking
+                if g["batch_done"][b] == 0:
+                    mark_batch_done(g, b)
         todo = mine[done:]
-        if not mine and g["shard_batches"][i] < 0:
-            self._checkpoint(g, i, acc, 0, final=True)
+        if not mine and g["shard_batches"][i, k] < 0:
+            self._checkpoint(g, job, acc, 0, final=True)
         device = self.device
-        psg = PerSampleGrads(self.model, self.layout, check=self.cfg.scores.self_check)
+        psg = PerSampleGrads(self.model, block, check=self.cfg.scores.self_check)
         buffer = torch.empty((self.B, self.P), dtype=torch.float32, device=device) if self.keep_rows else None
         writer = RowWriter(g["scores"], self.B, self.P, device) if self.keep_rows and todo else None
         try:
-            self._fold_batches(g, i, acc, psg, todo, done, buffer, writer)
+            self._fold_batches(g, job, acc, psg, todo, done, buffer, writer)
         finally:
             if writer is not None:
                 writer.close()
 
+    def _check_device_memory(self, k: int) -> None:
+        """One line instead of an out-of-memory error when block k's state cannot fit the free device memory."""
+        if self.device.type != "cuda":
+            return
+        need = (4 if self.state_dtype == "float32" else 3) * 2 * np.dtype(self.state_dtype).itemsize * self.blocks[k].P
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if need > free:
+            raise ValueError(
+                f"parameter block {k} of scores.shards={[self.S, self.K]} ({self.blocks[k].P} parameters) needs "
+                f"{need / 1e9:.1f} GB of state but {self.device} has {free / 1e9:.1f} GB free; use more blocks "
+                "(see `covgrad plan`) or scores.state_dtype=float32"
+            )
+
     def _fold_batches(
         self,
         g: Any,
-        i: int,
+        job: tuple[int, int],
         acc: MomentAccumulator,
         psg: PerSampleGrads,
         todo: list[int],
@@ -230,7 +286,7 @@ class ScoresJob:
         buffer: torch.Tensor | None,
         writer: RowWriter | None,
     ) -> None:
-        """Fold batches ``todo`` of shard i (``done`` of its batches already in ``acc``), checkpointing."""
+        """Fold batches ``todo`` of ``job`` (``done`` of its batches already in ``acc``), checkpointing."""
         ro, device, mu_source = self.ro, self.device, self.mu_source
         every, seconds = self.cfg.scores.checkpoint_batches, self.cfg.scores.checkpoint_seconds
         since: list[int] = []
@@ -262,77 +318,113 @@ class ScoresJob:
                 )
                 if writer is not None:
                     writer.submit(lo, hi, out)
-                if mu_source is not None:
+                if mu_source is not None and job[1] == 0:  # the same numbers in every block: written once
                     g["kl_sum"][b], g["kl_tokens"][b] = mu_source.kl
                 since.append(b)
                 final = k == len(todo) - 1
                 if final or len(since) >= every or time.monotonic() - last_save >= seconds:
                     if writer is not None:
                         writer.flush()  # a batch is marked done only once its rows are stored too
-                    self._checkpoint(g, i, acc, done + k + 1, final)
-                    for bb in since:
-                        mark_batch_done(g, bb)
-                    self._drop_checkpoints(g, i, keep=None if final else done + k + 1)
+                    self._checkpoint(g, job, acc, done + k + 1, final)
+                    if self.K == 1:
+                        for bb in since:
+                            mark_batch_done(g, bb)
+                    self._drop_checkpoints(g, job, keep=None if final else done + k + 1)
                     bar.update(len(since))
                     since, last_save = [], time.monotonic()
 
-    def _ckpt_group(self, g: Any, i: int) -> Any:
-        return g.require_group(f"ckpt/shard{i}")
+    def _ckpt_group(self, g: Any, job: tuple[int, int]) -> Any:
+        return g.require_group(f"ckpt/shard{job[0]}/block{job[1]}")
 
-    def _restore(self, g: Any, i: int, acc: MomentAccumulator) -> int:
-        """Load shard i's newest complete state into ``acc``; return how many of its batches it holds."""
-        folded = int(g["shard_batches"][i])
-        if folded >= 0:  # the final rows are complete: nothing left to fold
-            self._drop_checkpoints(g, i, keep=None)
+    def _restore(self, g: Any, job: tuple[int, int], acc: MomentAccumulator) -> int:
+        """Load the job's newest complete state into ``acc``; return how many of its batches it holds."""
+        folded = int(g["shard_batches"][job])
+        if folded >= 0:  # the final state is complete: nothing left to fold
+            self._drop_checkpoints(g, job, keep=None)
             return folded
-        ck = self._ckpt_group(g, i)
+        ck = self._ckpt_group(g, job)
         complete = [int(ck[k]["batches"][0]) for k in ck.group_keys() if "batches" in ck[k]]
         complete = [c for c in complete if c >= 0]
         if not complete:
-            self._drop_checkpoints(g, i, keep=None)
+            self._drop_checkpoints(g, job, keep=None)
             return 0
         best = max(complete)
         src = ck[f"n{best}"]
         acc.load({name: src[name][:] for name in SCALARS})
         step = self._write_step()
-        for j in range(0, self.P, step):
-            cols = slice(j, min(self.P, j + step))
+        for j in range(0, acc.P, step):
+            cols = slice(j, min(acc.P, j + step))
             acc.load({name: src[name][:, cols] for name in self.state_names}, cols)
-        self._drop_checkpoints(g, i, keep=best)
+        self._drop_checkpoints(g, job, keep=best)
         return best
 
     def _write_step(self) -> int:
         """Columns per state read/write: whole chunks, about 64 MiB of host memory per array."""
         return self.chunk_p * max(1, (1 << 23) // (2 * self.chunk_p))
 
-    def _checkpoint(self, g: Any, i: int, acc: MomentAccumulator, folded: int, final: bool) -> None:
-        """Write shard i's state (``folded`` batches) to its final rows or a new checkpoint, commit record last."""
+    def _pieces(self, k: int) -> list[tuple[slice, slice, bool]]:
+        """Where block k's final columns go: (block columns, store columns, is an edge) per piece; edge
+        pieces' store columns index the block's ``edges`` arrays (its partial chunks, concatenated)."""
+        a, b = self.starts[k], self.starts[k + 1]
+        inner, edges = column_split(a, b, self.chunk_p, self.P)
+        out = [(slice(inner.start - a, inner.stop - a), inner, False)] if inner.stop > inner.start else []
+        at = 0
+        for e in edges:
+            width = e.stop - e.start
+            out.append((slice(e.start - a, e.stop - a), slice(at, at + width), True))
+            at += width
+        return sorted(out, key=lambda p: p[0].start)
+
+    def _checkpoint(self, g: Any, job: tuple[int, int], acc: MomentAccumulator, folded: int, final: bool) -> None:
+        """Write the job's state (``folded`` batches) to its final place or a new checkpoint, commit record last."""
+        i, k = job
         if final:
-            target, rows = g, slice(2 * i, 2 * i + 2)
+            edge_width = sum(p[1].stop - p[1].start for p in self._pieces(k) if p[2])
+            edges = g[f"edges/shard{i}/block{k}"] if edge_width else None
+            if edges is not None:
+                self._state_arrays(edges, 2, edge_width)
+            pieces = [
+                (src, dst, edges if edge else g, slice(0, 2) if edge else slice(2 * i, 2 * i + 2))
+                for src, dst, edge in self._pieces(k)
+            ]
+            scalars = (g, slice(2 * i, 2 * i + 2)) if k == 0 else None  # the same numbers in every block
         else:
-            ck = self._ckpt_group(g, i)
+            ck = self._ckpt_group(g, job)
             name = f"n{folded}"
             if name in ck:  # a torn attempt of an earlier run
                 del ck[name]
-            target, rows = ck.create_group(name), slice(0, 2)
-            self._state_arrays(target, 2)
-        state = acc.rows(slice(0, 0))
-        for name in SCALARS:
-            target[name][rows] = state[name]
+            target = ck.create_group(name)
+            self._state_arrays(target, 2, acc.P)
+            pieces = [(slice(0, acc.P), slice(0, acc.P), target, slice(0, 2))]
+            scalars = (target, slice(0, 2))
+        if scalars is not None:
+            state = acc.rows(slice(0, 0))
+            for name in SCALARS:
+                scalars[0][name][scalars[1]] = state[name]
         step = self._write_step()
-        for j in range(0, self.P, step):
-            cols = slice(j, min(self.P, j + step))
-            part = acc.rows(cols)
-            for name in self.state_names:
-                write_state(target[name], rows, cols, part[name])
+        for src, dst, target, rows in pieces:
+            for j in range(0, src.stop - src.start, step):
+                width = min(step, src.stop - src.start - j)
+                part = acc.rows(slice(src.start + j, src.start + j + width))
+                for name in self.state_names:
+                    write_state(target[name], rows, slice(dst.start + j, dst.start + j + width), part[name])
         if final:
-            g["shard_batches"][i] = folded
+            g["shard_batches"][i, k] = folded
         else:
             target.create_array("batches", data=np.array([folded], dtype=np.int64), fill_value=-1)
 
-    def _drop_checkpoints(self, g: Any, i: int, keep: int | None) -> None:
-        """Delete shard i's checkpoints other than ``n{keep}`` (all when keep is None)."""
-        ck = self._ckpt_group(g, i)
+    def _assemble_edges(self, g: Any) -> None:
+        """Copy every job's edge columns into the state arrays (idempotent; one process, after all jobs)."""
+        for i, k in self.jobs():
+            for src, dst, edge in self._pieces(k):
+                if edge:
+                    cols = slice(self.starts[k] + src.start, self.starts[k] + src.stop)
+                    for name in self.state_names:
+                        g[name][2 * i : 2 * i + 2, cols] = g[f"edges/shard{i}/block{k}/{name}"][:, dst]
+
+    def _drop_checkpoints(self, g: Any, job: tuple[int, int], keep: int | None) -> None:
+        """Delete the job's checkpoints other than ``n{keep}`` (all when keep is None)."""
+        ck = self._ckpt_group(g, job)
         for name in list(ck.group_keys()):
             if name != f"n{keep}":
                 del ck[name]
@@ -341,7 +433,13 @@ class ScoresJob:
         """Write attrs and consolidated metadata when every batch is done; return the provenance
         (None while batches are pending)."""
         g = self.store.open_group(self.ref, STORE, mode="a")
-        if pending_batches(g) or bool((g["shard_batches"][:] < 0).any()):
+        if bool((g["shard_batches"][:] < 0).any()):
+            return None
+        if self.K > 1:
+            self._assemble_edges(g)
+            for b in pending_batches(g):
+                mark_batch_done(g, b)
+        if pending_batches(g):
             return None
         g.attrs.update(
             {
@@ -350,7 +448,8 @@ class ScoresJob:
                 "sampler": self.sampler,
                 "n_samples": self.N,
                 "n_params": self.P,
-                "n_shards": self.n_shards,
+                "shards": [self.S, self.K],
+                "block_starts": self.starts,
                 "state_dtype": self.state_dtype,
                 "per_sample_rows": self.keep_rows,
                 "device": str(self.device),
@@ -361,7 +460,7 @@ class ScoresJob:
             kl = float(g["kl_sum"][:].sum() / max(g["kl_tokens"][:].sum(), 1.0))
             g.attrs["kl_sampler_policy_per_token"] = kl
         self.store.consolidate(self.ref, STORE)
-        return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.keep_rows}
+        return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.keep_rows, "shards": [self.S, self.K]}
 
 
 class RowWriter:
@@ -446,7 +545,8 @@ def _compute(
 ) -> dict[str, Any] | None:
     job = ScoresJob(store, ref, cfg, instance, up)
     job.prepare()
-    job.run()
+    for j in job.jobs():  # the partition of scores.shards, one job after another in this process
+        job.run(j)
     return job.finalize()
 
 

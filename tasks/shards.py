@@ -1,34 +1,68 @@
-"""Sharded score extraction: one ``scores`` artifact computed by several dask workers at once.
+"""Sharded score extraction: one ``scores`` artifact computed by the workers of a dask.distributed cluster.
 
-Shard ``i`` of ``n`` folds the batches ``b`` with ``b % n == i`` of one ``scores.zarr`` store
-(layout in ``tasks/scores.py``) into its own two moment-state rows (2i, 2i + 1) and checkpoints; every
-batch owns its per-sample rows and ``batch_done`` flag, so shards never write the same chunk. The
-order of operations keeps the store consistent:
+The artifact's partition is ``scores.shards`` = S sample shards × K parameter blocks (layout in
+``tasks/scores.py``); job (i, k) folds the batches b with b % S == i into block k's columns, with hooks on
+that block's tensors only, and owns its checkpoints and state chunks, so jobs never write the same chunk.
+Where the jobs run is not part of the artifact: S × K jobs on any number of workers, or one after another
+in one process (the pipeline's ``scores`` task), write the same bytes.
 
-1. ``begin`` claims the artifact (resuming finished batches) and one call creates every array
-   before any shard starts, so no two shards race on ``create_array``;
-2. the shards run as mapped Prefect tasks on a ``DaskTaskRunner`` (an existing scheduler or a
-   ``LocalCluster``);
-3. once all shards returned, one call writes the attributes and consolidated metadata, and the
-   completion marker is written last; the flow holds the artifact's writer lock throughout, exactly
-   as ``tasks.common.run_stage`` does.
+Placement: one single-threaded dask worker per device. With ``dask.address`` (or ``address``) the jobs go
+to that scheduler; otherwise this process starts a cluster: ``dask_cuda.LocalCUDACluster`` (one worker per
+visible GPU) on a cuda machine, a ``LocalCluster`` of single-threaded worker processes on a CPU. GPU
+workers of a multi-machine cluster: ``CUDA_VISIBLE_DEVICES=k dask worker tcp://scheduler:8786 --nthreads 1``
+per GPU (or ``dask cuda worker tcp://scheduler:8786``).
 
-The per-sample rows are those the unsharded stage writes (each batch's numbers depend only on the
-batch, given the same torch thread count); the moment state has two rows per shard, which the stats
-stage merges, so the statistics agree with the unsharded run's to float64 rounding.
+Order of operations, which keeps the store consistent:
+
+1. the flow takes the artifact's writer lock, claims it (resuming finished jobs) and creates every array
+   before any job starts, so no two jobs race on ``create_array``;
+2. the jobs are submitted to the cluster as plain dask tasks. A job whose worker dies is rerun by the
+   scheduler on another worker, and the rerun resumes from the job's newest complete checkpoint (a job's
+   state is written only by the job, final state and ``shard_batches`` last), so no batch is folded twice;
+3. once every job returned, one call copies the block edges into place and writes the attributes and
+   consolidated metadata, and the completion marker is written last.
+
+``covgrad plan --config …`` prints the partition and the memory each worker needs before anything runs.
 """
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from prefect import flow, task, unmapped
-from prefect.cache_policies import NO_CACHE
-from prefect_dask import DaskTaskRunner
+from distributed import Client, LocalCluster
+from prefect import flow
 
 from covgrad.config import PipelineConfig
+from covgrad.shardplan import ModelShape, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks import scores
 from tasks.plan import plan
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of ``device`` (a cuda device's total; the host's RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def resolve_shards(job: "scores.ScoresJob", workers: int) -> tuple[int, int]:
+    """``scores.shards=auto`` for a job's model and rollouts on ``workers`` devices like this process's."""
+    work = Workload(
+        B=job.B,
+        L=int(job.ro["tokens"].shape[1]),
+        N=job.N,
+        n_batches=len(job.batches),
+        state_dtype=job.cfg.scores.state_dtype,
+        device=job.device.type,
+        keep_rows=job.cfg.scores.byte_budget >= job.N * job.P * 4,
+    )
+    chosen = make_plan(job.layout, ModelShape.of(job.model), work, "auto", workers, device_memory(job.device))
+    return chosen.samples, chosen.blocks
 
 
 def _shard_inputs(cfg: PipelineConfig, instance: str) -> tuple[ArtifactRef, dict[str, ArtifactRef]]:
@@ -46,77 +80,99 @@ def _shard_inputs(cfg: PipelineConfig, instance: str) -> tuple[ArtifactRef, dict
     return node.ref, upstream
 
 
-@task(name="scores-shard", cache_policy=NO_CACHE)
-def scores_shard(
+def run_job(
     ref: ArtifactRef,
     cfg: PipelineConfig,
     instance: str,
     upstream: dict[str, ArtifactRef],
-    shard: tuple[int, int],
+    shards: tuple[int, int],
+    job: tuple[int, int],
     torch_threads: int,
-) -> None:
-    """Compute the batches of ``shard = (i, n)`` into the store at ``ref`` with ``torch_threads`` threads."""
+) -> tuple[int, int]:
+    """On a worker: compute ``job`` = (sample shard, block) of the store at ``ref`` with ``torch_threads``
+    threads; return ``job``."""
     torch.set_num_threads(torch_threads)
-    scores.ScoresJob(ArtifactStore(ref.root), ref, cfg, instance, upstream, n_shards=shard[1]).run(shard)
+    scores.ScoresJob(ArtifactStore(ref.root), ref, cfg, instance, upstream, shards=shards).run(job)
+    return job
 
 
-@flow(name="covgrad-scores-sharded")
-def sharded_scores_flow(
-    config: PipelineConfig, instance: str, n_shards: int = 2, torch_threads: int = 1
-) -> dict[str, Any]:
-    """Compute scores instance ``instance`` (e.g. ``scores.policy.policy``) in ``n_shards`` mapped
-    tasks on the flow's task runner; return ``{"key", "computed", "n_shards"}``."""
-    if n_shards < 1:
-        raise ValueError(f"n_shards {n_shards} must be at least 1")
+def run_sharded(config: PipelineConfig, instance: str, client: Client, torch_threads: int = 1) -> dict[str, Any]:
+    """Compute scores instance ``instance`` as its S × K jobs on ``client``'s workers; return
+    ``{"key", "computed", "shards"}``. ``scores.shards=auto`` plans for the cluster's worker count."""
     if torch_threads < 1:
         raise ValueError(f"torch_threads {torch_threads} must be at least 1")
     ref, upstream = _shard_inputs(config, instance)
     store = ArtifactStore(config.root)
     if store.is_complete(ref):
-        return {"key": ref.key, "computed": False, "n_shards": n_shards}
+        return {"key": ref.key, "computed": False, "shards": store.marker(ref).get("shards")}
     with store.lock(ref):
         if store.is_complete(ref):
-            return {"key": ref.key, "computed": False, "n_shards": n_shards}
+            return {"key": ref.key, "computed": False, "shards": store.marker(ref).get("shards")}
         claim = store.begin(ref, {"instance": instance, "params": config.scores.params}, resume=True)
-        job = scores.ScoresJob(store, ref, config, instance, upstream, n_shards=n_shards)
+        job = scores.ScoresJob(store, ref, config, instance, upstream, workers=len(client.nthreads()))
         job.prepare()
-        futures = scores_shard.map(
-            unmapped(ref),
-            unmapped(config),
-            unmapped(instance),
-            unmapped(upstream),
-            [(i, n_shards) for i in range(n_shards)],
-            unmapped(torch_threads),
-        )
-        futures.result()
+        shards = (job.S, job.K)
+        futures = [
+            client.submit(
+                run_job,
+                ref,
+                config,
+                instance,
+                upstream,
+                shards,
+                j,
+                torch_threads,
+                key=f"scores-job-{j[0]}-{j[1]}-{ref.key}",
+                pure=False,
+            )
+            for j in job.jobs()
+        ]
+        client.gather(futures)
         extra = job.finalize()
         if extra is None:
-            raise RuntimeError(f"scores {ref.key}: batches still pending after all {n_shards} shards finished")
-        store.complete(ref, claim, {"n_shards": n_shards, **extra})
-    return {"key": ref.key, "computed": True, "n_shards": n_shards}
+            raise RuntimeError(f"scores {ref.key}: jobs still pending after all {len(futures)} returned")
+        store.complete(ref, claim, extra)
+    return {"key": ref.key, "computed": True, "shards": list(shards)}
+
+
+@contextmanager
+def cluster_client(address: str | None, n_workers: int) -> Iterator[Client]:
+    """A client of the scheduler at ``address``, or of a cluster started here: one worker per GPU
+    (``dask_cuda.LocalCUDACluster``) on a cuda machine, ``n_workers`` single-threaded processes on a CPU."""
+    if address is not None:
+        with Client(address, timeout="30s") as client:
+            yield client
+        return
+    if torch.cuda.is_available():
+        try:
+            from dask_cuda import LocalCUDACluster
+        except ImportError:
+            raise ValueError(
+                "one dask worker per GPU needs dask-cuda (pip install dask-cuda), or start "
+                "`CUDA_VISIBLE_DEVICES=k dask worker tcp://scheduler:8786 --nthreads 1` per GPU and set dask.address"
+            ) from None
+        cluster = LocalCUDACluster(threads_per_worker=1, dashboard_address=None)
+    else:
+        cluster = LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=None)
+    with cluster, Client(cluster) as client:
+        yield client
+
+
+@flow(name="covgrad-scores-sharded")
+def sharded_scores_flow(
+    config: PipelineConfig, instance: str, address: str | None = None, torch_threads: int = 1
+) -> dict[str, Any]:
+    """Compute scores instance ``instance`` (e.g. ``scores.policy.policy``) as the jobs of
+    ``scores.shards`` on the dask scheduler at ``address`` (default ``config.dask.address``), or on a
+    cluster of this machine's devices; return ``{"key", "computed", "shards"}``."""
+    shards = config.scores.shards
+    n_workers = 1 if shards == "auto" else min(shards[0] * shards[1], os.cpu_count() or 1)
+    with cluster_client(address or config.dask.address, n_workers) as client:
+        return run_sharded(config, instance, client, torch_threads)
 
 
 def sharded_scores(
-    config: PipelineConfig,
-    instance: str,
-    n_shards: int = 2,
-    address: str | None = None,
-    torch_threads: int = 1,
+    config: PipelineConfig, instance: str, address: str | None = None, torch_threads: int = 1
 ) -> dict[str, Any]:
-    """Run ``sharded_scores_flow`` on the dask scheduler at ``address`` (default ``config.dask.address``),
-    or on a fresh ``LocalCluster`` of ``n_shards`` single-threaded worker processes when neither is set."""
-    address = address or config.dask.address
-    if address is not None:
-        runner = DaskTaskRunner(address=address)
-    else:
-        runner = DaskTaskRunner(
-            cluster_kwargs={
-                "n_workers": n_shards,
-                "threads_per_worker": 1,
-                "processes": True,
-                "dashboard_address": None,
-            }
-        )
-    return sharded_scores_flow.with_options(task_runner=runner)(
-        config=config, instance=instance, n_shards=n_shards, torch_threads=torch_threads
-    )
+    """Run :func:`sharded_scores_flow` (a Prefect flow run) and return its result."""
+    return sharded_scores_flow(config=config, instance=instance, address=address, torch_threads=torch_threads)

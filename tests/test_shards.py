@@ -1,0 +1,108 @@
+"""Shards over samples and parameter blocks, in one process: blocks never change a byte of the state,
+the sample partition is part of the artifact, and the shard plan's arithmetic (a Qwen2.5-7B-shaped model
+on 8 × 80 GB GPUs, built on the meta device)."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from covgrad.config import PipelineConfig
+from covgrad.layout import select_parameters, split_blocks
+from storage.artifacts import ArtifactStore
+from tasks.plan import plan
+from tasks.registry import STAGE_TASKS
+from tests.test_deployments import user_config, write_checkpoint
+
+SCORES = "scores.policy.policy"
+STATE = ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as")
+
+
+def configured(cfg: PipelineConfig, root: Path, **scores: object) -> PipelineConfig:
+    data = cfg.model_dump(mode="json")
+    data["root"] = str(root)
+    data["scores"].update(scores)
+    return PipelineConfig.model_validate(data)
+
+
+def run_stage(cfg: PipelineConfig, name: str) -> None:
+    nodes = plan(cfg)
+    node = nodes[name]
+    STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: nodes[u].ref for u in node.upstream})
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> tuple[PipelineConfig, Path]:
+    """Base model and rollouts of the tiny user-model config (8 batches of one prompt group)."""
+    tmp = tmp_path_factory.mktemp("shards")
+    cfg = user_config(tmp / "root", write_checkpoint(tmp / "ckpt"), tmp / "task.jsonl")
+    cfg = configured(cfg, tmp / "root", groups_per_batch=1, checkpoint_batches=1, byte_budget=0)
+    run_stage(cfg, "base_model")
+    run_stage(cfg, "rollouts.policy")
+    return cfg, tmp / "root"
+
+
+def scores_group(upstream, tmp: Path, name: str, **scores: object):
+    """The scores store of the upstream config with ``scores`` overrides, computed in a copy of the root."""
+    cfg, root = upstream
+    shutil.copytree(root, tmp / name)
+    cfg = configured(cfg, tmp / name, **scores)
+    run_stage(cfg, SCORES)
+    return cfg, ArtifactStore(cfg.root).open_group(plan(cfg)[SCORES].ref, "scores.zarr", mode="r")
+
+
+def test_split_blocks_partition_the_layout():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    layout = select_parameters(model)
+    for n in range(1, len(layout.entries) + 1):
+        blocks = split_blocks(layout, n)
+        assert len(blocks) == n and all(b.entries for b in blocks)
+        assert [e.name for b in blocks for e in b.entries] == layout.names
+        assert sum(b.P for b in blocks) == layout.P
+        assert all(b.entries[0].offset == 0 for b in blocks)
+    assert [b.P for b in split_blocks(layout, 2)] == [40, 90]  # cut at the tensor end nearest P/2 = 65
+    with pytest.raises(ValueError, match="7 parameter blocks cannot be made from 6"):
+        split_blocks(layout, 7)
+
+
+@pytest.mark.parametrize("chunk", [65536, 512])  # one chunk (every boundary is an edge), and many
+def test_parameter_blocks_do_not_change_a_byte(upstream, tmp_path, monkeypatch, chunk):
+    """1 × 1, 1 × 2 and one block per tensor: identical state bytes (each column depends on its tensor only)."""
+    import tasks.scores
+
+    monkeypatch.setattr(tasks.scores, "PARAM_CHUNK", chunk)
+    _, one = scores_group(upstream, tmp_path, "one", shards=[1, 1])
+    n_tensors = len(one.attrs["tensors"])
+    for blocks in (2, n_tensors):
+        _, many = scores_group(upstream, tmp_path, f"b{blocks}", shards=[1, blocks])
+        assert many.attrs["shards"] == [1, blocks] and len(many.attrs["block_starts"]) == blocks + 1
+        assert np.count_nonzero(many["c_as"][...]) > 0
+        for name in (*STATE, "advantage", "group", "batch_done"):
+            assert one[name][...].tobytes() == many[name][...].tobytes(), (blocks, name)
+        assert many["shard_batches"][...].tolist() == [[8] * blocks]
+        assert list(many["ckpt/shard0/block1"].group_keys()) == []
+
+
+def test_sample_shards_are_in_the_key_and_blocks_keep_their_bytes(upstream, tmp_path):
+    """2 × 2 in one process equals 2 × 1 byte for byte; 1 and 2 sample shards are different artifacts
+    whose statistics agree to float64 rounding. Two prompt groups per batch, so that each shard's rows
+    hold both parity halves and the stats stage's merge differs from the single shard's."""
+    cfg1, one = scores_group(upstream, tmp_path, "s1", shards=[1, 1], groups_per_batch=2)
+    cfg2, two = scores_group(upstream, tmp_path, "s2", shards=[2, 1], groups_per_batch=2)
+    _, twobytwo = scores_group(upstream, tmp_path, "s2b2", shards=[2, 2], groups_per_batch=2)
+    assert plan(cfg1)[SCORES].ref.key != plan(cfg2)[SCORES].ref.key
+    for name in (*STATE, "batch_done"):
+        assert two[name][...].tobytes() == twobytwo[name][...].tobytes(), name
+    assert two["count"][...].tolist() == [8, 8, 8, 8] and two["shard_batches"][...].tolist() == [[2], [2]]
+    worst = {}
+    for cfg in (cfg1, cfg2):
+        run_stage(cfg, "stats.policy.policy")
+    s1, s2 = (ArtifactStore(c.root).open_group(plan(c)["stats.policy.policy"].ref, "stats.zarr") for c in (cfg1, cfg2))
+    for name in ("m", "F", "Fvar", "G", "Cov"):
+        a, b = s1[name][...], s2[name][...]
+        worst[name] = float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
+        assert worst[name] < 1e-13, (name, worst[name])
+    assert not all(s1[n][...].tobytes() == s2[n][...].tobytes() for n in ("m", "F", "G"))  # another merge tree
+    print("max |1 shard - 2 shards| / max |1 shard|:", {k: f"{v:.1e}" for k, v in worst.items()})
