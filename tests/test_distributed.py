@@ -1,5 +1,6 @@
 """Distributed execution on a dask LocalCluster: the stats stage through ``dask.address`` and score
-extraction sharded over two worker processes must write exactly what the in-process run writes."""
+extraction as 2 sample shards × 2 parameter blocks over two worker processes (one of them killed mid-job
+in one test) must write exactly what the same partition computed in one process writes."""
 
 import json
 import shutil
@@ -8,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from distributed import WorkerPlugin
 
 from covgrad.config import PipelineConfig
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -58,54 +60,136 @@ def cluster():
 @pytest.fixture(scope="module")
 def threaded(tmp_path_factory: pytest.TempPathFactory) -> PipelineConfig:
     """Rollouts of the tiny user-model config, a copy of that root for the distributed runs
-    (``{tmp}/upstream``), and then scores and stats computed in-process in ``{tmp}/threaded``."""
+    (``{tmp}/upstream``), and then scores (2 sample shards × 2 parameter blocks, one job after another)
+    and stats computed in-process in ``{tmp}/threaded``. Eight batches of one prompt group, a checkpoint
+    after every batch."""
     tmp = tmp_path_factory.mktemp("distributed")
     ckpt = write_checkpoint(tmp / "ckpt")
-    cfg = user_config(tmp / "threaded", ckpt, tmp / "task.jsonl")
+    cfg = user_config(
+        tmp / "threaded",
+        ckpt,
+        tmp / "task.jsonl",
+        **{"scores.shards": [2, 2], "scores.groups_per_batch": 1, "scores.checkpoint_batches": 1},
+    )
     run_stages(cfg, ["base_model", "rollouts.policy"])
     shutil.copytree(tmp / "threaded", tmp / "upstream")
     run_stages(cfg, [SCORES, "stats.policy.policy"])
     return cfg
 
 
-def test_sharded_scores_equal_one_worker(prefect_server, threaded: PipelineConfig, cluster, tmp_path: Path):
+def scores_store(cfg: PipelineConfig) -> zarr.Group:
+    return ArtifactStore(cfg.root).open_group(plan(cfg)[SCORES].ref, "scores.zarr")
+
+
+def assert_same_scores(cfg: PipelineConfig, threaded: PipelineConfig) -> None:
+    """Every array of the two scores stores has the same bytes, and the attributes agree."""
+    one, two = scores_store(threaded), scores_store(cfg)
+    assert two.attrs["shards"] == [2, 2] and two["shard_batches"][...].tolist() == [[4, 4], [4, 4]]
+    assert two["count"][...].sum() == one["advantage"].shape[0]  # every sample folded once
+    assert np.count_nonzero(one["c_as"][...]) > 0
+    assert_same_group(one, two)
+
+
+def test_sharded_scores_equal_one_process(prefect_server, threaded: PipelineConfig, cluster, tmp_path: Path):
+    """2 × 2 jobs on two worker processes: the bytes of the same partition computed in one process; the
+    jobs ran on both workers (the scheduler's task stream)."""
+    from distributed import Client
+
     from tasks.shards import sharded_scores
 
     shutil.copytree(Path(threaded.root).parent / "upstream", tmp_path / "root")
     cfg = with_root(threaded, tmp_path / "root")
-    out = sharded_scores(cfg, SCORES, n_shards=2, address=cluster.scheduler_address)
-    assert out["computed"] and out["n_shards"] == 2
-    ref = plan(cfg)[SCORES].ref
+    with Client(cluster.scheduler_address) as client:
+        client.get_task_stream()  # the scheduler records the stream from its first request on
+        out = sharded_scores(cfg, SCORES, address=cluster.scheduler_address)
+        stream = [t for t in client.get_task_stream() if str(t["key"]).startswith("scores-job-")]
+    assert out["computed"] and out["shards"] == [2, 2]
+    assert len(stream) == 4 and len({t["worker"] for t in stream}) == 2, stream
     store = ArtifactStore(cfg.root)
-    assert store.is_complete(ref) and store.marker(ref)["n_shards"] == 2
-    one = ArtifactStore(threaded.root).open_group(plan(threaded)[SCORES].ref, "scores.zarr")
-    two = store.open_group(ref, "scores.zarr")
-    assert np.count_nonzero(one["scores"][...]) > 0 and np.count_nonzero(one["c_as"][...]) > 0
-    for name in ("scores", "advantage", "group", "batch_done"):  # per-sample data: byte for byte
-        assert one[name][...].tobytes() == two[name][...].tobytes(), name
-    assert two["count"].shape == (4,) and two["shard_batches"][:].sum() == one["batch_done"].shape[0]
-    # moment state: one pair of parity rows per shard, which merge to the one-worker rows
-    from covgrad.stats import Moments, merge_moments
-
-    def half(g, h: int) -> Moments:
-        rows = np.arange(g["count"].shape[0]) % 2 == h
-        return merge_moments(Moments(*(g[n][...][rows] for n in ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as"))))
-
-    for h in (0, 1):
-        a, b = half(one, h), half(two, h)
-        for name in ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as"):
-            np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-12, atol=1e-15, err_msg=name)
-    again = sharded_scores(cfg, SCORES, n_shards=2, address=cluster.scheduler_address)
+    assert store.is_complete(plan(cfg)[SCORES].ref)
+    assert_same_scores(cfg, threaded)
+    again = sharded_scores(cfg, SCORES, address=cluster.scheduler_address)
     assert not again["computed"]
 
 
-def test_sharded_scores_rejects_bad_input(prefect_server, threaded: PipelineConfig):
-    from tasks.shards import sharded_scores_flow
+class PauseAfterCheckpoint(WorkerPlugin):
+    """Worker plugin: the first job to complete its second checkpoint writes its worker's pid to
+    ``flag`` and waits there (to be killed); every other job runs on."""
 
-    with pytest.raises(ValueError, match="not a planned scores artifact"):
-        sharded_scores_flow.fn(threaded, "stats.policy.policy")
-    with pytest.raises(ValueError, match="n_shards 0"):
-        sharded_scores_flow.fn(threaded, SCORES, n_shards=0)
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def setup(self, worker) -> None:
+        import os
+        import time
+
+        import tasks.scores
+
+        real, flag = tasks.scores.ScoresJob._drop_checkpoints, self.flag
+
+        def drop(job, g, which, keep):
+            real(job, g, which, keep)
+            if keep == 2:
+                try:
+                    fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    return
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+                time.sleep(300)
+
+        tasks.scores.ScoresJob._drop_checkpoints = drop
+
+
+def test_worker_killed_mid_job_gives_the_same_bytes(threaded: PipelineConfig, cluster, tmp_path: Path):
+    """SIGKILL the worker process running a job after its second checkpoint: the scheduler reruns the job
+    elsewhere, the rerun resumes from that checkpoint, and the store has the uninterrupted bytes."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from distributed import Client
+
+    from tasks.shards import run_sharded
+
+    shutil.copytree(Path(threaded.root).parent / "upstream", tmp_path / "root")
+    cfg = with_root(threaded, tmp_path / "root")
+    flag = tmp_path / "paused.pid"
+    plugin = PauseAfterCheckpoint(str(flag))
+    with Client(cluster.scheduler_address) as client:
+        client.register_plugin(plugin, name="pause-after-checkpoint")
+        try:
+            result: dict = {}
+            runner = threading.Thread(target=lambda: result.update(run_sharded(cfg, SCORES, client)))
+            runner.start()
+            deadline = time.monotonic() + 240
+            while not (flag.exists() and flag.read_text()):
+                assert time.monotonic() < deadline and runner.is_alive(), "no job reached its second checkpoint"
+                time.sleep(0.1)
+            pid = int(flag.read_text())
+            pids = client.run(os.getpid)  # worker address -> process id
+            victim = next(addr for addr, p in pids.items() if p == pid)
+            busy = client.processing()[victim]
+            assert any(str(k).startswith("scores-job-") for k in busy), busy
+            os.kill(pid, signal.SIGKILL)
+            runner.join(timeout=300)
+            assert not runner.is_alive() and result.get("computed"), result
+        finally:
+            client.unregister_worker_plugin("pause-after-checkpoint")
+    assert_same_scores(cfg, threaded)
+
+
+def test_sharded_scores_rejects_bad_input(prefect_server, threaded: PipelineConfig, cluster):
+    from distributed import Client
+
+    from tasks.shards import run_sharded
+
+    with Client(cluster.scheduler_address) as client:
+        with pytest.raises(ValueError, match="not a planned scores artifact"):
+            run_sharded(threaded, "stats.policy.policy", client)
+        with pytest.raises(ValueError, match="torch_threads 0"):
+            run_sharded(threaded, SCORES, client, torch_threads=0)
 
 
 def test_stats_on_local_cluster_equal_threaded(threaded: PipelineConfig, cluster, tmp_path: Path):

@@ -90,9 +90,9 @@ def test_moment_state_matches_per_sample_rows(run):
     S = g["scores"][:].astype(np.float64)
     A = g["advantage"][:]
     half = g["group"][:] % 2
-    assert g["count"].shape == (2,) and g["mean_s"].shape == (2, S.shape[1]) and g["shard_batches"][:].tolist() == [4]
+    assert g["count"].shape == (2,) and g["mean_s"].shape == (2, S.shape[1]) and g["shard_batches"][:].tolist() == [[4]]
     assert g.attrs["per_sample_rows"] and g.attrs["state_dtype"] == "float64"
-    assert list(g["ckpt/shard0"].group_keys()) == []  # checkpoints are dropped once the final rows are written
+    assert list(g["ckpt/shard0/block0"].group_keys()) == []  # checkpoints are dropped once the final rows are written
     for h in (0, 1):
         s, a = S[half == h], A[half == h]
         ds, da = s - s.mean(0), a - a.mean()
