@@ -113,8 +113,9 @@ def test_sharded_scores_equal_one_process(prefect_server, threaded: PipelineConf
 
 
 class PauseAfterCheckpoint(WorkerPlugin):
-    """Worker plugin: the first job to complete its second checkpoint writes its worker's pid to
-    ``flag`` and waits there (to be killed); every other job runs on."""
+    """Worker plugin: the first job to complete its second checkpoint writes "pid i k" (its worker's
+    process id and the job) to ``flag`` and waits there (to be killed); every other job runs on. Each job start appends
+    "i k restored-batches" to ``flag``.log."""
 
     def __init__(self, flag: str) -> None:
         self.flag = flag
@@ -126,6 +127,13 @@ class PauseAfterCheckpoint(WorkerPlugin):
         import tasks.scores
 
         real, flag = tasks.scores.ScoresJob._drop_checkpoints, self.flag
+        real_restore = tasks.scores.ScoresJob._restore
+
+        def restore(job, g, which, acc):
+            done = real_restore(job, g, which, acc)
+            with open(flag + ".log", "a") as f:
+                f.write(f"{which[0]} {which[1]} {done}\n")
+            return done
 
         def drop(job, g, which, keep):
             real(job, g, which, keep)
@@ -134,11 +142,12 @@ class PauseAfterCheckpoint(WorkerPlugin):
                     fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
                 except FileExistsError:
                     return
-                os.write(fd, str(os.getpid()).encode())
+                os.write(fd, f"{os.getpid()} {which[0]} {which[1]}".encode())
                 os.close(fd)
                 time.sleep(300)
 
         tasks.scores.ScoresJob._drop_checkpoints = drop
+        tasks.scores.ScoresJob._restore = restore
 
 
 def test_worker_killed_mid_job_gives_the_same_bytes(threaded: PipelineConfig, cluster, tmp_path: Path):
@@ -167,16 +176,18 @@ def test_worker_killed_mid_job_gives_the_same_bytes(threaded: PipelineConfig, cl
             while not (flag.exists() and flag.read_text()):
                 assert time.monotonic() < deadline and runner.is_alive(), "no job reached its second checkpoint"
                 time.sleep(0.1)
-            pid = int(flag.read_text())
+            pid, i, k = flag.read_text().split()
             pids = client.run(os.getpid)  # worker address -> process id
-            victim = next(addr for addr, p in pids.items() if p == pid)
-            busy = client.processing()[victim]
-            assert any(str(k).startswith("scores-job-") for k in busy), busy
-            os.kill(pid, signal.SIGKILL)
+            victim = next(addr for addr, p in pids.items() if p == int(pid))
+            busy = [str(key) for key in client.processing()[victim]]  # running and queued there
+            assert any(key.startswith(f"scores-job-{i}-{k}-") for key in busy), busy
+            os.kill(int(pid), signal.SIGKILL)
             runner.join(timeout=300)
             assert not runner.is_alive() and result.get("computed"), result
         finally:
             client.unregister_worker_plugin("pause-after-checkpoint")
+    starts = Path(f"{flag}.log").read_text().split("\n")
+    assert f"{i} {k} 0" in starts and f"{i} {k} 2" in starts, starts  # the rerun resumed from checkpoint n2
     assert_same_scores(cfg, threaded)
 
 
