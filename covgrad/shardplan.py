@@ -125,7 +125,7 @@ class ShardPlan:
         big = max(self.needs, key=lambda n: n.total)
         out = [
             f"shards: {self.samples} sample shards x {self.blocks} parameter blocks = {jobs} jobs "
-            f"on {self.workers} workers ({-(-jobs // self.workers)} rounds)",
+            f"on {self.workers} workers (rounds: {-(-jobs // self.workers)})",
             f"per-worker device memory: {gb(self.need)} GB needed of {gb(self.device_bytes)} GB "
             f"({'fits' if self.fits else 'does NOT fit'}, {HEADROOM:.0%} usable)",
             f"  largest job: weights+activations+logits {gb(big.fixed)}, block in flight {gb(big.in_flight)}, "

@@ -171,6 +171,28 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
         print(f"report:  {store.root}/report/{report['key']}/report.html")
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the scores stage's shards, the device memory each worker needs and the store size."""
+    import torch
+
+    from tasks.shards import device_memory, plan_for_config
+
+    cfg = load_config(args.config, list(args.set or []))
+    cuda = torch.cuda.is_available()
+    gpu = (cuda or args.device_memory is not None) and cfg.scores.device != "cpu"
+    device = args.device or ("cuda" if gpu else "cpu")
+    workers = args.workers or (torch.cuda.device_count() if device == "cuda" and cuda else 1)
+    if args.device_memory is not None:
+        memory = int(args.device_memory * 1e9)
+    elif device == "cuda" and not cuda:
+        raise ValueError("no CUDA device is visible here; give --device-memory GB to plan for one")
+    else:
+        memory = device_memory(torch.device(device))
+    lines, chosen = plan_for_config(cfg, workers, memory, device, args.prompt_tokens)
+    print("\n".join(lines))
+    return 0 if chosen.fits else 1  # 1: the plan does not fit the devices
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     import fsspec
 
@@ -310,6 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--root", help="artifact root (local path or fsspec URL)")
     p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("plan", help="print the scores shards, per-worker device memory and store size")
+    p.add_argument("--config", help="YAML config (default: the built-in demo)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--workers", type=int, help="devices (dask workers); default: the visible GPUs, else 1")
+    p.add_argument("--device-memory", type=float, metavar="GB", help="memory per device in GB (1e9 bytes)")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if visible or --device-memory is set")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length assumed for L (default 128)")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("report", help="rebuild a run's report from its stores (no model needed)")
     p.add_argument("run", help="run key or name")
     p.add_argument("--root", default=default_root)

@@ -28,6 +28,7 @@ Order of operations, which keeps the store consistent:
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,8 @@ from distributed import Client, LocalCluster
 from prefect import flow
 
 from covgrad.config import PipelineConfig
-from covgrad.shardplan import ModelShape, Workload, make_plan
+from covgrad.layout import select_parameters
+from covgrad.shardplan import ModelShape, ShardPlan, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks import scores
 from tasks.plan import plan
@@ -63,6 +65,70 @@ def resolve_shards(job: "scores.ScoresJob", workers: int) -> tuple[int, int]:
     )
     chosen = make_plan(job.layout, ModelShape.of(job.model), work, "auto", workers, device_memory(job.device))
     return chosen.samples, chosen.blocks
+
+
+def meta_model(cfg: PipelineConfig) -> torch.nn.Module:
+    """The policy's architecture on the meta device (no weights read, no memory): from ``config.json``
+    of ``model.path``, or the demo model's sizes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, cfg.model.dtype))
+    try:
+        if cfg.model.path is None:
+            from covgrad.models import build_demo_model
+            from covgrad.task import build_char_tokenizer
+
+            with torch.device("meta"):
+                return build_demo_model(cfg.model.demo, build_char_tokenizer())
+        config_file = Path(cfg.model.path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"model.path {cfg.model.path!r} has no config.json")
+        trust = cfg.model.trust_remote_code
+        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True, trust_remote_code=trust)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def plan_for_config(
+    cfg: PipelineConfig, workers: int, device_bytes: int, device: str, prompt_tokens: int
+) -> tuple[list[str], ShardPlan]:
+    """The shard plan of ``cfg``'s scores artifacts on ``workers`` devices of ``device_bytes`` each (before
+    anything runs: the model on the meta device, prompts of ``prompt_tokens`` tokens); returns the lines
+    to print and the plan."""
+    model = meta_model(cfg)
+    layout = select_parameters(model, cfg.scores.params)
+    samplers = cfg.rollouts.samplers.values()
+    group = max(s.group_size for s in samplers)
+    if cfg.task.kind == "jsonl" and cfg.task.path and Path(cfg.task.path).is_file():
+        prompts = sum(1 for line in Path(cfg.task.path).read_text().splitlines() if line.strip())
+    else:
+        prompts = cfg.task.n_prompts
+    N = prompts * group
+    work = Workload(
+        B=cfg.scores.groups_per_batch * group,
+        L=prompt_tokens + max(s.max_new_tokens for s in samplers),
+        N=N,
+        n_batches=-(-prompts // cfg.scores.groups_per_batch),
+        state_dtype=cfg.scores.state_dtype,
+        device=device,
+        keep_rows=cfg.scores.byte_budget >= N * layout.P * 4,
+    )
+    shape = ModelShape.of(model)
+    chosen = make_plan(layout, shape, work, cfg.scores.shards, workers, device_bytes)
+    instances = [n for n, node in plan(cfg).items() if node.ref.stage == "scores"]
+    lines = [
+        f"model: {cfg.model.path or 'demo'} ({shape.n_params / 1e9:.3g}e9 parameters, {cfg.model.dtype}); "
+        f"selected P = {layout.P} in {len(layout.entries)} tensors",
+        f"batch: B = {work.B} samples of L = {work.L} tokens ({prompt_tokens} prompt + responses), "
+        f"N = {N} samples in {work.n_batches} batches; state {work.state_dtype}",
+        f"scores.shards = {cfg.scores.shards if cfg.scores.shards == 'auto' else list(cfg.scores.shards)}",
+        *chosen.lines(),
+        f"scores artifacts: {len(instances)} ({', '.join(instances)}), each of this size",
+    ]
+    return lines, chosen
 
 
 def _shard_inputs(cfg: PipelineConfig, instance: str) -> tuple[ArtifactRef, dict[str, ArtifactRef]]:

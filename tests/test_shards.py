@@ -89,7 +89,7 @@ def test_sample_shards_are_in_the_key_and_blocks_keep_their_bytes(upstream, tmp_
     """2 × 2 in one process equals 2 × 1 byte for byte; 1 and 2 sample shards are different artifacts
     whose statistics agree to float64 rounding. Two prompt groups per batch, so that each shard's rows
     hold both parity halves and the stats stage's merge differs from the single shard's."""
-    cfg1, one = scores_group(upstream, tmp_path, "s1", shards=[1, 1], groups_per_batch=2)
+    cfg1, _ = scores_group(upstream, tmp_path, "s1", shards=[1, 1], groups_per_batch=2)
     cfg2, two = scores_group(upstream, tmp_path, "s2", shards=[2, 1], groups_per_batch=2)
     _, twobytwo = scores_group(upstream, tmp_path, "s2b2", shards=[2, 2], groups_per_batch=2)
     assert plan(cfg1)[SCORES].ref.key != plan(cfg2)[SCORES].ref.key
@@ -106,3 +106,72 @@ def test_sample_shards_are_in_the_key_and_blocks_keep_their_bytes(upstream, tmp_
         assert worst[name] < 1e-13, (name, worst[name])
     assert not all(s1[n][...].tobytes() == s2[n][...].tobytes() for n in ("m", "F", "G"))  # another merge tree
     print("max |1 shard - 2 shards| / max |1 shard|:", {k: f"{v:.1e}" for k, v in worst.items()})
+
+
+QWEN7B = {  # Qwen2.5-7B's config values (bf16, untied LM head)
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+    "architectures": ["Qwen2ForCausalLM"],
+}
+
+
+@pytest.fixture(scope="module")
+def qwen7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config file for a Qwen2.5-7B-shaped model directory that holds only ``config.json`` (no weights)."""
+    import yaml
+    from transformers import Qwen2Config
+
+    tmp = tmp_path_factory.mktemp("qwen7b")
+    Qwen2Config(**QWEN7B).save_pretrained(tmp / "model")
+    config = {
+        "name": "qwen7b",
+        "root": str(tmp / "runs"),
+        "model": {"path": str(tmp / "model"), "dtype": "bfloat16"},
+        "task": {"kind": "addition", "n_prompts": 256},
+        "rollouts": {"samplers": {"policy": {"group_size": 4, "max_new_tokens": 128}}},
+        "scores": {"groups_per_batch": 1, "state_dtype": "float32", "shards": "auto"},
+    }
+    (tmp / "qwen7b.yaml").write_text(yaml.safe_dump(config))
+    return tmp / "qwen7b.yaml"
+
+
+def test_plan_qwen7b_on_eight_80gb_gpus(qwen7b: Path):
+    """The plan's arithmetic by hand: P from the config values, the fixed part of every job, the state per
+    block; auto picks the fewest blocks that fit 90% of 80 GB."""
+    from covgrad.shardplan import HEADROOM
+    from flows.cli import load_config
+    from tasks.shards import plan_for_config
+
+    cfg = load_config(str(qwen7b), [])
+    V, H, I, layers, kv = 152064, 3584, 18944, 28, 512
+    per_layer = (H * H + H) + 2 * (kv * H + kv) + H * H + 3 * H * I + 2 * H
+    P = 2 * V * H + layers * per_layer + H
+    assert P == 7_615_616_512
+    B, L = 4, 128 + 128
+    fixed = 2 * P + layers * B * L * ((8 * H + 4 * I) * 2 + 28 * L * 6) + B * L * V * (2 + 8)
+    lines, chosen = plan_for_config(cfg, 8, 80 * 10**9, "cuda", 128)
+    print("\n".join(lines))
+    assert (chosen.samples, chosen.blocks) == (1, 7) and chosen.fits
+    assert sum(n.P for n in chosen.needs) == P and all(n.fixed == fixed for n in chosen.needs)
+    assert all(n.state == 32 * n.P for n in chosen.needs)
+    assert chosen.needs[0].in_flight == B * 4 * V * H  # block 0 holds the embedding, the largest tensor
+    assert chosen.need <= HEADROOM * 80e9 and chosen.store_bytes == 32 * P
+    six = plan_for_config(load_config(str(qwen7b), ["scores.shards=[1, 6]"]), 8, 80 * 10**9, "cuda", 128)[1]
+    assert not six.fits  # auto's 7 blocks are the fewest that fit
+    two = plan_for_config(load_config(str(qwen7b), ["scores.shards=[2, 8]"]), 8, 80 * 10**9, "cuda", 128)[1]
+    assert two.fits and two.store_bytes == 2 * 32 * P
+
+
+def test_plan_command(qwen7b: Path, capsys: pytest.CaptureFixture[str]):
+    from flows.cli import main
+
+    assert main(["plan", "--config", str(qwen7b), "--workers", "8", "--device-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "1 sample shards x 7 parameter blocks = 7 jobs on 8 workers" in out and "(fits," in out
+    assert main(["plan", "--config", str(qwen7b), "--set", "scores.shards=[1, 400]", "--device-memory", "80"]) == 2
+    assert "400 parameter blocks cannot be made from 339 selected tensors" in capsys.readouterr().err
