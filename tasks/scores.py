@@ -172,9 +172,10 @@ class ScoresJob:
         sampler_centered = self.centering == "sampler"
         self.mu_source = MuSource(store, up["base_model"], cfg, self.ro, self.sampler) if sampler_centered else None
 
-    def _state_arrays(self, g: Any, rows: int, P: int) -> None:
-        """Create the moment-state arrays (rows, P) in group ``g`` (existing ones are kept)."""
-        for name in SCALARS:
+    def _state_arrays(self, g: Any, rows: int, P: int, scalars: bool = True) -> None:
+        """Create the moment-state arrays (rows, P) in group ``g``, and the (rows,) scalars unless
+        ``scalars`` is False (existing arrays are kept)."""
+        for name in SCALARS if scalars else ():
             if name not in g:
                 g.create_array(name, shape=(rows,), chunks=(2,), dtype="float64", fill_value=0, dimension_names=["row"])
         for name in self.state_names:
@@ -382,7 +383,7 @@ class ScoresJob:
             edge_width = sum(p[1].stop - p[1].start for p in self._pieces(k) if p[2])
             edges = g[f"edges/shard{i}/block{k}"] if edge_width else None
             if edges is not None:
-                self._state_arrays(edges, 2, edge_width)
+                self._state_arrays(edges, 2, edge_width, scalars=False)
             pieces = [
                 (src, dst, edges if edge else g, slice(0, 2) if edge else slice(2 * i, 2 * i + 2))
                 for src, dst, edge in self._pieces(k)
