@@ -120,7 +120,7 @@ def plan_for_config(
     chosen = make_plan(layout, shape, work, cfg.scores.shards, workers, device_bytes)
     instances = [n for n, node in plan(cfg).items() if node.ref.stage == "scores"]
     lines = [
-        f"model: {cfg.model.path or 'demo'} ({shape.n_params / 1e9:.3g}e9 parameters, {cfg.model.dtype}); "
+        f"model: {cfg.model.path or 'demo'} ({shape.n_params:.4g} parameters, {cfg.model.dtype}); "
         f"selected P = {layout.P} in {len(layout.entries)} tensors",
         f"batch: B = {work.B} samples of L = {work.L} tokens ({prompt_tokens} prompt + responses), "
         f"N = {N} samples in {work.n_batches} batches; state {work.state_dtype}",

@@ -82,6 +82,8 @@ def test_parameter_blocks_do_not_change_a_byte(upstream, tmp_path, monkeypatch, 
         for name in (*STATE, "advantage", "group", "batch_done"):
             assert one[name][...].tobytes() == many[name][...].tobytes(), (blocks, name)
         assert many["shard_batches"][...].tolist() == [[8] * blocks]
+        for name, arr in many.arrays():  # the edge chunks were assembled: every chunk is on disk
+            assert arr.nchunks_initialized == arr.nchunks, name
         assert list(many["ckpt/shard0/block1"].group_keys()) == []
 
 
