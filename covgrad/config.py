@@ -135,7 +135,9 @@ class ScoresSection(Section):
     # The partition of the work, part of the artifact's key: [sample shards, parameter blocks]. Sample
     # shard i folds the batches b with b % samples == i; the parameter axis is split into blocks of whole
     # tensors (covgrad.layout.split_blocks). "auto": the fewest blocks whose shard fits one device (the
-    # README's memory model), as many sample shards as that leaves workers; `covgrad plan` prints it.
+    # README's memory model), as many sample shards as that leaves workers; `covgrad plan` prints it. auto
+    # is resolved where the artifact is computed; the store records the partition (attrs "shards") and a
+    # resume that resolves another one stops with a one-line error.
     shards: Literal["auto"] | tuple[int, int] = (1, 1)
 
     @field_validator("shards")

@@ -198,10 +198,11 @@ def make_plan(
             samples = max(1, min(workers // blocks, work.n_batches))
             return _plan(layout, work, samples, blocks, needs, workers, device_bytes)
     need = max(n.total for n in needs)
+    smaller = "scores.state_dtype=float32, " if work.state_dtype == "float64" else ""
     raise ValueError(
         f"scores.shards=auto: even one tensor per block needs {gb(need)} GB per worker, more than "
-        f"{HEADROOM:.0%} of {gb(device_bytes)} GB; select fewer parameters (scores.params), use "
-        f"scores.state_dtype=float32 or a smaller batch (scores.groups_per_batch)"
+        f"{HEADROOM:.0%} of {gb(device_bytes)} GB; use {smaller}fewer parameters (scores.params) or a smaller "
+        "batch (scores.groups_per_batch)"
     )
 
 

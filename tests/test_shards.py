@@ -167,6 +167,9 @@ def test_plan_qwen7b_on_eight_80gb_gpus(qwen7b: Path):
     assert not six.fits  # auto's 7 blocks are the fewest that fit
     two = plan_for_config(load_config(str(qwen7b), ["scores.shards=[2, 8]"]), 8, 80 * 10**9, "cuda", 128)[1]
     assert two.fits and two.store_bytes == 2 * 32 * P
+    # the embedding's own block: 24.0 (weights, activations, logits) + 8.7 + 0.7 + 17.4 (state) GB
+    with pytest.raises(ValueError, match="one tensor per block needs 50.8 GB per worker, more than 90% of 24.0 GB"):
+        plan_for_config(cfg, 8, 24 * 10**9, "cuda", 128)
 
 
 def test_plan_command(qwen7b: Path, capsys: pytest.CaptureFixture[str]):
