@@ -108,6 +108,14 @@ def test_sharded_scores_equal_one_process(prefect_server, threaded: PipelineConf
     store = ArtifactStore(cfg.root)
     assert store.is_complete(plan(cfg)[SCORES].ref)
     assert_same_scores(cfg, threaded)
+    # the block axis: the same state bytes as 2 sample shards × 1 block (a different artifact)
+    shutil.copytree(Path(threaded.root).parent / "upstream", tmp_path / "unblocked")
+    data = with_root(threaded, tmp_path / "unblocked").model_dump(mode="json")
+    data["scores"]["shards"] = [2, 1]
+    unblocked = PipelineConfig.model_validate(data)
+    run_stages(unblocked, [SCORES])
+    for name in ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as", "batch_done"):
+        assert scores_store(unblocked)[name][...].tobytes() == scores_store(cfg)[name][...].tobytes(), name
     again = sharded_scores(cfg, SCORES, address=cluster.scheduler_address)
     assert not again["computed"]
 
