@@ -132,19 +132,28 @@ class ScoresSection(Section):
     # Checkpoint the state every this many batches or seconds, whichever comes first (never affects results).
     checkpoint_batches: int = Field(64, ge=1)
     checkpoint_seconds: float = Field(1800.0, gt=0)
-    # The partition of the work, part of the artifact's key: [sample shards, parameter blocks]. Sample
-    # shard i folds the batches b with b % samples == i; the parameter axis is split into blocks of whole
-    # tensors (covgrad.layout.split_blocks). "auto": the fewest blocks whose shard fits one device (the
-    # README's memory model), as many sample shards as that leaves workers; `covgrad plan` prints it. auto
-    # is resolved where the artifact is computed; the store records the partition (attrs "shards") and a
-    # resume that resolves another one stops with a one-line error.
-    shards: Literal["auto"] | tuple[int, int] = (1, 1)
+    # The partition of the work: [sample shards, parameter blocks]. Sample shard i folds the batches b with
+    # b % samples == i into its own state rows; their Chan merges run in another order than one shard's, so
+    # the sample count is part of the artifact's key (results differ in the last bits). Blocks split the
+    # parameter axis into runs of whole tensors (covgrad.layout.split_blocks) and never change a byte, so
+    # they are placement, not key: "auto" blocks are the fewest whose job fits one device by the README's
+    # memory model, resolved where the artifact is computed (`covgrad plan` prints them). "auto" alone is
+    # [1, "auto"]. The store records the partition; resuming an unfinished one with another stops with a
+    # one-line error.
+    shards: tuple[int, int | Literal["auto"]] = (1, 1)
 
-    @field_validator("shards")
+    @field_validator("shards", mode="before")
     @classmethod
-    def _shards(cls, v: Literal["auto"] | tuple[int, int]) -> Literal["auto"] | tuple[int, int]:
-        if v != "auto" and min(v) < 1:
-            raise ValueError(f"scores.shards {list(v)} needs at least 1 sample shard and 1 parameter block")
+    def _shards(cls, v: Any) -> Any:
+        if v == "auto":
+            return (1, "auto")
+        if isinstance(v, list | tuple) and len(v) == 2:
+            samples, blocks = v
+            bad_blocks = blocks != "auto" and (not isinstance(blocks, int) or blocks < 1)
+            if not isinstance(samples, int) or samples < 1 or bad_blocks:
+                raise ValueError(
+                    f'scores.shards {list(v)} needs a sample-shard count >= 1 and a block count >= 1 or "auto"'
+                )
         return v
 
 

@@ -177,30 +177,29 @@ def make_plan(
     layout: ParamLayout,
     shape: ModelShape,
     work: Workload,
-    shards: tuple[int, int] | str,
+    shards: tuple[int, int | str],
     workers: int,
     device_bytes: int,
 ) -> ShardPlan:
-    """The plan for ``shards`` = (sample shards, parameter blocks), or ``"auto"``: the fewest blocks whose
-    jobs fit a device, and as many sample shards as leave no worker idle (at most one per batch).
+    """The plan for ``shards`` = (sample shards, parameter blocks); blocks ``"auto"``: the fewest whose
+    jobs fit a device.
 
     Raises ValueError naming the values when ``"auto"`` finds no fitting split (one tensor too large).
     """
     if workers < 1 or device_bytes <= 0:
         raise ValueError(f"workers ({workers}) and device memory ({device_bytes} bytes) must be positive")
-    if shards != "auto":
-        samples, blocks = shards
+    samples, blocks = shards
+    if blocks != "auto":
         needs = block_needs(layout, shape, work, blocks)
         return _plan(layout, work, samples, blocks, needs, workers, device_bytes)
-    for blocks in range(1, len(layout.entries) + 1):
-        needs = block_needs(layout, shape, work, blocks)
+    for k in range(1, len(layout.entries) + 1):
+        needs = block_needs(layout, shape, work, k)
         if max(n.total for n in needs) <= HEADROOM * device_bytes:
-            samples = max(1, min(workers // blocks, work.n_batches))
-            return _plan(layout, work, samples, blocks, needs, workers, device_bytes)
+            return _plan(layout, work, samples, k, needs, workers, device_bytes)
     need = max(n.total for n in needs)
     smaller = "scores.state_dtype=float32, " if work.state_dtype == "float64" else ""
     raise ValueError(
-        f"scores.shards=auto: even one tensor per block needs {gb(need)} GB per worker, more than "
+        f"scores.shards=[{samples}, auto]: even one tensor per block needs {gb(need)} GB per worker, more than "
         f"{HEADROOM:.0%} of {gb(device_bytes)} GB; use {smaller}fewer parameters (scores.params) or a smaller "
         "batch (scores.groups_per_batch)"
     )

@@ -85,9 +85,8 @@ def plan(cfg: PipelineConfig) -> dict[str, Node]:
                 "byte_budget": cfg.scores.byte_budget,
                 "state_dtype": cfg.scores.state_dtype,
                 "dtype": cfg.model.dtype,
-                # the partition is part of what is computed (which batches merge in which order); where
-                # the jobs run is not
-                "shards": cfg.scores.shards if cfg.scores.shards == "auto" else list(cfg.scores.shards),
+                # sample shards change the order of the merges; parameter blocks and placement change no byte
+                "sample_shards": cfg.scores.shards[0],
             }
             _node(store, nodes, f"scores.{name}.{c}", score_cfg, ("base_model", f"rollouts.{name}"))
             _node(store, nodes, f"stats.{name}.{c}", {}, (f"scores.{name}.{c}",))

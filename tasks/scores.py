@@ -130,7 +130,7 @@ class ScoresJob:
     every array (once, before any job runs), ``run((i, k))`` folds the batches b with b % S == i into
     the columns of parameter block k, and ``finalize`` assembles the block edges and writes the attributes
     and consolidated metadata once every job is done. ``shards`` = (S, K) defaults to ``scores.shards``
-    (``"auto"``: planned for ``workers`` devices like this process's, :func:`tasks.shards.resolve_shards`)."""
+    (``"auto"`` blocks: the fewest that fit one device like this process's, :func:`tasks.shards.resolve_shards`)."""
 
     def __init__(
         self,
@@ -154,7 +154,7 @@ class ScoresJob:
         self.N, self.P = len(self.group), self.layout.P
         self.batches = group_batches(self.group, cfg.scores.groups_per_batch)
         self.B = max(hi - lo for lo, hi in self.batches)
-        if shards is None and cfg.scores.shards == "auto":
+        if shards is None and cfg.scores.shards[1] == "auto":
             from tasks.shards import resolve_shards
 
             shards = resolve_shards(self, workers)

@@ -53,7 +53,8 @@ def device_memory(device: torch.device) -> int:
 
 
 def resolve_shards(job: "scores.ScoresJob", workers: int) -> tuple[int, int]:
-    """``scores.shards=auto`` for a job's model and rollouts on ``workers`` devices like this process's."""
+    """``scores.shards`` with its blocks resolved (``"auto"``: the fewest whose job fits one device like this
+    process's) for a job's model and rollouts on ``workers`` such devices."""
     work = Workload(
         B=job.B,
         L=int(job.ro["tokens"].shape[1]),
@@ -63,7 +64,9 @@ def resolve_shards(job: "scores.ScoresJob", workers: int) -> tuple[int, int]:
         device=job.device.type,
         keep_rows=job.cfg.scores.byte_budget >= job.N * job.P * 4,
     )
-    chosen = make_plan(job.layout, ModelShape.of(job.model), work, "auto", workers, device_memory(job.device))
+    chosen = make_plan(
+        job.layout, ModelShape.of(job.model), work, job.cfg.scores.shards, workers, device_memory(job.device)
+    )
     return chosen.samples, chosen.blocks
 
 
@@ -124,7 +127,7 @@ def plan_for_config(
         f"selected P = {layout.P} in {len(layout.entries)} tensors",
         f"batch: B = {work.B} samples of L = {work.L} tokens ({prompt_tokens} prompt + responses), "
         f"N = {N} samples in {work.n_batches} batches; state {work.state_dtype}",
-        f"scores.shards = {cfg.scores.shards if cfg.scores.shards == 'auto' else list(cfg.scores.shards)}",
+        f"scores.shards = {list(cfg.scores.shards)}",
         *chosen.lines(),
         f"scores artifacts: {len(instances)} ({', '.join(instances)}), each of this size",
     ]
@@ -164,7 +167,7 @@ def run_job(
 
 def run_sharded(config: PipelineConfig, instance: str, client: Client, torch_threads: int = 1) -> dict[str, Any]:
     """Compute scores instance ``instance`` as its S × K jobs on ``client``'s workers; return
-    ``{"key", "computed", "shards"}``. ``scores.shards=auto`` plans for the cluster's worker count."""
+    ``{"key", "computed", "shards"}``. ``"auto"`` blocks are resolved for devices like this process's."""
     if torch_threads < 1:
         raise ValueError(f"torch_threads {torch_threads} must be at least 1")
     ref, upstream = _shard_inputs(config, instance)
@@ -231,8 +234,8 @@ def sharded_scores_flow(
     """Compute scores instance ``instance`` (e.g. ``scores.policy.policy``) as the jobs of
     ``scores.shards`` on the dask scheduler at ``address`` (default ``config.dask.address``), or on a
     cluster of this machine's devices; return ``{"key", "computed", "shards"}``."""
-    shards = config.scores.shards
-    n_workers = 1 if shards == "auto" else min(shards[0] * shards[1], os.cpu_count() or 1)
+    samples, blocks = config.scores.shards
+    n_workers = min(samples * (1 if blocks == "auto" else blocks), os.cpu_count() or 1)
     with cluster_client(address or config.dask.address, n_workers) as client:
         return run_sharded(config, instance, client, torch_threads)
 

@@ -87,6 +87,22 @@ def test_parameter_blocks_do_not_change_a_byte(upstream, tmp_path, monkeypatch, 
         assert list(many["ckpt/shard0/block1"].group_keys()) == []
 
 
+def test_the_key_holds_the_sample_shards_not_the_blocks(upstream):
+    """Blocks (and "auto" blocks) change no byte, so they share the key; sample shards do not; bad values
+    are one-line config errors."""
+    cfg, root = upstream
+    keys = {
+        str(shards): plan(configured(cfg, root, shards=shards))[SCORES].ref.key
+        for shards in ([1, 1], [1, 3], [1, "auto"], "auto", [2, 1], [2, "auto"])
+    }
+    assert keys["[1, 1]"] == keys["[1, 3]"] == keys["[1, 'auto']"] == keys["auto"]
+    assert keys["[2, 1]"] == keys["[2, 'auto']"] != keys["[1, 1]"]
+    assert configured(cfg, root, shards="auto").scores.shards == (1, "auto")
+    for bad in ([0, 1], [1, 0], [1, "many"], [2.5, 1]):
+        with pytest.raises(ValueError, match="scores.shards"):
+            configured(cfg, root, shards=bad)
+
+
 def test_sample_shards_are_in_the_key_and_blocks_keep_their_bytes(upstream, tmp_path):
     """2 × 2 in one process equals 2 × 1 byte for byte; 1 and 2 sample shards are different artifacts
     whose statistics agree to float64 rounding. Two prompt groups per batch, so that each shard's rows
