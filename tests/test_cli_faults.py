@@ -64,6 +64,18 @@ def test_config_typo_is_one_line_in_under_two_seconds(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
+def run_user_model(tmp_path: Path, model: Path, task: Path, *sets: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``covgrad run`` of configs/user.yaml on ``model`` and ``task`` (and ``--set`` each of ``sets``);
+    the process and its wall time."""
+    sets = (f"model.path={model}", f"task.path={task}", "task.reward=covgrad.rewards:mentions_answer", *sets)
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO / "configs" / "user.yaml")]
+    cmd += ["--root", str(tmp_path / "root"), *(a for x in sets for a in ("--set", x))]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs")}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return proc, time.perf_counter() - t0
+
+
 def test_truncated_weights_are_one_line_in_under_two_seconds(tmp_path):
     """Preflight reads the model directory (config and safetensors header) before torch or Prefect load."""
     model = tmp_path / "model"
@@ -72,16 +84,29 @@ def test_truncated_weights_are_one_line_in_under_two_seconds(tmp_path):
     (model / "model.safetensors").write_bytes((1000).to_bytes(8, "little") + b'{"a": ')  # header cut short
     task = tmp_path / "task.jsonl"
     task.write_text('{"prompt": "1+2=", "answer": "3"}\n')
-    sets = [f"model.path={model}", f"task.path={task}", "task.reward=covgrad.rewards:mentions_answer"]
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO / "configs" / "user.yaml")]
-    cmd += ["--root", str(tmp_path / "root"), *(a for x in sets for a in ("--set", x))]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs")}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    seconds = time.perf_counter() - t0
+    proc, seconds = run_user_model(tmp_path, model, task)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.safetensors" in lines[0], proc.stderr
+    assert seconds < 2.0, f"preflight took {seconds:.2f} s"
+    assert not (tmp_path / "root").exists()
+
+
+def test_prompt_over_the_context_is_one_line_in_under_two_seconds(tmp_path):
+    """Preflight counts prompt tokens with tokenizer.json against config.json's context, before torch."""
+    from tests.test_deployments import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "model")  # the character tokenizer: BOS + one token per character
+    task = tmp_path / "task.jsonl"
+    long = json.dumps({"prompt": "1" * 70, "answer": "1"})
+    task.write_text(f'{{"prompt": "1+2=", "answer": "3"}}\n{{"prompt": "2+2=", "answer": "4"}}\n{long}\n')
+    budget = [f"rollouts.samplers.{name}.max_new_tokens=8" for name in ("policy", "truncated")]
+    proc, seconds = run_user_model(tmp_path, model, task, *budget)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    said = f"{task}:3: the prompt is 71 tokens; with rollouts.samplers.policy.max_new_tokens=8 that is 79 > the model's"
+    assert said in lines[0] and "context of 64 positions" in lines[0], lines[0]
     assert seconds < 2.0, f"preflight took {seconds:.2f} s"
     assert not (tmp_path / "root").exists()
 
