@@ -9,6 +9,7 @@ The runs start from a copy of a finished tiny pipeline, so only the stages under
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -137,8 +138,14 @@ def nan_on_seven(prompt: str, response: str, answer: str) -> float:
     return float("nan") if answer == "7" else 1.0
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_during_scores_leaves_no_child_and_rerun_under_load_resumes_identically(reference, tmp_path, signum):
+@pytest.mark.parametrize(
+    ("signum", "loaded"), [(signal.SIGTERM, True), (signal.SIGINT, False)], ids=["SIGTERM-rerun-under-load", "SIGINT"]
+)
+def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(reference, tmp_path, signum, loaded):
+    """The signal lands once scores has claimed its artifact (the temporary Prefect server is up): covgrad
+    stops it and exits 128 + signum, no process it started is left (checked by PID), the scores artifact
+    is not marked complete, and a rerun (after SIGTERM under load: a burner spinning on each of the two
+    cores for the whole rerun, server start included) resumes it to the uninterrupted run's bytes."""
     ref_root, nodes = reference
     root = tmp_path / "root"
     shutil.copytree(ref_root, root)
@@ -160,17 +167,52 @@ def test_signal_during_scores_leaves_no_child_and_rerun_under_load_resumes_ident
     left = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"child processes left running: {left}"
     assert not (root / ref.stage / ref.key / "_COMPLETE.json").exists()
-    if signum == signal.SIGINT:
-        return  # the resume (under load) is checked once, after SIGTERM
 
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if loaded else 0)]
     try:
         rerun = covgrad(root)
-        _, err = rerun.communicate(timeout=600)
+        out, err = rerun.communicate(timeout=600)
+        assert all(b.poll() is None for b in burners), "a burner stopped before the rerun finished"
     finally:
         for b in burners:
             b.kill()
             b.wait()
     assert rerun.returncode == 0, err[-3000:]
+    computed = re.search(r"(\d+) stage\(s\) computed", out)
+    assert computed and int(computed.group(1)) >= 1, out  # scores resumed, and what reads it recomputed
     art = root / ref.stage / ref.key
+    assert (art / "_COMPLETE.json").exists()
     assert digests(art) == digests(ref_root / ref.stage / ref.key)
+
+
+def test_degenerate_run_exits_zero_and_says_so(tmp_path):
+    """``covgrad run`` with every reward equal (the analysed sampler) and a one-record import beside it:
+    exit 0, the headline states both conditions in words and prints no overlap, ρ or Spearman numbers."""
+    import yaml
+
+    from tests.test_deployments import user_config, write_checkpoint
+
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt_ids": [1, 5], "response_ids": [6, 2], "reward": 1.0, "logprobs": [-1.0, -0.5]}))
+    samplers = {
+        "policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16},
+        "one": {"import_path": str(one), "on_policy": True},
+    }
+    cfg = user_config(
+        tmp_path / "root",
+        write_checkpoint(tmp_path / "ckpt"),
+        tmp_path / "task.jsonl",
+        **{"task.reward": "tests.test_edge_cases:constant_reward", "rollouts.samplers": samplers},
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs")})
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| finding | no reward variance: G ≡ 0; overlap, ρ and the bound are undefined |" in out, out
+    assert "one/policy: too few samples: N = 1, the statistics need N ≥ 2;" in out, out
+    assert not [line for line in out.splitlines() if line.startswith(("| overlap(", "| max_abs_rho", "| spearman"))]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("covgrad:")], proc.stderr[-3000:]
