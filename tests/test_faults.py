@@ -90,10 +90,13 @@ def damage(path: Path, how: str) -> None:
     ("instance", "array", "how"),
     [
         ("rollouts.policy", "reward", "delete"),
+        ("rollouts.stale", "tokens", "truncate"),
+        ("rollouts.policy", "advantage", "flip"),
         ("scores.policy.policy", "mean_s", "delete"),
         ("scores.policy.policy", "mean_s", "truncate"),
         ("scores.stale.sampler", "m2_s", "flip"),
         ("stats.policy.policy", "F", "flip"),
+        ("stats.policy.policy", "G", "delete"),
         ("stats.stale.sampler", "rho", "truncate"),
     ],
 )
@@ -234,6 +237,9 @@ def test_all_rewards_equal_is_a_finding_without_overlap_numbers(reference, tmp_p
     for line in out.splitlines():
         if line.startswith("| policy") or line.startswith("| stale"):
             assert line.rstrip(" |").endswith("nan"), line  # overlap_1pct is the last column
+    full = (root / "_reports" / "flat" / "report.md").read_text()
+    assert "Finding: no reward variance: G ≡ 0; overlap, ρ and the bound are undefined." in full
+    assert "| overlap(" not in full and "Overlap of the top sets" not in full and "overlap.png" not in full
 
 
 def test_degenerate_conditions():
