@@ -6,9 +6,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from covgrad.config import DemoModel
+from covgrad.task import DEMO_CONTEXT
 
 
-def build_demo_model(cfg: DemoModel, tokenizer: PreTrainedTokenizerBase, max_positions: int = 64) -> LlamaForCausalLM:
+def build_demo_model(
+    cfg: DemoModel, tokenizer: PreTrainedTokenizerBase, max_positions: int = DEMO_CONTEXT
+) -> LlamaForCausalLM:
     """A tiny Llama (RMSNorm, rotary, SwiGLU) for the demo, initialised from ``cfg.seed``.
 
     Sizes come from ``cfg``; the default (hidden 96, 2 layers) has about 2.2e5 parameters.

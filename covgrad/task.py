@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # transformers loads lazily: reading prompts and a reward must not wait for it
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
 RewardFn = Callable[[str, str, str], float]
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ADDITION_CHARS = "0123456789+="
+DEMO_CONTEXT = 64  # positions of the demo model (covgrad.models.build_demo_model)
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,13 @@ def addition_reward(prompt: str, response: str, answer: str) -> float:
     return 1.0 if response.strip() == answer else 0.0
 
 
-def build_char_tokenizer(chars: str = ADDITION_CHARS) -> PreTrainedTokenizerFast:
-    """A character-level Hugging Face tokenizer: one token per character, BOS prepended.
+def char_tokenizer(chars: str = ADDITION_CHARS) -> Tokenizer:
+    """The demo's character-level ``tokenizers.Tokenizer``: one token per character, BOS prepended.
 
-    Ids: 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``<unk>``, then the characters in order.
-    ``save_pretrained(dir)`` makes it loadable with ``AutoTokenizer.from_pretrained(dir)``.
+    Ids: 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``<unk>``, then the characters in order. Needs only the
+    ``tokenizers`` library, so preflight can count prompt tokens before transformers loads.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     if len(set(chars)) != len(chars):
         raise ValueError(f"tokenizer characters must be distinct, got {chars!r}")
@@ -73,8 +74,23 @@ def build_char_tokenizer(chars: str = ADDITION_CHARS) -> PreTrainedTokenizerFast
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])
+    return tok
+
+
+def build_char_tokenizer(chars: str = ADDITION_CHARS) -> PreTrainedTokenizerFast:
+    """:func:`char_tokenizer` as a Hugging Face tokenizer (right padding).
+
+    ``save_pretrained(dir)`` makes it loadable with ``AutoTokenizer.from_pretrained(dir)``.
+    """
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK, padding_side="right"
+        tokenizer_object=char_tokenizer(chars),
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="right",
     )
 
 

@@ -13,12 +13,15 @@ from covgrad.layout import ParamLayout
 def load_masks(artifact_dir: str, q: float) -> tuple[dict[str, np.ndarray], ParamLayout]:
     """Every ``{metric}_{scope}`` mask of ``{artifact_dir}/masks.zarr`` at fraction ``q``, and the layout.
 
-    ValueError naming the available fractions when ``q`` was not computed.
+    ValueError naming the available fractions when ``q`` was not computed, or the degenerate condition
+    when the artifact holds no masks.
     """
     path = Path(artifact_dir) / "masks.zarr"
     if not path.is_dir():
         raise FileNotFoundError(f"{str(path)!r} does not exist; pass a masks artifact directory ({{root}}/masks/<key>)")
     g = zarr.open_group(str(path), mode="r")
+    if g.attrs.get("degenerate"):
+        raise ValueError(f"{str(path)!r} holds no masks: {g.attrs['degenerate']}")
     qs = g["q"][:]
     hits = np.flatnonzero(np.isclose(qs, q))
     if not hits.size:

@@ -3,6 +3,10 @@
 Store ``masks.zarr``: ``{metric}_{scope}`` (q, param) bool masks for metric ∈ {F, absG, absrho} and
 scope ∈ {global, per_tensor}; tables ``overlap.{csv,json,md}``, ``bound.{csv,json}``,
 ``tensors.{csv,md}`` (each tensor's share of the top sets) and ``summary.json`` (Spearman, q list).
+
+When the statistics record a degenerate condition (N < 2, no scored tokens, std(A) = 0), the top set
+by |G| (and by ρ, and the bound mask) is undefined, so the artifact holds only the ``q`` axis and the
+condition (``degenerate`` in attrs and ``summary.json``): no masks, no overlap, bound or share tables.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from covgrad.layout import ParamLayout
 from covgrad.topk import bound_mask_table, overlap_table, spearman, topk_global, topk_per_tensor
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.tables import to_csv, to_markdown
-from tasks.common import StageResult, run_stage
+from tasks.common import StageResult, log, run_stage
 from tasks.stats import STORE as STATS
 
 STORE = "masks.zarr"
@@ -26,6 +30,9 @@ STORE = "masks.zarr"
 
 def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:
     st = store.open_group(up, STATS, mode="r")
+    finding = st.attrs.get("degenerate")
+    if finding:
+        return _no_masks(store, ref, st, cfg.masks.qs, finding)
     layout = ParamLayout.from_records(st.attrs["tensors"])
     scalars = st.attrs["scalars"]
     # (param,) arrays are read when needed and released after: memory holds a few of them, not all seven
@@ -73,9 +80,22 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     store.write_text(ref, "tensors.md", to_markdown(share_rows))
     summary = {"spearman_F_absG": rho_s, "qs": qs, "P": P, "bound_recall_min": _min_recall(bound)}
     store.write_json(ref, "summary.json", summary)
-    g.attrs.update({"summary": json.loads(json.dumps(summary, default=float)), "tensors": st.attrs["tensors"]})
+    summary_attr = json.loads(json.dumps(summary, default=float))
+    g.attrs.update({"summary": summary_attr, "tensors": st.attrs["tensors"], "degenerate": None})
     store.consolidate(ref, STORE)
     return {"spearman_F_absG": rho_s}
+
+
+def _no_masks(store: ArtifactStore, ref: ArtifactRef, st: Any, qs: list[float], finding: str) -> dict[str, Any]:
+    """The masks artifact of degenerate statistics: the ``q`` axis and the finding, nothing ranked."""
+    g = store.open_group(ref, STORE, mode="w")
+    g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
+    summary = {"degenerate": finding, "qs": qs, "P": int(st.attrs["scalars"]["P"])}
+    store.write_json(ref, "summary.json", summary)
+    g.attrs.update({"summary": summary, "tensors": st.attrs["tensors"], "degenerate": finding})
+    store.consolidate(ref, STORE)
+    log.warning("masks %s: no masks: %s", ref.key, finding)
+    return {"degenerate": finding}
 
 
 def _min_recall(rows: list[dict[str, Any]]) -> float:

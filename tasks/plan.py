@@ -20,11 +20,11 @@ VERSIONS = {
     "base_model": base_model.VERSION,
     "rollouts": "1",
     "scores": "4",
-    "stats": "2",
-    "masks": "1",
+    "stats": "3",
+    "masks": "2",
     "tokens": "2",
-    "update_check": "1",
-    "report": "3",
+    "update_check": "2",
+    "report": "4",
 }
 
 

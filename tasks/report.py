@@ -403,7 +403,11 @@ def _headline(report: Report, run: _Run, cfg: PipelineConfig, main: str) -> None
             }
         numbers |= {"zero_mean_trace": float(s["zero_mean_trace"]), "zero_mean_coord": float(s["zero_mean_coord"])}
         report.numbers.update(numbers)
-        rows += [{"quantity": k, "value": v, "note": HEADLINE_NOTES.get(k, "")} for k, v in numbers.items()]
+        gap = None if finding else st.attrs.get("crossfit_undefined")
+        notes = {**HEADLINE_NOTES, **{k: gap for k in numbers if gap and k.startswith("crossfit_")}}
+        if gap:
+            report.numbers["crossfit_undefined"] = gap
+        rows += [{"quantity": k, "value": v, "note": notes.get(k, "")} for k, v in numbers.items()]
         if np.any((F > 0) & (G != 0)):
             report.plots["fisher_vs_grad.png"] = plot_fisher_vs_grad(F, np.abs(G), adv_rms)
     else:
@@ -554,6 +558,9 @@ def _update_check(report: Report, run: _Run) -> None:
     summary = run.json("update_check", "summary.json")
     cells = summary.get("cells_at_one_step", [])
     report.numbers["update_check"] = summary
+    if summary.get("degenerate"):
+        report.blocks.append(("p", f"No optimizer steps: {summary['degenerate']}."))
+        return
     if cells:
         lead = ("optimizer", "precision", "lr")
         report.blocks.append(("table", [{**{k: c.get(k, "") for k in lead}, **c} for c in cells]))

@@ -24,10 +24,10 @@ from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
 from covgrad.task import response_texts, score_rewards
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.readers import prompt_locations, read_located_records
+from storage.readers import read_located_records
 from tasks.base_model import load_models
 from tasks.common import StageResult, progress_bar, run_stage
-from tasks.preflight import load_task
+from tasks.preflight import check_context, load_task, prompt_places
 
 STORE = "rollouts.zarr"
 
@@ -79,7 +79,8 @@ def _reward(reward_fn: Any, problem: Any, response: str, where: str) -> float:
         raise ValueError(f"{where}: {msg} (response {response!r})") from None
 
 
-def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: SamplerSection, base: ArtifactRef):
+def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, name: str, base: ArtifactRef):
+    s = cfg.rollouts.samplers[name]
     problems, reward_fn = load_task(cfg)
     policy, tokenizer = load_models(store, base, "policy", cfg)
     sampler = policy if s.model == "policy" else load_models(store, base, s.model, cfg)[0]
@@ -87,17 +88,11 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: Sa
     if sampler.get_input_embeddings().num_embeddings != V:
         raise ValueError(f"sampler model {s.model!r} has a different vocabulary size than the policy ({V})")
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
-    if cfg.task.kind == "jsonl" and cfg.task.path is not None:
-        where = prompt_locations(cfg.task.path)
-    else:
-        where = [f"prompt {i}" for i in range(len(problems))]
-    limit = context_length(policy)
-    for i, p in enumerate(prompts):
-        if len(p) + s.max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens; with max_new_tokens={s.max_new_tokens} it exceeds the "
-                f"model's context of {limit} (at {where[i]})"
-            )
+    where = prompt_places(cfg, len(problems))
+    # preflight checked the same with tokenizer.json; this is the loaded tokenizer's word
+    check_context(
+        [len(p) for p in prompts], where, s.max_new_tokens, context_length(policy), f"rollouts.samplers.{name}"
+    )
     G, T = s.group_size, s.max_new_tokens
     per_batch = max(1, s.batch_size // G)
     n_batches = -(-len(prompts) // per_batch)
@@ -193,8 +188,8 @@ def rollouts_task(
     s = cfg.rollouts.samplers[name]
 
     def compute(store: ArtifactStore, r: ArtifactRef) -> dict[str, Any]:
-        make = _import if s.import_path else _generate
-        g, eos, pad = make(store, r, cfg, s, upstream["base_model"])
+        base = upstream["base_model"]
+        g, eos, pad = _import(store, r, cfg, s, base) if s.import_path else _generate(store, r, cfg, name, base)
         rewards = g["reward"][:]
         check_rewards(rewards)
         adv = compute_advantages(rewards, g["group"][:], cfg.rollouts.advantage)

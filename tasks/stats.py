@@ -5,8 +5,10 @@ stored float32 scores), else the moment-state rows (two per shard), in blocks al
 writes the (param,) outputs block by block, so memory is bounded by the block size, not P. Runs on
 dask's threaded scheduler, or on the dask.distributed scheduler at ``dask.address``. Store
 ``stats.zarr``: (param,) float64 arrays m, F, Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries
-over dim ``tensor``; scalars in attrs, and ``degenerate``: why the run has no finding about G
-(std(A) = 0, no scored tokens), else None.
+over dim ``tensor``; scalars in attrs; ``degenerate``: why the run has no finding about G (N < 2,
+no scored tokens, std(A) = 0), else None; ``crossfit_undefined``: why the cross-fit is undefined (a
+prompt-group half with N < 2, e.g. a single prompt group: its ratios are NaN), else None. Degenerate runs
+are findings, not errors: the stage completes and says why in its log and attrs.
 """
 
 from __future__ import annotations
@@ -47,16 +49,25 @@ def dask_scheduler(address: str | None) -> Iterator[None]:
             yield
 
 
-def load_moments(sc: Any, cols: slice = slice(None)) -> tuple[Moments, Moments, Moments]:
-    """All moments and the two prompt-group-parity halves of the parameters ``cols``, lazily, from a
-    scores group."""
+def sample_counts(sc: Any) -> tuple[int, int, int]:
+    """N and the samples of the even and the odd prompt-group halves of a scores group."""
+    if "scores" in sc:
+        parity = sc["group"][:] % 2
+        return int(parity.size), int((parity == 0).sum()), int((parity == 1).sum())
+    count = sc["count"][:]  # rows 2·shard + half
+    return int(count.sum()), int(count[0::2].sum()), int(count[1::2].sum())
+
+
+def load_moments(sc: Any, cols: slice = slice(None), halves: bool = True) -> tuple[Moments, ...]:
+    """All moments of the parameters ``cols`` and, with ``halves``, those of the two prompt-group-parity
+    halves (even, odd), lazily, from a scores group."""
     if "scores" in sc:
         S = da.from_zarr(sc["scores"])[:, cols]
         A = sc["advantage"][:]
         parity = sc["group"][:] % 2
         rows = S.chunks[0][0]
-        halves = [sample_moments(S[parity == h], A[parity == h], block_rows=rows) for h in (0, 1)]
-        return sample_moments(S, A, block_rows=rows), halves[0], halves[1]
+        parts = [sample_moments(S[parity == h], A[parity == h], block_rows=rows) for h in (0, 1)] if halves else []
+        return sample_moments(S, A, block_rows=rows), *parts
     count = sc["count"][:]
     arrays = {n: da.from_zarr(sc[n])[:, cols] for n in ("mean_s", "m2_s", "c_as")}
     if "mean_s_lo" in sc:  # float32 state: the mean is an unevaluated pair hi + lo
@@ -71,17 +82,32 @@ def load_moments(sc: Any, cols: slice = slice(None)) -> tuple[Moments, Moments, 
         )
 
     r = np.arange(len(count))
-    return pick(np.ones_like(r, dtype=bool)), pick(r % 2 == 0), pick(r % 2 == 1)
+    return pick(np.ones_like(r, dtype=bool)), *((pick(r % 2 == 0), pick(r % 2 == 1)) if halves else ())
 
 
-def degenerate(any_score: bool, std_A: float) -> str | None:
-    """Why the run's statistics carry no finding about G (in words), or None: every score is 0 (no
-    scored tokens; ``any_score`` is whether some F_i > 0), or std(A) = 0 (no reward variance: G ≡ 0)."""
+def degenerate(N: int, any_score: bool, std_A: float) -> str | None:
+    """Why the run's statistics carry no finding about G (in words), or None: fewer than two samples,
+    every score 0 (no scored tokens; ``any_score`` is whether some F_i > 0), or std(A) = 0 (no reward
+    variance: G ≡ 0)."""
+    if N < 2:
+        return f"too few samples: N = {N}, the statistics need N ≥ 2; F, G, overlap, ρ and the bound are undefined"
     if not any_score:
         return "no scored tokens: every score is 0; F, G, overlap, ρ and the bound are undefined"
     if not float(std_A) > 0:
         return "no reward variance: G ≡ 0; overlap, ρ and the bound are undefined"
     return None
+
+
+def crossfit_gap(n_even: int, n_odd: int) -> str | None:
+    """Why the cross-fit is undefined (a prompt-group half with fewer than two samples), or None."""
+    small = [(name, n) for name, n in (("even", n_even), ("odd", n_odd)) if n < 2]
+    if not small:
+        return None
+    name, n = small[0]
+    return (
+        f"cross-fit undefined: the {name} prompt groups hold N = {n} samples, each half needs N ≥ 2; "
+        "give at least two prompt groups"
+    )
 
 
 def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:
@@ -93,9 +119,13 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     outputs = (*PARAM_STATS, "crossfit_ratio")
     for name in outputs:
         g.create_array(name, shape=(P,), chunks=(chunk,), dtype="float64", dimension_names=["param"])
+    N, n_even, n_odd = sample_counts(sc)
+    gap = crossfit_gap(n_even, n_odd)
+    nan = float("nan")
     # Parameter blocks of whole chunks, one after the other: memory is bounded by the block, not P. The
     # (param,) statistics are elementwise in the parameter, so blocks give exactly the whole-P values;
-    # the scalars are sums, counts and maxima over blocks.
+    # the scalars are sums, counts and maxima over blocks. With N < 2 every statistic is undefined: the
+    # arrays are written as NaN (every chunk exists) and nothing is reduced.
     block = chunk * 64
     totals = {"bound_violations": 0, "m2_sum": 0.0, "fvar_sum": 0.0, "coord_sum": 0.0, "coord_n": 0, "max_rho": -1.0}
     cross_counts = [{"n_exceed": 0, "n_finite": 0} for _ in range(2)]
@@ -105,12 +135,17 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
         warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported below, as a finding
         for j in range(0, max(P, 1), block):
             cols = slice(j, min(P, j + block))
-            full, even, odd = load_moments(sc, cols)
-            lazy = (compute_stats(full), crossfit_stats(even, odd), crossfit_stats(odd, even))
-            stats, *cross = dask.compute(*lazy)
+            if N < 2:
+                for name in outputs:
+                    g[name][cols] = np.full(cols.stop - cols.start, nan)
+                continue
+            full, *halves = load_moments(sc, cols, halves=gap is None)
+            lazy_cross = [crossfit_stats(*halves), crossfit_stats(*halves[::-1])] if halves else []
+            stats, *cross = dask.compute(compute_stats(full), *lazy_cross)
             for name in PARAM_STATS:
                 g[name][cols] = np.asarray(stats[name], dtype=np.float64)
-            g["crossfit_ratio"][cols] = np.asarray(cross[0]["ratio"], dtype=np.float64)
+            ratio = cross[0]["ratio"] if cross else np.full(cols.stop - cols.start, nan)
+            g["crossfit_ratio"][cols] = np.asarray(ratio, dtype=np.float64)
             first = first or stats
             m, Fvar, rho = (np.asarray(stats[k]) for k in ("m", "Fvar", "rho"))
             varies = Fvar > 0
@@ -122,18 +157,20 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
             totals["coord_n"] += int(varies.sum())
             finite = np.abs(rho[np.isfinite(rho)])
             totals["max_rho"] = max(totals["max_rho"], float(finite.max()) if finite.size else -1.0)
-            for c, counts in zip(cross, cross_counts, strict=True):
+            for c, counts in zip(cross, cross_counts[: len(cross)], strict=True):
                 counts["n_exceed"] += int(c["n_exceed"])
                 counts["n_finite"] += int(c["n_finite"])
         stored = {k: da.from_zarr(g[k]) for k in ("F", "Fvar", "G", "rho")}
         (summary,) = dask.compute(tensor_summary(stored, layout))
-    N = float(first["N"])
-    finding = degenerate(any_score, float(first["std_A"]))
-    if finding:
-        log.warning("stats %s: %s", ref.key, finding)
-    scalars: dict[str, Any] = {k: np.asarray(first[k]).item() for k in ("N", "mean_A", "std_A", "rho_undefined")}
+    finding = degenerate(N, any_score, float(first.get("std_A", nan)))
+    for note in (finding, gap if not finding else None):
+        if note:
+            log.warning("stats %s: %s", ref.key, note)
+    if first:
+        scalars: dict[str, Any] = {k: np.asarray(first[k]).item() for k in ("N", "mean_A", "std_A", "rho_undefined")}
+    else:
+        scalars = {"N": N, "mean_A": nan, "std_A": nan, "rho_undefined": True}
     scalars["bound_violations"] = totals["bound_violations"]
-    nan = float("nan")
     scalars["zero_mean_trace"] = N * totals["m2_sum"] / totals["fvar_sum"] if totals["fvar_sum"] > 0 else nan
     scalars["zero_mean_coord"] = N * totals["coord_sum"] / totals["coord_n"] if totals["coord_n"] else nan
     summary = {k: np.asarray(v) for k, v in summary.items()}
@@ -158,6 +195,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
             "sampler": sc.attrs["sampler"],
             "source": "per-sample rows" if "scores" in sc else "moment rows",
             "degenerate": finding,
+            "crossfit_undefined": gap,
         }
     )
     store.consolidate(ref, STORE)

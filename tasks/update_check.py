@@ -17,6 +17,11 @@ Files: ``grid.{csv,json}`` (one row per optimizer, precision, lr, steps; every c
 cell at one step: changed fraction, the best ranked predictor's Jaccard against random, the rules'
 recall), and ``update.zarr`` holding the grid as (cell,) arrays, one per column, with the tensor table
 in attrs. Deterministic on CPU.
+
+When the statistics record a degenerate condition (N < 2, no scored tokens, std(A) = 0) the predictions
+are undefined (the top sets by |G| and ρ, the bound rule; and with A ≡ 0 the loss has no gradient), so
+the stage takes no steps: ``summary.json`` and the attrs record the condition (``degenerate``), with no
+grid.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from covgrad.update import RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.tables import to_csv, to_markdown
 from tasks.base_model import load_models
-from tasks.common import StageResult, run_stage
+from tasks.common import StageResult, log, run_stage
 from tasks.rollouts import STORE as ROLLOUTS
 from tasks.scores import group_batches
 from tasks.stats import STORE as STATS
@@ -118,6 +123,14 @@ def summarize(rows: list[dict[str, Any]], one_batch: bool) -> dict[str, Any]:
 def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: dict[str, ArtifactRef]) -> dict[str, Any]:
     (stats_name,) = [name for name in up if name.startswith("stats.")]
     st = store.open_group(up[stats_name], STATS, mode="r")
+    finding = st.attrs.get("degenerate")
+    if finding:
+        summary = {"degenerate": finding, "cells_at_one_step": [], "P": int(st.attrs["scalars"]["P"])}
+        store.write_json(ref, "summary.json", summary)
+        store.open_group(ref, STORE, mode="w").attrs.update({"tensors": st.attrs["tensors"], "summary": summary})
+        store.consolidate(ref, STORE)
+        log.warning("update_check %s: no steps: %s", ref.key, finding)
+        return {"degenerate": finding}
     ro = store.open_group(up[f"rollouts.{cfg.rollouts.analyse}"], ROLLOUTS, mode="r")
     policy = load_models(store, up["base_model"], "policy", cfg)[0].float().eval()
     layout = select_parameters(policy, cfg.scores.params)

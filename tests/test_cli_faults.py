@@ -9,6 +9,7 @@ The runs start from a copy of a finished tiny pipeline, so only the stages under
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -64,6 +65,18 @@ def test_config_typo_is_one_line_in_under_two_seconds(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
+def run_user_model(tmp_path: Path, model: Path, task: Path, *sets: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``covgrad run`` of configs/user.yaml on ``model`` and ``task`` (and ``--set`` each of ``sets``);
+    the process and its wall time."""
+    sets = (f"model.path={model}", f"task.path={task}", "task.reward=covgrad.rewards:mentions_answer", *sets)
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO / "configs" / "user.yaml")]
+    cmd += ["--root", str(tmp_path / "root"), *(a for x in sets for a in ("--set", x))]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs")}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return proc, time.perf_counter() - t0
+
+
 def test_truncated_weights_are_one_line_in_under_two_seconds(tmp_path):
     """Preflight reads the model directory (config and safetensors header) before torch or Prefect load."""
     model = tmp_path / "model"
@@ -72,16 +85,29 @@ def test_truncated_weights_are_one_line_in_under_two_seconds(tmp_path):
     (model / "model.safetensors").write_bytes((1000).to_bytes(8, "little") + b'{"a": ')  # header cut short
     task = tmp_path / "task.jsonl"
     task.write_text('{"prompt": "1+2=", "answer": "3"}\n')
-    sets = [f"model.path={model}", f"task.path={task}", "task.reward=covgrad.rewards:mentions_answer"]
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO / "configs" / "user.yaml")]
-    cmd += ["--root", str(tmp_path / "root"), *(a for x in sets for a in ("--set", x))]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs")}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    seconds = time.perf_counter() - t0
+    proc, seconds = run_user_model(tmp_path, model, task)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.safetensors" in lines[0], proc.stderr
+    assert seconds < 2.0, f"preflight took {seconds:.2f} s"
+    assert not (tmp_path / "root").exists()
+
+
+def test_prompt_over_the_context_is_one_line_in_under_two_seconds(tmp_path):
+    """Preflight counts prompt tokens with tokenizer.json against config.json's context, before torch."""
+    from tests.test_deployments import write_checkpoint
+
+    model = write_checkpoint(tmp_path / "model")  # the character tokenizer: BOS + one token per character
+    task = tmp_path / "task.jsonl"
+    long = json.dumps({"prompt": "1" * 70, "answer": "1"})
+    task.write_text(f'{{"prompt": "1+2=", "answer": "3"}}\n{{"prompt": "2+2=", "answer": "4"}}\n{long}\n')
+    budget = [f"rollouts.samplers.{name}.max_new_tokens=8" for name in ("policy", "truncated")]
+    proc, seconds = run_user_model(tmp_path, model, task, *budget)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    said = f"{task}:3: the prompt is 71 tokens; with rollouts.samplers.policy.max_new_tokens=8 that is 79 > the model's"
+    assert said in lines[0] and "context of 64 positions" in lines[0], lines[0]
     assert seconds < 2.0, f"preflight took {seconds:.2f} s"
     assert not (tmp_path / "root").exists()
 
@@ -112,8 +138,14 @@ def nan_on_seven(prompt: str, response: str, answer: str) -> float:
     return float("nan") if answer == "7" else 1.0
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_during_scores_leaves_no_child_and_rerun_under_load_resumes_identically(reference, tmp_path, signum):
+@pytest.mark.parametrize(
+    ("signum", "loaded"), [(signal.SIGTERM, True), (signal.SIGINT, False)], ids=["SIGTERM-rerun-under-load", "SIGINT"]
+)
+def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(reference, tmp_path, signum, loaded):
+    """The signal lands once scores has claimed its artifact (the temporary Prefect server is up): covgrad
+    stops it and exits 128 + signum, no process it started is left (checked by PID), the scores artifact
+    is not marked complete, and a rerun (after SIGTERM under load: a burner spinning on each of the two
+    cores for the whole rerun, server start included) resumes it to the uninterrupted run's bytes."""
     ref_root, nodes = reference
     root = tmp_path / "root"
     shutil.copytree(ref_root, root)
@@ -135,17 +167,52 @@ def test_signal_during_scores_leaves_no_child_and_rerun_under_load_resumes_ident
     left = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"child processes left running: {left}"
     assert not (root / ref.stage / ref.key / "_COMPLETE.json").exists()
-    if signum == signal.SIGINT:
-        return  # the resume (under load) is checked once, after SIGTERM
 
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if loaded else 0)]
     try:
         rerun = covgrad(root)
-        _, err = rerun.communicate(timeout=600)
+        out, err = rerun.communicate(timeout=600)
+        assert all(b.poll() is None for b in burners), "a burner stopped before the rerun finished"
     finally:
         for b in burners:
             b.kill()
             b.wait()
     assert rerun.returncode == 0, err[-3000:]
+    computed = re.search(r"(\d+) stage\(s\) computed", out)
+    assert computed and int(computed.group(1)) >= 1, out  # scores resumed, and what reads it recomputed
     art = root / ref.stage / ref.key
+    assert (art / "_COMPLETE.json").exists()
     assert digests(art) == digests(ref_root / ref.stage / ref.key)
+
+
+def test_degenerate_run_exits_zero_and_says_so(tmp_path):
+    """``covgrad run`` with every reward equal (the analysed sampler) and a one-record import beside it:
+    exit 0, the headline states both conditions in words and prints no overlap, ρ or Spearman numbers."""
+    import yaml
+
+    from tests.test_deployments import user_config, write_checkpoint
+
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt_ids": [1, 5], "response_ids": [6, 2], "reward": 1.0, "logprobs": [-1.0, -0.5]}))
+    samplers = {
+        "policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16},
+        "one": {"import_path": str(one), "on_policy": True},
+    }
+    cfg = user_config(
+        tmp_path / "root",
+        write_checkpoint(tmp_path / "ckpt"),
+        tmp_path / "task.jsonl",
+        **{"task.reward": "tests.test_edge_cases:constant_reward", "rollouts.samplers": samplers},
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs")})
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| finding | no reward variance: G ≡ 0; overlap, ρ and the bound are undefined |" in out, out
+    assert "one/policy: too few samples: N = 1, the statistics need N ≥ 2;" in out, out
+    assert not [line for line in out.splitlines() if line.startswith(("| overlap(", "| max_abs_rho", "| spearman"))]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("covgrad:")], proc.stderr[-3000:]

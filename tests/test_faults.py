@@ -90,10 +90,13 @@ def damage(path: Path, how: str) -> None:
     ("instance", "array", "how"),
     [
         ("rollouts.policy", "reward", "delete"),
+        ("rollouts.stale", "tokens", "truncate"),
+        ("rollouts.policy", "advantage", "flip"),
         ("scores.policy.policy", "mean_s", "delete"),
         ("scores.policy.policy", "mean_s", "truncate"),
         ("scores.stale.sampler", "m2_s", "flip"),
         ("stats.policy.policy", "F", "flip"),
+        ("stats.policy.policy", "G", "delete"),
         ("stats.stale.sampler", "rho", "truncate"),
     ],
 )
@@ -225,7 +228,7 @@ def test_all_rewards_equal_is_a_finding_without_overlap_numbers(reference, tmp_p
         warnings.simplefilter("error", RuntimeWarning)
         run_chain(cfg)
     logged = [r.getMessage() for r in caplog.records if "no reward variance" in r.getMessage()]
-    assert logged and all(m.startswith("stats ") for m in logged), logged
+    assert logged and all(m.startswith(("stats ", "masks ")) for m in logged), logged
     capsys.readouterr()
     assert main(["report", "flat", "--root", str(root)]) == 0
     out = capsys.readouterr().out
@@ -234,14 +237,115 @@ def test_all_rewards_equal_is_a_finding_without_overlap_numbers(reference, tmp_p
     for line in out.splitlines():
         if line.startswith("| policy") or line.startswith("| stale"):
             assert line.rstrip(" |").endswith("nan"), line  # overlap_1pct is the last column
+    full = (root / "_reports" / "flat" / "report.md").read_text()
+    assert "Finding: no reward variance: G ≡ 0; overlap, ρ and the bound are undefined." in full
+    assert "| overlap(" not in full and "Overlap of the top sets" not in full and "overlap.png" not in full
 
 
 def test_degenerate_conditions():
-    from tasks.stats import degenerate
+    from tasks.stats import crossfit_gap, degenerate
 
-    assert degenerate(True, 0.5) is None
-    assert degenerate(True, 0.0).startswith("no reward variance: G ≡ 0")
-    assert degenerate(False, 0.5).startswith("no scored tokens")
+    assert degenerate(8, True, 0.5) is None
+    assert degenerate(8, True, 0.0).startswith("no reward variance: G ≡ 0")
+    assert degenerate(8, False, 0.5).startswith("no scored tokens")
+    assert degenerate(1, True, float("nan")).startswith("too few samples: N = 1, the statistics need N ≥ 2")
+    assert crossfit_gap(4, 4) is None
+    assert crossfit_gap(4, 0).startswith("cross-fit undefined: the odd prompt groups hold N = 0 samples")
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory):
+    from tests.test_deployments import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("user-model") / "ckpt")
+
+
+def test_one_sample_is_a_finding_that_every_stage_records(user_model, tmp_path, caplog, capsys):
+    """N = 1 (one imported record): stats record "too few samples" with NaN arrays, masks hold none,
+    the update check takes no steps, tokens still runs (it is per sample), report and watch say it in
+    words with no overlap numbers; every artifact is complete."""
+    import json
+    import warnings
+
+    import numpy as np
+    import zarr
+
+    from flows.cli import main
+    from flows.watch import finding
+    from storage.artifacts import ArtifactStore
+    from storage.masks import load_masks
+    from tasks.plan import plan
+    from tests.test_deployments import user_config
+
+    record = {"prompt_ids": [1, 5], "response_ids": [6, 2], "reward": 1.0, "logprobs": [-1.0, -0.5]}
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(record) + "\n")
+    cfg = user_config(
+        tmp_path / "root",
+        user_model,
+        tmp_path / "task.jsonl",
+        name="one",
+        **{
+            "rollouts.samplers": {"engine": {"import_path": str(one), "on_policy": True}},
+            "rollouts.analyse": "engine",
+            "tokens.enabled": True,
+            "update_check.enabled": True,
+        },
+    )
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="covgrad"):
+        warnings.simplefilter("error", RuntimeWarning)
+        assert set(run_chain(cfg).values()) == {"computed"}
+    said = "too few samples: N = 1, the statistics need N ≥ 2; F, G, overlap, ρ and the bound are undefined"
+    logged = [r.getMessage() for r in caplog.records]
+    for stage in ("stats", "masks", "update_check"):
+        assert any(m.startswith(f"{stage} ") and m.endswith(said) for m in logged), (stage, logged)
+    store, nodes = ArtifactStore(cfg.root), plan(cfg)
+    assert all(store.is_complete(n.ref) for n in nodes.values())
+    st = store.open_group(nodes["stats.engine.policy"].ref, "stats.zarr")
+    assert st.attrs["degenerate"] == said and st.attrs["scalars"]["N"] == 1
+    assert all(np.isnan(st[name][:]).all() for name in ("F", "G", "rho", "crossfit_ratio"))
+    masks_dir = store.path(nodes["masks"].ref)
+    assert set(zarr.open_group(f"{masks_dir}/masks.zarr", mode="r").array_keys()) == {"q"}
+    with pytest.raises(ValueError, match=f"holds no masks: {said}"):
+        load_masks(masks_dir, 0.01)
+    assert store.read_json(nodes["update_check"].ref, "summary.json")["degenerate"] == said
+    assert store.open_group(nodes["tokens"].ref, "tokens.zarr").attrs["scalars"]["N"] == 1
+    assert finding(cfg) == said  # what the watch flow records for a checkpoint
+    capsys.readouterr()
+    assert main(["report", "one", "--root", cfg.root]) == 0
+    out = capsys.readouterr().out
+    assert f"| finding | {said} |" in out
+    assert not [line for line in out.splitlines() if line.startswith(("| overlap(", "| max_abs_rho", "| spearman"))]
+    full = (tmp_path / "root" / "_reports" / "one" / "report.md").read_text()
+    assert f"No optimizer steps: {said}." in full and "| overlap(" not in full
+
+
+def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_path, caplog):
+    """A single prompt group: the odd half is empty, so the cross-fit ratios are NaN with the reason in
+    words; every other statistic, the masks and the overlap are computed as usual."""
+    import numpy as np
+
+    from storage.artifacts import ArtifactStore
+    from tasks.plan import plan
+    from tasks.report import render_report
+    from tests.test_deployments import user_config
+
+    cfg = user_config(tmp_path / "root", user_model, tmp_path / "task.jsonl", **{"task.n_prompts": 1})
+    with caplog.at_level(logging.WARNING, logger="covgrad"):
+        run_chain(cfg)
+    said = "cross-fit undefined: the odd prompt groups hold N = 0 samples, each half needs N ≥ 2"
+    assert any(r.getMessage().startswith("stats ") and said in r.getMessage() for r in caplog.records)
+    store, nodes = ArtifactStore(cfg.root), plan(cfg)
+    st = store.open_group(nodes["stats.policy.policy"].ref, "stats.zarr")
+    assert st.attrs["degenerate"] is None and st.attrs["crossfit_undefined"].startswith(said)
+    assert np.isnan(st["crossfit_ratio"][:]).all() and np.isfinite(st["G"][:]).all()
+    assert np.isnan(st.attrs["scalars"]["crossfit_even_F_odd_G_frac_exceed"])
+    index = {"name": "user", "config": cfg.model_dump(mode="json")}
+    index["artifacts"] = {n: {"stage": v.ref.stage, "key": v.ref.key} for n, v in nodes.items()}
+    text = render_report(store, index).headline_markdown()
+    assert "| overlap(q=0.01) |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| crossfit_frac_exceed")]
+    assert len(rows) == 2 and all("| nan | " + said in row for row in rows), rows
 
 
 CHAIN = r"""

@@ -145,5 +145,26 @@ def test_prompt_over_the_context_names_the_task_file_line(ckpt):
     task = tmp / "long.jsonl"
     task.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n" + json.dumps({"prompt": "1" * 70}) + "\n")
     cfg = user_config(tmp / "runs-long", path_ckpt, task)
-    with pytest.raises(ValueError, match=rf"prompt 1 has 71 tokens.*\(at {re.escape(str(task))}:3\)$"):
-        _run(cfg)
+    from tasks.preflight import preflight
+
+    said = (
+        rf"^{re.escape(str(task))}:3: the prompt is 71 tokens; with rollouts\.samplers\.policy\.max_new_tokens=3 "
+        r"that is 74 > the model's context of 64 positions; shorten the prompt or lower max_new_tokens$"
+    )
+    with pytest.raises(ValueError, match=said):
+        preflight(cfg)  # tokenizer.json and config.json, before anything loads
+    assert not (tmp / "runs-long").exists()
+    with pytest.raises(ValueError, match=said):
+        _run(cfg)  # the rollouts stage's last check, with the loaded tokenizer: the same count
+
+
+def test_demo_max_new_tokens_over_the_context_is_refused_by_preflight(tmp_path):
+    """The demo model is not trained yet at preflight: its tokenizer and context are known without it."""
+    from tasks.preflight import preflight
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(str(tmp_path / "runs"), **{"rollouts.samplers.stale.max_new_tokens": 60})
+    said = r"^prompt 0: the prompt is 5 tokens; with rollouts\.samplers\.stale\.max_new_tokens=60 that is 65 > "
+    with pytest.raises(ValueError, match=said + r"the model's context of 64 positions \(7 more prompt\(s\) too long\)"):
+        preflight(cfg)
+    assert not (tmp_path / "runs").exists()

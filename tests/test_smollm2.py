@@ -45,3 +45,8 @@ def test_converted_directory_is_an_ordinary_checkpoint(smollm2, tmp_path):
     assert [r["prompt"] for r in rows] == [
         json.loads(line)["prompt"] for line in (REPO / "configs" / "smollm2_prompts.jsonl").read_text().splitlines()
     ]
+    from tokenizers import Tokenizer
+
+    texts = [r["prompt"] for r in rows]  # preflight counts with tokenizer.json what the rollouts stage encodes
+    fast = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert [len(e.ids) for e in fast.encode_batch(texts)] == [len(tok(t)["input_ids"]) for t in texts]
