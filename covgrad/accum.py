@@ -18,11 +18,19 @@ unevaluated float32 pair (hi + lo, error-free TwoSum renormalisation, so the shi
 rounding of the true mean and δ is accurate even when mean/std is 1e4), m2 and c as float32 sums of
 non-negative-dominated per-batch terms (relative error ≲ batches·6e-8): 16 bytes per parameter per half.
 
+Two implementations of the same update. The compiled fold (``torch.compile``: C++ on CPU, Triton on cuda,
+from the one function :func:`_fold_started`) reads each block once and does the shift, the three sums of
+every half and the merge in one kernel, in float64 whatever the state dtype; it serves every batch whose
+halves all have earlier samples, on accumulators of at least ``_COMPILE_MIN_P`` parameters (compiling costs
+seconds once per process, more than the whole fold of a small model). The eager fold (column tiles, two
+GEMMs, the merge as (H, n) torch ops) serves the rest, and everything when compiling fails.
+
 Shape notation: H halves (rows), B samples in a batch, P parameter elements, n columns of one tensor.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -35,6 +43,57 @@ STATE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # in cache; accelerators: large enough that a step is a few big kernels.
 _FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}
 
+# Accumulators with at least this many parameters use the compiled fold by default (the demo's 0.2M stay eager).
+_COMPILE_MIN_P = 1 << 20
+
+
+def _fold_started(x: Tensor, wa: Tensor, coef: Tensor, mean: Tensor, m2: Tensor, c: Tensor, lo: Tensor | None) -> None:
+    """Merge a block into state whose halves all have earlier samples, in place, in one pass (compiled).
+
+    Args:
+        x: (B, n) float32 per-sample block.
+        wa: (B, 2H) float64: column h is 1 where the sample belongs to half h, column H + h its a − ā_b there.
+        coef: (5, H) float64 per half: 1/b, b/n, n_old·b/n, n_old·b/n·(ā_b − ā_old), Σ(a − ā_b)/b.
+        mean, m2, c: (H, n) state columns (float64, or float32 with ``lo`` the low half of the mean).
+    """
+    H = wa.shape[1] // 2
+    K = mean[0].to(torch.float64)  # the shift: half 0's running mean (the hi part for float32 state)
+    d = x.to(torch.float64) - K  # (B, n), never materialised by the compiled kernel
+    new_mean, new_lo, new_m2, new_c = [], [], [], []
+    for h in range(H):
+        w, a = wa[:, h, None], wa[:, H + h, None]
+        s1, s2, sa = (w * d).sum(0), (w * (d * d)).sum(0), (a * d).sum(0)
+        rel = s1 * coef[0, h]  # batch mean − K
+        m2b = (s2 - s1 * rel).clamp(min=0)
+        cb = sa - s1 * coef[4, h]
+        old = mean[h].to(torch.float64)
+        delta = (K - old) + rel if lo is None else ((K - old) - lo[h].to(torch.float64)) + rel
+        new_m2.append((m2[h].to(torch.float64) + (m2b + (coef[2, h] * delta) * delta)).to(m2.dtype))
+        new_c.append((c[h].to(torch.float64) + (cb + coef[3, h] * delta)).to(c.dtype))
+        if lo is None:
+            new_mean.append(old + coef[1, h] * delta)
+        else:  # the float64 sum split into its nearest float32 and the float32 of the rest
+            full = (old + lo[h].to(torch.float64)) + coef[1, h] * delta
+            hi = full.to(torch.float32)
+            new_mean.append(hi)
+            new_lo.append((full - hi.to(torch.float64)).to(torch.float32))
+    mean.copy_(torch.stack(new_mean))
+    m2.copy_(torch.stack(new_m2))
+    c.copy_(torch.stack(new_c))
+    if lo is not None:
+        lo.copy_(torch.stack(new_lo))
+
+
+_compiled_fold: Any = None
+
+
+def _compiled() -> Any:
+    """The compiled :func:`_fold_started` (one per process; shapes are symbolic, so one compile per state dtype)."""
+    global _compiled_fold
+    if _compiled_fold is None:
+        _compiled_fold = torch.compile(_fold_started, dynamic=True)
+    return _compiled_fold
+
 
 class MomentAccumulator:
     """Running per-half moments of per-sample scores and advantages, on one device.
@@ -44,15 +103,24 @@ class MomentAccumulator:
         device: where the (H, P) state lives; folded blocks must be on it.
         state_dtype: ``"float64"`` or ``"float32"`` (see the module docstring for the error model).
         halves: H, the number of independent rows (2: the prompt-group parity halves).
+        compiled: use the compiled fold (see the module docstring); None: when P >= ``_COMPILE_MIN_P``.
 
     Attributes:
         count, mean_a, m2_a: shape (H,) float64 numpy, samples, mean advantage and Σ(a − ā)² per half.
         mean, m2, c: shape (H, P) tensors of ``state_dtype`` on ``device``: mean score (the hi part
             for float32), Σ(s − s̄)² and Σ(a − ā)(s − s̄).
         mean_lo: shape (H, P) float32 low part of the mean (float32 state only), else None.
+        fold_path: which fold runs merges of started batches: ``"compiled"`` or ``"eager (why)"``.
     """
 
-    def __init__(self, P: int, device: torch.device | str, state_dtype: str = "float64", halves: int = 2) -> None:
+    def __init__(
+        self,
+        P: int,
+        device: torch.device | str,
+        state_dtype: str = "float64",
+        halves: int = 2,
+        compiled: bool | None = None,
+    ) -> None:
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype {state_dtype!r} is not supported; use one of {sorted(STATE_DTYPES)}")
         if P < 0 or halves < 1:
@@ -71,6 +139,9 @@ class MomentAccumulator:
         self._batch: _Batch | None = None
         self._work: tuple[Tensor, ...] | None = None
         self._fold_elements = _FOLD_ELEMENTS.get(self.device.type, 1 << 22)
+        if compiled is None:
+            compiled = P >= _COMPILE_MIN_P
+        self.fold_path = "compiled" if compiled else f"eager (P = {P:,} below {_COMPILE_MIN_P:,})"
 
     @property
     def bytes_per_param(self) -> int:
@@ -101,9 +172,33 @@ class MomentAccumulator:
                 f"and P={self.P}"
             )
         block = block.reshape(B, n)
+        if batch.started and self.fold_path == "compiled" and self._fold_compiled(batch, offset, block):
+            return
         step = max(1, self._fold_elements // B)
         for j in range(0, n, step):
             self._fold_columns(batch, offset + j, block[:, j : j + step])
+
+    def _fold_compiled(self, batch: _Batch, offset: int, block: Tensor) -> bool:
+        """The compiled fold of a started batch's block; False (and the eager fold from then on) when
+        compiling fails, before any state is touched."""
+        cols = slice(offset, offset + block.shape[1])
+        lo = None if self.mean_lo is None else self.mean_lo[:, cols]
+        try:
+            with torch.no_grad():
+                _compiled()(
+                    block.to(torch.float32).contiguous(),
+                    batch.wa,
+                    batch.coef64,
+                    self.mean[:, cols],
+                    self.m2[:, cols],
+                    self.c[:, cols],
+                    lo,
+                )
+        except torch._dynamo.exc.TorchDynamoException as err:
+            self.fold_path = f"eager (compile failed: {type(err).__name__}: {str(err).splitlines()[0][:120]})"
+            warnings.warn(f"MomentAccumulator: {self.fold_path}", RuntimeWarning, stacklevel=3)
+            return False
+        return True
 
     def _fold_columns(self, batch: _Batch, p0: int, x: Tensor) -> None:
         cols = slice(p0, p0 + x.shape[1])
@@ -254,3 +349,5 @@ class _Batch:
         n = np.maximum(n_old + self.nb, 1)
         coef = np.stack([1 / nbs, self.nb / n, n_old * self.nb / n, n_old * self.nb / n * self.d_a, self.ac_sum / nbs])
         self.coef = torch.from_numpy(coef[:, :, None]).to(acc.device, acc.dtype)  # (5, H, 1)
+        self.coef64 = torch.from_numpy(coef).to(acc.device)  # (5, H) float64, the compiled fold's
+        self.wa = torch.from_numpy(np.ascontiguousarray(weights.T)).to(acc.device)  # (B, 2H) float64
