@@ -59,10 +59,18 @@ def _fold_started(x: Tensor, wa: Tensor, coef: Tensor, mean: Tensor, m2: Tensor,
     H = wa.shape[1] // 2
     K = mean[0].to(torch.float64)  # the shift: half 0's running mean (the hi part for float32 state)
     d = x.to(torch.float64) - K  # (B, n), never materialised by the compiled kernel
+    dd = d * d
+    # Σd, Σd², Σ(a − ā_b)d over all samples and over halves 0..H-2; the last half's are the differences
+    # (fewer products per element: the kernel is bound by its arithmetic once the block is in cache).
+    a = wa[:, H:].sum(1, keepdim=True)  # (B, 1): each sample's a − ā_b in its own half
+    total = (d.sum(0), dd.sum(0), (a * d).sum(0))
+    sums = [
+        ((wa[:, h, None] * d).sum(0), (wa[:, h, None] * dd).sum(0), (wa[:, H + h, None] * d).sum(0))
+        for h in range(H - 1)
+    ]
+    sums.append(tuple(t - sum(s[k] for s in sums) for k, t in enumerate(total)))
     new_mean, new_lo, new_m2, new_c = [], [], [], []
-    for h in range(H):
-        w, a = wa[:, h, None], wa[:, H + h, None]
-        s1, s2, sa = (w * d).sum(0), (w * (d * d)).sum(0), (a * d).sum(0)
+    for h, (s1, s2, sa) in enumerate(sums):
         rel = s1 * coef[0, h]  # batch mean − K
         m2b = (s2 - s1 * rel).clamp(min=0)
         cb = sa - s1 * coef[4, h]
