@@ -190,15 +190,17 @@ class MomentAccumulator:
 
     def _fold_compiled(self, batch: _Batch, offset: int, block: Tensor) -> bool:
         """The compiled fold of a started batch's block; False (and the eager fold from then on) when
-        compiling fails, before any state is touched."""
+        compiling fails, which happens before the kernel touches any state."""
         cols = slice(offset, offset + block.shape[1])
         rows = [[t[h, cols] for h in range(self.H)] for t in (self.mean, self.m2, self.c)]
         lo = None if self.mean_lo is None else [self.mean_lo[h, cols] for h in range(self.H)]
         try:
             with torch.no_grad():
                 _compiled()(block.to(torch.float32).contiguous(), batch.wa, batch.coef64, *rows, lo)
-        except torch._dynamo.exc.TorchDynamoException as err:
-            self.fold_path = f"eager (compile failed: {type(err).__name__}: {str(err).splitlines()[0][:120]})"
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # any failure to compile: no C++ compiler, no Triton, a dynamo gap
+            self.fold_path = f"eager (compile failed: {type(err).__name__}: {(str(err) or '?').splitlines()[0][:120]})"
             warnings.warn(f"MomentAccumulator: {self.fold_path}", RuntimeWarning, stacklevel=3)
             return False
         return True
