@@ -30,6 +30,7 @@ Shape notation: H halves (rows), B samples in a batch, P parameter elements, n c
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -95,6 +96,7 @@ def _fold_started(
 
 
 _compiled_fold: Any = None
+_compile_lock = threading.Lock()  # dynamo's compile caches are not thread-safe (dask workers may run threads)
 
 
 def _compiled() -> Any:
@@ -195,7 +197,7 @@ class MomentAccumulator:
         rows = [[t[h, cols] for h in range(self.H)] for t in (self.mean, self.m2, self.c)]
         lo = None if self.mean_lo is None else [self.mean_lo[h, cols] for h in range(self.H)]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _compile_lock:
                 _compiled()(block.to(torch.float32).contiguous(), batch.wa, batch.coef64, *rows, lo)
         except torch.OutOfMemoryError:
             raise
