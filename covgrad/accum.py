@@ -20,10 +20,13 @@ non-negative-dominated per-batch terms (relative error ≲ batches·6e-8): 16 by
 
 Two implementations of the same update. The compiled fold (``torch.compile``: C++ on CPU, Triton on cuda,
 from the one function :func:`_fold_started`) reads each block once and does the shift, the three sums of
-every half and the merge in one kernel, in float64 whatever the state dtype; it serves every batch whose
-halves all have earlier samples, on accumulators of at least ``_COMPILE_MIN_P`` parameters (compiling costs
-seconds once per process, more than the whole fold of a small model). The eager fold (column tiles, two
-GEMMs, the merge as (H, n) torch ops) serves the rest, and everything when compiling fails.
+every half and the merge in one kernel, in float64 whatever the state dtype. The eager fold (column tiles,
+two GEMMs, the merge as (H, n) torch ops) serves a half's first samples, and everything when compiling
+fails. Compiling costs 10–60 s per process and state dtype on a 2-core CPU (dynamo and AOT tracing run
+again even when inductor's cache is warm), more than a small run's whole fold, so by default the compiled
+fold takes over only once the state holds samples × P ≥ ``_COMPILE_AFTER`` element-folds (about that
+much eager folding). The switch depends on the state alone, so a resumed run switches at the same batch
+as an uninterrupted one and ends with the same bytes.
 
 Shape notation: H halves (rows), B samples in a batch, P parameter elements, n columns of one tensor.
 """
@@ -44,8 +47,9 @@ STATE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # in cache; accelerators: large enough that a step is a few big kernels.
 _FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}
 
-# Accumulators with at least this many parameters use the compiled fold by default (the demo's 0.2M stay eager).
-_COMPILE_MIN_P = 1 << 20
+# Samples already in the state × P from which the compiled fold runs by default: ~4.3e9 element-folds,
+# 10-20 s of eager folding on a CPU, about what a compile costs. The demo (N·P ≈ 6e7) never compiles.
+_COMPILE_AFTER = 1 << 32
 
 
 def _fold_started(
@@ -115,14 +119,15 @@ class MomentAccumulator:
         device: where the (H, P) state lives; folded blocks must be on it.
         state_dtype: ``"float64"`` or ``"float32"`` (see the module docstring for the error model).
         halves: H, the number of independent rows (2: the prompt-group parity halves).
-        compiled: use the compiled fold (see the module docstring); None: when P >= ``_COMPILE_MIN_P``.
+        compiled: True: the compiled fold for every batch whose halves all have samples; False: never;
+            None: once the state holds samples × P >= ``_COMPILE_AFTER`` (see the module docstring).
 
     Attributes:
         count, mean_a, m2_a: shape (H,) float64 numpy, samples, mean advantage and Σ(a − ā)² per half.
         mean, m2, c: shape (H, P) tensors of ``state_dtype`` on ``device``: mean score (the hi part
             for float32), Σ(s − s̄)² and Σ(a − ā)(s − s̄).
         mean_lo: shape (H, P) float32 low part of the mean (float32 state only), else None.
-        fold_path: which fold runs merges of started batches: ``"compiled"`` or ``"eager (why)"``.
+        fold_path: the fold for merges of started batches: ``"compiled"``, ``"eager"`` or ``"eager (why)"``.
     """
 
     def __init__(
@@ -151,9 +156,11 @@ class MomentAccumulator:
         self._batch: _Batch | None = None
         self._work: tuple[Tensor, ...] | None = None
         self._fold_elements = _FOLD_ELEMENTS.get(self.device.type, 1 << 22)
+        # samples × P from which the compiled fold runs (None: never)
+        self._compile_from = {None: _COMPILE_AFTER, True: 0, False: None}[compiled]
+        self.fold_path = "compiled" if compiled else "eager"
         if compiled is None:
-            compiled = P >= _COMPILE_MIN_P
-        self.fold_path = "compiled" if compiled else f"eager (P = {P:,} below {_COMPILE_MIN_P:,})"
+            self.fold_path = f"eager until samples × P >= {_COMPILE_AFTER:.2g}, then compiled"
 
     @property
     def bytes_per_param(self) -> int:
@@ -184,7 +191,7 @@ class MomentAccumulator:
                 f"and P={self.P}"
             )
         block = block.reshape(B, n)
-        if batch.started and self.fold_path == "compiled" and self._fold_compiled(batch, offset, block):
+        if batch.compiled and self._compile_from is not None and self._fold_compiled(batch, offset, block):
             return
         step = max(1, self._fold_elements // B)
         for j in range(0, n, step):
@@ -202,6 +209,7 @@ class MomentAccumulator:
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # any failure to compile: no C++ compiler, no Triton, a dynamo gap
+            self._compile_from = None
             self.fold_path = f"eager (compile failed: {type(err).__name__}: {(str(err) or '?').splitlines()[0][:120]})"
             warnings.warn(f"MomentAccumulator: {self.fold_path}", RuntimeWarning, stacklevel=3)
             return False
@@ -352,6 +360,8 @@ class _Batch:
         self.weights = torch.from_numpy(weights).to(acc.device, acc.dtype)  # (2H, B)
         # every half has earlier samples: one vectorised merge for all halves, with these (H, 1) factors
         self.started = bool((acc.count > 0).all())
+        ready = acc._compile_from is not None and acc.count.sum() * acc.P >= acc._compile_from
+        self.compiled = self.started and ready  # this batch's started merges run the compiled fold
         n_old, nbs = acc.count, np.maximum(self.nb, 1)
         n = np.maximum(n_old + self.nb, 1)
         coef = np.stack([1 / nbs, self.nb / n, n_old * self.nb / n, n_old * self.nb / n * self.d_a, self.ac_sum / nbs])

@@ -68,7 +68,7 @@ def test_accumulator_matches_numpy_float64(state_dtype, ratio, compiled):
     assert got["m2_s"][:, 7].tolist() == [0.0, 0.0] and got["c_as"][:, 7].tolist() == [0.0, 0.0]
     assert acc.mean.dtype == (torch.float64 if state_dtype == "float64" else torch.float32)
     assert acc.bytes_per_param == (48 if state_dtype == "float64" else 32)
-    assert acc.fold_path == ("compiled" if compiled else "eager (P = 300 below 1,048,576)")
+    assert acc.fold_path == ("compiled" if compiled else "eager")
 
 
 def test_compiled_fold_matches_eager_fold():
@@ -90,6 +90,38 @@ def test_compiled_fold_matches_eager_fold():
         assert accs[1].fold_path == "compiled"
         assert_close(state(accs[1]), state(accs[0]), rtol)
         assert_close(state(accs[1]), numpy_moments(S, A, half), 1e-9 if state_dtype == "float64" else 1e-5)
+
+
+def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
+    """Default accumulators switch to the compiled fold once samples × P reaches the threshold: the batches
+    before it run eager, and a run resumed from a checkpoint switches at the same batch (identical bytes)."""
+    import covgrad.accum as accum
+
+    monkeypatch.setattr(accum, "_COMPILE_AFTER", 24 * 40)  # from the fourth batch of 8 (24 samples × P = 40)
+    rng = np.random.default_rng(13)
+    S, A, half = rng.standard_normal((48, 40)).astype(np.float32), rng.standard_normal(48), np.arange(48) % 2
+    paths: list[bool] = []
+
+    def feed(acc: MomentAccumulator, lo: int, hi: int) -> None:
+        for b in range(lo, hi, 8):
+            acc.begin_batch(A[b : b + 8], half[b : b + 8])
+            paths.append(acc._batch.compiled)
+            acc.fold(0, torch.from_numpy(S[b : b + 8]))
+            acc.end_batch()
+
+    whole = MomentAccumulator(40, "cpu")
+    assert whole.fold_path.startswith("eager until samples × P >= ")
+    feed(whole, 0, 48)
+    assert paths == [False, False, False, True, True, True]
+    part = MomentAccumulator(40, "cpu")
+    feed(part, 0, 16)
+    resumed = MomentAccumulator(40, "cpu")
+    resumed.load(part.rows())
+    feed(resumed, 16, 48)
+    assert paths[6:] == [False, False, False, True, True, True]  # 2 batches before the checkpoint, 4 after
+    for k, v in whole.rows().items():
+        assert v.tobytes() == resumed.rows()[k].tobytes(), k
+    assert_close(state(whole), numpy_moments(S, A, half), 1e-9)
 
 
 def test_compiled_fold_falls_back_to_eager(monkeypatch):
