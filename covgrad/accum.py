@@ -127,7 +127,8 @@ class MomentAccumulator:
         mean, m2, c: shape (H, P) tensors of ``state_dtype`` on ``device``: mean score (the hi part
             for float32), Σ(s − s̄)² and Σ(a − ā)(s − s̄).
         mean_lo: shape (H, P) float32 low part of the mean (float32 state only), else None.
-        fold_path: the fold for merges of started batches: ``"compiled"``, ``"eager"`` or ``"eager (why)"``.
+        fold_path: the fold for merges of started batches: ``"compiled"`` (forced, or since the switch),
+            ``"eager"``, ``"eager until …"`` (before the switch) or ``"eager (compile failed: …)"``.
     """
 
     def __init__(
@@ -213,6 +214,7 @@ class MomentAccumulator:
             self.fold_path = f"eager (compile failed: {type(err).__name__}: {(str(err) or '?').splitlines()[0][:120]})"
             warnings.warn(f"MomentAccumulator: {self.fold_path}", RuntimeWarning, stacklevel=3)
             return False
+        self.fold_path = "compiled"
         return True
 
     def _fold_columns(self, batch: _Batch, p0: int, x: Tensor) -> None:

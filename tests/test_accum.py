@@ -113,6 +113,7 @@ def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
     assert whole.fold_path.startswith("eager until samples × P >= ")
     feed(whole, 0, 48)
     assert paths == [False, False, False, True, True, True]
+    assert whole.fold_path == "compiled"
     part = MomentAccumulator(40, "cpu")
     feed(part, 0, 16)
     resumed = MomentAccumulator(40, "cpu")
