@@ -7,7 +7,8 @@ requiring grad: what a trainer pays per step) in the same repetition and the med
 
 - "covgrad streaming step": what the scores stage runs per batch: ``PerSampleGrads.accumulate`` folds
   each tensor's per-sample block into the float64 moment accumulators on the device while the backward
-  runs (nothing B × P is formed or copied to the host);
+  runs (nothing B × P is formed or copied to the host), with the compiled fold whatever the model's size
+  (the header says when compiling failed and the eager fold ran instead);
   ("float32 state": the same with ``scores.state_dtype: float32``);
 - "covgrad rows": the (B, P) float32 per-sample rows (``PerSampleGrads.__call__``, one reused buffer);
 - vmap(grad) and the naive loop (one backward per sample); on cuda they run on ``--sub`` samples and
@@ -102,8 +103,11 @@ def objective(logits: Tensor, ids: Tensor, w: Tensor) -> Tensor:
     return (w[..., 1:] * lp).sum()
 
 
-def methods(model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor, sub: int) -> dict[str, tuple]:
-    """name -> (fn, samples it covers); fns return their product (summed gradient, rows, or None)."""
+def methods(
+    model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor, sub: int, accs: dict[str, MomentAccumulator]
+) -> dict[str, tuple]:
+    """name -> (fn, samples it covers); fns return their product (summed gradient, rows, or None). The
+    streaming steps put their accumulators (one per state dtype) into ``accs`` on their first call."""
     names = layout.names
     params = dict(model.named_parameters())
     plist = [params[n] for n in names]
@@ -113,7 +117,6 @@ def methods(model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor, sub: 
     adv = np.random.default_rng(0).standard_normal(B)
     half = np.arange(B) % 2
     psg = PerSampleGrads(model, layout, check=True)
-    accs: dict[str, MomentAccumulator] = {}
     fn = lambda z: score_logit_grad(z, ids, w)  # noqa: E731
 
     def floor() -> Tensor:
@@ -138,7 +141,7 @@ def methods(model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor, sub: 
 
     def streaming(state_dtype: str) -> None:
         if state_dtype not in accs:  # allocated by the warm-up call (an OOM there is reported as such)
-            accs[state_dtype] = MomentAccumulator(layout.P, device, state_dtype)
+            accs[state_dtype] = MomentAccumulator(layout.P, device, state_dtype, compiled=True)
         psg.accumulate(ids, mask, fn, accs[state_dtype], adv, half, position_ids=pos)
 
     out: dict[str, tuple] = {
@@ -204,7 +207,8 @@ def run_model(
     B = batch or B
     sub = min(sub, B) if device.type == "cuda" else B
     ids, w = make_batch(vocab, B, prompt, response, seed=1, device=device)
-    fns = methods(model, layout, ids, w, sub)
+    accs: dict[str, MomentAccumulator] = {}
+    fns = methods(model, layout, ids, w, sub, accs)
     products = {}
     for m, (fn, _) in fns.items():  # warm-up; covgrad's first call self-checks
         got = _try(fn)
@@ -240,7 +244,8 @@ def run_model(
     print(
         f"\n## {name} on {device.type}: {layout.P:,} params, {str(dtype).removeprefix('torch.')}, B={B}, prompt "
         f"{prompt} + response {response} tokens, {reps} reps; {products_note}; float64 accumulators "
-        f"{2 * 3 * 8 * layout.P / 2**20:.0f} MiB; B x P float32 rows would be {B * layout.P * 4 / 2**20:.0f} MiB"
+        f"{2 * 3 * 8 * layout.P / 2**20:.0f} MiB; B x P float32 rows would be {B * layout.P * 4 / 2**20:.0f} MiB; "
+        + "; ".join(f"{dt} state: {acc.fold_path} fold" for dt, acc in accs.items())
     )
     print(f"| method | median ms (per B) | samples/s | ratio to floor | peak MiB | rel err vs naive |\n|{'---|' * 6}")
     for m, (fn, covered) in fns.items():

@@ -42,10 +42,12 @@ def assert_close(got: dict, want: dict, rtol: float) -> None:
         assert err.max() <= rtol, f"{k}: relative error {err.max():.3g} > {rtol:g}"
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("state_dtype", ["float64", "float32"])
 @pytest.mark.parametrize("ratio", [1.0, 1e4])
-def test_accumulator_matches_numpy_float64(state_dtype, ratio):
-    """Uneven batches (single-sample, single-half) and mean/std up to 1e4 against a two-pass float64."""
+def test_accumulator_matches_numpy_float64(state_dtype, ratio, compiled):
+    """Uneven batches (single-sample, single-half) and mean/std up to 1e4 against a two-pass float64, for
+    the eager and the compiled fold (which takes over once both halves have samples)."""
     rng = np.random.default_rng(int(ratio) + len(state_dtype))
     N, P = 120, 300
     S = (rng.standard_normal((N, P)) * rng.uniform(0.5, 2, P) + ratio * rng.standard_normal(P)).astype(np.float32)
@@ -53,7 +55,7 @@ def test_accumulator_matches_numpy_float64(state_dtype, ratio):
     A = rng.standard_normal(N) + 5.0
     half = rng.integers(0, 2, N)
     half[:9] = 1  # the first batch holds one half only
-    acc = MomentAccumulator(P, "cpu", state_dtype)
+    acc = MomentAccumulator(P, "cpu", state_dtype, compiled=compiled)
     bounds = [0, 9, 10, 33, 64, 120]
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         acc.begin_batch(A[lo:hi], half[lo:hi])
@@ -66,6 +68,86 @@ def test_accumulator_matches_numpy_float64(state_dtype, ratio):
     assert got["m2_s"][:, 7].tolist() == [0.0, 0.0] and got["c_as"][:, 7].tolist() == [0.0, 0.0]
     assert acc.mean.dtype == (torch.float64 if state_dtype == "float64" else torch.float32)
     assert acc.bytes_per_param == (48 if state_dtype == "float64" else 32)
+    assert acc.fold_path == ("compiled" if compiled else "eager")
+
+
+def test_compiled_fold_matches_eager_fold():
+    """Fresh random blocks, both halves, an empty half in one batch: the compiled and the eager fold agree to
+    float64 rounding (float32 state: to the float32 error model)."""
+    rng = np.random.default_rng(11)
+    N, P = 96, 1000
+    S = (rng.standard_normal((N, P)) * 3 + 50 * rng.standard_normal(P)).astype(np.float32)
+    A, half = rng.standard_normal(N), rng.integers(0, 2, N)
+    half[40:48] = 0  # a batch without half 1: its rows must come through unchanged
+    for state_dtype, rtol in (("float64", 1e-12), ("float32", 1e-5)):
+        accs = [MomentAccumulator(P, "cpu", state_dtype, compiled=flag) for flag in (False, True)]
+        for acc in accs:
+            for b in range(0, N, 8):
+                acc.begin_batch(A[b : b + 8], half[b : b + 8])
+                acc.fold(0, torch.from_numpy(S[b : b + 8, :700]))
+                acc.fold(700, torch.from_numpy(S[b : b + 8, 700:]).reshape(8, 20, 15))
+                acc.end_batch()
+        assert accs[1].fold_path == "compiled"
+        assert_close(state(accs[1]), state(accs[0]), rtol)
+        assert_close(state(accs[1]), numpy_moments(S, A, half), 1e-9 if state_dtype == "float64" else 1e-5)
+
+
+def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
+    """Default accumulators switch to the compiled fold once samples × P reaches the threshold: the batches
+    before it run eager, and a run resumed from a checkpoint switches at the same batch (identical bytes)."""
+    import covgrad.accum as accum
+
+    monkeypatch.setattr(accum, "_COMPILE_AFTER", 24 * 40)  # from the fourth batch of 8 (24 samples × P = 40)
+    rng = np.random.default_rng(13)
+    S, A, half = rng.standard_normal((48, 40)).astype(np.float32), rng.standard_normal(48), np.arange(48) % 2
+    paths: list[bool] = []
+
+    def feed(acc: MomentAccumulator, lo: int, hi: int) -> None:
+        for b in range(lo, hi, 8):
+            acc.begin_batch(A[b : b + 8], half[b : b + 8])
+            paths.append(acc._batch.compiled)
+            acc.fold(0, torch.from_numpy(S[b : b + 8]))
+            acc.end_batch()
+
+    whole = MomentAccumulator(40, "cpu")
+    assert whole.fold_path.startswith("eager until samples × P >= ")
+    feed(whole, 0, 48)
+    assert paths == [False, False, False, True, True, True]
+    assert whole.fold_path == "compiled"
+    part = MomentAccumulator(40, "cpu")
+    feed(part, 0, 16)
+    resumed = MomentAccumulator(40, "cpu")
+    resumed.load(part.rows())
+    feed(resumed, 16, 48)
+    assert paths[6:] == [False, False, False, True, True, True]  # 2 batches before the checkpoint, 4 after
+    for k, v in whole.rows().items():
+        assert v.tobytes() == resumed.rows()[k].tobytes(), k
+    assert_close(state(whole), numpy_moments(S, A, half), 1e-9)
+
+
+def test_compiled_fold_falls_back_to_eager(monkeypatch):
+    """A compiler that fails: a warning, the eager fold from then on, and the eager fold's exact bytes."""
+    import covgrad.accum as accum
+
+    def broken() -> object:
+        def fail(*args: object) -> None:
+            raise torch._dynamo.exc.TorchDynamoException("no working C++ compiler")
+
+        return fail
+
+    monkeypatch.setattr(accum, "_compiled", broken)
+    rng = np.random.default_rng(12)
+    S, A, half = rng.standard_normal((24, 30)).astype(np.float32), rng.standard_normal(24), np.arange(24) % 2
+    accs = [MomentAccumulator(30, "cpu", compiled=flag) for flag in (False, True)]
+    with pytest.warns(RuntimeWarning, match="compile failed: TorchDynamoException: no working C"):
+        for acc in accs:
+            for b in range(0, 24, 8):
+                acc.begin_batch(A[b : b + 8], half[b : b + 8])
+                acc.fold(0, torch.from_numpy(S[b : b + 8]))
+                acc.end_batch()
+    assert accs[1].fold_path.startswith("eager (compile failed")
+    for k, v in accs[0].rows().items():
+        assert v.tobytes() == accs[1].rows()[k].tobytes(), k
 
 
 def test_accumulator_state_round_trips_and_continues_identically():
@@ -79,12 +161,12 @@ def test_accumulator_state_round_trips_and_continues_identically():
             acc.fold(0, torch.from_numpy(S[b : b + 8]))
             acc.end_batch()
 
-    for dt in ("float64", "float32"):
-        whole = MomentAccumulator(50, "cpu", dt)
+    for dt, compiled in (("float64", False), ("float32", False), ("float64", True), ("float32", True)):
+        whole = MomentAccumulator(50, "cpu", dt, compiled=compiled)
         feed(whole, 0, 40)
-        part = MomentAccumulator(50, "cpu", dt)
+        part = MomentAccumulator(50, "cpu", dt, compiled=compiled)
         feed(part, 0, 16)
-        resumed = MomentAccumulator(50, "cpu", dt)
+        resumed = MomentAccumulator(50, "cpu", dt, compiled=compiled)
         resumed.load(part.rows())
         feed(resumed, 16, 40)
         for k, v in whole.rows().items():
@@ -104,10 +186,10 @@ def test_accumulator_rejects_bad_use():
         acc.fold(2, torch.zeros(2, 4))
 
 
-def fused(model, layout, batches, state_dtype="float64", rows=False, check=True, device="cpu"):
+def fused(model, layout, batches, state_dtype="float64", rows=False, check=True, device="cpu", compiled=None):
     """Accumulate ``batches`` (list of (batch, advantages, half)) through PerSampleGrads.accumulate."""
     psg = PerSampleGrads(model, layout, check=check)
-    acc = MomentAccumulator(layout.P, device, state_dtype)
+    acc = MomentAccumulator(layout.P, device, state_dtype, compiled=compiled)
     for batch, a, h in batches:
         out = torch.empty(len(a), layout.P, device=device) if rows else None
         fn = lambda z, b=batch: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
@@ -141,6 +223,9 @@ def test_fused_reduction_matches_moments_of_rows(name):
     for k, v in acc.rows().items():
         assert np.array_equal(v, with_rows.rows()[k]), k
     assert_close(state(fused(model, layout, batches, "float32", check=False)), want, 1e-5)
+    if name in ("llama-tied", "gpt2-conv1d"):  # the compiled fold in the backward hooks (batches 2, 3: both halves)
+        assert_close(state(fused(model, layout, batches, check=False, compiled=True)), want, 1e-9)
+        assert_close(state(fused(model, layout, batches, "float32", check=False, compiled=True)), want, 1e-5)
 
 
 def test_fused_reduction_never_holds_all_blocks():
