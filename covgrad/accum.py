@@ -123,6 +123,9 @@ class MomentAccumulator:
         halves: H, the number of independent rows (2: the prompt-group parity halves).
         compiled: True: the compiled fold for every batch whose halves all have samples; False: never;
             None: once the state holds samples × P >= ``_COMPILE_AFTER`` (see the module docstring).
+        switch_P: the P in that product (default ``P``). The columns of one parameter block of a larger
+            selection pass the selection's P, so that every block switches at the same batch as the
+            unblocked run and blocks never change a byte.
 
     Attributes:
         count, mean_a, m2_a: shape (H,) float64 numpy, samples, mean advantage and Σ(a − ā)² per half.
@@ -140,6 +143,7 @@ class MomentAccumulator:
         state_dtype: str = "float64",
         halves: int = 2,
         compiled: bool | None = None,
+        switch_P: int | None = None,
     ) -> None:
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype {state_dtype!r} is not supported; use one of {sorted(STATE_DTYPES)}")
@@ -161,6 +165,7 @@ class MomentAccumulator:
         self._fold_elements = _FOLD_ELEMENTS.get(self.device.type, 1 << 22)
         # samples × P from which the compiled fold runs (None: never)
         self._compile_from = {None: _COMPILE_AFTER, True: 0, False: None}[compiled]
+        self.switch_P = P if switch_P is None else switch_P
         self.fold_path = "compiled" if compiled else "eager"
         if compiled is None:
             self.fold_path = f"eager until samples × P >= {_COMPILE_AFTER:.2g}, then compiled"
@@ -364,7 +369,7 @@ class _Batch:
         self.weights = torch.from_numpy(weights).to(acc.device, acc.dtype)  # (2H, B)
         # every half has earlier samples: one vectorised merge for all halves, with these (H, 1) factors
         self.started = bool((acc.count > 0).all())
-        ready = acc._compile_from is not None and acc.count.sum() * acc.P >= acc._compile_from
+        ready = acc._compile_from is not None and acc.count.sum() * acc.switch_P >= acc._compile_from
         self.compiled = self.started and ready  # this batch's started merges run the compiled fold
         n_old, nbs = acc.count, np.maximum(self.nb, 1)
         n = np.maximum(n_old + self.nb, 1)

@@ -244,7 +244,7 @@ class ScoresJob:
         block = self.blocks[k]
         mine = list(range(i, len(self.batches), self.S))
         self._check_device_memory(k)
-        acc = MomentAccumulator(block.P, self.device, self.state_dtype)
+        acc = MomentAccumulator(block.P, self.device, self.state_dtype, switch_P=self.P)
         done = self._restore(g, job, acc)
         if self.K == 1:
             for b in mine[:done]:  # folded into a complete checkpoint, perhaps killed before marking

@@ -94,7 +94,8 @@ def test_compiled_fold_matches_eager_fold():
 
 def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
     """Default accumulators switch to the compiled fold once samples × P reaches the threshold: the batches
-    before it run eager, and a run resumed from a checkpoint switches at the same batch (identical bytes)."""
+    before it run eager, and a run resumed from a checkpoint, or split into parameter blocks, switches at the
+    same batch (identical bytes)."""
     import covgrad.accum as accum
 
     monkeypatch.setattr(accum, "_COMPILE_AFTER", 24 * 40)  # from the fourth batch of 8 (24 samples × P = 40)
@@ -123,6 +124,27 @@ def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
     for k, v in whole.rows().items():
         assert v.tobytes() == resumed.rows()[k].tobytes(), k
     assert_close(state(whole), numpy_moments(S, A, half), 1e-9)
+    # parameter blocks hold whole tensors: two "tensors" of 15 and 25 columns, folded one call each, in one
+    # accumulator of 40 columns or in two blocks (other offsets and alignments) switch at the same batch
+    tensors = (slice(0, 15), slice(15, 40))
+    one = MomentAccumulator(40, "cpu")
+    blocks = [MomentAccumulator(15, "cpu", switch_P=40), MomentAccumulator(25, "cpu", switch_P=40)]
+    for b in range(0, 48, 8):
+        one.begin_batch(A[b : b + 8], half[b : b + 8])
+        for cols in tensors:
+            one.fold(cols.start, torch.from_numpy(np.ascontiguousarray(S[b : b + 8, cols])))
+        one.end_batch()
+        for acc, cols in zip(blocks, tensors, strict=True):
+            acc.begin_batch(A[b : b + 8], half[b : b + 8])
+            paths.append(acc._batch.compiled)
+            acc.fold(0, torch.from_numpy(np.ascontiguousarray(S[b : b + 8, cols])))
+            acc.end_batch()
+    assert paths[12:] == [p for p in paths[:6] for _ in range(2)]
+    for k, v in one.rows().items():
+        if v.ndim == 1:  # count, mean_a, m2_a (H,)
+            assert all(acc.rows()[k].tobytes() == v.tobytes() for acc in blocks), k
+        else:
+            assert np.concatenate([acc.rows()[k] for acc in blocks], axis=1).tobytes() == v.tobytes(), k
 
 
 def test_compiled_fold_falls_back_to_eager(monkeypatch):
