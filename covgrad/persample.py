@@ -345,12 +345,18 @@ class PerSampleGrads:
         block = self._blocks.get(entry.name)
         if block is None:
             need = self._B * entry.numel
-            fits = [i for i, buf in enumerate(self._pool) if buf.numel() >= need and buf.device == self._acc.device]
+            # the smallest pooled buffer that holds the block without wasting more than its size: tensors of
+            # one shape (every decoder layer's) reuse each other's buffers, and a small block never pins a
+            # buffer sized for the embedding (B × V × H floats, GBs for a real vocabulary)
+            fits = [
+                (buf.numel(), i)
+                for i, buf in enumerate(self._pool)
+                if need <= buf.numel() <= 2 * need and buf.device == self._acc.device
+            ]
             if fits:
-                buf = self._pool.pop(fits[0])
-            else:  # sized for any tensor of the layout, so that a few buffers serve every batch
-                size = self._B * max(e.numel for e in self.layout.entries)
-                buf = torch.empty(size, dtype=torch.float32, device=self._acc.device)
+                buf = self._pool.pop(min(fits)[1])
+            else:
+                buf = torch.empty(need, dtype=torch.float32, device=self._acc.device)
             block = buf[:need].view(self._B, entry.numel)
             self._blocks[entry.name] = block
         return block
