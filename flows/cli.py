@@ -197,12 +197,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     import fsspec
 
     from storage.artifacts import ArtifactStore, join_url
+    from storage.reports import write_report
     from storage.runs import read_run_index
-    from tasks.report import render_report, write_report
+    from tasks.report import render_run
 
     store = ArtifactStore(args.root)
     index = read_run_index(store, args.run)
-    report = render_report(store, index)
+    report = render_run(store, index)
     for name in report.missing:
         a = index["artifacts"][name]
         print(f"covgrad: stage {name} ({a['stage']}/{a['key']}) is missing or incomplete; skipped", file=sys.stderr)

@@ -17,7 +17,7 @@ from storage.artifacts import MARKER, ArtifactStore
 from storage.runs import read_run_index, write_run_index
 from tasks.plan import plan, run_key
 from tasks.registry import STAGE_TASKS
-from tasks.report import artifact_key, publish, render_report
+from tasks.report import artifact_key, publish, render_run
 from tests.conftest import tiny_config
 
 PLOTS = (
@@ -138,8 +138,8 @@ def test_render_report_on_memory_root(run):
     mem = ArtifactStore("memory://h7-report")
     mem.fs.put(store.base, mem.base, recursive=True)
     index = read_run_index(mem, cfg.name)
-    local = render_report(store, read_run_index(store, cfg.name))
-    remote = render_report(mem, index)
+    local = render_run(store, read_run_index(store, cfg.name))
+    remote = render_run(mem, index)
     assert remote.numbers == local.numbers and not remote.missing
     assert remote.plots.keys() == local.plots.keys()
     mem.fs.rm(mem.base, recursive=True)
@@ -148,19 +148,19 @@ def test_render_report_on_memory_root(run):
 def test_artifact_keys_are_valid_and_publish_needs_a_run_context():
     for text in ("covgrad-report-Demo_Run.v2", "covgrad-headline-__x__", "A--B"):
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", artifact_key(text)), text
-    from tasks.report import Report
+    from covgrad.report import Report
 
     publish(Report(title="t", headline=[{"quantity": "N", "value": 1}]), "Demo_Run")
 
 
 def test_config_round_trip_in_run_index(tmp_path):
-    """render_report validates the index's config; an index from write_run_index holds a valid one."""
+    """render_run validates the index's config; an index from write_run_index holds a valid one."""
     cfg = tiny_config(str(tmp_path))
     store = ArtifactStore(cfg.root)
     write_run_index(store, cfg, "k", {})
     index = read_run_index(store, "tiny")
     assert PipelineConfig.model_validate(index["config"]) == cfg
-    report = render_report(store, index)
+    report = render_run(store, index)
     assert report.missing == [] and "Statistics: skipped" in report.markdown()
 
 
@@ -169,7 +169,7 @@ def test_publish_creates_prefect_artifacts_in_a_flow(prefect_server):
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from tasks.report import Report
+    from covgrad.report import Report
 
     report = Report(title="t", headline=[{"quantity": "N", "value": 32}, {"quantity": "std_A", "value": 0.5}])
 
