@@ -324,11 +324,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from covgrad.config import config_help
+
     offline_env()
     default_root = os.environ.get("COVGRAD_ROOT") or "runs"
     parser = argparse.ArgumentParser(prog="covgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run the covgrad-pipeline flow")
+    p = sub.add_parser(
+        "run",
+        help="run the covgrad-pipeline flow",
+        description="Run (or reuse) every stage of one analysis.",
+        epilog="config keys (YAML sections or --set KEY=VALUE) with their schema defaults; the default --config,\n"
+        "configs/demo.yaml, sets some of them:\n\n" + "\n".join(config_help()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="YAML config (default: the built-in demo)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--root", help="artifact root (local path or fsspec URL)")
