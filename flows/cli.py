@@ -36,6 +36,15 @@ def offline_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
 
 
+def quiet_prefect() -> None:
+    """Prefect logging for ``covgrad run``, set before prefect is imported: warnings only, except the
+    flow run's own lines (one per stage). Task-run INFO lines (state changes, each stage's computed
+    line, progress) still reach a worker's log and the API under a deployment, where this is not set."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
+
+
 _LOG_PATH: Path | None = None
 
 
@@ -130,6 +139,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.root:
         overrides.append(f"root={args.root}")
     cfg = load_config(args.config, overrides)  # yaml + pydantic only: a typo is reported at once
+    quiet_prefect()
     previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         from tasks.preflight import preflight
@@ -147,20 +157,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
+    """A few lines: the key numbers (``covgrad.report.document.summary_lines``), the stage counts and
+    where the run index, the report and the full headline tables are."""
+    import json
+
+    from covgrad.report.document import summary_lines
     from storage.artifacts import ArtifactStore
     from storage.runs import read_run_index
 
     store = ArtifactStore(cfg.root)
     index = read_run_index(store, result["run"])
     report = index["artifacts"].get("report")
-    headline = None
+    lines = []
     if report is not None:
-        path = f"{store.base}/report/{report['key']}/headline.md"
+        path = f"{store.base}/report/{report['key']}/report.json"
         if store.fs.exists(path):
-            headline = store.fs.cat_file(path).decode()
+            data = json.loads(store.fs.cat_file(path))
+            lines = summary_lines(data["numbers"], data["missing"])
     print()
-    if headline:
-        print(headline)
+    print("\n".join(lines))
     computed = [n for n, s in result["status"].items() if s == "computed"]
     print(
         f"run {result['run']} ({cfg.name}): {len(computed)} stage(s) computed, "
@@ -168,7 +183,7 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
     )
     print(f"results: {store.root}/runs/{cfg.name}.json")
     if report is not None:
-        print(f"report:  {store.root}/report/{report['key']}/report.html")
+        print(f"report:  {store.root}/report/{report['key']}/report.html (tables: headline.md beside it)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

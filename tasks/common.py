@@ -66,11 +66,13 @@ log = _StageLog()
 
 
 class StageResult(BaseModel):
-    """A stage task's return value: where the artifact is and whether this call computed it."""
+    """A stage task's return value: where the artifact is, whether this call computed it and, if so, in
+    how many seconds and at what peak resident memory (bytes), for the flow's one line per stage."""
 
     ref: ArtifactRef
     computed: bool
     seconds: float = 0.0
+    peak_rss_bytes: int = 0
 
 
 @dataclass
@@ -152,7 +154,7 @@ def run_stage(
         store.complete(ref, claim, {**timing, **extra})
     seconds = time.perf_counter() - t0
     log.info("%s %s: computed in %.1f s, peak resident memory %.2f GiB", ref.stage, ref.key, seconds, rss.peak / 2**30)
-    return StageResult(ref=ref, computed=True, seconds=seconds)
+    return StageResult(ref=ref, computed=True, seconds=seconds, peak_rss_bytes=rss.peak)
 
 
 class PeakRSS:

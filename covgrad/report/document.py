@@ -125,6 +125,33 @@ class Report:
         )
 
 
+def summary_lines(numbers: dict[str, Any], missing: list[str]) -> list[str]:
+    """The run's key numbers in a few terminal lines (``report.json``'s ``numbers`` in; the full tables
+    are in ``headline.md`` and ``report.html``): findings in words, the main scalars, the global overlap
+    per q against its random baseline, and the missing instances."""
+    lines = []
+    if numbers.get("degenerate"):
+        lines.append(f"finding: {numbers['degenerate']}")
+    keys = ("N", "P", "std_A", "max_abs_rho", "bound_violations", "spearman_F_absG")
+    main = [f"{k} {cell(numbers[k])}" for k in keys if numbers.get(k) is not None]
+    if main:
+        lines.append(f"{numbers.get('main_stats', 'main')}: {', '.join(main)}")
+    overlap = [r for r in numbers.get("overlap", []) if r["scope"] == "global"]
+    if overlap:
+        lines.append(
+            "overlap(q) vs random: "
+            + ", ".join(f"{r['q']:g}: {cell(r['overlap'])} vs {cell(r['random'])}" for r in overlap)
+        )
+    if numbers.get("crossfit_undefined"):
+        lines.append(numbers["crossfit_undefined"])
+    lines += [
+        f"{r['sampler']}/{r['centering']}: {r['finding']}" for r in numbers.get("off_policy", []) if r.get("finding")
+    ]
+    if missing:
+        lines.append(f"missing or incomplete: {', '.join(missing)}")
+    return lines
+
+
 def html_table(rows: list[dict[str, Any]]) -> str:
     """An HTML table of ``rows`` inside a box that scrolls sideways when the table is wider than the page."""
     rows = uniform(rows)
