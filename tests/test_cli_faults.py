@@ -236,7 +236,7 @@ def test_cached_run_prints_one_line_per_stage(reference, tmp_path):
     lines = (out + err).splitlines()
     assert len(lines) <= 30, "\n".join(lines)
     for name, node in nodes.items():
-        stage_lines = [line for line in lines if re.search(rf" - {re.escape(name)} +cached {node.ref.key}$", line)]
+        stage_lines = [line for line in lines if re.search(rf" - {re.escape(name)} +cached +{node.ref.key}$", line)]
         assert len(stage_lines) == 1, (name, lines)
     assert not [line for line in lines if "Task run" in line], lines
     assert f"0 stage(s) computed, {len(nodes)} from cache" in out
