@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import logging
 import math
 import re
 import shutil
@@ -13,6 +14,7 @@ import torch
 from PIL import Image
 
 from covgrad.config import PipelineConfig
+from covgrad.report import Report
 from storage.artifacts import MARKER, ArtifactStore
 from storage.runs import read_run_index, write_run_index
 from tasks.plan import plan, run_key
@@ -93,6 +95,22 @@ def test_report_numbers_equal_the_stores(run):
         assert row["zero_mean_trace"] == g.attrs["scalars"]["zero_mean_trace"]
         top_g, top_f = _topk_reference(np.abs(g["G"][:]), 0.01), _topk_reference(g["F"][:], 0.01)
         assert row["overlap_1pct"] == pytest.approx(len(top_g & top_f) / len(top_g), abs=1e-15)
+        assert row["overlap_1pct"] == g.attrs["scalars"]["overlap_1pct"]  # read from the stats store
+
+    tokens = store.open_group(refs["tokens"], "tokens.zarr").attrs["scalars"]
+    assert out["tokens"]["spearman_trace_entropy"] == tokens["spearman_trace_entropy"]
+
+
+@pytest.mark.slow
+def test_token_fisher_numbers_appear_once(run):
+    """The per-mode table holds the errors against F and the error table those at three N; the scalars
+    table repeats neither, and the trace/entropy Spearman is one row, not also a sentence."""
+    _, refs, store = run
+    md = _read(store, refs["report"], "report.md").decode()
+    section = md.split("## Token Fisher", 1)[1].split("\n## ", 1)[0]
+    assert not re.findall(r"^\| (?:relerr|spearman)_\w+_vs_seq", section, flags=re.M), section
+    assert len(re.findall(r"^\| spearman_trace_entropy \|", section, flags=re.M)) == 1
+    assert "Spearman(per-position trace" not in section
 
 
 @pytest.mark.slow
@@ -148,8 +166,6 @@ def test_render_report_on_memory_root(run):
 def test_artifact_keys_are_valid_and_publish_needs_a_run_context():
     for text in ("covgrad-report-Demo_Run.v2", "covgrad-headline-__x__", "A--B"):
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", artifact_key(text)), text
-    from covgrad.report import Report
-
     publish(Report(title="t", headline=[{"quantity": "N", "value": 1}]), "Demo_Run")
 
 
@@ -169,8 +185,6 @@ def test_publish_creates_prefect_artifacts_in_a_flow(prefect_server):
     from prefect import flow
     from prefect.client.orchestration import get_client
 
-    from covgrad.report import Report
-
     report = Report(title="t", headline=[{"quantity": "N", "value": 32}, {"quantity": "std_A", "value": 0.5}])
 
     @flow(name="h7-publish")
@@ -182,3 +196,23 @@ def test_publish_creates_prefect_artifacts_in_a_flow(prefect_server):
         keys = {a.key: a for a in client.read_artifacts()}
     assert {"covgrad-report-demo-run-v2", "covgrad-headline-demo-run-v2"} <= set(keys)
     assert "std_A" in str(keys["covgrad-headline-demo-run-v2"].data)
+
+
+def test_wide_tables_scroll_inside_their_box():
+    from covgrad.report.document import STYLE
+
+    row = {f"column_{i}": float(i) for i in range(30)}
+    html = Report(title="t", blocks=[("table", [row])]).html()
+    assert '<div class="table"><table>' in html and ".table{overflow-x:auto" in STYLE
+
+
+def test_progress_logs_a_line_every_interval(caplog, monkeypatch):
+    from tasks.common import progress_bar
+
+    monkeypatch.setenv("COVGRAD_PROGRESS_SECONDS", "0")
+    with caplog.at_level(logging.INFO, logger="covgrad"), progress_bar("scores x/y", 3) as bar:
+        bar.update(1)
+        bar.update(1)
+        bar.update(1)  # the last unit: the stage's own computed line follows, no progress line
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scores x/y:")]
+    assert [line.split(",")[0] for line in lines] == ["scores x/y: 1/3 batch done", "scores x/y: 2/3 batch done"]
