@@ -43,6 +43,10 @@ def quiet_prefect() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "INFO")
     os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
+    # The temporary server is a subprocess writing to this terminal; stopping it races its event flush,
+    # which then logs a ~150-line ERROR traceback of a cancelled database session; the server and its
+    # database are discarded right after.
+    os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
 
 
 _LOG_PATH: Path | None = None
