@@ -86,6 +86,7 @@ def damage(path: Path, how: str) -> None:
         path.write_bytes(data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1 :])
 
 
+@pytest.mark.slow  # 9 cases, each recomputing a chain of stages
 @pytest.mark.parametrize(
     ("instance", "array", "how"),
     [
