@@ -5,7 +5,9 @@ section forbids unknown keys, so a typo is an error naming the key rather than a
 setting. ``configs/demo.yaml`` holds the embedded defaults for the built-in demo.
 """
 
+import json
 import re
+import typing
 from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -20,19 +22,26 @@ class Section(BaseModel):
 class DemoModel(Section):
     """The built-in demo: a tiny Llama trained by SFT on integer addition."""
 
-    hidden_size: int = Field(96, ge=8, le=1024)
-    num_layers: int = Field(2, ge=1, le=16)
-    num_heads: int = Field(4, ge=1, le=32)
-    intermediate_size: int = Field(256, ge=8, le=8192)
-    tie_embeddings: bool = False
-    seed: int = 0
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(3e-3, gt=0, le=1.0)
-    max_steps: int = Field(3000, ge=1)
-    eval_every: int = Field(25, ge=1)
-    eval_prompts: int = Field(256, ge=16)
-    target_accuracy: tuple[float, float] = (0.4, 0.8)
-    stale_max_accuracy: float = Field(0.25, ge=0.0, le=1.0)
+    hidden_size: int = Field(96, ge=8, le=1024, description="width of the demo Llama")
+    num_layers: int = Field(2, ge=1, le=16, description="transformer layers of the demo Llama")
+    num_heads: int = Field(4, ge=1, le=32, description="attention heads of the demo Llama")
+    intermediate_size: int = Field(256, ge=8, le=8192, description="MLP width of the demo Llama")
+    tie_embeddings: bool = Field(False, description="share the input embedding and the LM head")
+    seed: int = Field(0, description="seed of the demo's initialisation and SFT batches")
+    batch_size: int = Field(64, ge=1, description="SFT batch size (prompts)")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="SFT learning rate (AdamW)")
+    max_steps: int = Field(3000, ge=1, description="SFT step limit; training stops earlier at the target accuracy")
+    eval_every: int = Field(25, ge=1, description="SFT steps between accuracy evaluations")
+    eval_prompts: int = Field(256, ge=16, description="prompts sampled per accuracy evaluation")
+    target_accuracy: tuple[float, float] = Field(
+        (0.4, 0.8), description="[low, high]: SFT stops once the sampled accuracy lies in this range"
+    )
+    stale_max_accuracy: float = Field(
+        0.25,
+        ge=0.0,
+        le=1.0,
+        description="the stale checkpoint (sampler model=stale) is the last one at or below this accuracy",
+    )
 
     @field_validator("target_accuracy")
     @classmethod
@@ -45,21 +54,23 @@ class DemoModel(Section):
 class ModelSection(Section):
     """The policy: the demo model (``path`` unset) or a local Hugging Face causal-LM directory."""
 
-    path: str | None = None
-    trust_remote_code: bool = False
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    path: str | None = Field(None, description="local Hugging Face causal-LM directory; unset: the built-in demo")
+    trust_remote_code: bool = Field(False, description="allow the model directory's own modelling code")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype the policy is loaded in")
     demo: DemoModel = DemoModel()
 
 
 class TaskSection(Section):
     """Prompts and a reward: the built-in ``addition`` task or a JSONL file with an import-path reward."""
 
-    kind: Literal["addition", "jsonl"] = "addition"
-    digits: int = Field(2, ge=1, le=6)
-    n_prompts: int = Field(32, ge=1)
-    seed: int = 1234
-    path: str | None = None
-    reward: str | None = None
+    kind: Literal["addition", "jsonl"] = Field(
+        "addition", description="built-in addition, or prompts from a JSONL file"
+    )
+    digits: int = Field(2, ge=1, le=6, description="addition: digits per operand")
+    n_prompts: int = Field(32, ge=1, description="prompts (prompt groups) drawn")
+    seed: int = Field(1234, description="seed of the prompt draw")
+    path: str | None = Field(None, description="jsonl: file of prompt/answer lines")
+    reward: str | None = Field(None, description="jsonl: reward function as an import path 'module:function'")
 
     @model_validator(mode="after")
     def _jsonl_needs_path_and_reward(self) -> Self:
@@ -78,19 +89,27 @@ class SamplerSection(Section):
     temperature 1, untruncated (μ = p: policy centering only), ``mu_model`` (the sampler's checkpoint
     directory, μ recomputed with this section's temperature/top_p/top_k), or top_logprobs in the file."""
 
-    model: str = "policy"
-    temperature: float = Field(1.0, gt=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(8, ge=1, le=4096)
-    group_size: int = Field(8, ge=2, le=1024)
-    seed: int = 0
-    batch_size: int = Field(64, ge=1)
-    store_mu: Literal["none", "full", "topk"] = "none"
-    mu_topk: int = Field(8, ge=1)
-    import_path: str | None = None
-    on_policy: bool = False
-    mu_model: str | None = None
+    model: str = Field("policy", description="who samples: policy, stale (demo only) or a model directory")
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus truncation; 1 = none")
+    top_k: int = Field(0, ge=0, description="top-k truncation; 0 = none")
+    max_new_tokens: int = Field(8, ge=1, le=4096, description="response length limit T")
+    group_size: int = Field(8, ge=2, le=1024, description="responses per prompt")
+    seed: int = Field(0, description="sampling seed")
+    batch_size: int = Field(64, ge=1, description="sequences generated per batch")
+    store_mu: Literal["none", "full", "topk"] = Field(
+        "none", description="keep the sampler's distribution μ per position: not, in full, or its top-k"
+    )
+    mu_topk: int = Field(8, ge=1, description="store_mu=topk: entries of μ kept per position")
+    import_path: str | None = Field(
+        None, description="a JSONL file of rollouts sampled elsewhere, used instead of sampling"
+    )
+    on_policy: bool = Field(
+        False, description="imported rollouts were sampled from the policy at temperature 1, untruncated"
+    )
+    mu_model: str | None = Field(
+        None, description="imported rollouts: the sampler's checkpoint directory, to recompute μ"
+    )
 
     @model_validator(mode="after")
     def _import_options(self) -> Self:
@@ -104,9 +123,14 @@ class SamplerSection(Section):
 class RolloutsSection(Section):
     """Samplers by name; ``analyse`` names the one whose rollouts feed masks, tokens and update check."""
 
-    advantage: Literal["group_mean", "group_zscore", "global_mean", "none"] = "group_mean"
-    samplers: dict[str, SamplerSection] = Field(default_factory=lambda: {"policy": SamplerSection()})
-    analyse: str = "policy"
+    advantage: Literal["group_mean", "group_zscore", "global_mean", "none"] = Field(
+        "group_mean",
+        description="advantage A from rewards r: r − group mean, group z-score, r − global mean, or r itself",
+    )
+    samplers: dict[str, SamplerSection] = Field(
+        default_factory=lambda: {"policy": SamplerSection()}, description="samplers by name"
+    )
+    analyse: str = Field("policy", description="the sampler whose rollouts feed masks, tokens and the update check")
 
     @model_validator(mode="after")
     def _analyse_exists(self) -> Self:
@@ -121,26 +145,38 @@ class RolloutsSection(Section):
 class ScoresSection(Section):
     """Per-sample score extraction."""
 
-    groups_per_batch: int = Field(4, ge=1)
-    params: list[str] | None = None
-    byte_budget: int = Field(2 * 1024**3, ge=0)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    self_check: bool = True
-    # Moment state on the device and in the store: float64 (48 bytes per parameter for the two halves) or
-    # float32 (32 bytes: mean as a float32 pair, sums in float32; relative error ≲ batches × 6e-8).
-    state_dtype: Literal["float64", "float32"] = "float64"
-    # Checkpoint the state every this many batches or seconds, whichever comes first (never affects results).
-    checkpoint_batches: int = Field(64, ge=1)
-    checkpoint_seconds: float = Field(1800.0, gt=0)
-    # The partition of the work: [sample shards, parameter blocks]. Sample shard i folds the batches b with
-    # b % samples == i into its own state rows; their Chan merges run in another order than one shard's, so
-    # the sample count is part of the artifact's key (results differ in the last bits). Blocks split the
-    # parameter axis into runs of whole tensors (covgrad.layout.split_blocks) and never change a byte, so
-    # they are placement, not key: "auto" blocks are the fewest whose job fits one device by the README's
-    # memory model, resolved where the artifact is computed (`covgrad plan` prints them). "auto" alone is
-    # [1, "auto"]. The store records the partition; resuming an unfinished one with another stops with a
-    # one-line error.
-    shards: tuple[int, int | Literal["auto"]] = (1, 1)
+    groups_per_batch: int = Field(4, ge=1, description="prompt groups per score batch")
+    params: list[str] | None = Field(
+        None, description="parameter names or glob patterns to analyse; unset: every trainable one"
+    )
+    byte_budget: int = Field(
+        2 * 1024**3,
+        ge=0,
+        description="bytes of per-sample score rows kept in the store; above it only moments are kept",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where scores are computed; auto: cuda when visible"
+    )
+    self_check: bool = Field(True, description="check the batched scores against autograd on a few samples first")
+    state_dtype: Literal["float64", "float32"] = Field(
+        "float64",
+        description="moment state on the device and in the store: float64 (48 bytes per parameter for the two halves) "
+        "or float32 (32 bytes: mean as a float32 pair, sums in float32; relative error ≲ batches × 6e-8)",
+    )
+    checkpoint_batches: int = Field(
+        64,
+        ge=1,
+        description="checkpoint the state every this many batches (or seconds, whichever first; never affects results)",
+    )
+    checkpoint_seconds: float = Field(1800.0, gt=0, description="checkpoint the state every this many seconds")
+    shards: tuple[int, int | Literal["auto"]] = Field(
+        (1, 1),
+        description="[sample shards, parameter blocks]. Sample shard i folds the batches b with b % samples == i into "
+        "its own state rows; their Chan merges run in another order than one shard's, so the sample count is part of "
+        "the artifact's key (results differ in the last bits). Blocks split the parameter axis into runs of whole "
+        'tensors and never change a byte: "auto" blocks are the fewest whose job fits one device (`covgrad plan` '
+        'prints them). "auto" alone is [1, "auto"]. Resuming an unfinished partition with another is an error',
+    )
 
     @field_validator("shards", mode="before")
     @classmethod
@@ -160,7 +196,10 @@ class ScoresSection(Section):
 class MasksSection(Section):
     """Top-q fractions for masks and overlap tables."""
 
-    qs: list[float] = Field(default_factory=lambda: [0.001, 0.01, 0.05, 0.1])
+    qs: list[float] = Field(
+        default_factory=lambda: [0.001, 0.01, 0.05, 0.1],
+        description="top-q fractions of the parameters, each in (0, 1]",
+    )
 
     @field_validator("qs")
     @classmethod
@@ -185,15 +224,17 @@ class TokensSection(Section):
     backward with vmap, which suits a GPU; on a CPU one row per block was fastest).
     """
 
-    enabled: bool = True
-    max_samples: int = Field(64, ge=2)
-    modes: list[TokenMode] | None = None
-    topk: int = Field(4, ge=1)
-    mc_samples: int = Field(8, ge=1)
-    probes: int = Field(8, ge=1)
-    exact_budget: int = Field(65536, ge=1)
-    row_bytes: int = Field(32 * 1024**2, ge=1)
-    seed: int = 0
+    enabled: bool = Field(True, description="run the token Fisher stage")
+    max_samples: int = Field(64, ge=2, description="samples of the analysed rollouts it reads (the first ones)")
+    modes: list[TokenMode] | None = Field(
+        None, description="estimators: exact, topk, mc, probe, probe_seq; unset: chosen by the vocabulary size"
+    )
+    topk: int = Field(4, ge=1, description="topk: candidate tokens per position")
+    mc_samples: int = Field(8, ge=1, description="mc: draws per position")
+    probes: int = Field(8, ge=1, description="probe: Rademacher probes per position (per sequence for probe_seq)")
+    exact_budget: int = Field(65536, ge=1, description="largest T·V cotangent rows per sample for which exact runs")
+    row_bytes: int = Field(32 * 1024**2, ge=1, description="memory aimed at per block of cotangent rows")
+    seed: int = Field(0, description="seed of the mc draws and probes")
 
     @field_validator("modes")
     @classmethod
@@ -206,29 +247,31 @@ class TokensSection(Section):
 class UpdateCheckSection(Section):
     """Real optimizer steps on the REINFORCE loss against the predicted masks."""
 
-    enabled: bool = True
-    optimizers: list[Literal["sgd", "adam", "adamw"]] = Field(default_factory=lambda: ["sgd", "adam"])
-    precisions: list[Literal["bf16", "fp32_master", "fp32"]] = Field(
-        default_factory=lambda: ["bf16", "fp32_master", "fp32"]
+    enabled: bool = Field(True, description="run the update check stage")
+    optimizers: list[Literal["sgd", "adam", "adamw"]] = Field(
+        default_factory=lambda: ["sgd", "adam"], description="optimizers stepped"
     )
-    adam_lrs: list[float] = Field(default_factory=lambda: [1e-6, 1e-5])
-    sgd_lrs: list[float] = Field(default_factory=lambda: [1e-3, 1e-2])
-    steps: list[int] = Field(default_factory=lambda: [1, 4, 16])
-    fresh_minibatches: bool = True
-    seed: int = 0
+    precisions: list[Literal["bf16", "fp32_master", "fp32"]] = Field(
+        default_factory=lambda: ["bf16", "fp32_master", "fp32"], description="weight precisions stepped"
+    )
+    adam_lrs: list[float] = Field(default_factory=lambda: [1e-6, 1e-5], description="learning rates of adam/adamw")
+    sgd_lrs: list[float] = Field(default_factory=lambda: [1e-3, 1e-2], description="learning rates of sgd")
+    steps: list[int] = Field(default_factory=lambda: [1, 4, 16], description="step counts compared with the masks")
+    fresh_minibatches: bool = Field(True, description="each step on another minibatch (else the same one)")
+    seed: int = Field(0, description="seed of the minibatch order")
 
 
 class DaskSection(Section):
     """Where reductions run: the threaded scheduler (no address) or an existing dask.distributed scheduler."""
 
-    address: str | None = None
+    address: str | None = Field(None, description="dask.distributed scheduler address; unset: threads in-process")
 
 
 class PipelineConfig(Section):
     """Everything one pipeline run needs. ``root`` is a local path or an fsspec URL."""
 
-    name: str = "demo"
-    root: str = "runs"
+    name: str = Field("demo", description="run name: the run index is {root}/runs/{name}.json")
+    root: str = Field("runs", description="artifact root: a local path or an fsspec URL")
     model: ModelSection = ModelSection()
     task: TaskSection = TaskSection()
     rollouts: RolloutsSection = RolloutsSection()
@@ -254,6 +297,30 @@ class PipelineConfig(Section):
                     "give a checkpoint directory instead"
                 )
         return self
+
+
+def config_help(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[str]:
+    """One line per leaf key of ``model``: dotted key, default (as YAML/JSON) and description.
+
+    Sections are walked recursively; a dict of sections (``rollouts.samplers``) lists its value's keys
+    under ``<name>``, with the default entries' names in its own line.
+    """
+    lines = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        section = field.annotation if isinstance(field.annotation, type) else None
+        if section is not None and issubclass(section, BaseModel):
+            lines += config_help(section, f"{key}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        args = typing.get_args(field.annotation)
+        if typing.get_origin(field.annotation) is dict and isinstance(args[1], type) and issubclass(args[1], BaseModel):
+            lines.append(f"{key}  (default: {', '.join(default)})  {field.description}")
+            lines += config_help(args[1], f"{key}.<name>.")
+            continue
+        shown = json.dumps(default, default=str, ensure_ascii=False)
+        lines.append(f"{key} = {shown}  {field.description}")
+    return lines
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -36,6 +36,19 @@ def offline_env() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
 
 
+def quiet_prefect() -> None:
+    """Prefect logging for ``covgrad run``, set before prefect is imported: warnings only, except the
+    flow run's own lines (one per stage). Task-run INFO lines (state changes, each stage's computed
+    line, progress) still reach a worker's log and the API under a deployment, where this is not set."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_FLOW_RUNS_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
+    # The temporary server is a subprocess writing to this terminal; stopping it races its event flush,
+    # which then logs a ~150-line ERROR traceback of a cancelled database session; the server and its
+    # database are discarded right after.
+    os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+
+
 _LOG_PATH: Path | None = None
 
 
@@ -130,6 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.root:
         overrides.append(f"root={args.root}")
     cfg = load_config(args.config, overrides)  # yaml + pydantic only: a typo is reported at once
+    quiet_prefect()
     previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         from tasks.preflight import preflight
@@ -147,20 +161,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
+    """A few lines: the key numbers (``covgrad.report.document.summary_lines``), the stage counts and
+    where the run index, the report and the full headline tables are."""
+    import json
+
+    from covgrad.report.document import summary_lines
     from storage.artifacts import ArtifactStore
     from storage.runs import read_run_index
 
     store = ArtifactStore(cfg.root)
     index = read_run_index(store, result["run"])
     report = index["artifacts"].get("report")
-    headline = None
+    lines = []
     if report is not None:
-        path = f"{store.base}/report/{report['key']}/headline.md"
+        path = f"{store.base}/report/{report['key']}/report.json"
         if store.fs.exists(path):
-            headline = store.fs.cat_file(path).decode()
+            data = json.loads(store.fs.cat_file(path))
+            lines = summary_lines(data["numbers"], data["missing"])
     print()
-    if headline:
-        print(headline)
+    print("\n".join(lines))
     computed = [n for n, s in result["status"].items() if s == "computed"]
     print(
         f"run {result['run']} ({cfg.name}): {len(computed)} stage(s) computed, "
@@ -168,7 +187,7 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
     )
     print(f"results: {store.root}/runs/{cfg.name}.json")
     if report is not None:
-        print(f"report:  {store.root}/report/{report['key']}/report.html")
+        print(f"report:  {store.root}/report/{report['key']}/report.html (tables: headline.md beside it)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -197,12 +216,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     import fsspec
 
     from storage.artifacts import ArtifactStore, join_url
+    from storage.reports import write_report
     from storage.runs import read_run_index
-    from tasks.report import render_report, write_report
+    from tasks.report import render_run
 
     store = ArtifactStore(args.root)
     index = read_run_index(store, args.run)
-    report = render_report(store, index)
+    report = render_run(store, index)
     for name in report.missing:
         a = index["artifacts"][name]
         print(f"covgrad: stage {name} ({a['stage']}/{a['key']}) is missing or incomplete; skipped", file=sys.stderr)
@@ -323,11 +343,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from covgrad.config import config_help
+
     offline_env()
     default_root = os.environ.get("COVGRAD_ROOT") or "runs"
     parser = argparse.ArgumentParser(prog="covgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run the covgrad-pipeline flow")
+    p = sub.add_parser(
+        "run",
+        help="run the covgrad-pipeline flow",
+        description="Run (or reuse) every stage of one analysis.",
+        epilog="config keys (YAML sections or --set KEY=VALUE) with their schema defaults; the default --config,\n"
+        "configs/demo.yaml, sets some of them:\n\n" + "\n".join(config_help()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="YAML config (default: the built-in demo)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--root", help="artifact root (local path or fsspec URL)")

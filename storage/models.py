@@ -72,10 +72,12 @@ def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool
     """
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     from covgrad.models import check_causal_lm
 
     check_model_dir(str(path), "model path")
+    transformers_logging.disable_progress_bar()  # no "Loading weights" bar in a worker's log
     root = Path(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -1,4 +1,4 @@
-"""What every stage task shares: the artifact cache policy, the run-or-reuse protocol, progress bars.
+"""What every stage task shares: the artifact cache policy, the run-or-reuse protocol, progress.
 
 A stage task receives the ``ArtifactRef`` the flow planned for it (its key already fixed by the
 config and upstream keys) and returns a ``StageResult``. Two layers keep reruns cheap and correct:
@@ -66,11 +66,13 @@ log = _StageLog()
 
 
 class StageResult(BaseModel):
-    """A stage task's return value: where the artifact is and whether this call computed it."""
+    """A stage task's return value: where the artifact is, whether this call computed it and, if so, in
+    how many seconds and at what peak resident memory (bytes), for the flow's one line per stage."""
 
     ref: ArtifactRef
     computed: bool
     seconds: float = 0.0
+    peak_rss_bytes: int = 0
 
 
 @dataclass
@@ -152,7 +154,7 @@ def run_stage(
         store.complete(ref, claim, {**timing, **extra})
     seconds = time.perf_counter() - t0
     log.info("%s %s: computed in %.1f s, peak resident memory %.2f GiB", ref.stage, ref.key, seconds, rss.peak / 2**30)
-    return StageResult(ref=ref, computed=True, seconds=seconds)
+    return StageResult(ref=ref, computed=True, seconds=seconds, peak_rss_bytes=rss.peak)
 
 
 class PeakRSS:
@@ -183,8 +185,34 @@ class PeakRSS:
         self.peak = max(self.peak, self._process.memory_info().rss)
 
 
-def progress_bar(stage: str, total: int, unit: str = "batch") -> tqdm:
-    """A terminal progress bar for a long stage (stage name, k of n, rate); silent when not a TTY
-    unless COVGRAD_PROGRESS=1."""
-    show = sys.stderr.isatty() or os.environ.get("COVGRAD_PROGRESS") == "1"
-    return tqdm(total=total, desc=stage, unit=unit, disable=not show, leave=False, dynamic_ncols=True)
+class Progress:
+    """A long loop's progress: a terminal bar (stage name, k of n, rate; silent when not a TTY unless
+    COVGRAD_PROGRESS=1) and, every ``every`` seconds, one log line, so a worker's log shows that a long
+    stage is alive and how far it got."""
+
+    def __init__(self, stage: str, total: int, unit: str, every: float) -> None:
+        show = sys.stderr.isatty() or os.environ.get("COVGRAD_PROGRESS") == "1"
+        self.bar = tqdm(total=total, desc=stage, unit=unit, disable=not show, leave=False, dynamic_ncols=True)
+        self.stage, self.total, self.unit, self.every = stage, total, unit, every
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more finished units; log a line when ``every`` seconds passed since the last one."""
+        self.bar.update(n)
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= self.every and self.done < self.total:
+            self.last = now
+            log.info("%s: %d/%d %s done, %.0f s so far", self.stage, self.done, self.total, self.unit, now - self.start)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+
+def progress_bar(stage: str, total: int, unit: str = "batch") -> Progress:
+    """The :class:`Progress` of a long loop, logging every ``$COVGRAD_PROGRESS_SECONDS`` seconds (default 60)."""
+    return Progress(stage, total, unit, float(os.environ.get("COVGRAD_PROGRESS_SECONDS", "60")))

@@ -20,11 +20,11 @@ VERSIONS = {
     "base_model": base_model.VERSION,
     "rollouts": "1",
     "scores": "4",
-    "stats": "3",
+    "stats": "4",
     "masks": "2",
-    "tokens": "2",
+    "tokens": "3",
     "update_check": "2",
-    "report": "4",
+    "report": "5",
 }
 
 

@@ -2,10 +2,12 @@
 
 Reads the scores store lazily: per-sample rows when they were kept (exact float64 moments of the
 stored float32 scores), else the moment-state rows (two per shard), in blocks along ``param``, and
-writes the (param,) outputs block by block, so memory is bounded by the block size, not P. Runs on
+writes the (param,) outputs block by block, so memory is bounded by the block size, not P (except for
+``overlap_1pct``, which ranks the whole F and |G| as the masks stage does). Runs on
 dask's threaded scheduler, or on the dask.distributed scheduler at ``dask.address``. Store
 ``stats.zarr``: (param,) float64 arrays m, F, Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries
-over dim ``tensor``; scalars in attrs; ``degenerate``: why the run has no finding about G (N < 2,
+over dim ``tensor``; scalars in attrs (with ``adv_rms`` = √mean(A²) and ``overlap_1pct``, the
+global overlap of the top 1% by |G| and by F); ``degenerate``: why the run has no finding about G (N < 2,
 no scored tokens, std(A) = 0), else None; ``crossfit_undefined``: why the cross-fit is undefined (a
 prompt-group half with N < 2, e.g. a single prompt group: its ratios are NaN), else None. Degenerate runs
 are findings, not errors: the stage completes and says why in its log and attrs.
@@ -14,6 +16,7 @@ are findings, not errors: the stage completes and says why in its log and attrs.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -26,12 +29,14 @@ from prefect import task
 from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout
 from covgrad.stats import Moments, compute_stats, crossfit_stats, sample_moments, tensor_summary
+from covgrad.topk import overlap_table
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common import StageResult, log, run_stage
 from tasks.scores import STORE as SCORES
 
 STORE = "stats.zarr"
 PARAM_STATS = ("m", "F", "Fvar", "G", "Cov", "rho")
+OFF_POLICY_Q = 0.01  # the q of ``overlap_1pct``, the off-policy table's overlap column
 
 
 @contextlib.contextmanager
@@ -163,6 +168,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
         stored = {k: da.from_zarr(g[k]) for k in ("F", "Fvar", "G", "rho")}
         (summary,) = dask.compute(tensor_summary(stored, layout))
     finding = degenerate(N, any_score, float(first.get("std_A", nan)))
+    overlap = [] if finding else overlap_table(g["F"][:], np.abs(g["G"][:]), layout, [OFF_POLICY_Q])
     for note in (finding, gap if not finding else None):
         if note:
             log.warning("stats %s: %s", ref.key, note)
@@ -180,6 +186,8 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     names[:] = np.asarray([e.name for e in layout.entries])
     g.create_array("tensor_offset", data=np.asarray([e.offset for e in layout.entries]), dimension_names=["tensor"])
     scalars["max_abs_rho"] = totals["max_rho"] if totals["max_rho"] >= 0 else nan
+    scalars["adv_rms"] = math.sqrt(scalars["std_A"] ** 2 + scalars["mean_A"] ** 2)  # √mean(A²), the bound's scale
+    scalars["overlap_1pct"] = next((float(r["overlap"]) for r in overlap if r["scope"] == "global"), nan)
     scalars["P"] = P
     scalars["kl_sampler_policy_per_token"] = sc.attrs.get("kl_sampler_policy_per_token", nan)
     for i, c in enumerate(cross_counts):

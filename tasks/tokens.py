@@ -23,7 +23,8 @@ Store ``tokens.zarr`` (dims: sample, position = response position, param, batch)
   closed form vs exact (NaN when not checked);
 - ``fisher_{mode}`` (param,) = Σ f / N per mode and ``fisher_seq`` (param,) = mean(s²);
 - ``batch_done`` progress; attrs: ``scalars`` (cross-term ratio, errors against F at three N,
-  Spearman against F, mode agreement, expected error of each halved mode, sum check, LM-head check),
+  Spearman against F, mode agreement, expected error of each halved mode, sum check, LM-head check,
+  ``trace_mode`` and ``spearman_trace_entropy``: the plotted trace against the entropy),
   ``errors_vs_seq`` (rows of the three-N table), the tensor table, sampler, modes and main mode.
 Resumable by batch; same config and seed give identical stores.
 """
@@ -330,6 +331,23 @@ def summarize(
     return fisher, scalars, table
 
 
+def trace_entropy(g: Any, modes: list[str]) -> dict[str, Any]:
+    """The mode whose per-position trace the report plots (the main mode, else exact, else the first
+    with a trace) as ``trace_mode``, and ``spearman_trace_entropy``: Spearman's ρ between that trace and
+    the policy's entropy over the drawn positions (p_drawn > 0), when some trace there is positive and
+    at least two positions are drawn."""
+    traced = [m for m in [modes[0], "exact", *modes] if f"trace_{m}" in g]
+    if not traced or "entropy" not in g:
+        return {}
+    mode = traced[0]
+    trace, entropy = g[f"trace_{mode}"][:], g["entropy"][:]
+    valid = g["p_drawn"][:] > 0 if "p_drawn" in g else trace > 0
+    out: dict[str, Any] = {"trace_mode": mode}
+    if np.any(trace[valid] > 0) and int(valid.sum()) >= 2:
+        out["spearman_trace_entropy"] = spearman(entropy[valid], trace[valid])
+    return out
+
+
 def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: dict[str, ArtifactRef]) -> dict[str, Any]:
     sampler = cfg.rollouts.analyse
     ro = store.open_group(up[f"rollouts.{sampler}"], ROLLOUTS, mode="r")
@@ -366,6 +384,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
             bar.update(1)
     response = np.arange(T)[None, :] < ro["response_len"][:N][:, None]  # (N, T)
     fisher, scalars, table = summarize(g, response, modes, {m: draws(cfg, m) for m in modes})
+    scalars |= trace_entropy(g, modes)
     for name, values in fisher.items():
         g.create_array(
             name, data=values, chunks=(min(layout.P, PARAM_CHUNK),), dimension_names=["param"], overwrite=True

@@ -187,7 +187,8 @@ def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(refe
 
 def test_degenerate_run_exits_zero_and_says_so(tmp_path):
     """``covgrad run`` with every reward equal (the analysed sampler) and a one-record import beside it:
-    exit 0, the headline states both conditions in words and prints no overlap, ρ or Spearman numbers."""
+    exit 0, the printed summary and the headline state both conditions in words and give no overlap, ρ
+    or Spearman numbers."""
     import yaml
 
     from tests.test_deployments import user_config, write_checkpoint
@@ -212,7 +213,30 @@ def test_degenerate_run_exits_zero_and_says_so(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "| finding | no reward variance: G ≡ 0; overlap, ρ and the bound are undefined |" in out, out
+    assert "finding: no reward variance: G ≡ 0; overlap, ρ and the bound are undefined" in out, out
     assert "one/policy: too few samples: N = 1, the statistics need N ≥ 2;" in out, out
-    assert not [line for line in out.splitlines() if line.startswith(("| overlap(", "| max_abs_rho", "| spearman"))]
+    assert not [w for w in ("overlap(", "max_abs_rho", "spearman") if w in out], out
+    report = Path(re.search(r"^report:\s+(\S+)", out, flags=re.M).group(1))
+    headline = (report.parent / "headline.md").read_text()
+    assert "| finding | no reward variance: G ≡ 0; overlap, ρ and the bound are undefined |" in headline
+    assert not [
+        line for line in headline.splitlines() if line.startswith(("| overlap(", "| max_abs_rho", "| spearman"))
+    ]
     assert not [line for line in proc.stderr.splitlines() if line.startswith("covgrad:")], proc.stderr[-3000:]
+
+
+def test_cached_run_prints_one_line_per_stage(reference, tmp_path):
+    """A rerun with every stage cached: one line per stage, no Prefect task-run lines, ≤ 30 lines in all."""
+    ref_root, nodes = reference
+    root = tmp_path / "root"
+    shutil.copytree(ref_root, root)
+    proc = covgrad(root)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    lines = (out + err).splitlines()
+    assert len(lines) <= 30, "\n".join(lines)
+    for name, node in nodes.items():
+        stage_lines = [line for line in lines if re.search(rf" - {re.escape(name)} +cached +{node.ref.key}$", line)]
+        assert len(stage_lines) == 1, (name, lines)
+    assert not [line for line in lines if "Task run" in line], lines
+    assert f"0 stage(s) computed, {len(nodes)} from cache" in out

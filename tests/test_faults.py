@@ -86,6 +86,7 @@ def damage(path: Path, how: str) -> None:
         path.write_bytes(data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1 :])
 
 
+@pytest.mark.slow  # 9 cases, each recomputing a chain of stages
 @pytest.mark.parametrize(
     ("instance", "array", "how"),
     [
@@ -327,7 +328,7 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
 
     from storage.artifacts import ArtifactStore
     from tasks.plan import plan
-    from tasks.report import render_report
+    from tasks.report import render_run
     from tests.test_deployments import user_config
 
     cfg = user_config(tmp_path / "root", user_model, tmp_path / "task.jsonl", **{"task.n_prompts": 1})
@@ -342,7 +343,7 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
     assert np.isnan(st.attrs["scalars"]["crossfit_even_F_odd_G_frac_exceed"])
     index = {"name": "user", "config": cfg.model_dump(mode="json")}
     index["artifacts"] = {n: {"stage": v.ref.stage, "key": v.ref.key} for n, v in nodes.items()}
-    text = render_report(store, index).headline_markdown()
+    text = render_run(store, index).headline_markdown()
     assert "| overlap(q=0.01) |" in text
     rows = [line for line in text.splitlines() if line.startswith("| crossfit_frac_exceed")]
     assert len(rows) == 2 and all("| nan | " + said in row for row in rows), rows

@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import logging
 import math
 import re
 import shutil
@@ -13,11 +14,12 @@ import torch
 from PIL import Image
 
 from covgrad.config import PipelineConfig
+from covgrad.report import Report
 from storage.artifacts import MARKER, ArtifactStore
 from storage.runs import read_run_index, write_run_index
 from tasks.plan import plan, run_key
 from tasks.registry import STAGE_TASKS
-from tasks.report import artifact_key, publish, render_report
+from tasks.report import artifact_key, publish, render_run
 from tests.conftest import tiny_config
 
 PLOTS = (
@@ -93,6 +95,22 @@ def test_report_numbers_equal_the_stores(run):
         assert row["zero_mean_trace"] == g.attrs["scalars"]["zero_mean_trace"]
         top_g, top_f = _topk_reference(np.abs(g["G"][:]), 0.01), _topk_reference(g["F"][:], 0.01)
         assert row["overlap_1pct"] == pytest.approx(len(top_g & top_f) / len(top_g), abs=1e-15)
+        assert row["overlap_1pct"] == g.attrs["scalars"]["overlap_1pct"]  # read from the stats store
+
+    tokens = store.open_group(refs["tokens"], "tokens.zarr").attrs["scalars"]
+    assert out["tokens"]["spearman_trace_entropy"] == tokens["spearman_trace_entropy"]
+
+
+@pytest.mark.slow
+def test_token_fisher_numbers_appear_once(run):
+    """The per-mode table holds the errors against F and the error table those at three N; the scalars
+    table repeats neither, and the trace/entropy Spearman is one row, not also a sentence."""
+    _, refs, store = run
+    md = _read(store, refs["report"], "report.md").decode()
+    section = md.split("## Token Fisher", 1)[1].split("\n## ", 1)[0]
+    assert not re.findall(r"^\| (?:relerr|spearman)_\w+_vs_seq", section, flags=re.M), section
+    assert len(re.findall(r"^\| spearman_trace_entropy \|", section, flags=re.M)) == 1
+    assert "Spearman(per-position trace" not in section
 
 
 @pytest.mark.slow
@@ -138,8 +156,8 @@ def test_render_report_on_memory_root(run):
     mem = ArtifactStore("memory://h7-report")
     mem.fs.put(store.base, mem.base, recursive=True)
     index = read_run_index(mem, cfg.name)
-    local = render_report(store, read_run_index(store, cfg.name))
-    remote = render_report(mem, index)
+    local = render_run(store, read_run_index(store, cfg.name))
+    remote = render_run(mem, index)
     assert remote.numbers == local.numbers and not remote.missing
     assert remote.plots.keys() == local.plots.keys()
     mem.fs.rm(mem.base, recursive=True)
@@ -148,19 +166,17 @@ def test_render_report_on_memory_root(run):
 def test_artifact_keys_are_valid_and_publish_needs_a_run_context():
     for text in ("covgrad-report-Demo_Run.v2", "covgrad-headline-__x__", "A--B"):
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", artifact_key(text)), text
-    from tasks.report import Report
-
     publish(Report(title="t", headline=[{"quantity": "N", "value": 1}]), "Demo_Run")
 
 
 def test_config_round_trip_in_run_index(tmp_path):
-    """render_report validates the index's config; an index from write_run_index holds a valid one."""
+    """render_run validates the index's config; an index from write_run_index holds a valid one."""
     cfg = tiny_config(str(tmp_path))
     store = ArtifactStore(cfg.root)
     write_run_index(store, cfg, "k", {})
     index = read_run_index(store, "tiny")
     assert PipelineConfig.model_validate(index["config"]) == cfg
-    report = render_report(store, index)
+    report = render_run(store, index)
     assert report.missing == [] and "Statistics: skipped" in report.markdown()
 
 
@@ -168,8 +184,6 @@ def test_config_round_trip_in_run_index(tmp_path):
 def test_publish_creates_prefect_artifacts_in_a_flow(prefect_server):
     from prefect import flow
     from prefect.client.orchestration import get_client
-
-    from tasks.report import Report
 
     report = Report(title="t", headline=[{"quantity": "N", "value": 32}, {"quantity": "std_A", "value": 0.5}])
 
@@ -182,3 +196,23 @@ def test_publish_creates_prefect_artifacts_in_a_flow(prefect_server):
         keys = {a.key: a for a in client.read_artifacts()}
     assert {"covgrad-report-demo-run-v2", "covgrad-headline-demo-run-v2"} <= set(keys)
     assert "std_A" in str(keys["covgrad-headline-demo-run-v2"].data)
+
+
+def test_wide_tables_scroll_inside_their_box():
+    from covgrad.report.document import STYLE
+
+    row = {f"column_{i}": float(i) for i in range(30)}
+    html = Report(title="t", blocks=[("table", [row])]).html()
+    assert '<div class="table"><table>' in html and ".table{overflow-x:auto" in STYLE
+
+
+def test_progress_logs_a_line_every_interval(caplog, monkeypatch):
+    from tasks.common import progress_bar
+
+    monkeypatch.setenv("COVGRAD_PROGRESS_SECONDS", "0")
+    with caplog.at_level(logging.INFO, logger="covgrad"), progress_bar("scores x/y", 3) as bar:
+        bar.update(1)
+        bar.update(1)
+        bar.update(1)  # the last unit: the stage's own computed line follows, no progress line
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scores x/y:")]
+    assert [line.split(",")[0] for line in lines] == ["scores x/y: 1/3 batch done", "scores x/y: 2/3 batch done"]

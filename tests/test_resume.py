@@ -182,6 +182,7 @@ def test_rerun_cached_and_invalidation_recomputes_exactly_below(reference, tmp_p
         store.fs.rm(store.base, recursive=True)
 
 
+@pytest.mark.slow  # the only fast user of the reference chain (many small batches)
 def test_stale_upstream_is_not_resumed(reference, tmp_path):
     """Batches written against an upstream completion that has since been replaced are discarded."""
     from storage.artifacts import CLAIM, MARKER, ArtifactStore

@@ -67,6 +67,7 @@ def test_split_blocks_partition_the_layout():
         split_blocks(layout, 7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [65536, 512])  # one chunk (every boundary is an edge), and many
 def test_parameter_blocks_do_not_change_a_byte(upstream, tmp_path, monkeypatch, chunk):
     """1 × 1, 1 × 2 and one block per tensor: identical state bytes (each column depends on its tensor only)."""

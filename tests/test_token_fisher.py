@@ -278,6 +278,7 @@ def _tensor_sums(layout, x: torch.Tensor) -> torch.Tensor:
     return torch.stack([x[..., e.offset : e.offset + e.numel].sum(-1) for e in layout.entries], -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_probe_is_unbiased_on_every_tensor(tied):
     """2,000 Rademacher probes u = ε⊙√p − p(εᵀ√p), batched as cotangent rows with every tensor (the LM

@@ -1,0 +1,147 @@
+"""The report's plots: arrays and row tables read from the stores in, PNG bytes out.
+
+Every function draws one figure and computes nothing the stores do not already hold.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+PNG_DPI = 110
+
+
+def _png(fig: Figure) -> bytes:
+    """The figure as PNG bytes (no timestamp or software tag, so equal figures give equal bytes)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=PNG_DPI, bbox_inches="tight", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def plot_fisher_vs_grad(F: np.ndarray, absG: np.ndarray, adv_rms: float) -> bytes:
+    """Log-log hexbin density of |G_i| against F_i (both (P,); entries with F or |G| = 0 are left out)
+    with the bound √mean(A²)·√F. When no entry has F, |G| > 0 (e.g. every advantage is 0), the
+    histogram of F is drawn instead, with a note saying why."""
+    keep = (F > 0) & (absG > 0)
+    fig = Figure(figsize=(6, 4.5))
+    ax = fig.add_subplot()
+    if not keep.any():
+        positive = F[F > 0]
+        if positive.size:
+            ax.hist(np.log10(positive), bins=50, color="C0")
+        ax.set_xlabel("log10 Fisher F = mean(s²)")
+        ax.set_ylabel("parameters")
+        ax.set_title("|G| = 0 for every parameter: no reward signal (std(A) = 0)")
+        return _png(fig)
+    hb = ax.hexbin(F[keep], absG[keep], xscale="log", yscale="log", bins="log", gridsize=50, mincnt=1, cmap="viridis")
+    fig.colorbar(hb, ax=ax, label="parameters per bin")
+    x = np.geomspace(F[keep].min(), F[keep].max(), 100)
+    ax.plot(x, adv_rms * np.sqrt(x), "r-", label="bound √mean(A²)·√F (= std(A)·√F when mean A = 0)")
+    ax.set_xlabel("Fisher F = mean(s²)  [(log-prob / parameter unit)²]")
+    ax.set_ylabel("|G| = |mean(A·s)|  [advantage × log-prob / parameter unit]")
+    ax.set_title(f"F vs |G|: {int(keep.sum())} of {F.size} parameters with F, |G| > 0", fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    return _png(fig)
+
+
+def plot_overlap(rows: list[dict[str, Any]]) -> bytes:
+    """overlap(q) of top-q by |G| and by F, global and per-tensor scope, beside both baselines."""
+    fig = Figure(figsize=(6, 4.5))
+    ax = fig.add_subplot()
+    for scope, style in (("global", "-"), ("per_tensor", "--")):
+        sel = sorted((r for r in rows if r["scope"] == scope), key=lambda r: r["q"])
+        if not sel:
+            continue
+        q = [r["q"] for r in sel]
+        ax.plot(q, [r["overlap"] for r in sel], "o" + style, color="C0", label=f"measured ({scope})")
+        if scope == "global":
+            ax.plot(q, [r["random"] for r in sel], "s:", color="C7", label="random baseline")
+            ax.plot(q, [r["per_tensor_random"] for r in sel], "^-.", color="C1", label="per-tensor random baseline")
+    ax.set_xscale("log")
+    ax.set_xlabel("q (fraction of parameters kept)")
+    ax.set_ylabel("overlap = |top-q |G| ∩ top-q F| / |top-q |G||")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Overlap of the top sets by |G| and by F")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_tensor_shares(rows: list[dict[str, Any]]) -> bytes:
+    """Each tensor's share of the global top-q set by F and by |G| beside its share of all parameters."""
+    tensors = list(dict.fromkeys(r["tensor"] for r in rows))
+    share = {(r["tensor"], r["metric"]): float(r["share"]) for r in rows}
+    numel = {r["tensor"]: float(r["numel_share"]) for r in rows}
+    q = float(rows[0]["q"])
+    y = np.arange(len(tensors))
+    fig = Figure(figsize=(7, 1.2 + 0.32 * len(tensors)))
+    ax = fig.add_subplot()
+    ax.barh(y - 0.27, [share.get((t, "F"), 0.0) for t in tensors], 0.27, label=f"top-{q:g} by F")
+    ax.barh(y, [share.get((t, "absG"), 0.0) for t in tensors], 0.27, label=f"top-{q:g} by |G|")
+    ax.barh(y + 0.27, [numel[t] for t in tensors], 0.27, color="C7", label="share of all parameters")
+    ax.set_yticks(y, [t.removeprefix("model.") for t in tensors], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of the set (fraction)")
+    ax.set_title("Which tensors hold the top parameters")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_zero_mean(rows: list[dict[str, Any]]) -> bytes:
+    """Zero-mean statistics (trace and per-coordinate) per sampler, policy vs sampler centering."""
+    labels = [f"{r['sampler']}\n{r['centering']}" for r in rows]
+    x = np.arange(len(rows))
+    fig = Figure(figsize=(6, 4.5))
+    ax = fig.add_subplot()
+    ax.bar(x - 0.2, [r["zero_mean_trace"] for r in rows], 0.4, label="N·‖m‖² / tr Var(s)")
+    ax.bar(x + 0.2, [r["zero_mean_coord"] for r in rows], 0.4, label="mean_i N·m_i² / Var_i")
+    ax.axhline(1.0, color="k", ls=":", label="≈ 1 when E[s] = 0")
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_xlabel("sampler / centering")
+    ax.set_ylabel("statistic (dimensionless)")
+    ax.set_title("Zero-mean test of the score: policy vs sampler centering")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_token_trace(entropy: np.ndarray, trace: np.ndarray, mode: str) -> bytes:
+    """Per-position token Fisher trace against the policy's entropy at that position (both (n,); only
+    positions with a positive trace are drawn, on a log axis)."""
+    fig = Figure(figsize=(6, 4.5))
+    ax = fig.add_subplot()
+    keep = trace > 0
+    ax.scatter(entropy[keep], trace[keep], s=8, alpha=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("token entropy H(p_t)  [nats]")
+    ax.set_ylabel(f"token Fisher trace Σ_i f_t,i  ({mode})")
+    ax.set_title(f"Token Fisher trace against entropy ({int(keep.sum())} response positions)")
+    return _png(fig)
+
+
+def plot_update_check(rows: list[dict[str, Any]], predictors: list[str]) -> bytes:
+    """bf16 precision and recall of each predictor against the changed set, per optimizer cell.
+
+    One panel per statistic, stacked, so each gets the full width; cell labels are three short lines
+    (optimizer, precision, lr) and the legend sits below the panels, clear of the bars.
+    """
+    cells = [f"{r['optimizer']}\n{r['precision']}\nlr={r['lr']:g}" for r in rows]
+    x = np.arange(len(rows))
+    width = 0.8 / max(len(predictors), 1)
+    fig = Figure(figsize=(max(6.0, 0.75 * len(rows) + 1.5), 7.0), layout="constrained")
+    axes = fig.subplots(2, 1, sharex=True)
+    for ax, stat in zip(axes, ("precision", "recall"), strict=True):
+        for j, p in enumerate(predictors):
+            vals = [r.get(f"bf16_{p}_{stat}", float("nan")) for r in rows]
+            ax.bar(
+                x + (j - (len(predictors) - 1) / 2) * width, vals, width, label=p, color="C7" if p == "random" else None
+            )
+        ax.set_title(f"{stat} against the changed set (bf16)", fontsize=10)
+        ax.set_ylabel(f"{stat} (fraction)")
+        ax.set_ylim(0, 1.02)
+    axes[1].set_xticks(x, cells, fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(predictors), 6), fontsize=8)
+    return _png(fig)

@@ -1,0 +1,68 @@
+"""A run's artifacts as the report reads them, and the report's files as they are written.
+
+``RunArtifacts`` opens the complete artifacts of one run index by instance name (the
+``covgrad.report.sections.RunSource`` protocol); ``write_report`` writes a rendered report's files into
+one directory of any fsspec file system.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from typing import Any
+
+import fsspec
+
+from covgrad.report import Report
+from covgrad.report.document import finite
+from storage.artifacts import ArtifactStore
+
+
+class RunArtifacts:
+    """The artifacts of one run index (instance name -> {stage, key}), opened on demand."""
+
+    def __init__(self, store: ArtifactStore, index: dict[str, Any]) -> None:
+        self.store = store
+        self.refs = {n: store.ref(a["stage"], a["key"]) for n, a in index["artifacts"].items()}
+        self.missing = [n for n, r in self.refs.items() if n != "report" and not store.is_complete(r)]
+
+    def has(self, instance: str) -> bool:
+        """True when the run has ``instance`` and its artifact is complete."""
+        return instance in self.refs and instance not in self.missing
+
+    def group(self, instance: str, name: str) -> Any:
+        """The zarr group ``name`` of ``instance``, read-only."""
+        return self.store.open_group(self.refs[instance], name, mode="r")
+
+    def json(self, instance: str, name: str) -> Any:
+        """The JSON file ``name`` of ``instance``."""
+        return self.store.read_json(self.refs[instance], name)
+
+    def csv(self, instance: str, name: str) -> list[dict[str, str]]:
+        """The rows of the CSV file ``name`` of ``instance``."""
+        with self.store.fs.open(self.store.path(self.refs[instance], name), "r") as f:
+            return list(csv.DictReader(f))
+
+
+def write_report(fs: fsspec.AbstractFileSystem, directory: str, report: Report) -> list[str]:
+    """Write the report's files into ``directory`` of ``fs`` and delete PNGs there that this report
+    does not have (left by an earlier render); returns the written paths."""
+    fs.makedirs(directory, exist_ok=True)
+    for stale in fs.glob(f"{directory.rstrip('/')}/*.png"):
+        if stale.rsplit("/", 1)[-1] not in report.plots:
+            fs.rm(stale)
+    files: dict[str, bytes] = {
+        "report.md": report.markdown().encode(),
+        "report.html": report.html().encode(),
+        "headline.md": report.headline_markdown().encode(),
+        "report.json": json.dumps(
+            {"numbers": report.numbers, "missing": report.missing}, indent=1, default=finite
+        ).encode(),
+        **report.plots,
+    }
+    paths = []
+    for name, data in files.items():
+        path = f"{directory.rstrip('/')}/{name}"
+        fs.pipe_file(path, data)
+        paths.append(path)
+    return paths
