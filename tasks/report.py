@@ -32,11 +32,10 @@ from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout
 from covgrad.topk import overlap_table, spearman
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.schema import STATS, TOKENS
 from storage.tables import to_markdown, uniform
 from tasks.common import StageResult, log, run_stage
-from tasks.plan import main_centering
-from tasks.stats import STORE as STATS
-from tasks.tokens import STORE as TOKENS
+from tasks.specs import ReportSpec, centerings
 
 FLOAT_FORMAT = ".4g"
 PNG_DPI = 110
@@ -364,7 +363,7 @@ def render_report(store: ArtifactStore, run_index: dict[str, Any]) -> Report:
     cfg = PipelineConfig.model_validate(run_index["config"])
     run = _Run(store, run_index)
     report = Report(title=f"covgrad report: {run_index.get('name', cfg.name)}", missing=list(run.missing))
-    main = f"stats.{cfg.rollouts.analyse}.{main_centering(cfg)}"
+    main = f"stats.{cfg.rollouts.analyse}.{centerings(cfg.rollouts.samplers[cfg.rollouts.analyse])[-1]}"
     report.numbers["main_stats"] = main
     report.blocks.append(("p", f"Model: {_model_label(run_index['config'])}. Main statistics: {main}."))
     if report.missing:
@@ -616,19 +615,19 @@ def publish(report: Report, name: str) -> None:
     create_table_artifact(key=artifact_key(f"covgrad-headline-{name}"), table=table, description="covgrad headline")
 
 
-def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, upstream: dict[str, ArtifactRef]) -> None:
+def _compute(store: ArtifactStore, ref: ArtifactRef, spec: ReportSpec, upstream: dict[str, ArtifactRef]) -> None:
     index = {
-        "name": cfg.name,
-        "config": cfg.model_dump(mode="json"),
+        "name": spec.name,
+        "config": spec.config,
         "artifacts": {n: {"stage": r.stage, "key": r.key} for n, r in upstream.items()},
     }
     report = render_report(store, index)
     write_report(store.fs, store.path(ref), report)
-    publish(report, cfg.name)
+    publish(report, spec.name)
     log.info("report: %d plot(s), missing %s", len(report.plots), report.missing or "nothing")
 
 
 @task(name="report")
-def report_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """Render the run's report from every upstream artifact."""
-    return run_stage(ref, {"name": cfg.name}, lambda store, r: _compute(store, r, cfg, upstream))
+def report_task(ref: ArtifactRef, spec: ReportSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Render the run's report from every upstream artifact (``upstream``: by instance name)."""
+    return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream))
