@@ -106,8 +106,8 @@ def test_bad_names_raise_with_the_known_ones(tmp_path):
 def tiny_run(tmp_path_factory):
     """A policy-only tiny pipeline run (no tokens, no update check), task bodies called directly."""
     from storage.runs import write_run_index
-    from tasks.plan import plan, run_key
-    from tasks.registry import STAGE_TASKS
+    from tasks.specs import plan
+    from tests.conftest import run_planned
 
     torch.set_num_threads(1)
     cfg = tiny_config(
@@ -118,12 +118,8 @@ def tiny_run(tmp_path_factory):
             "update_check.enabled": False,
         },
     )
-    nodes = plan(cfg)
-    refs = {}
-    for name, node in nodes.items():
-        STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
-        refs[name] = node.ref
-    write_run_index(ArtifactStore(cfg.root), cfg, run_key(nodes), refs)
+    refs = {n: r.ref for n, r in run_planned(cfg).items()}
+    write_run_index(ArtifactStore(cfg.root), cfg, plan(cfg).run_key, refs)
     return cfg
 
 
