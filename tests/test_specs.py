@@ -7,8 +7,8 @@ and of everything below them in the plan.
 """
 
 import ast
-import re
 import inspect
+import re
 import types
 import typing
 from pathlib import Path
@@ -213,7 +213,7 @@ def test_stage_tasks_take_a_spec_and_upstream_refs_never_the_config():
         assert params == ["ref", "spec", "upstream"], (name, params)
         assert hints["ref"] is ArtifactRef and hints["upstream"] == dict[str, ArtifactRef], name
         spec = hints["spec"]
-        assert issubclass(spec, StageSpec) and spec.STAGE == task.name, (name, spec)
+        assert issubclass(spec, StageSpec) and task.name == spec.STAGE, (name, spec)
         assert PipelineConfig not in hints.values(), name
 
 
