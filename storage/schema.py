@@ -2,15 +2,16 @@
 variable attributes. Tasks create arrays and write coordinates through this module and pick no chunk
 size of their own.
 
-Coordinates along the flat parameter axis (DESIGN.md section 5): ``tensor_id (param)`` int32, the index
-of the tensor that holds each element, and ``tensor_name (tensor)``, its name as in
-``named_parameters()``. A string per element would cost P strings (about 60 bytes each at P = 1.35e8, 8
-GB); the integer id costs 4 bytes per element and compresses to almost nothing, and plain xarray selects a
-tensor by name with no project import::
+Coordinates of the flat parameter axis (DESIGN.md section 5), one row per tensor along dim ``tensor``:
+``tensor_name`` (as in ``named_parameters()``), ``tensor_offset`` and ``tensor_numel`` (its run of
+``param``). Per-element coordinates would cost P values: a name per element about 40 bytes (5.4 GB at
+P = 1.35e8, and as many Python strings when loaded), an int32 tensor index 4 bytes (540 MB uncompressed);
+per-tensor rows cost a few kB, and a tensor is a contiguous slice, which xarray selects lazily. Plain
+xarray selects a tensor by name with no project import::
 
     ds = xr.open_zarr(path_of_stats_store)
-    tid = int((ds.tensor_name == "model.layers.0.mlp.up_proj.weight").argmax())
-    ds.F.where(ds.tensor_id == tid, drop=True)
+    t = ds.isel(tensor=ds.tensor_name.values.tolist().index("model.layers.0.mlp.up_proj.weight"))
+    F = ds.F.isel(param=slice(int(t.tensor_offset), int(t.tensor_offset + t.tensor_numel)))
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MASKS = "masks.zarr"
 TOKENS = "tokens.zarr"
 UPDATE = "update.zarr"
 
+COORDS = ("tensor_name", "tensor_offset", "tensor_numel")
 PARAM_CHUNK = 65536  # elements per chunk along ``param`` (every (…, param) array of every store)
 
 # What each (param,) statistic is: long name and definition (DESIGN.md section 1; s = sequence score,
@@ -53,25 +55,21 @@ def param_chunk(P: int) -> int:
 
 
 def write_param_coords(g: Any, layout: ParamLayout) -> None:
-    """Write the tensor coordinates of the flat parameter axis into zarr group ``g``: ``tensor_id (param)``
-    int32 (chunked like every param array) and ``tensor_name (tensor)`` text, and declare ``tensor_name``
-    a coordinate of every other variable's ``tensor`` dim and ``tensor_id`` of its ``param`` dim."""
-    P = layout.P
-    ids = g.create_array(
-        "tensor_id", shape=(P,), chunks=(param_chunk(P),), dtype="int32", dimension_names=["param"], overwrite=True
-    )
-    for i, e in enumerate(layout.entries):
-        ids[e.offset : e.offset + e.numel] = np.int32(i)
-    ids.attrs.update({"long_name": "tensor index", "definition": "row of tensor_name holding this element"})
-    names = g.create_array(
-        "tensor_name", shape=(len(layout.entries),), dtype=str, dimension_names=["tensor"], overwrite=True
-    )
-    names[:] = np.asarray([e.name for e in layout.entries])
+    """Write the tensor table of the flat parameter axis into zarr group ``g`` as coordinates along dim
+    ``tensor`` (``tensor_name`` text, ``tensor_offset`` and ``tensor_numel`` int64) and name them in the
+    ``coordinates`` attribute of every variable over ``param`` or ``tensor``, so xarray opens them as
+    coordinates."""
+    entries = layout.entries
+    names = g.create_array("tensor_name", shape=(len(entries),), dtype=str, dimension_names=["tensor"], overwrite=True)
+    names[:] = np.asarray([e.name for e in entries])
     names.attrs["long_name"] = "parameter tensor name (named_parameters())"
+    for col, values, what in (
+        ("tensor_offset", [e.offset for e in entries], "first param index of the tensor"),
+        ("tensor_numel", [e.numel for e in entries], "elements of the tensor"),
+    ):
+        arr = g.create_array(col, data=np.asarray(values, dtype=np.int64), dimension_names=["tensor"], overwrite=True)
+        arr.attrs["long_name"] = what
     for name, arr in g.arrays():
-        if name in ("tensor_id", "tensor_name"):
-            continue
         dims = arr.metadata.dimension_names or ()
-        coords = [c for c, d in (("tensor_id", "param"), ("tensor_name", "tensor")) if d in dims]
-        if coords:
-            arr.attrs["coordinates"] = " ".join(coords)
+        if name not in COORDS and ("param" in dims or "tensor" in dims):
+            arr.attrs["coordinates"] = " ".join(COORDS)

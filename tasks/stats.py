@@ -177,7 +177,6 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: Artifa
     summary = {k: np.asarray(v) for k, v in summary.items()}
     for name, values in summary.items():
         g.create_array(f"tensor_{name}", data=values, dimension_names=["tensor"])
-    g.create_array("tensor_offset", data=np.asarray([e.offset for e in layout.entries]), dimension_names=["tensor"])
     scalars["max_abs_rho"] = totals["max_rho"] if totals["max_rho"] >= 0 else nan
     scalars["P"] = P
     scalars["kl_sampler_policy_per_token"] = sc.attrs.get("kl_sampler_policy_per_token", nan)
