@@ -52,11 +52,16 @@ class Instance(NamedTuple):
         return ".".join(p for p in self if p is not None)
 
 
-class StageSpec(BaseModel):
-    """Base of the stage specs: frozen, unknown fields rejected; ``STAGE`` and ``VERSION`` name the stage
-    and its code version (bump it when the stage's code changes what it writes)."""
+class Spec(BaseModel):
+    """Base of specs and their parts: frozen, unknown fields rejected."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StageSpec(Spec):
+    """Base of the stage specs: ``STAGE`` and ``VERSION`` name the stage and its code version (bump it
+    when the stage's code changes what it writes); ``PLACEMENT`` lists the fields the key leaves out."""
+
     STAGE: ClassVar[str]
     VERSION: ClassVar[str]
     PLACEMENT: ClassVar[frozenset[str]] = frozenset()
@@ -70,12 +75,10 @@ class StageSpec(BaseModel):
         return stage_key(self.STAGE, self.VERSION, self.hashed(), upstream)
 
 
-class PolicySpec(StageSpec):
+class PolicySpec(Spec):
     """How a stage loads the policy (and other model directories): a user model directory (resolved) or
     the demo model that the base_model artifact holds, in ``dtype``."""
 
-    STAGE: ClassVar[str] = "policy"
-    VERSION: ClassVar[str] = "1"
     path: str | None
     dtype: Literal["float32", "bfloat16"]
     trust_remote_code: bool
