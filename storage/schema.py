@@ -1,5 +1,5 @@
 """What the stores share: their names, the chunking along ``param``, the tensor coordinates and the
-statistics' variable attributes. Tasks take these from here and pick no chunk length of their own.
+variables' attributes. Tasks take these from here and pick no chunk length of their own.
 
 Coordinates of the flat parameter axis (DESIGN.md section 5), one row per tensor along dim ``tensor``:
 ``tensor_name`` (as in ``named_parameters()``), ``tensor_offset`` and ``tensor_numel`` (its run of
@@ -32,9 +32,10 @@ UPDATE = "update.zarr"
 COORDS = ("tensor_name", "tensor_offset", "tensor_numel")
 PARAM_CHUNK = 65536  # elements per chunk along ``param`` (every (…, param) array of every store)
 
-# What each (param,) statistic is: long name and definition (DESIGN.md section 1; s = sequence score,
-# A = advantage, all means over the N samples with 1/N).
-STATS_ATTRS: dict[str, dict[str, str]] = {
+# What each variable is: long name, definition and units (DESIGN.md section 1; s = sequence score, A =
+# advantage, f_t = token Fisher at one position; means over the N samples with 1/N). Keys are array names;
+# a key ending in "_" covers every array whose name starts with it.
+VARIABLE_ATTRS: dict[str, dict[str, str]] = {
     "m": {"long_name": "mean score", "definition": "mean(s)", "units": "score"},
     "F": {"long_name": "Fisher (uncentered)", "definition": "mean(s^2)", "units": "score^2"},
     "Fvar": {"long_name": "score variance", "definition": "Var(s) = F - m^2", "units": "score^2"},
@@ -46,7 +47,25 @@ STATS_ATTRS: dict[str, dict[str, str]] = {
         "definition": "|Cov| from one half of the prompt groups / (std(A)*sqrt(Fvar)) from the other",
         "units": "1",
     },
+    "F_": {"long_name": "top-q mask by F", "definition": "row q: the top-q fraction of parameters by F"},
+    "absG_": {"long_name": "top-q mask by |G|", "definition": "row q: the top-q fraction of parameters by |G|"},
+    "absrho_": {"long_name": "top-q mask by |rho|", "definition": "row q: the top-q fraction by |rho|"},
+    "fisher_seq": {"long_name": "sequence Fisher", "definition": "mean(s^2) over the samples", "units": "score^2"},
+    "fisher_": {"long_name": "token Fisher estimate", "definition": "sum of f_t / N", "units": "score^2"},
+    "trace_": {"long_name": "token Fisher trace", "definition": "sum over parameters of f_t", "units": "score^2"},
+    "mean_s": {"long_name": "running mean score (moment state)", "definition": "Chan-merged mean(s) per row"},
+    "m2_s": {"long_name": "score second central moment sum", "definition": "sum((s - mean_s)^2) per row"},
+    "c_as": {"long_name": "advantage-score co-moment sum", "definition": "sum((A - mean_a)(s - mean_s)) per row"},
+    "scores": {"long_name": "per-sample score", "definition": "s_n, one row per sample", "units": "score"},
 }
+
+
+def variable_attrs(name: str) -> dict[str, str]:
+    """The attributes of array ``name`` (exact name first, then the longest matching prefix), or {}."""
+    if name in VARIABLE_ATTRS:
+        return VARIABLE_ATTRS[name]
+    prefixes = [k for k in VARIABLE_ATTRS if k.endswith("_") and name.startswith(k)]
+    return VARIABLE_ATTRS[max(prefixes, key=len)] if prefixes else {}
 
 
 def param_chunk(P: int) -> int:
@@ -54,11 +73,11 @@ def param_chunk(P: int) -> int:
     return max(1, min(P, PARAM_CHUNK))
 
 
-def write_param_coords(g: Any, layout: ParamLayout) -> None:
+def annotate(g: Any, layout: ParamLayout) -> None:
     """Write the tensor table of the flat parameter axis into zarr group ``g`` as coordinates along dim
-    ``tensor`` (``tensor_name`` text, ``tensor_offset`` and ``tensor_numel`` int64) and name them in the
-    ``coordinates`` attribute of every variable over ``param`` or ``tensor``, so xarray opens them as
-    coordinates."""
+    ``tensor`` (``tensor_name`` text, ``tensor_offset`` and ``tensor_numel`` int64), name them in the
+    ``coordinates`` attribute of every variable over ``param`` or ``tensor`` (xarray opens them as
+    coordinates), and give every known variable its attributes (:data:`VARIABLE_ATTRS`)."""
     entries = layout.entries
     names = g.create_array("tensor_name", shape=(len(entries),), dtype=str, dimension_names=["tensor"], overwrite=True)
     names[:] = np.asarray([e.name for e in entries])
@@ -71,5 +90,8 @@ def write_param_coords(g: Any, layout: ParamLayout) -> None:
         arr.attrs["long_name"] = what
     for name, arr in g.arrays():
         dims = arr.metadata.dimension_names or ()
-        if name not in COORDS and ("param" in dims or "tensor" in dims):
+        if name in COORDS:
+            continue
+        if "param" in dims or "tensor" in dims:
             arr.attrs["coordinates"] = " ".join(COORDS)
+        arr.attrs.update(variable_attrs(name))

@@ -21,7 +21,7 @@ from covgrad.layout import ParamLayout
 from covgrad.topk import bound_mask_table, overlap_table, spearman, topk_global, topk_per_tensor
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import MASKS as STORE
-from storage.schema import STATS, param_chunk, write_param_coords
+from storage.schema import STATS, annotate, param_chunk
 from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import MasksSpec
@@ -81,7 +81,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
     store.write_json(ref, "summary.json", summary)
     summary_attr = json.loads(json.dumps(summary, default=float))
     g.attrs.update({"summary": summary_attr, "tensors": st.attrs["tensors"], "degenerate": None})
-    write_param_coords(g, layout)
+    annotate(g, layout)
     store.consolidate(ref, STORE)
     return {"spearman_F_absG": rho_s}
 

@@ -46,7 +46,7 @@ from covgrad.rollout_import import require_mu_source
 from covgrad.sampling import SamplerSpec, recompute_sampler_logp
 from covgrad.shardplan import ModelShape, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.schema import ROLLOUTS, param_chunk, write_param_coords
+from storage.schema import ROLLOUTS, annotate, param_chunk
 from storage.schema import SCORES as STORE
 from tasks.common import (
     StageResult,
@@ -449,7 +449,7 @@ class ScoresJob:
         if self.mu_source is not None:
             kl = float(g["kl_sum"][:].sum() / max(g["kl_tokens"][:].sum(), 1.0))
             g.attrs["kl_sampler_policy_per_token"] = kl
-        write_param_coords(g, self.layout)
+        annotate(g, self.layout)
         self.store.consolidate(self.ref, STORE)
         return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.keep_rows, "shards": [self.S, self.K]}
 

@@ -26,7 +26,7 @@ from prefect import task
 from covgrad.layout import ParamLayout
 from covgrad.stats import Moments, compute_stats, crossfit_stats, sample_moments, tensor_summary
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.schema import SCORES, STATS_ATTRS, param_chunk, write_param_coords
+from storage.schema import SCORES, annotate, param_chunk
 from storage.schema import STATS as STORE
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import StatsSpec
@@ -119,7 +119,6 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: Artifa
     outputs = (*PARAM_STATS, "crossfit_ratio")
     for name in outputs:
         g.create_array(name, shape=(P,), chunks=(chunk,), dtype="float64", dimension_names=["param"])
-        g[name].attrs.update(STATS_ATTRS[name])
     N, n_even, n_odd = sample_counts(sc)
     gap = crossfit_gap(n_even, n_odd)
     nan = float("nan")
@@ -196,7 +195,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: Artifa
             "crossfit_undefined": gap,
         }
     )
-    write_param_coords(g, layout)
+    annotate(g, layout)
     store.consolidate(ref, STORE)
     return {"scalars": scalars}
 

@@ -52,7 +52,7 @@ from covgrad.token_fisher import (
 )
 from covgrad.topk import spearman
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.schema import ROLLOUTS, param_chunk, write_param_coords
+from storage.schema import ROLLOUTS, annotate, param_chunk
 from storage.schema import TOKENS as STORE
 from tasks.common import StageResult, load_models, pick_device, progress_bar, run_stage
 from tasks.specs import TokensSpec
@@ -379,7 +379,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
             "V": V,
         }
     )
-    write_param_coords(g, layout)
+    annotate(g, layout)
     store.consolidate(ref, STORE)
     return {"scalars": scalars}
 
