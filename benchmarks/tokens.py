@@ -177,7 +177,7 @@ def demo(reps: int) -> None:
 
     def stage(modes: list[str]) -> Callable[[], Any]:
         cfg = stage_cfg(modes, **settings)
-        return lambda: _batch(model, layout, psg, cfg, ro, 0, B, 0, modes, head, dev)
+        return lambda: _batch(model, layout, psg, cfg.tokens, ro, 0, B, 0, modes, head, dev)
 
     fns = {
         "scores batch (PerSampleGrads + batch_moments)": lambda: scores_batch(psg, ro, buffer),
@@ -245,7 +245,7 @@ def smollm(reps: int, rows: int, prompt: int, response: int) -> None:
         "token_fisher probe_seq, k = 2": fisher("probe_seq", 2),
         "token_fisher probe, k = 1 per position": fisher("probe", 1),
         f"tokens stage batch, default ({', '.join(modes)}, probes 2, + token scores)": lambda: _batch(
-            model, layout, psg, cfg, ro, 0, B, 0, modes, head, torch.device("cpu")
+            model, layout, psg, cfg.tokens, ro, 0, B, 0, modes, head, torch.device("cpu")
         ),
     }
     res = timed(fns, reps)

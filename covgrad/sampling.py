@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from covgrad.config import SamplerSection
+
 MuMode = Literal["none", "full", "topk"]
 AdvantageKind = Literal["group_mean", "group_zscore", "global_mean", "none"]
 _MU_MODES = ("none", "full", "topk")
@@ -56,6 +58,11 @@ class SamplerSpec:
             raise ValueError(f"max_new_tokens must be an int >= 1; got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
+
+    @classmethod
+    def of(cls, s: SamplerSection) -> SamplerSpec:
+        """The sampling settings of a config sampler section."""
+        return cls(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens)
 
 
 def sampler_log_probs(logits: Tensor, spec: SamplerSpec) -> Tensor:

@@ -1,35 +1,55 @@
 """The ``covgrad-pipeline`` flow: every stage of one analysis, each a cached artifact.
 
+``run_stages`` is the stage list, in DAG order; ``tasks.specs.plan`` fixes each artifact's spec and key
+before anything runs, and each stage's task receives its spec and upstream refs. The flow submits every
+call through Prefect with the artifact cache policy; tests call ``run_stages`` with the task bodies.
+
 No ``from __future__ import annotations`` here: Prefect builds the parameter schema from the
 annotations at import time (DESIGN.md section 6).
 """
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from prefect import flow
+from prefect import Task, flow
 
 from covgrad.config import PipelineConfig
 from covgrad.preflight import check_model
 from flows.deployment import deployment_config
-from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
+from tasks.base_model import base_model_task
 from tasks.common import StageResult, cache_options
-from tasks.plan import plan, run_key
-from tasks.registry import STAGE_TASKS
+from tasks.masks import masks_task
+from tasks.report import report_task
+from tasks.rollouts import rollouts_task
+from tasks.scores import scores_task
+from tasks.specs import Plan, Step, plan
+from tasks.stats import stats_task
+from tasks.tokens import tokens_task
+from tasks.update_check import update_check_task
 
 log = logging.getLogger("covgrad")
 
+Run = Callable[[Task, Step], StageResult]
 
-def run_node(cfg: PipelineConfig, name: str, ref: ArtifactRef, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """Submit one planned artifact's task through Prefect with the artifact cache policy."""
-    store = ArtifactStore(cfg.root)
-    task_fn = STAGE_TASKS[ref.stage].with_options(name=name, **cache_options(store, ref))
-    state = task_fn(ref, cfg, name, upstream, return_state=True)
-    result: StageResult = state.result()
-    if state.name == "Cached":
-        result = StageResult(ref=result.ref, computed=False)
-    return result
+
+def run_stages(p: Plan, run: Run) -> None:
+    """Every planned artifact of ``p``, one ``run(task, step)`` each, upstream first."""
+    run(base_model_task, p.base_model)
+    for step in p.rollouts.values():
+        run(rollouts_task, step)
+    for step in p.scores.values():
+        run(scores_task, step)
+    for step in p.stats.values():
+        run(stats_task, step)
+    run(masks_task, p.masks)
+    if p.tokens is not None:
+        run(tokens_task, p.tokens)
+    if p.update_check is not None:
+        run(update_check_task, p.update_check)
+    run(report_task, p.report)
 
 
 @flow(name="covgrad-pipeline", log_prints=True)
@@ -39,15 +59,27 @@ def covgrad_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any
     if config.model.path is not None:  # unsupported modules fail here, in seconds, not after rollouts
         m = config.model
         check_model(m.path, config.scores.params, m.trust_remote_code, config.scores.self_check)
-    nodes = plan(config)
-    key = run_key(nodes)
-    refs: dict[str, ArtifactRef] = {}
+    p = plan(config)
+    store = ArtifactStore(config.root)
+    refs: dict[str, Any] = {}
     status: dict[str, str] = {}
-    for name, node in nodes.items():
-        upstream = {u: refs[u] for u in node.upstream}
-        result = run_node(config, name, node.ref, upstream)
+
+    def run(task: Task, step: Step) -> StageResult:
+        name = str(step.instance)
+        state = task.with_options(name=name, **cache_options(store, step.ref))(
+            step.ref, step.spec, step.upstream, return_state=True
+        )
+        result: StageResult = state.result()
         refs[name] = result.ref
-        status[name] = "computed" if result.computed else "cached"
-        print(f"{name:28s} {status[name]:8s} {result.ref.key}")
-        write_run_index(ArtifactStore(config.root), config, key, refs)  # a failed run's finished stages stay reachable
-    return {"run": key, "name": config.name, "root": config.root, "status": status}
+        status[name] = "computed" if result.computed and state.name != "Cached" else "cached"
+        cost = (
+            f"  {result.seconds:.1f} s, peak {result.peak_rss_bytes / 2**30:.2f} GiB"
+            if status[name] == "computed"
+            else ""
+        )
+        print(f"{name:28s} {status[name]:8s} {result.ref.key}{cost}")
+        write_run_index(store, config, p.run_key, refs)  # a failed run's finished stages stay reachable
+        return result
+
+    run_stages(p, run)
+    return {"run": p.run_key, "name": config.name, "root": config.root, "status": status}

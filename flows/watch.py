@@ -22,7 +22,8 @@ from prefect import flow, get_run_logger
 from covgrad.config import PipelineConfig
 from flows.pipeline import covgrad_pipeline
 from storage.artifacts import ArtifactStore, now
-from tasks.plan import plan, run_key
+from storage.schema import STATS
+from tasks.specs import plan
 
 
 def find_checkpoints(directory: str, pattern: str = "*") -> list[Path]:
@@ -46,18 +47,14 @@ def checkpoint_config(config: PipelineConfig, checkpoint: Path) -> PipelineConfi
 def is_analysed(cfg: PipelineConfig) -> bool:
     """True when every artifact planned for ``cfg`` is complete."""
     store = ArtifactStore(cfg.root)
-    return all(store.is_complete(node.ref) for node in plan(cfg).values())
+    return all(store.is_complete(step.ref) for step in plan(cfg).values())
 
 
 def finding(cfg: PipelineConfig) -> str | None:
     """The degenerate condition the run's main statistics recorded (e.g. "no reward variance: G ≡ 0;
     ..."), or None when the statistics carry a finding about G."""
-    from tasks.plan import main_centering
-    from tasks.stats import STORE
-
     store = ArtifactStore(cfg.root)
-    ref = plan(cfg)[f"stats.{cfg.rollouts.analyse}.{main_centering(cfg)}"].ref
-    return store.open_group(ref, STORE, mode="r").attrs.get("degenerate")
+    return store.open_group(plan(cfg).main.ref, STATS, mode="r").attrs.get("degenerate")
 
 
 def _record_path(store: ArtifactStore, name: str) -> str:
@@ -97,7 +94,7 @@ def covgrad_watch(
     runs: dict[str, str] = {}
     for checkpoint in find_checkpoints(directory, pattern):
         cfg = checkpoint_config(config, checkpoint)
-        key = run_key(plan(cfg))
+        key = plan(cfg).run_key
         runs[checkpoint.name] = key
         if is_analysed(cfg):
             skipped.append(checkpoint.name)

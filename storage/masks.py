@@ -8,6 +8,7 @@ import numpy as np
 import zarr
 
 from covgrad.layout import ParamLayout
+from storage.schema import MASKS
 
 
 def load_masks(artifact_dir: str, q: float) -> tuple[dict[str, np.ndarray], ParamLayout]:
@@ -16,7 +17,7 @@ def load_masks(artifact_dir: str, q: float) -> tuple[dict[str, np.ndarray], Para
     ValueError naming the available fractions when ``q`` was not computed, or the degenerate condition
     when the artifact holds no masks.
     """
-    path = Path(artifact_dir) / "masks.zarr"
+    path = Path(artifact_dir) / MASKS
     if not path.is_dir():
         raise FileNotFoundError(f"{str(path)!r} does not exist; pass a masks artifact directory ({{root}}/masks/<key>)")
     g = zarr.open_group(str(path), mode="r")

@@ -1,7 +1,8 @@
 """What every stage task shares: the artifact cache policy, the run-or-reuse protocol, progress.
 
-A stage task receives the ``ArtifactRef`` the flow planned for it (its key already fixed by the
-config and upstream keys) and returns a ``StageResult``. Two layers keep reruns cheap and correct:
+A stage task receives the ``ArtifactRef`` the flow planned for it, its spec (``tasks/specs.py``; the
+ref's key is the spec's key, checked here) and its upstream refs, and returns a ``StageResult``. Two
+layers keep reruns cheap and correct:
 
 1. Prefect's cache, keyed by the artifact key (``ArtifactCache``), with persisted results next to the
    artifacts and SERIALIZABLE isolation under a file-system lock, so two concurrent runs of the same
@@ -30,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
+import torch
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 from prefect.exceptions import MissingContextError
@@ -40,8 +43,11 @@ from prefect.logging import get_run_logger
 from prefect.transactions import IsolationLevel
 from pydantic import BaseModel
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.models import load_model_and_tokenizer
+from tasks.specs import PolicySpec, StageSpec
 
 
 class _StageLog:
@@ -121,17 +127,26 @@ def cache_options(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
     }
 
 
+def check_spec(ref: ArtifactRef, spec: StageSpec) -> None:
+    """ValueError unless ``ref`` is the artifact of ``spec`` (its stage, and its key = the spec's key over
+    the ref's upstream keys): a task computes exactly what its key says."""
+    if ref.stage != spec.STAGE or ref.key != spec.key(ref.upstream):
+        raise ValueError(f"{ref.stage} {ref.key} is not the artifact of this {spec.STAGE} spec; plan it (tasks.specs)")
+
+
 def run_stage(
     ref: ArtifactRef,
-    config: Any,
+    spec: StageSpec,
     compute: Callable[[ArtifactStore, ArtifactRef], dict[str, Any] | None],
     resumable: bool = False,
 ) -> StageResult:
-    """Return the complete artifact at ``ref``, computing it first when needed.
+    """Return the complete artifact at ``ref`` (the artifact of ``spec``), computing it first when needed.
 
-    ``compute(store, ref)`` writes the artifact's files and may return extra provenance. On failure
-    nothing is marked complete; a batched (``resumable``) stage keeps its finished batches.
+    ``compute(store, ref)`` writes the artifact's files and may return extra provenance; the completion
+    marker records the spec. On failure nothing is marked complete; a batched (``resumable``) stage keeps
+    its finished batches.
     """
+    check_spec(ref, spec)
     store = ArtifactStore(ref.root)
     problems = store.damage(ref)
     if problems:
@@ -147,7 +162,7 @@ def run_stage(
             log.info("%s %s: computed meanwhile by another run", ref.stage, ref.key)
             return StageResult(ref=ref, computed=False)
         t0 = time.perf_counter()
-        claim = store.begin(ref, config, resume=resumable)
+        claim = store.begin(ref, spec.model_dump(mode="json"), resume=resumable)
         with PeakRSS() as rss:
             extra = compute(store, ref) or {}
         timing = {"seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": rss.peak}
@@ -216,3 +231,40 @@ class Progress:
 def progress_bar(stage: str, total: int, unit: str = "batch") -> Progress:
     """The :class:`Progress` of a long loop, logging every ``$COVGRAD_PROGRESS_SECONDS`` seconds (default 60)."""
     return Progress(stage, total, unit, float(os.environ.get("COVGRAD_PROGRESS_SECONDS", "60")))
+
+
+def load_models(
+    store: ArtifactStore, base: ArtifactRef, which: str, policy: PolicySpec
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the policy (``which='policy'``), the demo's stale checkpoint (``'stale'``) or another model
+    directory given by path, with the tokenizer saved beside it, in eval mode, as ``policy`` says."""
+    dtype, trust = policy.dtype, policy.trust_remote_code
+    if which == "policy" and policy.path is not None:
+        return load_model_and_tokenizer(policy.path, dtype, trust)
+    if which in ("policy", "stale"):
+        with store.local_dir(base, which, write=False) as d:
+            return load_model_and_tokenizer(d, dtype, trust)
+    return load_model_and_tokenizer(which, dtype, trust)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of ``device`` (a cuda device's total; the host's RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
+
+
+def pick_device(choice: str) -> torch.device:
+    """The torch device of a ``scores.device`` choice (``auto``: cuda when visible)."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("scores.device=cuda but no CUDA device is visible; use auto or cpu")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def group_batches(group: np.ndarray, groups_per_batch: int) -> list[tuple[int, int]]:
+    """[lo, hi) sample ranges, each holding ``groups_per_batch`` whole consecutive groups of ``group`` (N,)."""
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    bounds = [*starts[::groups_per_batch].tolist(), len(group)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))

@@ -17,27 +17,26 @@ from typing import Any
 import numpy as np
 from prefect import task
 
-from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout
 from covgrad.topk import bound_mask_table, overlap_table, spearman, topk_global, topk_per_tensor
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.schema import MASKS as STORE
+from storage.schema import STATS, annotate, param_chunk
 from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, log, run_stage
-from tasks.stats import STORE as STATS
-
-STORE = "masks.zarr"
+from tasks.specs import MasksSpec
 
 
-def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:
+def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: ArtifactRef) -> dict[str, Any]:
     st = store.open_group(up, STATS, mode="r")
     finding = st.attrs.get("degenerate")
     if finding:
-        return _no_masks(store, ref, st, cfg.masks.qs, finding)
+        return _no_masks(store, ref, st, spec.qs, finding)
     layout = ParamLayout.from_records(st.attrs["tensors"])
     scalars = st.attrs["scalars"]
     # (param,) arrays are read when needed and released after: memory holds a few of them, not all seven
     metrics = {"F": lambda: st["F"][:], "absG": lambda: np.abs(st["G"][:]), "absrho": lambda: np.abs(st["rho"][:])}
-    qs = cfg.masks.qs
+    qs = spec.qs
     P = layout.P
     g = store.open_group(ref, STORE, mode="w")
     g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
@@ -49,7 +48,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
             for i, q in enumerate(qs):
                 idx = topk_global(values, q) if scope == "global" else topk_per_tensor(values, layout, q)
                 mask[i, idx] = True
-            g.create_array(f"{metric}_{scope}", data=mask, chunks=(1, min(P, 65536)), dimension_names=["q", "param"])
+            g.create_array(f"{metric}_{scope}", data=mask, chunks=(1, param_chunk(P)), dimension_names=["q", "param"])
             if scope == "global" and metric in ("F", "absG"):
                 i = int(np.argmin(np.abs(np.asarray(qs) - 0.01)))
                 total = max(int(mask[i].sum()), 1)
@@ -82,6 +81,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     store.write_json(ref, "summary.json", summary)
     summary_attr = json.loads(json.dumps(summary, default=float))
     g.attrs.update({"summary": summary_attr, "tensors": st.attrs["tensors"], "degenerate": None})
+    annotate(g, layout)
     store.consolidate(ref, STORE)
     return {"spearman_F_absG": rho_s}
 
@@ -104,7 +104,6 @@ def _min_recall(rows: list[dict[str, Any]]) -> float:
 
 
 @task(name="masks")
-def masks_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """Top-q masks and overlap tables from the main stats artifact."""
-    (source,) = upstream.values()
-    return run_stage(ref, cfg.masks.model_dump(), lambda store, r: _compute(store, r, cfg, source))
+def masks_task(ref: ArtifactRef, spec: MasksSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Top-q masks and overlap tables from the main stats artifact ``upstream["stats"]``."""
+    return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream["stats"]))

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from covgrad.config import PipelineConfig
+from covgrad.config import PipelineConfig, TaskSection
 from covgrad.rollout_import import require_mu_source
 from covgrad.task import (
     DEMO_CONTEXT,
@@ -34,9 +34,8 @@ from storage.readers import prompt_locations, read_prompt_file, read_records
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
-def load_task(cfg: PipelineConfig) -> tuple[list[Problem], RewardFn]:
-    """The run's prompts and reward function."""
-    t = cfg.task
+def load_task(t: TaskSection) -> tuple[list[Problem], RewardFn]:
+    """The prompts and reward function of task section ``t``."""
     if t.kind == "addition":
         return addition_problems(t.n_prompts, t.digits, t.seed), addition_reward
     assert t.path is not None and t.reward is not None
@@ -45,11 +44,11 @@ def load_task(cfg: PipelineConfig) -> tuple[list[Problem], RewardFn]:
     return problems[: t.n_prompts], reward
 
 
-def prompt_places(cfg: PipelineConfig, n: int) -> list[str]:
-    """Where each of the run's first ``n`` prompts comes from: ``file:line`` of a JSONL task, else
+def prompt_places(t: TaskSection, n: int) -> list[str]:
+    """Where each of the first ``n`` prompts of task ``t`` comes from: ``file:line`` of a JSONL task, else
     ``prompt i`` (the built-in task)."""
-    if cfg.task.kind == "jsonl" and cfg.task.path is not None:
-        return prompt_locations(cfg.task.path)[:n]
+    if t.kind == "jsonl" and t.path is not None:
+        return prompt_locations(t.path)[:n]
     return [f"prompt {i}" for i in range(n)]
 
 
@@ -119,12 +118,12 @@ def preflight(cfg: PipelineConfig) -> None:
             require_mu_source(f"rollouts.samplers.{name}", first, s.on_policy, s.mu_model)
         if s.mu_model is not None:
             check_model_dir(s.mu_model, f"rollouts.samplers.{name}.mu_model")
-    problems, _ = load_task(cfg)
+    problems, _ = load_task(cfg.task)
     generating = {name: s for name, s in cfg.rollouts.samplers.items() if s.import_path is None}
     counted = _prompt_lengths(cfg, problems) if generating else None
     if counted is None:
         return
     lengths, limit = counted
-    where = prompt_places(cfg, len(problems))
+    where = prompt_places(cfg.task, len(problems))
     for name, s in generating.items():
         check_context(lengths, where, s.max_new_tokens, limit, f"rollouts.samplers.{name}")

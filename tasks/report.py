@@ -16,7 +16,7 @@ from covgrad.report.document import cell
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.reports import RunArtifacts, write_report
 from tasks.common import StageResult, log, run_stage
-from tasks.plan import main_centering
+from tasks.specs import ReportSpec, centerings
 
 
 def artifact_key(text: str) -> str:
@@ -27,7 +27,7 @@ def artifact_key(text: str) -> str:
 def render_run(store: ArtifactStore, index: dict[str, Any]) -> Report:
     """The report of a run index (``name``, ``config``, ``artifacts``) from the stores under ``store``."""
     cfg = PipelineConfig.model_validate(index["config"])
-    main = f"stats.{cfg.rollouts.analyse}.{main_centering(cfg)}"
+    main = f"stats.{cfg.rollouts.analyse}.{centerings(cfg.rollouts.samplers[cfg.rollouts.analyse])[-1]}"
     return render_report(RunArtifacts(store, index), index["config"], index.get("name", cfg.name), main)
 
 
@@ -43,14 +43,14 @@ def publish(report: Report, name: str) -> None:
 
 
 @task(name="report")
-def report_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """Render the run's report from every upstream artifact."""
+def report_task(ref: ArtifactRef, spec: ReportSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Render the run's report from every upstream artifact (``upstream``: by instance name)."""
 
     def compute(store: ArtifactStore, r: ArtifactRef) -> None:
         artifacts = {n: {"stage": u.stage, "key": u.key} for n, u in upstream.items()}
-        report = render_run(store, {"name": cfg.name, "config": cfg.model_dump(mode="json"), "artifacts": artifacts})
+        report = render_run(store, {"name": spec.name, "config": spec.config, "artifacts": artifacts})
         write_report(store.fs, store.path(r), report)
-        publish(report, cfg.name)
+        publish(report, spec.name)
         log.info("report: %d plot(s), missing %s", len(report.plots), report.missing or "nothing")
 
-    return run_stage(ref, {"name": cfg.name}, compute)
+    return run_stage(ref, spec, compute)

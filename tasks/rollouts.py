@@ -18,22 +18,17 @@ import numpy as np
 import torch
 from prefect import task
 
-from covgrad.config import PipelineConfig, SamplerSection
+from covgrad.config import SamplerSection
 from covgrad.models import context_length
 from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
 from covgrad.task import response_texts, score_rewards
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from storage.readers import read_located_records
-from tasks.base_model import load_models
-from tasks.common import StageResult, progress_bar, run_stage
+from storage.schema import ROLLOUTS as STORE
+from tasks.common import StageResult, load_models, progress_bar, run_stage
 from tasks.preflight import check_context, load_task, prompt_places
-
-STORE = "rollouts.zarr"
-
-
-def sampler_spec(s: SamplerSection) -> SamplerSpec:
-    return SamplerSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens)
+from tasks.specs import RolloutsSpec
 
 
 def _create_arrays(g: Any, N: int, width: int, T: int, V: int, rows: int, s: SamplerSection) -> None:
@@ -79,16 +74,16 @@ def _reward(reward_fn: Any, problem: Any, response: str, where: str) -> float:
         raise ValueError(f"{where}: {msg} (response {response!r})") from None
 
 
-def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, name: str, base: ArtifactRef):
-    s = cfg.rollouts.samplers[name]
-    problems, reward_fn = load_task(cfg)
-    policy, tokenizer = load_models(store, base, "policy", cfg)
-    sampler = policy if s.model == "policy" else load_models(store, base, s.model, cfg)[0]
+def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: ArtifactRef):
+    s, name = spec.settings, spec.sampler
+    problems, reward_fn = load_task(spec.task)
+    policy, tokenizer = load_models(store, base, "policy", spec.policy)
+    sampler = policy if s.model == "policy" else load_models(store, base, s.model, spec.policy)[0]
     V = policy.get_input_embeddings().num_embeddings
     if sampler.get_input_embeddings().num_embeddings != V:
         raise ValueError(f"sampler model {s.model!r} has a different vocabulary size than the policy ({V})")
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
-    where = prompt_places(cfg, len(problems))
+    where = prompt_places(spec.task, len(problems))
     # preflight checked the same with tokenizer.json; this is the loaded tokenizer's word
     check_context(
         [len(p) for p in prompts], where, s.max_new_tokens, context_length(policy), f"rollouts.samplers.{name}"
@@ -100,7 +95,7 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, name:
     g = store.open_group(ref, STORE, mode="a")
     _create_arrays(g, N, width, T, V, per_batch * G, s)
     create_progress(g, n_batches)
-    spec = sampler_spec(s)
+    sampling = SamplerSpec.of(s)
     todo = pending_batches(g)
     with progress_bar(f"rollouts {ref.key[:8]}", n_batches) as bar:
         bar.update(n_batches - len(todo))
@@ -111,7 +106,7 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, name:
                 [prompts[i] for i in idx],
                 idx,
                 G,
-                spec,
+                sampling,
                 s.seed,
                 batch_size=s.batch_size,
                 eos_id=tokenizer.eos_token_id,
@@ -135,9 +130,10 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, name:
     return g, tokenizer.eos_token_id, tokenizer.pad_token_id
 
 
-def _import(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: SamplerSection, base: ArtifactRef):
+def _import(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: ArtifactRef):
+    s = spec.settings
     assert s.import_path is not None
-    policy, tokenizer = load_models(store, base, "policy", cfg)
+    policy, tokenizer = load_models(store, base, "policy", spec.policy)
     V = policy.get_input_embeddings().num_embeddings
     data = records_to_rollouts(
         read_located_records(s.import_path),
@@ -180,19 +176,16 @@ def _import(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, s: Samp
 
 
 @task(name="rollouts")
-def rollouts_task(
-    ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]
-) -> StageResult:
-    """Generate (or import) the rollouts of sampler ``instance`` = ``rollouts.<sampler>``."""
-    name = instance.split(".", 1)[1]
-    s = cfg.rollouts.samplers[name]
+def rollouts_task(ref: ArtifactRef, spec: RolloutsSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Generate (or import) the rollouts of sampler ``spec.sampler``."""
+    s = spec.settings
 
     def compute(store: ArtifactStore, r: ArtifactRef) -> dict[str, Any]:
         base = upstream["base_model"]
-        g, eos, pad = _import(store, r, cfg, s, base) if s.import_path else _generate(store, r, cfg, name, base)
+        g, eos, pad = _import(store, r, spec, base) if s.import_path else _generate(store, r, spec, base)
         rewards = g["reward"][:]
         check_rewards(rewards)
-        adv = compute_advantages(rewards, g["group"][:], cfg.rollouts.advantage)
+        adv = compute_advantages(rewards, g["group"][:], spec.advantage)
         if "advantage" not in g:
             g.create_array(
                 "advantage", shape=adv.shape, chunks=g["reward"].chunks, dtype="float64", dimension_names=["sample"]
@@ -200,9 +193,9 @@ def rollouts_task(
         g["advantage"][:] = adv
         g.attrs.update(
             {
-                "sampler": name,
+                "sampler": spec.sampler,
                 "sampler_spec": s.model_dump(),
-                "advantage_kind": cfg.rollouts.advantage,
+                "advantage_kind": spec.advantage,
                 "eos_id": eos,
                 "pad_id": pad,
                 "n_samples": len(rewards),
@@ -212,4 +205,4 @@ def rollouts_task(
         store.consolidate(r, STORE)
         return {"n_samples": len(rewards), "mean_reward": float(np.mean(rewards))}
 
-    return run_stage(ref, {"sampler": s.model_dump(), "advantage": cfg.rollouts.advantage}, compute, resumable=True)
+    return run_stage(ref, spec, compute, resumable=True)

@@ -40,53 +40,44 @@ from prefect import task
 
 from covgrad.accum import MomentAccumulator
 from covgrad.centering import align_full_mu, align_topk_mu, kl_sampler_policy, mask_unscored
-from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.rollout_import import require_mu_source
-from covgrad.sampling import recompute_sampler_logp
+from covgrad.sampling import SamplerSpec, recompute_sampler_logp
+from covgrad.shardplan import ModelShape, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from tasks.base_model import load_models
-from tasks.common import StageResult, progress_bar, run_stage
-from tasks.rollouts import STORE as ROLLOUTS
-from tasks.rollouts import sampler_spec
+from storage.schema import ROLLOUTS, annotate, param_chunk
+from storage.schema import SCORES as STORE
+from tasks.common import (
+    StageResult,
+    device_memory,
+    group_batches,
+    load_models,
+    pick_device,
+    progress_bar,
+    run_stage,
+)
+from tasks.specs import ScoresSpec
 
-STORE = "scores.zarr"
-PARAM_CHUNK = 65536
 SCALARS = ("count", "mean_a", "m2_a")
 STATE = ("mean_s", "m2_s", "c_as")
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("scores.device=cuda but no CUDA device is visible; use auto or cpu")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def group_batches(group: np.ndarray, groups_per_batch: int) -> list[tuple[int, int]]:
-    """[lo, hi) sample ranges, each holding ``groups_per_batch`` whole consecutive groups."""
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-    bounds = [*starts[::groups_per_batch].tolist(), len(group)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 class MuSource:
     """How the sampler's μ is obtained for one rollouts store (full, top-k record, or the sampler model:
     ``mu_model`` for imported rollouts)."""
 
-    def __init__(self, store: ArtifactStore, base: ArtifactRef, cfg: PipelineConfig, ro: Any, sampler: str) -> None:
-        s = cfg.rollouts.samplers[sampler]
+    def __init__(self, store: ArtifactStore, base: ArtifactRef, spec: ScoresSpec, ro: Any) -> None:
+        s = spec.settings
         self.ro = ro
         self.kind = "full" if "mu_logp" in ro else "topk" if "mu_topk_ids" in ro else "model"
-        self.spec = sampler_spec(s)
+        self.spec = SamplerSpec.of(s)
         self.model = None
         self.kl: tuple[float, int] = (0.0, 0)
         if self.kind == "model":
             if s.import_path is not None:  # the store holds no top-k record: the preflight's check, again
-                require_mu_source(f"rollouts.samplers.{sampler}", {}, s.on_policy, s.mu_model)
-            self.model = load_models(store, base, s.mu_model or s.model, cfg)[0]
+                require_mu_source(f"rollouts.samplers.{spec.sampler}", {}, s.on_policy, s.mu_model)
+            self.model = load_models(store, base, s.mu_model or s.model, spec.policy)[0]
 
     def dlogits_fn(self, lo: int, hi: int, tokens: torch.Tensor, pl: torch.Tensor, rl: torch.Tensor, target):
         """The logit-gradient function of batch [lo, hi) under sampler centering. Each call also
@@ -129,48 +120,46 @@ class ScoresJob:
     """One scores artifact as three explicit steps, so that jobs can share a store: ``prepare`` creates
     every array (once, before any job runs), ``run((i, k))`` folds the batches b with b % S == i into
     the columns of parameter block k, and ``finalize`` assembles the block edges and writes the attributes
-    and consolidated metadata once every job is done. ``shards`` = (S, K) defaults to ``scores.shards``
-    (``"auto"`` blocks: the fewest that fit one device like this process's, :func:`tasks.shards.resolve_shards`)."""
+    and consolidated metadata once every job is done. ``shards`` = (S, K) defaults to the spec's sample
+    shards and blocks (``"auto"`` blocks: the fewest that fit one device like this process's,
+    :func:`resolve_shards`)."""
 
     def __init__(
         self,
         store: ArtifactStore,
         ref: ArtifactRef,
-        cfg: PipelineConfig,
-        instance: str,
+        spec: ScoresSpec,
         up: dict[str, ArtifactRef],
         shards: tuple[int, int] | None = None,
         workers: int = 1,
     ) -> None:
-        _, self.sampler, self.centering = instance.split(".")
-        self.store, self.ref, self.cfg = store, ref, cfg
-        self.ro = store.open_group(up[f"rollouts.{self.sampler}"], ROLLOUTS, mode="r")
-        self.model, _ = load_models(store, up["base_model"], "policy", cfg)
-        self.device = pick_device(cfg.scores.device)
+        self.sampler, self.centering = spec.sampler, spec.centering
+        self.store, self.ref, self.spec = store, ref, spec
+        self.ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
+        self.model, _ = load_models(store, up["base_model"], "policy", spec.policy)
+        self.device = pick_device(spec.device)
         self.model.to(self.device).eval()
-        self.layout = select_parameters(self.model, cfg.scores.params)
+        self.layout = select_parameters(self.model, spec.params)
         self.group = self.ro["group"][:]
         self.adv = self.ro["advantage"][:]
         self.N, self.P = len(self.group), self.layout.P
-        self.batches = group_batches(self.group, cfg.scores.groups_per_batch)
+        self.batches = group_batches(self.group, spec.groups_per_batch)
         self.B = max(hi - lo for lo, hi in self.batches)
-        if shards is None and cfg.scores.shards[1] == "auto":
-            from tasks.shards import resolve_shards
-
+        if shards is None and spec.blocks == "auto":
             shards = resolve_shards(self, workers)
-        self.S, self.K = shards or cfg.scores.shards
+        self.S, self.K = shards or (spec.sample_shards, spec.blocks)
         self.blocks: list[ParamLayout] = split_blocks(self.layout, self.K)
         self.starts = np.cumsum([0] + [blk.P for blk in self.blocks]).tolist()  # (K + 1,) block column bounds
         self.keep_rows = (
             self.K == 1
-            and cfg.scores.byte_budget >= self.N * self.P * 4
+            and spec.byte_budget >= self.N * self.P * 4
             and all(hi - lo == self.B for lo, hi in self.batches[:-1])
         )
-        self.state_dtype = cfg.scores.state_dtype
+        self.state_dtype = spec.state_dtype
         self.state_names = STATE + (("mean_s_lo",) if self.state_dtype == "float32" else ())
-        self.chunk_p = max(1, min(self.P, PARAM_CHUNK))
+        self.chunk_p = param_chunk(self.P)
         sampler_centered = self.centering == "sampler"
-        self.mu_source = MuSource(store, up["base_model"], cfg, self.ro, self.sampler) if sampler_centered else None
+        self.mu_source = MuSource(store, up["base_model"], spec, self.ro) if sampler_centered else None
 
     def _state_arrays(self, g: Any, rows: int, P: int, scalars: bool = True) -> None:
         """Create the moment-state arrays (rows, P) in group ``g``, and the (rows,) scalars unless
@@ -254,7 +243,7 @@ class ScoresJob:
         if not mine and g["shard_batches"][i, k] < 0:
             self._checkpoint(g, job, acc, 0, final=True)
         device = self.device
-        psg = PerSampleGrads(self.model, block, check=self.cfg.scores.self_check)
+        psg = PerSampleGrads(self.model, block, check=self.spec.self_check)
         buffer = torch.empty((self.B, self.P), dtype=torch.float32, device=device) if self.keep_rows else None
         writer = RowWriter(g["scores"], self.B, self.P, device) if self.keep_rows and todo else None
         try:
@@ -289,7 +278,7 @@ class ScoresJob:
     ) -> None:
         """Fold batches ``todo`` of ``job`` (``done`` of its batches already in ``acc``), checkpointing."""
         ro, device, mu_source = self.ro, self.device, self.mu_source
-        every, seconds = self.cfg.scores.checkpoint_batches, self.cfg.scores.checkpoint_seconds
+        every, seconds = self.spec.checkpoint_batches, self.spec.checkpoint_seconds
         since: list[int] = []
         last_save = time.monotonic()
         with progress_bar(f"scores {self.sampler}/{self.centering}", len(self.batches)) as bar:
@@ -454,12 +443,13 @@ class ScoresJob:
                 "state_dtype": self.state_dtype,
                 "per_sample_rows": self.keep_rows,
                 "device": str(self.device),
-                "dtype": self.cfg.model.dtype,
+                "dtype": self.spec.policy.dtype,
             }
         )
         if self.mu_source is not None:
             kl = float(g["kl_sum"][:].sum() / max(g["kl_tokens"][:].sum(), 1.0))
             g.attrs["kl_sampler_policy_per_token"] = kl
+        annotate(g, self.layout)
         self.store.consolidate(self.ref, STORE)
         return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.keep_rows, "shards": [self.S, self.K]}
 
@@ -541,22 +531,35 @@ def write_state(array: Any, rows: slice, cols: slice, values: np.ndarray) -> Non
     array[rows, cols] = values
 
 
+def resolve_shards(job: ScoresJob, workers: int) -> tuple[int, int]:
+    """The spec's shards with their blocks resolved (``"auto"``: the fewest whose job fits one device like
+    this process's) for a job's model and rollouts on ``workers`` such devices."""
+    spec = job.spec
+    work = Workload(
+        B=job.B,
+        L=int(job.ro["tokens"].shape[1]),
+        N=job.N,
+        n_batches=len(job.batches),
+        state_dtype=spec.state_dtype,
+        device=job.device.type,
+        keep_rows=spec.byte_budget >= job.N * job.P * 4,
+    )
+    shards = (spec.sample_shards, spec.blocks)
+    chosen = make_plan(job.layout, ModelShape.of(job.model), work, shards, workers, device_memory(job.device))
+    return chosen.samples, chosen.blocks
+
+
 def _compute(
-    store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, instance: str, up: dict[str, ArtifactRef]
+    store: ArtifactStore, ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]
 ) -> dict[str, Any] | None:
-    job = ScoresJob(store, ref, cfg, instance, up)
+    job = ScoresJob(store, ref, spec, up)
     job.prepare()
-    for j in job.jobs():  # the partition of scores.shards, one job after another in this process
+    for j in job.jobs():  # the partition of the spec's shards, one job after another in this process
         job.run(j)
     return job.finalize()
 
 
 @task(name="scores")
-def scores_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """Per-sample scores of ``scores.<sampler>.<centering>``."""
-    return run_stage(
-        ref,
-        {"instance": instance, "params": cfg.scores.params},
-        lambda store, r: _compute(store, r, cfg, instance, upstream),
-        resumable=True,
-    )
+def scores_task(ref: ArtifactRef, spec: ScoresSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Per-sample scores of the rollouts of ``spec.sampler`` under ``spec.centering``."""
+    return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream), resumable=True)

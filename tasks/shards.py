@@ -39,35 +39,9 @@ from covgrad.config import PipelineConfig
 from covgrad.layout import select_parameters
 from covgrad.shardplan import ModelShape, ShardPlan, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore
-from tasks import scores
-from tasks.plan import plan
-
-
-def device_memory(device: torch.device) -> int:
-    """Bytes of memory of ``device`` (a cuda device's total; the host's RAM for the CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    import psutil
-
-    return psutil.virtual_memory().total
-
-
-def resolve_shards(job: "scores.ScoresJob", workers: int) -> tuple[int, int]:
-    """``scores.shards`` with its blocks resolved (``"auto"``: the fewest whose job fits one device like this
-    process's) for a job's model and rollouts on ``workers`` such devices."""
-    work = Workload(
-        B=job.B,
-        L=int(job.ro["tokens"].shape[1]),
-        N=job.N,
-        n_batches=len(job.batches),
-        state_dtype=job.cfg.scores.state_dtype,
-        device=job.device.type,
-        keep_rows=job.cfg.scores.byte_budget >= job.N * job.P * 4,
-    )
-    chosen = make_plan(
-        job.layout, ModelShape.of(job.model), work, job.cfg.scores.shards, workers, device_memory(job.device)
-    )
-    return chosen.samples, chosen.blocks
+from tasks.common import check_spec
+from tasks.scores import ScoresJob
+from tasks.specs import ScoresSpec, Step, plan
 
 
 def meta_model(cfg: PipelineConfig) -> torch.nn.Module:
@@ -121,7 +95,7 @@ def plan_for_config(
     )
     shape = ModelShape.of(model)
     chosen = make_plan(layout, shape, work, cfg.scores.shards, workers, device_bytes)
-    instances = [n for n, node in plan(cfg).items() if node.ref.stage == "scores"]
+    instances = [str(i) for i in plan(cfg).scores]
     lines = [
         f"model: {cfg.model.path or 'demo'} ({shape.n_params:.4g} parameters, {cfg.model.dtype}); "
         f"selected P = {layout.P} in {len(layout.entries)} tensors",
@@ -134,25 +108,23 @@ def plan_for_config(
     return lines, chosen
 
 
-def _shard_inputs(cfg: PipelineConfig, instance: str) -> tuple[ArtifactRef, dict[str, ArtifactRef]]:
-    """The planned ref of scores instance ``instance`` and its upstream refs, which must be complete."""
-    nodes = plan(cfg)
-    if instance not in nodes or nodes[instance].ref.stage != "scores":
-        known = [n for n, node in nodes.items() if node.ref.stage == "scores"]
+def _shard_step(cfg: PipelineConfig, instance: str) -> Step:
+    """The planned step of scores instance ``instance``, whose upstream artifacts must be complete."""
+    steps = plan(cfg)
+    known = [str(i) for i in steps.scores]
+    if instance not in known:
         raise ValueError(f"instance {instance!r} is not a planned scores artifact; choose one of {known}")
-    node = nodes[instance]
+    step = steps[instance]
     store = ArtifactStore(cfg.root)
-    upstream = {u: nodes[u].ref for u in node.upstream}
-    for name, ref in upstream.items():
+    for role, ref in step.upstream.items():
         if not store.is_complete(ref):
-            raise ValueError(f"upstream {name} ({ref.key}) is not complete; run the pipeline up to {name} first")
-    return node.ref, upstream
+            raise ValueError(f"upstream {role} ({ref.key}) is not complete; run the pipeline up to {role} first")
+    return step
 
 
 def run_job(
     ref: ArtifactRef,
-    cfg: PipelineConfig,
-    instance: str,
+    spec: ScoresSpec,
     upstream: dict[str, ArtifactRef],
     shards: tuple[int, int],
     job: tuple[int, int],
@@ -161,7 +133,7 @@ def run_job(
     """On a worker: compute ``job`` = (sample shard, block) of the store at ``ref`` with ``torch_threads``
     threads; return ``job``."""
     torch.set_num_threads(torch_threads)
-    scores.ScoresJob(ArtifactStore(ref.root), ref, cfg, instance, upstream, shards=shards).run(job)
+    ScoresJob(ArtifactStore(ref.root), ref, spec, upstream, shards=shards).run(job)
     return job
 
 
@@ -170,24 +142,26 @@ def run_sharded(config: PipelineConfig, instance: str, client: Client, torch_thr
     ``{"key", "computed", "shards"}``. ``"auto"`` blocks are resolved for devices like this process's."""
     if torch_threads < 1:
         raise ValueError(f"torch_threads {torch_threads} must be at least 1")
-    ref, upstream = _shard_inputs(config, instance)
+    step = _shard_step(config, instance)
+    ref, spec = step.ref, step.spec
+    assert isinstance(spec, ScoresSpec)
+    check_spec(ref, spec)
     store = ArtifactStore(config.root)
     if store.is_complete(ref):
         return {"key": ref.key, "computed": False, "shards": store.marker(ref).get("shards")}
     with store.lock(ref):
         if store.is_complete(ref):
             return {"key": ref.key, "computed": False, "shards": store.marker(ref).get("shards")}
-        claim = store.begin(ref, {"instance": instance, "params": config.scores.params}, resume=True)
-        job = scores.ScoresJob(store, ref, config, instance, upstream, workers=len(client.nthreads()))
+        claim = store.begin(ref, spec.model_dump(mode="json"), resume=True)
+        job = ScoresJob(store, ref, spec, step.upstream, workers=len(client.nthreads()))
         job.prepare()
         shards = (job.S, job.K)
         futures = [
             client.submit(
                 run_job,
                 ref,
-                config,
-                instance,
-                upstream,
+                spec,
+                step.upstream,
                 shards,
                 j,
                 torch_threads,

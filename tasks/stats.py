@@ -26,15 +26,15 @@ import dask.array as da
 import numpy as np
 from prefect import task
 
-from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout
 from covgrad.stats import Moments, compute_stats, crossfit_stats, sample_moments, tensor_summary
 from covgrad.topk import overlap_table
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.schema import SCORES, annotate, param_chunk
+from storage.schema import STATS as STORE
 from tasks.common import StageResult, log, run_stage
-from tasks.scores import STORE as SCORES
+from tasks.specs import StatsSpec
 
-STORE = "stats.zarr"
 PARAM_STATS = ("m", "F", "Fvar", "G", "Cov", "rho")
 OFF_POLICY_Q = 0.01  # the q of ``overlap_1pct``, the off-policy table's overlap column
 
@@ -115,12 +115,12 @@ def crossfit_gap(n_even: int, n_odd: int) -> str | None:
     )
 
 
-def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: ArtifactRef) -> dict[str, Any]:
+def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: ArtifactRef) -> dict[str, Any]:
     sc = store.open_group(up, SCORES, mode="r")
     layout = ParamLayout.from_records(sc.attrs["tensors"])
     P = layout.P
     g = store.open_group(ref, STORE, mode="w")
-    chunk = max(1, min(P, 65536))
+    chunk = param_chunk(P)
     outputs = (*PARAM_STATS, "crossfit_ratio")
     for name in outputs:
         g.create_array(name, shape=(P,), chunks=(chunk,), dtype="float64", dimension_names=["param"])
@@ -136,7 +136,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     cross_counts = [{"n_exceed": 0, "n_finite": 0} for _ in range(2)]
     first: dict[str, Any] = {}
     any_score = False
-    with dask_scheduler(cfg.dask.address), warnings.catch_warnings():
+    with dask_scheduler(spec.dask_address), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported below, as a finding
         for j in range(0, max(P, 1), block):
             cols = slice(j, min(P, j + block))
@@ -182,9 +182,6 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
     summary = {k: np.asarray(v) for k, v in summary.items()}
     for name, values in summary.items():
         g.create_array(f"tensor_{name}", data=values, dimension_names=["tensor"])
-    names = g.create_array("tensor_name", shape=(len(layout.entries),), dtype=str, dimension_names=["tensor"])
-    names[:] = np.asarray([e.name for e in layout.entries])
-    g.create_array("tensor_offset", data=np.asarray([e.offset for e in layout.entries]), dimension_names=["tensor"])
     scalars["max_abs_rho"] = totals["max_rho"] if totals["max_rho"] >= 0 else nan
     scalars["adv_rms"] = math.sqrt(scalars["std_A"] ** 2 + scalars["mean_A"] ** 2)  # √mean(A²), the bound's scale
     scalars["overlap_1pct"] = next((float(r["overlap"]) for r in overlap if r["scope"] == "global"), nan)
@@ -206,12 +203,12 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: Ar
             "crossfit_undefined": gap,
         }
     )
+    annotate(g, layout)
     store.consolidate(ref, STORE)
     return {"scalars": scalars}
 
 
 @task(name="stats")
-def stats_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """Reduce ``scores.<sampler>.<centering>`` into statistics."""
-    source = upstream[instance.replace("stats.", "scores.", 1)]
-    return run_stage(ref, {"instance": instance}, lambda store, r: _compute(store, r, cfg, source))
+def stats_task(ref: ArtifactRef, spec: StatsSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Reduce the scores artifact ``upstream["scores"]`` into statistics."""
+    return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream["scores"]))

@@ -39,7 +39,7 @@ import torch
 from prefect import task
 from torch import nn
 
-from covgrad.config import PipelineConfig
+from covgrad.config import TokensSection
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import (
@@ -53,13 +53,11 @@ from covgrad.token_fisher import (
 )
 from covgrad.topk import spearman
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from tasks.base_model import load_models
-from tasks.common import StageResult, progress_bar, run_stage
-from tasks.plan import on_policy
-from tasks.rollouts import STORE as ROLLOUTS
-from tasks.scores import PARAM_CHUNK, pick_device
+from storage.schema import ROLLOUTS, annotate, param_chunk
+from storage.schema import TOKENS as STORE
+from tasks.common import StageResult, load_models, pick_device, progress_bar, run_stage
+from tasks.specs import TokensSpec
 
-STORE = "tokens.zarr"
 BATCH_ROWS = 16  # most samples per batch: the per-sample gradients are BATCH_ROWS x P float32
 HALVED = ("mc", "probe", "probe_seq")  # random modes, run as two independent halves
 POSITION_ARRAYS = ("entropy", "p_drawn", "covered_mass")
@@ -83,9 +81,9 @@ def row_names(modes: list[str]) -> list[str]:
     return [*names, "seq_sq", "tok_sq"]
 
 
-def draws(cfg: PipelineConfig, mode: str) -> int:
+def draws(tb: TokensSection, mode: str) -> int:
     """Candidates or probes per position (per sequence for probe_seq) of ``mode``; 0 for exact."""
-    return {"exact": 0, "topk": cfg.tokens.topk, "mc": cfg.tokens.mc_samples}.get(mode, cfg.tokens.probes)
+    return {"exact": 0, "topk": tb.topk, "mc": tb.mc_samples}.get(mode, tb.probes)
 
 
 def batch_bounds(n: int) -> list[tuple[int, int]]:
@@ -149,7 +147,7 @@ def _create_arrays(g: Any, N: int, T: int, P: int, n_batches: int, chunk_rows: i
         arr(name, (N, T), (chunk_rows, T), ["sample", "position"])
     arr("score_sum_relerr", (N,), (chunk_rows,), ["sample"])
     for name in row_names(modes):
-        arr(f"rows_{name}", (n_batches, P), (1, min(P, PARAM_CHUNK)), ["batch", "param"])
+        arr(f"rows_{name}", (n_batches, P), (1, param_chunk(P)), ["batch", "param"])
     arr("batch_count", (n_batches,), (1,), ["batch"])
     arr("lm_head_relerr", (n_batches,), (1,), ["batch"], float("nan"))
 
@@ -158,7 +156,7 @@ def _batch(
     model: nn.Module,
     layout: ParamLayout,
     psg: PerSampleGrads,
-    cfg: PipelineConfig,
+    tb: TokensSection,
     ro: Any,
     lo: int,
     hi: int,
@@ -177,7 +175,6 @@ def _batch(
     target = torch.from_numpy(ro["response_mask"][lo:hi, :L]).float().to(device)
     pos = torch.arange(L, device=device).expand(hi - lo, L)  # right-padded rows: positions 0..L-1
     pl, rl = pl.to(device), rl.to(device)
-    tb = cfg.tokens
     eng = TokenBackward(model, layout, ids, attn, pos)
 
     def run(mode: str, k: int = 0, seed: int = 0, also: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
@@ -228,13 +225,13 @@ def _batch(
                 outs[name] = {**outs["exact"], **out, **({"covered_mass": covered} if name == "topk" else {})}
     for mode in modes:
         if mode in HALVED and f"{mode}_a" not in outs:
-            ka, kb = mc_split(draws(cfg, mode))
+            ka, kb = mc_split(draws(tb, mode))
             base_seed = tb.seed * 1_000_003 + 2 * b + SEED_OFFSET[mode]
             outs[f"{mode}_a"] = run(mode, k=ka, seed=base_seed)
             if kb:
                 outs[f"{mode}_b"] = run(mode, k=kb, seed=base_seed + 1)
         elif mode not in HALVED and mode not in outs:
-            outs[mode] = run(mode, k=draws(cfg, mode))
+            outs[mode] = run(mode, k=draws(tb, mode))
     if tok_sq is None:  # no exact pass: the token scores' squares, T rows
         tok_sq = token_score_squares(eng, ids, pl, rl, tb.row_bytes)
 
@@ -251,7 +248,7 @@ def _batch(
         if mode == "probe_seq":
             continue
         if mode in HALVED:
-            ka, kb = mc_split(draws(cfg, mode))
+            ka, kb = mc_split(draws(tb, mode))
             trace_b = kb * outs[f"{mode}_b"]["trace"] if kb else 0
             positions[f"trace_{mode}"] = (ka * outs[f"{mode}_a"]["trace"] + trace_b) / (ka + kb)
         else:
@@ -348,31 +345,31 @@ def trace_entropy(g: Any, modes: list[str]) -> dict[str, Any]:
     return out
 
 
-def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: dict[str, ArtifactRef]) -> dict[str, Any]:
-    sampler = cfg.rollouts.analyse
-    ro = store.open_group(up[f"rollouts.{sampler}"], ROLLOUTS, mode="r")
-    model, _ = load_models(store, up["base_model"], "policy", cfg)
-    device = pick_device(cfg.scores.device)
+def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> dict[str, Any]:
+    tb = spec.settings
+    ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
+    model, _ = load_models(store, up["base_model"], "policy", spec.policy)
+    device = pick_device(spec.device)
     model.to(device).eval()
     V = model.get_output_embeddings().weight.shape[0]
     T = ro["sampler_logp"].shape[1]
-    modes = resolve_modes(cfg.tokens.modes, T, V, cfg.tokens.exact_budget)
-    if "topk" in modes and cfg.tokens.topk > V:
-        raise ValueError(f"tokens.topk = {cfg.tokens.topk} exceeds the vocabulary size V = {V}; set tokens.topk <= {V}")
-    layout = select_parameters(model, cfg.scores.params)
+    modes = resolve_modes(tb.modes, T, V, tb.exact_budget)
+    if "topk" in modes and tb.topk > V:
+        raise ValueError(f"tokens.topk = {tb.topk} exceeds the vocabulary size V = {V}; set tokens.topk <= {V}")
+    layout = select_parameters(model, spec.params)
     head = lm_head_entry(model, layout)
-    N = min(cfg.tokens.max_samples, ro["tokens"].shape[0])
+    N = min(tb.max_samples, ro["tokens"].shape[0])
     batches = batch_bounds(N)
     g = store.open_group(ref, STORE, mode="a")
     _create_arrays(g, N, T, layout.P, len(batches), batches[0][1], modes)
     create_progress(g, len(batches))
-    psg = PerSampleGrads(model, layout, check=cfg.scores.self_check)
+    psg = PerSampleGrads(model, layout, check=spec.self_check)
     todo = pending_batches(g)
     with progress_bar("tokens", len(batches)) as bar:
         bar.update(len(batches) - len(todo))
         for b in todo:
             lo, hi = batches[b]
-            rows, positions, relerr, head_err = _batch(model, layout, psg, cfg, ro, lo, hi, b, modes, head, device)
+            rows, positions, relerr, head_err = _batch(model, layout, psg, tb, ro, lo, hi, b, modes, head, device)
             for name, value in rows.items():
                 g[f"rows_{name}"][b] = value
             for name, value in positions.items():
@@ -383,36 +380,30 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
             mark_batch_done(g, b)
             bar.update(1)
     response = np.arange(T)[None, :] < ro["response_len"][:N][:, None]  # (N, T)
-    fisher, scalars, table = summarize(g, response, modes, {m: draws(cfg, m) for m in modes})
+    fisher, scalars, table = summarize(g, response, modes, {m: draws(tb, m) for m in modes})
     scalars |= trace_entropy(g, modes)
     for name, values in fisher.items():
-        g.create_array(
-            name, data=values, chunks=(min(layout.P, PARAM_CHUNK),), dimension_names=["param"], overwrite=True
-        )
+        g.create_array(name, data=values, chunks=(param_chunk(layout.P),), dimension_names=["param"], overwrite=True)
     g.attrs.update(
         {
             "scalars": scalars,
             "errors_vs_seq": table,
             "tensors": layout.to_records(),
-            "sampler": sampler,
-            "on_policy": on_policy(cfg.rollouts.samplers[sampler]),
+            "sampler": spec.sampler,
+            "on_policy": spec.on_policy,
             "modes": modes,
             "main_mode": modes[0],
-            "exact_budget": cfg.tokens.exact_budget,
+            "exact_budget": tb.exact_budget,
             "lm_head": head,
             "V": V,
         }
     )
+    annotate(g, layout)
     store.consolidate(ref, STORE)
     return {"scalars": scalars}
 
 
 @task(name="tokens")
-def tokens_task(ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]) -> StageResult:
+def tokens_task(ref: ArtifactRef, spec: TokensSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
     """Token-level Fisher (exact / top-k / Monte Carlo / probes) of the analysed rollouts."""
-    return run_stage(
-        ref,
-        {**cfg.tokens.model_dump(), "params": cfg.scores.params},
-        lambda store, r: _compute(store, r, cfg, upstream),
-        resumable=True,
-    )
+    return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream), resumable=True)

@@ -35,18 +35,15 @@ import numpy as np
 import torch
 from prefect import task
 
-from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.update import RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.schema import ROLLOUTS, STATS
+from storage.schema import UPDATE as STORE
 from storage.tables import to_csv, to_markdown
-from tasks.base_model import load_models
-from tasks.common import StageResult, log, run_stage
-from tasks.rollouts import STORE as ROLLOUTS
-from tasks.scores import group_batches
-from tasks.stats import STORE as STATS
+from tasks.common import StageResult, group_batches, load_models, log, run_stage
+from tasks.specs import UpdateCheckSpec
 
-STORE = "update.zarr"
 MD_COLUMNS = (
     "optimizer",
     "precision",
@@ -120,9 +117,10 @@ def summarize(rows: list[dict[str, Any]], one_batch: bool) -> dict[str, Any]:
     return {"one_minibatch_holds_all_samples": one_batch, "cells_at_one_step": cells}
 
 
-def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: dict[str, ArtifactRef]) -> dict[str, Any]:
-    (stats_name,) = [name for name in up if name.startswith("stats.")]
-    st = store.open_group(up[stats_name], STATS, mode="r")
+def _compute(
+    store: ArtifactStore, ref: ArtifactRef, spec: UpdateCheckSpec, up: dict[str, ArtifactRef]
+) -> dict[str, Any]:
+    st = store.open_group(up["stats"], STATS, mode="r")
     finding = st.attrs.get("degenerate")
     if finding:
         summary = {"degenerate": finding, "cells_at_one_step": [], "P": int(st.attrs["scalars"]["P"])}
@@ -131,15 +129,15 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
         store.consolidate(ref, STORE)
         log.warning("update_check %s: no steps: %s", ref.key, finding)
         return {"degenerate": finding}
-    ro = store.open_group(up[f"rollouts.{cfg.rollouts.analyse}"], ROLLOUTS, mode="r")
-    policy = load_models(store, up["base_model"], "policy", cfg)[0].float().eval()
-    layout = select_parameters(policy, cfg.scores.params)
+    ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
+    policy = load_models(store, up["base_model"], "policy", spec.policy)[0].float().eval()
+    layout = select_parameters(policy, spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]))
     F, G, rho = (torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
     scalars = st.attrs["scalars"]
     adv_rms = math.sqrt(scalars["std_A"] ** 2 + scalars["mean_A"] ** 2)
-    batches = minibatches(ro, cfg.scores.groups_per_batch)
-    uc = cfg.update_check
+    batches = minibatches(ro, spec.groups_per_batch)
+    uc = spec.settings
     rows = update_grid(
         lambda: copy.deepcopy(policy),
         layout,
@@ -178,12 +176,6 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, cfg: PipelineConfig, up: di
 
 
 @task(name="update_check")
-def update_check_task(
-    ref: ArtifactRef, cfg: PipelineConfig, instance: str, upstream: dict[str, ArtifactRef]
-) -> StageResult:
+def update_check_task(ref: ArtifactRef, spec: UpdateCheckSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
     """Optimizer steps on the analysed rollouts against the masks predicted by the main statistics."""
-    return run_stage(
-        ref,
-        {**cfg.update_check.model_dump(), "params": cfg.scores.params},
-        lambda store, r: _compute(store, r, cfg, upstream),
-    )
+    return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream))

@@ -29,9 +29,32 @@ def tiny_config(root: str, **overrides: object):
 
 def below(cfg, instance: str) -> set[str]:
     """``instance`` and every instance of ``cfg``'s plan that reads it, directly or transitively."""
-    from tasks.plan import downstream, plan
+    from tasks.specs import plan
 
-    return downstream(plan(cfg), instance)
+    return plan(cfg).downstream(instance)
+
+
+def run_planned(cfg, names=None) -> dict:
+    """Call the task bodies of ``cfg``'s planned stages (no Prefect engine) in the flow's order: every
+    stage, or only the instances in ``names``; returns instance -> StageResult."""
+    from flows.pipeline import run_stages
+    from tasks.specs import plan
+
+    results = {}
+
+    def call(task, step):
+        name = str(step.instance)
+        if names is None or name in names:
+            results[name] = task.fn(step.ref, step.spec, step.upstream)
+        return results.get(name)
+
+    run_stages(plan(cfg), call)
+    return results
+
+
+def status_of(results: dict) -> dict[str, str]:
+    """instance -> "computed" / "cached" of ``run_planned``'s results."""
+    return {n: "computed" if r.computed else "cached" for n, r in results.items()}
 
 
 @pytest.fixture(scope="session")

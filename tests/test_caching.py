@@ -48,7 +48,7 @@ def test_prefect_cache_hit_with_missing_marker_recomputes_that_stage_and_below(f
     from flows.pipeline import covgrad_pipeline
     from storage.artifacts import MARKER, ArtifactStore
     from tasks.common import cache_options
-    from tasks.plan import plan
+    from tasks.specs import plan
 
     cfg, _ = first
     store = ArtifactStore(cfg.root)

@@ -45,7 +45,7 @@ def covgrad(root: Path, *extra: str, **popen: object) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from tasks.plan import plan
+    from tasks.specs import plan
 
     root = tmp_path_factory.mktemp("cli-reference") / "root"
     cfg = tiny_config(str(root), **OVERRIDES)

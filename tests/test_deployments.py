@@ -67,7 +67,7 @@ def assert_run_complete(cfg: PipelineConfig) -> None:
     """Every planned artifact has its completion marker and the run index names them."""
     from storage.artifacts import ArtifactStore
     from storage.runs import read_run_index
-    from tasks.plan import plan
+    from tasks.specs import plan
 
     store = ArtifactStore(cfg.root)
     nodes = plan(cfg)

@@ -13,8 +13,8 @@ from distributed import WorkerPlugin
 
 from covgrad.config import PipelineConfig
 from storage.artifacts import ArtifactRef, ArtifactStore
-from tasks.plan import plan
-from tasks.registry import STAGE_TASKS
+from tasks.specs import plan
+from tests.conftest import run_planned
 from tests.test_deployments import user_config, write_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -24,12 +24,8 @@ SCORES = "scores.policy.policy"
 
 def run_stages(cfg: PipelineConfig, names: list[str]) -> dict[str, ArtifactRef]:
     """Run the named planned stages in order through their task functions (no Prefect engine)."""
-    nodes = plan(cfg)
-    for name in names:
-        node = nodes[name]
-        upstream = {u: nodes[u].ref for u in node.upstream}
-        STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, upstream)
-    return {name: node.ref for name, node in nodes.items()}
+    run_planned(cfg, set(names))
+    return {name: step.ref for name, step in plan(cfg).items()}
 
 
 def with_root(cfg: PipelineConfig, root: Path, address: str | None = None) -> PipelineConfig:

@@ -7,8 +7,7 @@ import pytest
 
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
-from tasks.plan import plan
-from tasks.registry import STAGE_TASKS
+from tests.conftest import run_planned
 from tests.test_deployments import user_config, write_checkpoint
 
 
@@ -31,12 +30,9 @@ def test_pipeline_with_constant_rewards(tmp_path):
         },
     )
     store = ArtifactStore(cfg.root)
-    refs = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for name, node in plan(cfg).items():
-            upstream = {u: refs[u] for u in node.upstream}
-            refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, upstream).ref
+        refs = {n: r.ref for n, r in run_planned(cfg).items()}
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]  # reported by the stage's logger
     write_run_index(store, cfg, "edge", refs)
     st = store.open_group(refs["stats.policy.policy"], "stats.zarr")

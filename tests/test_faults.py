@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import below, tiny_config
+from tests.conftest import below, run_planned, status_of, tiny_config
 
 OVERRIDES = {"tokens.enabled": False, "update_check.enabled": False}
 
@@ -22,17 +22,11 @@ def run_chain(cfg) -> dict[str, str]:
     computed/cached."""
     from storage.artifacts import ArtifactStore
     from storage.runs import write_run_index
-    from tasks.plan import plan, run_key
-    from tasks.registry import STAGE_TASKS
+    from tasks.specs import plan
 
-    nodes = plan(cfg)
-    refs, status = {}, {}
-    for name, node in nodes.items():
-        result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
-        refs[name] = result.ref
-        status[name] = "computed" if result.computed else "cached"
-    write_run_index(ArtifactStore(cfg.root), cfg, run_key(nodes), refs)
-    return status
+    results = run_planned(cfg)
+    write_run_index(ArtifactStore(cfg.root), cfg, plan(cfg).run_key, {n: r.ref for n, r in results.items()})
+    return status_of(results)
 
 
 def digests(directory: Path) -> dict[str, bytes]:
@@ -47,7 +41,7 @@ def digests(directory: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """(root, node map, headline text) of one uninterrupted tiny pipeline."""
-    from tasks.plan import plan
+    from tasks.specs import plan
 
     root = tmp_path_factory.mktemp("reference")
     cfg = tiny_config(str(root), **OVERRIDES)
@@ -275,7 +269,7 @@ def test_one_sample_is_a_finding_that_every_stage_records(user_model, tmp_path, 
     from flows.watch import finding
     from storage.artifacts import ArtifactStore
     from storage.masks import load_masks
-    from tasks.plan import plan
+    from tasks.specs import plan
     from tests.test_deployments import user_config
 
     record = {"prompt_ids": [1, 5], "response_ids": [6, 2], "reward": 1.0, "logprobs": [-1.0, -0.5]}
@@ -327,8 +321,8 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
     import numpy as np
 
     from storage.artifacts import ArtifactStore
-    from tasks.plan import plan
     from tasks.report import render_run
+    from tasks.specs import plan
     from tests.test_deployments import user_config
 
     cfg = user_config(tmp_path / "root", user_model, tmp_path / "task.jsonl", **{"task.n_prompts": 1})

@@ -72,7 +72,7 @@ def test_user_jsonl_task_with_import_path_reward(tmp_path, monkeypatch):
         str(tmp_path / "runs"),
         **{"task.kind": "jsonl", "task.path": str(task_file), "task.reward": "myreward:exact"},
     )
-    problems, reward = load_task(cfg)
+    problems, reward = load_task(cfg.task)
     assert [p.prompt for p in problems] == ["1+1=", "2+2="]
     assert score_rewards(reward, ["1+1=", "2+2="], ["2", "5"], ["2", "4"]) == [1.0, 0.0]
 
@@ -180,13 +180,13 @@ def test_sft_reaches_band_and_is_bit_identical(tmp_path):
     same seed gives bit-identical safetensors."""
     from storage.artifacts import ArtifactStore
     from tasks.base_model import base_model_task
-    from tasks.plan import plan
+    from tasks.specs import plan
 
     files = []
     for i in range(2):
         cfg = tiny_config(str(tmp_path / f"r{i}"))
         node = plan(cfg)["base_model"]
-        base_model_task.fn(node.ref, cfg, "base_model", {})
+        base_model_task.fn(node.ref, node.spec, {})
         store = ArtifactStore(cfg.root)
         info = store.read_json(node.ref, "sft.json")
         low, high = cfg.model.demo.target_accuracy

@@ -7,18 +7,15 @@ import json
 import pytest
 
 from storage.artifacts import ArtifactStore
-from tasks.plan import plan
-from tasks.registry import STAGE_TASKS
+from tasks.specs import plan
+from tests.conftest import run_planned
 from tests.test_deployments import user_config, write_checkpoint
 
 G = 4
 
 
 def _run(cfg):
-    refs = {}
-    for name, node in plan(cfg).items():
-        refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream}).ref
-    return refs
+    return {n: r.ref for n, r in run_planned(cfg).items()}
 
 
 def _records(n: int = 2 * G, bad_line: int | None = None) -> str:

@@ -106,8 +106,8 @@ def test_bad_names_raise_with_the_known_ones(tmp_path):
 def tiny_run(tmp_path_factory):
     """A policy-only tiny pipeline run (no tokens, no update check), task bodies called directly."""
     from storage.runs import write_run_index
-    from tasks.plan import plan, run_key
-    from tasks.registry import STAGE_TASKS
+    from tasks.specs import plan
+    from tests.conftest import run_planned
 
     torch.set_num_threads(1)
     cfg = tiny_config(
@@ -118,12 +118,8 @@ def tiny_run(tmp_path_factory):
             "update_check.enabled": False,
         },
     )
-    nodes = plan(cfg)
-    refs = {}
-    for name, node in nodes.items():
-        STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
-        refs[name] = node.ref
-    write_run_index(ArtifactStore(cfg.root), cfg, run_key(nodes), refs)
+    refs = {n: r.ref for n, r in run_planned(cfg).items()}
+    write_run_index(ArtifactStore(cfg.root), cfg, plan(cfg).run_key, refs)
     return cfg
 
 
@@ -147,3 +143,34 @@ def test_explore_notebook_executes_headless(tiny_run, monkeypatch):
         [o.get("text", "") for o in outputs]
     )
     assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+@pytest.mark.slow
+def test_plain_xarray_selects_one_tensor_by_name(tiny_run):
+    """``xr.open_zarr`` on a stats store, with no project import in the check, selects one tensor's F by
+    name through the ``tensor_id``/``tensor_name`` coordinates, and each statistic says what it is."""
+    import xarray as xr
+
+    from tasks.specs import plan
+
+    path = ArtifactStore(tiny_run.root).path(plan(tiny_run).main.ref, "stats.zarr")
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    ds = xr.open_zarr(path)
+    t = ds.isel(tensor=ds.tensor_name.values.tolist().index(name))
+    F = ds.F.isel(param=slice(int(t.tensor_offset), int(t.tensor_offset + t.tensor_numel)))
+    assert F.dims == ("param",) and F.size == 64 * 32
+    assert ds.F.attrs["long_name"] == "Fisher (uncentered)" and ds.F.attrs["definition"] == "mean(s^2)"
+
+    expected = open_run(tiny_run.root, tiny_run.name)["stats.policy.policy"].covgrad.tensor(name)["F"]
+    np.testing.assert_array_equal(F.values, expected.values.ravel())
+
+
+@pytest.mark.slow
+def test_completion_markers_record_the_spec(tiny_run):
+    """Every artifact's marker holds the spec it was computed from (what its key hashes, plus placement)."""
+    from tasks.specs import plan
+
+    store = ArtifactStore(tiny_run.root)
+    for name, step in plan(tiny_run).items():
+        assert store.marker(step.ref)["config"] == step.spec.model_dump(mode="json"), name

@@ -116,7 +116,7 @@ def user_config(root: Path, model: Path, **overrides: object):
 def test_pipeline_refuses_unsupported_module_before_rollouts(prefect_server, tmp_path):
     from flows.pipeline import covgrad_pipeline
     from storage.artifacts import ArtifactStore
-    from tasks.plan import plan
+    from tasks.specs import plan
 
     cfg = user_config(tmp_path, bad_dir(tmp_path / "bad"), **{"model.trust_remote_code": True})
     with pytest.raises(ValueError, match=r"'model\.norm\.weight'.*WrappedNorm"):
@@ -131,7 +131,7 @@ def test_pipeline_refuses_unsupported_module_before_rollouts(prefect_server, tmp
 def test_pipeline_completes_every_stage(prefect_server, tmp_path, family):
     from flows.pipeline import covgrad_pipeline
     from storage.artifacts import ArtifactStore
-    from tasks.plan import plan
+    from tasks.specs import plan
 
     cfg = user_config(tmp_path, family_dir(tmp_path / family, family))
     result = covgrad_pipeline(cfg)

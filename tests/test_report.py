@@ -17,10 +17,9 @@ from covgrad.config import PipelineConfig
 from covgrad.report import Report
 from storage.artifacts import MARKER, ArtifactStore
 from storage.runs import read_run_index, write_run_index
-from tasks.plan import plan, run_key
-from tasks.registry import STAGE_TASKS
 from tasks.report import artifact_key, publish, render_run
-from tests.conftest import tiny_config
+from tasks.specs import plan
+from tests.conftest import run_planned, tiny_config
 
 PLOTS = (
     "fisher_vs_grad.png",
@@ -37,13 +36,9 @@ def run(tmp_path_factory):
     """One tiny pipeline run with every stage (policy and stale samplers), task bodies called directly."""
     torch.set_num_threads(1)
     cfg = tiny_config(str(tmp_path_factory.mktemp("report") / "root"))
-    nodes = plan(cfg)
-    refs = {}
-    for name, node in nodes.items():
-        STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
-        refs[name] = node.ref
+    refs = {n: r.ref for n, r in run_planned(cfg).items()}
     store = ArtifactStore(cfg.root)
-    write_run_index(store, cfg, run_key(nodes), refs)
+    write_run_index(store, cfg, plan(cfg).run_key, refs)
     return cfg, refs, store
 
 

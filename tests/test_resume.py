@@ -20,7 +20,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from tests.conftest import REPO, below, tiny_config
+from tests.conftest import REPO, below, run_planned, status_of, tiny_config
 
 # Many small batches, so a kill can land in the middle: 8 score batches and 8 rollout batches; the
 # scores state is checkpointed every 3 batches (after batches 3, 6 and the final 8).
@@ -39,8 +39,7 @@ CHILD = r"""
 import importlib, json, os, signal, sys, time
 from pathlib import Path
 import tests.conftest as conftest
-from tasks.plan import plan
-from tasks.registry import STAGE_TASKS
+from tasks.specs import plan
 
 root, instance, mode, arg, overrides = sys.argv[1:6]
 cfg = conftest.tiny_config(root, **json.loads(overrides))
@@ -74,8 +73,7 @@ if mode == "race":
     (sync / f"ready-{os.getpid()}").touch()
     while not (sync / "go").exists():
         time.sleep(0.02)
-upstream = {u: nodes[u].ref for u in node.upstream}
-result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, instance, upstream)
+result = conftest.run_planned(cfg, {instance})[instance]
 print(json.dumps({"computed": result.computed, "batches": len(calls)}))
 """
 
@@ -85,15 +83,7 @@ STATE_ARRAYS = {"count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as", "shard_batc
 
 def run_chain(cfg) -> dict[str, str]:
     """Every planned stage through its task function, in order; instance → computed/cached."""
-    from tasks.plan import plan
-    from tasks.registry import STAGE_TASKS
-
-    refs, status = {}, {}
-    for name, node in plan(cfg).items():
-        result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
-        refs[name] = result.ref
-        status[name] = "computed" if result.computed else "cached"
-    return status
+    return status_of(run_planned(cfg))
 
 
 def computed(status: dict[str, str]) -> set[str]:
@@ -112,7 +102,7 @@ def data_digests(store_dir: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """(root, cfg, node map) of one uninterrupted tiny pipeline on a local path."""
-    from tasks.plan import plan
+    from tasks.specs import plan
 
     root = tmp_path_factory.mktemp("reference")
     cfg = tiny_config(str(root), **OVERRIDES)
@@ -205,8 +195,7 @@ def resume_after_kill(reference, tmp_path, instance, mode, arg, monkeypatch) -> 
     this process; return the batches the resumed run marked done and the artifact directory."""
     import importlib
 
-    from tasks.plan import plan
-    from tasks.registry import STAGE_TASKS
+    from tasks.specs import plan
 
     _, _, nodes = reference
     root = tmp_path / "root"
@@ -222,10 +211,8 @@ def resume_after_kill(reference, tmp_path, instance, mode, arg, monkeypatch) -> 
     module = importlib.import_module(f"tasks.{nodes[instance].ref.stage}")
     real_mark, marked = module.mark_batch_done, []
     monkeypatch.setattr(module, "mark_batch_done", lambda g, b: (marked.append(b), real_mark(g, b)))
-    here = plan(cfg)
-    node = here[instance]
-    assert node.ref.root == str(root)
-    result = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, instance, {u: here[u].ref for u in node.upstream})
+    assert plan(cfg)[instance].ref.root == str(root)
+    result = run_planned(cfg, {instance})[instance]
     assert result.computed
     assert not list(art.rglob("*.partial"))
     return marked, art
@@ -274,17 +261,13 @@ def test_sigkill_while_writing_a_checkpoint_then_resume_is_byte_identical(refere
 @pytest.mark.slow
 def test_scores_store_size_does_not_grow_with_samples(tmp_path):
     """The moment state is O(P): its bytes are the same for N and 4N samples."""
-    from tasks.plan import plan
-    from tasks.registry import STAGE_TASKS
+    from tasks.specs import plan
 
     sizes = {}
     for groups in (4, 16):
         cfg = tiny_config(str(tmp_path / f"g{groups}"), **{**OVERRIDES, "task.n_prompts": groups})
         nodes = plan(cfg)
-        refs = {}
-        for name in ("base_model", "rollouts.policy", "scores.policy.policy"):
-            node = nodes[name]
-            refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream}).ref
+        run_planned(cfg, {"base_model", "rollouts.policy", "scores.policy.policy"})
         art = artifact_dir(Path(cfg.root), nodes, "scores.policy.policy") / "scores.zarr"
         state = [p for p in art.rglob("*") if p.is_file() and p.relative_to(art).parts[0] in STATE_ARRAYS]
         sizes[groups] = (sum(p.stat().st_size for p in state), len(state))

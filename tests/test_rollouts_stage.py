@@ -8,20 +8,16 @@ import pytest
 
 from covgrad.layout import select_parameters
 from storage.artifacts import ArtifactStore
-from tasks.plan import plan
-from tasks.registry import STAGE_TASKS
+from tasks.specs import plan
+from tests.conftest import run_planned
 from tests.test_deployments import user_config, write_checkpoint
 
 G = 4
 
 
 def _run(cfg, stages=("base_model", "rollouts", "scores")):
-    refs = {}
-    for name, node in plan(cfg).items():
-        if node.ref.stage in stages:
-            upstream = {u: refs[u] for u in node.upstream}
-            refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, upstream).ref
-    return refs
+    wanted = {n for n, s in plan(cfg).items() if s.ref.stage in stages}
+    return {n: r.ref for n, r in run_planned(cfg, wanted).items()}
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,8 @@ import torch
 
 from covgrad.layout import select_parameters
 from storage.artifacts import ArtifactStore
-from tasks.plan import plan
-from tasks.registry import STAGE_TASKS
-from tests.conftest import tiny_config
+from tasks.specs import plan
+from tests.conftest import run_planned, tiny_config
 
 STALE = {"model": "stale", "group_size": 4, "max_new_tokens": 3, "batch_size": 16}
 OVERRIDES = {
@@ -29,13 +28,9 @@ OVERRIDES = {
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("scores-stage")
     cfg = tiny_config(str(root), **OVERRIDES)
-    nodes = plan(cfg)
-    refs = {}
-    for name, node in nodes.items():
-        if node.ref.stage not in ("base_model", "rollouts", "scores"):
-            continue
-        upstream = {u: refs[u] for u in node.upstream}
-        refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, upstream).ref
+    steps = plan(cfg)
+    wanted = {n for n, s in steps.items() if s.ref.stage in ("base_model", "rollouts", "scores")}
+    refs = {n: r.ref for n, r in run_planned(cfg, wanted).items()}
     return cfg, ArtifactStore(cfg.root), refs
 
 
@@ -63,9 +58,10 @@ def test_sampler_centering_sources_agree(run):
 
 def test_stage_scores_match_naive_loop(run):
     cfg, store, refs = run
-    from tasks.base_model import load_models
+    from tasks.common import load_models
+    from tasks.specs import policy_spec
 
-    model, _ = load_models(store, refs["base_model"], "policy", cfg)
+    model, _ = load_models(store, refs["base_model"], "policy", policy_spec(cfg))
     model.eval()
     layout = select_parameters(model, cfg.scores.params)
     ro = store.open_group(refs["rollouts.policy"], "rollouts.zarr")
@@ -185,11 +181,8 @@ def _ref(cfg, stage: str):
 
 def _stats(cfg, source: str) -> dict:
     """Run scores.policy.policy and stats.policy.policy of ``cfg``; the stats arrays (numpy)."""
-    nodes = plan(cfg)
-    refs = {}
-    for name in ("base_model", "rollouts.policy", "scores.policy.policy", "stats.policy.policy"):
-        node = nodes[name]
-        refs[name] = STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream}).ref
+    names = {"base_model", "rollouts.policy", "scores.policy.policy", "stats.policy.policy"}
+    refs = {n: r.ref for n, r in run_planned(cfg, names).items()}
     g = ArtifactStore(cfg.root).open_group(refs["stats.policy.policy"], "stats.zarr")
     assert g.attrs["source"] == ("per-sample rows" if source == "rows" else "moment rows")
     return {k: g[k][:] for k in ("m", "F", "Fvar", "G", "Cov", "rho")}

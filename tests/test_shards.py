@@ -12,8 +12,8 @@ import torch
 from covgrad.config import PipelineConfig
 from covgrad.layout import select_parameters, split_blocks
 from storage.artifacts import ArtifactStore
-from tasks.plan import plan
-from tasks.registry import STAGE_TASKS
+from tasks.specs import plan
+from tests.conftest import run_planned
 from tests.test_deployments import user_config, write_checkpoint
 
 SCORES = "scores.policy.policy"
@@ -28,9 +28,7 @@ def configured(cfg: PipelineConfig, root: Path, **scores: object) -> PipelineCon
 
 
 def run_stage(cfg: PipelineConfig, name: str) -> None:
-    nodes = plan(cfg)
-    node = nodes[name]
-    STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: nodes[u].ref for u in node.upstream})
+    run_planned(cfg, {name})
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +69,9 @@ def test_split_blocks_partition_the_layout():
 @pytest.mark.parametrize("chunk", [65536, 512])  # one chunk (every boundary is an edge), and many
 def test_parameter_blocks_do_not_change_a_byte(upstream, tmp_path, monkeypatch, chunk):
     """1 × 1, 1 × 2 and one block per tensor: identical state bytes (each column depends on its tensor only)."""
-    import tasks.scores
+    import storage.schema
 
-    monkeypatch.setattr(tasks.scores, "PARAM_CHUNK", chunk)
+    monkeypatch.setattr(storage.schema, "PARAM_CHUNK", chunk)
     _, one = scores_group(upstream, tmp_path, "one", shards=[1, 1])
     n_tensors = len(one.attrs["tensors"])
     for blocks in (2, n_tensors):

@@ -12,31 +12,26 @@ from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import cross_term_ratio, token_fisher, token_scores
 from storage.artifacts import ArtifactStore, mark_batch_done
-from tasks.base_model import load_models
-from tasks.plan import plan
-from tasks.registry import STAGE_TASKS
-from tasks.rollouts import STORE as ROLLOUTS
+from storage.schema import ROLLOUTS
+from tasks.common import load_models
+from tasks.specs import plan, policy_spec
 from tasks.tokens import POSITION_ARRAYS, STORE
-from tests.conftest import tiny_config
+from tests.conftest import run_planned, tiny_config
 
 POLICY_ONLY = {"rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16}}}
 
 
 def run_upto(cfg, target: str) -> dict:
-    """Run ``target`` and the planned nodes it depends on, in plan order, by calling the task bodies."""
-    nodes = plan(cfg)
+    """Run ``target`` and the planned steps it depends on, in plan order, by calling the task bodies."""
+    steps = plan(cfg)
+    names = {s.ref.key: n for n, s in steps.items()}
     needed, stack = set(), [target]
     while stack:
         name = stack.pop()
         if name not in needed:
             needed.add(name)
-            stack.extend(nodes[name].upstream)
-    refs = {}
-    for name, node in nodes.items():
-        if name in needed:
-            STAGE_TASKS[node.ref.stage].fn(node.ref, cfg, name, {u: refs[u] for u in node.upstream})
-            refs[name] = node.ref
-    return refs
+            stack.extend(names[r.key] for r in steps[name].upstream.values())
+    return {n: r.ref for n, r in run_planned(cfg, needed).items()}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +79,7 @@ def test_matches_one_batch_recomputation(run):
     """Batched, resumable sums agree with token_fisher / token_scores on all N samples at once."""
     cfg, refs, store, g = run
     ro = store.open_group(refs["rollouts.policy"], ROLLOUTS, mode="r")
-    model = load_models(store, refs["base_model"], "policy", cfg)[0].eval()
+    model = load_models(store, refs["base_model"], "policy", policy_spec(cfg))[0].eval()
     layout = select_parameters(model, cfg.scores.params)
     N = cfg.tokens.max_samples
     pl = torch.from_numpy(ro["prompt_len"][:N]).long()

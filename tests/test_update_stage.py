@@ -12,7 +12,7 @@ import torch
 
 from covgrad.layout import ParamLayout
 from storage.artifacts import ArtifactStore
-from tasks.plan import plan
+from tasks.specs import plan
 from tasks.update_check import STORE, check_layout
 from tests.conftest import tiny_config
 from tests.test_tokens_stage import POLICY_ONLY, run_upto

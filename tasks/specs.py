@@ -1,0 +1,362 @@
+"""Stage specs and the plan: what each artifact is computed from, and every artifact's key, before anything runs.
+
+A stage's **spec** is a frozen pydantic object holding exactly what the stage computes from: its config
+fields and the values derived from the config that it needs (the sampler of a scores artifact, whether
+that sampler is the policy, the fingerprint of a user model). ``plan(cfg)`` builds every spec from
+``PipelineConfig`` here and nowhere else; a stage task receives its spec and its upstream refs, never the
+config, so a stage cannot read a setting that its key leaves out.
+
+Key = sha256(stage name, stage code version, spec, upstream keys) (``storage.artifacts.stage_key``).
+Fields listed in a spec's ``PLACEMENT`` say where or how the work runs and never change a byte (device,
+checkpoint cadence, parameter blocks, the dask scheduler): the task reads them, the completion marker
+records them, the key leaves them out. Keys chain, so a changed setting changes the key of exactly the
+stages whose spec holds it and of everything below them (tests/test_specs.py walks every config field).
+
+Instances tell several artifacts of one stage apart: ``rollouts.<sampler>``, ``scores.<sampler>.<centering>``,
+``stats.<sampler>.<centering>``; an :class:`Instance` is the typed name, its string form the name that run
+indexes and notebooks use. The artifact directory is ``{root}/{stage}/{key}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from covgrad.config import (
+    DemoModel,
+    PipelineConfig,
+    SamplerSection,
+    TaskSection,
+    TokensSection,
+    UpdateCheckSection,
+)
+from storage.artifacts import ArtifactRef, ArtifactStore, stage_key
+from storage.models import model_fingerprint
+
+Centering = Literal["policy", "sampler"]
+
+
+class Instance(NamedTuple):
+    """The typed name of one planned artifact: a stage, and for per-sampler stages the sampler (and the
+    score centering). ``str()`` gives the dotted name of run indexes: ``scores.stale.sampler``."""
+
+    stage: str
+    sampler: str | None = None
+    centering: Centering | None = None
+
+    def __str__(self) -> str:
+        return ".".join(p for p in self if p is not None)
+
+
+class Spec(BaseModel):
+    """Base of specs and their parts: frozen, unknown fields rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StageSpec(Spec):
+    """Base of the stage specs: ``STAGE`` and ``VERSION`` name the stage and its code version (bump it
+    when the stage's code changes what it writes); ``PLACEMENT`` lists the fields the key leaves out."""
+
+    STAGE: ClassVar[str]
+    VERSION: ClassVar[str]
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset()
+
+    def hashed(self) -> dict[str, Any]:
+        """The spec as the key hashes it: every field except the placement fields, as JSON values."""
+        return self.model_dump(mode="json", exclude=set(self.PLACEMENT))
+
+    def key(self, upstream: list[str]) -> str:
+        """The artifact key of this spec computed from upstream artifacts with keys ``upstream``."""
+        return stage_key(self.STAGE, self.VERSION, self.hashed(), upstream)
+
+
+class PolicySpec(Spec):
+    """How a stage loads the policy (and other model directories): a user model directory (resolved) or
+    the demo model that the base_model artifact holds, in ``dtype``."""
+
+    path: str | None
+    dtype: Literal["float32", "bfloat16"]
+    trust_remote_code: bool
+
+
+class BaseModelSpec(StageSpec):
+    """base_model: train the demo model (``demo`` on the ``digits``-digit addition task) or register the
+    user model at ``policy.path`` (``fingerprint``: its config and weight files' names, sizes, mtimes)."""
+
+    STAGE: ClassVar[str] = "base_model"
+    VERSION: ClassVar[str] = "1"
+    policy: PolicySpec
+    demo: DemoModel | None
+    digits: int | None
+    fingerprint: str | None
+
+
+class RolloutsSpec(StageSpec):
+    """rollouts: responses of sampler ``sampler`` (settings ``settings``) to the prompts of ``task``, rewards
+    and ``advantage``-kind advantages."""
+
+    STAGE: ClassVar[str] = "rollouts"
+    VERSION: ClassVar[str] = "1"
+    sampler: str
+    settings: SamplerSection
+    task: TaskSection
+    advantage: Literal["group_mean", "group_zscore", "global_mean", "none"]
+    policy: PolicySpec
+
+
+class ScoresSpec(StageSpec):
+    """scores: per-sample scores of the rollouts of ``sampler`` under ``centering``, folded into moment state
+    of ``state_dtype`` over ``groups_per_batch`` prompt groups per batch and ``sample_shards`` sample shards;
+    per-sample rows kept when N·P·4 bytes fit ``byte_budget``."""
+
+    STAGE: ClassVar[str] = "scores"
+    VERSION: ClassVar[str] = "4"
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset(
+        {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
+    )
+    sampler: str
+    centering: Centering
+    settings: SamplerSection
+    policy: PolicySpec
+    params: list[str] | None
+    groups_per_batch: int
+    byte_budget: int
+    state_dtype: Literal["float64", "float32"]
+    # sample shards change the order of the merges; parameter blocks and placement change no byte
+    sample_shards: int
+    blocks: int | Literal["auto"]
+    device: Literal["auto", "cpu", "cuda"]
+    self_check: bool
+    checkpoint_batches: int
+    checkpoint_seconds: float
+
+
+class StatsSpec(StageSpec):
+    """stats: the statistics of ``scores.<sampler>.<centering>``, reduced on the dask scheduler at
+    ``dask_address`` (None: threads)."""
+
+    STAGE: ClassVar[str] = "stats"
+    VERSION: ClassVar[str] = "4"
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"dask_address"})
+    sampler: str
+    centering: Centering
+    dask_address: str | None
+
+
+class MasksSpec(StageSpec):
+    """masks: top-q sets at the fractions ``qs`` of the main statistics."""
+
+    STAGE: ClassVar[str] = "masks"
+    VERSION: ClassVar[str] = "2"
+    qs: list[float]
+
+
+class TokensSpec(StageSpec):
+    """tokens: token-level Fisher (``settings``) of the parameters ``params`` over the rollouts of
+    ``sampler`` (``on_policy``: μ = p)."""
+
+    STAGE: ClassVar[str] = "tokens"
+    VERSION: ClassVar[str] = "3"
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"device", "self_check"})
+    settings: TokensSection
+    params: list[str] | None
+    sampler: str
+    on_policy: bool
+    policy: PolicySpec
+    device: Literal["auto", "cpu", "cuda"]
+    self_check: bool
+
+
+class UpdateCheckSpec(StageSpec):
+    """update_check: optimizer steps (``settings``) on minibatches of ``groups_per_batch`` prompt groups,
+    over the parameters ``params``."""
+
+    STAGE: ClassVar[str] = "update_check"
+    VERSION: ClassVar[str] = "2"
+    settings: UpdateCheckSection
+    params: list[str] | None
+    groups_per_batch: int
+    policy: PolicySpec
+
+
+class ReportSpec(StageSpec):
+    """report: the run ``name`` rendered from its artifacts and its config (JSON, without ``root``)."""
+
+    STAGE: ClassVar[str] = "report"
+    VERSION: ClassVar[str] = "5"
+    name: str
+    config: dict[str, Any]
+
+
+def on_policy(s: SamplerSection) -> bool:
+    """True when the sampler is the policy itself, untruncated at temperature 1 (μ = p); imported
+    rollouts say so with ``on_policy: true``."""
+    if s.import_path is not None:
+        return s.on_policy
+    return s.model == "policy" and s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == 0
+
+
+def centerings(s: SamplerSection) -> list[Centering]:
+    """Score centerings computed for a sampler: both when μ ≠ p (the off-policy comparison)."""
+    return ["policy"] if on_policy(s) else ["policy", "sampler"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One planned artifact: its instance, spec, ref, and its upstream artifacts by role (the task's
+    ``upstream`` keys: ``base_model``, ``rollouts``, ``scores``, ``stats``; the report's are instance names)."""
+
+    instance: Instance
+    spec: StageSpec
+    ref: ArtifactRef
+    upstream: dict[str, ArtifactRef]
+
+
+@dataclass(frozen=True)
+class Plan(Mapping[str, Step]):
+    """Every artifact of one pipeline run, each with its spec and key, by stage; as a mapping, every step
+    by instance name in DAG order (upstream first)."""
+
+    base_model: Step
+    rollouts: dict[str, Step]
+    scores: dict[Instance, Step]
+    stats: dict[Instance, Step]
+    main: Step  # the main statistics: analysed sampler, sampler centering whenever μ ≠ p
+    masks: Step
+    tokens: Step | None
+    update_check: Step | None
+    report: Step
+
+    def _steps(self) -> list[Step]:
+        optional = [s for s in (self.tokens, self.update_check) if s is not None]
+        per_sampler = [*self.rollouts.values(), *self.scores.values(), *self.stats.values()]
+        return [self.base_model, *per_sampler, self.masks, *optional, self.report]
+
+    def __getitem__(self, name: str) -> Step:
+        for s in self._steps():
+            if str(s.instance) == name:
+                return s
+        raise KeyError(f"{name!r} is not planned; planned: {list(self)}")
+
+    def __iter__(self) -> Iterator[str]:
+        return (str(s.instance) for s in self._steps())
+
+    def __len__(self) -> int:
+        return len(self._steps())
+
+    @property
+    def run_key(self) -> str:
+        """The pipeline run's key, which covers every artifact key."""
+        return stage_key("run", "1", {}, [s.ref.key for s in self._steps()])
+
+    def downstream(self, name: str) -> set[str]:
+        """``name`` and every planned instance that reads it, directly or transitively."""
+        out = {name}
+        for s in self._steps():  # DAG order: upstreams come first
+            if any(self._name(r) in out for r in s.upstream.values()):
+                out.add(str(s.instance))
+        return out
+
+    def _name(self, ref: ArtifactRef) -> str:
+        return next(str(s.instance) for s in self._steps() if s.ref == ref)
+
+
+def _step(store: ArtifactStore, instance: Instance, spec: StageSpec, upstream: dict[str, Step]) -> Step:
+    keys = [u.ref.key for u in upstream.values()]
+    ref = store.ref(spec.STAGE, spec.key(keys), spec.VERSION, keys)
+    return Step(instance, spec, ref, {role: u.ref for role, u in upstream.items()})
+
+
+def policy_spec(cfg: PipelineConfig) -> PolicySpec:
+    """How every stage loads the policy of ``cfg``."""
+    path = None if cfg.model.path is None else str(Path(cfg.model.path).resolve())
+    return PolicySpec(path=path, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def base_model_spec(cfg: PipelineConfig) -> BaseModelSpec:
+    """The base_model spec: the demo's settings, or the user model's fingerprint."""
+    demo = cfg.model.path is None
+    return BaseModelSpec(
+        policy=policy_spec(cfg),
+        demo=cfg.model.demo.model_copy(deep=True) if demo else None,
+        digits=cfg.task.digits if demo else None,
+        fingerprint=None if demo else model_fingerprint(cfg.model.path),
+    )
+
+
+def plan(cfg: PipelineConfig) -> Plan:
+    """Every artifact of ``cfg``'s pipeline run: specs built from the config, keys chained in DAG order."""
+    store = ArtifactStore(cfg.root)
+    policy = policy_spec(cfg)
+    sc = cfg.scores
+    base = _step(store, Instance("base_model"), base_model_spec(cfg), {})
+    rollouts: dict[str, Step] = {}
+    scores: dict[Instance, Step] = {}
+    stats: dict[Instance, Step] = {}
+    for name, s in cfg.rollouts.samplers.items():
+        settings = s.model_copy(deep=True)
+        spec = RolloutsSpec(
+            sampler=name,
+            settings=settings,
+            task=cfg.task.model_copy(deep=True),
+            advantage=cfg.rollouts.advantage,
+            policy=policy,
+        )
+        rollouts[name] = _step(store, Instance("rollouts", name), spec, {"base_model": base})
+        for c in centerings(s):
+            score_spec = ScoresSpec(
+                sampler=name,
+                centering=c,
+                settings=settings,
+                policy=policy,
+                params=sc.params,
+                groups_per_batch=sc.groups_per_batch,
+                byte_budget=sc.byte_budget,
+                state_dtype=sc.state_dtype,
+                sample_shards=sc.shards[0],
+                blocks=sc.shards[1],
+                device=sc.device,
+                self_check=sc.self_check,
+                checkpoint_batches=sc.checkpoint_batches,
+                checkpoint_seconds=sc.checkpoint_seconds,
+            )
+            upstream = {"base_model": base, "rollouts": rollouts[name]}
+            scores[Instance("scores", name, c)] = _step(store, Instance("scores", name, c), score_spec, upstream)
+            stats_spec = StatsSpec(sampler=name, centering=c, dask_address=cfg.dask.address)
+            up = {"scores": scores[Instance("scores", name, c)]}
+            stats[Instance("stats", name, c)] = _step(store, Instance("stats", name, c), stats_spec, up)
+    analysed = cfg.rollouts.analyse
+    s = cfg.rollouts.samplers[analysed]
+    main = stats[Instance("stats", analysed, centerings(s)[-1])]
+    masks = _step(store, Instance("masks"), MasksSpec(qs=list(cfg.masks.qs)), {"stats": main})
+    tokens = update = None
+    if cfg.tokens.enabled:
+        spec = TokensSpec(
+            settings=cfg.tokens.model_copy(deep=True),
+            params=sc.params,
+            sampler=analysed,
+            on_policy=on_policy(s),
+            policy=policy,
+            device=sc.device,
+            self_check=sc.self_check,
+        )
+        tokens = _step(store, Instance("tokens"), spec, {"base_model": base, "rollouts": rollouts[analysed]})
+    if cfg.update_check.enabled:
+        spec = UpdateCheckSpec(
+            settings=cfg.update_check.model_copy(deep=True),
+            params=sc.params,
+            groups_per_batch=sc.groups_per_batch,
+            policy=policy,
+        )
+        upstream = {"base_model": base, "rollouts": rollouts[analysed], "stats": main}
+        update = _step(store, Instance("update_check"), spec, upstream)
+    everything = [base, *rollouts.values(), *scores.values(), *stats.values(), masks]
+    everything += [x for x in (tokens, update) if x is not None]
+    report_spec = ReportSpec(name=cfg.name, config=cfg.model_dump(mode="json", exclude={"root"}))
+    report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
+    return Plan(base, rollouts, scores, stats, main, masks, tokens, update, report)
