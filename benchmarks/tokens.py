@@ -41,7 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, batch_moments, score_logit_grad
-from covgrad.task import build_char_tokenizer
+from covgrad.problems import build_char_tokenizer
 from covgrad.token_fisher import TokenBackward, _candidates, _response_positions, token_fisher
 from tasks.tokens import _batch, lm_head_entry, resolve_modes
 

@@ -14,8 +14,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from covgrad.config import DemoModel
+from covgrad.problems import Problem, addition_reward, response_texts
 from covgrad.sampling import SamplerSpec, generate
-from covgrad.task import Problem, addition_reward, response_texts
 
 
 @dataclass

@@ -9,8 +9,8 @@ import torch
 from prefect import task
 
 from covgrad.models import build_demo_model
+from covgrad.problems import addition_problems, build_char_tokenizer
 from covgrad.sft import train_sft
-from covgrad.task import addition_problems, build_char_tokenizer
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer
 from tasks.common import StageResult, log, run_stage

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from covgrad.config import PipelineConfig, TaskSection
-from covgrad.rollout_import import require_mu_source
-from covgrad.task import (
+from covgrad.problems import (
     DEMO_CONTEXT,
     Problem,
     RewardFn,
@@ -28,6 +27,7 @@ from covgrad.task import (
     problems_from_records,
     resolve_reward,
 )
+from covgrad.rollout_import import require_mu_source
 from storage.models import check_model_dir
 from storage.readers import prompt_locations, read_prompt_file, read_records
 

@@ -20,9 +20,9 @@ from prefect import task
 
 from covgrad.config import SamplerSection
 from covgrad.models import context_length
+from covgrad.problems import response_texts, score_rewards
 from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
-from covgrad.task import response_texts, score_rewards
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from storage.readers import read_located_records
 from storage.schema import ROLLOUTS as STORE

@@ -54,7 +54,7 @@ def meta_model(cfg: PipelineConfig) -> torch.nn.Module:
     try:
         if cfg.model.path is None:
             from covgrad.models import build_demo_model
-            from covgrad.task import build_char_tokenizer
+            from covgrad.problems import build_char_tokenizer
 
             with torch.device("meta"):
                 return build_demo_model(cfg.model.demo, build_char_tokenizer())

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from covgrad.config import DemoModel, PipelineConfig, apply_overrides, format_validation_error
 from covgrad.models import build_demo_model
-from covgrad.task import (
+from covgrad.problems import (
     addition_problems,
     addition_reward,
     build_char_tokenizer,

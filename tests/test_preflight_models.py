@@ -46,7 +46,7 @@ class BadLlamaForCausalLM(LlamaForCausalLM):
 
 def family_dir(path: Path, family: str, layers: int = 3) -> Path:
     """A random tiny ``family`` model with the character tokenizer, saved as a model directory."""
-    from covgrad.task import build_char_tokenizer
+    from covgrad.problems import build_char_tokenizer
 
     tok = build_char_tokenizer()
     special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
@@ -105,7 +105,7 @@ def user_config(root: Path, model: Path, **overrides: object):
         **{
             "name": "family",
             "model.path": str(model),
-            "task": {"kind": "jsonl", "path": str(task), "reward": "covgrad.task:addition_reward", "n_prompts": 2},
+            "task": {"kind": "jsonl", "path": str(task), "reward": "covgrad.problems:addition_reward", "n_prompts": 2},
             "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 8}},
             **overrides,
         },

@@ -1,4 +1,4 @@
-"""Tasks: prompts plus a reward. The built-in demo task is integer addition with a character tokenizer.
+"""Problems: prompts plus a reward. The built-in demo problem set is integer addition with a character tokenizer.
 
 A task is a list of ``Problem`` (prompt text and reference answer) and a reward function
 ``reward(prompt, response_text, answer) -> float``. The built-in ``addition`` task rewards an exact
