@@ -22,9 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from benchmarks.tokens import build as perturbed_llama
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.rules import _rmsnorm_rule, generic_rule, rule_for
@@ -41,22 +41,7 @@ class RewrittenRMSNorm(LlamaRMSNorm):
 
 def build(generic_norms: bool) -> nn.Module:
     """A 4-layer, hidden-256 Llama (vocab 512), norms perturbed; optionally with rewritten norms."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=640,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    model = perturbed_llama(512, 256, 640, 4, 4, 4, tied=False)
     if generic_norms:
         for name, m in list(model.named_modules()):
             if type(m) is LlamaRMSNorm:

@@ -8,7 +8,7 @@ process, timed in interleaved repetitions after one warm-up; ratios are the medi
    of 16 rows, 4 response tokens, topk 6, mc 8, probes 8): the tokens stage's batch (``tasks.tokens._batch``)
    with the former modes (exact, topk, mc) and with today's default (+ probe), the former implementation
    (one PerSampleGrads forward and backward per position and candidate, written out compactly below as
-   the reference), and the scores stage's batch (PerSampleGrads + batch_moments).
+   the reference), and the scores stage's batch (``PerSampleGrads.accumulate`` into float64 moment state).
 2. Equal-cost error of the random modes on the demo model: mc (k draws per position), probe (k probes per
    position) and probe_seq (T·k probes per sequence), all T·k cotangent rows per sample, over many seeds:
    the relative L2 error of Σ f against exact, its RMS over seeds, and the mean per-tensor relative
@@ -33,14 +33,17 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from functools import partial
+
 import numpy as np
 import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from covgrad.accum import MomentAccumulator
 from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.persample import PerSampleGrads, batch_moments, score_logit_grad
+from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.problems import build_char_tokenizer
 from covgrad.token_fisher import TokenBackward, _candidates, _response_positions, token_fisher
 from tasks.tokens import _batch, lm_head_entry, resolve_modes
@@ -89,12 +92,13 @@ def tensors(ro: dict[str, np.ndarray]) -> tuple[Tensor, Tensor, Tensor, Tensor, 
     return ids, attn, torch.from_numpy(ro["response_mask"]).float(), pl, rl
 
 
-def scores_batch(psg: PerSampleGrads, ro: dict[str, np.ndarray], buffer: Tensor) -> None:
-    """The scores stage's work on one batch: per-sample scores and their moment row."""
+def scores_batch(psg: PerSampleGrads, ro: dict[str, np.ndarray], acc: MomentAccumulator) -> None:
+    """The scores stage's work on one batch: per-sample scores folded into the moment state ``acc``."""
     ids, attn, target, _, _ = tensors(ro)
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    S = psg(ids, attn, lambda z: score_logit_grad(z, ids, target), position_ids=pos, out=buffer)
-    batch_moments(S, torch.randn(ids.shape[0]))
+    B = ids.shape[0]
+    dlogits = partial(score_logit_grad, input_ids=ids, target_mask=target)
+    psg.accumulate(ids, attn, dlogits, acc, torch.randn(B), torch.arange(B) % 2, position_ids=pos)
 
 
 def former_batch(model: nn.Module, layout: ParamLayout, psg: PerSampleGrads, ro: dict, cfg: PipelineConfig) -> None:
@@ -167,7 +171,7 @@ def demo(reps: int) -> None:
     ro = rollouts(V, 16, prompt=8, response=4, seed=0)
     B = ro["tokens"].shape[0]
     psg = PerSampleGrads(model, layout, check=False)
-    buffer = torch.empty(B, layout.P)
+    acc = MomentAccumulator(layout.P, "cpu")
     settings = {"topk": 6, "mc_samples": 8, "probes": 8}
     T = int(ro["response_len"].max())
     former_modes = ["exact", "topk", "mc"]
@@ -180,7 +184,7 @@ def demo(reps: int) -> None:
         return lambda: _batch(model, layout, psg, cfg.tokens, ro, 0, B, 0, modes, head, dev)
 
     fns = {
-        "scores batch (PerSampleGrads + batch_moments)": lambda: scores_batch(psg, ro, buffer),
+        "scores batch (PerSampleGrads.accumulate)": lambda: scores_batch(psg, ro, acc),
         "tokens batch, former per-candidate loop (exact, topk, mc)": lambda: former_batch(
             model, layout, psg, ro, stage_cfg(former_modes, **settings)
         ),
@@ -232,7 +236,7 @@ def smollm(reps: int, rows: int, prompt: int, response: int) -> None:
     ids, attn, _, pl, rl = tensors(ro)
     B, T = rows, int(rl.max())
     psg = PerSampleGrads(model, layout, check=False)
-    buffer = torch.empty(B, layout.P)
+    acc = MomentAccumulator(layout.P, "cpu")
     cfg = stage_cfg(None, probes=2)
     modes = resolve_modes(None, T, V, cfg.tokens.exact_budget)
     head = lm_head_entry(model, layout)
@@ -241,7 +245,7 @@ def smollm(reps: int, rows: int, prompt: int, response: int) -> None:
         return lambda: token_fisher(model, layout, ids, attn, pl, rl, mode, k, 0)
 
     fns = {
-        "scores batch (PerSampleGrads + batch_moments)": lambda: scores_batch(psg, ro, buffer),
+        "scores batch (PerSampleGrads.accumulate)": lambda: scores_batch(psg, ro, acc),
         "token_fisher probe_seq, k = 2": fisher("probe_seq", 2),
         "token_fisher probe, k = 1 per position": fisher("probe", 1),
         f"tokens stage batch, default ({', '.join(modes)}, probes 2, + token scores)": lambda: _batch(
