@@ -47,6 +47,14 @@ def _selected_types(model: nn.Module, names: set[str]) -> set[tuple[type, str]]:
     }
 
 
+def meta_model(path: str, trust_remote_code: bool = False) -> tuple[PretrainedConfig, nn.Module]:
+    """The config of the model directory ``path`` and its architecture on the meta device (only
+    ``config.json`` is read: no weights, no memory), in the current default dtype."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    with torch.device("meta"):
+        return config, AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def check_model(path: str, params: list[str] | None, trust_remote_code: bool = False, self_check: bool = True) -> None:
     """Raise ValueError (one line, naming the parameter and module type) unless per-sample scores of the
     model at ``path`` with the parameter selection ``params`` (globs, None = all trainable) are supported.
@@ -57,9 +65,7 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
         trust_remote_code: as for loading the model.
         self_check: also run step 2 (a checked pass on a cut-down random copy).
     """
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-    with torch.device("meta"):
-        full = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    config, full = meta_model(path, trust_remote_code)
     layout = select_parameters(full, params)
     try:
         PerSampleGrads(full, layout, check=False)

@@ -47,7 +47,7 @@ from tasks.specs import ScoresSpec, Step, plan
 def meta_model(cfg: PipelineConfig) -> torch.nn.Module:
     """The policy's architecture on the meta device (no weights read, no memory): from ``config.json``
     of ``model.path``, or the demo model's sizes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from covgrad import preflight
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, cfg.model.dtype))
@@ -61,10 +61,7 @@ def meta_model(cfg: PipelineConfig) -> torch.nn.Module:
         config_file = Path(cfg.model.path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model.path {cfg.model.path!r} has no config.json")
-        trust = cfg.model.trust_remote_code
-        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True, trust_remote_code=trust)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
+        return preflight.meta_model(cfg.model.path, cfg.model.trust_remote_code)[1]
     finally:
         torch.set_default_dtype(previous)
 
