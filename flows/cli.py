@@ -47,6 +47,29 @@ def quiet_prefect() -> None:
     # which then logs a ~150-line ERROR traceback of a cancelled database session; the server and its
     # database are discarded right after.
     os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+    # The same race can surface as sqlalchemy's pool logging the cancelled session (~30 lines) through the
+    # root logger, which Prefect's settings cannot set per logger: a copy of Prefect's logging config that
+    # only adds the sqlalchemy logger at CRITICAL.
+    if "PREFECT_LOGGING_SETTINGS_PATH" not in os.environ:
+        os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = str(_logging_settings())
+
+
+def _logging_settings() -> Path:
+    """Prefect's default ``logging.yml`` (read without importing prefect) with ``sqlalchemy`` at CRITICAL,
+    written beside this invocation's log file."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.find_spec("prefect")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("prefect is not installed; run `make install`")
+    default = Path(spec.submodule_search_locations[0]) / "logging" / "logging.yml"
+    config = yaml.safe_load(default.read_text())
+    config["loggers"]["sqlalchemy"] = {"level": "CRITICAL"}
+    path = log_path().with_suffix(".prefect-logging.yml")
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 _LOG_PATH: Path | None = None
