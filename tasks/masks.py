@@ -18,7 +18,7 @@ import numpy as np
 from prefect import task
 
 from covgrad.layout import ParamLayout
-from covgrad.topk import bound_mask_table, overlap_table, spearman, topk_global, topk_per_tensor
+from covgrad.topk import SCOPES, TopSets, Values, bound_mask_table, overlap_rows, spearman_blocked
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import MASKS as STORE
 from storage.schema import STATS, annotate, param_chunk
@@ -34,49 +34,47 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
         return _no_masks(store, ref, st, spec.qs, finding)
     layout = ParamLayout.from_records(st.attrs["tensors"])
     scalars = st.attrs["scalars"]
-    # (param,) arrays are read when needed and released after: memory holds a few of them, not all seven
-    metrics = {"F": lambda: st["F"][:], "absG": lambda: np.abs(st["G"][:]), "absrho": lambda: np.abs(st["rho"][:])}
     qs = spec.qs
     P = layout.P
+    # (param,) statistics are read block by block, on every pass: memory holds a few blocks, the cuts
+    # and, for Spearman, one sorted copy of F or |G| (8 B × P), not the arrays
+    metrics = {
+        "F": _blocks(st["F"]),
+        "absG": _blocks(st["G"], absolute=True),
+        "absrho": _blocks(st["rho"], absolute=True),
+    }
+    tops = {metric: TopSets(values, layout, qs) for metric, values in metrics.items()}
     g = store.open_group(ref, STORE, mode="w")
     g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
-    share_rows = []
-    for metric, read in metrics.items():
-        values = read()
-        for scope in ("global", "per_tensor"):
-            mask = np.zeros((len(qs), P), dtype=bool)
-            for i, q in enumerate(qs):
-                idx = topk_global(values, q) if scope == "global" else topk_per_tensor(values, layout, q)
-                mask[i, idx] = True
-            g.create_array(f"{metric}_{scope}", data=mask, chunks=(1, param_chunk(P)), dimension_names=["q", "param"])
-            if scope == "global" and metric in ("F", "absG"):
-                i = int(np.argmin(np.abs(np.asarray(qs) - 0.01)))
-                total = max(int(mask[i].sum()), 1)
-                for e in layout.entries:
-                    n = int(mask[i, e.offset : e.offset + e.numel].sum())
-                    share_rows.append(
-                        {
-                            "tensor": e.name,
-                            "metric": metric,
-                            "q": qs[i],
-                            "count": n,
-                            "share": n / total,
-                            "numel_share": e.numel / P,
-                        }
-                    )
-        del values
-    F, absG = st["F"][:], np.abs(st["G"][:])
-    overlap = overlap_table(F, absG, layout, qs)
-    rho_s = spearman(F, absG)
-    del F, absG
-    bound = bound_mask_table(scalars["std_A"], st["Fvar"][:], np.abs(st["Cov"][:]), qs=qs)
+    for metric in tops:
+        for scope in SCOPES:
+            g.create_array(
+                f"{metric}_{scope}",
+                shape=(len(qs), P),
+                dtype=bool,
+                chunks=(1, param_chunk(P)),
+                dimension_names=["q", "param"],
+            )
+    n_both = {scope: np.zeros(len(qs), dtype=np.int64) for scope in SCOPES}  # |topG ∩ topF|
+    for swept in zip(*(t.sweep() for t in tops.values()), strict=True):
+        masks = {}
+        for metric, (start, by_scope) in zip(tops, swept, strict=True):
+            for scope, mask in by_scope.items():  # (q, b) bool
+                g[f"{metric}_{scope}"][:, start : start + mask.shape[1]] = mask
+            masks[metric] = by_scope
+        for scope in SCOPES:
+            n_both[scope] += np.count_nonzero(masks["F"][scope] & masks["absG"][scope], axis=1)
+    overlap = overlap_rows(tops["absG"], tops["F"], n_both, layout)
+    shares = _share_rows(tops, layout, qs)
+    bound = bound_mask_table(scalars["std_A"], _blocks(st["Fvar"]), _blocks(st["Cov"], absolute=True), qs=qs)
+    rho_s = spearman_blocked(metrics["F"], metrics["absG"], scratch=store.path(ref) if store.local else None)
     store.write_text(ref, "overlap.csv", to_csv(overlap))
     store.write_json(ref, "overlap.json", overlap)
     store.write_text(ref, "overlap.md", to_markdown(overlap))
     store.write_text(ref, "bound.csv", to_csv(bound))
     store.write_json(ref, "bound.json", bound)
-    store.write_text(ref, "tensors.csv", to_csv(share_rows))
-    store.write_text(ref, "tensors.md", to_markdown(share_rows))
+    store.write_text(ref, "tensors.csv", to_csv(shares))
+    store.write_text(ref, "tensors.md", to_markdown(shares))
     summary = {"spearman_F_absG": rho_s, "qs": qs, "P": P, "bound_recall_min": _min_recall(bound)}
     store.write_json(ref, "summary.json", summary)
     summary_attr = json.loads(json.dumps(summary, default=float))
@@ -84,6 +82,33 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
     annotate(g, layout)
     store.consolidate(ref, STORE)
     return {"spearman_F_absG": rho_s}
+
+
+def _blocks(arr: Any, absolute: bool = False) -> Values:
+    """A (param,) zarr array of the stats store (or its absolute value), read in blocks."""
+    read = (lambda a, b: np.abs(arr[a:b])) if absolute else (lambda a, b: arr[a:b])
+    return Values(read, arr.shape[0])
+
+
+def _share_rows(tops: dict[str, TopSets], layout: ParamLayout, qs: list[float]) -> list[dict[str, Any]]:
+    """Each tensor's share of the global top sets by F and by |G| at the q nearest 1%."""
+    i = int(np.argmin(np.abs(np.asarray(qs) - 0.01)))
+    rows = []
+    for metric in ("F", "absG"):
+        counts = tops[metric].counts["global"][i]  # (T,) int64
+        total = max(int(counts.sum()), 1)
+        for e, n in zip(layout.entries, counts.tolist(), strict=True):
+            rows.append(
+                {
+                    "tensor": e.name,
+                    "metric": metric,
+                    "q": qs[i],
+                    "count": n,
+                    "share": n / total,
+                    "numel_share": e.numel / layout.P,
+                }
+            )
+    return rows
 
 
 def _no_masks(store: ArtifactStore, ref: ArtifactRef, st: Any, qs: list[float], finding: str) -> dict[str, Any]:

@@ -62,8 +62,9 @@ def test_topk_equals_stable_argsort(values: np.ndarray, data: st.DataObject) -> 
     k = data.draw(st.one_of(st.just(0), st.just(P), st.integers(0, P)), label="k")
     want = reference_topk(values, k)
     chunk = data.draw(st.integers(1, P), label="chunk")
-    got_dask = topk_indices(da.from_array(values, chunks=chunk), k)
-    with mock.patch.object(topk_module, "NUMPY_CHUNK", chunk):
+    candidates = data.draw(st.sampled_from([1, 3, 1 << 22]), label="candidates")  # small: narrow to 64 bits
+    with mock.patch.object(topk_module, "BLOCK", chunk), mock.patch.object(topk_module, "_CANDIDATES", candidates):
+        got_dask = topk_indices(da.from_array(values, chunks=max(1, chunk // 2)), k)
         got_numpy = topk_indices(values, k)
     for got in (got_numpy, got_dask):
         assert got.dtype == np.int64 and np.all(np.diff(got) > 0)
