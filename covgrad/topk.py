@@ -35,7 +35,8 @@ Array = Any  # numpy.ndarray, dask.array.Array, or any 1-D array that slices to 
 
 DEFAULT_QS = (0.001, 0.01, 0.05, 0.1)
 SCOPES = ("global", "per_tensor")
-BLOCK = 1 << 22  # values per read (32 MiB of float64), a multiple of the stores' param chunk
+BLOCK = 1 << 20  # values per read (8 MiB of float64; glibc reuses such buffers, larger ones are fresh
+# pages on every allocation), a multiple of the stores' param chunk
 _CANDIDATES = 1 << 22  # a key bin with at most this many values is collected and cut in memory
 _BINS = 1 << 16
 _SIGN = 1 << 63
@@ -425,21 +426,22 @@ def spearman(x: Array, y: Array) -> float:
 
 
 _SPLIT = 17  # centered ranks (|r| < 2^34) split into parts below 2^17 in size: part products < 2^34,
-_SEGMENT = 1 << 19  # and a float64 dot of 2^19 of them stays below 2^53: exact, in any order
+# so an int64 sum of a block's products (b ≤ 2^29) cannot overflow
 
 
 def _parts(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """r = hi·2^17 + lo with 0 ≤ lo < 2^17, both as float64, for (b,) int64 r."""
-    return (r >> _SPLIT).astype(np.float64), (r & ((1 << _SPLIT) - 1)).astype(np.float64)
+    """r = hi·2^17 + lo with 0 ≤ lo < 2^17, for (b,) int64 r with |r| < 2^34."""
+    return r >> _SPLIT, r & ((1 << _SPLIT) - 1)
 
 
-def _exact_dot(a: np.ndarray, b: np.ndarray) -> int:
-    """Σ a·b as an exact integer, for (b,) int64 a and b with |a|, |b| < 2^34."""
-    total = 0
-    for s in range(0, len(a), _SEGMENT):
-        (a1, a0), (b1, b0) = _parts(a[s : s + _SEGMENT]), _parts(b[s : s + _SEGMENT])
-        total += (int(a1 @ b1) << 2 * _SPLIT) + ((int(a1 @ b0) + int(a0 @ b1)) << _SPLIT) + int(a0 @ b0)
-    return total
+def _exact_dot(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> int:
+    """Σ a·b as an exact integer, from the _parts of two (b,) int64 vectors."""
+    (a1, a0), (b1, b0) = a, b
+
+    def dot(x: np.ndarray, y: np.ndarray) -> int:
+        return int(np.einsum("i,i->", x, y))  # int64, no BLAS
+
+    return (dot(a1, b1) << 2 * _SPLIT) + ((dot(a1, b0) + dot(a0, b1)) << _SPLIT) + dot(a0, b0)
 
 
 def _sorted_copy(values: Values, name: str) -> np.ndarray:
@@ -507,8 +509,8 @@ def spearman_blocked(x: Values, y: Values, scratch: str | None = None) -> float:
         ranks_y.seek(0)
         sxx = syy = sxy = 0
         for _, v in x.blocks():
-            rx = _centered_ranks(ordered, v)
-            ry = np.fromfile(ranks_y, dtype=np.int64, count=len(v))
+            rx = _parts(_centered_ranks(ordered, v))
+            ry = _parts(np.fromfile(ranks_y, dtype=np.int64, count=len(v)))
             sxx, syy, sxy = sxx + _exact_dot(rx, rx), syy + _exact_dot(ry, ry), sxy + _exact_dot(rx, ry)
     return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
 
