@@ -7,6 +7,10 @@ scope ∈ {global, per_tensor}; tables ``overlap.{csv,json,md}``, ``bound.{csv,j
 When the statistics record a degenerate condition (N < 2, no scored tokens, std(A) = 0), the top set
 by |G| (and by ρ, and the bound mask) is undefined, so the artifact holds only the ``q`` axis and the
 condition (``degenerate`` in attrs and ``summary.json``): no masks, no overlap, bound or share tables.
+
+Memory is bounded by blocks of the (param,) statistics, not P, except Spearman's sorted copy of one
+metric (8 B × P; its ranks go to a temporary file in the artifact directory, 8 B × P, removed when
+done): measured 1.3 GiB peak at P = 134.5M (``python -m benchmarks.masks``).
 """
 
 from __future__ import annotations
@@ -46,21 +50,23 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
     tops = {metric: TopSets(values, layout, qs) for metric, values in metrics.items()}
     g = store.open_group(ref, STORE, mode="w")
     g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
-    for metric in tops:
-        for scope in SCOPES:
-            g.create_array(
-                f"{metric}_{scope}",
-                shape=(len(qs), P),
-                dtype=bool,
-                chunks=(1, param_chunk(P)),
-                dimension_names=["q", "param"],
-            )
+    arrays = {
+        (metric, scope): g.create_array(
+            f"{metric}_{scope}",
+            shape=(len(qs), P),
+            dtype=bool,
+            chunks=(1, param_chunk(P)),
+            dimension_names=["q", "param"],
+        )
+        for metric in tops
+        for scope in SCOPES
+    }
     n_both = {scope: np.zeros(len(qs), dtype=np.int64) for scope in SCOPES}  # |topG ∩ topF|
     for swept in zip(*(t.sweep() for t in tops.values()), strict=True):
         masks = {}
         for metric, (start, by_scope) in zip(tops, swept, strict=True):
             for scope, mask in by_scope.items():  # (q, b) bool
-                g[f"{metric}_{scope}"][:, start : start + mask.shape[1]] = mask
+                arrays[metric, scope][:, start : start + mask.shape[1]] = mask
             masks[metric] = by_scope
         for scope in SCOPES:
             n_both[scope] += np.count_nonzero(masks["F"][scope] & masks["absG"][scope], axis=1)
