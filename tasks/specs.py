@@ -152,7 +152,7 @@ class MasksSpec(StageSpec):
     """masks: top-q sets at the fractions ``qs`` of the main statistics."""
 
     STAGE: ClassVar[str] = "masks"
-    VERSION: ClassVar[str] = "2"
+    VERSION: ClassVar[str] = "3"
     qs: list[float]
 
 
