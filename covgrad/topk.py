@@ -98,8 +98,8 @@ def _value(key: int) -> float:
 
 
 def _in_bin(keys: np.ndarray, prefix: int, bits: int) -> np.ndarray:
-    """Which keys start with the ``bits`` bits ``prefix`` (bits = 0: every number), (b,) bool."""
-    return keys != 0 if bits == 0 else (keys >> (64 - bits)) == prefix
+    """Which keys start with the ``bits`` (≥ 16) bits ``prefix``, (b,) bool."""
+    return (keys >> (64 - bits)) == prefix
 
 
 class Cut(NamedTuple):
@@ -146,13 +146,16 @@ class _Search:
 
 
 def _histograms(values: Values, bins: set[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
-    """Counts of the next 16 key bits inside each (prefix, bits) bin, (65536,) int64 each, in one pass."""
+    """Counts of the next 16 key bits inside each (prefix, bits) bin, (65536,) int64 each, in one pass;
+    the top level (0, 0) counts numbers only."""
     hists = {b: np.zeros(_BINS, dtype=np.int64) for b in bins}
     for _, v in values.blocks():
         keys = _keys(v)
         for (prefix, bits), hist in hists.items():
-            sub = (keys[_in_bin(keys, prefix, bits)] >> (48 - bits)) & 0xFFFF
-            hist += np.bincount(sub.astype(np.intp), minlength=_BINS)
+            inside = keys if bits == 0 else keys[_in_bin(keys, prefix, bits)]
+            hist += np.bincount(((inside >> (48 - bits)) & 0xFFFF).astype(np.intp), minlength=_BINS)
+    if (0, 0) in hists:
+        hists[0, 0][0] = 0  # top-level sub-bin 0 holds only NaN keys
     return hists
 
 
