@@ -10,7 +10,7 @@ condition (``degenerate`` in attrs and ``summary.json``): no masks, no overlap, 
 
 Memory is bounded by blocks of the (param,) statistics, not P, except Spearman's sorted copy of one
 metric (8 B × P; its ranks go to a temporary file in the artifact directory, 8 B × P, removed when
-done): measured 1.3 GiB peak at P = 134.5M (``python -m benchmarks.masks``).
+done): measured 1.69 GiB peak at P = 134.5M (``python -m benchmarks.masks``).
 """
 
 from __future__ import annotations
