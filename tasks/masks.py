@@ -21,7 +21,7 @@ from covgrad.layout import ParamLayout
 from covgrad.topk import bound_mask_table, overlap_table, spearman, topk_global, topk_per_tensor
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import MASKS as STORE
-from storage.schema import STATS, annotate, param_chunk
+from storage.schema import STATS, annotate, write
 from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import MasksSpec
@@ -39,7 +39,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
     qs = spec.qs
     P = layout.P
     g = store.open_group(ref, STORE, mode="w")
-    g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
+    write(g, STORE, "q", qs)
     share_rows = []
     for metric, read in metrics.items():
         values = read()
@@ -48,7 +48,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
             for i, q in enumerate(qs):
                 idx = topk_global(values, q) if scope == "global" else topk_per_tensor(values, layout, q)
                 mask[i, idx] = True
-            g.create_array(f"{metric}_{scope}", data=mask, chunks=(1, param_chunk(P)), dimension_names=["q", "param"])
+            write(g, STORE, f"{metric}_{scope}", mask)
             if scope == "global" and metric in ("F", "absG"):
                 i = int(np.argmin(np.abs(np.asarray(qs) - 0.01)))
                 total = max(int(mask[i].sum()), 1)
@@ -81,7 +81,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
     store.write_json(ref, "summary.json", summary)
     summary_attr = json.loads(json.dumps(summary, default=float))
     g.attrs.update({"summary": summary_attr, "tensors": st.attrs["tensors"], "degenerate": None})
-    annotate(g, layout)
+    annotate(g, STORE, layout)
     store.consolidate(ref, STORE)
     return {"spearman_F_absG": rho_s}
 
@@ -89,7 +89,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
 def _no_masks(store: ArtifactStore, ref: ArtifactRef, st: Any, qs: list[float], finding: str) -> dict[str, Any]:
     """The masks artifact of degenerate statistics: the ``q`` axis and the finding, nothing ranked."""
     g = store.open_group(ref, STORE, mode="w")
-    g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
+    write(g, STORE, "q", qs)
     summary = {"degenerate": finding, "qs": qs, "P": int(st.attrs["scalars"]["P"])}
     store.write_json(ref, "summary.json", summary)
     g.attrs.update({"summary": summary, "tensors": st.attrs["tensors"], "degenerate": finding})

@@ -60,6 +60,26 @@ def test_grid_has_one_row_per_cell_and_step(run):
 
 
 @pytest.mark.slow
+def test_plain_xarray_selects_a_cell_by_its_labels(run):
+    """``xr.open_zarr`` on the update store, with no project import in the check, selects a grid cell by
+    its optimizer, precision, lr and steps coordinates and names the tensors of the parameter axis."""
+    import xarray as xr
+
+    _, refs, store = run
+    path = store.path(refs["update_check"], STORE)
+    rows = store.read_json(refs["update_check"], "grid.json")
+    names = [t["name"] for t in store.open_group(refs["update_check"], STORE, mode="r").attrs["tensors"]]
+
+    ds = xr.open_zarr(path)
+    cells = ds.set_index(cell=["optimizer", "precision", "lr", "steps"])
+    for r in rows:
+        cell = cells.sel(optimizer=r["optimizer"], precision=r["precision"], lr=r["lr"], steps=r["steps"])
+        assert cell.frac_changed_bf16.item() == r["frac_changed_bf16"]
+    assert ds.tensor_name.values.tolist() == names
+    assert ds.frac_changed_bf16.attrs["long_name"] == "fraction of parameters changed"
+
+
+@pytest.mark.slow
 def test_sgd_bound_rule_recall_is_one_at_one_fp32_step(run):
     _, refs, store = run
     rows = store.read_json(refs["update_check"], "grid.json")
