@@ -55,7 +55,7 @@ def test_plain_xarray_selects_a_sample_by_prompt_and_index(generated):
 
     ds = xr.open_zarr(path)
     assert {"group", "prompt_index", "sample_index"} <= set(ds.coords)
-    one = ds.set_index(sample=["prompt_index", "sample_index"]).sel(prompt_index=1, sample_index=2)
+    one = ds.set_index(sample=["prompt_index", "sample_index"]).sel(prompt_index=1, sample_index=2).load()
     assert one.reward.item() == ro["reward"][row] and one.advantage.item() == ro["advantage"][row]
     np.testing.assert_array_equal(one.tokens.values, ro["tokens"][row])
     assert one.response.item() == ro["response"][row]
