@@ -80,6 +80,27 @@ def test_plain_xarray_selects_a_cell_by_its_labels(run):
 
 
 @pytest.mark.slow
+def test_every_array_is_declared_in_the_schema(run):
+    """Every array the stages wrote (rollouts, scores, stats, update) has the dims and dtype that
+    storage/schema.py declares for it."""
+    from storage.schema import SCHEMAS, var
+
+    _, refs, store = run
+    seen = 0
+    for ref in refs.values():
+        for name in SCHEMAS:
+            if not store.fs.exists(store.path(ref, name)):
+                continue
+            for key, arr in store.open_group(ref, name, mode="r").arrays():
+                v = var(name, key)
+                assert tuple(arr.metadata.dimension_names) == v.dims, (name, key)
+                expected = "StringDType()" if v.dtype == "str" else v.dtype
+                assert v.dtype is None or str(arr.dtype) == expected, (name, key, arr.dtype)
+                seen += 1
+    assert seen > 20
+
+
+@pytest.mark.slow
 def test_sgd_bound_rule_recall_is_one_at_one_fp32_step(run):
     _, refs, store = run
     rows = store.read_json(refs["update_check"], "grid.json")
