@@ -112,7 +112,8 @@ PROGRESS = {
 
 
 def _state(long_name: str, definition: str, units: str = "") -> Var:
-    """A moment-state array (row, param) of the scores store, in ``scores.state_dtype``."""
+    """A moment-state array (row, param) of the scores store, in ``scores.state_dtype``, uncompressed:
+    float noise does not compress, and the store keeps a fixed size, O(P) and independent of N."""
     return Var(("row", "param"), None, (2, PARAM), long_name, definition, units, fill=0, compressed=False)
 
 
@@ -202,9 +203,9 @@ ROLLOUTS_VARS = {
         ("sample", "position"),
         "float32",
         (ROWS, WHOLE),
-        "sampler tail mass",
-        "log of the mu mass outside the top k",
-        "nats",
+        "sampler mass outside the top k",
+        "max(0, 1 - sum of exp(mu_topk_logp))",
+        "1",
         fill=0,
     ),
     **PROGRESS,
@@ -296,7 +297,7 @@ MASKS_VARS = {
 TOKENS_VARS = {
     "entropy": _position("policy entropy at the position", "H(p(. | y_<t))", "nats"),
     "p_drawn": _position("policy probability of the drawn token", "p(y_t | y_<t)", "1"),
-    "covered_mass": _position("top-k probability mass", "mass of the top-k tokens (1 without topk)", "1"),
+    "covered_mass": _position("policy mass of the candidate tokens", "1 except for mode topk", "1"),
     "trace_{mode}": _position("token Fisher trace", "sum over parameters of f_t", "score^2"),
     "score_sum_relerr": Var(
         ("sample",), "float64", (ROWS,), "token score sum check", "||sum_t s_t - s|| / ||s|| per sample", "1", fill=0
