@@ -1,14 +1,12 @@
 """rollouts stage: responses from a sampler (or imported), rewards, advantages, the sampler's μ.
 
-Store ``rollouts.zarr`` (declared in ``storage/schema.py``; dims: sample, token = index in the full
-right-padded row, position = response position, vocab, k, batch; coordinates along sample: group,
-prompt_index, sample_index):
-tokens (sample, token) int32; prompt_len, response_len, group, prompt_index, sample_index (sample,)
-int32; response_mask (sample, token) bool; reward, advantage (sample,) float64; sampler_logp
-(sample, position) float32; prompt, response (sample,) text; optionally mu_logp (sample, position,
-vocab) or mu_topk_ids / mu_topk_logp (sample, position, k) and mu_tail (sample, position); and the
-``batch_done`` progress array. Generation is resumable by batch of prompts; advantages are written
-once all rewards exist (``global_mean`` needs them all).
+Store ``rollouts.zarr`` (arrays, dims, dtypes, chunks and attributes declared in ``storage/schema.py``):
+per sample the token row (prompt, then response, right-padded), the response mask, prompt and response
+lengths and texts, ``group``, ``prompt_index`` and ``sample_index`` (coordinates along ``sample``),
+reward, advantage and the sampler's token log-probs; optionally μ (``mu_logp`` over the vocabulary, or
+``mu_topk_ids`` / ``mu_topk_logp`` / ``mu_tail``); and the ``batch_done`` progress array. Generation
+is resumable by batch of prompts; advantages are written once all rewards exist (``global_mean`` needs
+them all).
 """
 
 from __future__ import annotations
