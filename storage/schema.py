@@ -9,10 +9,11 @@ Names: a key is an array name, or a template such as ``trace_{mode}`` that cover
 name fits it (exact names first). Chunks: one rule per dimension, :data:`WHOLE` (the whole extent),
 :data:`PARAM` (:data:`PARAM_CHUNK` elements, at most the extent), :data:`ROWS` (the rows of one batch,
 given by the writer) or a fixed length. Coordinates: an array that labels dimensions (``Var.labels``) is
-named in the ``coordinates`` attribute of every array of the store over one of those dimensions, so
-``xr.open_zarr`` opens it as a coordinate. Every array carries ``long_name`` and, where they say
-something, ``definition`` and ``units`` (DESIGN.md section 1; s = sequence score, A = advantage, f_t =
-token Fisher at one position; means over the N samples with 1/N).
+named in the ``coordinates`` attribute of every other array of the store over one of those dimensions
+(coordinates name each other, so a store with no data variable over ``tensor`` still has its tensor
+table as coordinates), and ``xr.open_zarr`` opens it as a coordinate. Every array carries ``long_name``
+and, where they say something, ``definition`` and ``units`` (DESIGN.md section 1; s = sequence score,
+A = advantage, f_t = token Fisher at one position; means over the N samples with 1/N).
 
 Coordinates of the flat parameter axis (DESIGN.md section 5), one row per tensor along dim ``tensor``:
 ``tensor_name`` (as in ``named_parameters()``), ``tensor_offset`` and ``tensor_numel`` (its run of
@@ -434,7 +435,7 @@ def create(
         **({} if v.compressed else {"compressors": None}),
     )
     attrs: dict[str, Any] = v.attrs()
-    coords = coordinates(store, name) if not v.labels else []
+    coords = coordinates(store, name)
     if coords:
         attrs["coordinates"] = " ".join(coords)
     arr.attrs.update(attrs)

@@ -75,6 +75,7 @@ def test_plain_xarray_selects_a_cell_by_its_labels(run):
     for r in rows:
         cell = cells.sel(optimizer=r["optimizer"], precision=r["precision"], lr=r["lr"], steps=r["steps"]).load()
         assert cell.frac_changed_bf16.item() == r["frac_changed_bf16"]
+    assert {"tensor_name", "tensor_offset", "tensor_numel"} <= set(ds.coords)
     assert ds.tensor_name.values.tolist() == names
     assert ds.frac_changed_bf16.attrs["long_name"] == "fraction of parameters changed"
 
