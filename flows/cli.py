@@ -186,21 +186,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
     """A few lines: the key numbers (``covgrad.report.document.summary_lines``), the stage counts and
     where the run index, the report and the full headline tables are."""
-    import json
-
     from covgrad.report.document import summary_lines
     from storage.artifacts import ArtifactStore
-    from storage.runs import read_run_index
+    from storage.reports import report_numbers, report_url
+    from storage.runs import read_run_index, run_index_url
 
     store = ArtifactStore(cfg.root)
     index = read_run_index(store, result["run"])
-    report = index["artifacts"].get("report")
-    lines = []
-    if report is not None:
-        path = f"{store.base}/report/{report['key']}/report.json"
-        if store.fs.exists(path):
-            data = json.loads(store.fs.cat_file(path))
-            lines = summary_lines(data["numbers"], data["missing"])
+    entry = index["artifacts"].get("report")
+    report = store.ref(entry["stage"], entry["key"]) if entry is not None else None
+    data = report_numbers(store, report) if report is not None else None
+    lines = summary_lines(data["numbers"], data["missing"]) if data is not None else []
     print()
     print("\n".join(lines))
     computed = [n for n, s in result["status"].items() if s == "computed"]
@@ -208,9 +204,9 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
         f"run {result['run']} ({cfg.name}): {len(computed)} stage(s) computed, "
         f"{len(result['status']) - len(computed)} from cache"
     )
-    print(f"results: {store.root}/runs/{cfg.name}.json")
+    print(f"results: {run_index_url(store, cfg.name)}")
     if report is not None:
-        print(f"report:  {store.root}/report/{report['key']}/report.html (tables: headline.md beside it)")
+        print(f"report:  {report_url(store, report)} (tables: headline.md beside it)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -240,7 +236,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     import fsspec
 
     from storage.artifacts import ArtifactStore, join_url
-    from storage.reports import write_report
+    from storage.reports import rebuilt_report_dir, write_report
     from storage.runs import read_run_index
     from tasks.report import render_run
 
@@ -250,7 +246,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     for name in report.missing:
         a = index["artifacts"][name]
         print(f"covgrad: stage {name} ({a['stage']}/{a['key']}) is missing or incomplete; skipped", file=sys.stderr)
-    out = args.out or join_url(store.root, "_reports", args.run)
+    out = args.out or rebuilt_report_dir(store, args.run)
     fs_out, base = fsspec.core.url_to_fs(out)
     write_report(fs_out, base, report)
     print(report.headline_markdown())

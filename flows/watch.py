@@ -12,7 +12,6 @@ annotations at import time.
 """
 
 import fnmatch
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from prefect import flow, get_run_logger
 from covgrad.config import PipelineConfig
 from flows.pipeline import covgrad_pipeline
 from storage.artifacts import ArtifactStore, now
+from storage.runs import read_watch_record, write_watch_record
 from storage.schema import STATS
 from tasks.specs import plan
 
@@ -57,26 +57,6 @@ def finding(cfg: PipelineConfig) -> str | None:
     return store.open_group(plan(cfg).main.ref, STATS, mode="r").attrs.get("degenerate")
 
 
-def _record_path(store: ArtifactStore, name: str) -> str:
-    return f"{store.base}/watch/{name}.json"
-
-
-def read_record(root: str, name: str) -> dict[str, Any]:
-    """The watch record ``{checkpoint name: {path, run, analysed}}`` of watch config ``name`` ({} if none)."""
-    store = ArtifactStore(root)
-    path = _record_path(store, name)
-    if not store.fs.exists(path):
-        return {}
-    with store.fs.open(path, "r") as f:
-        return json.load(f)
-
-
-def _write_record(root: str, name: str, record: dict[str, Any]) -> None:
-    store = ArtifactStore(root)
-    store.fs.makedirs(f"{store.base}/watch", exist_ok=True)
-    store.fs.pipe_file(_record_path(store, name), json.dumps(record, indent=1, sort_keys=True).encode())
-
-
 @flow(name="covgrad-watch", log_prints=True)
 def covgrad_watch(
     directory: str,
@@ -87,7 +67,8 @@ def covgrad_watch(
     not analysed yet. Returns ``{"analysed": [...], "skipped": [...], "runs": {checkpoint: run key}}``;
     raises after the loop when any checkpoint's pipeline failed, naming them."""
     logger = get_run_logger()
-    record = read_record(config.root, config.name)
+    store = ArtifactStore(config.root)
+    record = read_watch_record(store, config.name)
     analysed: list[str] = []
     skipped: list[str] = []
     failed: list[str] = []
@@ -116,7 +97,7 @@ def covgrad_watch(
                 "analysed": now(),
                 "finding": note,
             }
-            _write_record(config.root, config.name, record)
+            write_watch_record(store, config.name, record)
     print(f"watch {directory}: {len(analysed)} analysed, {len(skipped)} already analysed, {len(failed)} failed")
     if failed:
         raise RuntimeError(f"pipeline failed for checkpoints {failed}; see their subflow runs")

@@ -52,6 +52,7 @@ from pydantic import BaseModel
 from zarr.storage import FsspecStore, LocalStore
 
 from storage.integrity import VerifiedStore, crc32c, fill_missing_chunks
+from storage.schema import create
 
 MARKER = "_COMPLETE.json"
 CLAIM = "_STARTED.json"
@@ -496,16 +497,15 @@ class ArtifactStore:
 
 
 # ----- batch progress (resumable batched stages) ----------------------------------------------------
-def create_progress(group: zarr.Group, n_batches: int) -> zarr.Array:
-    """The ``batch_done(batch)`` uint8 array: one chunk per batch, so concurrent marks never collide."""
+def create_progress(group: zarr.Group, store: str, n_batches: int) -> zarr.Array:
+    """The ``batch_done(batch)`` uint8 array of store ``store`` (``storage.schema.PROGRESS``): one chunk
+    per batch, so concurrent marks never collide."""
     if "batch_done" in group:
         arr = group["batch_done"]
         if arr.shape != (n_batches,):
             raise ValueError(f"existing progress has {arr.shape[0]} batches, expected {n_batches}; clear the artifact")
         return arr
-    return group.create_array(
-        "batch_done", shape=(n_batches,), chunks=(1,), dtype="uint8", fill_value=0, dimension_names=["batch"]
-    )
+    return create(group, store, "batch_done", (n_batches,))
 
 
 def pending_batches(group: zarr.Group) -> list[int]:

@@ -2,7 +2,8 @@
 
 ``RunArtifacts`` opens the complete artifacts of one run index by instance name (the
 ``covgrad.report.sections.RunSource`` protocol); ``write_report`` writes a rendered report's files into
-one directory of any fsspec file system.
+one directory of any fsspec file system; ``report_numbers``, ``report_url`` and ``rebuilt_report_dir`` say
+where a report's files are.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import fsspec
 
 from covgrad.report import Report
 from covgrad.report.document import finite
-from storage.artifacts import ArtifactStore
+from storage.artifacts import ArtifactRef, ArtifactStore, join_url
 
 
 class RunArtifacts:
@@ -66,3 +67,19 @@ def write_report(fs: fsspec.AbstractFileSystem, directory: str, report: Report) 
         fs.pipe_file(path, data)
         paths.append(path)
     return paths
+
+
+def report_numbers(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any] | None:
+    """``report.json`` of report artifact ``ref`` (``numbers`` and ``missing``), or None when absent."""
+    path = store.path(ref, "report.json")
+    return json.loads(store.fs.cat_file(path)) if store.fs.exists(path) else None
+
+
+def report_url(store: ArtifactStore, ref: ArtifactRef, name: str = "report.html") -> str:
+    """Path or URL (under the store's root) of file ``name`` of report artifact ``ref``."""
+    return join_url(store.root, ref.stage, ref.key, name)
+
+
+def rebuilt_report_dir(store: ArtifactStore, run: str) -> str:
+    """Where ``covgrad report RUN`` writes a report rebuilt from the stores: ``{root}/_reports/{run}``."""
+    return join_url(store.root, "_reports", run)

@@ -1,4 +1,9 @@
-"""Run indexes: which artifact each stage instance of a pipeline run used, by run key or name."""
+"""Run indexes and watch records: where they live under a root, how they are written and read.
+
+A run index (``{root}/runs/{run key}.json``, aliased by the config's name) says which artifact each
+stage instance of a pipeline run used; a watch record (``{root}/watch/{name}.json``) lists the
+checkpoints the ``covgrad-watch`` flow analysed under watch config ``name``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import json
 from typing import Any
 
 from covgrad.config import PipelineConfig
-from storage.artifacts import ArtifactRef, ArtifactStore, now
+from storage.artifacts import ArtifactRef, ArtifactStore, join_url, now
 
 
 def write_run_index(store: ArtifactStore, cfg: PipelineConfig, key: str, refs: dict[str, ArtifactRef]) -> None:
@@ -22,13 +27,22 @@ def write_run_index(store: ArtifactStore, cfg: PipelineConfig, key: str, refs: d
     text = json.dumps(record, indent=1, sort_keys=True).encode()
     store.fs.makedirs(f"{store.base}/runs", exist_ok=True)
     for stem in (key, cfg.name):
-        store.fs.pipe_file(f"{store.base}/runs/{stem}.json", text)
+        store.fs.pipe_file(_index_path(store, stem), text)
+
+
+def _index_path(store: ArtifactStore, run: str) -> str:
+    return f"{store.base}/runs/{run}.json"
+
+
+def run_index_url(store: ArtifactStore, run: str) -> str:
+    """Where the run index of run key or name ``run`` is, as a path or URL under the store's root."""
+    return join_url(store.root, "runs", f"{run}.json")
 
 
 def read_run_index(store: ArtifactStore, run: str) -> dict[str, Any]:
     """The run index for a run key or name; FileNotFoundError listing the known runs otherwise."""
 
-    path = f"{store.base}/runs/{run}.json"
+    path = _index_path(store, run)
     if not store.fs.exists(path):
         known = sorted(p.rsplit("/", 1)[-1].removesuffix(".json") for p in store.fs.glob(f"{store.base}/runs/*.json"))
         raise FileNotFoundError(f"no run {run!r} under {store.root}; known runs: {known}")
@@ -45,3 +59,23 @@ def referenced_keys(store: ArtifactStore) -> set[tuple[str, str]]:
             for a in json.load(f)["artifacts"].values():
                 out.add((a["stage"], a["key"]))
     return out
+
+
+def _watch_path(store: ArtifactStore, name: str) -> str:
+    return f"{store.base}/watch/{name}.json"
+
+
+def read_watch_record(store: ArtifactStore, name: str) -> dict[str, Any]:
+    """The watch record ``{checkpoint name: {path, run, analysed, finding}}`` of watch config ``name``
+    ({} when there is none)."""
+    path = _watch_path(store, name)
+    if not store.fs.exists(path):
+        return {}
+    with store.fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def write_watch_record(store: ArtifactStore, name: str, record: dict[str, Any]) -> None:
+    """Replace the watch record of watch config ``name``."""
+    store.fs.makedirs(f"{store.base}/watch", exist_ok=True)
+    store.fs.pipe_file(_watch_path(store, name), json.dumps(record, indent=1, sort_keys=True).encode())

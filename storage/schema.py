@@ -1,5 +1,19 @@
-"""What the stores share: their names, the chunking along ``param``, the tensor coordinates and the
-variables' attributes. Tasks take these from here and pick no chunk length of their own.
+"""Every store's schema: its name, arrays, dimensions, dtypes, chunks, coordinates and attributes.
+
+One table per store (:data:`SCHEMAS`, keyed by the store's name) maps each array to a :class:`Var`.
+Tasks create and write arrays only through :func:`create` and :func:`write`, so they pick no name,
+dimension, dtype or chunk length of their own. Adding a store: a name constant, a table, an entry in
+:data:`SCHEMAS`.
+
+Names: a key is an array name, or a template such as ``trace_{mode}`` that covers every array whose
+name fits it (exact names first). Chunks: one rule per dimension, :data:`WHOLE` (the whole extent),
+:data:`PARAM` (:data:`PARAM_CHUNK` elements, at most the extent), :data:`ROWS` (the rows of one batch,
+given by the writer) or a fixed length. Coordinates: an array that labels dimensions (``Var.labels``) is
+named in the ``coordinates`` attribute of every other array of the store over one of those dimensions
+(coordinates name each other, so a store with no data variable over ``tensor`` still has its tensor
+table as coordinates), and ``xr.open_zarr`` opens it as a coordinate. Every array carries ``long_name``
+and, where they say something, ``definition`` and ``units`` (DESIGN.md section 1; s = sequence score,
+A = advantage, f_t = token Fisher at one position; means over the N samples with 1/N).
 
 Coordinates of the flat parameter axis (DESIGN.md section 5), one row per tensor along dim ``tensor``:
 ``tensor_name`` (as in ``named_parameters()``), ``tensor_offset`` and ``tensor_numel`` (its run of
@@ -12,10 +26,20 @@ xarray selects a tensor by name with no project import::
     ds = xr.open_zarr(path_of_stats_store)
     t = ds.isel(tensor=ds.tensor_name.values.tolist().index("model.layers.0.mlp.up_proj.weight"))
     F = ds.F.isel(param=slice(int(t.tensor_offset), int(t.tensor_offset + t.tensor_numel)))
+
+Rollouts by prompt and sample, update-check cells by optimizer, precision, lr and steps::
+
+    ro = xr.open_zarr(path_of_rollouts_store).set_index(sample=["prompt_index", "sample_index"])
+    ro.reward.sel(prompt_index=3, sample_index=0)
+    up = xr.open_zarr(path_of_update_store).set_index(cell=["optimizer", "precision", "lr", "steps"])
+    up.frac_changed_bf16.sel(optimizer="adam", precision="bf16", steps=1)
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,43 +53,43 @@ MASKS = "masks.zarr"
 TOKENS = "tokens.zarr"
 UPDATE = "update.zarr"
 
-COORDS = ("tensor_name", "tensor_offset", "tensor_numel")
 PARAM_CHUNK = 65536  # elements per chunk along ``param`` (every (…, param) array of every store)
-
-# What each variable is: long name, definition and units (DESIGN.md section 1; s = sequence score, A =
-# advantage, f_t = token Fisher at one position; means over the N samples with 1/N). Keys are array names;
-# a key ending in "_" covers every array whose name starts with it.
-VARIABLE_ATTRS: dict[str, dict[str, str]] = {
-    "m": {"long_name": "mean score", "definition": "mean(s)", "units": "score"},
-    "F": {"long_name": "Fisher (uncentered)", "definition": "mean(s^2)", "units": "score^2"},
-    "Fvar": {"long_name": "score variance", "definition": "Var(s) = F - m^2", "units": "score^2"},
-    "G": {"long_name": "REINFORCE gradient", "definition": "mean(A*s)", "units": "advantage*score"},
-    "Cov": {"long_name": "advantage-score covariance", "definition": "G - mean(A)*m", "units": "advantage*score"},
-    "rho": {"long_name": "alignment", "definition": "Cov / (std(A)*sqrt(Fvar)), in [-1, 1]", "units": "1"},
-    "crossfit_ratio": {
-        "long_name": "cross-fit bound ratio",
-        "definition": "|Cov| from one half of the prompt groups / (std(A)*sqrt(Fvar)) from the other",
-        "units": "1",
-    },
-    "F_": {"long_name": "top-q mask by F", "definition": "row q: the top-q fraction of parameters by F"},
-    "absG_": {"long_name": "top-q mask by |G|", "definition": "row q: the top-q fraction of parameters by |G|"},
-    "absrho_": {"long_name": "top-q mask by |rho|", "definition": "row q: the top-q fraction by |rho|"},
-    "fisher_seq": {"long_name": "sequence Fisher", "definition": "mean(s^2) over the samples", "units": "score^2"},
-    "fisher_": {"long_name": "token Fisher estimate", "definition": "sum of f_t / N", "units": "score^2"},
-    "trace_": {"long_name": "token Fisher trace", "definition": "sum over parameters of f_t", "units": "score^2"},
-    "mean_s": {"long_name": "running mean score (moment state)", "definition": "Chan-merged mean(s) per row"},
-    "m2_s": {"long_name": "score second central moment sum", "definition": "sum((s - mean_s)^2) per row"},
-    "c_as": {"long_name": "advantage-score co-moment sum", "definition": "sum((A - mean_a)(s - mean_s)) per row"},
-    "scores": {"long_name": "per-sample score", "definition": "s_n, one row per sample", "units": "score"},
-}
+WHOLE = None  # chunk rule: the whole extent of the dimension
+PARAM = "param"  # chunk rule: PARAM_CHUNK elements, at most the extent
+ROWS = "rows"  # chunk rule: the rows of one batch, given by the writer (``rows=``)
 
 
-def variable_attrs(name: str) -> dict[str, str]:
-    """The attributes of array ``name`` (exact name first, then the longest matching prefix), or {}."""
-    if name in VARIABLE_ATTRS:
-        return VARIABLE_ATTRS[name]
-    prefixes = [k for k in VARIABLE_ATTRS if k.endswith("_") and name.startswith(k)]
-    return VARIABLE_ATTRS[max(prefixes, key=len)] if prefixes else {}
+@dataclass(frozen=True)
+class Var:
+    """One array of a store.
+
+    Attributes:
+        dims: dimension names, one per axis.
+        dtype: numpy dtype name, ``"str"`` (variable-length text), or None: given by the writer (a
+            stage's config, e.g. ``scores.state_dtype``, or the values written).
+        chunks: the chunk rule per dimension (:data:`WHOLE`, :data:`PARAM`, :data:`ROWS` or a length).
+        long_name: what the array is, in a few words.
+        definition: how it is computed, where that is not obvious from ``long_name``.
+        units: its units ("1" for ratios and fractions).
+        fill: the fill value (None: zarr's default, the dtype's zero).
+        compressed: False for data that does not compress (float noise); zarr's default codec otherwise.
+        labels: the dimensions this array labels, which makes it a coordinate of the store's other arrays.
+    """
+
+    dims: tuple[str, ...]
+    dtype: str | None
+    chunks: tuple[int | str | None, ...]
+    long_name: str
+    definition: str = ""
+    units: str = ""
+    fill: Any = None
+    compressed: bool = True
+    labels: tuple[str, ...] = ()
+
+    def attrs(self) -> dict[str, str]:
+        """The array's attributes: long name, definition and units (those that are set)."""
+        out = {"long_name": self.long_name, "definition": self.definition, "units": self.units}
+        return {k: v for k, v in out.items() if v}
 
 
 def param_chunk(P: int) -> int:
@@ -73,25 +97,367 @@ def param_chunk(P: int) -> int:
     return max(1, min(P, PARAM_CHUNK))
 
 
-def annotate(g: Any, layout: ParamLayout) -> None:
-    """Write the tensor table of the flat parameter axis into zarr group ``g`` as coordinates along dim
-    ``tensor`` (``tensor_name`` text, ``tensor_offset`` and ``tensor_numel`` int64), name them in the
-    ``coordinates`` attribute of every variable over ``param`` or ``tensor`` (xarray opens them as
-    coordinates), and give every known variable its attributes (:data:`VARIABLE_ATTRS`)."""
+# ----- shared parts -------------------------------------------------------------------------------
+TENSOR_TABLE = {
+    "tensor_name": Var(
+        ("tensor",), "str", (WHOLE,), "parameter tensor name (named_parameters())", labels=("param", "tensor")
+    ),
+    "tensor_offset": Var(("tensor",), "int64", (WHOLE,), "first param index of the tensor", labels=("param", "tensor")),
+    "tensor_numel": Var(("tensor",), "int64", (WHOLE,), "elements of the tensor", labels=("param", "tensor")),
+}
+PROGRESS = {
+    "batch_done": Var(
+        ("batch",), "uint8", (1,), "batch done", "1 once the batch's data is written (one chunk per batch)"
+    ),
+}
+
+
+def _state(long_name: str, definition: str, units: str = "") -> Var:
+    """A moment-state array (row, param) of the scores store, in ``scores.state_dtype``, uncompressed:
+    float noise does not compress, and the store keeps a fixed size, O(P) and independent of N."""
+    return Var(("row", "param"), None, (2, PARAM), long_name, definition, units, fill=0, compressed=False)
+
+
+def _cell(dtype: str | None, long_name: str, units: str = "", labels: tuple[str, ...] = ()) -> Var:
+    """A column of the update-check grid, one value per (optimizer, precision, lr, steps) cell."""
+    return Var(("cell",), dtype, (WHOLE,), long_name, units=units, labels=labels)
+
+
+def _position(long_name: str, definition: str = "", units: str = "") -> Var:
+    """A per-response-position array (sample, position) of the tokens store."""
+    return Var(("sample", "position"), "float64", (ROWS, WHOLE), long_name, definition, units, fill=0)
+
+
+# ----- one table per store ------------------------------------------------------------------------
+# rollouts.zarr — dims: sample, token (index in the full right-padded row), position (response position),
+# vocab, k (top-k entries of μ), batch.
+ROLLOUTS_VARS = {
+    "group": Var(
+        ("sample",), "int32", (ROWS,), "prompt group", "samples of one group share a prompt", fill=0, labels=("sample",)
+    ),
+    "prompt_index": Var(
+        ("sample",), "int32", (ROWS,), "prompt index", "row of the prompt in the task", fill=0, labels=("sample",)
+    ),
+    "sample_index": Var(
+        ("sample",),
+        "int32",
+        (ROWS,),
+        "sample index",
+        "index of the sample within its group",
+        fill=0,
+        labels=("sample",),
+    ),
+    "tokens": Var(
+        ("sample", "token"),
+        "int32",
+        (ROWS, WHOLE),
+        "token ids",
+        "prompt then response, right-padded to the longest prompt + max_new_tokens",
+        "token id",
+        fill=0,
+    ),
+    "response_mask": Var(
+        ("sample", "token"),
+        "bool",
+        (ROWS, WHOLE),
+        "response token mask",
+        "True at the response tokens that are scored",
+        fill=False,
+    ),
+    "prompt_len": Var(("sample",), "int32", (ROWS,), "prompt length", units="tokens", fill=0),
+    "response_len": Var(("sample",), "int32", (ROWS,), "response length", units="tokens", fill=0),
+    "reward": Var(("sample",), "float64", (ROWS,), "reward", "reward(prompt, response, answer)", fill=np.nan),
+    "advantage": Var(("sample",), "float64", (ROWS,), "advantage", "A = reward minus its baseline (advantage_kind)"),
+    "sampler_logp": Var(
+        ("sample", "position"),
+        "float32",
+        (ROWS, WHOLE),
+        "sampler log-probability",
+        "log mu(y_t | y_<t) of each response token under the sampler",
+        "nats",
+        fill=0,
+    ),
+    "prompt": Var(("sample",), "str", (ROWS,), "prompt text", fill=""),
+    "response": Var(("sample",), "str", (ROWS,), "response text", "decoded response tokens", fill=""),
+    "mu_logp": Var(
+        ("sample", "position", "vocab"),
+        "float32",
+        (ROWS, WHOLE, WHOLE),
+        "sampler log-probabilities",
+        "log mu(v | y_<t) over the vocabulary",
+        "nats",
+        fill=0,
+    ),
+    "mu_topk_ids": Var(
+        ("sample", "position", "k"), "int32", (ROWS, WHOLE, WHOLE), "sampler top-k token ids", units="token id", fill=0
+    ),
+    "mu_topk_logp": Var(
+        ("sample", "position", "k"),
+        "float32",
+        (ROWS, WHOLE, WHOLE),
+        "sampler top-k log-probs",
+        "log mu of the top-k tokens",
+        "nats",
+        fill=0,
+    ),
+    "mu_tail": Var(
+        ("sample", "position"),
+        "float32",
+        (ROWS, WHOLE),
+        "sampler mass outside the top k",
+        "max(0, 1 - sum of exp(mu_topk_logp))",
+        "1",
+        fill=0,
+    ),
+    **PROGRESS,
+}
+
+# scores.zarr — dims: row (2 per sample shard: shard i's samples of the prompt groups with parity h at row
+# 2i + h), param, sample, batch, shard, block. Checkpoint groups (ckpt/…, edges/…) hold the state arrays
+# and ``batches``.
+SCORES_VARS = {
+    "count": Var(("row",), "float64", (2,), "samples folded into the row", fill=0),
+    "mean_a": Var(("row",), "float64", (2,), "mean advantage of the row", "Chan-merged mean(A)", "advantage", fill=0),
+    "m2_a": Var(("row",), "float64", (2,), "advantage second central moment sum", "sum((A - mean_a)^2)", fill=0),
+    "mean_s": _state("running mean score (moment state)", "Chan-merged mean(s) per row", "score"),
+    "mean_s_lo": _state("low half of mean_s", "mean(s) - mean_s, float32 state only", "score"),
+    "m2_s": _state("score second central moment sum", "sum((s - mean_s)^2) per row", "score^2"),
+    "c_as": _state("advantage-score co-moment sum", "sum((A - mean_a)(s - mean_s)) per row", "advantage*score"),
+    "shard_batches": Var(
+        ("shard", "block"),
+        "int64",
+        (1, 1),
+        "batches in the job's final state",
+        "written after job (shard, block) ends; -1 until then",
+        fill=-1,
+    ),
+    "batches": Var(("checkpoint",), "int64", (WHOLE,), "batches in this checkpoint", "written last; -1: torn", fill=-1),
+    "scores": Var(
+        ("sample", "param"), "float32", (ROWS, PARAM), "per-sample score", "s_n, one row per sample", "score", fill=0
+    ),
+    "kl_sum": Var(
+        ("batch",), "float64", (1,), "sum of KL(mu || p) over the batch's scored tokens", units="nats", fill=0
+    ),
+    "kl_tokens": Var(("batch",), "float64", (1,), "scored tokens of the batch", units="tokens", fill=0),
+    "advantage": Var(("sample",), "float64", (WHOLE,), "advantage", "A of the rollouts", "advantage", fill=0),
+    "group": Var(("sample",), "int64", (WHOLE,), "prompt group", fill=0, labels=("sample",)),
+    **PROGRESS,
+    **TENSOR_TABLE,
+}
+
+# stats.zarr — dims: param, tensor.
+_PARAM_STAT = {
+    "m": ("mean score", "mean(s)", "score"),
+    "F": ("Fisher (uncentered)", "mean(s^2)", "score^2"),
+    "Fvar": ("score variance", "Var(s) = F - m^2", "score^2"),
+    "G": ("REINFORCE gradient", "mean(A*s)", "advantage*score"),
+    "Cov": ("advantage-score covariance", "G - mean(A)*m", "advantage*score"),
+    "rho": ("alignment", "Cov / (std(A)*sqrt(Fvar)), in [-1, 1]", "1"),
+    "crossfit_ratio": (
+        "cross-fit bound ratio",
+        "|Cov| from one half of the prompt groups / (std(A)*sqrt(Fvar)) from the other",
+        "1",
+    ),
+}
+_TENSOR_STAT = {
+    "tensor_F_sum": ("sum of F over the tensor", "score^2"),
+    "tensor_F_mean": ("mean of F over the tensor", "score^2"),
+    "tensor_F_share": ("the tensor's share of sum(F)", "1"),
+    "tensor_Fvar_sum": ("sum of Fvar over the tensor", "score^2"),
+    "tensor_Fvar_mean": ("mean of Fvar over the tensor", "score^2"),
+    "tensor_absG_sum": ("sum of |G| over the tensor", "advantage*score"),
+    "tensor_absG_mean": ("mean of |G| over the tensor", "advantage*score"),
+    "tensor_absG_share": ("the tensor's share of sum(|G|)", "1"),
+    "tensor_max_abs_rho": ("largest |rho| of the tensor (NaN when all are NaN)", "1"),
+}
+STATS_VARS = {
+    **{n: Var(("param",), "float64", (PARAM,), *text) for n, text in _PARAM_STAT.items()},
+    **{n: Var(("tensor",), "float64", (WHOLE,), name, units=units) for n, (name, units) in _TENSOR_STAT.items()},
+    **TENSOR_TABLE,
+}
+
+# masks.zarr — dims: q (the top fraction), param, tensor.
+_MASK_TEXT = {"F": "F", "absG": "|G|", "absrho": "|rho|"}
+MASKS_VARS = {
+    "q": Var(("q",), "float64", (WHOLE,), "top fraction of parameters", units="1"),
+    **{
+        f"{metric}_{scope}": Var(
+            ("q", "param"),
+            "bool",
+            (1, PARAM),
+            f"top-q mask by {text}" + (" within each tensor" if scope == "per_tensor" else ""),
+            f"row q: the top-q fraction of parameters by {text}",
+        )
+        for metric, text in _MASK_TEXT.items()
+        for scope in ("global", "per_tensor")
+    },
+    **TENSOR_TABLE,
+}
+
+# tokens.zarr — dims: sample, position (response position), param, batch, tensor.
+TOKENS_VARS = {
+    "entropy": _position("policy entropy at the position", "H(p(. | y_<t))", "nats"),
+    "p_drawn": _position("policy probability of the drawn token", "p(y_t | y_<t)", "1"),
+    "covered_mass": _position("policy mass of the candidate tokens", "1 except for mode topk", "1"),
+    "trace_{mode}": _position("token Fisher trace", "sum over parameters of f_t", "score^2"),
+    "score_sum_relerr": Var(
+        ("sample",), "float64", (ROWS,), "token score sum check", "||sum_t s_t - s|| / ||s|| per sample", "1", fill=0
+    ),
+    "rows_{name}": Var(
+        ("batch", "param"),
+        "float64",
+        (1, PARAM),
+        "batch sum",
+        "the batch's sum over samples (and positions) of the named quantity",
+        "score^2",
+        fill=0,
+    ),
+    "batch_count": Var(("batch",), "float64", (1,), "samples in the batch", fill=0),
+    "lm_head_relerr": Var(
+        ("batch",),
+        "float64",
+        (1,),
+        "LM-head closed form against the backward",
+        "relative L2 error (NaN when not checked)",
+        "1",
+        fill=np.nan,
+    ),
+    "fisher_seq": Var(("param",), "float64", (PARAM,), "sequence Fisher", "mean(s^2) over the samples", "score^2"),
+    "fisher_{mode}": Var(("param",), "float64", (PARAM,), "token Fisher estimate", "sum of f_t / N", "score^2"),
+    **PROGRESS,
+    **TENSOR_TABLE,
+}
+
+# update.zarr — dims: cell (one per optimizer, precision, lr and steps), tensor. Columns of
+# ``covgrad.update.update_grid``; {metric} is bf16 (changed in bf16 / the weights' dtype) or abs (|Δ| > 1e-5).
+UPDATE_VARS = {
+    "optimizer": _cell("str", "optimizer", labels=("cell",)),
+    "precision": _cell("str", "precision of weights and update", labels=("cell",)),
+    "lr": _cell("float64", "learning rate", labels=("cell",)),
+    "steps": _cell("int64", "optimizer steps taken", "steps", labels=("cell",)),
+    "fresh_minibatches": _cell("bool", "each step takes the next minibatch"),
+    "P": _cell("int64", "parameter elements"),
+    "n_changed_{metric}": _cell("int64", "parameters changed"),
+    "frac_changed_{metric}": _cell("float64", "fraction of parameters changed", "1"),
+    "{metric}_{predictor}_precision": _cell("float64", "precision of the predicted set against the changed set", "1"),
+    "{metric}_{predictor}_recall": _cell("float64", "recall of the predicted set against the changed set", "1"),
+    "{metric}_{predictor}_jaccard": _cell("float64", "Jaccard of the predicted set and the changed set", "1"),
+    # int64, or float64 when a rule does not apply to every cell (NaN there): the dtype of the values
+    "{metric}_{predictor}_size": _cell(None, "size of the predicted set"),
+    **TENSOR_TABLE,
+}
+
+SCHEMAS: dict[str, dict[str, Var]] = {
+    ROLLOUTS: ROLLOUTS_VARS,
+    SCORES: SCORES_VARS,
+    STATS: STATS_VARS,
+    MASKS: MASKS_VARS,
+    TOKENS: TOKENS_VARS,
+    UPDATE: UPDATE_VARS,
+}
+
+
+# ----- access -------------------------------------------------------------------------------------
+def _template(key: str) -> re.Pattern[str]:
+    return re.compile(
+        "".join(".+" if part.startswith("{") else re.escape(part) for part in re.split(r"(\{\w+\})", key))
+    )
+
+
+def var(store: str, name: str) -> Var:
+    """The declaration of array ``name`` of store ``store``: its exact entry, else the template it fits
+    with the most literal characters; KeyError naming the store otherwise."""
+    table = SCHEMAS[store]
+    if name in table:
+        return table[name]
+    fits = [k for k in table if "{" in k and _template(k).fullmatch(name)]
+    if not fits:
+        raise KeyError(f"{store} declares no array {name!r} (storage/schema.py)")
+    return table[max(fits, key=lambda k: len(re.sub(r"\{\w+\}", "", k)))]
+
+
+def coordinates(store: str, name: str) -> list[str]:
+    """The coordinates of array ``name``: the store's arrays that label one of its dimensions."""
+    dims = set(var(store, name).dims)
+    return [c for c, v in SCHEMAS[store].items() if c != name and set(v.labels) & dims]
+
+
+def create(
+    g: Any,
+    store: str,
+    name: str,
+    shape: Sequence[int],
+    *,
+    dtype: Any = None,
+    rows: int | None = None,
+    overwrite: bool = False,
+) -> Any:
+    """Create array ``name`` of ``store`` in zarr group ``g`` as declared (an existing one is returned
+    as it is, unless ``overwrite``).
+
+    Args:
+        g: the store's zarr group (or a checkpoint group inside it).
+        store: the store's name, a key of :data:`SCHEMAS`.
+        name: the array's name (declared exactly or by a template).
+        shape: one extent per declared dimension.
+        dtype: the dtype, for arrays declared with ``dtype=None`` only.
+        rows: the chunk length along a :data:`ROWS` dimension (the rows of one batch).
+        overwrite: replace an existing array.
+
+    Returns:
+        The zarr array, with its attributes and ``coordinates`` set.
+
+    Raises:
+        ValueError: the shape, dtype or rows do not fit the declaration.
+    """
+    if name in g and not overwrite:
+        return g[name]
+    v = var(store, name)
+    if len(shape) != len(v.dims):
+        raise ValueError(f"{store} {name}: shape {tuple(shape)} does not match its dims {v.dims}")
+    if (dtype is None) == (v.dtype is None):
+        raise ValueError(f"{store} {name}: give a dtype exactly when the schema leaves it open (declared {v.dtype})")
+    if ROWS in v.chunks and rows is None:
+        raise ValueError(f"{store} {name}: chunked by batch rows; pass rows=")
+    chunks = tuple(
+        n if rule is WHOLE else param_chunk(n) if rule == PARAM else rows if rule == ROWS else rule
+        for rule, n in zip(v.chunks, shape, strict=True)
+    )
+    kind = dtype if v.dtype is None else str if v.dtype == "str" else v.dtype
+    arr = g.create_array(
+        name,
+        shape=tuple(shape),
+        chunks=tuple(max(1, c) for c in chunks),
+        dtype=kind,
+        fill_value=v.fill,
+        dimension_names=list(v.dims),
+        overwrite=overwrite,
+        **({} if v.compressed else {"compressors": None}),
+    )
+    attrs: dict[str, Any] = v.attrs()
+    coords = coordinates(store, name)
+    if coords:
+        attrs["coordinates"] = " ".join(coords)
+    arr.attrs.update(attrs)
+    return arr
+
+
+def write(g: Any, store: str, name: str, values: Any, *, rows: int | None = None, overwrite: bool = False) -> Any:
+    """Create array ``name`` of ``store`` in ``g`` with the shape of ``values`` and write them (in the
+    declared dtype, or theirs where the schema leaves it open)."""
+    values = np.asarray(values)
+    v = var(store, name)
+    arr = create(
+        g, store, name, values.shape, dtype=values.dtype if v.dtype is None else None, rows=rows, overwrite=overwrite
+    )
+    arr[...] = values
+    return arr
+
+
+def annotate(g: Any, store: str, layout: ParamLayout) -> None:
+    """Write the tensor table of the flat parameter axis into zarr group ``g`` of ``store`` as
+    coordinates along dim ``tensor`` (``tensor_name`` text, ``tensor_offset`` and ``tensor_numel``)."""
     entries = layout.entries
-    names = g.create_array("tensor_name", shape=(len(entries),), dtype=str, dimension_names=["tensor"], overwrite=True)
-    names[:] = np.asarray([e.name for e in entries])
-    names.attrs["long_name"] = "parameter tensor name (named_parameters())"
-    for col, values, what in (
-        ("tensor_offset", [e.offset for e in entries], "first param index of the tensor"),
-        ("tensor_numel", [e.numel for e in entries], "elements of the tensor"),
-    ):
-        arr = g.create_array(col, data=np.asarray(values, dtype=np.int64), dimension_names=["tensor"], overwrite=True)
-        arr.attrs["long_name"] = what
-    for name, arr in g.arrays():
-        dims = arr.metadata.dimension_names or ()
-        if name in COORDS:
-            continue
-        if "param" in dims or "tensor" in dims:
-            arr.attrs["coordinates"] = " ".join(COORDS)
-        arr.attrs.update(variable_attrs(name))
+    write(g, store, "tensor_name", np.asarray([e.name for e in entries], dtype=str), overwrite=True)
+    write(g, store, "tensor_offset", np.asarray([e.offset for e in entries], dtype=np.int64), overwrite=True)
+    write(g, store, "tensor_numel", np.asarray([e.numel for e in entries], dtype=np.int64), overwrite=True)

@@ -25,7 +25,7 @@ from covgrad.layout import ParamLayout
 from covgrad.topk import SCOPES, TopSets, Values, bound_mask_table, overlap_rows, spearman_blocked
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import MASKS as STORE
-from storage.schema import STATS, annotate, param_chunk
+from storage.schema import STATS, annotate, create, write
 from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import MasksSpec
@@ -49,17 +49,9 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
     }
     tops = {metric: TopSets(values, layout, qs) for metric, values in metrics.items()}
     g = store.open_group(ref, STORE, mode="w")
-    g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
+    write(g, STORE, "q", qs)
     arrays = {
-        (metric, scope): g.create_array(
-            f"{metric}_{scope}",
-            shape=(len(qs), P),
-            dtype=bool,
-            chunks=(1, param_chunk(P)),
-            dimension_names=["q", "param"],
-        )
-        for metric in tops
-        for scope in SCOPES
+        (metric, scope): create(g, STORE, f"{metric}_{scope}", (len(qs), P)) for metric in tops for scope in SCOPES
     }
     n_both = {scope: np.zeros(len(qs), dtype=np.int64) for scope in SCOPES}  # |topG ∩ topF|
     for swept in zip(*(t.sweep() for t in tops.values()), strict=True):
@@ -85,7 +77,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: Artifa
     store.write_json(ref, "summary.json", summary)
     summary_attr = json.loads(json.dumps(summary, default=float))
     g.attrs.update({"summary": summary_attr, "tensors": st.attrs["tensors"], "degenerate": None})
-    annotate(g, layout)
+    annotate(g, STORE, layout)
     store.consolidate(ref, STORE)
     return {"spearman_F_absG": rho_s}
 
@@ -120,7 +112,7 @@ def _share_rows(tops: dict[str, TopSets], layout: ParamLayout, qs: list[float]) 
 def _no_masks(store: ArtifactStore, ref: ArtifactRef, st: Any, qs: list[float], finding: str) -> dict[str, Any]:
     """The masks artifact of degenerate statistics: the ``q`` axis and the finding, nothing ranked."""
     g = store.open_group(ref, STORE, mode="w")
-    g.create_array("q", data=np.asarray(qs, dtype=np.float64), dimension_names=["q"])
+    write(g, STORE, "q", qs)
     summary = {"degenerate": finding, "qs": qs, "P": int(st.attrs["scalars"]["P"])}
     store.write_json(ref, "summary.json", summary)
     g.attrs.update({"summary": summary, "tensors": st.attrs["tensors"], "degenerate": finding})

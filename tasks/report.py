@@ -16,7 +16,7 @@ from covgrad.report.document import cell
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.reports import RunArtifacts, write_report
 from tasks.common import StageResult, log, run_stage
-from tasks.specs import ReportSpec, centerings
+from tasks.specs import ReportSpec, main_stats
 
 
 def artifact_key(text: str) -> str:
@@ -27,7 +27,7 @@ def artifact_key(text: str) -> str:
 def render_run(store: ArtifactStore, index: dict[str, Any]) -> Report:
     """The report of a run index (``name``, ``config``, ``artifacts``) from the stores under ``store``."""
     cfg = PipelineConfig.model_validate(index["config"])
-    main = f"stats.{cfg.rollouts.analyse}.{centerings(cfg.rollouts.samplers[cfg.rollouts.analyse])[-1]}"
+    main = str(main_stats(cfg))
     return render_report(RunArtifacts(store, index), index["config"], index.get("name", cfg.name), main)
 
 

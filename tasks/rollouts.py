@@ -1,13 +1,12 @@
 """rollouts stage: responses from a sampler (or imported), rewards, advantages, the sampler's μ.
 
-Store ``rollouts.zarr`` (dims: sample, token = index in the full right-padded row, position =
-response position, vocab, k, batch):
-tokens (sample, token) int32; prompt_len, response_len, group, prompt_index, sample_index (sample,)
-int32; response_mask (sample, token) bool; reward, advantage (sample,) float64; sampler_logp
-(sample, position) float32; prompt, response (sample,) text; optionally mu_logp (sample, position,
-vocab) or mu_topk_ids / mu_topk_logp (sample, position, k) and mu_tail (sample, position); and the
-``batch_done`` progress array. Generation is resumable by batch of prompts; advantages are written
-once all rewards exist (``global_mean`` needs them all).
+Store ``rollouts.zarr`` (arrays, dims, dtypes, chunks and attributes declared in ``storage/schema.py``):
+per sample the token row (prompt, then response, right-padded), the response mask, prompt and response
+lengths and texts, ``group``, ``prompt_index`` and ``sample_index`` (coordinates along ``sample``),
+reward, advantage and the sampler's token log-probs; optionally μ (``mu_logp`` over the vocabulary, or
+``mu_topk_ids`` / ``mu_topk_logp`` / ``mu_tail``); and the ``batch_done`` progress array. Generation
+is resumable by batch of prompts; advantages are written once all rewards exist (``global_mean`` needs
+them all).
 """
 
 from __future__ import annotations
@@ -26,31 +25,32 @@ from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, gen
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from storage.readers import read_located_records
 from storage.schema import ROLLOUTS as STORE
+from storage.schema import create, var
 from tasks.common import StageResult, load_models, progress_bar, run_stage
 from tasks.preflight import check_context, load_task, prompt_places
 from tasks.specs import RolloutsSpec
 
+# every rollouts store holds these (storage/schema.py); μ arrays as ``store_mu`` says; advantage at the end
+BASE_ARRAYS = (
+    "tokens",
+    "response_mask",
+    "prompt_len",
+    "response_len",
+    "group",
+    "prompt_index",
+    "sample_index",
+    "reward",
+    "sampler_logp",
+    "prompt",
+    "response",
+)
+
 
 def _create_arrays(g: Any, N: int, width: int, T: int, V: int, rows: int, s: SamplerSection) -> None:
-    def arr(name: str, shape: tuple[int, ...], dtype: Any, dims: list[str], fill: Any = 0) -> None:
-        if name not in g:
-            chunks = (rows, *shape[1:])
-            g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill, dimension_names=dims)
-
-    arr("tokens", (N, width), "int32", ["sample", "token"])
-    arr("response_mask", (N, width), "bool", ["sample", "token"], False)
-    for name in ("prompt_len", "response_len", "group", "prompt_index", "sample_index"):
-        arr(name, (N,), "int32", ["sample"])
-    arr("reward", (N,), "float64", ["sample"], np.nan)
-    arr("sampler_logp", (N, T), "float32", ["sample", "position"])
-    arr("prompt", (N,), str, ["sample"], "")
-    arr("response", (N,), str, ["sample"], "")
-    if s.store_mu == "full":
-        arr("mu_logp", (N, T, V), "float32", ["sample", "position", "vocab"])
-    elif s.store_mu == "topk":
-        arr("mu_topk_ids", (N, T, s.mu_topk), "int32", ["sample", "position", "k"])
-        arr("mu_topk_logp", (N, T, s.mu_topk), "float32", ["sample", "position", "k"])
-        arr("mu_tail", (N, T), "float32", ["sample", "position"])
+    shapes = {"sample": N, "token": width, "position": T, "vocab": V, "k": s.mu_topk}
+    mu = {"full": ("mu_logp",), "topk": ("mu_topk_ids", "mu_topk_logp", "mu_tail")}.get(s.store_mu, ())
+    for name in (*BASE_ARRAYS, *mu):
+        create(g, STORE, name, [shapes[d] for d in var(STORE, name).dims], rows=rows)
 
 
 def _write_rows(g: Any, lo: int, out: dict[str, Any], width: int) -> None:
@@ -94,7 +94,7 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: 
     N, width = len(prompts) * G, max(len(p) for p in prompts) + T
     g = store.open_group(ref, STORE, mode="a")
     _create_arrays(g, N, width, T, V, per_batch * G, s)
-    create_progress(g, n_batches)
+    create_progress(g, STORE, n_batches)
     sampling = SamplerSpec.of(s)
     todo = pending_batches(g)
     with progress_bar(f"rollouts {ref.key[:8]}", n_batches) as bar:
@@ -163,7 +163,7 @@ def _import(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: Ar
     ]
     g = store.open_group(ref, STORE, mode="a")
     _create_arrays(g, N, width, T, V, N, s)
-    create_progress(g, 1)
+    create_progress(g, STORE, 1)
     rows = {k: v for k, v in data.items() if k != "reward"}
     for k in ("prompt_len", "response_len", "group", "prompt_index", "sample_index"):
         rows[k] = rows[k].astype(np.int32)
@@ -186,11 +186,7 @@ def rollouts_task(ref: ArtifactRef, spec: RolloutsSpec, upstream: dict[str, Arti
         rewards = g["reward"][:]
         check_rewards(rewards)
         adv = compute_advantages(rewards, g["group"][:], spec.advantage)
-        if "advantage" not in g:
-            g.create_array(
-                "advantage", shape=adv.shape, chunks=g["reward"].chunks, dtype="float64", dimension_names=["sample"]
-            )
-        g["advantage"][:] = adv
+        create(g, STORE, "advantage", adv.shape, rows=g["reward"].chunks[0])[:] = adv
         g.attrs.update(
             {
                 "sampler": spec.sampler,

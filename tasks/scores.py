@@ -46,7 +46,7 @@ from covgrad.rollout_import import require_mu_source
 from covgrad.sampling import SamplerSpec, recompute_sampler_logp
 from covgrad.shardplan import ModelShape, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.schema import ROLLOUTS, annotate, param_chunk
+from storage.schema import ROLLOUTS, annotate, create, param_chunk, write
 from storage.schema import SCORES as STORE
 from tasks.common import (
     StageResult,
@@ -165,19 +165,9 @@ class ScoresJob:
         """Create the moment-state arrays (rows, P) in group ``g``, and the (rows,) scalars unless
         ``scalars`` is False (existing arrays are kept)."""
         for name in SCALARS if scalars else ():
-            if name not in g:
-                g.create_array(name, shape=(rows,), chunks=(2,), dtype="float64", fill_value=0, dimension_names=["row"])
+            create(g, STORE, name, (rows,))
         for name in self.state_names:
-            if name not in g:
-                g.create_array(
-                    name,
-                    shape=(rows, P),
-                    chunks=(2, min(P, self.chunk_p)),
-                    dtype=self.state_dtype,
-                    fill_value=0,
-                    compressors=None,  # float noise does not compress; fixed size: O(P), independent of N
-                    dimension_names=["row", "param"],
-                )
+            create(g, STORE, name, (rows, P), dtype=self.state_dtype)
 
     def prepare(self) -> None:
         """Create the store's arrays (idempotent: existing arrays, checkpoints and finished batches are kept)."""
@@ -189,35 +179,21 @@ class ScoresJob:
                 f"{[self.S, self.K]}; resume with scores.shards={list(g['shard_batches'].shape)} or delete it"
             )
 
-        def arr(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, dims: list[str]) -> None:
-            if name not in g:
-                g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, dimension_names=dims)
-
         self._state_arrays(g, 2 * self.S, P)
-        if "shard_batches" not in g:
-            g.create_array(
-                "shard_batches",
-                shape=(self.S, self.K),
-                chunks=(1, 1),
-                dtype="int64",
-                fill_value=-1,
-                dimension_names=["shard", "block"],
-            )
+        create(g, STORE, "shard_batches", (self.S, self.K))
         for i in range(self.S):  # every job's groups exist before any job runs: no racing parent groups
             for k in range(self.K):
                 g.require_group(f"ckpt/shard{i}/block{k}")
                 if self.K > 1:
                     g.require_group(f"edges/shard{i}/block{k}")
         if self.keep_rows:
-            arr("scores", (N, P), (self.B, self.chunk_p), "float32", ["sample", "param"])
+            create(g, STORE, "scores", (N, P), rows=self.B)
         if self.mu_source is not None:
-            arr("kl_sum", (nb,), (1,), "float64", ["batch"])
-            arr("kl_tokens", (nb,), (1,), "float64", ["batch"])
-        arr("advantage", (N,), (N,), "float64", ["sample"])
-        arr("group", (N,), (N,), "int64", ["sample"])
-        g["advantage"][:] = self.adv
-        g["group"][:] = self.group
-        create_progress(g, nb)
+            create(g, STORE, "kl_sum", (nb,))
+            create(g, STORE, "kl_tokens", (nb,))
+        create(g, STORE, "advantage", (N,))[:] = self.adv
+        create(g, STORE, "group", (N,))[:] = self.group
+        create_progress(g, STORE, nb)
 
     def jobs(self) -> list[tuple[int, int]]:
         """Every (sample shard, parameter block) of the artifact, sample-major."""
@@ -401,7 +377,7 @@ class ScoresJob:
         if final:
             g["shard_batches"][i, k] = folded
         else:
-            target.create_array("batches", data=np.array([folded], dtype=np.int64), fill_value=-1)
+            write(target, STORE, "batches", [folded])
 
     def _assemble_edges(self, g: Any) -> None:
         """Copy every job's edge columns into the state arrays (idempotent; one process, after all jobs)."""
@@ -449,7 +425,7 @@ class ScoresJob:
         if self.mu_source is not None:
             kl = float(g["kl_sum"][:].sum() / max(g["kl_tokens"][:].sum(), 1.0))
             g.attrs["kl_sampler_policy_per_token"] = kl
-        annotate(g, self.layout)
+        annotate(g, STORE, self.layout)
         self.store.consolidate(self.ref, STORE)
         return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.keep_rows, "shards": [self.S, self.K]}
 

@@ -206,6 +206,12 @@ def centerings(s: SamplerSection) -> list[Centering]:
     return ["policy"] if on_policy(s) else ["policy", "sampler"]
 
 
+def main_stats(cfg: PipelineConfig) -> Instance:
+    """The main statistics: the analysed sampler's, sampler-centred when its μ differs from p."""
+    analysed = cfg.rollouts.analyse
+    return Instance("stats", analysed, centerings(cfg.rollouts.samplers[analysed])[-1])
+
+
 @dataclass(frozen=True)
 class Step:
     """One planned artifact: its instance, spec, ref, and its upstream artifacts by role (the task's
@@ -332,7 +338,7 @@ def plan(cfg: PipelineConfig) -> Plan:
             stats[Instance("stats", name, c)] = _step(store, Instance("stats", name, c), stats_spec, up)
     analysed = cfg.rollouts.analyse
     s = cfg.rollouts.samplers[analysed]
-    main = stats[Instance("stats", analysed, centerings(s)[-1])]
+    main = stats[main_stats(cfg)]
     masks = _step(store, Instance("masks"), MasksSpec(qs=list(cfg.masks.qs)), {"stats": main})
     tokens = update = None
     if cfg.tokens.enabled:

@@ -30,7 +30,7 @@ from covgrad.layout import ParamLayout
 from covgrad.stats import Moments, compute_stats, crossfit_stats, sample_moments, tensor_summary
 from covgrad.topk import overlap_table
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.schema import SCORES, annotate, param_chunk
+from storage.schema import SCORES, annotate, create, param_chunk, write
 from storage.schema import STATS as STORE
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import StatsSpec
@@ -123,7 +123,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: Artifa
     chunk = param_chunk(P)
     outputs = (*PARAM_STATS, "crossfit_ratio")
     for name in outputs:
-        g.create_array(name, shape=(P,), chunks=(chunk,), dtype="float64", dimension_names=["param"])
+        create(g, STORE, name, (P,))
     N, n_even, n_odd = sample_counts(sc)
     gap = crossfit_gap(n_even, n_odd)
     nan = float("nan")
@@ -181,7 +181,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: Artifa
     scalars["zero_mean_coord"] = N * totals["coord_sum"] / totals["coord_n"] if totals["coord_n"] else nan
     summary = {k: np.asarray(v) for k, v in summary.items()}
     for name, values in summary.items():
-        g.create_array(f"tensor_{name}", data=values, dimension_names=["tensor"])
+        write(g, STORE, f"tensor_{name}", values)
     scalars["max_abs_rho"] = totals["max_rho"] if totals["max_rho"] >= 0 else nan
     scalars["adv_rms"] = math.sqrt(scalars["std_A"] ** 2 + scalars["mean_A"] ** 2)  # √mean(A²), the bound's scale
     scalars["overlap_1pct"] = next((float(r["overlap"]) for r in overlap if r["scope"] == "global"), nan)
@@ -203,7 +203,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: Artifa
             "crossfit_undefined": gap,
         }
     )
-    annotate(g, layout)
+    annotate(g, STORE, layout)
     store.consolidate(ref, STORE)
     return {"scalars": scalars}
 

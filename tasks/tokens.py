@@ -53,7 +53,7 @@ from covgrad.token_fisher import (
 )
 from covgrad.topk import spearman
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.schema import ROLLOUTS, annotate, param_chunk
+from storage.schema import ROLLOUTS, annotate, create, write
 from storage.schema import TOKENS as STORE
 from tasks.common import StageResult, load_models, pick_device, progress_bar, run_stage
 from tasks.specs import TokensSpec
@@ -139,17 +139,13 @@ def lm_head_check(
 
 
 def _create_arrays(g: Any, N: int, T: int, P: int, n_batches: int, chunk_rows: int, modes: list[str]) -> None:
-    def arr(name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dims: list[str], fill: float = 0.0) -> None:
-        if name not in g:
-            g.create_array(name, shape=shape, chunks=chunks, dtype="float64", fill_value=fill, dimension_names=dims)
-
     for name in (*POSITION_ARRAYS, *(f"trace_{m}" for m in modes if m != "probe_seq")):
-        arr(name, (N, T), (chunk_rows, T), ["sample", "position"])
-    arr("score_sum_relerr", (N,), (chunk_rows,), ["sample"])
+        create(g, STORE, name, (N, T), rows=chunk_rows)
+    create(g, STORE, "score_sum_relerr", (N,), rows=chunk_rows)
     for name in row_names(modes):
-        arr(f"rows_{name}", (n_batches, P), (1, param_chunk(P)), ["batch", "param"])
-    arr("batch_count", (n_batches,), (1,), ["batch"])
-    arr("lm_head_relerr", (n_batches,), (1,), ["batch"], float("nan"))
+        create(g, STORE, f"rows_{name}", (n_batches, P))
+    create(g, STORE, "batch_count", (n_batches,))
+    create(g, STORE, "lm_head_relerr", (n_batches,))
 
 
 def _batch(
@@ -362,7 +358,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
     batches = batch_bounds(N)
     g = store.open_group(ref, STORE, mode="a")
     _create_arrays(g, N, T, layout.P, len(batches), batches[0][1], modes)
-    create_progress(g, len(batches))
+    create_progress(g, STORE, len(batches))
     psg = PerSampleGrads(model, layout, check=spec.self_check)
     todo = pending_batches(g)
     with progress_bar("tokens", len(batches)) as bar:
@@ -383,7 +379,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
     fisher, scalars, table = summarize(g, response, modes, {m: draws(tb, m) for m in modes})
     scalars |= trace_entropy(g, modes)
     for name, values in fisher.items():
-        g.create_array(name, data=values, chunks=(param_chunk(layout.P),), dimension_names=["param"], overwrite=True)
+        write(g, STORE, name, values, overwrite=True)
     g.attrs.update(
         {
             "scalars": scalars,
@@ -398,7 +394,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
             "V": V,
         }
     )
-    annotate(g, layout)
+    annotate(g, STORE, layout)
     store.consolidate(ref, STORE)
     return {"scalars": scalars}
 

@@ -15,8 +15,9 @@ many changed parameters.
 Files: ``grid.{csv,json}`` (one row per optimizer, precision, lr, steps; every column of
 ``update_grid``, NaN where a rule does not apply), ``grid.md`` (the main columns), ``summary.json`` (per
 cell at one step: changed fraction, the best ranked predictor's Jaccard against random, the rules'
-recall), and ``update.zarr`` holding the grid as (cell,) arrays, one per column, with the tensor table
-in attrs. Deterministic on CPU.
+recall), and ``update.zarr`` holding the grid as (cell,) arrays, one per column, with optimizer,
+precision, lr and steps as coordinates along ``cell`` and the tensor table as coordinates along ``tensor``
+(``storage/schema.py``). Deterministic on CPU.
 
 When the statistics record a degenerate condition (N < 2, no scored tokens, std(A) = 0) the predictions
 are undefined (the top sets by |G| and ρ, the bound rule; and with A ≡ 0 the loss has no gradient), so
@@ -31,14 +32,13 @@ import itertools
 import math
 from typing import Any
 
-import numpy as np
 import torch
 from prefect import task
 
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.update import RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.schema import ROLLOUTS, STATS
+from storage.schema import ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
 from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, group_batches, load_models, log, run_stage
@@ -125,7 +125,9 @@ def _compute(
     if finding:
         summary = {"degenerate": finding, "cells_at_one_step": [], "P": int(st.attrs["scalars"]["P"])}
         store.write_json(ref, "summary.json", summary)
-        store.open_group(ref, STORE, mode="w").attrs.update({"tensors": st.attrs["tensors"], "summary": summary})
+        g = store.open_group(ref, STORE, mode="w")
+        g.attrs.update({"tensors": st.attrs["tensors"], "summary": summary})
+        annotate(g, STORE, ParamLayout.from_records(st.attrs["tensors"]))
         store.consolidate(ref, STORE)
         log.warning("update_check %s: no steps: %s", ref.key, finding)
         return {"degenerate": finding}
@@ -165,12 +167,9 @@ def _compute(
     store.write_json(ref, "summary.json", summary)
     g = store.open_group(ref, STORE, mode="w")
     for col in rows[0]:
-        values = np.asarray([r[col] for r in rows])
-        if values.dtype.kind == "U":
-            g.create_array(col, shape=values.shape, dtype=str, dimension_names=["cell"])[:] = values
-        else:
-            g.create_array(col, data=values, dimension_names=["cell"])
+        write(g, STORE, col, [r[col] for r in rows])
     g.attrs.update({"tensors": layout.to_records(), "summary": summary})
+    annotate(g, STORE, layout)
     store.consolidate(ref, STORE)
     return {"cells": len(rows), "one_minibatch_holds_all_samples": summary["one_minibatch_holds_all_samples"]}
 

@@ -236,7 +236,9 @@ def test_bad_parameter_is_rejected_before_a_run_exists(server: Server):
 def test_watch_analyses_each_checkpoint_once(prefect_server, server: Server):
     # In-process flows use the session's test API: flows run against the module server would leave
     # log and event workers trying to reach it after it stops.
-    from flows.watch import checkpoint_config, covgrad_watch, read_record
+    from flows.watch import checkpoint_config, covgrad_watch
+    from storage.artifacts import ArtifactStore
+    from storage.runs import read_watch_record
 
     directory = server.tmp / "checkpoints"
     shutil.copytree(server.checkpoint, directory / "step-100")
@@ -250,7 +252,7 @@ def test_watch_analyses_each_checkpoint_once(prefect_server, server: Server):
     assert first["analysed"] == ["step-100"] and first["skipped"] == []
     assert second["analysed"] == [] and second["skipped"] == ["step-100"]
     assert first["runs"] == second["runs"]
-    record = read_record(cfg.root, "watch")
+    record = read_watch_record(ArtifactStore(cfg.root), "watch")
     assert set(record) == {"step-100"} and record["step-100"]["run"] == first["runs"]["step-100"]
     assert_run_complete(checkpoint_config(cfg, directory / "step-100"))
 

@@ -42,6 +42,27 @@ def test_group_mean_advantages_sum_to_zero_in_the_store(generated):
     assert ro.attrs["advantage_kind"] == "group_mean"
 
 
+def test_plain_xarray_selects_a_sample_by_prompt_and_index(generated):
+    """``xr.open_zarr`` on a rollouts store, with no project import in the check, selects one sample by
+    its ``prompt_index`` and ``sample_index`` coordinates, and each array says what it is."""
+    import xarray as xr
+
+    _, _, cfg, refs = generated
+    store = ArtifactStore(cfg.root)
+    path = store.path(refs["rollouts.hot"], "rollouts.zarr")
+    ro = store.open_group(refs["rollouts.hot"], "rollouts.zarr")
+    row = int(np.flatnonzero((ro["prompt_index"][:] == 1) & (ro["sample_index"][:] == 2))[0])
+
+    ds = xr.open_zarr(path)
+    assert {"group", "prompt_index", "sample_index"} <= set(ds.coords)
+    one = ds.set_index(sample=["prompt_index", "sample_index"]).sel(prompt_index=1, sample_index=2).load()
+    assert one.reward.item() == ro["reward"][row] and one.advantage.item() == ro["advantage"][row]
+    np.testing.assert_array_equal(one.tokens.values, ro["tokens"][row])
+    assert one.response.item() == ro["response"][row]
+    assert ds.sampler_logp.attrs["long_name"] == "sampler log-probability" and ds.sampler_logp.attrs["units"] == "nats"
+    assert ds.mu_logp.dims == ("sample", "position", "vocab")
+
+
 def test_imported_rollouts_with_top_k_give_the_same_sampler_centered_scores(generated):
     """Export the generated rollouts as an inference engine would (sampled-token log-probs and the
     top-k of μ with k = V, records shuffled), import them, and score them under sampler centering."""

@@ -60,6 +60,48 @@ def test_grid_has_one_row_per_cell_and_step(run):
 
 
 @pytest.mark.slow
+def test_plain_xarray_selects_a_cell_by_its_labels(run):
+    """``xr.open_zarr`` on the update store, with no project import in the check, selects a grid cell by
+    its optimizer, precision, lr and steps coordinates and names the tensors of the parameter axis."""
+    import xarray as xr
+
+    _, refs, store = run
+    path = store.path(refs["update_check"], STORE)
+    rows = store.read_json(refs["update_check"], "grid.json")
+    names = [t["name"] for t in store.open_group(refs["update_check"], STORE, mode="r").attrs["tensors"]]
+
+    ds = xr.open_zarr(path)
+    cells = ds.set_index(cell=["optimizer", "precision", "lr", "steps"])
+    for r in rows:
+        cell = cells.sel(optimizer=r["optimizer"], precision=r["precision"], lr=r["lr"], steps=r["steps"]).load()
+        assert cell.frac_changed_bf16.item() == r["frac_changed_bf16"]
+    assert {"tensor_name", "tensor_offset", "tensor_numel"} <= set(ds.coords)
+    assert ds.tensor_name.values.tolist() == names
+    assert ds.frac_changed_bf16.attrs["long_name"] == "fraction of parameters changed"
+
+
+@pytest.mark.slow
+def test_every_array_is_declared_in_the_schema(run):
+    """Every array the stages wrote (rollouts, scores, stats, update) has the dims and dtype that
+    storage/schema.py declares for it."""
+    from storage.schema import SCHEMAS, var
+
+    _, refs, store = run
+    seen = 0
+    for ref in refs.values():
+        for name in SCHEMAS:
+            if not store.fs.exists(store.path(ref, name)):
+                continue
+            for key, arr in store.open_group(ref, name, mode="r").arrays():
+                v = var(name, key)
+                assert tuple(arr.metadata.dimension_names) == v.dims, (name, key)
+                expected = "StringDType()" if v.dtype == "str" else v.dtype
+                assert v.dtype is None or str(arr.dtype) == expected, (name, key, arr.dtype)
+                seen += 1
+    assert seen > 20
+
+
+@pytest.mark.slow
 def test_sgd_bound_rule_recall_is_one_at_one_fp32_step(run):
     _, refs, store = run
     rows = store.read_json(refs["update_check"], "grid.json")
