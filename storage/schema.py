@@ -95,3 +95,37 @@ def annotate(g: Any, layout: ParamLayout) -> None:
         if "param" in dims or "tensor" in dims:
             arr.attrs["coordinates"] = " ".join(COORDS)
         arr.attrs.update(variable_attrs(name))
+
+
+# The off-policy table (stage ``offpolicy``): one row per stats artifact along dim ``row``, one 1-D array per
+# column in this order (``sampler`` and ``centering`` are the row's coordinates), and the same rows as the
+# tables ``offpolicy.{json,csv,md}`` beside the store. Column -> (dtype, attributes).
+OFFPOLICY = "offpolicy.zarr"
+OFFPOLICY_TABLE = "offpolicy"
+OFFPOLICY_DIM = "row"
+OFFPOLICY_COLUMNS: dict[str, tuple[str, dict[str, str]]] = {
+    "sampler": ("str", {"long_name": "sampler (rollouts.samplers key)"}),
+    "centering": ("str", {"long_name": "score centering", "definition": "policy: grad log p; sampler: by mu"}),
+    "zero_mean_trace": ("float64", {"long_name": "zero-mean test, trace", "definition": "N*|m|^2 / tr Var(s)"}),
+    "zero_mean_coord": ("float64", {"long_name": "zero-mean test, per coordinate", "definition": "mean N*m^2/Var"}),
+    "rel_diff_G": (
+        "float64",
+        {
+            "long_name": "G under the two centerings",
+            "definition": "|G_sampler - G_policy| / |G_sampler| (L2 over param) of the row's sampler; NaN if on-policy",
+            "units": "1",
+        },
+    ),
+    "kl_per_token": (
+        "float64",
+        {"long_name": "KL(mu || p) per response token", "definition": "0 when mu = p", "units": "nats"},
+    ),
+    "max_abs_rho": ("float64", {"long_name": "max |rho|", "definition": "max |Cov| / (std(A)*sqrt(Fvar))"}),
+    "bound_violations": ("int64", {"long_name": "bound violations", "definition": "count |Cov| > std(A)*sqrt(Fvar)"}),
+    "crossfit_frac_exceed": (
+        "float64",
+        {"long_name": "cross-fit exceedances", "definition": "fraction of ratios > 1, F even groups, G odd"},
+    ),
+    "overlap_1pct": ("float64", {"long_name": "overlap at q = 0.01", "definition": "global top-1% by |G| and F"}),
+    "finding": ("str", {"long_name": "degenerate condition", "definition": "why G has no finding, else empty"}),
+}

@@ -23,7 +23,7 @@ from tasks.specs import Plan, StageSpec, plan
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("covgrad", "tasks", "flows", "storage")
-STAGE_MODULES = ("base_model", "rollouts", "scores", "stats", "masks", "tokens", "update_check", "report")
+STAGE_MODULES = ("base_model", "rollouts", "scores", "stats", "offpolicy", "masks", "tokens", "update_check", "report")
 
 
 def leaves(model: BaseModel, prefix: tuple = ()) -> list[tuple[tuple, Any, Any]]:
