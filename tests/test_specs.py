@@ -8,6 +8,7 @@ and of everything below them in the plan.
 
 import ast
 import inspect
+import json
 import re
 import types
 import typing
@@ -72,7 +73,7 @@ def candidates(value: Any, annotation: Any, strings: list[str]) -> list[Any]:
 
 
 def changed(data: dict, path: tuple, value: Any) -> dict:
-    out = yaml.safe_load(yaml.safe_dump(data))
+    out = json.loads(json.dumps(data))
     node = out
     for p in path[:-1]:
         node = node[p]
