@@ -301,6 +301,8 @@ def test_one_sample_is_a_finding_that_every_stage_records(user_model, tmp_path, 
     assert store.read_json(nodes["update_check"].ref, "summary.json")["degenerate"] == said
     assert store.open_group(nodes["tokens"].ref, "tokens.zarr").attrs["scalars"]["N"] == 1
     assert finding(cfg) == said  # what the watch flow records for a checkpoint
+    (row,) = json.loads((Path(store.path(nodes["offpolicy"].ref)) / "offpolicy.json").read_text())
+    assert row["finding"] == said and np.isnan(row["zero_mean_trace"]) and np.isnan(row["rel_diff_G"])
     capsys.readouterr()
     assert main(["report", "one", "--root", cfg.root]) == 0
     out = capsys.readouterr().out
