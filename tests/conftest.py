@@ -1,5 +1,8 @@
 """Shared fixtures: offline settings before anything imports prefect or transformers, one thread,
-a tiny pipeline configuration, and an opt-in Prefect test server."""
+a tiny pipeline configuration, one tiny pipeline run per session (``tiny_run``: computed once, read or
+copied by the stage, fault, report and CLI tests) and an opt-in Prefect test server.
+
+Tiers: ``make test-fast`` (``-m "not slow and not integration"``), ``make test`` (everything)."""
 
 from flows.cli import offline_env
 
