@@ -54,7 +54,7 @@ def test_the_stage_reads_every_stats_artifact_and_the_report_reads_the_stage(tin
     assert list(p).index("offpolicy") > max(list(p).index(str(i)) for i in p.stats)
 
 
-def test_rows_equal_numpy_on_the_stats_stores(stored, tiny_run):
+def test_rows_equal_numpy_on_the_stats_stores(stored):
     """rel_diff_G of the stale sampler against numpy float64 over the whole G arrays (both of its rows,
     NaN for the policy); the other columns are the stats artifacts' own scalars; KL is the sampler-centered
     scores' value on both rows of a sampler, 0 on-policy."""
