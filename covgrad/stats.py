@@ -22,7 +22,9 @@ Shape notation: N samples, nb moment rows (batches), P parameter elements on the
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -424,3 +426,23 @@ def tensor_summary(stats: dict[str, Array], layout: ParamLayout) -> dict[str, Ar
     out["F_share"] = _safe_ratio(xp, out["F_sum"], out["F_sum"].sum())
     out["absG_share"] = _safe_ratio(xp, out["absG_sum"], out["absG_sum"].sum())
     return out
+
+
+def rel_diff(blocks: Iterable[tuple[np.ndarray, np.ndarray]]) -> float:
+    """‖a − b‖₂ / ‖a‖₂ of two (P,) vectors read as aligned blocks along P.
+
+    Args:
+        blocks: pairs (a_j, b_j), each of shape (n_j,), that cover P in order (any block lengths); read one
+            pair at a time, so memory holds one pair, not P.
+
+    Returns:
+        The relative difference, the sums of squares accumulated in float64 over the blocks; NaN when
+        ‖a‖ = 0 or an entry is NaN.
+    """
+    diff2 = norm2 = 0.0
+    for a, b in blocks:
+        a64 = np.asarray(a, dtype=np.float64)  # (n_j,)
+        d = a64 - np.asarray(b, dtype=np.float64)  # (n_j,)
+        diff2 += float(d @ d)
+        norm2 += float(a64 @ a64)
+    return math.sqrt(diff2 / norm2) if norm2 > 0 else float("nan")

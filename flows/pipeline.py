@@ -22,6 +22,7 @@ from storage.runs import write_run_index
 from tasks.base_model import base_model_task
 from tasks.common import StageResult, cache_options
 from tasks.masks import masks_task
+from tasks.offpolicy import offpolicy_task
 from tasks.report import report_task
 from tasks.rollouts import rollouts_task
 from tasks.scores import scores_task
@@ -44,6 +45,7 @@ def run_stages(p: Plan, run: Run) -> None:
         run(scores_task, step)
     for step in p.stats.values():
         run(stats_task, step)
+    run(offpolicy_task, p.offpolicy)
     run(masks_task, p.masks)
     if p.tokens is not None:
         run(tokens_task, p.tokens)

@@ -52,6 +52,8 @@ STATS = "stats.zarr"
 MASKS = "masks.zarr"
 TOKENS = "tokens.zarr"
 UPDATE = "update.zarr"
+OFFPOLICY = "offpolicy.zarr"
+OFFPOLICY_TABLE = "offpolicy"  # its tables: offpolicy.{json,csv,md}
 
 PARAM_CHUNK = 65536  # elements per chunk along ``param`` (every (…, param) array of every store)
 WHOLE = None  # chunk rule: the whole extent of the dimension
@@ -347,6 +349,33 @@ UPDATE_VARS = {
     **TENSOR_TABLE,
 }
 
+# offpolicy.zarr — dim row: one row per stats artifact, in the spec's order (the same rows are the tables
+# ``offpolicy.{json,csv,md}`` beside the store); ``sampler`` and ``centering`` label the rows.
+OFFPOLICY_VARS = {
+    "sampler": Var(("row",), "str", (WHOLE,), "sampler (rollouts.samplers key)", labels=("row",)),
+    "centering": Var(
+        ("row",), "str", (WHOLE,), "score centering", "policy: grad log p; sampler: by mu", labels=("row",)
+    ),
+    "zero_mean_trace": Var(("row",), "float64", (WHOLE,), "zero-mean test, trace", "N*|m|^2 / tr Var(s)", "1"),
+    "zero_mean_coord": Var(("row",), "float64", (WHOLE,), "zero-mean test, per coordinate", "mean N*m^2/Var", "1"),
+    "rel_diff_G": Var(
+        ("row",),
+        "float64",
+        (WHOLE,),
+        "G under the two centerings",
+        "|G_sampler - G_policy| / |G_sampler| (L2 over param) of the row's sampler; NaN if on-policy",
+        "1",
+    ),
+    "kl_per_token": Var(("row",), "float64", (WHOLE,), "KL(mu || p) per response token", "0 when mu = p", "nats"),
+    "max_abs_rho": Var(("row",), "float64", (WHOLE,), "max |rho|", "max |Cov| / (std(A)*sqrt(Fvar))", "1"),
+    "bound_violations": Var(("row",), "int64", (WHOLE,), "bound violations", "count |Cov| > std(A)*sqrt(Fvar)"),
+    "crossfit_frac_exceed": Var(
+        ("row",), "float64", (WHOLE,), "cross-fit exceedances", "fraction of ratios > 1, F even groups, G odd", "1"
+    ),
+    "overlap_1pct": Var(("row",), "float64", (WHOLE,), "overlap at q = 0.01", "global top-1% by |G| and F", "1"),
+    "finding": Var(("row",), "str", (WHOLE,), "degenerate condition", "why G has no finding, else empty"),
+}
+
 SCHEMAS: dict[str, dict[str, Var]] = {
     ROLLOUTS: ROLLOUTS_VARS,
     SCORES: SCORES_VARS,
@@ -354,6 +383,7 @@ SCHEMAS: dict[str, dict[str, Var]] = {
     MASKS: MASKS_VARS,
     TOKENS: TOKENS_VARS,
     UPDATE: UPDATE_VARS,
+    OFFPOLICY: OFFPOLICY_VARS,
 }
 
 

@@ -148,6 +148,15 @@ class StatsSpec(StageSpec):
     dask_address: str | None
 
 
+class OffPolicySpec(StageSpec):
+    """offpolicy: the off-policy table of the stats artifacts ``stats.<sampler>.<centering>`` of ``stats``, one
+    row each in that order, and each sampler's ‖G_sampler − G_policy‖ / ‖G_sampler‖ across its two centerings."""
+
+    STAGE: ClassVar[str] = "offpolicy"
+    VERSION: ClassVar[str] = "1"
+    stats: list[tuple[str, Centering]]  # (sampler, centering), sorted
+
+
 class MasksSpec(StageSpec):
     """masks: top-q sets at the fractions ``qs`` of the main statistics."""
 
@@ -188,7 +197,7 @@ class ReportSpec(StageSpec):
     """report: the run ``name`` rendered from its artifacts and its config (JSON, without ``root``)."""
 
     STAGE: ClassVar[str] = "report"
-    VERSION: ClassVar[str] = "5"
+    VERSION: ClassVar[str] = "6"
     name: str
     config: dict[str, Any]
 
@@ -215,7 +224,8 @@ def main_stats(cfg: PipelineConfig) -> Instance:
 @dataclass(frozen=True)
 class Step:
     """One planned artifact: its instance, spec, ref, and its upstream artifacts by role (the task's
-    ``upstream`` keys: ``base_model``, ``rollouts``, ``scores``, ``stats``; the report's are instance names)."""
+    ``upstream`` keys: ``base_model``, ``rollouts``, ``scores``, ``stats``; offpolicy's and the report's are
+    instance names)."""
 
     instance: Instance
     spec: StageSpec
@@ -232,6 +242,7 @@ class Plan(Mapping[str, Step]):
     rollouts: dict[str, Step]
     scores: dict[Instance, Step]
     stats: dict[Instance, Step]
+    offpolicy: Step
     main: Step  # the main statistics: analysed sampler, sampler centering whenever μ ≠ p
     masks: Step
     tokens: Step | None
@@ -241,7 +252,7 @@ class Plan(Mapping[str, Step]):
     def _steps(self) -> list[Step]:
         optional = [s for s in (self.tokens, self.update_check) if s is not None]
         per_sampler = [*self.rollouts.values(), *self.scores.values(), *self.stats.values()]
-        return [self.base_model, *per_sampler, self.masks, *optional, self.report]
+        return [self.base_model, *per_sampler, self.offpolicy, self.masks, *optional, self.report]
 
     def __getitem__(self, name: str) -> Step:
         for s in self._steps():
@@ -336,6 +347,9 @@ def plan(cfg: PipelineConfig) -> Plan:
             stats_spec = StatsSpec(sampler=name, centering=c, dask_address=cfg.dask.address)
             up = {"scores": scores[Instance("scores", name, c)]}
             stats[Instance("stats", name, c)] = _step(store, Instance("stats", name, c), stats_spec, up)
+    compared = sorted(stats)  # by sampler, then centering
+    offpolicy_spec = OffPolicySpec(stats=[(i.sampler, i.centering) for i in compared])
+    offpolicy = _step(store, Instance("offpolicy"), offpolicy_spec, {str(i): stats[i] for i in compared})
     analysed = cfg.rollouts.analyse
     s = cfg.rollouts.samplers[analysed]
     main = stats[main_stats(cfg)]
@@ -361,8 +375,8 @@ def plan(cfg: PipelineConfig) -> Plan:
         )
         upstream = {"base_model": base, "rollouts": rollouts[analysed], "stats": main}
         update = _step(store, Instance("update_check"), spec, upstream)
-    everything = [base, *rollouts.values(), *scores.values(), *stats.values(), masks]
+    everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
     everything += [x for x in (tokens, update) if x is not None]
     report_spec = ReportSpec(name=cfg.name, config=cfg.model_dump(mode="json", exclude={"root"}))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
-    return Plan(base, rollouts, scores, stats, main, masks, tokens, update, report)
+    return Plan(base, rollouts, scores, stats, offpolicy, main, masks, tokens, update, report)

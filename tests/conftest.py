@@ -1,5 +1,8 @@
 """Shared fixtures: offline settings before anything imports prefect or transformers, one thread,
-a tiny pipeline configuration, and an opt-in Prefect test server."""
+a tiny pipeline configuration, one tiny pipeline run per session (``tiny_run``: computed once, read or
+copied by the stage, fault, report and CLI tests) and an opt-in Prefect test server.
+
+Tiers: ``make test-fast`` (``-m "not slow and not integration"``), ``make test`` (everything)."""
 
 from flows.cli import offline_env
 
@@ -55,6 +58,27 @@ def run_planned(cfg, names=None) -> dict:
 def status_of(results: dict) -> dict[str, str]:
     """instance -> "computed" / "cached" of ``run_planned``'s results."""
     return {n: "computed" if r.computed else "cached" for n, r in results.items()}
+
+
+# The tiny pipeline without its optional stages: what most stage, fault and CLI tests run on.
+NO_OPTIONAL = {"tokens.enabled": False, "update_check.enabled": False}
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """(root, plan) of one uninterrupted tiny pipeline (``NO_OPTIONAL``), every stage computed by its task
+    body, with its run index. Read-only: a test that changes artifacts copies ``root`` first."""
+    from storage.artifacts import ArtifactStore
+    from storage.runs import write_run_index
+    from tasks.specs import plan
+
+    root = tmp_path_factory.mktemp("tiny-run") / "root"
+    cfg = tiny_config(str(root), **NO_OPTIONAL)
+    results = run_planned(cfg)
+    assert {r.computed for r in results.values()} == {True}
+    p = plan(cfg)
+    write_run_index(ArtifactStore(cfg.root), cfg, p.run_key, {n: r.ref for n, r in results.items()})
+    return root, p
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO
-from tests.test_faults import OVERRIDES, digests, run_chain, tiny_config
+from tests.test_faults import OVERRIDES, digests
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +44,9 @@ def covgrad(root: Path, *extra: str, **popen: object) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from tasks.specs import plan
-
-    root = tmp_path_factory.mktemp("cli-reference") / "root"
-    cfg = tiny_config(str(root), **OVERRIDES)
-    run_chain(cfg)
-    return root, plan(cfg)
+def reference(tiny_run):
+    """(root, plan) of the session's uninterrupted tiny pipeline; tests copy it before changing it."""
+    return tiny_run
 
 
 def test_config_typo_is_one_line_in_under_two_seconds(tmp_path):

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import below, run_planned, status_of, tiny_config
+from tests.conftest import NO_OPTIONAL, below, run_planned, status_of, tiny_config
 
-OVERRIDES = {"tokens.enabled": False, "update_check.enabled": False}
+OVERRIDES = NO_OPTIONAL
 
 
 def run_chain(cfg) -> dict[str, str]:
@@ -39,14 +39,9 @@ def digests(directory: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """(root, node map, headline text) of one uninterrupted tiny pipeline."""
-    from tasks.specs import plan
-
-    root = tmp_path_factory.mktemp("reference")
-    cfg = tiny_config(str(root), **OVERRIDES)
-    assert set(run_chain(cfg).values()) == {"computed"}
-    nodes = plan(cfg)
+def reference(tiny_run):
+    """(root, node map, headline text) of one uninterrupted tiny pipeline (the session's ``tiny_run``)."""
+    root, nodes = tiny_run
     return root, nodes, headline(root, nodes)
 
 
@@ -306,6 +301,8 @@ def test_one_sample_is_a_finding_that_every_stage_records(user_model, tmp_path, 
     assert store.read_json(nodes["update_check"].ref, "summary.json")["degenerate"] == said
     assert store.open_group(nodes["tokens"].ref, "tokens.zarr").attrs["scalars"]["N"] == 1
     assert finding(cfg) == said  # what the watch flow records for a checkpoint
+    (row,) = json.loads((Path(store.path(nodes["offpolicy"].ref)) / "offpolicy.json").read_text())
+    assert row["finding"] == said and np.isnan(row["zero_mean_trace"]) and np.isnan(row["rel_diff_G"])
     capsys.readouterr()
     assert main(["report", "one", "--root", cfg.root]) == 0
     out = capsys.readouterr().out
@@ -321,7 +318,6 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
     import numpy as np
 
     from storage.artifacts import ArtifactStore
-    from tasks.report import render_run
     from tasks.specs import plan
     from tests.test_deployments import user_config
 
@@ -335,9 +331,7 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
     assert st.attrs["degenerate"] is None and st.attrs["crossfit_undefined"].startswith(said)
     assert np.isnan(st["crossfit_ratio"][:]).all() and np.isfinite(st["G"][:]).all()
     assert np.isnan(st.attrs["scalars"]["crossfit_even_F_odd_G_frac_exceed"])
-    index = {"name": "user", "config": cfg.model_dump(mode="json")}
-    index["artifacts"] = {n: {"stage": v.ref.stage, "key": v.ref.key} for n, v in nodes.items()}
-    text = render_run(store, index).headline_markdown()
+    text = headline(tmp_path / "root", nodes)  # the report stage's render_run(...).headline_markdown()
     assert "| overlap(q=0.01) |" in text
     rows = [line for line in text.splitlines() if line.startswith("| crossfit_frac_exceed")]
     assert len(rows) == 2 and all("| nan | " + said in row for row in rows), rows

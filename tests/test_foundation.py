@@ -175,18 +175,18 @@ def test_cli_missing_config_file(tmp_path):
     assert out.returncode == 2 and "missing.yaml" in out.stderr
 
 
-def test_sft_reaches_band_and_is_bit_identical(tmp_path):
+def test_sft_reaches_band_and_is_bit_identical(tmp_path, tiny_run):
     """The base_model stage on the tiny config: accuracy in the band, stale clearly worse, and the
-    same seed gives bit-identical safetensors."""
+    same seed gives bit-identical safetensors (a second training against the session's tiny run)."""
     from storage.artifacts import ArtifactStore
     from tasks.base_model import base_model_task
     from tasks.specs import plan
 
     files = []
-    for i in range(2):
-        cfg = tiny_config(str(tmp_path / f"r{i}"))
+    for root in (tiny_run[0], tmp_path / "again"):
+        cfg = tiny_config(str(root))
         node = plan(cfg)["base_model"]
-        base_model_task.fn(node.ref, node.spec, {})
+        assert base_model_task.fn(node.ref, node.spec, {}).computed == (root != tiny_run[0])
         store = ArtifactStore(cfg.root)
         info = store.read_json(node.ref, "sft.json")
         low, high = cfg.model.demo.target_accuracy

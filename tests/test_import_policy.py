@@ -14,8 +14,10 @@ from tests.test_deployments import user_config, write_checkpoint
 G = 4
 
 
-def _run(cfg):
-    return {n: r.ref for n, r in run_planned(cfg).items()}
+def _run(cfg, stages: tuple[str, ...] | None = None):
+    """Every planned stage of ``cfg``, or those of the named ``stages``; instance -> ref."""
+    names = None if stages is None else {n for n, s in plan(cfg).items() if s.ref.stage in stages}
+    return {n: r.ref for n, r in run_planned(cfg, names).items()}
 
 
 def _records(n: int = 2 * G, bad_line: int | None = None) -> str:
@@ -127,7 +129,7 @@ def test_mu_model_recomputes_mu_for_an_import(ckpt):
     from tasks.preflight import preflight
 
     preflight(cfg)
-    refs = _run(cfg)
+    refs = _run(cfg, ("base_model", "rollouts", "scores", "stats"))
     store = ArtifactStore(cfg.root)
     st = {c: store.open_group(refs[f"stats.engine.{c}"], "stats.zarr") for c in ("policy", "sampler")}
     for name in ("F", "G", "m"):

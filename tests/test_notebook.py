@@ -103,7 +103,7 @@ def test_bad_names_raise_with_the_known_ones(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def policy_run(tmp_path_factory):
     """A policy-only tiny pipeline run (no tokens, no update check), task bodies called directly."""
     from storage.runs import write_run_index
     from tasks.specs import plan
@@ -124,12 +124,12 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_explore_notebook_executes_headless(tiny_run, monkeypatch):
+def test_explore_notebook_executes_headless(policy_run, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
 
-    monkeypatch.setenv("COVGRAD_ROOT", tiny_run.root)
-    monkeypatch.setenv("COVGRAD_RUN", tiny_run.name)
+    monkeypatch.setenv("COVGRAD_ROOT", policy_run.root)
+    monkeypatch.setenv("COVGRAD_RUN", policy_run.name)
     nb = nbformat.read(REPO / "notebooks" / "explore.ipynb", as_version=4)
     client = NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}
@@ -146,14 +146,14 @@ def test_explore_notebook_executes_headless(tiny_run, monkeypatch):
 
 
 @pytest.mark.slow
-def test_plain_xarray_selects_one_tensor_by_name(tiny_run):
+def test_plain_xarray_selects_one_tensor_by_name(policy_run):
     """``xr.open_zarr`` on a stats store, with no project import in the check, selects one tensor's F by
     name through the ``tensor_id``/``tensor_name`` coordinates, and each statistic says what it is."""
     import xarray as xr
 
     from tasks.specs import plan
 
-    path = ArtifactStore(tiny_run.root).path(plan(tiny_run).main.ref, "stats.zarr")
+    path = ArtifactStore(policy_run.root).path(plan(policy_run).main.ref, "stats.zarr")
     name = "model.layers.0.mlp.up_proj.weight"
 
     ds = xr.open_zarr(path)
@@ -162,15 +162,15 @@ def test_plain_xarray_selects_one_tensor_by_name(tiny_run):
     assert F.dims == ("param",) and F.size == 64 * 32
     assert ds.F.attrs["long_name"] == "Fisher (uncentered)" and ds.F.attrs["definition"] == "mean(s^2)"
 
-    expected = open_run(tiny_run.root, tiny_run.name)["stats.policy.policy"].covgrad.tensor(name)["F"]
+    expected = open_run(policy_run.root, policy_run.name)["stats.policy.policy"].covgrad.tensor(name)["F"]
     np.testing.assert_array_equal(F.values, expected.values.ravel())
 
 
 @pytest.mark.slow
-def test_completion_markers_record_the_spec(tiny_run):
+def test_completion_markers_record_the_spec(policy_run):
     """Every artifact's marker holds the spec it was computed from (what its key hashes, plus placement)."""
     from tasks.specs import plan
 
-    store = ArtifactStore(tiny_run.root)
-    for name, step in plan(tiny_run).items():
+    store = ArtifactStore(policy_run.root)
+    for name, step in plan(policy_run).items():
         assert store.marker(step.ref)["config"] == step.spec.model_dump(mode="json"), name

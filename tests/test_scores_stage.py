@@ -2,6 +2,8 @@
 ways of obtaining μ for sampler centering (stored full, stored top-k with k = V, recomputed from the
 sampler model) against each other."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -25,8 +27,11 @@ OVERRIDES = {
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("scores-stage")
+def run(tmp_path_factory, tiny_run):
+    """Base model, rollouts and scores of four samplers; the session's tiny run is copied in first, so its
+    trained model and its policy sampler's artifacts (the same keys) are reused, not recomputed."""
+    root = tmp_path_factory.mktemp("scores-stage") / "root"
+    shutil.copytree(tiny_run[0], root)
     cfg = tiny_config(str(root), **OVERRIDES)
     steps = plan(cfg)
     wanted = {n for n, s in steps.items() if s.ref.stage in ("base_model", "rollouts", "scores")}

@@ -8,6 +8,7 @@ and of everything below them in the plan.
 
 import ast
 import inspect
+import json
 import re
 import types
 import typing
@@ -23,7 +24,7 @@ from tasks.specs import Plan, StageSpec, plan
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("covgrad", "tasks", "flows", "storage")
-STAGE_MODULES = ("base_model", "rollouts", "scores", "stats", "masks", "tokens", "update_check", "report")
+STAGE_MODULES = ("base_model", "rollouts", "scores", "stats", "offpolicy", "masks", "tokens", "update_check", "report")
 
 
 def leaves(model: BaseModel, prefix: tuple = ()) -> list[tuple[tuple, Any, Any]]:
@@ -72,7 +73,7 @@ def candidates(value: Any, annotation: Any, strings: list[str]) -> list[Any]:
 
 
 def changed(data: dict, path: tuple, value: Any) -> dict:
-    out = yaml.safe_load(yaml.safe_dump(data))
+    out = json.loads(json.dumps(data))
     node = out
     for p in path[:-1]:
         node = node[p]

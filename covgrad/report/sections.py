@@ -1,10 +1,8 @@
 """The report's sections, each read from the stores of one run: headline, off-policy, token Fisher,
 update check.
 
-Every number shown was computed and stored by the stage that owns it (stats, masks, tokens,
-update_check); a section only selects, labels and plots. The one exception is ``rel_diff_G``, which
-compares the G arrays of two stats artifacts (one sampler's two centerings) that no single stage
-reads together yet.
+Every number shown was computed and stored by the stage that owns it (stats, masks, offpolicy, tokens,
+update_check); a section only selects, labels and plots.
 
 Instances whose artifact is absent or incomplete are listed in ``Report.missing`` and their
 sections are replaced by a note; everything else still renders. Optional stages (tokens,
@@ -176,51 +174,15 @@ def headline(report: Report, run: RunSource, cfg: PipelineConfig, main: str) -> 
             report.blocks.append(("img", file, caption))
 
 
-def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
-    """‖a − b‖ / ‖a‖ for two (P,) arrays; NaN when ‖a‖ = 0."""
-    norm = np.linalg.norm(a)
-    return float(np.linalg.norm(a - b) / norm) if norm > 0 else float("nan")
-
-
 def off_policy(report: Report, run: RunSource) -> None:
-    """One row per stats instance: zero-mean tests, KL, ρ, bound, cross-fit and overlap at q = 1%."""
+    """The off-policy table (one row per stats instance: zero-mean tests, rel_diff_G, KL, ρ, bound, cross-fit
+    and overlap at q = 1%) as the offpolicy stage stored it, and the zero-mean plot."""
     report.blocks.append(("h2", "Off-policy: policy vs sampler centering"))
-    instances = sorted(n for n in run.refs if n.startswith("stats."))
-    rows: list[dict[str, Any]] = []
-    done: set[tuple[str, str]] = set()
-    for inst in instances:
-        _, sampler, centering = inst.split(".")
-        if not run.has(inst):
-            _skip(report, f"Off-policy row {sampler}/{centering}", inst)
-            continue
-        s = run.group(inst, STATS).attrs
-        done.add((sampler, centering))
-        rows.append(
-            {
-                "sampler": sampler,
-                "centering": centering,
-                "zero_mean_trace": float(s["scalars"]["zero_mean_trace"]),
-                "zero_mean_coord": float(s["scalars"]["zero_mean_coord"]),
-                "rel_diff_G": float("nan"),
-                "kl_per_token": float(s["scalars"].get("kl_sampler_policy_per_token", float("nan"))),
-                "max_abs_rho": float(s["scalars"]["max_abs_rho"]),
-                "bound_violations": int(s["scalars"]["bound_violations"]),
-                "crossfit_frac_exceed": float(s["scalars"]["crossfit_even_F_odd_G_frac_exceed"]),
-                "overlap_1pct": float(s["scalars"]["overlap_1pct"]),
-                "finding": s.get("degenerate") or "",
-            }
-        )
-    kl = {r["sampler"]: r["kl_per_token"] for r in rows if r["centering"] == "sampler"}
-    for r in rows:
-        r["kl_per_token"] = kl.get(r["sampler"], 0.0)  # a property of the rollouts; 0 on-policy (μ = p)
-        sampler = r["sampler"]
-        if {(sampler, "sampler"), (sampler, "policy")} <= done:
-            G_sampler = run.group(f"stats.{sampler}.sampler", STATS)["G"][:]
-            G_policy = run.group(f"stats.{sampler}.policy", STATS)["G"][:]
-            r["rel_diff_G"] = rel_diff(G_sampler, G_policy)
-    report.numbers["off_policy"] = [{k: finite(v) for k, v in r.items()} for r in rows]
-    if not rows:
+    if not run.has("offpolicy"):
+        _skip(report, "Off-policy table", "offpolicy")
         return
+    rows: list[dict[str, Any]] = run.json("offpolicy", "offpolicy.json")
+    report.numbers["off_policy"] = [{k: finite(v) for k, v in r.items()} for r in rows]
     report.blocks.append(
         (
             "p",

@@ -1,0 +1,120 @@
+"""The offpolicy stage against the stats stores it reads: rel_diff_G against a direct numpy float64
+computation (whole-P and in blocks that do not divide P), every other column copied from the stats
+artifacts, the same rows in its zarr store, JSON and CSV, and the report showing them unchanged."""
+
+import csv
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+from covgrad.stats import rel_diff
+from storage.artifacts import ArtifactStore
+from tasks.offpolicy import offpolicy_rows, rel_diff_G
+
+
+def numpy_rel_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """‖a − b‖ / ‖a‖ in one float64 pass (the reference)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return math.sqrt(((a - b) ** 2).sum()) / math.sqrt((a**2).sum())
+
+
+def test_rel_diff_in_blocks_equals_one_float64_pass():
+    """Any block lengths (one element, a length that does not divide P, P, more than P) give the one-pass
+    value; float32 input is accumulated in float64; ‖a‖ = 0 or a NaN entry gives NaN."""
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal(10_007) * 1e-4).astype(np.float32)
+    b = a + (rng.standard_normal(10_007) * 3e-5).astype(np.float32)
+    want = numpy_rel_diff(a, b)
+    for block in (1, 7, 4096, 10_007, 65_536):
+        assert rel_diff_G(a, b, block) == pytest.approx(want, rel=1e-12), block
+    assert math.isnan(rel_diff([(np.zeros(3), np.ones(3))]))
+    assert math.isnan(rel_diff([(np.array([1.0, np.nan]), np.zeros(2))]))
+    with pytest.raises(ValueError, match="differ in shape"):
+        rel_diff_G(a, b[:-1], 7)
+
+
+@pytest.fixture(scope="module")
+def stored(tiny_run):
+    """The tiny run's offpolicy rows as stored (JSON), its stats groups by (sampler, centering), the store."""
+    root, p = tiny_run
+    store = ArtifactStore(str(root))
+    rows = json.loads(store.fs.cat_file(store.path(p.offpolicy.ref, "offpolicy.json")))
+    groups = {(i.sampler, i.centering): store.open_group(s.ref, "stats.zarr") for i, s in p.stats.items()}
+    return rows, groups, store
+
+
+def test_the_stage_reads_every_stats_artifact_and_the_report_reads_the_stage(tiny_run):
+    _, p = tiny_run
+    assert p.offpolicy.upstream == {str(i): s.ref for i, s in sorted(p.stats.items())}
+    assert p.offpolicy.spec.stats == [("policy", "policy"), ("stale", "policy"), ("stale", "sampler")]
+    assert p.report.upstream["offpolicy"] == p.offpolicy.ref
+    assert list(p).index("offpolicy") > max(list(p).index(str(i)) for i in p.stats)
+
+
+def test_rows_equal_numpy_on_the_stats_stores(stored):
+    """rel_diff_G of the stale sampler against numpy float64 over the whole G arrays (both of its rows,
+    NaN for the policy); the other columns are the stats artifacts' own scalars; KL is the sampler-centered
+    scores' value on both rows of a sampler, 0 on-policy."""
+    rows, groups, _ = stored
+    by = {(r["sampler"], r["centering"]): r for r in rows}
+    assert list(by) == [("policy", "policy"), ("stale", "policy"), ("stale", "sampler")]
+    want = numpy_rel_diff(groups["stale", "sampler"]["G"][:], groups["stale", "policy"]["G"][:])
+    assert 0 < want < 10
+    assert by["stale", "sampler"]["rel_diff_G"] == pytest.approx(want, rel=1e-12)
+    assert by["stale", "policy"]["rel_diff_G"] == by["stale", "sampler"]["rel_diff_G"]
+    assert math.isnan(by["policy", "policy"]["rel_diff_G"])
+    columns = {
+        "zero_mean_trace": "zero_mean_trace",
+        "zero_mean_coord": "zero_mean_coord",
+        "max_abs_rho": "max_abs_rho",
+        "bound_violations": "bound_violations",
+        "crossfit_frac_exceed": "crossfit_even_F_odd_G_frac_exceed",
+        "overlap_1pct": "overlap_1pct",
+    }
+    for key, row in by.items():
+        scalars = groups[key].attrs["scalars"]
+        assert {c: row[c] for c in columns} == {c: scalars[s] for c, s in columns.items()}, key
+        assert row["finding"] == ""
+    kl = groups["stale", "sampler"].attrs["scalars"]["kl_sampler_policy_per_token"]
+    assert kl > 0 and by["stale", "policy"]["kl_per_token"] == by["stale", "sampler"]["kl_per_token"] == kl
+    assert by["policy", "policy"]["kl_per_token"] == 0.0
+
+
+def test_blocks_that_do_not_divide_P_give_the_same_table(stored, tiny_run):
+    rows, groups, store = stored
+    _, p = tiny_run
+    P = groups["stale", "sampler"]["G"].shape[0]
+    for block in (1000, P // 3 + 1):  # many blocks and a short last one; three blocks
+        assert P % block and P // block >= 2, (P, block)
+        chunked = offpolicy_rows(store, p.offpolicy.spec, p.offpolicy.upstream, block)
+        assert [r["rel_diff_G"] for r in chunked][1:] == pytest.approx([r["rel_diff_G"] for r in rows][1:], rel=1e-12)
+        assert [{k: v for k, v in r.items() if k != "rel_diff_G"} for r in chunked] == [
+            {k: v for k, v in r.items() if k != "rel_diff_G"} for r in rows
+        ]
+
+
+def test_store_csv_notebook_and_report_hold_the_same_rows(stored, tiny_run):
+    from covgrad.report.document import finite
+    from storage.notebook import open_run
+    from storage.schema import OFFPOLICY_VARS
+
+    rows, _, store = stored
+    root, p = tiny_run
+    ref = p.offpolicy.ref
+    assert [list(r) for r in rows] == [list(OFFPOLICY_VARS)] * len(rows)
+    ds = open_run(str(root), "tiny")["offpolicy"]
+    assert set(ds.coords) == {"sampler", "centering"} and ds.rel_diff_G.attrs["units"] == "1"
+    table = list(csv.DictReader(io.StringIO(store.fs.cat_file(store.path(ref, "offpolicy.csv")).decode())))
+    for i, row in enumerate(rows):
+        for col, value in row.items():
+            got = ds[col].values[i]
+            if isinstance(value, float):
+                np.testing.assert_equal(float(got), value)
+                np.testing.assert_equal(float(table[i][col]), value)
+            else:
+                assert got == value and table[i][col] == str(value), col
+    report = json.loads(store.fs.cat_file(store.path(p.report.ref, "report.json")))
+    assert report["numbers"]["off_policy"] == [{k: finite(v) for k, v in r.items()} for r in rows]
