@@ -11,8 +11,8 @@ in blocks of ``BLOCK`` (``Values``), so memory is O(BLOCK + _CANDIDATES), not O(
 values twice, at most five times. ``TopSets.sweep`` then turns cuts into masks block by block, in index
 order, counting the ties taken so far.
 
-``spearman_blocked`` holds a sorted copy of one of its two inputs at a time (8 B × P) and writes the
-first one's ranks to a temporary file (8 B × P); its sums are exact integers.
+``spearman_blocked(x, y)`` holds a sorted copy of one of its inputs at a time (8 B × P) and writes y's
+ranks to a temporary file (8 B × P); its sums are exact integers.
 
 Shape notation: P parameter elements on the flat axis, b values in a block, q fractions, T tensors,
 n_k elements of tensor k.
