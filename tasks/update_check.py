@@ -133,7 +133,8 @@ def _compute(
     policy = load_models(store, up["base_model"], "policy", spec.policy)[0].float().eval()
     layout = select_parameters(policy, spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]))
-    F, G, rho = (torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
+    # each (P,) float64 statistic is read when update_grid evaluates it and dropped after (8 bytes × P each)
+    F, G, rho = (lambda name=name: torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
     scalars = st.attrs["scalars"]
     adv_rms = math.sqrt(scalars["std_A"] ** 2 + scalars["mean_A"] ** 2)
     batches = minibatches(ro, spec.groups_per_batch)
