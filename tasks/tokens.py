@@ -101,8 +101,12 @@ def mc_split(k: int) -> tuple[int, int]:
 
 
 def _square_sum(x: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
-    """Σ_n x[n]² (P,) float64 of a (B, P) tensor, squared in float64 in column blocks."""
-    return torch.cat([x[:, j : j + block].double().square().sum(0) for j in range(0, x.shape[1], block)])
+    """Σ_n x[n]² (P,) float64 of a (B, P) tensor, squared in float64 in column blocks written in place (no
+    list of blocks and concatenated copy: two more (P,) float64 vectors at once)."""
+    out = torch.empty(x.shape[1], dtype=torch.float64, device=x.device)
+    for j in range(0, x.shape[1], block):
+        torch.sum(x[:, j : j + block].double().square(), dim=0, out=out[j : j + block])
+    return out
 
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
