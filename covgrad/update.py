@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, parameters_flat
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -340,6 +341,8 @@ def update_grid(
                     row.update({f"{metric}_{name}_{stat}": None for name in names for stat in SET_STATS})
                 rows.append(row)
                 changed.append({m: np.packbits(masks[m].numpy()) for m in METRICS})
+            del snapshots, work, masks
+            release_free_memory()  # the cell's model, gradients and optimizer state, before the next cell
     _score_ranked(rows, changed, start, F, G, rho, seed, layout.P)
     _score_rules(rows, changed, start, F, G, adv_rms, layout.P)
     return rows
