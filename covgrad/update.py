@@ -186,12 +186,23 @@ def rule_masks(
     exact only for ``steps == 1``.
     """
     _check_optimizer(optimizer)
-    half = bf16_half_spacing(start).double()
-    absG = G.double().abs()
+    masks = {"absorb": _rule_mask("absorb", start, G, adv_rms, optimizer, lr, steps)}
     if optimizer == "sgd":
-        bound = lr * adv_rms * F.double().clamp(min=0).sqrt()
-        return {"absorb": steps * lr * absG >= half, "bound": steps * bound >= half}
-    return {"absorb": steps * lr * absG / (absG + ADAM_EPS) >= half}
+        masks["bound"] = _rule_mask("bound", start, F, adv_rms, optimizer, lr, steps)
+    return masks
+
+
+def _rule_mask(
+    rule: str, start: torch.Tensor, stat: torch.Tensor, adv_rms: float, optimizer: str, lr: float, steps: int
+) -> torch.Tensor:
+    """One rule of :func:`rule_masks` from the one statistic it reads: G for ``absorb``, F for ``bound``."""
+    half = bf16_half_spacing(start).double()
+    if rule == "bound":
+        return steps * (lr * adv_rms * stat.double().clamp(min=0).sqrt()) >= half
+    absG = stat.double().abs()
+    if optimizer == "sgd":
+        return steps * lr * absG >= half
+    return steps * lr * absG / (absG + ADAM_EPS) >= half
 
 
 def matched_sgd_lr(start: torch.Tensor, G: torch.Tensor, adam_lr: float) -> float:
@@ -403,18 +414,20 @@ def _score_rules(
     adv_rms: float,
     P: int,
 ) -> None:
-    """Fill the rules' set metrics of every row (:func:`rule_masks`, evaluated in chunks of the flat axis)."""
-    F_values, G_values = _stat("F", F, P), _stat("G", G, P)
-    for row, packed in zip(rows, changed, strict=True):
-        parts = [
-            rule_masks(start[c], F_values[c], G_values[c], adv_rms, row["optimizer"], row["lr"], row["steps"])
-            for c in (slice(lo, lo + CHUNK) for lo in range(0, P, CHUNK))
-        ]
-        for name in parts[0]:
-            pred = torch.cat([part[name] for part in parts])
+    """Fill the rules' set metrics of every row (:func:`rule_masks`, rule by rule with the one statistic
+    each reads loaded, evaluated in chunks of the flat axis)."""
+    for rule, name, stat in (("absorb", "G", G), ("bound", "F", F)):
+        values = _stat(name, stat, P)
+        for row, packed in zip(rows, changed, strict=True):
+            if rule == "bound" and row["optimizer"] != "sgd":
+                continue
+            args = (adv_rms, row["optimizer"], row["lr"], row["steps"])
+            chunks = (slice(lo, lo + CHUNK) for lo in range(0, P, CHUNK))
+            pred = torch.cat([_rule_mask(rule, start[c], values[c], *args) for c in chunks])
             for metric in METRICS:
-                for stat, value in set_metrics(pred, _unpacked(packed[metric], P)).items():
-                    row[f"{metric}_{name}_{stat}"] = value
+                for key, value in set_metrics(pred, _unpacked(packed[metric], P)).items():
+                    row[f"{metric}_{rule}_{key}"] = value
+        del values
 
 
 def _equal_on_layout(model: nn.Module, layout: ParamLayout, values: torch.Tensor) -> bool:

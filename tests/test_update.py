@@ -367,7 +367,7 @@ def test_update_grid_snapshots_match_separate_runs(layout, batches):
     )
     assert lazy == rows  # same rows, same column order
     assert [list(r) for r in lazy] == [list(r) for r in rows]
-    assert loaded == ["F", "G", "rho", "F", "G"]  # each ranked predictor once, then F and G for the rules
+    assert loaded == ["F", "G", "rho", "G", "F"]  # each ranked predictor once, then G and F for the rules
 
 
 def test_changed_sets_counts_per_tensor(layout):
