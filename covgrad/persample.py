@@ -37,11 +37,11 @@ from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.rules import FLATTENING_PARENTS, Call, Rule, float_outputs, rule_for
 
-# Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
-# because the batched reference gradient itself is accumulated in bf16/fp16.
 # Largest per-sample block buffer kept for reuse (every decoder-layer block of a ~1B model fits).
 _POOL_MAX_BYTES = 256 << 20
 
+# Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
+# because the batched reference gradient itself is accumulated in bf16/fp16.
 _CHECK_RTOL = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
