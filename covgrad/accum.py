@@ -47,6 +47,11 @@ STATE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # in cache; accelerators: large enough that a step is a few big kernels.
 _FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}
 
+# Columns per call of the compiled fold: its kernel keeps per-column sums of every half (6 × columns × 8
+# bytes), so a tied embedding's block (V × H columns, 28M for SmolLM2) is folded in tiles of 32 MiB of sums
+# instead of 1.4 GB at once. Every column's arithmetic is the same whatever the tile (tested bit for bit).
+_COMPILED_COLUMNS = 1 << 22
+
 # Samples already in the state × P from which the compiled fold runs by default: ~4.3e9 element-folds,
 # 10-20 s of eager folding on a CPU, about what a compile costs. The demo (N·P ≈ 6e7) never compiles.
 _COMPILE_AFTER = 1 << 32
@@ -199,10 +204,15 @@ class MomentAccumulator:
                 f"and P={self.P}"
             )
         block = block.reshape(B, n)
-        if batch.compiled and self._compile_from is not None and self._fold_compiled(batch, offset, block):
-            return
+        done = 0  # columns folded by the compiled kernel, tile by tile (all of them unless compiling fails)
+        if batch.compiled:
+            while done < n and self._compile_from is not None:
+                tile = block[:, done : done + _COMPILED_COLUMNS]
+                if not self._fold_compiled(batch, offset + done, tile):
+                    break
+                done += tile.shape[1]
         step = max(1, self._fold_elements // B)
-        for j in range(0, n, step):
+        for j in range(done, n, step):
             self._fold_columns(batch, offset + j, block[:, j : j + step])
 
     def _fold_compiled(self, batch: _Batch, offset: int, block: Tensor) -> bool:

@@ -26,7 +26,6 @@ vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layo
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 import torch
@@ -34,8 +33,12 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from covgrad.accum import MomentAccumulator
+from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.rules import FLATTENING_PARENTS, Call, Rule, float_outputs, rule_for
+
+# Largest per-sample block buffer kept for reuse (every decoder-layer block of a ~1B model fits).
+_POOL_MAX_BYTES = 256 << 20
 
 # Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
 # because the batched reference gradient itself is accumulated in bf16/fp16.
@@ -171,13 +174,18 @@ class PerSampleGrads:
         self._B = 0
         self._out: Tensor | None = None
         self._acc: MomentAccumulator | None = None
-        self._sums: dict[str, Tensor] | None = None
+        self._check: _Check | None = None
         self._written: set[str] = set()
         self._folded: set[str] = set()
         self._pending: dict[str, int] = {}  # module calls whose backward contribution is still to come
+        # Fused reduction without rows: rule calls held back until their tensors' last contribution, with the
+        # tensors they write (a tied embedding's LM-head product waits for the embedding's rows).
+        self._deferred: list[tuple[Callable[[], None], tuple[str, ...]]] = []
         self._blocks: dict[str, Tensor] = {}  # in-flight per-sample blocks (fused reduction without rows)
         # Flat float32 buffers of finished blocks, reused by the next ones: fresh large host allocations
-        # page-fault on first touch (about as slow as the products themselves on a CPU).
+        # page-fault on first touch (about as slow as the products themselves on a CPU). Buffers above
+        # _POOL_MAX_BYTES (a tied embedding's block) are freed instead: kept, they would sit idle through
+        # every forward and backward, when the activations peak.
         self._pool: list[Tensor] = []
         self._roots: list[Tensor] = []
 
@@ -217,9 +225,12 @@ class PerSampleGrads:
             out = torch.empty(B, self.layout.P, dtype=torch.float32, device=device)
         else:
             self._check_out(out, B, device)
+        check = self._reference(inputs, dlogits_fn) if self.check else None
         scores = self._per_sample(inputs, dlogits_fn, out)
-        if self.check:
-            self._self_check(inputs, dlogits_fn, partial(_column_sums, scores))
+        if check is not None:
+            for e in self.layout.entries:
+                check.compare(e, _column_sums(scores[:, e.offset : e.offset + e.numel]))
+            check.raise_first()
             self.check = False
         return scores
 
@@ -261,16 +272,17 @@ class PerSampleGrads:
             )
         if out is not None:
             self._check_out(out, B, device)
-        sums: dict[str, Tensor] | None = {} if self.check else None
+        check = self._reference(inputs, dlogits_fn) if self.check else None
+        release_free_memory()
         acc.begin_batch(advantages, half)
         try:
-            self._per_sample(inputs, dlogits_fn, out, acc, sums)
+            self._per_sample(inputs, dlogits_fn, out, acc, check)
         except BaseException:
             acc.abort_batch()
             raise
         acc.end_batch()
-        if sums is not None:
-            self._self_check(inputs, dlogits_fn, lambda e: sums[e.name])
+        if check is not None:
+            check.raise_first()
             self.check = False
 
     def _checked_inputs(
@@ -306,10 +318,10 @@ class PerSampleGrads:
         dlogits_fn: Callable[[Tensor], Tensor],
         out: Tensor | None,
         acc: MomentAccumulator | None = None,
-        sums: dict[str, Tensor] | None = None,
+        check: _Check | None = None,
     ) -> Tensor | None:
         B = inputs["input_ids"].shape[0]
-        self._B, self._out, self._acc, self._sums = B, out, acc, sums
+        self._B, self._out, self._acc, self._check = B, out, acc, check
         flags = [(p, p.requires_grad) for p in self.model.parameters()]
         handles = []
         try:
@@ -323,6 +335,7 @@ class PerSampleGrads:
                 if self._roots:
                     dlogits = _checked_dlogits(dlogits_fn, logits)
                     torch.autograd.grad(logits, self._roots, dlogits.to(logits.dtype), allow_unused=True)
+            self._flush_deferred(None)
             for e in self.layout.entries:
                 if e.name not in self._written and out is not None:  # the parameter does not reach the logits
                     out[:, e.offset : e.offset + e.numel].zero_()
@@ -334,8 +347,9 @@ class PerSampleGrads:
                 h.remove()
             for p, flag in flags:
                 p.requires_grad_(flag)
-            self._out, self._acc, self._sums, self._roots = None, None, None, []
+            self._out, self._acc, self._check, self._roots = None, None, None, []
             self._written, self._folded, self._pending, self._blocks = set(), set(), {}, {}
+            self._deferred = []
 
     def _block(self, entry: TensorEntry) -> Tensor:
         """The (B, numel) float32 per-sample block of ``entry``: a view of the output rows, or its own
@@ -367,21 +381,50 @@ class PerSampleGrads:
         if entry.name not in self._written:
             block.zero_()
         self._acc.fold(entry.offset, block)
-        if self._sums is not None:
-            self._sums[entry.name] = block.sum(0, dtype=torch.float64)
+        if self._check is not None:
+            self._check.compare(entry, _column_sums(block))
         if entry.name in self._blocks:
-            self._pool.append(self._blocks.pop(entry.name)._base)
+            buf = self._blocks.pop(entry.name)._base
+            if buf.numel() * buf.element_size() <= _POOL_MAX_BYTES:
+                self._pool.append(buf)
         self._folded.add(entry.name)
 
     def _run_rule(self, apply: Callable[[], None], local: dict[str, TensorEntry]) -> None:
-        """Run a rule (``apply``); in the fused reduction, fold every tensor whose last contribution this was."""
-        apply()
+        """Run a rule (``apply``); in the fused reduction, fold every tensor whose last contribution this was.
+
+        In the fused reduction without rows, a call none of whose tensors is complete with it (each has a
+        contribution still to come: a tied or repeated module) is held back, with its saved input and output
+        gradient, until one of them gets its last contribution; then the held calls run first, in their
+        order, so the sums are the same as without holding. A tied embedding's (B, V, H) block thus exists
+        only from the embedding's gradient (the end of the backward) to its fold, not through the whole
+        backward alongside the activations and logits.
+        """
         if self._acc is None:
+            apply()
             return
+        names = tuple(entry.name for entry in local.values())
+        for name in names:
+            self._pending[name] -= 1
+        if self._out is None and all(self._pending[name] > 0 for name in names):
+            self._deferred.append((apply, names))
+            return
+        if self._deferred:
+            release_free_memory()  # the backward's freed activations, before the held-back blocks are made
+        self._flush_deferred(set(names))
+        apply()
         for entry in local.values():
-            self._pending[entry.name] -= 1
             if self._pending[entry.name] == 0:
                 self._fold(entry)
+
+    def _flush_deferred(self, names: set[str] | None) -> None:
+        """Run the held-back calls that write any tensor of ``names`` (all of them when None), in order."""
+        keep = []
+        for apply, written in self._deferred:
+            if names is None or names.intersection(written):
+                apply()
+            else:
+                keep.append((apply, written))
+        self._deferred = keep
 
     def _forward_hook(self, B: int, rule: Rule, local: dict[str, TensorEntry]) -> Callable:
         """Forward hook: save the input, make the output a graph root if needed, hook its gradient."""
@@ -455,33 +498,55 @@ class PerSampleGrads:
 
         return hook
 
-    def _self_check(
-        self,
-        inputs: dict[str, Tensor | None],
-        dlogits_fn: Callable[[Tensor], Tensor],
-        summed_of: Callable[[TensorEntry], Tensor],
-    ) -> None:
-        """Raise unless Σ_n s_n (``summed_of(entry)``, (numel,) float64) matches the batched autograd
-        gradient for every selected tensor."""
+    def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> _Check:
+        """The self-check's reference: the batched autograd gradient of the summed objective (one extra
+        forward and backward, before the per-sample pass), compared tensor by tensor as each one's
+        per-sample block completes and dropped then, so it never holds more than the model's gradient."""
         with torch.enable_grad():
             logits = self.model(**inputs, use_cache=False).logits
             dlogits = _checked_dlogits(dlogits_fn, logits).to(logits.dtype)
             grads = torch.autograd.grad(logits, self._params, dlogits, allow_unused=True)
+        return _Check(self.layout, self._params, grads)
+
+
+class _Check:
+    """The self-check of one batch: Σ_n s_n of every selected tensor against the batched gradient.
+
+    ``compare(entry, summed)`` takes the tensor's (numel,) float64 sum of per-sample gradients, compares it
+    with the reference within the dtype's tolerance and drops the reference; ``raise_first`` raises the
+    first mismatch (a ValueError naming the parameter) once the batch is done.
+
+    Args:
+        layout: the selected parameters.
+        params: the model's parameter of each layout entry, in layout order.
+        grads: the batched gradient of each (None where the parameter does not reach the logits).
+    """
+
+    def __init__(self, layout: ParamLayout, params: list[Tensor], grads: tuple[Tensor | None, ...]) -> None:
         # A tensor whose exact gradient is zero (a key bias: the softmax ignores a shift shared by all keys)
         # holds only rounding noise; it is compared against 1e-4 of the whole gradient's norm instead.
-        floor = 1e-4 * float(sum(float(g.double().norm()) ** 2 for g in grads if g is not None) ** 0.5)
-        for e, p, g in zip(self.layout.entries, self._params, grads, strict=True):
-            summed = summed_of(e)
-            ref = torch.zeros_like(summed) if g is None else g.detach().reshape(-1).to(torch.float64)
-            err = float((summed - ref).norm())
-            scale = max(float(ref.norm()), float(summed.norm()), floor)
-            rtol = _CHECK_RTOL.get(p.dtype, 1e-4)
-            if err > rtol * scale:
-                raise ValueError(
-                    f"self-check failed for parameter {e.name!r}: the summed per-sample gradient differs "
-                    f"from the batched gradient by {err / scale:.3g} (relative, tolerance {rtol:g}); its "
-                    "module's forward does not match the per-sample rule"
-                )
+        self.floor = 1e-4 * float(sum(float(g.double().norm()) ** 2 for g in grads if g is not None) ** 0.5)
+        self.refs = {e.name: (p.dtype, g) for e, p, g in zip(layout.entries, params, grads, strict=True)}
+        self.error: str | None = None
+
+    def compare(self, entry: TensorEntry, summed: Tensor) -> None:
+        """Check one tensor's summed per-sample gradient (numel,) float64 and drop its reference."""
+        dtype, g = self.refs.pop(entry.name)
+        ref = torch.zeros_like(summed) if g is None else g.detach().reshape(-1).to(torch.float64)
+        err = float((summed - ref).norm())
+        scale = max(float(ref.norm()), float(summed.norm()), self.floor)
+        rtol = _CHECK_RTOL.get(dtype, 1e-4)
+        if err > rtol * scale and self.error is None:
+            self.error = (
+                f"self-check failed for parameter {entry.name!r}: the summed per-sample gradient differs "
+                f"from the batched gradient by {err / scale:.3g} (relative, tolerance {rtol:g}); its "
+                "module's forward does not match the per-sample rule"
+            )
+
+    def raise_first(self) -> None:
+        """Raise the first mismatch found, if any."""
+        if self.error is not None:
+            raise ValueError(self.error)
 
 
 class _Tap(torch.autograd.Function):
@@ -499,9 +564,10 @@ class _Tap(torch.autograd.Function):
         return (None, *grads)
 
 
-def _column_sums(scores: Tensor, entry: TensorEntry) -> Tensor:
-    """Σ over samples of ``entry``'s columns of (B, P) scores, (numel,) float64."""
-    return scores[:, entry.offset : entry.offset + entry.numel].sum(0, dtype=torch.float64)
+def _column_sums(block: Tensor, columns: int = 1 << 20) -> Tensor:
+    """Σ over samples of a (B, n) float32 block, (n,) float64, in column chunks: ``sum(0, dtype=float64)``
+    converts the whole block to float64 first (B × n × 8 bytes: 3.6 GB for a tied embedding at B = 16)."""
+    return torch.cat([block[:, j : j + columns].sum(0, dtype=torch.float64) for j in range(0, block.shape[1], columns)])
 
 
 def _checked_dlogits(dlogits_fn: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:

@@ -220,19 +220,51 @@ class TokenBackward:
         """``grads`` as one contiguous (R·B, numel) float32 block per layout entry, in layout order (no copy:
         the rules write each block in place, which a strided column slice of an (R·B, P) matrix would not allow).
         """
-        R = cot.shape[0]
-        if cot.shape[1:] != self.logits.shape:
-            raise ValueError(f"cot must have shape (R, *{tuple(self.logits.shape)}); got {tuple(cot.shape)}")
-        RB = R * self.B
+        RB = cot.shape[0] * self.B
         if self._repeat is not None:
-            ids, attn, pos = (t.repeat(R, 1) for t in self._inputs)  # row r·B + n is sample n
-            rows = cot.reshape(RB, *self.logits.shape[1:])
-            out = self._repeat(ids, attn, lambda z: rows, position_ids=pos)  # (R·B, P)
+            out = self._repeated(cot)
             return [out[:, e.offset : e.offset + e.numel].contiguous() for e in self.layout.entries]
         flat = torch.empty(RB * self.layout.P, dtype=torch.float32, device=self.logits.device)
         blocks = {
             e.name: flat[RB * e.offset : RB * (e.offset + e.numel)].view(RB, e.numel) for e in self.layout.entries
         }
+        written = self._apply_rules(cot, head, lambda e: blocks[e.name])
+        for e in self.layout.entries:
+            if e.name not in written:
+                blocks[e.name].zero_()
+        return list(blocks.values())
+
+    def add_grads_(self, out: Tensor, cot: Tensor) -> Tensor:
+        """``out += grads(cot)`` in place, for ``out`` (R·B, P) float32 rows (row r·B + n: row r, sample n),
+        without a second (R·B, P) buffer; the LM head weight is taken from the backward. Returns ``out``."""
+        RB = cot.shape[0] * self.B
+        if out.shape != (RB, self.layout.P) or out.dtype != torch.float32:
+            raise ValueError(f"out must be float32 ({RB}, {self.layout.P}); got {out.dtype} {tuple(out.shape)}")
+        if self._repeat is not None:
+            return out.add_(self._repeated(cot))
+        self._apply_rules(cot, True, lambda e: out[:, e.offset : e.offset + e.numel], accumulate=True)
+        return out
+
+    def _repeated(self, cot: Tensor) -> Tensor:
+        """The repeated-batch path: (R·B, P) per-sample gradients of the R cotangents from PerSampleGrads."""
+        self._check_cot(cot)
+        R = cot.shape[0]
+        ids, attn, pos = (t.repeat(R, 1) for t in self._inputs)  # row r·B + n is sample n
+        rows = cot.reshape(R * self.B, *self.logits.shape[1:])
+        return self._repeat(ids, attn, lambda z: rows, position_ids=pos)
+
+    def _check_cot(self, cot: Tensor) -> None:
+        if cot.shape[1:] != self.logits.shape:
+            raise ValueError(f"cot must have shape (R, *{tuple(self.logits.shape)}); got {tuple(cot.shape)}")
+
+    def _apply_rules(
+        self, cot: Tensor, head: bool, block_of: Callable[[TensorEntry], Tensor], accumulate: bool = False
+    ) -> set[str]:
+        """One (batched) backward of ``cot`` (R, B, L, V) and every hooked module's rule, writing entry e's
+        (R·B, numel) rows into ``block_of(e)`` (added to it when ``accumulate``); returns the names written."""
+        self._check_cot(cot)
+        R = cot.shape[0]
+        RB = R * self.B
         written: set[str] = set()
         skip = None if head or self.head_entry is None else self.head_entry.name
         if R == 1:  # a plain backward: no vmap, whose fallback loops over ops without a batching rule
@@ -257,16 +289,13 @@ class TokenBackward:
                 entry = local.get(name)
                 if entry is None or entry.name == skip:
                     return None
-                first = entry.name not in written
+                first = entry.name not in written and not accumulate
                 written.add(entry.name)
-                return blocks[entry.name].view(RB, *entry.shape), first
+                return block_of(entry).view(RB, *entry.shape), first
 
             xr = x.expand(R, *x.shape).reshape(RB, *x.shape[1:])
             rule(module, xr, g.reshape(RB, *g.shape[2:]), slot)
-        for e in self.layout.entries:
-            if e.name not in written:
-                blocks[e.name].zero_()
-        return list(blocks.values())
+        return written
 
 
 def _check_rows(

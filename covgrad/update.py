@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
+from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, parameters_flat
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -37,6 +39,13 @@ ADAM_EPS = 1e-8  # torch.optim.Adam / AdamW default, used by the optimizer and b
 BATCH_KEYS = ("input_ids", "attention_mask", "response_mask", "advantages")
 RANKED_PREDICTORS = ("F", "absG", "absrho", "random", "smallw")
 METRICS = ("bf16", "abs")
+RULES = ("absorb", "bound")
+CHUNK = 1 << 24  # parameters per elementwise step over the flat axis: bounds the float64 temporaries
+SET_STATS = ("precision", "recall", "jaccard", "size")
+
+# A (P,) statistic, or a function that loads it: update_grid loads each one when a predictor needs it and
+# drops it after, so a large P holds at most one statistic at a time.
+Stat = torch.Tensor | Callable[[], torch.Tensor]
 
 
 def bf16_half_spacing(w: torch.Tensor) -> torch.Tensor:
@@ -105,21 +114,56 @@ def mask_from_order(order: torch.Tensor, k: int) -> torch.Tensor:
     return mask
 
 
-def ranking_orders(
-    start: torch.Tensor, F: torch.Tensor, G: torch.Tensor, rho: torch.Tensor, seed: int
-) -> dict[str, torch.Tensor]:
-    """Orders of the ranked predictors: F, |G|, |ρ| descending, a seeded random permutation, |w| ascending.
+def top_k_masks(values: torch.Tensor, ks: Sequence[int], largest: bool = True) -> Iterator[torch.Tensor]:
+    """``mask_from_order(rank_order(values, largest), k)`` for each k of ``ks``, (P,) bool each, in order,
+    without the (P,) int64 order: the k-th value t by one partition, then every value strictly better
+    than t and the lowest-index values equal to t (ties to the lowest index, NaN worst).
 
-    All inputs are (P,); ``start`` is the weight value w. Returns name -> (P,) int64 order.
+    Memory: one float64 copy of ``values`` (partitioned for the k-th values, then restored) and one mask.
     """
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "F": rank_order(F),
-        "absG": rank_order(G.abs()),
-        "absrho": rank_order(rho.abs()),
-        "random": torch.randperm(start.numel(), generator=generator),
-        "smallw": rank_order(start.abs(), largest=False),
-    }
+    if values.dim() != 1:
+        raise ValueError(f"top_k_masks needs a flat (P,) tensor, got shape {tuple(values.shape)}")
+    P = values.numel()
+    bad = [k for k in ks if not 0 <= k <= P]
+    if bad:
+        raise ValueError(f"top_k_masks: k = {bad[0]} is outside [0, {P}]")
+    worst = float("-inf") if largest else float("inf")
+    clean = values.to(torch.float64, copy=True)
+
+    def cleaned() -> torch.Tensor:
+        return clean.nan_to_num_(nan=worst, posinf=float("inf"), neginf=float("-inf"))
+
+    where = {k: P - k if largest else k - 1 for k in ks if k > 0}  # the k-th best's index in ascending order
+    if where:
+        part = cleaned().numpy()
+        part.partition(sorted(set(where.values())))  # in place: clean's order is restored below
+        kth = {k: float(part[i]) for k, i in where.items()}
+        clean.copy_(values)
+        cleaned()
+    for k in ks:
+        if k == 0:
+            yield torch.zeros(P, dtype=torch.bool)
+            continue
+        t = kth[k]
+        mask = clean > t if largest else clean < t
+        need = k - int(mask.sum())  # ≥ 1: t itself is among the k best
+        tied = clean == t
+        last = _nth_true(tied, need)
+        mask[: last + 1] |= tied[: last + 1]
+        del tied
+        yield mask
+
+
+def _nth_true(mask: torch.Tensor, n: int) -> int:
+    """Index of the n-th (1-based) True entry of a (P,) bool mask, counted in chunks of ``CHUNK``."""
+    seen = 0
+    for lo in range(0, mask.numel(), CHUNK):
+        part = mask[lo : lo + CHUNK]
+        count = int(part.sum())
+        if seen + count >= n:
+            return lo + int(torch.nonzero(part).flatten()[n - seen - 1])
+        seen += count
+    raise ValueError(f"the mask holds {seen} True entries, fewer than {n}")
 
 
 def rule_masks(
@@ -142,12 +186,23 @@ def rule_masks(
     exact only for ``steps == 1``.
     """
     _check_optimizer(optimizer)
-    half = bf16_half_spacing(start).double()
-    absG = G.double().abs()
+    masks = {"absorb": _rule_mask("absorb", start, G, adv_rms, optimizer, lr, steps)}
     if optimizer == "sgd":
-        bound = lr * adv_rms * F.double().clamp(min=0).sqrt()
-        return {"absorb": steps * lr * absG >= half, "bound": steps * bound >= half}
-    return {"absorb": steps * lr * absG / (absG + ADAM_EPS) >= half}
+        masks["bound"] = _rule_mask("bound", start, F, adv_rms, optimizer, lr, steps)
+    return masks
+
+
+def _rule_mask(
+    rule: str, start: torch.Tensor, stat: torch.Tensor, adv_rms: float, optimizer: str, lr: float, steps: int
+) -> torch.Tensor:
+    """One rule of :func:`rule_masks` from the one statistic it reads: G for ``absorb``, F for ``bound``."""
+    half = bf16_half_spacing(start).double()
+    if rule == "bound":
+        return steps * (lr * adv_rms * stat.double().clamp(min=0).sqrt()) >= half
+    absG = stat.double().abs()
+    if optimizer == "sgd":
+        return steps * lr * absG >= half
+    return steps * lr * absG / (absG + ADAM_EPS) >= half
 
 
 def matched_sgd_lr(start: torch.Tensor, G: torch.Tensor, adam_lr: float) -> float:
@@ -207,8 +262,10 @@ def run_update_cell(
     (bf16(end) != bf16(start)) and ``changed_abs`` (|end - start| > 1e-5 in float32), (P,) bool, and
     ``per_tensor``: one dict per layout entry with name, numel, changed_bf16, changed_abs counts.
     """
-    start, ends = _train(model_fn, layout, batches, optimizer, precision, lr, (steps,), fresh_minibatches)
-    return {"start": start, "end": ends[steps], **changed_sets(layout, start, ends[steps])}
+    snapshots = _train(model_fn, layout, batches, optimizer, precision, lr, (steps,), fresh_minibatches)
+    start = parameters_flat(next(snapshots)[1], layout).float()
+    end = parameters_flat(next(snapshots)[1], layout).float()
+    return {"start": start, "end": end, **changed_sets(layout, start, end)}
 
 
 def changed_sets(layout: ParamLayout, start: torch.Tensor, end: torch.Tensor) -> dict:
@@ -231,9 +288,9 @@ def update_grid(
     model_fn: Callable[[], nn.Module],
     layout: ParamLayout,
     batches: Sequence[Mapping[str, torch.Tensor]],
-    F: torch.Tensor,
-    G: torch.Tensor,
-    rho: torch.Tensor,
+    F: Stat,
+    G: Stat,
+    rho: Stat,
     adv_rms: float,
     *,
     optimizers: Sequence[str] = ("adam", "sgd"),
@@ -246,35 +303,39 @@ def update_grid(
 ) -> list[dict]:
     """Run every (optimizer, precision, lr) cell once for max(steps) steps, snapshotting at each of ``steps``.
 
-    ``F``, ``G``, ``rho``: (P,) statistics from the stats stage (F = mean(s²), G = mean(A·s), ρ);
-    ``adv_rms``: sqrt(mean A²) of the samples they came from. Adam and AdamW use ``adam_lrs``; SGD uses
-    ``sgd_lrs`` or, when None, ``matched_sgd_lr`` of each Adam lr (a comparable changed fraction).
+    ``F``, ``G``, ``rho``: (P,) statistics from the stats stage (F = mean(s²), G = mean(A·s), ρ), each a
+    tensor or a function that loads it; ``adv_rms``: sqrt(mean A²) of the samples they came from. Adam and
+    AdamW use ``adam_lrs``; SGD uses ``sgd_lrs`` or, when None, ``matched_sgd_lr`` of each Adam lr (a
+    comparable changed fraction).
+
+    Memory (P = 134.5M in float32 is 0.54 GB per (P,) float32 vector): every cell trains first, keeping
+    only its changed sets, bit-packed (P/8 bytes each); the predictors are evaluated after, one at a time
+    (one statistic loaded, top-k sets from one partition, :func:`top_k_masks`), and the rules in chunks of
+    the flat axis, so no (P,) int64 order and no two statistics are held at once.
 
     Returns one flat row per (optimizer, precision, lr, steps): the cell parameters, ``P``,
     ``n_changed_{m}`` and ``frac_changed_{m}`` (global, i.e. numel-weighted) for m in (bf16, abs), and
     ``{m}_{predictor}_{precision|recall|jaccard|size}`` for the ranked predictors F, absG, absrho,
     random, smallw (each of size k = n_changed_{m}) and the rules absorb and, for SGD, bound.
     """
-    for name, stat in (("F", F), ("G", G), ("rho", rho)):
-        if stat.shape != (layout.P,):
-            raise ValueError(f"update_grid: {name} has shape {tuple(stat.shape)}, expected ({layout.P},) = layout.P")
     for opt in optimizers:
         _check_optimizer(opt)
     if not steps or min(steps) < 1:
         raise ValueError(f"update_grid: steps must be a non-empty list of positive step counts, got {list(steps)}")
     start = _bf16_start(model_fn, layout)
-    orders = ranking_orders(start, F, G, rho, seed)
     if sgd_lrs is None:
-        sgd_lrs = [matched_sgd_lr(start, G, lr) for lr in adam_lrs]
-    rows = []
+        G_values = _stat("G", G, layout.P)
+        sgd_lrs = [matched_sgd_lr(start, G_values, lr) for lr in adam_lrs]
+        del G_values
+    rows: list[dict] = []
+    changed: list[dict[str, np.ndarray]] = []  # per row: metric -> packed (P,) changed mask
     for optimizer, precision in itertools.product(optimizers, precisions):
         for lr in sgd_lrs if optimizer == "sgd" else adam_lrs:
-            cell_start, ends = _train(model_fn, layout, batches, optimizer, precision, lr, steps, fresh_minibatches)
-            if not torch.equal(cell_start, start):
+            snapshots = _train(model_fn, layout, batches, optimizer, precision, lr, steps, fresh_minibatches)
+            if not _equal_on_layout(next(snapshots)[1], layout, start):
                 raise ValueError("update_grid: model_fn built different weights on two calls; seed it inside model_fn")
-            for n_steps in sorted(set(steps)):
-                changed = changed_sets(layout, start, ends[n_steps])
-                rules = rule_masks(start, F, G, adv_rms, optimizer, lr, n_steps)
+            for n_steps, work in snapshots:
+                masks = _changed_masks(work, layout, start)
                 row = {
                     "optimizer": optimizer,
                     "precision": precision,
@@ -284,16 +345,111 @@ def update_grid(
                     "P": layout.P,
                 }
                 for metric in METRICS:
-                    true = changed[f"changed_{metric}"]
-                    k = int(true.sum())
+                    k = int(masks[metric].sum())
                     row[f"n_changed_{metric}"] = k
                     row[f"frac_changed_{metric}"] = k / layout.P
-                    predicted = {name: mask_from_order(order, k) for name, order in orders.items()} | rules
-                    for name, pred in predicted.items():
-                        for stat, value in set_metrics(pred, true).items():
-                            row[f"{metric}_{name}_{stat}"] = value
+                    names = (*RANKED_PREDICTORS, *(RULES if optimizer == "sgd" else RULES[:1]))
+                    row.update({f"{metric}_{name}_{stat}": None for name in names for stat in SET_STATS})
                 rows.append(row)
+                changed.append({m: np.packbits(masks[m].numpy()) for m in METRICS})
+            del snapshots, work, masks
+            release_free_memory()  # the cell's model, gradients and optimizer state, before the next cell
+    _score_ranked(rows, changed, start, F, G, rho, seed, layout.P)
+    _score_rules(rows, changed, start, F, G, adv_rms, layout.P)
     return rows
+
+
+def _stat(name: str, stat: Stat, P: int) -> torch.Tensor:
+    """The (P,) statistic ``stat`` (loaded when it is a function)."""
+    values = stat() if callable(stat) else stat
+    if values.shape != (P,):
+        raise ValueError(f"update_grid: {name} has shape {tuple(values.shape)}, expected ({P},) = layout.P")
+    return values
+
+
+def _unpacked(packed: np.ndarray, P: int) -> torch.Tensor:
+    """A (P,) bool mask from its ``np.packbits`` form."""
+    return torch.from_numpy(np.unpackbits(packed, count=P).view(np.bool_))
+
+
+def _score_ranked(
+    rows: list[dict],
+    changed: list[dict[str, np.ndarray]],
+    start: torch.Tensor,
+    F: Stat,
+    G: Stat,
+    rho: Stat,
+    seed: int,
+    P: int,
+) -> None:
+    """Fill the ranked predictors' set metrics of every row and metric: the top-k sets by F, |G|, |ρ|
+    (descending), a seeded random permutation and |w| ascending, k = the row's changed count."""
+    cases = [(i, m) for i in range(len(rows)) for m in METRICS]
+    ks = [rows[i][f"n_changed_{m}"] for i, m in cases]
+
+    def masks(name: str) -> Iterator[torch.Tensor]:  # owns its predictor's values: freed when exhausted
+        if name == "random":
+            order = torch.randperm(P, generator=torch.Generator().manual_seed(seed))
+            yield from (mask_from_order(order, k) for k in ks)
+        elif name == "smallw":
+            yield from top_k_masks(start.abs(), ks, largest=False)
+        elif name == "F":
+            yield from top_k_masks(_stat("F", F, P), ks)
+        else:
+            yield from top_k_masks(_stat(name[3:], G if name == "absG" else rho, P).abs(), ks)
+
+    for name in RANKED_PREDICTORS:
+        for (i, metric), pred in zip(cases, masks(name), strict=True):
+            true = _unpacked(changed[i][metric], P)
+            for stat, value in set_metrics(pred, true).items():
+                rows[i][f"{metric}_{name}_{stat}"] = value
+
+
+def _score_rules(
+    rows: list[dict],
+    changed: list[dict[str, np.ndarray]],
+    start: torch.Tensor,
+    F: Stat,
+    G: Stat,
+    adv_rms: float,
+    P: int,
+) -> None:
+    """Fill the rules' set metrics of every row (:func:`rule_masks`, rule by rule with the one statistic
+    each reads loaded, evaluated in chunks of the flat axis)."""
+    for rule, name, stat in (("absorb", "G", G), ("bound", "F", F)):
+        values = _stat(name, stat, P)
+        for row, packed in zip(rows, changed, strict=True):
+            if rule == "bound" and row["optimizer"] != "sgd":
+                continue
+            args = (adv_rms, row["optimizer"], row["lr"], row["steps"])
+            chunks = (slice(lo, lo + CHUNK) for lo in range(0, P, CHUNK))
+            pred = torch.cat([_rule_mask(rule, start[c], values[c], *args) for c in chunks])
+            for metric in METRICS:
+                for key, value in set_metrics(pred, _unpacked(packed[metric], P)).items():
+                    row[f"{metric}_{rule}_{key}"] = value
+        del values
+
+
+def _equal_on_layout(model: nn.Module, layout: ParamLayout, values: torch.Tensor) -> bool:
+    """Whether the model's selected parameters, as float32, equal the (P,) float32 ``values``."""
+    params = dict(model.named_parameters())
+    return all(
+        torch.equal(params[e.name].detach().reshape(-1).float(), values[e.offset : e.offset + e.numel])
+        for e in layout.entries
+    )
+
+
+def _changed_masks(model: nn.Module, layout: ParamLayout, start: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``changed_sets``' masks of (P,) ``start`` -> the model's selected parameters, filled tensor by tensor
+    (no (P,) copy of the parameters): metric -> (P,) bool."""
+    params = dict(model.named_parameters())
+    masks = {m: torch.empty(layout.P, dtype=torch.bool) for m in METRICS}
+    for e in layout.entries:
+        cols = slice(e.offset, e.offset + e.numel)
+        end = params[e.name].detach().reshape(-1).float()
+        torch.ne(start[cols].to(torch.bfloat16), end.to(torch.bfloat16), out=masks["bf16"][cols])
+        masks["abs"][cols] = (end - start[cols]).abs() > ABS_THRESHOLD
+    return masks
 
 
 def _train(
@@ -305,8 +461,9 @@ def _train(
     lr: float,
     snapshots: Sequence[int],
     fresh_minibatches: bool,
-) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """One run of max(snapshots) steps: the (P,) float32 start and the values after each snapshot step."""
+) -> Iterator[tuple[int, nn.Module]]:
+    """One run of max(snapshots) steps: yields (0, model) at the start, then (n, model) after each snapshot
+    step n, in order; the model is the analysed one (its parameters change once the generator resumes)."""
     _check_optimizer(optimizer)
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
@@ -332,8 +489,7 @@ def _train(
     ]
     opt = _make_optimizer(optimizer, [pm for pm, _ in pairs], lr)
 
-    start = parameters_flat(work, layout).float()
-    ends = {}
+    yield 0, work
     for step in range(1, max(snapshots) + 1):
         batch = batches[(step - 1) % len(batches)] if fresh_minibatches else batches[0]
         work.zero_grad(set_to_none=True)
@@ -349,8 +505,7 @@ def _train(
                 for pm, pw in pairs:
                     pw.copy_(pm)  # round-to-nearest-even cast of the master
         if step in snapshots:
-            ends[step] = parameters_flat(work, layout).float()
-    return start, ends
+            yield step, work
 
 
 def _bf16_rounded_model(model_fn: Callable[[], nn.Module], layout: ParamLayout) -> nn.Module:

@@ -175,7 +175,10 @@ def run_stage(
 class PeakRSS:
     """Context manager: the largest resident set size (bytes) of this process while the block runs,
     sampled every ``interval`` seconds by a daemon thread (``peak`` after exit). Work done in other
-    processes (dask workers at ``dask.address``) is not included."""
+    processes is not included: the pipeline's scores stage runs its parameter blocks one after another in
+    this process (so its peak covers them), the sharded scores flow measures each job in its worker
+    (``tasks.shards.run_job``) and records the largest, and a stats stage reduced on the dask.distributed
+    scheduler at ``dask.address`` reports only this process."""
 
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval

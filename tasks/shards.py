@@ -39,7 +39,7 @@ from covgrad.config import PipelineConfig
 from covgrad.layout import select_parameters
 from covgrad.shardplan import ModelShape, ShardPlan, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore
-from tasks.common import check_spec
+from tasks.common import PeakRSS, check_spec
 from tasks.scores import ScoresJob
 from tasks.specs import ScoresSpec, Step, plan
 
@@ -126,17 +126,20 @@ def run_job(
     shards: tuple[int, int],
     job: tuple[int, int],
     torch_threads: int,
-) -> tuple[int, int]:
+) -> tuple[tuple[int, int], int]:
     """On a worker: compute ``job`` = (sample shard, block) of the store at ``ref`` with ``torch_threads``
-    threads; return ``job``."""
+    threads; return ``job`` and the peak resident memory (bytes) of the worker process while it ran."""
     torch.set_num_threads(torch_threads)
-    ScoresJob(ArtifactStore(ref.root), ref, spec, upstream, shards=shards).run(job)
-    return job
+    with PeakRSS() as rss:
+        ScoresJob(ArtifactStore(ref.root), ref, spec, upstream, shards=shards).run(job)
+    return job, rss.peak
 
 
 def run_sharded(config: PipelineConfig, instance: str, client: Client, torch_threads: int = 1) -> dict[str, Any]:
     """Compute scores instance ``instance`` as its S × K jobs on ``client``'s workers; return
-    ``{"key", "computed", "shards"}``. ``"auto"`` blocks are resolved for devices like this process's."""
+    ``{"key", "computed", "shards"}`` and, when computed, ``peak_rss_bytes``: the largest peak resident memory
+    of the worker processes over their jobs (also in the completion marker, with each job's), since the
+    work is not done in this process. ``"auto"`` blocks are resolved for devices like this process's."""
     if torch_threads < 1:
         raise ValueError(f"torch_threads {torch_threads} must be at least 1")
     step = _shard_step(config, instance)
@@ -167,12 +170,14 @@ def run_sharded(config: PipelineConfig, instance: str, client: Client, torch_thr
             )
             for j in job.jobs()
         ]
-        client.gather(futures)
+        peaks = dict(client.gather(futures))
         extra = job.finalize()
         if extra is None:
             raise RuntimeError(f"scores {ref.key}: jobs still pending after all {len(futures)} returned")
-        store.complete(ref, claim, extra)
-    return {"key": ref.key, "computed": True, "shards": list(shards)}
+        peak = max(peaks.values())
+        jobs = {f"{i},{k}": p for (i, k), p in peaks.items()}
+        store.complete(ref, claim, {**extra, "peak_rss_bytes": peak, "job_peak_rss_bytes": jobs})
+    return {"key": ref.key, "computed": True, "shards": list(shards), "peak_rss_bytes": peak}
 
 
 @contextmanager

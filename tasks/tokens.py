@@ -32,6 +32,7 @@ Resumable by batch; same config and seed give identical stores.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from prefect import task
 from torch import nn
 
 from covgrad.config import TokensSection
+from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import (
@@ -51,9 +53,9 @@ from covgrad.token_fisher import (
     token_fisher,
     token_score_squares,
 )
-from covgrad.topk import spearman
+from covgrad.topk import as_values, spearman, spearman_blocked
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.schema import ROLLOUTS, annotate, create, write
+from storage.schema import ROLLOUTS, annotate, create, param_chunk
 from storage.schema import TOKENS as STORE
 from tasks.common import StageResult, load_models, pick_device, progress_bar, run_stage
 from tasks.specs import TokensSpec
@@ -98,8 +100,12 @@ def mc_split(k: int) -> tuple[int, int]:
 
 
 def _square_sum(x: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
-    """Σ_n x[n]² (P,) float64 of a (B, P) tensor, squared in float64 in column blocks."""
-    return torch.cat([x[:, j : j + block].double().square().sum(0) for j in range(0, x.shape[1], block)])
+    """Σ_n x[n]² (P,) float64 of a (B, P) tensor, squared in float64 in column blocks written in place (no
+    list of blocks and concatenated copy: two more (P,) float64 vectors at once)."""
+    out = torch.empty(x.shape[1], dtype=torch.float64, device=x.device)
+    for j in range(0, x.shape[1], block):
+        torch.sum(x[:, j : j + block].double().square(), dim=0, out=out[j : j + block])
+    return out
 
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
@@ -160,9 +166,11 @@ def _batch(
     modes: list[str],
     head: str | None,
     device: torch.device,
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray, float]:
-    """One batch, one forward: (param,) row sums, (rows, T_b) position arrays, (rows,) sum-check errors,
-    LM-head error."""
+    emit: Callable[[str, np.ndarray], None],
+) -> tuple[dict[str, np.ndarray], np.ndarray, float]:
+    """One batch, one forward: each (param,) float64 row sum is handed to ``emit(name, row)`` as soon as it
+    is computed and then dropped (at P = 134.5M a row is 1.1 GB); returns the (rows, T_b) position arrays,
+    the (rows,) sum-check errors and the LM-head error."""
     pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
     rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
     L = int((pl + rl).max())
@@ -190,18 +198,19 @@ def _batch(
             also=also,
         )
 
-    # sequence scores first, then freed: at real sizes each (B, P) block is large
+    # sequence scores first, then freed: at real sizes each (B, P) block is large, so Σ_t s_t from the
+    # batched-cotangent engine (one row, the summed cotangent of the token scores) is subtracted in place
     seq = psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target), position_ids=pos)  # (B, P)
-    seq_sq = _square_sum(seq)
-    # Σ_t s_t from the batched-cotangent engine: one row, the summed cotangent of the token scores
-    summed = eng.grads(score_logit_grad(eng.logits.detach(), ids, target)[None])[0]  # (B, P)
+    emit("seq_sq", _square_sum(seq).cpu().numpy())
     norm = torch.linalg.vector_norm(seq, dim=1).double()
-    diff = torch.linalg.vector_norm(summed.sub_(seq), dim=1).double()
-    del seq, summed
+    eng.add_grads_(seq, score_logit_grad(eng.logits.detach(), ids, target)[None].neg_())  # s − Σ_t s_t
+    diff = torch.linalg.vector_norm(seq, dim=1).double()
+    del seq
     relerr = torch.where(norm > 0, diff / norm.clamp(min=torch.finfo(torch.float64).tiny), diff)
 
-    outs: dict[str, dict[str, torch.Tensor]] = {}
+    outs: dict[str, dict[str, torch.Tensor]] = {}  # each mode's per-position outputs (its row is emitted)
     tok_sq = None
+    head_err = float("nan")
     if "exact" in modes:  # one pass over all V candidates serves exact, topk, mc and Σ_t s_t²
         p, active, drawn = response_policy(eng, ids, pl, rl)
         also = {"tok": torch.zeros_like(p).scatter_(-1, drawn[..., None], 1.0)}
@@ -214,26 +223,34 @@ def _batch(
             if kb:
                 also["mc_b"] = candidate_weights(p, active, "mc", kb, seed + 1)[0]
         outs["exact"] = run("exact", also=also)
+        if head is not None and eng.head_entry is not None:
+            e = eng.head_entry
+            closed = outs["exact"]["fisher_sum"][e.offset : e.offset + e.numel]
+            head_err = lm_head_check(model, head, ids, attn, pl, rl, closed, e.shape)
         for name, out in outs["exact"].pop("also").items():
             if name == "tok":
-                tok_sq = out["fisher_sum"]
+                tok_sq = out.pop("fisher_sum")
             else:
+                emit(name, out.pop("fisher_sum").cpu().numpy())
                 outs[name] = {**outs["exact"], **out, **({"covered_mass": covered} if name == "topk" else {})}
+        emit("exact", outs["exact"].pop("fisher_sum").cpu().numpy())
     for mode in modes:
         if mode in HALVED and f"{mode}_a" not in outs:
             ka, kb = mc_split(draws(tb, mode))
             base_seed = tb.seed * 1_000_003 + 2 * b + SEED_OFFSET[mode]
             outs[f"{mode}_a"] = run(mode, k=ka, seed=base_seed)
+            emit(f"{mode}_a", outs[f"{mode}_a"].pop("fisher_sum").cpu().numpy())
             if kb:
                 outs[f"{mode}_b"] = run(mode, k=kb, seed=base_seed + 1)
+                emit(f"{mode}_b", outs[f"{mode}_b"].pop("fisher_sum").cpu().numpy())
         elif mode not in HALVED and mode not in outs:
             outs[mode] = run(mode, k=draws(tb, mode))
+            emit(mode, outs[mode].pop("fisher_sum").cpu().numpy())
     if tok_sq is None:  # no exact pass: the token scores' squares, T rows
         tok_sq = token_score_squares(eng, ids, pl, rl, tb.row_bytes)
+    emit("tok_sq", tok_sq.cpu().numpy())
+    del tok_sq
 
-    rows = {name: out["fisher_sum"] for name, out in outs.items()}
-    rows["seq_sq"] = seq_sq
-    rows["tok_sq"] = tok_sq
     first = next(iter(outs.values()))
     positions = {
         "entropy": first["entropy"],
@@ -249,55 +266,87 @@ def _batch(
             positions[f"trace_{mode}"] = (ka * outs[f"{mode}_a"]["trace"] + trace_b) / (ka + kb)
         else:
             positions[f"trace_{mode}"] = outs[mode]["trace"]
-    head_err = float("nan")
-    if "exact" in outs and head is not None and eng.head_entry is not None:
-        e = eng.head_entry
-        closed = rows["exact"][e.offset : e.offset + e.numel]
-        head_err = lm_head_check(model, head, ids, attn, pl, rl, closed, e.shape)
-    return (
-        {k: v.cpu().numpy() for k, v in rows.items()},
-        {k: v.cpu().numpy() for k, v in positions.items()},
-        relerr.cpu().numpy(),
-        head_err,
-    )
+    return {k: v.cpu().numpy() for k, v in positions.items()}, relerr.cpu().numpy(), head_err
+
+
+class _Norms:
+    """Squared Euclidean norms summed over column chunks: ``add(name, v)`` adds ‖v‖², ``rel(num, den)`` is
+    √(num / den) (NaN when den is 0), the chunked form of :func:`rel_l2`."""
+
+    def __init__(self) -> None:
+        self.sq: dict[str, float] = {}
+
+    def add(self, name: str, v: np.ndarray) -> None:
+        self.sq[name] = self.sq.get(name, 0.0) + float(v @ v)
+
+    def rel(self, num: str, den: str) -> float:
+        return math.sqrt(self.sq[num] / self.sq[den]) if self.sq[den] > 0 else float("nan")
 
 
 def summarize(
     g: Any, response: np.ndarray, modes: list[str], draws_per_mode: dict[str, int]
-) -> tuple[dict[str, np.ndarray], dict[str, Any], list[dict]]:
-    """The (param,) Fisher arrays, scalars and the three-N error table from the arrays of ``g``.
+) -> tuple[dict[str, Any], list[dict]]:
+    """Write the (param,) Fisher arrays ``fisher_{mode}`` and ``fisher_seq`` of ``g`` (created beforehand)
+    and return the scalars and the three-N error table, from the batch rows of ``g``.
 
     ``response``: (N, T) bool, True at response positions; ``draws_per_mode``: k of each halved mode.
+    Everything over the parameter axis runs in column chunks (a few hundred MB whatever P), and Spearman's
+    ρ reads the written arrays back in blocks (:func:`covgrad.topk.spearman_blocked`).
     """
     N = response.shape[0]
     counts = g["batch_count"][:].astype(np.int64)
     cum_n = np.cumsum(counts)
-    rows = {name: g[f"rows_{name}"][:] for name in row_names(modes)}
-    cums = {name: np.cumsum(v, axis=0) for name, v in rows.items()}
-    for m in modes:
-        if m in HALVED:
-            ka, kb = mc_split(draws_per_mode[m])
-            cums[m] = (ka * cums[f"{m}_a"] + kb * cums[f"{m}_b"]) / (ka + kb)
-    table = []
+    at = {}  # the batch whose cumulative count is nearest each target sample count, and that count
     for target in (N / 4, N / 2, N):
         i = int(np.argmin(np.abs(cum_n - target)))
-        n = int(cum_n[i])
-        F_seq = cums["seq_sq"][i] / n
+        at[target] = (i, int(cum_n[i]))
+    norms = _Norms()
+    P = g["fisher_seq"].shape[0]
+    step = param_chunk(P) * max(1, (1 << 22) // param_chunk(P))
+    for lo in range(0, P, step):
+        cols = slice(lo, min(lo + step, P))
+        cums = {name: np.cumsum(g[f"rows_{name}"][:, cols], axis=0) for name in row_names(modes)}
+        for m in modes:
+            if m in HALVED:
+                ka, kb = mc_split(draws_per_mode[m])
+                cums[m] = (ka * cums[f"{m}_a"] + kb * cums[f"{m}_b"]) / (ka + kb)
+                if kb:
+                    norms.add(f"gap_{m}", (cums[f"{m}_a"][-1] - cums[f"{m}_b"][-1]) / N)
+        for target, (i, n) in at.items():
+            F_seq = cums["seq_sq"][i] / n
+            norms.add(f"seq@{target}", F_seq)
+            for mode in modes:
+                norms.add(f"{mode}-seq@{target}", cums[mode][i] / n - F_seq)
+        fisher = {f"fisher_{mode}": cums[mode][-1] / N for mode in modes}
+        fisher["fisher_seq"] = cums["seq_sq"][-1] / N
+        for name, values in fisher.items():
+            g[name][cols] = values
+            norms.add(name, values)
+        norms.add("tok-seq", cums["tok_sq"][-1] / N - fisher["fisher_seq"])
         for mode in modes:
-            table.append({"mode": mode, "n": n, "relerr_vs_seq": rel_l2(cums[mode][i] / n, F_seq)})
-    fisher = {f"fisher_{mode}": cums[mode][-1] / N for mode in modes}
-    fisher["fisher_seq"] = cums["seq_sq"][-1] / N
+            norms.add(f"{mode}-seq", fisher[f"fisher_{mode}"] - fisher["fisher_seq"])
+        if "topk" in modes and "mc" in modes:
+            norms.add("mc-topk", fisher["fisher_mc"] - fisher["fisher_topk"])
+        if "exact" in modes:
+            for m in modes[1:]:
+                norms.add(f"{m}-exact", fisher[f"fisher_{m}"] - fisher["fisher_exact"])
+    table = [
+        {"mode": mode, "n": n, "relerr_vs_seq": norms.rel(f"{mode}-seq@{target}", f"seq@{target}")}
+        for target, (_, n) in at.items()
+        for mode in modes
+    ]
     scalars: dict[str, Any] = {
         "N": N,
         "main_mode": modes[0],
-        "cross_term_ratio": rel_l2(cums["tok_sq"][-1] / N, fisher["fisher_seq"]),
+        "cross_term_ratio": norms.rel("tok-seq", "fisher_seq"),
         "score_sum_relerr_max": float(np.max(g["score_sum_relerr"][:])),
         "covered_mass_topk_mean": float(g["covered_mass"][:][response].mean()) if "topk" in modes else None,
         "entropy_mean": float(g["entropy"][:][response].mean()),
     }
     for mode in modes:
-        scalars[f"relerr_{mode}_vs_seq"] = rel_l2(fisher[f"fisher_{mode}"], fisher["fisher_seq"])
-        scalars[f"spearman_{mode}_vs_seq"] = spearman(fisher[f"fisher_{mode}"], fisher["fisher_seq"])
+        scalars[f"relerr_{mode}_vs_seq"] = norms.rel(f"{mode}-seq", "fisher_seq")
+        fisher = as_values(g[f"fisher_{mode}"])
+        scalars[f"spearman_{mode}_vs_seq"] = spearman_blocked(fisher, as_values(g["fisher_seq"]))
     for r in table:
         scalars[f"relerr_{r['mode']}_vs_seq_n{r['n']}"] = r["relerr_vs_seq"]
     for m in modes:
@@ -308,20 +357,17 @@ def summarize(
         if kb:
             # the halves differ by (mean_a − mean_b), whose variance is (1/ka + 1/kb)·σ²; the full estimate's
             # variance is σ²/(ka + kb), so its expected error is the gap times √(ka·kb)/(ka + kb)
-            gap = np.linalg.norm(cums[f"{m}_a"][-1] - cums[f"{m}_b"][-1]) / N
-            scalars[f"{m}_expected_relerr"] = float(
-                gap * math.sqrt(ka * kb) / (ka + kb) / np.linalg.norm(fisher[f"fisher_{m}"])
-            )
+            scalars[f"{m}_expected_relerr"] = norms.rel(f"gap_{m}", f"fisher_{m}") * math.sqrt(ka * kb) / (ka + kb)
         else:
             scalars[f"{m}_expected_relerr"] = float("nan")
     if "topk" in modes and "mc" in modes:
-        scalars["mc_vs_topk"] = rel_l2(fisher["fisher_mc"], fisher["fisher_topk"])
+        scalars["mc_vs_topk"] = norms.rel("mc-topk", "fisher_topk")
     if "exact" in modes:
         for m in modes[1:]:
-            scalars[f"{m}_vs_exact"] = rel_l2(fisher[f"fisher_{m}"], fisher["fisher_exact"])
+            scalars[f"{m}_vs_exact"] = norms.rel(f"{m}-exact", "fisher_exact")
     head = g["lm_head_relerr"][:]
     scalars["lm_head_closed_form_relerr_max"] = float(np.max(head)) if np.isfinite(head).all() else None
-    return fisher, scalars, table
+    return scalars, table
 
 
 def trace_entropy(g: Any, modes: list[str]) -> dict[str, Any]:
@@ -365,21 +411,25 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
         bar.update(len(batches) - len(todo))
         for b in todo:
             lo, hi = batches[b]
-            rows, positions, relerr, head_err = _batch(model, layout, psg, tb, ro, lo, hi, b, modes, head, device)
-            for name, value in rows.items():
-                g[f"rows_{name}"][b] = value
+
+            def emit(name: str, row: np.ndarray, b: int = b) -> None:
+                g[f"rows_{name}"][b] = row
+
+            positions, relerr, head_err = _batch(model, layout, psg, tb, ro, lo, hi, b, modes, head, device, emit)
             for name, value in positions.items():
                 g[name][lo:hi, : value.shape[1]] = value
             g["score_sum_relerr"][lo:hi] = relerr
             g["batch_count"][b] = hi - lo
             g["lm_head_relerr"][b] = head_err
             mark_batch_done(g, b)
+            release_free_memory()
             bar.update(1)
+    del model, psg  # the summary reads the stored rows in chunks; only it runs from here on
     response = np.arange(T)[None, :] < ro["response_len"][:N][:, None]  # (N, T)
-    fisher, scalars, table = summarize(g, response, modes, {m: draws(tb, m) for m in modes})
+    for name in [*(f"fisher_{mode}" for mode in modes), "fisher_seq"]:
+        create(g, STORE, name, (layout.P,), overwrite=True)
+    scalars, table = summarize(g, response, modes, {m: draws(tb, m) for m in modes})
     scalars |= trace_entropy(g, modes)
-    for name, values in fisher.items():
-        write(g, STORE, name, values, overwrite=True)
     g.attrs.update(
         {
             "scalars": scalars,

@@ -27,7 +27,6 @@ grid.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 from typing import Any
@@ -132,16 +131,21 @@ def _compute(
         log.warning("update_check %s: no steps: %s", ref.key, finding)
         return {"degenerate": finding}
     ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-    policy = load_models(store, up["base_model"], "policy", spec.policy)[0].float().eval()
-    layout = select_parameters(policy, spec.params)
+
+    def load_policy() -> torch.nn.Module:
+        """A fresh float32 copy of the policy, read again for every cell: no copy is kept between cells."""
+        return load_models(store, up["base_model"], "policy", spec.policy)[0].float().eval()
+
+    layout = select_parameters(load_policy(), spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]))
-    F, G, rho = (torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
+    # each (P,) float64 statistic is read when update_grid evaluates it and dropped after (8 bytes × P each)
+    F, G, rho = (lambda name=name: torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
     scalars = st.attrs["scalars"]
     adv_rms = math.sqrt(scalars["std_A"] ** 2 + scalars["mean_A"] ** 2)
     batches = minibatches(ro, spec.groups_per_batch)
     uc = spec.settings
     rows = update_grid(
-        lambda: copy.deepcopy(policy),
+        load_policy,
         layout,
         batches,
         F,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from covgrad import accum
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
@@ -90,6 +91,28 @@ def test_compiled_fold_matches_eager_fold():
         assert accs[1].fold_path == "compiled"
         assert_close(state(accs[1]), state(accs[0]), rtol)
         assert_close(state(accs[1]), numpy_moments(S, A, half), 1e-9 if state_dtype == "float64" else 1e-5)
+
+
+def test_compiled_fold_in_column_tiles_is_bit_identical(monkeypatch):
+    """A block wider than the compiled fold's tile is folded tile by tile: the same bytes as one call."""
+    rng = np.random.default_rng(12)
+    N, P = 48, 1000
+    S = (rng.standard_normal((N, P)) * 3 + 50 * rng.standard_normal(P)).astype(np.float32)
+    A, half = rng.standard_normal(N), rng.integers(0, 2, N)
+    for state_dtype in ("float64", "float32"):
+        states = []
+        for tile in (1 << 22, 64):  # one call, then tiles of 64 columns (a multiple of every vector width)
+            monkeypatch.setattr(accum, "_COMPILED_COLUMNS", tile)
+            acc = MomentAccumulator(P, "cpu", state_dtype, compiled=True)
+            for b in range(0, N, 8):
+                acc.begin_batch(A[b : b + 8], half[b : b + 8])
+                acc.fold(0, torch.from_numpy(S[b : b + 8, :700]))
+                acc.fold(700, torch.from_numpy(S[b : b + 8, 700:]))
+                acc.end_batch()
+            assert acc.fold_path == "compiled"
+            states.append(acc.rows())
+        for name, value in states[0].items():
+            np.testing.assert_array_equal(states[1][name], value, err_msg=f"{state_dtype} {name}")
 
 
 def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
@@ -270,6 +293,27 @@ def test_fused_reduction_never_holds_all_blocks():
     assert len(in_flight) == len(layout.entries)
     largest = max(e.numel for e in layout.entries)
     assert max(in_flight) <= 4 * largest < 4 * layout.P / 3
+
+
+def test_tied_embedding_block_exists_only_from_its_last_contribution_to_its_fold():
+    """Tied model: the LM-head call is held back, so the embedding's (B, V, H) block is never in flight while
+    another tensor folds (it is made when the embedding's gradient arrives, and folded at once)."""
+    model = llama(tied=True)
+    layout = select_parameters(model)
+    tied = "model.embed_tokens.weight"
+    assert tied in layout.names
+    batch = make_batch(34, **BATCH)
+    psg = PerSampleGrads(model, layout, check=True)
+    acc = MomentAccumulator(layout.P, "cpu")
+    seen = []
+    real_fold = acc.fold
+    acc.fold = lambda offset, block: (seen.append(set(psg._blocks)), real_fold(offset, block))
+    fn = lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"])  # noqa: E731
+    psg.accumulate(
+        batch["input_ids"], batch["attention_mask"], fn, acc, np.ones(4), np.zeros(4, int), batch["position_ids"]
+    )
+    assert len(seen) == len(layout.entries)
+    assert [names for names in seen if tied in names] == [{tied}]  # alone, at its own fold
 
 
 def test_fused_self_check_catches_rule_mismatch():

@@ -103,6 +103,10 @@ def test_sharded_scores_equal_one_process(prefect_server, threaded: PipelineConf
     assert len(stream) == 4 and len({t["worker"] for t in stream}) == 2, stream
     store = ArtifactStore(cfg.root)
     assert store.is_complete(plan(cfg)[SCORES].ref)
+    # the recorded peak is the workers' (each job measured in its own process), not this process's
+    marker = store.marker(plan(cfg)[SCORES].ref)
+    assert sorted(marker["job_peak_rss_bytes"]) == ["0,0", "0,1", "1,0", "1,1"]
+    assert out["peak_rss_bytes"] == marker["peak_rss_bytes"] == max(marker["job_peak_rss_bytes"].values()) > 0
     assert_same_scores(cfg, threaded)
     # the block axis: the same state bytes as 2 sample shards × 1 block (a different artifact)
     shutil.copytree(Path(threaded.root).parent / "upstream", tmp_path / "unblocked")

@@ -273,6 +273,26 @@ def test_batched_cotangents_equal_the_per_candidate_loop(arch):
         assert _rel(token_fisher(*args, mode, k=k, seed=4)["fisher_sum"], old) < 1e-6, mode
 
 
+@pytest.mark.parametrize("arch", ["llama-untied", "llama-tied", "gpt2"])
+def test_add_grads_in_place_equals_grads(arch):
+    """out += grads(cot) in place (rows r·B + n; tied tensors summed; the head from the backward) equals
+    the per-entry blocks of ``grads``, for one and for two cotangent rows."""
+    model = _tiny_gpt2() if arch == "gpt2" else _tiny_llama(arch == "llama-tied", seed=13)
+    layout = select_parameters(model)
+    input_ids, attention_mask = _batch(seed=17)
+    pos = torch.arange(L).expand(3, L)
+    eng = TokenBackward(model, layout, input_ids, attention_mask, pos)
+    gen = torch.Generator().manual_seed(2)
+    for R in (1, 2):
+        cot = torch.randn(R, *eng.logits.shape, generator=gen)
+        base = torch.randn(R * 3, layout.P, generator=gen)
+        out = eng.add_grads_(base.clone(), cot)
+        want = base + eng.grads(cot).reshape(R * 3, layout.P)
+        assert _rel(out.double(), want.double()) < 1e-6, R
+    with pytest.raises(ValueError, match="float32"):
+        eng.add_grads_(torch.zeros(2, layout.P), cot)
+
+
 def _tensor_sums(layout, x: torch.Tensor) -> torch.Tensor:
     """(..., P) -> (..., tensors): the sum over each tensor's elements."""
     return torch.stack([x[..., e.offset : e.offset + e.numel].sum(-1) for e in layout.entries], -1)

@@ -20,6 +20,7 @@ from covgrad.update import (
     run_update_cell,
     sequence_logp,
     set_metrics,
+    top_k_masks,
     update_grid,
 )
 from tests.models import tiny_llama as build_llama
@@ -269,6 +270,28 @@ def test_rank_order_ties_lowest_index_first_and_nan_last():
     assert mask_from_order(rank_order(values), 3).nonzero().flatten().tolist() == sorted(want_desc[:3])
 
 
+@pytest.mark.parametrize("largest", [True, False])
+def test_top_k_masks_are_the_sorted_orders_prefixes(largest, monkeypatch):
+    """The partition-based top-k sets equal the stable sort's prefixes, ties (many), ±inf and NaN
+    included, for every k from 0 to P, with the tie search crossing chunk boundaries."""
+    monkeypatch.setattr("covgrad.update.CHUNK", 37)
+    g = torch.Generator().manual_seed(5)
+    values = torch.randint(-3, 4, (600,), generator=g).double()
+    values[torch.randint(0, 600, (30,), generator=g)] = math.nan
+    values[torch.randint(0, 600, (5,), generator=g)] = math.inf
+    values[torch.randint(0, 600, (5,), generator=g)] = -math.inf
+    ks = list(range(601))
+    before = values.clone()
+    order = rank_order(values, largest)
+    for k, mask in zip(ks, top_k_masks(values, ks, largest), strict=True):
+        assert torch.equal(mask, mask_from_order(order, k)), k
+    f32 = values.float()
+    assert torch.equal(next(top_k_masks(f32, [77], largest)), mask_from_order(rank_order(f32, largest), 77))
+    assert torch.equal(values.nan_to_num(7.5), before.nan_to_num(7.5))  # the input is left as it was
+    with pytest.raises(ValueError, match="outside"):
+        next(top_k_masks(values, [601]))
+
+
 def test_matched_sgd_lr_gives_the_adam_count():
     g = torch.Generator().manual_seed(5)
     start = (torch.randn(4000, generator=g) * 0.02).to(torch.bfloat16).float()
@@ -319,6 +342,32 @@ def test_update_grid_snapshots_match_separate_runs(layout, batches):
         assert row["bf16_F_size"] == row["bf16_random_size"] == row["bf16_smallw_size"] == k
         assert ("bf16_bound_recall" in row) == (row["optimizer"] == "sgd")
     assert rows[0]["bf16_bound_recall"] == 1.0
+    loaded = []
+
+    def loader(t: torch.Tensor, name: str):
+        def load() -> torch.Tensor:
+            loaded.append(name)
+            return t.clone()
+
+        return load
+
+    lazy = update_grid(
+        tiny_llama,
+        layout,
+        batches,
+        loader(F, "F"),
+        loader(G, "G"),
+        loader(rho, "rho"),
+        adv_rms,
+        optimizers=("sgd", "adamw"),
+        precisions=("fp32_master",),
+        adam_lrs=(1e-5,),
+        sgd_lrs=(0.01,),
+        steps=(1, 3),
+    )
+    assert lazy == rows  # same rows, same column order
+    assert [list(r) for r in lazy] == [list(r) for r in rows]
+    assert loaded == ["F", "G", "rho", "G", "F"]  # each ranked predictor once, then G and F for the rules
 
 
 def test_changed_sets_counts_per_tensor(layout):
