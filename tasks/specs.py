@@ -170,7 +170,7 @@ class TokensSpec(StageSpec):
     ``sampler`` (``on_policy``: μ = p)."""
 
     STAGE: ClassVar[str] = "tokens"
-    VERSION: ClassVar[str] = "4"
+    VERSION: ClassVar[str] = "5"
     PLACEMENT: ClassVar[frozenset[str]] = frozenset({"device", "self_check"})
     settings: TokensSection
     params: list[str] | None

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import zarr
 
 import tasks.tokens
 from covgrad.layout import select_parameters
@@ -58,6 +59,7 @@ def test_store_has_documented_arrays(run):
         assert np.isfinite(g[name][:]).all() and g[name][:].sum() > 0
     mass = g["covered_mass"][:][g["p_drawn"][:] > 0]
     assert ((mass > 0) & (mass <= 1 + 1e-12)).all()
+    assert not [name for name, _ in g.arrays() if name.startswith("rows_")]  # resume state, dropped
     rows = g.attrs["errors_vs_seq"]
     assert sorted({r["n"] for r in rows}) == [2, 4, 8]
     assert all(math.isfinite(r["relerr_vs_seq"]) for r in rows)
@@ -135,6 +137,41 @@ def test_topk_with_k_equal_v_is_exact_and_resume_is_identical(run, monkeypatch):
     assert sorted(resumed) == sorted(name for name, _ in fresh.arrays())
     for name, values in resumed.items():
         np.testing.assert_array_equal(fresh[name][:], values, err_msg=name)
+
+
+@pytest.mark.slow
+def test_killed_while_dropping_the_batch_rows_resumes_to_the_same_store(run, monkeypatch):
+    cfg, _, store, _ = run
+    cfg_k = cfg.model_copy(update={"tokens": cfg.tokens.model_copy(update={"seed": 7})})
+    ref = plan(cfg_k)["tokens"].ref
+    drop = zarr.Group.__delitem__
+
+    def killed_after_one_drop(group, key):
+        drop(group, key)
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(zarr.Group, "__delitem__", killed_after_one_drop)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_upto(cfg_k, "tokens")
+    assert not store.is_complete(ref)
+    monkeypatch.undo()
+    summarized = []
+    summarize = tasks.tokens.summarize
+    monkeypatch.setattr(tasks.tokens, "summarize", lambda *a: summarized.append(1) or summarize(*a))
+    run_upto(cfg_k, "tokens")
+    assert store.is_complete(ref) and summarized == []  # the rerun only drops the remaining rows
+    resumed = store.open_group(ref, STORE, mode="r")
+    arrays = {name: array[:] for name, array in resumed.arrays()}
+    scalars = resumed.attrs["scalars"]
+
+    store.clear(ref)
+    run_upto(cfg_k, "tokens")
+    fresh = store.open_group(ref, STORE, mode="r")
+    assert sorted(arrays) == sorted(name for name, _ in fresh.arrays())
+    assert not [name for name in arrays if name.startswith("rows_")]
+    for name, values in arrays.items():
+        np.testing.assert_array_equal(fresh[name][:], values, err_msg=name)
+    assert fresh.attrs["scalars"] == scalars
 
 
 @pytest.mark.slow
