@@ -8,6 +8,7 @@ setting. ``configs/demo.yaml`` holds the embedded defaults for the built-in demo
 import json
 import re
 import typing
+from pathlib import Path
 from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -321,6 +322,23 @@ def config_help(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> li
         shown = json.dumps(default, default=str, ensure_ascii=False)
         lines.append(f"{key} = {shown}  {field.description}")
     return lines
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The sections of a YAML config file, unvalidated; one-line errors for a missing file, bad YAML or
+    a file that is not a mapping."""
+    import yaml
+
+    source = Path(path)
+    if not source.is_file():
+        raise FileNotFoundError(f"config file {str(source)!r} does not exist")
+    try:
+        data = yaml.safe_load(source.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {str(source)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(source)!r} must hold a mapping of sections")
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

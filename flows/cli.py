@@ -145,19 +145,9 @@ def stop_children(signum: int, frame: Any = None) -> None:
 
 def load_config(path: str | None, overrides: list[str]) -> Any:
     """Read a YAML config (default: the demo), apply ``--set`` overrides, validate."""
-    import yaml
+    from covgrad.config import PipelineConfig, apply_overrides, read_config_file
 
-    from covgrad.config import PipelineConfig, apply_overrides
-
-    source = Path(path) if path else DEMO_CONFIG
-    if not source.is_file():
-        raise FileNotFoundError(f"config file {str(source)!r} does not exist")
-    try:
-        data = yaml.safe_load(source.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config file {str(source)!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {str(source)!r} must hold a mapping of sections")
+    data = read_config_file(path if path else DEMO_CONFIG)
     return PipelineConfig.model_validate(apply_overrides(data, overrides))
 
 

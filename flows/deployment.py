@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from covgrad.config import PipelineConfig
+from covgrad.config import PipelineConfig, read_config_file
 
 REPLACED = ("samplers",)  # maps of named entries: the run's map replaces the default one
 
@@ -43,3 +43,11 @@ def deployment_config(config: PipelineConfig) -> PipelineConfig:
     with get_client(sync_client=True) as client:
         defaults = client.read_deployment(deployment.id).parameters.get("config")
     return merge_config(defaults, config) if isinstance(defaults, dict) else config
+
+
+def run_config(config: PipelineConfig, config_file: str | None) -> PipelineConfig:
+    """The config a pipeline run computes: ``config`` with a deployment's defaults restored
+    (``deployment_config``), laid over the YAML file ``config_file`` (relative to the working directory)
+    when one is given, so a deployment can point at a config file instead of copying it."""
+    config = deployment_config(config)
+    return config if config_file is None else merge_config(read_config_file(config_file), config)

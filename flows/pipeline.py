@@ -16,7 +16,7 @@ from prefect import Task, flow
 
 from covgrad.config import PipelineConfig
 from covgrad.preflight import check_model
-from flows.deployment import deployment_config
+from flows.deployment import run_config
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
 from tasks.base_model import base_model_task
@@ -55,9 +55,13 @@ def run_stages(p: Plan, run: Run) -> None:
 
 
 @flow(name="covgrad-pipeline", log_prints=True)
-def covgrad_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008
-    """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status."""
-    config = deployment_config(config)  # a deployment run's partial config keeps the deployment's defaults
+def covgrad_pipeline(
+    config: PipelineConfig = PipelineConfig(),  # noqa: B008
+    config_file: str | None = None,
+) -> dict[str, Any]:
+    """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status.
+    ``config_file``: a YAML config (relative to the working directory) under the keys ``config`` sets."""
+    config = run_config(config, config_file)  # a deployment's partial config keeps its defaults
     if config.model.path is not None:  # unsupported modules fail here, in seconds, not after rollouts
         m = config.model
         check_model(m.path, config.scores.params, m.trust_remote_code, config.scores.self_check)

@@ -3,6 +3,7 @@ preflight refuses a sampler-centred import with no μ source before anything run
 named by file and line, and a truncated weights file by its path."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +116,23 @@ def test_deployment_parameters_merge_onto_the_defaults():
     assert list(merged.rollouts.samplers) == ["policy"] and merged.rollouts.samplers["policy"].group_size == 4
     full = PipelineConfig.model_validate(PipelineConfig().model_dump(mode="json"))
     assert merge_config(defaults, full) == full
+
+
+def test_a_config_file_lies_under_the_keys_a_run_sets(tmp_path):
+    import yaml
+
+    from covgrad.config import PipelineConfig
+    from flows.deployment import run_config
+
+    file = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    demo = yaml.safe_load(file.read_text())
+    given = PipelineConfig.model_validate({"root": str(tmp_path), "scores": {"groups_per_batch": 3}})
+    merged = run_config(given, str(file))  # outside a deployment run: no deployment defaults
+    expected = {**demo, "root": str(tmp_path), "scores": {**demo.get("scores", {}), "groups_per_batch": 3}}
+    assert merged == PipelineConfig.model_validate(expected)
+    assert run_config(given, None) == given
+    with pytest.raises(FileNotFoundError, match=f"config file '{tmp_path}/nope.yaml' does not exist"):
+        run_config(given, str(tmp_path / "nope.yaml"))
 
 
 def test_mu_model_recomputes_mu_for_an_import(ckpt):
