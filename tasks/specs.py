@@ -197,7 +197,7 @@ class ReportSpec(StageSpec):
     """report: the run ``name`` rendered from its artifacts and its config (JSON, without ``root``)."""
 
     STAGE: ClassVar[str] = "report"
-    VERSION: ClassVar[str] = "6"
+    VERSION: ClassVar[str] = "7"
     name: str
     config: dict[str, Any]
 

@@ -217,3 +217,26 @@ def test_progress_logs_a_line_every_interval(caplog, monkeypatch):
         bar.update(1)  # the last unit: the stage's own computed line follows, no progress line
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scores x/y:")]
     assert [line.split(",")[0] for line in lines] == ["scores x/y: 1/3 batch done", "scores x/y: 2/3 batch done"]
+
+
+@pytest.mark.parametrize("block", [1, 7, 1000, 1 << 22])
+def test_log_histogram_in_blocks_equals_numpy_on_the_whole_arrays(block):
+    from covgrad.report.plots import log_histogram
+
+    rng = np.random.default_rng(block)
+    P = 2_503
+    F = rng.lognormal(-10, 3, P)
+    G = rng.normal(0, 1e-4, P)
+    F[rng.random(P) < 0.1] = 0.0
+    G[rng.random(P) < 0.1] = 0.0
+    F[:5] = np.nan
+    h = log_histogram([F, G], bins=17, block=block)
+    keep = (F > 0) & (np.abs(G) > 0)
+    x, y = np.log10(F[keep]), np.log10(np.abs(G[keep]))
+    edges = [np.linspace(x.min(), x.max(), 18), np.linspace(y.min(), y.max(), 18)]
+    expected = np.histogramdd(np.stack([x, y], 1), bins=edges)[0]
+    assert h.n == keep.sum() == expected.sum() and h.P == P
+    np.testing.assert_array_equal(h.counts, expected)
+    for got, want in zip(h.edges, edges, strict=True):
+        np.testing.assert_allclose(np.log10(got), want, rtol=0, atol=1e-12)
+    assert log_histogram([F, np.zeros(P)], block=block) is None

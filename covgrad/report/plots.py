@@ -1,17 +1,32 @@
 """The report's plots: arrays and row tables read from the stores in, PNG bytes out.
 
-Every function draws one figure and computes nothing the stores do not already hold.
+Every function draws one figure and computes nothing the stores do not already hold, beyond binning
+for a density plot (:func:`log_histogram`, which reads (P,) arrays in blocks: a hexbin over all P
+points held 19 GiB at P = 134.5M).
 """
 
 from __future__ import annotations
 
 import io
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
+from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
 PNG_DPI = 110
+READ_BLOCK = 1 << 22  # entries per read of a (P,) array: 32 MiB of float64
+
+
+class LogHistogram(NamedTuple):
+    """Counts (bins,) * d of entries in log-spaced bins, the d edge arrays (bins + 1,) in the arrays'
+    units, the entries counted and the arrays' length P."""
+
+    counts: np.ndarray
+    edges: list[np.ndarray]
+    n: int
+    P: int
 
 
 def _png(fig: Figure) -> bytes:
@@ -21,28 +36,54 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def plot_fisher_vs_grad(F: np.ndarray, absG: np.ndarray, adv_rms: float) -> bytes:
-    """Log-log hexbin density of |G_i| against F_i (both (P,); entries with F or |G| = 0 are left out)
-    with the bound √mean(A²)·√F. When no entry has F, |G| > 0 (e.g. every advantage is 0), the
-    histogram of F is drawn instead, with a note saying why."""
-    keep = (F > 0) & (absG > 0)
+def log_histogram(arrays: Sequence[Any], bins: int = 60, block: int = READ_BLOCK) -> LogHistogram | None:
+    """Counts of the entries i with |a_i| > 0 in every one of d (P,) arrays, in ``bins`` log10-spaced
+    bins per array spanning the counted entries' own range, read ``block`` entries at a time (two
+    passes: the range, then the counts), so memory holds a few blocks whatever P. NaN is not counted.
+    None when no entry counts."""
+    P = arrays[0].shape[0]
+
+    def logs() -> Iterator[list[np.ndarray]]:
+        for j in range(0, P, block):
+            cols = [np.abs(np.asarray(a[j : j + block], dtype=np.float64)) for a in arrays]
+            keep = np.logical_and.reduce([c > 0 for c in cols])
+            yield [np.log10(c[keep]) for c in cols]
+
+    lo, hi, n = np.full(len(arrays), np.inf), np.full(len(arrays), -np.inf), 0
+    for cols in logs():
+        if cols[0].size:
+            n += cols[0].size
+            lo = np.minimum(lo, [c.min() for c in cols])
+            hi = np.maximum(hi, [c.max() for c in cols])
+    if n == 0:
+        return None
+    edges = [np.linspace(a, b if b > a else a + 1, bins + 1) for a, b in zip(lo, hi, strict=True)]
+    counts = np.zeros((bins,) * len(arrays), dtype=np.int64)
+    for cols in logs():
+        counts += np.histogramdd(np.stack(cols, axis=1), bins=edges)[0].astype(np.int64)
+    return LogHistogram(counts, [10.0**e for e in edges], n, P)
+
+
+def plot_fisher_vs_grad(F: Any, G: Any, adv_rms: float) -> bytes | None:
+    """Log-log density of |G_i| against F_i over every parameter with F, |G| > 0 (F and G: (P,) arrays
+    that slice to numpy, e.g. the stats store's, read in blocks by :func:`log_histogram`) with the bound
+    √mean(A²)·√F; None when no parameter has F, |G| > 0 (e.g. every advantage is 0)."""
+    h = log_histogram([F, G])
+    if h is None:
+        return None
+    fe, ge = h.edges
     fig = Figure(figsize=(6, 4.5))
     ax = fig.add_subplot()
-    if not keep.any():
-        positive = F[F > 0]
-        if positive.size:
-            ax.hist(np.log10(positive), bins=50, color="C0")
-        ax.set_xlabel("log10 Fisher F = mean(s²)")
-        ax.set_ylabel("parameters")
-        ax.set_title("|G| = 0 for every parameter: no reward signal (std(A) = 0)")
-        return _png(fig)
-    hb = ax.hexbin(F[keep], absG[keep], xscale="log", yscale="log", bins="log", gridsize=50, mincnt=1, cmap="viridis")
-    fig.colorbar(hb, ax=ax, label="parameters per bin")
-    x = np.geomspace(F[keep].min(), F[keep].max(), 100)
+    mesh = ax.pcolormesh(fe, ge, np.ma.masked_equal(h.counts.T, 0), norm=LogNorm(), cmap="viridis")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    fig.colorbar(mesh, ax=ax, label="parameters per bin")
+    x = np.geomspace(fe[0], fe[-1], 100)
     ax.plot(x, adv_rms * np.sqrt(x), "r-", label="bound √mean(A²)·√F (= std(A)·√F when mean A = 0)")
+    ax.set_ylim(ge[0], ge[-1])
     ax.set_xlabel("Fisher F = mean(s²)  [(log-prob / parameter unit)²]")
     ax.set_ylabel("|G| = |mean(A·s)|  [advantage × log-prob / parameter unit]")
-    ax.set_title(f"F vs |G|: {int(keep.sum())} of {F.size} parameters with F, |G| > 0", fontsize=10)
+    ax.set_title(f"F vs |G|: {h.n} of {h.P} parameters with F, |G| > 0", fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
     return _png(fig)
 

@@ -135,9 +135,9 @@ def headline(report: Report, run: RunSource, cfg: PipelineConfig, main: str) -> 
         if gap:
             report.numbers["crossfit_undefined"] = gap
         rows += [{"quantity": k, "value": v, "note": notes.get(k, "")} for k, v in numbers.items()]
-        F, G = st["F"][:], st["G"][:]
-        if np.any((F > 0) & (G != 0)):
-            report.plots["fisher_vs_grad.png"] = plot_fisher_vs_grad(F, np.abs(G), float(s["adv_rms"]))
+        png = plot_fisher_vs_grad(st["F"], st["G"], float(s["adv_rms"]))
+        if png is not None:
+            report.plots["fisher_vs_grad.png"] = png
     else:
         _skip(report, "Statistics", main)
     overlap: list[dict[str, Any]] = []
