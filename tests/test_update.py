@@ -310,20 +310,14 @@ def test_matched_sgd_lr_gives_the_adam_count():
 
 def test_update_grid_snapshots_match_separate_runs(layout, batches):
     F, G, rho, adv_rms = score_moments(layout, batches[0])
-    rows = update_grid(
-        tiny_llama,
-        layout,
-        batches,
-        F,
-        G,
-        rho,
-        adv_rms,
-        optimizers=("sgd", "adamw"),
-        precisions=("fp32_master",),
-        adam_lrs=(1e-5,),
-        sgd_lrs=(0.01,),
-        steps=(1, 3),
-    )
+    cells = {
+        "optimizers": ("sgd", "adamw"),
+        "precisions": ("fp32_master",),
+        "adam_lrs": (1e-5,),
+        "sgd_lrs": (0.01,),
+        "steps": (1, 3),
+    }
+    rows = update_grid(tiny_llama, layout, batches, F, G, rho, adv_rms, **cells)
     assert [(r["optimizer"], r["steps"]) for r in rows] == [
         ("sgd", 1),
         ("sgd", 3),
@@ -351,20 +345,8 @@ def test_update_grid_snapshots_match_separate_runs(layout, batches):
 
         return load
 
-    lazy = update_grid(
-        tiny_llama,
-        layout,
-        batches,
-        loader(F, "F"),
-        loader(G, "G"),
-        loader(rho, "rho"),
-        adv_rms,
-        optimizers=("sgd", "adamw"),
-        precisions=("fp32_master",),
-        adam_lrs=(1e-5,),
-        sgd_lrs=(0.01,),
-        steps=(1, 3),
-    )
+    lazy_stats = (loader(F, "F"), loader(G, "G"), loader(rho, "rho"))
+    lazy = update_grid(tiny_llama, layout, batches, *lazy_stats, adv_rms, **cells)
     assert lazy == rows  # same rows, same column order
     assert [list(r) for r in lazy] == [list(r) for r in rows]
     assert loaded == ["F", "G", "rho", "G", "F"]  # each ranked predictor once, then G and F for the rules
