@@ -55,15 +55,11 @@ def run_stages(p: Plan, run: Run) -> None:
 
 
 @flow(name="covgrad-pipeline", log_prints=True)
-def covgrad_pipeline(
-    config: PipelineConfig = PipelineConfig(),  # noqa: B008
-    config_file: str | None = None,
-) -> dict[str, Any]:
+def covgrad_pipeline(config: PipelineConfig = PipelineConfig(), config_file: str | None = None) -> dict[str, Any]:  # noqa: B008
     """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status.
     ``config_file``: a YAML config (relative to the working directory) under the keys ``config`` sets."""
     config = run_config(config, config_file)  # a deployment's partial config keeps its defaults
-    if config.model.path is not None:  # unsupported modules fail here, in seconds, not after rollouts
-        m = config.model
+    if (m := config.model).path is not None:  # unsupported modules fail here, in seconds, not after rollouts
         check_model(m.path, config.scores.params, m.trust_remote_code, config.scores.self_check)
     p = plan(config)
     store = ArtifactStore(config.root)
