@@ -29,8 +29,9 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# The fast tier on two worker processes (pytest-xdist): each has its own session fixtures.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not integration"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not integration"
 
 lint: install
 	$(BIN)/ruff check .

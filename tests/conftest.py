@@ -2,7 +2,7 @@
 a tiny pipeline configuration, one tiny pipeline run per session (``tiny_run``: computed once, read or
 copied by the stage, fault, report and CLI tests) and an opt-in Prefect test server.
 
-Tiers: ``make test-fast`` (``-m "not slow and not integration"``), ``make test`` (everything)."""
+Tiers: ``make test-fast`` (``-m "not slow and not integration"``, two xdist workers), ``make test`` (everything)."""
 
 from flows.cli import offline_env
 
