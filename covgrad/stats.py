@@ -151,7 +151,7 @@ def _block_moments(s: np.ndarray, a: np.ndarray) -> np.ndarray:
     out[0, _C_AS] = dot_a - sum_d * (ac.sum() / n)  # the second term removes Σ(a − mean_a)'s rounding
     out[0, _COUNT] = n
     out[0, _MEAN_A] = mean_a
-    out[0, _M2_A] = ac @ ac
+    out[0, _M2_A] = dot64(ac, ac)
     return out
 
 
@@ -428,6 +428,13 @@ def tensor_summary(stats: dict[str, Array], layout: ParamLayout) -> dict[str, Ar
     return out
 
 
+def dot64(a: np.ndarray, b: np.ndarray) -> float:
+    """Σ a·b of two (n,) float64 vectors in numpy's own single-threaded loop, so an artifact's bits do not
+    depend on the BLAS thread count: OpenBLAS splits ``a @ b`` over its threads once n > 10⁴, and the sum
+    then changes in its last bits with ``OPENBLAS_NUM_THREADS`` (measured: 1 and 2 threads differ at n = 4M)."""
+    return float(np.einsum("i,i->", a, b))
+
+
 def rel_diff(blocks: Iterable[tuple[np.ndarray, np.ndarray]]) -> float:
     """‖a − b‖₂ / ‖a‖₂ of two (P,) vectors read as aligned blocks along P.
 
@@ -443,6 +450,6 @@ def rel_diff(blocks: Iterable[tuple[np.ndarray, np.ndarray]]) -> float:
     for a, b in blocks:
         a64 = np.asarray(a, dtype=np.float64)  # (n_j,)
         d = a64 - np.asarray(b, dtype=np.float64)  # (n_j,)
-        diff2 += float(d @ d)
-        norm2 += float(a64 @ a64)
+        diff2 += dot64(d, d)
+        norm2 += dot64(a64, a64)
     return math.sqrt(diff2 / norm2) if norm2 > 0 else float("nan")

@@ -30,6 +30,7 @@ import dask.array as da
 import numpy as np
 
 from covgrad.layout import ParamLayout
+from covgrad.stats import dot64
 
 Array = Any  # numpy.ndarray, dask.array.Array, or any 1-D array that slices to numpy (a zarr array)
 
@@ -425,8 +426,8 @@ def spearman(x: Array, y: Array) -> float:
             raise ValueError(f"{name} holds {int(np.isnan(v).sum())} NaN values; drop them before ranking")
     rx = _average_ranks(x) - (len(x) + 1) / 2  # centered ranks (the mean rank is (n+1)/2 exactly)
     ry = _average_ranks(y) - (len(x) + 1) / 2
-    den = math.sqrt(float(rx @ rx) * float(ry @ ry))
-    return float(rx @ ry) / den if den > 0 else math.nan
+    den = math.sqrt(dot64(rx, rx) * dot64(ry, ry))
+    return dot64(rx, ry) / den if den > 0 else math.nan
 
 
 _SPLIT = 17  # centered ranks (|r| < 2^34) split into parts below 2^17 in size: part products < 2^34,

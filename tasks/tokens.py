@@ -46,6 +46,7 @@ from covgrad.config import TokensSection
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.stats import dot64
 from covgrad.token_fisher import (
     TokenBackward,
     candidate_weights,
@@ -112,8 +113,10 @@ def _square_sum(x: torch.Tensor, block: int = 1 << 20) -> torch.Tensor:
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
     """‖x − ref‖ / ‖ref‖ in float64 (NaN when ref is zero)."""
-    denom = float(np.linalg.norm(ref))
-    return float(np.linalg.norm(x - ref)) / denom if denom > 0 else float("nan")
+    x, ref = np.ravel(x).astype(np.float64), np.ravel(ref).astype(np.float64)
+    d = x - ref
+    denom = dot64(ref, ref)
+    return math.sqrt(dot64(d, d) / denom) if denom > 0 else float("nan")
 
 
 def lm_head_entry(model: nn.Module, layout: ParamLayout) -> str | None:
@@ -279,7 +282,8 @@ class _Norms:
         self.sq: dict[str, float] = {}
 
     def add(self, name: str, v: np.ndarray) -> None:
-        self.sq[name] = self.sq.get(name, 0.0) + float(v @ v)
+        v = np.ravel(v).astype(np.float64, copy=False)
+        self.sq[name] = self.sq.get(name, 0.0) + dot64(v, v)
 
     def rel(self, num: str, den: str) -> float:
         return math.sqrt(self.sq[num] / self.sq[den]) if self.sq[den] > 0 else float("nan")

@@ -36,6 +36,37 @@ def test_rel_diff_in_blocks_equals_one_float64_pass():
         rel_diff_G(a, b[:-1], 7)
 
 
+BLAS_PROBE = """
+import sys
+import numpy as np
+from covgrad.stats import rel_diff
+from tasks.tokens import rel_l2
+rng = np.random.default_rng(0)
+a = rng.standard_normal(1 << 22)
+b = a + 1e-3 * rng.standard_normal(1 << 22)
+print(repr(rel_diff([(a, b)])), repr(rel_l2(b, a)))
+"""
+
+
+def test_float64_reductions_do_not_depend_on_the_blas_thread_count():
+    """rel_diff_G and the tokens stage's relative L2 errors come out bit for bit the same under 1 and 2 BLAS
+    threads (OpenBLAS splits ``a @ a`` over its threads, which changed rel_diff_G's last bit between a killed
+    run and its resume)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = {}
+    for threads in ("1", "2"):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(REPO)}
+        run = subprocess.run([sys.executable, "-c", BLAS_PROBE], env=env, capture_output=True, text=True, cwd=REPO)
+        assert run.returncode == 0, run.stderr[-2000:]
+        out[threads] = run.stdout.split()
+    assert out["1"] == out["2"]
+
+
 @pytest.fixture(scope="module")
 def stored(tiny_run):
     """The tiny run's offpolicy rows as stored (JSON), its stats groups by (sampler, centering), the store."""
