@@ -7,9 +7,10 @@ requiring grad: what a trainer pays per step) in the same repetition and the med
 
 - "covgrad streaming step": what the scores stage runs per batch: ``PerSampleGrads.accumulate`` folds
   each tensor's per-sample block into the float64 moment accumulators on the device while the backward
-  runs (nothing B × P is formed or copied to the host), with the compiled fold whatever the model's size
-  (the header says when compiling failed and the eager fold ran instead);
-  ("float32 state": the same with ``scores.state_dtype: float32``);
+  runs (nothing B × P is formed or copied to the host), Linear weights in row chunks folded while in
+  cache, with the compiled fold whatever the model's size (the header says when compiling failed and the
+  eager fold ran instead); ("float32 state": the same with ``scores.state_dtype: float32``; "whole
+  blocks": every block formed whole, then folded, ``chunk_bytes=0``);
 - "covgrad rows": the (B, P) float32 per-sample rows (``PerSampleGrads.__call__``, one reused buffer);
 - vmap(grad) and the naive loop (one backward per sample); on cuda they run on ``--sub`` samples and
   their time is scaled to B (their per-sample cost does not fall with B).
@@ -117,6 +118,7 @@ def methods(
     adv = np.random.default_rng(0).standard_normal(B)
     half = np.arange(B) % 2
     psg = PerSampleGrads(model, layout, check=True)
+    whole = PerSampleGrads(model, layout, check=False, chunk_bytes=0)
     fn = lambda z: score_logit_grad(z, ids, w)  # noqa: E731
 
     def floor() -> Tensor:
@@ -139,15 +141,17 @@ def methods(
         gs = per_sample_grad({n: p.detach() for n, p in params.items()}, ids[:sub], w[:sub])
         return torch.cat([gs[n].reshape(sub, -1).float() for n in names], dim=1)
 
-    def streaming(state_dtype: str) -> None:
-        if state_dtype not in accs:  # allocated by the warm-up call (an OOM there is reported as such)
-            accs[state_dtype] = MomentAccumulator(layout.P, device, state_dtype, compiled=True)
-        psg.accumulate(ids, mask, fn, accs[state_dtype], adv, half, position_ids=pos)
+    def streaming(state_dtype: str, engine: PerSampleGrads = psg) -> None:
+        key = state_dtype if engine is psg else f"{state_dtype}, whole blocks"
+        if key not in accs:  # allocated by the warm-up call (an OOM there is reported as such)
+            accs[key] = MomentAccumulator(layout.P, device, state_dtype, compiled=True)
+        engine.accumulate(ids, mask, fn, accs[key], adv, half, position_ids=pos)
 
     out: dict[str, tuple] = {
         "floor: batched backward": (floor, B),
         "covgrad streaming step": (lambda: streaming("float64"), B),
         "covgrad streaming step, float32 state": (lambda: streaming("float32"), B),
+        "covgrad streaming step, whole blocks": (lambda: streaming("float64", whole), B),
     }
     if _rows_limit(device) > B * layout.P * 4:
         buffer = torch.empty(B, layout.P, device=device)

@@ -17,7 +17,10 @@ modules (tied embedding and LM head) gets the sum of their contributions per sam
 Two outputs: ``__call__`` returns the (B, P) float32 rows; ``accumulate`` (the scores stage's fused
 reduction) folds each tensor's (B, numel) block into a :class:`covgrad.accum.MomentAccumulator` as soon
 as its last contribution of the backward has arrived (modules' forward calls are counted, so tied and
-repeated modules are summed first) and drops it, so no B × P buffer exists.
+repeated modules are summed first) and drops it, so no B × P buffer exists. A Linear or Conv1D weight
+with one contribution is not even formed whole: its rule writes it in chunks of rows (``_CHUNK_BYTES``)
+into one reused buffer, each folded while it is still in cache (on a CPU the fold then costs a quarter
+of what it costs on the whole block read back from memory; see ``benchmarks/scores.py``).
 
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V
 vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layout.ParamLayout`).
@@ -25,7 +28,7 @@ vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -35,7 +38,14 @@ from torch.utils._pytree import tree_map
 from covgrad.accum import MomentAccumulator
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.rules import FLATTENING_PARENTS, Call, Rule, float_outputs, rule_for
+from covgrad.rules import FLATTENING_PARENTS, Call, Rule, Slot, float_outputs, rule_for
+
+# Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: about the
+# L2 cache (measured on a 2-core EPYC VM, B = 32, 256 × 256 and 640 × 256 weights: 2–4 MiB chunks made
+# products + fold 1.27x the products alone, against 1.75x for whole blocks, 1.46x at 1 MiB, 1.60x at
+# 20 MiB). Accelerators: large GEMMs; the chunk only bounds the block in flight.
+_CHUNK_BYTES = {"cpu": 2 << 20}
+_CHUNK_BYTES_DEFAULT = 256 << 20
 
 # Largest per-sample block buffer kept for reuse (every decoder-layer block of a ~1B model fits).
 _POOL_MAX_BYTES = 256 << 20
@@ -154,17 +164,23 @@ class PerSampleGrads:
         check: on the first call, compare Σ_n s_n per tensor with the ordinary batched gradient of the
             summed objective and raise if they differ (catches a module whose forward a rule does not
             match, e.g. a Linear subclass that rescales its weight). Costs one extra forward and backward.
+        chunk_bytes: bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused
+            reduction (None: ``_CHUNK_BYTES`` for the device; 0: fold whole blocks). Chunks change the GEMM
+            shapes, so the fp32 products may differ in their last bits from whole blocks.
 
     Raises:
         ValueError: when a selected parameter is not in the model, or is owned by a module without a
             per-sample rule (the message names the parameter and the module type).
     """
 
-    def __init__(self, model: nn.Module, layout: ParamLayout, check: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, layout: ParamLayout, check: bool = True, chunk_bytes: int | None = None
+    ) -> None:
         params = dict(model.named_parameters())
         self.model = model
         self.layout = layout
         self.check = check
+        self.chunk_bytes = chunk_bytes
         self._bindings = bind_rules(model, layout)
         self._params = [params[e.name] for e in layout.entries]
         # Modules run on a flattened (B·L, …) batch by a verified parent (OPT layers, MoE blocks).
@@ -178,6 +194,8 @@ class PerSampleGrads:
         self._written: set[str] = set()
         self._folded: set[str] = set()
         self._pending: dict[str, int] = {}  # module calls whose backward contribution is still to come
+        self._calls: dict[str, int] = {}  # module calls in the forward, per tensor (1: the block may be chunked)
+        self._chunk: Tensor | None = None  # the row-chunk buffer of the fused reduction, reused
         # Fused reduction without rows: rule calls held back until their tensors' last contribution, with the
         # tensors they write (a tied embedding's LM-head product waits for the embedding's rows).
         self._deferred: list[tuple[Callable[[], None], tuple[str, ...]]] = []
@@ -273,7 +291,6 @@ class PerSampleGrads:
         if out is not None:
             self._check_out(out, B, device)
         check = self._reference(inputs, dlogits_fn) if self.check else None
-        release_free_memory()
         acc.begin_batch(advantages, half)
         try:
             self._per_sample(inputs, dlogits_fn, out, acc, check)
@@ -349,6 +366,7 @@ class PerSampleGrads:
                 p.requires_grad_(flag)
             self._out, self._acc, self._check, self._roots = None, None, None, []
             self._written, self._folded, self._pending, self._blocks = set(), set(), {}, {}
+            self._calls = {}
             self._deferred = []
 
     def _block(self, entry: TensorEntry) -> Tensor:
@@ -370,6 +388,8 @@ class PerSampleGrads:
             if fits:
                 buf = self._pool.pop(min(fits)[1])
             else:
+                if need * 4 > _POOL_MAX_BYTES:  # a tied embedding's block: the heap's free pages go back first
+                    release_free_memory()
                 buf = torch.empty(need, dtype=torch.float32, device=self._acc.device)
             block = buf[:need].view(self._B, entry.numel)
             self._blocks[entry.name] = block
@@ -387,6 +407,39 @@ class PerSampleGrads:
             buf = self._blocks.pop(entry.name)._base
             if buf.numel() * buf.element_size() <= _POOL_MAX_BYTES:
                 self._pool.append(buf)
+        self._folded.add(entry.name)
+
+    def _row_chunks(self, entry: TensorEntry, n_rows: int) -> Iterator[tuple[int, int, Tensor]] | None:
+        """Chunks of ``entry``'s block for its rule to write, each folded when the next is asked for (see
+        :meth:`covgrad.rules.Slot.rows`); None unless this is the fused reduction without rows and the
+        tensor's only contribution (a tied or repeated tensor sums its contributions whole first)."""
+        if self._acc is None or self._out is not None or self._calls.get(entry.name) != 1:
+            return None
+        device = self._acc.device
+        limit = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES_DEFAULT) if self.chunk_bytes is None else self.chunk_bytes
+        if limit <= 0:
+            return None
+        self._written.add(entry.name)
+        B, row = self._B, entry.numel // n_rows
+        per = max(1, limit // (B * row * 4))  # rows per chunk
+        need = B * min(per, n_rows) * row
+        if self._chunk is None or self._chunk.numel() < need or self._chunk.device != device:
+            self._chunk = torch.empty(need, dtype=torch.float32, device=device)
+        return self._fold_chunks(entry, n_rows, per, row)
+
+    def _fold_chunks(self, entry: TensorEntry, n_rows: int, per: int, row: int) -> Iterator[tuple[int, int, Tensor]]:
+        B, check = self._B, self._check
+        sums = torch.empty(entry.numel, dtype=torch.float64, device=self._acc.device) if check is not None else None
+        for r0 in range(0, n_rows, per):
+            r1 = min(n_rows, r0 + per)
+            chunk = self._chunk[: B * (r1 - r0) * row]
+            yield r0, r1, chunk.view(B, r1 - r0, *entry.shape[1:])
+            cols = chunk.view(B, (r1 - r0) * row)
+            self._acc.fold(entry.offset + r0 * row, cols)
+            if sums is not None:
+                sums[r0 * row : r1 * row] = _column_sums(cols)
+        if check is not None:
+            check.compare(entry, sums)
         self._folded.add(entry.name)
 
     def _run_rule(self, apply: Callable[[], None], local: dict[str, TensorEntry]) -> None:
@@ -408,12 +461,10 @@ class PerSampleGrads:
         if self._out is None and all(self._pending[name] > 0 for name in names):
             self._deferred.append((apply, names))
             return
-        if self._deferred:
-            release_free_memory()  # the backward's freed activations, before the held-back blocks are made
         self._flush_deferred(set(names))
         apply()
         for entry in local.values():
-            if self._pending[entry.name] == 0:
+            if self._pending[entry.name] == 0 and entry.name not in self._folded:  # chunked ones are folded
                 self._fold(entry)
 
     def _flush_deferred(self, names: set[str] | None) -> None:
@@ -429,7 +480,7 @@ class PerSampleGrads:
     def _forward_hook(self, B: int, rule: Rule, local: dict[str, TensorEntry]) -> Callable:
         """Forward hook: save the input, make the output a graph root if needed, hook its gradient."""
 
-        def slot(name: str) -> tuple[Tensor, bool] | None:
+        def view(name: str) -> tuple[Tensor, bool] | None:
             entry = local.get(name)
             if entry is None:
                 return None
@@ -437,6 +488,7 @@ class PerSampleGrads:
             self._written.add(entry.name)
             return self._block(entry).view(B, *entry.shape), first
 
+        slot = _FoldingSlot(self, view, local)
         needs_call = getattr(rule, "needs_call", False)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple:
@@ -478,6 +530,7 @@ class PerSampleGrads:
 
             for entry in local.values():  # contributions the backward will bring (tied or repeated modules)
                 self._pending[entry.name] = self._pending.get(entry.name, 0) + 1
+                self._calls[entry.name] = self._calls.get(entry.name, 0) + 1
 
             if isinstance(output, Tensor):
                 if not output.requires_grad:
@@ -507,6 +560,21 @@ class PerSampleGrads:
             dlogits = _checked_dlogits(dlogits_fn, logits).to(logits.dtype)
             grads = torch.autograd.grad(logits, self._params, dlogits, allow_unused=True)
         return _Check(self.layout, self._params, grads)
+
+
+class _FoldingSlot(Slot):
+    """The slot of one hooked module in a :class:`PerSampleGrads` call: whole views, and row chunks folded
+    as they are written when the owner's fused reduction allows (:meth:`PerSampleGrads._row_chunks`)."""
+
+    def __init__(
+        self, owner: PerSampleGrads, views: Callable[[str], tuple[Tensor, bool] | None], local: dict[str, TensorEntry]
+    ) -> None:
+        super().__init__(views)
+        self._owner, self._local = owner, local
+
+    def rows(self, name: str, n_rows: int) -> Iterator[tuple[int, int, Tensor]] | None:
+        entry = self._local.get(name)
+        return None if entry is None else self._owner._row_chunks(entry, n_rows)
 
 
 class _Check:

@@ -4,7 +4,9 @@ A rule is called once per module call during the backward with the module, its s
 input ``x`` and the gradient ``g`` of the objective with respect to the module's output, both with a
 leading batch dimension B. For each parameter it owns it asks ``slot(name)`` for a (B, *param.shape)
 float32 view to write (first contribution) or accumulate into (a later call of the same module or a
-tied module), or None when that parameter is not selected. :func:`rule_for` picks a module's rule.
+tied module), or None when that parameter is not selected. The Linear and Conv1D rules first ask
+``slot.rows(name, n)`` for the weight's block in chunks of its leading dimension, which the fused
+reduction folds while each is still in cache (see :class:`Slot`). :func:`rule_for` picks a module's rule.
 
 Fast rules are matched by exact class (a subclass may change the forward: Gemma's scaled embedding
 multiplies inside it), and RMSNorm and fused-expert classes by the source text of their forward, so any
@@ -18,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +46,35 @@ try:  # fused expert tensors arrived with transformers 5; older versions keep on
 except ImportError:
     _default_apply_gate = Qwen3MoeExperts = None
 
-# A rule's view of one parameter: (B, *param.shape) float32 slice of the output, and whether this is
-# the first contribution in the call (write) or a later one from a tied module (accumulate).
-Slot = Callable[[str], tuple[Tensor, bool] | None]
+
+class Slot:
+    """A rule's access to the per-sample blocks it writes.
+
+    Args:
+        views: name → ((B, *param.shape) float32 view, first) for a selected parameter of the module, None
+            otherwise; ``first`` says whether this is the call's first contribution (write) or a later one
+            from a tied or repeated module (accumulate).
+    """
+
+    def __init__(self, views: Callable[[str], tuple[Tensor, bool] | None]) -> None:
+        self._views = views
+
+    def __call__(self, name: str) -> tuple[Tensor, bool] | None:
+        """The parameter's whole view and whether to write (True) or accumulate into it, or None."""
+        return self._views(name)
+
+    def rows(self, name: str, n_rows: int) -> Iterator[tuple[int, int, Tensor]] | None:
+        """The parameter's block in chunks of its leading dimension (``n_rows`` long), or None: then the
+        rule writes the whole view from ``slot(name)``.
+
+        Each item is (r0, r1, view) with view (B, r1 − r0, *param.shape[1:]) float32 to *write* rows r0:r1
+        of every sample's gradient into; a chunk is consumed (folded) when the next one is asked for, so the
+        rule must run the iteration to its end. This base class yields nothing to chunk (None); the fused
+        reduction (:mod:`covgrad.persample`) chunks a parameter that gets one contribution per call.
+        """
+        return None
+
+
 Rule = Callable[[nn.Module, Tensor, Tensor, Slot], None]
 
 
@@ -125,7 +153,11 @@ def _linear_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """y = x Wᵀ + b: per-sample ∂W = Σ_t g_t x_tᵀ (B, out, in), ∂b = Σ_t g_t."""
     B = g.shape[0]
     g = _flat(g, B, module.out_features)  # (B, T', O)
-    if (s := slot("weight")) is not None:
+    if (chunks := slot.rows("weight", module.out_features)) is not None:
+        x = _flat(x, B, module.in_features)
+        for r0, r1, view in chunks:
+            _bmm_into(view, g[:, :, r0:r1].transpose(1, 2), x, True)
+    elif (s := slot("weight")) is not None:
         _bmm_into(s[0], g.transpose(1, 2), _flat(x, B, module.in_features), s[1])
     if (s := slot("bias")) is not None:
         _sum_into(s[0], g, s[1])
@@ -135,7 +167,11 @@ def _conv1d_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """GPT-2 Conv1D, y = x W + b with W (in, out): per-sample ∂W = Σ_t x_t g_tᵀ (B, in, out)."""
     B = g.shape[0]
     g = _flat(g, B, module.nf)
-    if (s := slot("weight")) is not None:
+    if (chunks := slot.rows("weight", module.nx)) is not None:
+        x = _flat(x, B, module.nx)
+        for r0, r1, view in chunks:
+            _bmm_into(view, x[:, :, r0:r1].transpose(1, 2), g, True)
+    elif (s := slot("weight")) is not None:
         _bmm_into(s[0], _flat(x, B, module.nx).transpose(1, 2), g, s[1])
     if (s := slot("bias")) is not None:
         _sum_into(s[0], g, s[1])

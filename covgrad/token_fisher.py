@@ -58,7 +58,7 @@ from torch import Tensor, nn
 
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.persample import PerSampleGrads, bind_rules
-from covgrad.rules import FLATTENING_PARENTS, Rule
+from covgrad.rules import FLATTENING_PARENTS, Rule, Slot
 
 Mode = Literal["exact", "topk", "mc", "probe", "probe_seq"]
 MODES: tuple[str, ...] = ("exact", "topk", "mc", "probe", "probe_seq")
@@ -294,7 +294,7 @@ class TokenBackward:
                 return block_of(entry).view(RB, *entry.shape), first
 
             xr = x.expand(R, *x.shape).reshape(RB, *x.shape[1:])
-            rule(module, xr, g.reshape(RB, *g.shape[2:]), slot)
+            rule(module, xr, g.reshape(RB, *g.shape[2:]), Slot(slot))
         return written
 
 

@@ -40,7 +40,6 @@ from prefect import task
 
 from covgrad.accum import MomentAccumulator
 from covgrad.centering import align_full_mu, align_topk_mu, kl_sampler_policy, mask_unscored
-from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.rollout_import import require_mu_source
@@ -283,7 +282,6 @@ class ScoresJob:
                     position_ids=pos.to(device),
                     out=out,
                 )
-                release_free_memory()
                 if writer is not None:
                     writer.submit(lo, hi, out)
                 if mu_source is not None and job[1] == 0:  # the same numbers in every block: written once

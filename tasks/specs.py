@@ -115,7 +115,7 @@ class ScoresSpec(StageSpec):
     per-sample rows kept when N·P·4 bytes fit ``byte_budget``."""
 
     STAGE: ClassVar[str] = "scores"
-    VERSION: ClassVar[str] = "4"
+    VERSION: ClassVar[str] = "5"  # 5: Linear/Conv1D weights folded in row chunks (other GEMM shapes: last bits)
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
         {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
     )

@@ -231,9 +231,11 @@ def test_accumulator_rejects_bad_use():
         acc.fold(2, torch.zeros(2, 4))
 
 
-def fused(model, layout, batches, state_dtype="float64", rows=False, check=True, device="cpu", compiled=None):
+def fused(
+    model, layout, batches, state_dtype="float64", rows=False, check=True, device="cpu", compiled=None, chunk_bytes=None
+):
     """Accumulate ``batches`` (list of (batch, advantages, half)) through PerSampleGrads.accumulate."""
-    psg = PerSampleGrads(model, layout, check=check)
+    psg = PerSampleGrads(model, layout, check=check, chunk_bytes=chunk_bytes)
     acc = MomentAccumulator(layout.P, device, state_dtype, compiled=compiled)
     for batch, a, h in batches:
         out = torch.empty(len(a), layout.P, device=device) if rows else None
@@ -271,6 +273,57 @@ def test_fused_reduction_matches_moments_of_rows(name):
     if name in ("llama-tied", "gpt2-conv1d"):  # the compiled fold in the backward hooks (batches 2, 3: both halves)
         assert_close(state(fused(model, layout, batches, check=False, compiled=True)), want, 1e-9)
         assert_close(state(fused(model, layout, batches, "float32", check=False, compiled=True)), want, 1e-5)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1500], ids=["one-row", "ragged"])
+@pytest.mark.parametrize("name", ["llama-untied", "llama-tied", "qwen2-bias", "gpt2-conv1d"])
+def test_weights_folded_in_row_chunks(name, chunk_bytes):
+    """Linear/Conv1D weights written and folded in chunks of rows (one row each; chunks that do not divide
+    the rows): the chunks put together are the rows of ``__call__`` (fp32 products of other GEMM shapes:
+    within 1e-6) and the state is the numpy float64 moments of exactly what was folded (1e-9; float32
+    state 1e-5), eager and compiled; tied weights are never chunked."""
+    model = MODELS[name]()
+    layout = select_parameters(model)
+    batches = []
+    for seed in (40, 41, 42):
+        gen = np.random.default_rng(seed)
+        batches.append((make_batch(seed, **BATCH), gen.standard_normal(4), np.array([0, 1, 1, seed % 2])))
+    A = np.concatenate([a for _, a, _ in batches])
+    half = np.concatenate([h for _, _, h in batches])
+    cases = [("float64", None, 1e-9), ("float32", None, 1e-5)]
+    if name in ("llama-tied", "gpt2-conv1d"):
+        cases.append(("float64", True, 1e-9))
+    for state_dtype, compiled, rtol in cases:
+        psg = PerSampleGrads(model, layout, check=True, chunk_bytes=chunk_bytes)
+        acc = MomentAccumulator(layout.P, "cpu", state_dtype, compiled=compiled)
+        folded, calls, real_fold = [], [], acc.fold
+
+        def fold(offset, block, seen=folded, n=calls, f=real_fold):
+            seen[-1][:, offset : offset + block[0].numel()] = block.reshape(block.shape[0], -1).double()
+            n.append(offset)
+            f(offset, block)
+
+        acc.fold = fold
+        rows = []
+        for batch, a, h in batches:
+            fn = lambda z, b=batch: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
+            folded.append(torch.full((4, layout.P), float("nan"), dtype=torch.float64))
+            psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, acc, a, h, batch["position_ids"])
+            rows.append(psg(batch["input_ids"], batch["attention_mask"], fn, batch["position_ids"]).double())
+        S, R = torch.cat(folded), torch.cat(rows)
+        assert len(calls) > 3 * len(batches) * len(layout.entries)  # chunks, not one fold per tensor
+        assert not S.isnan().any()
+        assert float((S - R).abs().max()) <= 1e-6 * float(R.abs().max())
+        assert_close(state(acc), numpy_moments(S.numpy(), A, half), rtol)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 1500], ids=["whole", "chunked"])
+def test_fused_self_check_catches_rule_mismatch(chunk_bytes):
+    model = doubled_up_proj(llama(tied=False))
+    layout = select_parameters(model)
+    batch = make_batch(34, **BATCH)
+    with pytest.raises(ValueError, match=r"self-check failed for parameter 'model\.layers\.0\.mlp\.up_proj\.weight'"):
+        fused(model, layout, [(batch, np.ones(4), np.zeros(4, int))], chunk_bytes=chunk_bytes)
 
 
 def test_fused_reduction_never_holds_all_blocks():
@@ -314,11 +367,3 @@ def test_tied_embedding_block_exists_only_from_its_last_contribution_to_its_fold
     )
     assert len(seen) == len(layout.entries)
     assert [names for names in seen if tied in names] == [{tied}]  # alone, at its own fold
-
-
-def test_fused_self_check_catches_rule_mismatch():
-    model = doubled_up_proj(llama(tied=False))
-    layout = select_parameters(model)
-    batch = make_batch(34, **BATCH)
-    with pytest.raises(ValueError, match=r"self-check failed for parameter 'model\.layers\.0\.mlp\.up_proj\.weight'"):
-        fused(model, layout, [(batch, np.ones(4), np.zeros(4, int))])
