@@ -47,6 +47,12 @@ from covgrad.rules import FLATTENING_PARENTS, Call, Rule, Slot, float_outputs, r
 _CHUNK_BYTES = {"cpu": 2 << 20}
 _CHUNK_BYTES_DEFAULT = 256 << 20
 
+
+def default_chunk_bytes(device_type: str) -> int:
+    """Bytes of one row chunk of a weight's per-sample block on a device of this type ("cpu", "cuda")."""
+    return _CHUNK_BYTES.get(device_type, _CHUNK_BYTES_DEFAULT)
+
+
 # Largest per-sample block buffer kept for reuse (every decoder-layer block of a ~1B model fits).
 _POOL_MAX_BYTES = 256 << 20
 
@@ -165,7 +171,7 @@ class PerSampleGrads:
             summed objective and raise if they differ (catches a module whose forward a rule does not
             match, e.g. a Linear subclass that rescales its weight). Costs one extra forward and backward.
         chunk_bytes: bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused
-            reduction (None: ``_CHUNK_BYTES`` for the device; 0: fold whole blocks). Chunks change the GEMM
+            reduction (None: :func:`default_chunk_bytes` of the device; 0: fold whole blocks). Chunks change the GEMM
             shapes, so the fp32 products may differ in their last bits from whole blocks.
 
     Raises:
@@ -416,7 +422,7 @@ class PerSampleGrads:
         if self._acc is None or self._out is not None or self._calls.get(entry.name) != 1:
             return None
         device = self._acc.device
-        limit = _CHUNK_BYTES.get(device.type, _CHUNK_BYTES_DEFAULT) if self.chunk_bytes is None else self.chunk_bytes
+        limit = default_chunk_bytes(device.type) if self.chunk_bytes is None else self.chunk_bytes
         if limit <= 0:
             return None
         self._written.add(entry.name)

@@ -381,6 +381,11 @@ _EXACT: dict[type, tuple[Rule, frozenset[str]]] = {
 }
 
 
+def writes_weight_in_row_chunks(module: nn.Module) -> bool:
+    """Whether the module's rule asks ``slot.rows`` for its weight (Linear, Falcon's Linear, GPT-2 Conv1D)."""
+    return _EXACT.get(type(module), (None,))[0] in (_linear_rule, _conv1d_rule)
+
+
 def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
     """The module's rule and the parameter names it covers, or the reason it has none.
 

@@ -7,8 +7,9 @@ The memory model is the README's ("Memory and state dtype"), per worker running 
     activations  layers × B·L·((8·H + 4·I)·dtype + heads·L·(dtype + 4))  (saved for one backward:
                  norms, q/k/v/o and MLP inputs and outputs, the eager attention probabilities)
     logits       B·L·V·(dtype + 8)  (logits, their float32 gradient and softmax)
-    in flight    B·4·numel of the block's largest tensor (a tied embedding's block lives through the whole
-                 backward: B·4·(embedding + the largest other tensor) when the block holds it)
+    in flight    B·4·numel of the block's largest tensor, where a Linear/Conv1D weight with one module counts
+                 one row chunk (``covgrad.persample.default_chunk_bytes``, at least one row) instead of its whole
+                 block (a tied embedding's block: B·4·(embedding + the largest other tensor), an upper bound)
     workspace    min(2^26 on cuda or 2^17 on cpu, B·largest) × (1 + 3·2/B) × state element bytes
     state        (48 float64 | 32 float32) × P_k   (2 halves × mean, M2, co-moment [, mean low part])
     rows         B·P_k·4 when per-sample rows are kept (one block only)
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from covgrad.layout import ParamLayout, split_blocks
+from covgrad.persample import default_chunk_bytes
+from covgrad.rules import writes_weight_in_row_chunks
 
 HEADROOM = 0.9
 STATE_BYTES = {"float64": 48, "float32": 32}  # per parameter element, both halves
@@ -46,6 +49,7 @@ class ModelShape:
     heads: int
     vocab: int
     tied_embedding: str | None  # the layout name of a tied input embedding / LM head, else None
+    chunked: frozenset[str]  # weights whose per-sample blocks are written and folded in row chunks
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
@@ -56,6 +60,15 @@ class ModelShape:
         out = model.get_output_embeddings()
         tied = out is not None and out.weight is emb
         name = next((n for n, p in model.named_parameters() if p is emb), None) if tied else None
+        owners: dict[int, list[nn.Module]] = {}  # modules owning each parameter (two for a tied one)
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(m)
+        chunked = frozenset(
+            n
+            for n, p in model.named_parameters()
+            if n.endswith("weight") and len(owners[id(p)]) == 1 and writes_weight_in_row_chunks(owners[id(p)][0])
+        )
         return cls(
             n_params=sum(p.numel() for p in params),
             dtype_bytes=params[0].element_size(),
@@ -65,6 +78,7 @@ class ModelShape:
             heads=c.num_attention_heads,
             vocab=c.vocab_size,
             tied_embedding=name,
+            chunked=chunked,
         )
 
 
@@ -151,12 +165,17 @@ def block_needs(layout: ParamLayout, shape: ModelShape, work: Workload, n_blocks
     fixed = shape.n_params * d + act + B * L * shape.vocab * (d + 8)
     elem = 8 if work.state_dtype == "float64" else 4
     needs = []
+    chunk = default_chunk_bytes(work.device) // (4 * B)  # elements of a sample's chunk
     for block in split_blocks(layout, n_blocks):
         sizes = sorted((e.numel for e in block.entries), reverse=True)
-        in_flight = sizes[0]
+        made = [  # elements per sample of each tensor's block at once
+            min(e.numel, max(chunk, e.numel // e.shape[0])) if e.name in shape.chunked else e.numel
+            for e in block.entries
+        ]
+        in_flight = max(made)
         if shape.tied_embedding in block.names:
             tied = block.entry(shape.tied_embedding).numel
-            in_flight = tied + max((s for s in sizes if s != tied), default=0)
+            in_flight = tied + max((s for s in made if s != tied), default=0)
         columns = min(_FOLD_ELEMENTS[work.device], B * sizes[0])
         rows = B * block.P * 4 if work.keep_rows and n_blocks == 1 else 0
         needs.append(

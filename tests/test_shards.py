@@ -177,6 +177,8 @@ def test_plan_qwen7b_on_eight_80gb_gpus(qwen7b: Path):
     assert sum(n.P for n in chosen.needs) == P and all(n.fixed == fixed for n in chosen.needs)
     assert all(n.state == 32 * n.P for n in chosen.needs)
     assert chosen.needs[0].in_flight == B * 4 * V * H  # block 0 holds the embedding, the largest tensor
+    # the rest hold Linear weights (MLP 67.9M, LM head 545M elements): made and folded in 256 MiB row chunks
+    assert all(n.in_flight == 256 << 20 for n in chosen.needs[1:])
     assert chosen.need <= HEADROOM * 80e9 and chosen.store_bytes == 32 * P
     six = plan_for_config(load_config(str(qwen7b), ["scores.shards=[1, 6]"]), 8, 80 * 10**9, "cuda", 128)[1]
     assert not six.fits  # auto's 7 blocks are the fewest that fit
