@@ -279,15 +279,21 @@ def test_fused_reduction_matches_moments_of_rows(name):
 @pytest.mark.parametrize("name", ["llama-untied", "llama-tied", "qwen2-bias", "gpt2-conv1d"])
 def test_weights_folded_in_row_chunks(name, chunk_bytes):
     """Linear/Conv1D weights written and folded in chunks of rows (one row each; chunks that do not divide
-    the rows): the chunks put together are the rows of ``__call__`` (fp32 products of other GEMM shapes:
-    within 1e-6) and the state is the numpy float64 moments of exactly what was folded (1e-9; float32
-    state 1e-5), eager and compiled; tied weights are never chunked."""
-    model = MODELS[name]()
+    the rows): see :func:`check_row_chunks`; tied weights are never chunked."""
+    check_row_chunks(name, chunk_bytes, "cpu")
+
+
+def check_row_chunks(name: str, chunk_bytes: int, device: str) -> None:
+    """The chunks put together are the rows of ``__call__`` (fp32 products of other GEMM shapes: within 1e-6)
+    and the state is the numpy float64 moments of exactly what was folded (1e-9; float32 state 1e-5), eager
+    and (for llama-tied and gpt2-conv1d) compiled."""
+    model = MODELS[name]().to(device)
     layout = select_parameters(model)
     batches = []
     for seed in (40, 41, 42):
         gen = np.random.default_rng(seed)
-        batches.append((make_batch(seed, **BATCH), gen.standard_normal(4), np.array([0, 1, 1, seed % 2])))
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in make_batch(seed, **BATCH).items()}
+        batches.append((batch, gen.standard_normal(4), np.array([0, 1, 1, seed % 2])))
     A = np.concatenate([a for _, a, _ in batches])
     half = np.concatenate([h for _, _, h in batches])
     cases = [("float64", None, 1e-9), ("float32", None, 1e-5)]
@@ -295,11 +301,11 @@ def test_weights_folded_in_row_chunks(name, chunk_bytes):
         cases.append(("float64", True, 1e-9))
     for state_dtype, compiled, rtol in cases:
         psg = PerSampleGrads(model, layout, check=True, chunk_bytes=chunk_bytes)
-        acc = MomentAccumulator(layout.P, "cpu", state_dtype, compiled=compiled)
+        acc = MomentAccumulator(layout.P, device, state_dtype, compiled=compiled)
         folded, calls, real_fold = [], [], acc.fold
 
         def fold(offset, block, seen=folded, n=calls, f=real_fold):
-            seen[-1][:, offset : offset + block[0].numel()] = block.reshape(block.shape[0], -1).double()
+            seen[-1][:, offset : offset + block[0].numel()] = block.reshape(block.shape[0], -1).double().cpu()
             n.append(offset)
             f(offset, block)
 
@@ -309,7 +315,7 @@ def test_weights_folded_in_row_chunks(name, chunk_bytes):
             fn = lambda z, b=batch: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
             folded.append(torch.full((4, layout.P), float("nan"), dtype=torch.float64))
             psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, acc, a, h, batch["position_ids"])
-            rows.append(psg(batch["input_ids"], batch["attention_mask"], fn, batch["position_ids"]).double())
+            rows.append(psg(batch["input_ids"], batch["attention_mask"], fn, batch["position_ids"]).double().cpu())
         S, R = torch.cat(folded), torch.cat(rows)
         assert len(calls) > 3 * len(batches) * len(layout.entries)  # chunks, not one fold per tensor
         assert not S.isnan().any()

@@ -11,7 +11,7 @@ from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.rules import _bmm_into, _flat
-from tests.test_accum import assert_close, fused, numpy_moments, state
+from tests.test_accum import assert_close, check_row_chunks, fused, numpy_moments, state
 from tests.test_persample import BATCH, MODELS, make_batch, naive_scores
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda device")
@@ -68,3 +68,9 @@ def test_cuda_compiled_fold_matches_numpy(state_dtype):
         acc.end_batch()
     assert acc.fold_path == "compiled"
     assert_close(state(acc), numpy_moments(S, A, half), 1e-9 if state_dtype == "float64" else 1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "gpt2-conv1d"])
+def test_cuda_weights_folded_in_row_chunks(name):
+    """Row chunks on cuda (one row each instead of 256 MiB): the same checks as on CPU."""
+    check_row_chunks(name, 1, "cuda")
