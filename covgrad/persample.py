@@ -18,9 +18,10 @@ Two outputs: ``__call__`` returns the (B, P) float32 rows; ``accumulate`` (the s
 reduction) folds each tensor's (B, numel) block into a :class:`covgrad.accum.MomentAccumulator` as soon
 as its last contribution of the backward has arrived (modules' forward calls are counted, so tied and
 repeated modules are summed first) and drops it, so no B × P buffer exists. A Linear or Conv1D weight
-with one contribution is not even formed whole: its rule writes it in chunks of rows (``_CHUNK_BYTES``)
-into one reused buffer, each folded while it is still in cache (on a CPU the fold then costs a quarter
-of what it costs on the whole block read back from memory; see ``benchmarks/scores.py``).
+with one contribution is not even formed whole: its rule writes it in chunks of rows
+(:func:`default_chunk_bytes`) into one reused buffer, each folded while it is still in cache (measured on
+a CPU: products + fold 1.27x the products alone in 2 MiB chunks, 1.75x on whole blocks read back from
+memory; see ``benchmarks/scores.py``).
 
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V
 vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layout.ParamLayout`).
@@ -171,8 +172,8 @@ class PerSampleGrads:
             summed objective and raise if they differ (catches a module whose forward a rule does not
             match, e.g. a Linear subclass that rescales its weight). Costs one extra forward and backward.
         chunk_bytes: bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused
-            reduction (None: :func:`default_chunk_bytes` of the device; 0: fold whole blocks). Chunks change the GEMM
-            shapes, so the fp32 products may differ in their last bits from whole blocks.
+            reduction (None: :func:`default_chunk_bytes` of the device; 0: fold whole blocks). Chunks
+            change the GEMM shapes, so the fp32 products may differ in their last bits from whole blocks.
 
     Raises:
         ValueError: when a selected parameter is not in the model, or is owned by a module without a
@@ -434,6 +435,8 @@ class PerSampleGrads:
         return self._fold_chunks(entry, n_rows, per, row)
 
     def _fold_chunks(self, entry: TensorEntry, n_rows: int, per: int, row: int) -> Iterator[tuple[int, int, Tensor]]:
+        """Yield views of ``per`` rows (``row`` elements each) of the chunk buffer; fold each one into the
+        accumulator at its columns once the rule has written it (and sum it for the self-check)."""
         B, check = self._B, self._check
         sums = torch.empty(entry.numel, dtype=torch.float64, device=self._acc.device) if check is not None else None
         for r0 in range(0, n_rows, per):
