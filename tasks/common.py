@@ -45,6 +45,7 @@ from pydantic import BaseModel
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from covgrad.heap import release_free_memory
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer
 from tasks.specs import PolicySpec, StageSpec
@@ -163,6 +164,7 @@ def run_stage(
             return StageResult(ref=ref, computed=False)
         t0 = time.perf_counter()
         claim = store.begin(ref, spec.model_dump(mode="json"), resume=resumable)
+        release_free_memory()  # pages earlier stages freed but the C heap kept: this stage's peak is its own
         with PeakRSS() as rss:
             extra = compute(store, ref) or {}
         timing = {"seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": rss.peak}
