@@ -127,16 +127,22 @@ def test_topk_with_k_equal_v_is_exact_and_resume_is_identical(run, monkeypatch):
     monkeypatch.setattr(tasks.tokens, "_batch", lambda *a: computed.append(a[7]) or batch(*a))
     run_upto(cfg_v, "tokens")
     assert store.is_complete(ref) and computed == [2, 3]
-    resumed = {name: array[:] for name, array in store.open_group(ref, STORE, mode="r").arrays()}
     gv = store.open_group(ref, STORE, mode="r")
     np.testing.assert_allclose(gv["fisher_topk"][:], g["fisher_exact"][:], rtol=1e-6, atol=1e-12)
+    assert_uninterrupted_run_equals(cfg_v, store, ref, gv)
 
+
+def assert_uninterrupted_run_equals(cfg, store, ref, resumed: zarr.Group) -> zarr.Group:
+    """Clear the resumed tokens store ``resumed``, compute it again without a kill: the same arrays with the
+    same values. Returns the fresh group."""
+    arrays = {name: array[:] for name, array in resumed.arrays()}
     store.clear(ref)
-    run_upto(cfg_v, "tokens")
+    run_upto(cfg, "tokens")
     fresh = store.open_group(ref, STORE, mode="r")
-    assert sorted(resumed) == sorted(name for name, _ in fresh.arrays())
-    for name, values in resumed.items():
+    assert sorted(arrays) == sorted(name for name, _ in fresh.arrays())
+    for name, values in arrays.items():
         np.testing.assert_array_equal(fresh[name][:], values, err_msg=name)
+    return fresh
 
 
 @pytest.mark.slow
@@ -161,16 +167,9 @@ def test_killed_while_dropping_the_batch_rows_resumes_to_the_same_store(run, mon
     run_upto(cfg_k, "tokens")
     assert store.is_complete(ref) and summarized == []  # the rerun only drops the remaining rows
     resumed = store.open_group(ref, STORE, mode="r")
-    arrays = {name: array[:] for name, array in resumed.arrays()}
     scalars = resumed.attrs["scalars"]
-
-    store.clear(ref)
-    run_upto(cfg_k, "tokens")
-    fresh = store.open_group(ref, STORE, mode="r")
-    assert sorted(arrays) == sorted(name for name, _ in fresh.arrays())
-    assert not [name for name in arrays if name.startswith("rows_")]
-    for name, values in arrays.items():
-        np.testing.assert_array_equal(fresh[name][:], values, err_msg=name)
+    assert not [name for name, _ in resumed.arrays() if name.startswith("rows_")]
+    fresh = assert_uninterrupted_run_equals(cfg_k, store, ref, resumed)
     assert fresh.attrs["scalars"] == scalars
 
 
