@@ -46,6 +46,7 @@ from covgrad.rollout_import import require_mu_source
 from covgrad.sampling import SamplerSpec, recompute_sampler_logp
 from covgrad.shardplan import ModelShape, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, annotate, create, param_chunk, write
 from storage.schema import SCORES as STORE
 from tasks.common import (
@@ -261,25 +262,21 @@ class ScoresJob:
             bar.update(len(self.batches) - len(todo))
             for k, b in enumerate(todo):
                 lo, hi = self.batches[b]
-                tokens = torch.from_numpy(ro["tokens"][lo:hi]).long()
-                pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
-                rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
-                target = torch.from_numpy(ro["response_mask"][lo:hi]).float()
-                attn = (torch.arange(tokens.shape[1]).unsqueeze(0) < (pl + rl).unsqueeze(1)).long()
+                batch = read_batch(ro, lo, hi, trim=False)
+                tokens, target = batch.input_ids, batch.response_mask
                 if mu_source is None:
                     fn = partial(score_logit_grad, input_ids=tokens.to(device), target_mask=target.to(device))
                 else:
-                    fn = mu_source.dlogits_fn(lo, hi, tokens, pl, rl, target)
-                pos = torch.arange(tokens.shape[1]).expand_as(tokens)  # right-padded rows: positions 0..L-1
+                    fn = mu_source.dlogits_fn(lo, hi, tokens, batch.prompt_len, batch.response_len, target)
                 out = None if buffer is None else buffer[: hi - lo]
                 psg.accumulate(
                     tokens.to(device),
-                    attn.to(device),
+                    batch.attention_mask.to(device),
                     fn,
                     acc,
                     self.adv[lo:hi],
                     self.group[lo:hi] % 2,
-                    position_ids=pos.to(device),
+                    position_ids=batch.position_ids.to(device),
                     out=out,
                 )
                 if writer is not None:

@@ -58,6 +58,7 @@ from covgrad.token_fisher import (
 )
 from covgrad.topk import as_values, spearman, spearman_blocked
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, annotate, create, param_chunk
 from storage.schema import TOKENS as STORE
 from tasks.common import StageResult, load_models, pick_device, progress_bar, run_stage
@@ -176,14 +177,9 @@ def _batch(
     """One batch, one forward: each (param,) float64 row sum is handed to ``emit(name, row)`` as soon as it
     is computed and then dropped (at P = 134.5M a row is 1.1 GB); returns the (rows, T_b) position arrays,
     the (rows,) sum-check errors and the LM-head error."""
-    pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
-    rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
-    L = int((pl + rl).max())
-    ids = torch.from_numpy(ro["tokens"][lo:hi, :L]).long().to(device)
-    attn = (torch.arange(L)[None, :] < (pl + rl)[:, None]).long().to(device)
-    target = torch.from_numpy(ro["response_mask"][lo:hi, :L]).float().to(device)
-    pos = torch.arange(L, device=device).expand(hi - lo, L)  # right-padded rows: positions 0..L-1
-    pl, rl = pl.to(device), rl.to(device)
+    batch = read_batch(ro, lo, hi).to(device)
+    ids, attn, target, pos = batch.input_ids, batch.attention_mask, batch.response_mask, batch.position_ids
+    pl, rl = batch.prompt_len, batch.response_len
     eng = TokenBackward(model, layout, ids, attn, pos)
 
     def run(mode: str, k: int = 0, seed: int = 0, also: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:

@@ -35,8 +35,9 @@ import torch
 from prefect import task
 
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.update import RANKED_PREDICTORS, update_grid
+from covgrad.update import BATCH_KEYS, RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
 from storage.tables import to_csv, to_markdown
@@ -74,17 +75,8 @@ def minibatches(ro: Any, groups_per_batch: int) -> list[dict[str, torch.Tensor]]
     """The rollouts as minibatches of whole prompt groups: (n, L_b) rows trimmed of trailing padding."""
     out = []
     for lo, hi in group_batches(ro["group"][:], groups_per_batch):
-        pl = torch.from_numpy(ro["prompt_len"][lo:hi]).long()
-        rl = torch.from_numpy(ro["response_len"][lo:hi]).long()
-        L = int((pl + rl).max())
-        out.append(
-            {
-                "input_ids": torch.from_numpy(ro["tokens"][lo:hi, :L]).long(),
-                "attention_mask": (torch.arange(L)[None, :] < (pl + rl)[:, None]).long(),
-                "response_mask": torch.from_numpy(ro["response_mask"][lo:hi, :L]),
-                "advantages": torch.from_numpy(ro["advantage"][lo:hi]),
-            }
-        )
+        batch = read_batch(ro, lo, hi)
+        out.append({k: getattr(batch, k) for k in BATCH_KEYS})
     return out
 
 
