@@ -5,7 +5,7 @@ process, timed in interleaved repetitions after one warm-up; ratios are the medi
 (method time / scores time in the same repetition).
 
 1. Demo (the built-in demo's Llama and settings: hidden 96, 2 layers, V of the addition tokenizer, batches
-   of 16 rows, 4 response tokens, topk 6, mc 8, probes 8): the tokens stage's batch (``tasks.tokens._batch``)
+   of 16 rows, 4 response tokens, topk 6, mc 8, probes 8): the tokens stage's batch (``TokenStudy.batch``)
    with the former modes (exact, topk, mc) and with today's default (+ probe), the former implementation
    (one PerSampleGrads forward and backward per position and candidate, written out compactly below as
    the reference), and the scores stage's batch (``PerSampleGrads.accumulate`` into float64 moment state).
@@ -41,12 +41,13 @@ from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from covgrad.accum import MomentAccumulator
+from covgrad.batch import RolloutBatch
 from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.problems import build_char_tokenizer
-from covgrad.token_fisher import TokenBackward, _candidates, _response_positions, token_fisher
-from tasks.tokens import _batch, lm_head_entry, resolve_modes
+from covgrad.token_fisher import TokenBackward, candidates, response_positions, token_fisher
+from covgrad.token_study import TokenStudy, lm_head_entry, resolve_modes
 
 
 def build(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool) -> nn.Module:
@@ -92,6 +93,18 @@ def tensors(ro: dict[str, np.ndarray]) -> tuple[Tensor, Tensor, Tensor, Tensor, 
     return ids, attn, torch.from_numpy(ro["response_mask"]).float(), pl, rl
 
 
+def rollout_batch(ro: dict[str, np.ndarray]) -> RolloutBatch:
+    """The rows of ``ro`` as the tokens stage reads them (trimmed to the longest row; zero advantages)."""
+    B = ro["tokens"].shape[0]
+    return RolloutBatch.from_arrays(
+        ro["tokens"], ro["prompt_len"], ro["response_len"], ro["response_mask"], np.zeros(B), np.zeros(B), trim=True
+    )
+
+
+def discard(name: str, row: np.ndarray) -> None:
+    """An ``emit`` of :meth:`TokenStudy.batch` that drops each (P,) row."""
+
+
 def scores_batch(psg: PerSampleGrads, ro: dict[str, np.ndarray], acc: MomentAccumulator) -> None:
     """The scores stage's work on one batch: per-sample scores folded into the moment state ``acc``."""
     ids, attn, target, _, _ = tensors(ro)
@@ -105,7 +118,7 @@ def former_batch(model: nn.Module, layout: ParamLayout, psg: PerSampleGrads, ro:
     """The former tokens batch: exact, topk, two mc halves, token scores and the sequence score, with one
     PerSampleGrads forward and backward per (position, candidate)."""
     ids, attn, target, pl, rl = tensors(ro)
-    cols, active, drawn = _response_positions(ids, pl, rl)
+    cols, active, drawn = response_positions(ids, pl, rl)
     B, T = cols.shape
     rows = torch.arange(B)
     with torch.no_grad():
@@ -125,7 +138,7 @@ def former_batch(model: nn.Module, layout: ParamLayout, psg: PerSampleGrads, ro:
 
     k_a, k_b = (cfg.tokens.mc_samples + 1) // 2, cfg.tokens.mc_samples // 2
     for mode, k, seed in (("exact", 0, 0), ("topk", cfg.tokens.topk, 0), ("mc", k_a, 1), ("mc", k_b, 2)):
-        cand, weight, _ = _candidates(p, mode, k, seed, 2**62)
+        cand, weight, _ = candidates(p, mode, k, seed, 2**62)
         fisher = torch.zeros(layout.P, dtype=torch.float64)
         for j in range(T):
             for c in range(cand.shape[-1]):
@@ -177,11 +190,11 @@ def demo(reps: int) -> None:
     former_modes = ["exact", "topk", "mc"]
     default = resolve_modes(None, T, V, stage_cfg(None).tokens.exact_budget)
     head = lm_head_entry(model, layout)
-    dev = torch.device("cpu")
+    batch = rollout_batch(ro)
 
     def stage(modes: list[str]) -> Callable[[], Any]:
-        cfg = stage_cfg(modes, **settings)
-        return lambda: _batch(model, layout, psg, cfg.tokens, ro, 0, B, 0, modes, head, dev)
+        study = TokenStudy(model, layout, psg, stage_cfg(modes, **settings).tokens, modes, head)
+        return lambda: study.batch(batch, 0, discard)
 
     fns = {
         "scores batch (PerSampleGrads.accumulate)": lambda: scores_batch(psg, ro, acc),
@@ -239,7 +252,8 @@ def smollm(reps: int, rows: int, prompt: int, response: int) -> None:
     acc = MomentAccumulator(layout.P, "cpu")
     cfg = stage_cfg(None, probes=2)
     modes = resolve_modes(None, T, V, cfg.tokens.exact_budget)
-    head = lm_head_entry(model, layout)
+    study = TokenStudy(model, layout, psg, cfg.tokens, modes, lm_head_entry(model, layout))
+    batch = rollout_batch(ro)
 
     def fisher(mode: str, k: int) -> Callable[[], Any]:
         return lambda: token_fisher(model, layout, ids, attn, pl, rl, mode, k, 0)
@@ -248,8 +262,8 @@ def smollm(reps: int, rows: int, prompt: int, response: int) -> None:
         "scores batch (PerSampleGrads.accumulate)": lambda: scores_batch(psg, ro, acc),
         "token_fisher probe_seq, k = 2": fisher("probe_seq", 2),
         "token_fisher probe, k = 1 per position": fisher("probe", 1),
-        f"tokens stage batch, default ({', '.join(modes)}, probes 2, + token scores)": lambda: _batch(
-            model, layout, psg, cfg.tokens, ro, 0, B, 0, modes, head, torch.device("cpu")
+        f"tokens stage batch, default ({', '.join(modes)}, probes 2, + token scores)": lambda: study.batch(
+            batch, 0, discard
         ),
     }
     res = timed(fns, reps)

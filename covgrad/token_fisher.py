@@ -330,7 +330,7 @@ def _check_rows(
         raise ValueError("attention_mask is 0 on a prompt or response token; rows must be prompt, response, padding")
 
 
-def _response_positions(
+def response_positions(
     input_ids: torch.Tensor, prompt_len: torch.Tensor, response_len: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logit row index, active mask and response token of every response position, each (B, T).
@@ -345,7 +345,7 @@ def _response_positions(
     return cols, active, drawn
 
 
-def _candidates(
+def candidates(
     p: torch.Tensor, mode: str, k: int, seed: int, exact_budget: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Candidate tokens (B, T, C), their weights (B, T, C) float64 and the covered mass (B, T).
@@ -444,7 +444,7 @@ def response_policy(
     """The policy p (B, T, V) float64 at the response positions of the engine's forward, the active mask
     (B, T) bool and the response tokens (B, T)."""
     dev = input_ids.device
-    cols, active, drawn = _response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
+    cols, active, drawn = response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
     z = engine.logits.detach()[torch.arange(cols.shape[0], device=dev)[:, None], cols]
     return torch.softmax(z.double(), dim=-1), active, drawn
 
@@ -462,7 +462,7 @@ def candidate_weights(
     Returns:
         Weights (B, T, V) float64 (0 at inactive positions) and the covered mass (B, T).
     """
-    cand, weight, covered = _candidates(p, mode, k, seed, exact_budget)
+    cand, weight, covered = candidates(p, mode, k, seed, exact_budget)
     full = torch.zeros_like(p).scatter_add_(-1, cand, weight * active[..., None])
     return full, torch.where(active, covered, 0.0)
 
@@ -534,7 +534,7 @@ def token_fisher(
     _check_rows(input_ids, attention_mask, prompt_len, response_len)
     dev = input_ids.device
     prompt_len, response_len = prompt_len.to(dev), response_len.to(dev)
-    cols, active, drawn = _response_positions(input_ids, prompt_len, response_len)  # (B, T)
+    cols, active, drawn = response_positions(input_ids, prompt_len, response_len)  # (B, T)
     B, T = cols.shape
     eng = engine or TokenBackward(model, layout, input_ids, attention_mask, closed_form_head=closed_form_head)
     z = eng.logits.detach()[torch.arange(B, device=dev)[:, None], cols]  # (B, T, V)
@@ -550,7 +550,7 @@ def token_fisher(
     block = eng.rows_per_block(row_bytes)
     extra: dict[str, dict[str, Tensor]] = {}
     if mode in ("exact", "topk", "mc"):
-        cand, weight, covered = _candidates(p, mode, k, seed, exact_budget)
+        cand, weight, covered = candidates(p, mode, k, seed, exact_budget)
         weight = (weight * active[..., None])[None]  # (1, B, T, C)
         if also:
             if mode != "exact":
@@ -619,7 +619,7 @@ def token_score_squares(
     """Σ_{n,t} s_{n,t}² (P,) float64 without holding the (B, T, P) token scores: T cotangent rows whose squares
     are accumulated as they come (the LM head in closed form when the engine has it: (δ_{yu} − p_u)² h_j²)."""
     dev = input_ids.device
-    cols, active, drawn = _response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
+    cols, active, drawn = response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
     z = engine.logits.detach()[torch.arange(cols.shape[0], device=dev)[:, None], cols]  # (B, T, V)
     ones = active[None, ..., None].double()  # (1, B, T, 1): weight 1 on the drawn token
     fisher, trace = _candidate_pass(
@@ -664,7 +664,7 @@ def token_scores(
     _check_rows(input_ids, attention_mask, prompt_len, response_len)
     dev = input_ids.device
     prompt_len, response_len = prompt_len.to(dev), response_len.to(dev)
-    cols, active, drawn = _response_positions(input_ids, prompt_len, response_len)  # (B, T)
+    cols, active, drawn = response_positions(input_ids, prompt_len, response_len)  # (B, T)
     B, T = cols.shape
     eng = engine if engine is not None else TokenBackward(model, layout, input_ids, attention_mask)
     p32 = torch.softmax(eng.logits.detach()[torch.arange(B, device=dev)[:, None], cols].float(), dim=-1)

@@ -40,7 +40,7 @@ BLAS_PROBE = """
 import sys
 import numpy as np
 from covgrad.stats import rel_diff
-from tasks.tokens import rel_l2
+from covgrad.token_study import rel_l2
 rng = np.random.default_rng(0)
 a = rng.standard_normal(1 << 22)
 b = a + 1e-3 * rng.standard_normal(1 << 22)

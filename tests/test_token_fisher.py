@@ -11,14 +11,14 @@ from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads
 from covgrad.token_fisher import (
     TokenBackward,
-    _candidates,
-    _response_positions,
     candidate_weights,
+    candidates,
     check_exact_budget,
     cross_term_ratio,
     default_mode,
     lm_head_token_fisher,
     response_policy,
+    response_positions,
     token_fisher,
     token_score_squares,
     token_scores,
@@ -226,13 +226,13 @@ def test_bad_inputs():
 def _per_candidate_loop(model, layout, input_ids, attention_mask, mode, k=0, seed=0) -> torch.Tensor:
     """The stage's former path: one PerSampleGrads forward and backward per (position, candidate); Σ f (P,)."""
     psg = PerSampleGrads(model, layout, check=False)
-    cols, active, _ = _response_positions(input_ids, PROMPT_LEN, RESPONSE_LEN)
+    cols, active, _ = response_positions(input_ids, PROMPT_LEN, RESPONSE_LEN)
     B, T = cols.shape
     rows = torch.arange(B)
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     p = torch.softmax(logits[rows[:, None], cols].double(), -1)
-    cand, weight, _ = _candidates(p, mode, k, seed, 10**9)
+    cand, weight, _ = candidates(p, mode, k, seed, 10**9)
     fisher = torch.zeros(layout.P, dtype=torch.float64)
     for j in range(T):
         for c in range(cand.shape[-1]):
@@ -312,7 +312,7 @@ def test_probe_is_unbiased_on_every_tensor(tied):
     args = (model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN)
     exact = _tensor_sums(layout, token_fisher(*args, "exact")["fisher_sum"])  # (tensors,)
     eng = TokenBackward(model, layout, input_ids, attention_mask)
-    cols, active, _ = _response_positions(input_ids, PROMPT_LEN, RESPONSE_LEN)
+    cols, active, _ = response_positions(input_ids, PROMPT_LEN, RESPONSE_LEN)
     B, T = cols.shape
     p = torch.softmax(eng.logits.detach()[torch.arange(B)[:, None], cols].double(), -1)  # (B, T, V)
     R = 2000

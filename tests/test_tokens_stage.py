@@ -1,5 +1,6 @@
 """tokens stage on one tiny pipeline: the documented store, the in-stage checks, and recomputation from
-scratch (one batch of all samples, per-sample score loop) as the slow reference."""
+scratch (one batch of all samples, per-sample score loop) as the slow reference; the study's summary on
+plain numpy arrays."""
 
 import math
 
@@ -8,15 +9,17 @@ import pytest
 import torch
 import zarr
 
+import storage.tokens
 import tasks.tokens
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import cross_term_ratio, token_fisher, token_scores
+from covgrad.token_study import POSITION_ARRAYS, StudyRecord, TokenStudy, rel_l2, row_names, summarize, trace_names
 from storage.artifacts import ArtifactStore, mark_batch_done
 from storage.schema import ROLLOUTS
+from storage.schema import TOKENS as STORE
 from tasks.common import load_models
 from tasks.specs import plan, policy_spec
-from tasks.tokens import POSITION_ARRAYS, STORE
 from tests.conftest import run_planned, tiny_config
 
 POLICY_ONLY = {"rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16}}}
@@ -117,14 +120,14 @@ def test_topk_with_k_equal_v_is_exact_and_resume_is_identical(run, monkeypatch):
             raise RuntimeError("killed")
         mark_batch_done(group, b)
 
-    monkeypatch.setattr(tasks.tokens, "mark_batch_done", killed_at_batch_2)
+    monkeypatch.setattr(storage.tokens, "mark_batch_done", killed_at_batch_2)
     with pytest.raises(RuntimeError, match="killed"):
         run_upto(cfg_v, "tokens")
     assert not store.is_complete(ref)
     monkeypatch.undo()
     computed = []
-    batch = tasks.tokens._batch
-    monkeypatch.setattr(tasks.tokens, "_batch", lambda *a: computed.append(a[7]) or batch(*a))
+    batch = TokenStudy.batch
+    monkeypatch.setattr(TokenStudy, "batch", lambda self, ro, b, emit: computed.append(b) or batch(self, ro, b, emit))
     run_upto(cfg_v, "tokens")
     assert store.is_complete(ref) and computed == [2, 3]
     gv = store.open_group(ref, STORE, mode="r")
@@ -197,3 +200,30 @@ def test_budget_picks_probe_and_refuses_exact(run):
     bad = small.model_copy(update={"tokens": small.tokens.model_copy(update={"modes": ["exact", "probe"]})})
     with pytest.raises(ValueError, match=rf"T·V = {T}·{V} = {T * V} backward rows .* use mode='probe'"):
         run_upto(bad, "tokens")
+
+
+def test_study_summary_of_numpy_arrays():
+    """The study's summary on plain numpy arrays: the estimates are the batch sums over N (the halves of
+    mc weighted by their draws), the same bits whatever the column step, the errors their relative L2."""
+    rng = np.random.default_rng(0)
+    modes, n_batches, P, N, T = ["exact", "mc"], 4, 37, 8, 3
+    rows = {name: rng.random((n_batches, P)) for name in row_names(modes)}
+    positions = {name: rng.random((N, T)) for name in (*POSITION_ARRAYS, *trace_names(modes))}
+    response_len = np.array([3, 2, 1, 3, 3, 2, 1, 1])
+    head = np.full(n_batches, np.nan)
+    record = StudyRecord(rows, np.full(n_batches, 2.0), positions, rng.random(N), head, response_len)
+    runs = []
+    for step in (5, P):
+        out = {name: np.zeros(P) for name in ("fisher_exact", "fisher_mc", "fisher_seq")}
+        runs.append((out, *summarize(record, out, modes, {"exact": 0, "mc": 4}, step)))
+    (out, scalars, table), (out_whole, scalars_whole, _) = runs
+    for name, values in out.items():
+        np.testing.assert_array_equal(values, out_whole[name])
+    np.testing.assert_allclose(out["fisher_exact"], rows["exact"].sum(0) / N)
+    np.testing.assert_allclose(out["fisher_mc"], (rows["mc_a"] + rows["mc_b"]).sum(0) / (2 * N))
+    assert scalars["relerr_exact_vs_seq"] == pytest.approx(rel_l2(out["fisher_exact"], out["fisher_seq"]), rel=1e-12)
+    assert scalars["mc_vs_exact"] == pytest.approx(scalars_whole["mc_vs_exact"], rel=1e-12)
+    assert sorted({r["n"] for r in table}) == [2, 4, 8] and scalars["lm_head_closed_form_relerr_max"] is None
+    response = np.arange(T)[None, :] < response_len[:, None]
+    assert scalars["entropy_mean"] == pytest.approx(positions["entropy"][response].mean())
+    assert scalars["trace_mode"] == "exact" and -1 <= scalars["spearman_trace_entropy"] <= 1
