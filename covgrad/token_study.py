@@ -186,9 +186,9 @@ class TokenStudy:
         return {m: draws(self.settings, m) for m in self.modes}
 
     def batch(self, batch: RolloutBatch, b: int, emit: Emit) -> BatchResult:
-        """Batch ``b`` (its seeds) of rollouts ``batch`` (on the model's device), one forward: each (P,)
-        float64 sum of :func:`row_names` is handed to ``emit(name, row)`` as soon as it is computed and then
-        dropped (a row is 8 B × P)."""
+        """Batch number ``b`` (it seeds the random modes) of rollouts ``batch`` (on the model's device), one
+        forward: each (P,) float64 sum of :func:`row_names` is handed to ``emit(name, row)`` as soon as it
+        is computed and then dropped (a row is 8 B × P); returns the per-sample outputs."""
         model, layout, tb, modes, head = self.model, self.layout, self.settings, self.modes, self.head
         ids, attn, target, pos = batch.input_ids, batch.attention_mask, batch.response_mask, batch.position_ids
         pl, rl = batch.prompt_len, batch.response_len

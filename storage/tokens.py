@@ -35,8 +35,7 @@ def summary_step(P: int) -> int:
 
 
 class TokensStore:
-    """The tokens store of one artifact, open for writing (zarr group ``g``) over N samples, T response
-    positions, P parameters, ``modes`` and batches of ``chunk_rows`` rows."""
+    """The tokens store of one artifact (zarr group ``g``, open for writing) of a study of ``modes``."""
 
     def __init__(self, g: zarr.Group, modes: list[str]) -> None:
         self.g = g
