@@ -47,7 +47,9 @@ def test_rewards_that_are_not_numbers_are_refused(value):
         score_rewards(lambda p, r, a: value, ["p"], ["r"], ["a"])
 
 
-@pytest.mark.parametrize(("line", "said"), [('{"prompt": "1+1="}', "is missing"), ('{"prompt": "1+1=", "answer": null}', "is null")])
+@pytest.mark.parametrize(
+    ("line", "said"), [('{"prompt": "1+1="}', "is missing"), ('{"prompt": "1+1=", "answer": null}', "is null")]
+)
 def test_a_missing_or_null_answer_is_refused_with_file_and_line(tmp_path, line, said):
     path = tmp_path / "task.jsonl"
     path.write_text('{"prompt": "1+2=", "answer": "3"}\n' + line + "\n")
@@ -57,7 +59,7 @@ def test_a_missing_or_null_answer_is_refused_with_file_and_line(tmp_path, line, 
 
 def test_a_utf8_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "task.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + '{"prompt": "1+2=", "answer": "3"}\n'.encode())
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+2=", "answer": "3"}\n')
     assert read_prompt_file(str(path)) == [{"prompt": "1+2=", "answer": "3"}]
 
 
