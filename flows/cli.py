@@ -272,9 +272,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(args.root)
     keep = referenced_keys(store)
-    doomed = [
-        r for r in store.list_artifacts() if not r["complete"] or r["damaged"] or (r["stage"], r["key"]) not in keep
-    ]
+    doomed = []
+    for r in store.list_artifacts():
+        if r["complete"] and not r["damaged"] and (r["stage"], r["key"]) in keep:
+            continue
+        if store.busy(store.ref(r["stage"], r["key"])):
+            print(f"kept {r['stage']}/{r['key']}: a live run is writing it")
+        else:
+            doomed.append(r)
     if not doomed:
         print("nothing to remove")
         return 0
@@ -289,9 +294,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if answer != "y":
             print("nothing removed")
             return 0
+    removed = 0
     for r in doomed:
-        store.clear(store.ref(r["stage"], r["key"]))
-    print(f"removed {len(doomed)} artifact(s)")
+        if store.clear_if_idle(store.ref(r["stage"], r["key"])):
+            removed += 1
+        else:
+            print(f"kept {r['stage']}/{r['key']}: a live run is writing it")
+    print(f"removed {removed} artifact(s)")
     return 0
 
 
