@@ -157,6 +157,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"root={args.root}")
     cfg = load_config(args.config, overrides)  # yaml + pydantic only: a typo is reported at once
     quiet_prefect()
+    if args.entry:  # the process's own run: what it starts must not outlive it, even after a SIGKILL
+        from flows.reaper import start_reaper
+
+        start_reaper()
     previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         from tasks.preflight import preflight
@@ -417,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     # As the process's entry point (the console script, argv None) covgrad stops the temporary server
     # before its last line; called in-process (tests, notebooks) the server belongs to the caller.
     entry = argv is None
+    args.entry = entry
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:
