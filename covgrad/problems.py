@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:  # transformers loads lazily: reading prompts and a reward must not wait for it
     from tokenizers import Tokenizer
@@ -132,7 +135,7 @@ def score_rewards(
             value = reward_fn(p, r, a)
         except Exception as exc:  # a user function may raise anything; report which record
             raise ValueError(f"reward function raised on record {i} ({type(exc).__name__}: {exc})") from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
             raise ValueError(f"reward function returned {value!r} for record {i}; it must return a float")
         if not math.isfinite(value):
             raise ValueError(f"reward function returned {value} for record {i}; rewards must be finite")

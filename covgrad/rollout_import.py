@@ -55,6 +55,10 @@ def _token_ids(value: Any, at: str, field: str, vocab_size: int) -> np.ndarray:
     return ids
 
 
+LOGP_ROUNDING = 1e-4  # largest log-probability above 0 accepted as an engine's rounding
+TOPK_MASS_ROUNDING = 1e-3  # largest excess of a position's top-k mass over 1 accepted as rounding
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
@@ -67,6 +71,12 @@ def _log_probs(value: Any, at: str, field: str, allow_neg_inf: bool) -> np.ndarr
     bad = np.isnan(lp) | (lp == np.inf) | ((lp == -np.inf) & (not allow_neg_inf))
     if bad.any():
         raise ValueError(f"{at}: '{field}' has invalid log-probability {lp[bad][0]} (must be finite)")
+    above = lp > LOGP_ROUNDING
+    if above.any():
+        raise ValueError(
+            f"{at}: '{field}' has log-probability {lp[above][0]} > 0 (a probability above 1); "
+            "export natural-log probabilities of the sampled tokens"
+        )
     return lp.astype(np.float32)
 
 
@@ -91,6 +101,12 @@ def _top_position(entry: Any, at: str, j: int, vocab_size: int) -> tuple[np.ndar
         raise ValueError(f"{at}: '{field}' is empty; give at least the top token")
     if len(np.unique(ids)) != len(ids):
         raise ValueError(f"{at}: '{field}' repeats a token id; each id may appear once per position")
+    mass = float(np.exp(lp.astype(np.float64)).sum())
+    if mass > 1.0 + TOPK_MASS_ROUNDING:
+        raise ValueError(
+            f"{at}: '{field}' holds probability mass {mass:.6g} > 1; the top-k log-probabilities must be "
+            "of one normalised next-token distribution"
+        )
     order = np.lexsort((ids, -lp.astype(np.float64)))
     return ids[order], lp[order]
 

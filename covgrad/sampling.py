@@ -455,17 +455,31 @@ def compute_advantages(rewards: np.ndarray, group: np.ndarray, kind: AdvantageKi
     check_rewards(r)
     if kind == "none":
         return r.copy()
-    if kind == "global_mean":
-        return r - r.mean()
-    _, inv = np.unique(g, return_inverse=True)
-    counts = np.bincount(inv).astype(np.float64)
-    centred = r - (np.bincount(inv, weights=r) / counts)[inv]
-    if kind == "group_mean":
-        return centred
-    std = np.sqrt(np.bincount(inv, weights=centred**2) / counts)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if kind == "global_mean":
+            return _finite_advantages(r - r.mean(), r, g)
+        _, inv = np.unique(g, return_inverse=True)
+        counts = np.bincount(inv).astype(np.float64)
+        centred = _finite_advantages(r - (np.bincount(inv, weights=r) / counts)[inv], r, g)
+        if kind == "group_mean":
+            return centred
+        std = _finite_advantages(np.sqrt(np.bincount(inv, weights=centred**2) / counts)[inv], r, g)
     r_max = np.full(counts.shape, -np.inf)
     r_min = np.full(counts.shape, np.inf)
     np.maximum.at(r_max, inv, r)
     np.minimum.at(r_min, inv, r)
     constant = (r_max == r_min)[inv]  # exact test: a float std of equal values need not be 0
-    return np.where(constant, 0.0, centred / (std[inv] + eps))
+    return np.where(constant, 0.0, centred / (std + eps))
+
+
+def _finite_advantages(values: np.ndarray, rewards: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """``values`` (N,) when every entry is finite; else ValueError naming the first sample, its group and
+    its reward (rewards so large that float64 arithmetic on them overflows)."""
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"the advantage of sample {i} (group {group[i]}, reward {float(rewards[i])!r}) overflows float64; "
+            "rescale the reward to moderate values"
+        )
+    return values

@@ -157,6 +157,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"root={args.root}")
     cfg = load_config(args.config, overrides)  # yaml + pydantic only: a typo is reported at once
     quiet_prefect()
+    if args.entry:  # the process's own run: what it starts must not outlive it, even after a SIGKILL
+        from flows.reaper import start_reaper
+
+        start_reaper()
     previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         from tasks.preflight import preflight
@@ -272,9 +276,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(args.root)
     keep = referenced_keys(store)
-    doomed = [
-        r for r in store.list_artifacts() if not r["complete"] or r["damaged"] or (r["stage"], r["key"]) not in keep
-    ]
+    doomed = []
+    for r in store.list_artifacts():
+        if r["complete"] and not r["damaged"] and (r["stage"], r["key"]) in keep:
+            continue
+        if store.busy(store.ref(r["stage"], r["key"])):
+            print(f"kept {r['stage']}/{r['key']}: a live run is writing it")
+        else:
+            doomed.append(r)
     if not doomed:
         print("nothing to remove")
         return 0
@@ -289,9 +298,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if answer != "y":
             print("nothing removed")
             return 0
+    removed = 0
     for r in doomed:
-        store.clear(store.ref(r["stage"], r["key"]))
-    print(f"removed {len(doomed)} artifact(s)")
+        if store.clear_if_idle(store.ref(r["stage"], r["key"])):
+            removed += 1
+        else:
+            print(f"kept {r['stage']}/{r['key']}: a live run is writing it")
+    print(f"removed {removed} artifact(s)")
     return 0
 
 
@@ -408,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     # As the process's entry point (the console script, argv None) covgrad stops the temporary server
     # before its last line; called in-process (tests, notebooks) the server belongs to the caller.
     entry = argv is None
+    args.entry = entry
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:

@@ -33,6 +33,7 @@ import datetime as dt
 import fcntl
 import hashlib
 import json
+import logging
 import platform
 import socket
 import subprocess
@@ -63,6 +64,16 @@ RUNS = "runs"  # the run indexes (storage/runs.py), not a stage
 
 _PROCESS_LOCKS: dict[str, threading.Lock] = {}
 _PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` as a warning of the ``covgrad`` logger, once per process."""
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger("covgrad").warning(message)
 
 
 def _process_lock(name: str) -> threading.Lock:
@@ -165,10 +176,14 @@ class ArtifactStore:
     # ----- markers -----------------------------------------------------------------------------
     def marker(self, ref: ArtifactRef) -> dict[str, Any] | None:
         """The completion marker's provenance, or None when the artifact is absent or incomplete."""
+        path = self.path(ref, MARKER)
         try:
-            with self.fs.open(self.path(ref, MARKER), "r") as f:
+            with self.fs.open(path, "r") as f:
                 data = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError, OSError):
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, OSError):
+            return None
+        if not isinstance(data, dict):
+            _warn_once(f"{path} holds {type(data).__name__}, not a completion record: the artifact is incomplete")
             return None
         return data if data.get("key") == ref.key and data.get("stage") == ref.stage else None
 
@@ -231,7 +246,7 @@ class ArtifactStore:
             data = self.fs.cat_file(self.path(ref, rel))
             files[rel] = {"size": len(data), "crc32c": crc32c(data), "mtime_ns": self._mtime_ns(ref, rel)}
         text = json.dumps({"algorithm": "crc32c", "files": files}, sort_keys=True)
-        self._write_text(self.path(ref, MANIFEST), text)
+        self.write_atomic(self.path(ref, MANIFEST), text)
         return {
             "files": len(files),
             "bytes": sum(f["size"] for f in files.values()),
@@ -383,6 +398,31 @@ class ArtifactStore:
         if self.exists(ref):
             self.fs.rm(self.path(ref), recursive=True)
 
+    def clear_if_idle(self, ref: ArtifactRef) -> bool:
+        """Delete the artifact unless a writer holds ``lock(ref)``, holding the lock while deleting so no
+        writer starts meanwhile; returns whether it was deleted."""
+        if not self.local:
+            held = _process_lock(join_url(self.root, ref.stage, ref.key))
+            if not held.acquire(blocking=False):
+                return False
+            try:
+                self.clear(ref)
+            finally:
+                held.release()
+            return True
+        path = self._lock_path(ref)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            try:
+                self.clear(ref)
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return True
+
     def remove_partials(self, ref: ArtifactRef) -> int:
         """Delete temporary files a killed writer may have left (``*.partial``); returns how many."""
         leftovers = [p for p in self.fs.find(self.path(ref)) if ".partial" in p.rsplit("/", 1)[-1]]
@@ -395,9 +435,9 @@ class ArtifactStore:
         """Write JSON atomically on local disks (temp file + rename); object stores put whole objects."""
         target = self.path(ref, name)
         self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-        self._write_text(target, json.dumps(obj, indent=1, sort_keys=True, default=str))
+        self.write_atomic(target, json.dumps(obj, indent=1, sort_keys=True, default=str))
 
-    def _write_text(self, target: str, text: str) -> None:
+    def write_atomic(self, target: str, text: str) -> None:
         """Write ``text`` to ``target`` atomically on local disks (temp file + rename); object stores put
         whole objects."""
         if self.local:

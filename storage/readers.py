@@ -30,7 +30,7 @@ def _jsonl_objects(path_or_url: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-blank line; ValueError on a bad line or an empty file."""
     fs, path = _filesystem(path_or_url)
     found = False
-    with fs.open(path, "rt", encoding="utf-8") as f:
+    with fs.open(path, "rt", encoding="utf-8-sig") as f:  # a leading byte-order mark is skipped
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -106,13 +106,19 @@ def read_prompt_file(path: str) -> list[dict[str, Any]]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: a line that is not a JSON object, a line without a string ``prompt``, or an empty
-            file; the message names the file and line number.
+        ValueError: a line that is not a JSON object, a line without a string ``prompt``, a line whose
+            ``answer`` is missing or null, or an empty file; the message names the file and line number.
     """
     prompts = []
     for lineno, obj in _jsonl_objects(path):
         if not isinstance(obj.get("prompt"), str):
             raise ValueError(f"{path}:{lineno}: the line needs a string 'prompt' field; got keys {sorted(obj)}")
+        if obj.get("answer") is None:
+            what = "is null" if "answer" in obj else "is missing"
+            raise ValueError(
+                f"{path}:{lineno}: the 'answer' field {what}; give every prompt an answer (\"\" when the reward "
+                "does not use one)"
+            )
         prompts.append(obj)
     return prompts
 

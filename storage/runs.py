@@ -24,10 +24,10 @@ def write_run_index(store: ArtifactStore, cfg: PipelineConfig, key: str, refs: d
         "artifacts": {n: {"stage": r.stage, "key": r.key} for n, r in refs.items()},
     }
 
-    text = json.dumps(record, indent=1, sort_keys=True).encode()
+    text = json.dumps(record, indent=1, sort_keys=True)
     store.fs.makedirs(f"{store.base}/runs", exist_ok=True)
     for stem in (key, cfg.name):
-        store.fs.pipe_file(_index_path(store, stem), text)
+        store.write_atomic(_index_path(store, stem), text)
 
 
 def _index_path(store: ArtifactStore, run: str) -> str:
@@ -46,8 +46,21 @@ def read_run_index(store: ArtifactStore, run: str) -> dict[str, Any]:
     if not store.fs.exists(path):
         known = sorted(p.rsplit("/", 1)[-1].removesuffix(".json") for p in store.fs.glob(f"{store.base}/runs/*.json"))
         raise FileNotFoundError(f"no run {run!r} under {store.root}; known runs: {known}")
-    with store.fs.open(path, "r") as f:
-        return json.load(f)
+    return _read_index(store, path)
+
+
+def _read_index(store: ArtifactStore, path: str) -> dict[str, Any]:
+    """The run index at ``path``; ValueError naming it when it is not a JSON object with ``artifacts``."""
+    try:
+        with store.fs.open(path, "r") as f:
+            index = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        index, why = None, f"not valid JSON ({err})"
+    else:
+        why = "not a run index (no 'artifacts' object)"
+    if not isinstance(index, dict) or not isinstance(index.get("artifacts"), dict):
+        raise ValueError(f"{path} is {why}; rerun `covgrad run` with that run's config to rewrite it, or delete it")
+    return index
 
 
 def referenced_keys(store: ArtifactStore) -> set[tuple[str, str]]:
@@ -55,9 +68,8 @@ def referenced_keys(store: ArtifactStore) -> set[tuple[str, str]]:
 
     out: set[tuple[str, str]] = set()
     for path in store.fs.glob(f"{store.base}/runs/*.json"):
-        with store.fs.open(path, "r") as f:
-            for a in json.load(f)["artifacts"].values():
-                out.add((a["stage"], a["key"]))
+        for a in _read_index(store, path)["artifacts"].values():
+            out.add((a["stage"], a["key"]))
     return out
 
 
@@ -78,4 +90,4 @@ def read_watch_record(store: ArtifactStore, name: str) -> dict[str, Any]:
 def write_watch_record(store: ArtifactStore, name: str, record: dict[str, Any]) -> None:
     """Replace the watch record of watch config ``name``."""
     store.fs.makedirs(f"{store.base}/watch", exist_ok=True)
-    store.fs.pipe_file(_watch_path(store, name), json.dumps(record, indent=1, sort_keys=True).encode())
+    store.write_atomic(_watch_path(store, name), json.dumps(record, indent=1, sort_keys=True))

@@ -160,7 +160,9 @@ def test_prompt_over_the_context_names_the_task_file_line(ckpt):
 
     tmp, path_ckpt = ckpt
     task = tmp / "long.jsonl"
-    task.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n" + json.dumps({"prompt": "1" * 70}) + "\n")
+    task.write_text(
+        json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n" + json.dumps({"prompt": "1" * 70, "answer": "1"}) + "\n"
+    )
     cfg = user_config(tmp / "runs-long", path_ckpt, task)
     from tasks.preflight import preflight
 

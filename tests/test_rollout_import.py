@@ -70,7 +70,7 @@ def test_round_trip_through_jsonl_reproduces_generate(rollouts, tmp_path):
 
 
 def test_tied_top_logprobs_are_ordered_by_lowest_id():
-    top = [[[7, 2, 5], [-1.0, -1.0, -0.5]], {"0": -0.1}]
+    top = [[[7, 2, 5], [-2.0, -2.0, -1.5]], {"0": -0.1}]
     out = records_to_rollouts([_good(top_logprobs=top)], V, max_len=None)
     assert out["mu_topk_ids"][0, 0].tolist() == [5, 2, 7]
 
@@ -205,10 +205,10 @@ def test_read_prompt_file(tmp_path):
         {"prompt": "2+2", "answer": "4"},
         {"prompt": "1+1", "answer": "2", "id": 9},
     ]
-    path.write_text('{"prompt": "2+2"}\n{"question": "1+1"}\n')
+    path.write_text('{"prompt": "2+2", "answer": "4"}\n{"question": "1+1"}\n')
     with pytest.raises(ValueError, match=r"task\.jsonl:2: the line needs a string 'prompt'"):
         read_prompt_file(str(path))
-    path.write_text('{"prompt": "2+2"}\n{"prompt": \n')
+    path.write_text('{"prompt": "2+2", "answer": "4"}\n{"prompt": \n')
     with pytest.raises(ValueError, match=r"task\.jsonl:2: not valid JSON"):
         read_prompt_file(str(path))
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):

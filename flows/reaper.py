@@ -1,0 +1,54 @@
+"""A watchdog for ``covgrad run``: when the run's process dies, even by SIGKILL, the processes it started
+(the temporary Prefect server, dask workers) are stopped instead of living on, re-parented to init.
+
+:func:`start_reaper` spawns a small child that holds the read end of a pipe whose write end only the run
+holds. The child records the run's descendants every ``interval`` seconds; when the pipe reaches end of
+file (the run is gone, however it ended) it terminates the recorded processes still alive (SIGKILL after
+``grace`` seconds) and exits.
+"""
+
+import os
+import subprocess
+import sys
+
+_WATCHDOG = r"""
+import select, sys, psutil
+parent, interval, grace = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+me = psutil.Process()
+known = {}
+while True:
+    try:
+        for p in psutil.Process(parent).children(recursive=True):
+            if p.pid != me.pid:
+                known.setdefault(p.pid, p)
+    except psutil.NoSuchProcess:
+        pass
+    ready, _, _ = select.select([sys.stdin], [], [], interval)
+    if ready and not sys.stdin.buffer.read1(1 << 16):
+        break
+alive = [p for p in known.values() if p.is_running()]
+for p in alive:
+    try:
+        p.terminate()
+    except psutil.NoSuchProcess:
+        pass
+_, left = psutil.wait_procs(alive, timeout=grace)
+for p in left:
+    try:
+        p.kill()
+    except psutil.NoSuchProcess:
+        pass
+"""
+
+_PIPE: int | None = None  # the write end, held open by this process until it exits
+
+
+def start_reaper(interval: float = 0.2, grace: float = 2.0) -> int:
+    """Start the watchdog of this process (once per process); returns its PID."""
+    global _PIPE
+    read, write = os.pipe()  # both ends non-inheritable: no other child keeps the pipe open
+    cmd = [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(interval), str(grace)]
+    child = subprocess.Popen(cmd, stdin=read, stdout=subprocess.DEVNULL, start_new_session=True)
+    os.close(read)
+    _PIPE = write
+    return child.pid
