@@ -161,6 +161,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from flows.reaper import start_reaper
 
         start_reaper()
+    from flows.runtime import check_prefect_runtime
+
+    check_prefect_runtime()
     previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         from tasks.preflight import preflight
