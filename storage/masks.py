@@ -8,7 +8,12 @@ import numpy as np
 import zarr
 
 from covgrad.layout import ParamLayout
-from storage.schema import MASKS
+from storage.schema import MASKS, MASKS_VARS
+
+
+def mask_names(g: zarr.Group) -> list[str]:
+    """The names of the (q, param) mask arrays of an open masks group (not its q axis or tensor table)."""
+    return [name for name, v in MASKS_VARS.items() if v.dims == ("q", "param") and name in g]
 
 
 def load_masks(artifact_dir: str, q: float) -> tuple[dict[str, np.ndarray], ParamLayout]:
@@ -28,5 +33,5 @@ def load_masks(artifact_dir: str, q: float) -> tuple[dict[str, np.ndarray], Para
     if not hits.size:
         raise ValueError(f"masks were computed for q in {qs.tolist()}, not {q}")
     i = int(hits[0])
-    masks = {name: arr[i] for name, arr in g.arrays() if name != "q"}
+    masks = {name: g[name][i] for name in mask_names(g)}
     return masks, ParamLayout.from_records(g.attrs["tensors"])

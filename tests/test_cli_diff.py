@@ -43,3 +43,35 @@ def test_diff_bad_input(tmp_path, capsys):
     assert len(err) == 1 and "first mismatch" in err[0] and "(16, 16)" in err[0]
     assert main(["diff", small, str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_diff_with_the_masks_a_pipeline_wrote(tiny_run, capsys):
+    """``covgrad diff --masks`` on the tiny pipeline's own masks artifact: the policy against its stale
+    checkpoint, every mask's precision and recall against a brute-force numpy count over the flat axis."""
+    import numpy as np
+    import zarr
+
+    from covgrad.layout import ParamLayout
+    from storage.artifacts import ArtifactStore
+    from storage.checkpoints import load_state_dict
+
+    root, p = tiny_run
+    store = ArtifactStore(str(root))
+    masks_dir = store.path(p["masks"].ref)
+    base = store.path(p["base_model"].ref)
+    before, after = f"{base}/stale", f"{base}/policy"
+    capsys.readouterr()
+    assert main(["diff", before, after, "--masks", masks_dir, "--q", "0.1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    g = zarr.open_group(f"{masks_dir}/masks.zarr", mode="r")
+    layout = ParamLayout.from_records(g.attrs["tensors"])
+    a, b = load_state_dict(before), load_state_dict(after)
+    changed = np.concatenate([(a[e.name] != b[e.name]).numpy().ravel() for e in layout.entries])
+    row = int(np.flatnonzero(np.isclose(g["q"][:], 0.1))[0])
+    names = [n for n, arr in g.arrays() if arr.ndim == 2 and arr.dtype == bool]
+    assert names and set(result["overlap"]) == set(names)
+    for name in names:
+        mask = g[name][row]
+        both = int((mask & changed).sum())
+        assert result["overlap"][name]["exact"]["precision"] == pytest.approx(both / mask.sum(), abs=0)
+        assert result["overlap"][name]["exact"]["recall"] == pytest.approx(both / changed.sum(), abs=0)
