@@ -1,0 +1,144 @@
+"""Stack dump readers: each sample file imports to the arrays of the equivalent covgrad JSONL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from covgrad.formats import READERS, convert, import_records
+from storage.readers import read_located_records
+
+DATA = Path(__file__).parent / "data" / "formats"
+V = 32
+OPTIONS = {
+    "covgrad": {},
+    "open_instruct": {"sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1}},
+    "trl": {"reward_fields": ["accuracy_reward"], "sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1}},
+    "verl": {"sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1}},
+}
+
+
+def _import(fmt: str, path: Path | None = None):
+    path = path or DATA / f"{fmt}.jsonl"
+    return import_records(read_located_records(str(path)), fmt, V, None, options=OPTIONS[fmt], source=str(path))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _import("covgrad")
+
+
+@pytest.mark.parametrize("fmt", ["open_instruct", "trl", "verl"])
+def test_sample_file_imports_like_covgrad_jsonl(fmt, reference):
+    ref_arrays, ref_extras, ref_summary = reference
+    arrays, extras, summary = _import(fmt)
+    # open-instruct and verl dumps carry only the sampled token's log-prob; TRL's also the support
+    support = {"mu_topk_ids", "mu_topk_logp", "mu_tail"} if fmt == "trl" else set()
+    expected = {k for k in ref_arrays if not k.startswith("mu_")} | support
+    assert set(arrays) == expected
+    for key, value in arrays.items():
+        assert value.dtype == ref_arrays[key].dtype, key
+        np.testing.assert_array_equal(value, ref_arrays[key], err_msg=key)
+    assert extras["policy_version"].tolist() == ref_extras["policy_version"].tolist()
+    if fmt in ("open_instruct", "trl"):
+        np.testing.assert_array_equal(extras["advantage"], ref_extras["advantage"])
+    if fmt == "verl":
+        np.testing.assert_array_equal(extras["token_advantages"], ref_extras["token_advantages"])
+    assert summary["policy_versions"] == ref_summary["policy_versions"] == {3: 4, 4: 2}
+    assert summary["mixed_versions"] and "2 policy versions in 6 records (3: 4, 4: 2)" in summary["message"]
+    assert summary["sampling_params"] == [{"temperature": 1.0, "top_p": 1.0, "top_k": -1}]
+
+
+def test_covgrad_token_advantages_padded(reference):
+    arrays, extras, _ = reference
+    adv = extras["token_advantages"]
+    assert adv.shape == arrays["sampler_logp"].shape and adv.dtype == np.float32
+    live = np.arange(adv.shape[1])[None, :] < arrays["response_len"][:, None]
+    assert (adv[~live] == 0).all()
+    np.testing.assert_array_equal(adv[live], np.repeat(extras["advantage"], arrays["response_len"]).astype(np.float32))
+
+
+def test_one_version_has_no_message(tmp_path):
+    lines = (DATA / "open_instruct.jsonl").read_text().splitlines()[:4]
+    path = tmp_path / "one.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    _, _, summary = _import("open_instruct", path)
+    assert summary["policy_versions"] == {3: 4} and not summary["mixed_versions"] and summary["message"] is None
+
+
+def _planted(tmp_path: Path, fmt: str, line: int, edit) -> Path:
+    records = [json.loads(x) for x in (DATA / f"{fmt}.jsonl").read_text().splitlines()]
+    edit(records[line - 1])
+    path = tmp_path / f"{fmt}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _set(field, value):
+    def edit(rec):
+        rec[field] = value
+
+    return edit
+
+
+def _drop(field):
+    return lambda rec: rec.pop(field)
+
+
+def _bad_log_prob(rec):
+    rec["rollout_log_probs"][0] = 0.5
+
+
+@pytest.mark.parametrize(
+    ("fmt", "edit", "field"),
+    [
+        ("open_instruct", _drop("response_tokens"), "'response_tokens'"),
+        ("open_instruct", _set("logprobs", None), "'logprobs' is null"),
+        ("open_instruct", _set("prompt_tokens", [1, 99]), "'prompt_tokens' has token id 99"),
+        ("open_instruct", _set("logprobs", [-0.1]), "'logprobs' has 1 entries"),
+        ("trl", _set("completion_ids", [1, 2, 3, 4, 5, 6, 7, 8, 9]), "'logprobs' has"),
+        ("trl", _set("logprob_token_ids", [[30], [30], [30], [30], [30], [30]]), "'logprob_token_ids[0]'"),
+        ("trl", _set("accuracy_reward", None), "reward column"),
+        ("verl", _drop("rollout_log_probs"), "'rollout_log_probs' is missing"),
+        ("verl", _bad_log_prob, "'rollout_log_probs' has log-probability 0.5 > 0"),
+        ("verl", _set("response_mask", [1, 0, 1, 0, 0, 0]), "'response_mask[1]' is 0"),
+        ("verl", _set("score", float("inf")), "'score' must be a finite number"),
+        ("verl", _set("uid", None), "'uid'"),
+        ("verl", _set("advantages", ["x"]), "'advantages' must be a list of numbers"),
+    ],
+)
+def test_malformed_record_is_one_line_with_file_line_and_field(tmp_path, fmt, edit, field):
+    path = _planted(tmp_path, fmt, 3, edit)
+    with pytest.raises(ValueError) as info:
+        _import(fmt, path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}:3: ") or (field == "'uid'" and f"{path}:" in message)
+    assert field in message
+
+
+def test_unknown_format_and_non_object():
+    with pytest.raises(ValueError, match="unknown rollout format 'slime'"):
+        convert("slime", {}, "x:1")
+    with pytest.raises(ValueError, match="x:1: expected a JSON object; got list"):
+        convert("verl", [1], "x:1")
+    assert sorted(READERS) == ["covgrad", "open_instruct", "trl", "verl"]
+
+
+def test_trl_flat_logprobs_and_reward_weights():
+    rec = {"prompt_ids": [1], "completion_ids": [2, 0], "logprobs": [-0.5, -0.25], "f": 1.0, "g": float("nan")}
+    out, extras = convert("trl", rec, "r:1", {"reward_fields": ["f", "g"], "reward_weights": [2.0, 5.0]})
+    assert out["logprobs"] == [-0.5, -0.25] and out["reward"] == 2.0 and "top_logprobs" not in out
+    assert extras["policy_version"] is None and "group" not in out
+
+
+def test_verl_partial_rollout_across_versions_is_rejected():
+    rec = json.loads((DATA / "verl.jsonl").read_text().splitlines()[0])
+    rec.update(param_version_start=3, param_version_end=4)
+    with pytest.raises(ValueError, match="r:1: 'param_version_start' 3 != 'param_version_end' 4"):
+        convert("verl", rec, "r:1")
+    rec.update(param_version_end=3, step=9)
+    assert convert("verl", rec, "r:1")[1]["policy_version"] == 3
