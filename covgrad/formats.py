@@ -100,7 +100,9 @@ def _sampling_params(rec: Record, at: str, options: dict[str, Any], field: str =
     return dict(value)
 
 
-def _extras(policy_version: int | None, sampling: dict, advantage: Any, token_adv: list[float] | None, at: str):
+def _extras(
+    policy_version: int | None, sampling: dict, advantage: Any, token_adv: list[float] | None, at: str
+) -> Record:
     if advantage is not None and (not _is_number(advantage) or not math.isfinite(advantage)):
         raise ValueError(f"{at}: 'advantage' must be a finite number; got {advantage!r}")
     return {
@@ -133,6 +135,8 @@ def open_instruct(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record
             f"{at}: 'logprobs' is null; open-instruct writes them only when vLLM returned log-probs, and "
             "covgrad needs the sampler's log-probability of every response token"
         )
+    _require(rec, at, "step")
+    _require(rec, at, "prompt_idx")
     step = _int_field(rec, at, "step")
     out: Record = {
         "prompt_ids": _require(rec, at, "prompt_tokens"),
@@ -225,6 +229,8 @@ def verl(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record, Record]
     if live != [True] * n + [False] * (R - n):
         raise ValueError(f"{at}: 'attention_mask' over the response must be 1s then 0s (right padding)")
     response_mask = rec.get("response_mask")
+    if response_mask is not None and (not isinstance(response_mask, list) or len(response_mask) != R):
+        raise ValueError(f"{at}: 'response_mask' must be a list of {R} entries, one per 'responses' slot")
     if response_mask is not None and [bool(m) for m in response_mask[:n]] != [True] * n:
         j = next(j for j, m in enumerate(response_mask[:n]) if not m)
         raise ValueError(
