@@ -75,7 +75,7 @@ def _int_field(rec: Record, at: str, field: str) -> int | None:
     value = rec.get(field)
     if value is None:
         return None
-    if not _is_number(value) or value != int(value):
+    if not _is_number(value) or not math.isfinite(value) or value != int(value):
         raise ValueError(f"{at}: '{field}' must be an integer; got {value!r:.80}")
     return int(value)
 
@@ -93,10 +93,11 @@ def _float_list(value: Any, at: str, field: str, n: int) -> list[float]:
     return out
 
 
-def _sampling_params(rec: Record, at: str, options: dict[str, Any], field: str = "sampling_params") -> dict:
-    value = rec.get(field, options.get("sampling_params", {}))
+def _sampling_params(rec: Record, at: str, options: dict[str, Any]) -> dict:
+    """The record's ``sampling_params``, else the configured ones."""
+    value = rec.get("sampling_params", options.get("sampling_params", {}))
     if not isinstance(value, dict):
-        raise ValueError(f"{at}: '{field}' must be an object; got {value!r:.80}")
+        raise ValueError(f"{at}: 'sampling_params' must be an object; got {value!r:.80}")
     return dict(value)
 
 

@@ -142,3 +142,23 @@ def test_verl_partial_rollout_across_versions_is_rejected():
         convert("verl", rec, "r:1")
     rec.update(param_version_end=3, step=9)
     assert convert("verl", rec, "r:1")[1]["policy_version"] == 3
+
+
+def test_sample_files_keep_the_stacks_field_order():
+    """The fields, in the order the stacks write them (open-instruct: the RolloutRecord dataclass;
+    verl: _dump_generations' keys, then the DataProto row; TRL: the completions table, then the generation row)."""
+    first = {fmt: list(json.loads((DATA / f"{fmt}.jsonl").read_text().splitlines()[0])) for fmt in READERS}
+    assert first["open_instruct"] == [
+        "step", "sample_idx", "prompt_idx", "prompt_tokens", "response_tokens", "reward", "advantage",
+        "finish_reason", "dataset", "ground_truth", "request_info", "logprobs",
+    ]  # fmt: skip
+    assert first["verl"][:5] == ["input", "output", "gts", "score", "step"]
+    assert first["trl"][:3] == ["step", "prompt", "completion"]
+
+
+def test_non_integral_versions_are_named():
+    rec = json.loads((DATA / "open_instruct.jsonl").read_text().splitlines()[0])
+    for bad in (2.5, float("nan"), "3"):
+        rec["step"] = bad
+        with pytest.raises(ValueError, match="r:1: 'step' must be an integer"):
+            convert("open_instruct", rec, "r:1")

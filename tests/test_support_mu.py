@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from covgrad.centering import align_full_mu
+from covgrad.formats import import_records
 from covgrad.persample import score_logit_grad
 from covgrad.support_mu import (
     add_sampled_token,
@@ -16,6 +19,7 @@ from covgrad.support_mu import (
     support_tail,
     tail_summary,
 )
+from storage.readers import read_located_records
 from tests.models import tiny_llama
 
 V = 16
@@ -161,3 +165,18 @@ def test_add_sampled_token_and_summary():
         == pytest.approx(float(tail[0, 0]))
         == pytest.approx(summary["support_tail_seq_max"])
     )
+
+
+def test_trl_support_imports_to_the_same_tail():
+    """TRL's rank-sorted logprobs/logprob_token_ids become the (N, T, k) support; its τ is the importer's mu_tail."""
+    path = Path(__file__).parent / "data" / "formats" / "trl.jsonl"
+    arrays, _, _ = import_records(
+        read_located_records(str(path)), "trl", 32, None, options={"reward_fields": ["accuracy_reward"]}
+    )
+    ids, logp = torch.from_numpy(arrays["mu_topk_ids"]), torch.from_numpy(arrays["mu_topk_logp"])
+    pl, rl = torch.from_numpy(arrays["prompt_len"]), torch.from_numpy(arrays["response_len"])
+    logits = torch.randn(len(pl), arrays["tokens"].shape[1], 32, generator=torch.Generator().manual_seed(0))
+    mu, tail = align_support_mu(logits, ids, logp, pl, rl)
+    torch.testing.assert_close(tail.float(), torch.from_numpy(arrays["mu_tail"]), rtol=0, atol=1e-6)
+    rows, cols = torch.nonzero(torch.from_numpy(arrays["response_mask"]), as_tuple=True)
+    torch.testing.assert_close(mu[rows, cols - 1].sum(-1), torch.ones(len(rows)), rtol=0, atol=1e-6)
