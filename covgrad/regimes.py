@@ -1,0 +1,499 @@
+"""Post-training regimes as logit-space cotangents: rl, rl_token, distill, sft (see docs/regimes.md).
+
+Every regime is an objective J_n of one response n whose gradient ∇θ J_n = Σ_t J_tᵀ c_t (J_t = ∂z_t/∂θ) is
+fixed by its logit-space cotangent c_t = ∂J_n/∂z_t. Pushed through the same per-sample hooks as the score
+(:class:`covgrad.persample.PerSampleGrads`, which takes any ``dlogits_fn``), c gives the regime's per-sample
+gradient g_n; the regime's G = mean_n g_n is the ascent direction of its objective (a training step follows
++G). For distillation J = −Σ_t KL, so G points towards the teacher. The cotangents (p = softmax(z/τ),
+e_y the drawn token's indicator, w_t the response weight, all divided by τ like the score):
+
+============================  ==========================================  ==============================
+regime                        J_n (advantages and baselines stop-grad)    c_t (before the factor w_t/τ)
+============================  ==========================================  ==============================
+``rl``                        A_n Σ_t log p(y_t)                          A_n (e_y − p)
+``rl_token``                  Σ_t (A_t − b_t) log p(y_t)                  (A_t − b_t)(e_y − p)
+``distill_sampled``           rl_token, A_t = log q(y_t) − log p(y_t)     (A_t − b_t)(e_y − p)
+``distill_reverse_kl``        −Σ_t KL(p_t‖q_t)                            −p ⊙ (ℓ − KL_t), ℓ = log p − log q
+``distill_forward_kl``        −Σ_t KL(q_t‖p_t)                            q − p
+``sft_drift``                 Σ_t Σ_v μ_v log p_v (μ known)               μ − p
+``sft_sampled``               Σ_t log p(y_t), y ~ μ                       e_y − p
+============================  ==========================================  ==============================
+
+Each regime also has a bound scalar per sequence, c²_n, with |G_i| ≤ √(mean_n c²_n)·√F_i in expectation
+(F the policy's Fisher at the regime's prefixes): Σ_t (A_t − b_t)² (rl_token, distill_sampled; Σ_t A_n² for
+rl, whose own R1 bound std(A)·√F is tighter by up to √T), Σ_t Var_{p_t}(ℓ) (reverse KL), Σ_t χ²(q_t‖p_t)
+(forward KL), Σ_t χ²(μ_t‖p_t) (sft_drift); none for sft_sampled (μ unknown).
+
+Alignment is :func:`covgrad.persample.score_logit_grad`'s: ``logits[:, t]`` predicts ``input_ids[:, t + 1]``;
+token-aligned tensors (``response_mask``, per-token advantages, baselines, teacher log-probs of the drawn
+tokens) have entry t for token t (entry 0 is never scored); distribution-aligned tensors (teacher or
+reference logits, μ) are aligned like ``logits``. Cotangents are float32 (float64 for float64 logits),
+zero at unscored positions and at position L − 1; sums over positions are float64.
+
+Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+REGIMES = (
+    "rl",
+    "rl_token",
+    "distill_sampled",
+    "distill_reverse_kl",
+    "distill_forward_kl",
+    "sft_drift",
+    "sft_sampled",
+)
+LENGTH_NORMS = ("none", "response_length", "constant")
+
+
+def _dtype(logits: Tensor) -> torch.dtype:
+    """Compute dtype: float64 for float64 logits, else float32."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _check(logits: Tensor, input_ids: Tensor | None, response_mask: Tensor, temperature: float) -> None:
+    """The common argument checks of every cotangent (shapes, first position unscored, ids, τ)."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape (B, L, V); got {tuple(logits.shape)}")
+    B, L, V = logits.shape
+    if response_mask.shape != (B, L):
+        raise ValueError(f"response_mask {tuple(response_mask.shape)} must have the logits' (B, L) = {(B, L)}")
+    if input_ids is not None:
+        if input_ids.shape != (B, L):
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} must have the logits' (B, L) = {(B, L)}")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= V:
+            raise ValueError(f"input_ids must lie in [0, {V}); got [{int(input_ids.min())}, {int(input_ids.max())}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if bool((response_mask[:, 0] != 0).any()):
+        raise ValueError("response_mask[:, 0] must be 0 (no logit predicts the first token); shift the mask")
+
+
+def _same_shape(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
+
+
+def _weights(response_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The weight of logit position t, w_{t+1}: shape (B, L-1)."""
+    return response_mask[:, 1:].to(dtype)
+
+
+def log_probs(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(z/τ) over the vocabulary: shape (B, L, V), float32 (float64 for float64 logits)."""
+    return torch.log_softmax(logits.to(_dtype(logits)) / temperature, dim=-1)
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """log p(y_t | y_<t) of every token, token-aligned: shape (B, L), entry 0 set to 0."""
+    logp = log_probs(logits[:, :-1], temperature).gather(-1, input_ids[:, 1:, None].long())[..., 0]  # (B, L-1)
+    return torch.nn.functional.pad(logp, (1, 0))
+
+
+def token_advantages(advantages: Tensor, response_mask: Tensor) -> Tensor:
+    """Per-token advantages (B, L) from a sequence advantage (B,) (broadcast over scored tokens) or a
+    token-aligned (B, L) tensor (returned masked), float64."""
+    B, L = response_mask.shape
+    a = torch.as_tensor(advantages).to(torch.float64)
+    w = response_mask.to(torch.float64)
+    if a.shape == (B,):
+        return a[:, None] * (w != 0)
+    _same_shape("advantages", a, (B, L))
+    return a * (w != 0)
+
+
+def kl_penalty(
+    logits: Tensor,
+    ref_logits: Tensor,
+    input_ids: Tensor,
+    response_mask: Tensor,
+    beta: float,
+    temperature: float = 1.0,
+    reward_to_go: bool = False,
+) -> Tensor:
+    """Per-token KL-penalty advantages −β·(log p(y_t) − log p_ref(y_t)), token-aligned (B, L) float64.
+
+    Both distributions are taken at temperature τ. With ``reward_to_go`` token t gets the sum of the
+    penalties of tokens t, t+1, … of its response (the REINFORCE return of a per-token reward); otherwise
+    its own (the per-token estimator k1 of KL(p‖p_ref), as PPO-style per-token rewards use it).
+    """
+    _check(logits, input_ids, response_mask, temperature)
+    _same_shape("ref_logits", ref_logits, tuple(logits.shape))
+    k = token_logprobs(logits, input_ids, temperature) - token_logprobs(ref_logits, input_ids, temperature)
+    pen = -beta * k.to(torch.float64) * (response_mask != 0)  # (B, L)
+    if reward_to_go:
+        pen = pen.flip(1).cumsum(1).flip(1) * (response_mask != 0)
+    return pen
+
+
+def length_normalise(
+    advantages: Tensor, response_mask: Tensor, mode: str = "none", max_length: int | None = None
+) -> Tensor:
+    """GRPO length normalisations of token-aligned advantages (B, L), float64.
+
+    ``"response_length"``: divide each response's advantages by its number of scored tokens (GRPO's
+    per-sequence token mean); ``"constant"``: divide by ``max_length`` (Dr. GRPO's constant normaliser);
+    ``"none"``: unchanged.
+    """
+    if mode not in LENGTH_NORMS:
+        raise ValueError(f"length normalisation {mode!r} is not one of {LENGTH_NORMS}")
+    a = advantages.to(torch.float64)
+    if mode == "response_length":
+        n = (response_mask != 0).sum(1, dtype=torch.float64).clamp(min=1)  # (B,)
+        return a / n[:, None]
+    if mode == "constant":
+        if max_length is None or max_length < 1:
+            raise ValueError(f"length normalisation 'constant' needs max_length >= 1; got {max_length}")
+        return a / max_length
+    return a
+
+
+def token_advantage_logit_grad(
+    logits: Tensor,
+    input_ids: Tensor,
+    response_mask: Tensor,
+    advantages: Tensor,
+    baseline: Tensor | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Cotangent of J_n = Σ_t w_t (A_t − b_t) log p(y_t) (A, b held constant): w (A_t − b_t)(e_y − p)/τ.
+
+    Args:
+        logits: shape (B, L, V); ``logits[:, t]`` predicts ``input_ids[:, t + 1]``.
+        input_ids: shape (B, L) token ids.
+        response_mask: shape (B, L) token weights w_t (0 on prompt and padding, entry 0 is 0).
+        advantages: shape (B,) sequence advantages (regime ``rl``) or (B, L) token-aligned A_t.
+        baseline: shape (B, L) token-aligned b_t, a function of the prefix only (None: 0).
+        temperature: τ > 0 that divides the logits.
+
+    Returns:
+        shape (B, L, V) cotangent, zero at position L − 1 and unscored positions.
+    """
+    _check(logits, input_ids, response_mask, temperature)
+    dtype = _dtype(logits)
+    coef = token_advantages(advantages, response_mask)
+    if baseline is not None:
+        _same_shape("baseline", baseline, tuple(response_mask.shape))
+        coef = coef - baseline.to(torch.float64)
+    B, L, V = logits.shape
+    p = torch.softmax(logits[:, :-1].to(dtype) / temperature, dim=-1)  # (B, L-1, V)
+    out = torch.zeros(B, L, V, dtype=dtype, device=logits.device)
+    d = out[:, :-1]
+    torch.neg(p, out=d)
+    d.scatter_add_(-1, input_ids[:, 1:, None].long(), torch.ones_like(d[..., :1]))  # e_y − p
+    scale = coef[:, 1:].to(dtype) * _weights(response_mask, dtype) / temperature  # (B, L-1)
+    d.mul_(scale[..., None])
+    return out
+
+
+def distill_sampled_advantages(
+    logits: Tensor,
+    input_ids: Tensor,
+    response_mask: Tensor,
+    teacher_logits: Tensor | None = None,
+    teacher_logprobs: Tensor | None = None,
+    temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+    baseline: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Sampled-token distillation advantages A_t = log q(y_t) − log p(y_t) and the baseline −KL(p_t‖q_t).
+
+    Args:
+        logits, input_ids, response_mask: as :func:`token_advantage_logit_grad`.
+        teacher_logits: shape (B, L, V) aligned like ``logits`` (q = softmax(z_q / τ_q)), or None.
+        teacher_logprobs: shape (B, L) token-aligned log q(y_t) (an imported ``teacher_logprobs`` field),
+            used when ``teacher_logits`` is None.
+        temperature: the policy's τ; teacher_temperature: the teacher's τ_q.
+        baseline: also return b_t = −KL(p_t‖q_t) (needs ``teacher_logits``).
+
+    Returns:
+        (A, b): token-aligned (B, L) float64 tensors, zero at unscored tokens; b is None unless asked for.
+    """
+    _check(logits, input_ids, response_mask, temperature)
+    mask = response_mask != 0
+    if teacher_logits is not None:
+        _same_shape("teacher_logits", teacher_logits, tuple(logits.shape))
+        logq = token_logprobs(teacher_logits, input_ids, teacher_temperature)
+    elif teacher_logprobs is not None:
+        _same_shape("teacher_logprobs", teacher_logprobs, tuple(response_mask.shape))
+        logq = teacher_logprobs
+    else:
+        raise ValueError("sampled-token distillation needs teacher_logits or teacher_logprobs")
+    adv = (logq.to(torch.float64) - token_logprobs(logits, input_ids, temperature).to(torch.float64)) * mask
+    if not baseline:
+        return adv, None
+    if teacher_logits is None:
+        raise ValueError("the baseline −KL(p_t‖q_t) needs the teacher's full distribution (teacher_logits)")
+    kl = _reverse_kl_terms(logits, teacher_logits, temperature, teacher_temperature)[2]  # (B, L-1)
+    b = torch.nn.functional.pad(-kl.to(torch.float64), (1, 0)) * mask
+    return adv, b
+
+
+def _reverse_kl_terms(
+    logits: Tensor, teacher_logits: Tensor, temperature: float, teacher_temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """p, ℓ = log p − log q (B, L-1, V) and KL(p_t‖q_t) (B, L-1) at logit positions 0 … L-2."""
+    logp = log_probs(logits[:, :-1], temperature)
+    logq = log_probs(teacher_logits[:, :-1].to(logp.dtype), teacher_temperature)
+    p = logp.exp()
+    ell = logp - logq
+    # p_v = 0 contributes 0 (even where q_v = 0 too)
+    ell = torch.where(p > 0, ell, torch.zeros_like(ell))
+    kl = (p * ell).sum(-1)
+    return p, ell, kl
+
+
+def reverse_kl_logit_grad(
+    logits: Tensor,
+    teacher_logits: Tensor,
+    response_mask: Tensor,
+    temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+) -> Tensor:
+    """Cotangent of J_n = −Σ_t w_t KL(p_t‖q_t) (q constant): −w p ⊙ (ℓ − KL_t)/τ, ℓ = log p − log q.
+
+    Args:
+        logits: shape (B, L, V) of the policy (p = softmax(z/τ)).
+        teacher_logits: shape (B, L, V) aligned like ``logits`` (q = softmax(z_q/τ_q)).
+        response_mask: shape (B, L) token weights (entry 0 is 0).
+
+    Returns:
+        shape (B, L, V) cotangent, zero at position L − 1 and unscored positions.
+    """
+    _check(logits, None, response_mask, temperature)
+    _same_shape("teacher_logits", teacher_logits, tuple(logits.shape))
+    p, ell, kl = _reverse_kl_terms(logits, teacher_logits, temperature, teacher_temperature)
+    scale = -_weights(response_mask, p.dtype) / temperature  # (B, L-1)
+    return torch.nn.functional.pad(p * (ell - kl[..., None]) * scale[..., None], (0, 0, 0, 1))
+
+
+def _probs(name: str, q: Tensor, logits: Tensor, response_mask: Tensor) -> Tensor:
+    """Validated distribution rows (B, L-1, V) of ``q`` at logit positions 0 … L-2, in the compute dtype."""
+    _same_shape(name, q, tuple(logits.shape))
+    q = q[:, :-1].to(_dtype(logits))
+    scored = response_mask[:, 1:] != 0
+    sums = q.sum(-1)[scored]
+    if bool((q[scored] < 0).any()) or bool(((sums - 1).abs() > 1e-3).any()):
+        raise ValueError(
+            f"{name} rows at scored positions must be probability vectors (non-negative, summing to 1); got "
+            f"sums in [{float(sums.min()):.4g}, {float(sums.max()):.4g}]"
+        )
+    return q
+
+
+def drift_logit_grad(logits: Tensor, q: Tensor, response_mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Cotangent of J_n = Σ_t w_t Σ_v q_v log p_v (q constant): w (q − p)/τ.
+
+    With q the teacher this is forward-KL distillation (−KL(q‖p) differs by q's entropy, a constant);
+    with q = μ, the known distribution of SFT data, it is the SFT drift.
+
+    Args:
+        logits: shape (B, L, V) of the policy.
+        q: shape (B, L, V) probabilities aligned like ``logits``.
+        response_mask: shape (B, L) token weights (entry 0 is 0).
+
+    Returns:
+        shape (B, L, V) cotangent, zero at position L − 1 and unscored positions.
+    """
+    _check(logits, None, response_mask, temperature)
+    qq = _probs("q", q, logits, response_mask)
+    p = torch.softmax(logits[:, :-1].to(qq.dtype) / temperature, dim=-1)
+    scale = _weights(response_mask, qq.dtype) / temperature
+    return torch.nn.functional.pad((qq - p) * scale[..., None], (0, 0, 0, 1))
+
+
+def advantage_sq_sums(advantages: Tensor, response_mask: Tensor, baseline: Tensor | None = None) -> Tensor:
+    """Σ_t (w_t (A_t − b_t))² per sequence: shape (B,) float64 (the rl_token bound's a² = its mean)."""
+    coef = token_advantages(advantages, response_mask)
+    if baseline is not None:
+        coef = coef - baseline.to(torch.float64)
+    coef = coef * response_mask.to(torch.float64)
+    return (coef * coef)[:, 1:].sum(1)
+
+
+def reverse_kl_var_sums(
+    logits: Tensor,
+    teacher_logits: Tensor,
+    response_mask: Tensor,
+    temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+) -> Tensor:
+    """Σ_t w_t² Var_{v~p_t}(ℓ_v), ℓ = log p − log q, per sequence: shape (B,) float64."""
+    _check(logits, None, response_mask, temperature)
+    _same_shape("teacher_logits", teacher_logits, tuple(logits.shape))
+    p, ell, kl = _reverse_kl_terms(logits, teacher_logits, temperature, teacher_temperature)
+    var = (p * (ell - kl[..., None]) ** 2).sum(-1, dtype=torch.float64)  # (B, L-1)
+    w = response_mask[:, 1:].to(torch.float64)
+    return (w * w * var).sum(1)
+
+
+def chi2_sums(logits: Tensor, q: Tensor, response_mask: Tensor, temperature: float = 1.0) -> Tensor:
+    """Σ_t w_t² χ²(q_t‖p_t), χ² = Σ_v q_v²/p_v − 1 = Var_{v~p}(q_v/p_v), per sequence: shape (B,) float64.
+
+    Computed as Σ_v p_v (q_v/p_v − 1)² with the ratio in log space, so tiny p_v do not overflow it.
+    """
+    _check(logits, None, response_mask, temperature)
+    qq = _probs("q", q, logits, response_mask)
+    logp = log_probs(logits[:, :-1], temperature)
+    ratio = torch.exp(torch.log(qq) - logp)  # (B, L-1, V); q_v = 0 gives 0
+    chi2 = (logp.exp() * (ratio - 1) ** 2).sum(-1, dtype=torch.float64)  # (B, L-1)
+    w = response_mask[:, 1:].to(torch.float64)
+    return (w * w * chi2).sum(1)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One analysed objective and its options.
+
+    Attributes:
+        kind: one of :data:`REGIMES`.
+        temperature: the policy's τ (p = softmax(z/τ)).
+        teacher_temperature: τ_q of the teacher's logits (distill regimes).
+        kl_beta: β of the KL penalty to a reference (``rl_token``; needs ``ref_logits``).
+        kl_reward_to_go: sum the KL penalties from each token to the end of its response.
+        length_norm: one of :data:`LENGTH_NORMS`, applied (``rl_token``) to the advantages after the KL
+            penalty is added (GRPO normalises the whole per-token loss, its KL term included).
+        max_length: the constant of ``length_norm="constant"``.
+        baseline: ``distill_sampled``: subtract b_t = −KL(p_t‖q_t) (needs ``teacher_logits``).
+    """
+
+    kind: Literal[
+        "rl", "rl_token", "distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift", "sft_sampled"
+    ]
+    temperature: float = 1.0
+    teacher_temperature: float = 1.0
+    kl_beta: float = 0.0
+    kl_reward_to_go: bool = False
+    length_norm: str = "none"
+    max_length: int | None = None
+    baseline: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in REGIMES:
+            raise ValueError(f"regime {self.kind!r} is not one of {REGIMES}")
+        if self.length_norm not in LENGTH_NORMS:
+            raise ValueError(f"length_norm {self.length_norm!r} is not one of {LENGTH_NORMS}")
+        if self.length_norm == "constant" and (self.max_length is None or self.max_length < 1):
+            raise ValueError(f"length_norm 'constant' needs max_length >= 1; got {self.max_length}")
+        if not self.temperature > 0 or not self.teacher_temperature > 0:
+            raise ValueError(f"temperatures must be > 0; got {self.temperature}, {self.teacher_temperature}")
+
+
+class RegimeGrad:
+    """The ``dlogits_fn`` of one regime on one batch, for :class:`covgrad.persample.PerSampleGrads`.
+
+    Called with the batch's detached logits (B, L, V) it returns the regime's cotangent and records, from
+    the same logits, ``bound_sq`` (B,) float64: the regime's bound scalar per sequence (None for
+    ``sft_sampled``), and ``token_adv`` (B, L) float64: the effective A_t − b_t (the rl-type regimes).
+
+    Args:
+        regime: the objective.
+        input_ids: shape (B, L) token ids; response_mask: shape (B, L) token weights (entry 0 is 0).
+        advantages: (B,) sequence advantages (``rl``; ``rl_token`` broadcasts them) or (B, L) token-aligned
+            (``rl_token``: an imported ``advantages`` field); None in ``rl_token`` means 0 (KL penalty only).
+        baseline: (B, L) token-aligned prefix-only b_t (``rl_token``), or None.
+        teacher_logits: (B, L, V) aligned like the logits (distill regimes; also ``sft_drift``'s μ when
+            ``mu`` is None).
+        teacher_logprobs: (B, L) token-aligned log q(y_t) (``distill_sampled`` without teacher logits).
+        ref_logits: (B, L, V) of the KL-penalty reference (``rl_token`` with ``kl_beta``).
+        mu: (B, L, V) probabilities of the SFT data distribution (``sft_drift``).
+    """
+
+    def __init__(
+        self,
+        regime: Regime,
+        input_ids: Tensor,
+        response_mask: Tensor,
+        *,
+        advantages: Tensor | None = None,
+        baseline: Tensor | None = None,
+        teacher_logits: Tensor | None = None,
+        teacher_logprobs: Tensor | None = None,
+        ref_logits: Tensor | None = None,
+        mu: Tensor | None = None,
+    ) -> None:
+        r = regime
+        need = {
+            "rl": [("advantages", advantages)],
+            "rl_token": [("ref_logits", ref_logits)] if r.kl_beta else [],
+            "distill_sampled": [
+                ("teacher_logits or teacher_logprobs", teacher_logits if teacher_logprobs is None else teacher_logprobs)
+            ],
+            "distill_reverse_kl": [("teacher_logits", teacher_logits)],
+            "distill_forward_kl": [("teacher_logits", teacher_logits)],
+            "sft_drift": [("mu or teacher_logits", mu if mu is not None else teacher_logits)],
+            "sft_sampled": [],
+        }[r.kind]
+        missing = [name for name, value in need if value is None]
+        if missing:
+            raise ValueError(f"regime {r.kind!r} needs {', '.join(missing)}")
+        if r.kind == "distill_sampled" and r.baseline and teacher_logits is None:
+            raise ValueError("distill_sampled with baseline needs teacher_logits (the baseline is −KL(p_t‖q_t))")
+        if r.kind == "rl" and torch.as_tensor(advantages).dim() != 1:
+            raise ValueError("regime 'rl' takes sequence advantages (B,); use 'rl_token' for per-token ones")
+        self.regime = r
+        self.input_ids, self.response_mask = input_ids, response_mask
+        self.advantages, self.baseline = advantages, baseline
+        self.teacher_logits, self.teacher_logprobs = teacher_logits, teacher_logprobs
+        self.ref_logits, self.mu = ref_logits, mu
+        self.bound_sq: Tensor | None = None
+        self.token_adv: Tensor | None = None
+
+    def _teacher_probs(self, like: Tensor) -> Tensor:
+        r = self.regime
+        z = self.teacher_logits.to(like.device)
+        return torch.softmax(z.to(_dtype(like)) / r.teacher_temperature, dim=-1)
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """The cotangent (B, L, V) of the regime's objective at ``logits``; sets ``bound_sq``, ``token_adv``."""
+        r, dev = self.regime, logits.device
+        ids, mask = self.input_ids.to(dev), self.response_mask.to(dev)
+        z = logits.detach()
+        tau = r.temperature
+        if r.kind in ("rl", "rl_token", "distill_sampled"):
+            if r.kind == "rl":
+                adv, b = token_advantages(self.advantages.to(dev), mask), None
+            elif r.kind == "rl_token":
+                B, L = mask.shape
+                base = (
+                    torch.zeros(B, L, dtype=torch.float64, device=dev)
+                    if self.advantages is None
+                    else (token_advantages(self.advantages.to(dev), mask))
+                )
+                if r.kl_beta:
+                    base = base + kl_penalty(z, self.ref_logits.to(dev), ids, mask, r.kl_beta, tau, r.kl_reward_to_go)
+                adv = length_normalise(base, mask, r.length_norm, r.max_length)
+                b = None if self.baseline is None else self.baseline.to(dev)
+            else:
+                adv, b = distill_sampled_advantages(
+                    z,
+                    ids,
+                    mask,
+                    None if self.teacher_logits is None else self.teacher_logits.to(dev),
+                    None if self.teacher_logprobs is None else self.teacher_logprobs.to(dev),
+                    tau,
+                    r.teacher_temperature,
+                    baseline=r.baseline,
+                )
+            self.token_adv = (adv if b is None else adv - b.to(torch.float64)) * (mask != 0)
+            self.bound_sq = advantage_sq_sums(adv, mask, b)
+            return token_advantage_logit_grad(z, ids, mask, adv, b, tau)
+        if r.kind == "distill_reverse_kl":
+            zq = self.teacher_logits.to(dev)
+            self.bound_sq = reverse_kl_var_sums(z, zq, mask, tau, r.teacher_temperature)
+            return reverse_kl_logit_grad(z, zq, mask, tau, r.teacher_temperature)
+        if r.kind in ("distill_forward_kl", "sft_drift"):
+            q = self.mu.to(dev) if (r.kind == "sft_drift" and self.mu is not None) else self._teacher_probs(z)
+            self.bound_sq = chi2_sums(z, q, mask, tau)
+            return drift_logit_grad(z, q, mask, tau)
+        # sft_sampled: the plain score at μ's samples; μ unknown, so no bound scalar
+        self.bound_sq = None
+        B, L = mask.shape
+        return token_advantage_logit_grad(z, ids, mask, torch.ones(B, dtype=torch.float64, device=dev), None, tau)
