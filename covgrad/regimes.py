@@ -36,10 +36,16 @@ Shape notation: B samples in the batch, L sequence positions (prompt, response a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from covgrad.accum import MomentAccumulator
+
+if TYPE_CHECKING:
+    from covgrad.persample import PerSampleGrads
 
 REGIMES = (
     "rl",
@@ -459,18 +465,16 @@ class RegimeGrad:
         tau = r.temperature
         if r.kind in ("rl", "rl_token", "distill_sampled"):
             if r.kind == "rl":
-                adv, b = token_advantages(self.advantages.to(dev), mask), None
+                adv, b = token_advantages(torch.as_tensor(self.advantages).to(dev), mask), None
             elif r.kind == "rl_token":
-                B, L = mask.shape
-                base = (
-                    torch.zeros(B, L, dtype=torch.float64, device=dev)
-                    if self.advantages is None
-                    else (token_advantages(self.advantages.to(dev), mask))
-                )
+                if self.advantages is None:
+                    base = torch.zeros(mask.shape, dtype=torch.float64, device=dev)
+                else:
+                    base = token_advantages(torch.as_tensor(self.advantages).to(dev), mask)
                 if r.kl_beta:
                     base = base + kl_penalty(z, self.ref_logits.to(dev), ids, mask, r.kl_beta, tau, r.kl_reward_to_go)
                 adv = length_normalise(base, mask, r.length_norm, r.max_length)
-                b = None if self.baseline is None else self.baseline.to(dev)
+                b = None if self.baseline is None else torch.as_tensor(self.baseline).to(dev)
             else:
                 adv, b = distill_sampled_advantages(
                     z,
@@ -495,5 +499,83 @@ class RegimeGrad:
             return drift_logit_grad(z, q, mask, tau)
         # sft_sampled: the plain score at μ's samples; μ unknown, so no bound scalar
         self.bound_sq = None
-        B, L = mask.shape
-        return token_advantage_logit_grad(z, ids, mask, torch.ones(B, dtype=torch.float64, device=dev), None, tau)
+        ones = torch.ones(mask.shape[0], dtype=torch.float64, device=dev)
+        return token_advantage_logit_grad(z, ids, mask, ones, None, tau)
+
+
+class RegimeMoments:
+    """One regime's per-sample gradients folded per parity half beside the score's moments, with its bound.
+
+    The g_n are folded by a :class:`covgrad.accum.MomentAccumulator` of their own through
+    :meth:`covgrad.persample.PerSampleGrads.accumulate` (no B × P rows), with zero advantages: its
+    ``mean`` row h is the half's G (mean of g_n), ``m2`` its Σ(g − ḡ)² (standard errors), ``c`` stays 0.
+    The bound scalar ``bound_sq`` of each batch's :class:`RegimeGrad` is summed per half in float64.
+
+    Args:
+        P: parameter elements (the layout's flat axis); device: where the (H, P) state lives.
+        state_dtype, halves, compiled: as :class:`covgrad.accum.MomentAccumulator`.
+
+    Attributes:
+        acc: the g_n moments.
+        bound_sum, bound_count: shape (H,) float64 numpy, Σ_n bound_sq and the samples that had one.
+    """
+
+    def __init__(
+        self,
+        P: int,
+        device: torch.device | str,
+        state_dtype: str = "float64",
+        halves: int = 2,
+        compiled: bool | None = None,
+    ) -> None:
+        self.acc = MomentAccumulator(P, device, state_dtype, halves, compiled)
+        self.bound_sum = np.zeros(halves)
+        self.bound_count = np.zeros(halves)
+
+    def fold(
+        self,
+        psg: PerSampleGrads,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        fn: RegimeGrad,
+        half: Tensor | np.ndarray,
+        position_ids: Tensor | None = None,
+        *,
+        out: Tensor | None = None,
+    ) -> None:
+        """Fold one batch: g_n of ``fn``'s regime (one per-sample backward) and its bound scalars.
+
+        Args:
+            psg: the per-sample hooks of the policy (the same instance as the score's is fine).
+            input_ids, attention_mask, position_ids: the batch, as :meth:`PerSampleGrads.accumulate`.
+            fn: the batch's :class:`RegimeGrad`.
+            half: shape (B,) integers in [0, H), each sample's half.
+            out: optional (B, P) float32 buffer that also receives the g_n rows.
+        """
+        B = input_ids.shape[0]
+        psg.accumulate(input_ids, attention_mask, fn, self.acc, np.zeros(B), half, position_ids, out=out)
+        if fn.bound_sq is not None:
+            h = np.asarray(torch.as_tensor(half).cpu(), dtype=np.int64)
+            np.add.at(self.bound_sum, h, fn.bound_sq.detach().cpu().numpy())
+            np.add.at(self.bound_count, h, 1.0)
+
+    def _halves(self, halves: list[int] | None) -> list[int]:
+        return list(range(self.acc.H)) if halves is None else halves
+
+    def gradient(self, halves: list[int] | None = None) -> Tensor:
+        """G = mean of g_n over the samples of ``halves`` (None: all): shape (P,) float64 on the device."""
+        hs = self._halves(halves)
+        n = self.acc.count[hs]
+        if n.sum() == 0:
+            raise ValueError(f"no samples folded in halves {hs}")
+        w = torch.as_tensor(n / n.sum(), dtype=torch.float64, device=self.acc.device)
+        mean = self.acc.mean[hs].to(torch.float64)
+        if self.acc.mean_lo is not None:
+            mean = mean + self.acc.mean_lo[hs].to(torch.float64)
+        return w @ mean
+
+    def bound_a2(self, halves: list[int] | None = None) -> float | None:
+        """a² = mean of the bound scalar over the samples of ``halves`` (None when the regime has none)."""
+        hs = self._halves(halves)
+        count = self.bound_count[hs].sum()
+        return None if count == 0 else float(self.bound_sum[hs].sum() / count)

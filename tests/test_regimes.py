@@ -20,6 +20,7 @@ from covgrad.regimes import (
     REGIMES,
     Regime,
     RegimeGrad,
+    RegimeMoments,
     advantage_sq_sums,
     chi2_sums,
     distill_sampled_advantages,
@@ -240,19 +241,20 @@ def test_vocabulary_covariance_forms_equal_autograd():
         J = torch.stack([_flat_grad(z[t, v], ps) for v in range(V)])  # (V, P)
         logp = F.log_softmax(z[t], -1)
         logq = F.log_softmax(zq[t], -1)
-        p, q, ell = logp.exp(), logq.exp(), logp - F.log_softmax(zq[t], -1)
+        p, q, ell = logp.exp(), logq.exp(), logp - logq
+        ref = _flat_grad((p * ell).sum(), ps)
+        ref_fwd = _flat_grad((q * (logq - logp)).sum(), ps)
+        ref_sft = _flat_grad((mu[t] * logp).sum(), ps)
+        p, ell, logp = p.detach(), ell.detach(), logp.detach()
         kl = (p * ell).sum()
         Jc = J - p @ J  # centred sensitivities
         cov_rev = (p * (ell - kl)) @ Jc
         assert float((cov_rev - (p * (ell - kl)) @ J).norm() / cov_rev.norm()) < 1e-12
-        ref = _flat_grad((p * ell).sum(), ps)
         assert float((cov_rev - ref).norm() / ref.norm()) < 1e-6
         cov_fwd = -((q / p - 1) * p) @ Jc
-        ref_fwd = _flat_grad((q * (logq - logp)).sum(), ps)
         assert float((cov_fwd - ref_fwd).norm() / ref_fwd.norm()) < 1e-6
         drift = (mu[t] - p) @ J
         assert float((drift - ((mu[t] / p - 1) * p) @ Jc).norm() / drift.norm()) < 1e-10
-        ref_sft = _flat_grad((mu[t] * logp).sum(), ps)
         assert float((drift - ref_sft).norm() / ref_sft.norm()) < 1e-6
         f = p @ Jc**2  # token Fisher (P,)
         var_ell = p @ (ell - kl) ** 2
@@ -653,3 +655,31 @@ def test_regimes_refuse_missing_inputs_and_bad_options():
     assert advantage_sq_sums(torch.ones(2), m).tolist() == [2.0, 3.0]
     assert reverse_kl_var_sums(z, z, m).abs().max() < 1e-10
     assert chi2_sums(z, torch.softmax(z, -1), m).dtype == torch.float64
+
+
+def test_regime_moments_fold_per_half_like_the_rows():
+    model = FAMILIES["gpt2"]()
+    layout = select_parameters(model)
+    teacher = _teacher(11)
+    psg = PerSampleGrads(model, layout, check=True)
+    mom = RegimeMoments(layout.P, "cpu")
+    rows, bounds, halves = [], [], []
+    for seed, half in ((43, [0, 1, 0, 1]), (44, [1, 1, 0, 1])):
+        batch = make_batch(seed, **BATCH)
+        ids, L = batch["input_ids"], batch["input_ids"].shape[1]
+        with torch.no_grad():
+            zq = _padded([teacher(input_ids=s[None]).logits[0] for s in batch["seqs"]], L)
+        args = (ids, batch["attention_mask"])
+        fn = RegimeGrad(Regime("distill_reverse_kl", temperature=TAU), ids, batch["target_mask"], teacher_logits=zq)
+        mom.fold(psg, *args, fn, torch.tensor(half), position_ids=batch["position_ids"])
+        rows.append(psg(*args, fn, position_ids=batch["position_ids"]).double())
+        bounds.append(fn.bound_sq)
+        halves += half
+    g, b, h = torch.cat(rows), torch.cat(bounds), torch.tensor(halves)
+    assert mom.acc.count.tolist() == [3.0, 5.0]
+    for hs in ([0], [1], None):
+        sel = torch.ones(len(h), dtype=torch.bool) if hs is None else h == hs[0]
+        ref = g[sel].mean(0)
+        assert float((mom.gradient(hs) - ref).norm() / ref.norm()) < 1e-6, hs
+        assert mom.bound_a2(hs) == pytest.approx(float(b[sel].mean()), rel=1e-12)
+    assert RegimeMoments(layout.P, "cpu").bound_a2() is None
