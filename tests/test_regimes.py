@@ -683,3 +683,27 @@ def test_regime_moments_fold_per_half_like_the_rows():
         assert float((mom.gradient(hs) - ref).norm() / ref.norm()) < 1e-6, hs
         assert mom.bound_a2(hs) == pytest.approx(float(b[sel].mean()), rel=1e-12)
     assert RegimeMoments(layout.P, "cpu").bound_a2() is None
+
+
+def test_sft_on_mu_prefixes_drift_is_the_sampled_mean_and_bounded_by_token_fisher_at_mu():
+    """Responses from an autoregressive μ (not the policy): E_μ[Σ_t s_t] = E_μ Σ_t J_tᵀ(μ_t − p_t)/τ, and
+    |G_i| ≤ √(E_μ Σ χ²(μ_t‖p_t))·√(E_μ Σ_t f_{t,i}); the score's second moment on μ's samples is not that
+    Fisher (its cross-position terms do not vanish off-policy)."""
+    Vv, tau = 5, 0.8
+    lin = Linear2(V=Vv, P=6, seed=50)
+    ids, _ = lin.outcomes()
+    z = lin.logits(ids)
+    mu_logits = _teacher_tables(51, Vv)(ids, z) * 2
+    mu = torch.softmax(mu_logits, -1)  # (N, 3, V): μ_1, μ_2(y_1)
+    prob_mu = mu[:, 0].gather(-1, ids[:, 1:2])[:, 0] * mu[:, 1].gather(-1, ids[:, 2:3])[:, 0]
+    assert abs(float(prob_mu.sum()) - 1) < 1e-12
+    m = MASK3.expand(len(ids), 3)
+    drift = RegimeGrad(Regime("sft_drift", temperature=tau), ids, m, mu=mu)
+    G = prob_mu @ lin.grads(ids, drift(z))
+    sampled = prob_mu @ lin.grads(ids, RegimeGrad(Regime("sft_sampled", temperature=tau), ids, m)(z))
+    assert float((sampled - G).norm() / G.norm()) < 1e-6
+    a2 = float(prob_mu @ drift.bound_sq)
+    F_mu = prob_mu @ lin.token_fisher(ids, tau)
+    assert float((G.abs() / (a2**0.5 * F_mu.sqrt())).max()) <= 1 + 1e-9
+    seq = lin.grads(ids, score_logit_grad(z, ids, m, temperature=tau))
+    assert float(((prob_mu @ seq**2) - F_mu).abs().max() / F_mu.max()) > 1e-2
