@@ -19,16 +19,22 @@ regime                        J_n (advantages and baselines stop-grad)    c_t (b
 ``sft_sampled``               Σ_t log p(y_t), y ~ μ                       e_y − p
 ============================  ==========================================  ==============================
 
-Each regime also has a bound scalar per sequence, c²_n, with |G_i| ≤ √(mean_n c²_n)·√F_i in expectation
-(F the policy's Fisher at the regime's prefixes): Σ_t (A_t − b_t)² (rl_token, distill_sampled; Σ_t A_n² for
-rl, whose own R1 bound std(A)·√F is tighter by up to √T), Σ_t Var_{p_t}(ℓ) (reverse KL), Σ_t χ²(q_t‖p_t)
-(forward KL), Σ_t χ²(μ_t‖p_t) (sft_drift); none for sft_sampled (μ unknown).
+Each regime also has a bound scalar per sequence, c²_n, with |G_i| ≤ √(mean_n c²_n)·√F_i in expectation,
+F_i = E Σ_t f_{t,i} the token Fisher summed at the regime's prefixes (the policy's F on its own samples; on
+SFT data from μ, the token Fisher at μ's prefixes, not the score's second moment there). The scalars:
+Σ_t (A_t − b_t)² (rl_token, distill_sampled; Σ_t A_n² for rl, whose own R1 bound std(A)·√F is tighter by up
+to √T), Σ_t Var_{p_t}(ℓ) (reverse KL), Σ_t χ²(q_t‖p_t) (forward KL), Σ_t χ²(μ_t‖p_t) (sft_drift); none for
+sft_sampled (μ unknown).
 
 Alignment is :func:`covgrad.persample.score_logit_grad`'s: ``logits[:, t]`` predicts ``input_ids[:, t + 1]``;
 token-aligned tensors (``response_mask``, per-token advantages, baselines, teacher log-probs of the drawn
 tokens) have entry t for token t (entry 0 is never scored); distribution-aligned tensors (teacher or
 reference logits, μ) are aligned like ``logits``. Cotangents are float32 (float64 for float64 logits),
 zero at unscored positions and at position L − 1; sums over positions are float64.
+
+Use: ``fn = RegimeGrad(Regime("distill_reverse_kl"), ids, response_mask, teacher_logits=zq)``, then
+``PerSampleGrads(model, layout)(ids, attention_mask, fn, position_ids=pos)`` gives the (B, P) rows g_n and
+``fn.bound_sq`` the (B,) bound scalars; :class:`RegimeMoments` folds them per parity half instead.
 
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V vocabulary.
 """
@@ -87,20 +93,55 @@ def _same_shape(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
 
 
-def _weights(response_mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """The weight of logit position t, w_{t+1}: shape (B, L-1)."""
-    return response_mask[:, 1:].to(dtype)
+@dataclass(frozen=True)
+class _Rows:
+    """The scored logit positions of a batch, n of them: logit position t of sample b is row b·L + t of the
+    flattened (B·L, V) logits and predicts token-aligned entry b·L + t + 1."""
+
+    B: int
+    L: int
+    flat: Tensor  # (n,) int64 row of each scored logit position
+    sample: Tensor  # (n,) int64 sample of each
+    weight: Tensor  # (n,) float64 response weight w_{t+1}
+
+    @staticmethod
+    def of(response_mask: Tensor) -> _Rows:
+        B, L = response_mask.shape
+        b, t = torch.nonzero(response_mask[:, 1:] != 0, as_tuple=True)
+        return _Rows(B, L, b * L + t, b, response_mask[:, 1:][b, t].to(torch.float64))
+
+    def take(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Rows (n, V) of a (B, L, V) tensor aligned like the logits (a copy, in ``dtype``)."""
+        # advanced indexing copies whole rows; index_select was 3-30x slower on a CPU for (n, 49152) rows
+        rows = x.reshape(self.B * self.L, x.shape[-1])[self.flat.to(x.device)]
+        return rows if dtype is None else rows.to(dtype)
+
+    def tokens(self, x: Tensor) -> Tensor:
+        """The (n,) entries of a token-aligned (B, L) tensor at the tokens the rows predict."""
+        return x.reshape(-1)[(self.flat + 1).to(x.device)]
+
+    def place(self, rows: Tensor, V: int) -> Tensor:
+        """A (B, L, V) tensor, zero but for ``rows`` (n, V) at the scored logit positions."""
+        out = torch.zeros(self.B * self.L, V, dtype=rows.dtype, device=rows.device)
+        out.index_copy_(0, self.flat.to(rows.device), rows)
+        return out.view(self.B, self.L, V)
+
+    def place_tokens(self, values: Tensor) -> Tensor:
+        """A token-aligned (B, L) float64 tensor, zero but for ``values`` (n,) at the scored tokens."""
+        out = torch.zeros(self.B * self.L, dtype=torch.float64, device=values.device)
+        out.index_copy_(0, (self.flat + 1).to(values.device), values.to(torch.float64))
+        return out.view(self.B, self.L)
+
+    def per_sample(self, values: Tensor) -> Tensor:
+        """Σ over each sample's rows of ``values`` (n,): shape (B,) float64."""
+        out = torch.zeros(self.B, dtype=torch.float64, device=values.device)
+        return out.index_add_(0, self.sample.to(values.device), values.to(torch.float64))
 
 
-def log_probs(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(z/τ) over the vocabulary: shape (B, L, V), float32 (float64 for float64 logits)."""
-    return torch.log_softmax(logits.to(_dtype(logits)) / temperature, dim=-1)
-
-
-def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """log p(y_t | y_<t) of every token, token-aligned: shape (B, L), entry 0 set to 0."""
-    logp = log_probs(logits[:, :-1], temperature).gather(-1, input_ids[:, 1:, None].long())[..., 0]  # (B, L-1)
-    return torch.nn.functional.pad(logp, (1, 0))
+def _drawn_logprobs(logits: Tensor, input_ids: Tensor, rows: _Rows, temperature: float) -> Tensor:
+    """log softmax(z/τ) of the drawn token at every scored row: shape (n,), the compute dtype."""
+    logp = torch.log_softmax(rows.take(logits, _dtype(logits)) / temperature, dim=-1)  # (n, V)
+    return logp.gather(-1, rows.tokens(input_ids)[:, None].long().to(logp.device))[:, 0]
 
 
 def token_advantages(advantages: Tensor, response_mask: Tensor) -> Tensor:
@@ -108,11 +149,11 @@ def token_advantages(advantages: Tensor, response_mask: Tensor) -> Tensor:
     token-aligned (B, L) tensor (returned masked), float64."""
     B, L = response_mask.shape
     a = torch.as_tensor(advantages).to(torch.float64)
-    w = response_mask.to(torch.float64)
+    scored = response_mask != 0
     if a.shape == (B,):
-        return a[:, None] * (w != 0)
+        return a[:, None] * scored
     _same_shape("advantages", a, (B, L))
-    return a * (w != 0)
+    return a * scored
 
 
 def kl_penalty(
@@ -132,8 +173,11 @@ def kl_penalty(
     """
     _check(logits, input_ids, response_mask, temperature)
     _same_shape("ref_logits", ref_logits, tuple(logits.shape))
-    k = token_logprobs(logits, input_ids, temperature) - token_logprobs(ref_logits, input_ids, temperature)
-    pen = -beta * k.to(torch.float64) * (response_mask != 0)  # (B, L)
+    rows = _Rows.of(response_mask)
+    k = _drawn_logprobs(logits, input_ids, rows, temperature) - _drawn_logprobs(
+        ref_logits, input_ids, rows, temperature
+    )
+    pen = rows.place_tokens(-beta * k.to(torch.float64))  # (B, L)
     if reward_to_go:
         pen = pen.flip(1).cumsum(1).flip(1) * (response_mask != 0)
     return pen
@@ -161,6 +205,15 @@ def length_normalise(
     return a
 
 
+def _coefficients(advantages: Tensor, response_mask: Tensor, baseline: Tensor | None) -> Tensor:
+    """(A_t − b_t) masked, token-aligned (B, L) float64."""
+    coef = token_advantages(advantages, response_mask)
+    if baseline is not None:
+        _same_shape("baseline", baseline, tuple(response_mask.shape))
+        coef = coef - torch.as_tensor(baseline).to(coef.device, torch.float64) * (response_mask != 0)
+    return coef
+
+
 def token_advantage_logit_grad(
     logits: Tensor,
     input_ids: Tensor,
@@ -183,20 +236,38 @@ def token_advantage_logit_grad(
         shape (B, L, V) cotangent, zero at position L − 1 and unscored positions.
     """
     _check(logits, input_ids, response_mask, temperature)
+    rows = _Rows.of(response_mask)
+    coef = rows.tokens(_coefficients(advantages, response_mask, baseline))  # (n,)
+    return rows.place(_advantage_rows(logits, input_ids, rows, coef, temperature), logits.shape[-1])
+
+
+def _advantage_rows(logits: Tensor, input_ids: Tensor, rows: _Rows, coef: Tensor, temperature: float) -> Tensor:
+    """Rows (n, V) of w (A − b)(e_y − p)/τ for the (n,) coefficients A − b."""
+    p = torch.softmax(rows.take(logits, _dtype(logits)) / temperature, dim=-1)  # (n, V)
+    d = p.neg_()
+    d.scatter_add_(-1, rows.tokens(input_ids)[:, None].long().to(d.device), torch.ones_like(d[:, :1]))  # e_y − p
+    return d.mul_((coef.to(d.device) * rows.weight.to(d.device) / temperature).to(d.dtype)[:, None])
+
+
+def _reverse_kl_rows(
+    logits: Tensor, teacher_logits: Tensor, rows: _Rows, temperature: float, teacher_temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """At the scored rows: the cotangent −w p⊙(ℓ − KL)/τ (n, V), KL(p‖q) (n,) and Var_p(ℓ) (n,)."""
     dtype = _dtype(logits)
-    coef = token_advantages(advantages, response_mask)
-    if baseline is not None:
-        _same_shape("baseline", baseline, tuple(response_mask.shape))
-        coef = coef - baseline.to(torch.float64)
-    B, L, V = logits.shape
-    p = torch.softmax(logits[:, :-1].to(dtype) / temperature, dim=-1)  # (B, L-1, V)
-    out = torch.zeros(B, L, V, dtype=dtype, device=logits.device)
-    d = out[:, :-1]
-    torch.neg(p, out=d)
-    d.scatter_add_(-1, input_ids[:, 1:, None].long(), torch.ones_like(d[..., :1]))  # e_y − p
-    scale = coef[:, 1:].to(dtype) * _weights(response_mask, dtype) / temperature  # (B, L-1)
-    d.mul_(scale[..., None])
-    return out
+    logp = torch.log_softmax(rows.take(logits, dtype) / temperature, dim=-1)  # (n, V)
+    ell = logp - torch.log_softmax(rows.take(teacher_logits, dtype) / teacher_temperature, dim=-1)  # ℓ
+    p = logp.exp_()
+    kl = torch.linalg.vecdot(p, ell)  # (n,)
+    if not bool(torch.isfinite(kl).all()):  # −inf logits: a token p never emits contributes 0
+        ell = torch.where(p > 0, ell, torch.zeros_like(ell))
+        kl = torch.linalg.vecdot(p, ell)
+        if not bool(torch.isfinite(kl).all()):
+            raise ValueError("the teacher gives probability 0 to a token the policy can emit: KL(p‖q) is infinite")
+    d = ell.sub_(kl[:, None])  # ℓ − KL
+    c = p.mul_(d)  # p⊙(ℓ − KL)
+    var = torch.linalg.vecdot(c, d)  # Σ_v p_v (ℓ_v − KL)²
+    c.mul_((-rows.weight.to(c.device) / temperature).to(c.dtype)[:, None])
+    return c, kl, var
 
 
 def distill_sampled_advantages(
@@ -223,37 +294,23 @@ def distill_sampled_advantages(
         (A, b): token-aligned (B, L) float64 tensors, zero at unscored tokens; b is None unless asked for.
     """
     _check(logits, input_ids, response_mask, temperature)
-    mask = response_mask != 0
+    rows = _Rows.of(response_mask)
     if teacher_logits is not None:
         _same_shape("teacher_logits", teacher_logits, tuple(logits.shape))
-        logq = token_logprobs(teacher_logits, input_ids, teacher_temperature)
+        logq = _drawn_logprobs(teacher_logits, input_ids, rows, teacher_temperature)
     elif teacher_logprobs is not None:
         _same_shape("teacher_logprobs", teacher_logprobs, tuple(response_mask.shape))
-        logq = teacher_logprobs
+        logq = rows.tokens(teacher_logprobs)
     else:
         raise ValueError("sampled-token distillation needs teacher_logits or teacher_logprobs")
-    adv = (logq.to(torch.float64) - token_logprobs(logits, input_ids, temperature).to(torch.float64)) * mask
+    logp = _drawn_logprobs(logits, input_ids, rows, temperature)
+    adv = rows.place_tokens(logq.to(logp.device, torch.float64) - logp.to(torch.float64))
     if not baseline:
         return adv, None
     if teacher_logits is None:
         raise ValueError("the baseline −KL(p_t‖q_t) needs the teacher's full distribution (teacher_logits)")
-    kl = _reverse_kl_terms(logits, teacher_logits, temperature, teacher_temperature)[2]  # (B, L-1)
-    b = torch.nn.functional.pad(-kl.to(torch.float64), (1, 0)) * mask
-    return adv, b
-
-
-def _reverse_kl_terms(
-    logits: Tensor, teacher_logits: Tensor, temperature: float, teacher_temperature: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """p, ℓ = log p − log q (B, L-1, V) and KL(p_t‖q_t) (B, L-1) at logit positions 0 … L-2."""
-    logp = log_probs(logits[:, :-1], temperature)
-    logq = log_probs(teacher_logits[:, :-1].to(logp.dtype), teacher_temperature)
-    p = logp.exp()
-    ell = logp - logq
-    # p_v = 0 contributes 0 (even where q_v = 0 too)
-    ell = torch.where(p > 0, ell, torch.zeros_like(ell))
-    kl = (p * ell).sum(-1)
-    return p, ell, kl
+    kl = _reverse_kl_rows(logits, teacher_logits, rows, temperature, teacher_temperature)[1]
+    return adv, rows.place_tokens(-kl)
 
 
 def reverse_kl_logit_grad(
@@ -272,26 +329,39 @@ def reverse_kl_logit_grad(
 
     Returns:
         shape (B, L, V) cotangent, zero at position L − 1 and unscored positions.
+
+    Raises:
+        ValueError: on mismatched shapes, or when q_v = 0 where p_v > 0 (infinite KL).
     """
     _check(logits, None, response_mask, temperature)
     _same_shape("teacher_logits", teacher_logits, tuple(logits.shape))
-    p, ell, kl = _reverse_kl_terms(logits, teacher_logits, temperature, teacher_temperature)
-    scale = -_weights(response_mask, p.dtype) / temperature  # (B, L-1)
-    return torch.nn.functional.pad(p * (ell - kl[..., None]) * scale[..., None], (0, 0, 0, 1))
+    rows = _Rows.of(response_mask)
+    c = _reverse_kl_rows(logits, teacher_logits, rows, temperature, teacher_temperature)[0]
+    return rows.place(c, logits.shape[-1])
 
 
-def _probs(name: str, q: Tensor, logits: Tensor, response_mask: Tensor) -> Tensor:
-    """Validated distribution rows (B, L-1, V) of ``q`` at logit positions 0 … L-2, in the compute dtype."""
+def _probs_rows(name: str, q: Tensor, logits: Tensor, rows: _Rows) -> Tensor:
+    """Validated distribution rows (n, V) of ``q`` (aligned like the logits) at the scored rows."""
     _same_shape(name, q, tuple(logits.shape))
-    q = q[:, :-1].to(_dtype(logits))
-    scored = response_mask[:, 1:] != 0
-    sums = q.sum(-1)[scored]
-    if bool((q[scored] < 0).any()) or bool(((sums - 1).abs() > 1e-3).any()):
+    qr = rows.take(q, _dtype(logits))
+    sums = qr.sum(-1)
+    if qr.shape[0] and (bool((qr < 0).any()) or bool(((sums - 1).abs() > 1e-3).any())):
         raise ValueError(
             f"{name} rows at scored positions must be probability vectors (non-negative, summing to 1); got "
             f"sums in [{float(sums.min()):.4g}, {float(sums.max()):.4g}]"
         )
-    return q
+    return qr
+
+
+def _drift_rows(logits: Tensor, q: Tensor, logq: Tensor, rows: _Rows, temperature: float) -> tuple[Tensor, Tensor]:
+    """At the scored rows, for q (n, V) and its log: the cotangent w (q − p)/τ (n, V) and χ²(q‖p) (n,),
+    computed as Σ_v p_v expm1(log q_v − log p_v)² (accurate when q is near p; q_v = 0 gives p_v)."""
+    logp = torch.log_softmax(rows.take(logits, q.dtype) / temperature, dim=-1)  # (n, V)
+    r = torch.expm1(logq - logp)  # q/p − 1
+    p = logp.exp_()
+    chi2 = torch.linalg.vecdot(p * r, r)
+    c = q - p
+    return c.mul_((rows.weight.to(c.device) / temperature).to(c.dtype)[:, None]), chi2
 
 
 def drift_logit_grad(logits: Tensor, q: Tensor, response_mask: Tensor, temperature: float = 1.0) -> Tensor:
@@ -307,20 +377,21 @@ def drift_logit_grad(logits: Tensor, q: Tensor, response_mask: Tensor, temperatu
 
     Returns:
         shape (B, L, V) cotangent, zero at position L − 1 and unscored positions.
+
+    Raises:
+        ValueError: on mismatched shapes, or rows of q at scored positions that are not probabilities.
     """
     _check(logits, None, response_mask, temperature)
-    qq = _probs("q", q, logits, response_mask)
-    p = torch.softmax(logits[:, :-1].to(qq.dtype) / temperature, dim=-1)
-    scale = _weights(response_mask, qq.dtype) / temperature
-    return torch.nn.functional.pad((qq - p) * scale[..., None], (0, 0, 0, 1))
+    rows = _Rows.of(response_mask)
+    qr = _probs_rows("q", q, logits, rows)
+    p = torch.softmax(rows.take(logits, qr.dtype) / temperature, dim=-1)
+    c = qr.sub_(p).mul_((rows.weight.to(p.device) / temperature).to(p.dtype)[:, None])
+    return rows.place(c, logits.shape[-1])
 
 
 def advantage_sq_sums(advantages: Tensor, response_mask: Tensor, baseline: Tensor | None = None) -> Tensor:
     """Σ_t (w_t (A_t − b_t))² per sequence: shape (B,) float64 (the rl_token bound's a² = its mean)."""
-    coef = token_advantages(advantages, response_mask)
-    if baseline is not None:
-        coef = coef - baseline.to(torch.float64)
-    coef = coef * response_mask.to(torch.float64)
+    coef = _coefficients(advantages, response_mask, baseline) * response_mask.to(torch.float64)
     return (coef * coef)[:, 1:].sum(1)
 
 
@@ -334,24 +405,22 @@ def reverse_kl_var_sums(
     """Σ_t w_t² Var_{v~p_t}(ℓ_v), ℓ = log p − log q, per sequence: shape (B,) float64."""
     _check(logits, None, response_mask, temperature)
     _same_shape("teacher_logits", teacher_logits, tuple(logits.shape))
-    p, ell, kl = _reverse_kl_terms(logits, teacher_logits, temperature, teacher_temperature)
-    var = (p * (ell - kl[..., None]) ** 2).sum(-1, dtype=torch.float64)  # (B, L-1)
-    w = response_mask[:, 1:].to(torch.float64)
-    return (w * w * var).sum(1)
+    rows = _Rows.of(response_mask)
+    var = _reverse_kl_rows(logits, teacher_logits, rows, temperature, teacher_temperature)[2]
+    return rows.per_sample(rows.weight.to(var.device) ** 2 * var.to(torch.float64))
 
 
 def chi2_sums(logits: Tensor, q: Tensor, response_mask: Tensor, temperature: float = 1.0) -> Tensor:
     """Σ_t w_t² χ²(q_t‖p_t), χ² = Σ_v q_v²/p_v − 1 = Var_{v~p}(q_v/p_v), per sequence: shape (B,) float64.
 
-    Computed as Σ_v p_v (q_v/p_v − 1)² with the ratio in log space, so tiny p_v do not overflow it.
+    Computed as Σ_v p_v (q_v/p_v − 1)² with the ratio in log space, so tiny p_v do not overflow it and a
+    near-policy q keeps its small χ² (no cancellation against the 1).
     """
     _check(logits, None, response_mask, temperature)
-    qq = _probs("q", q, logits, response_mask)
-    logp = log_probs(logits[:, :-1], temperature)
-    ratio = torch.exp(torch.log(qq) - logp)  # (B, L-1, V); q_v = 0 gives 0
-    chi2 = (logp.exp() * (ratio - 1) ** 2).sum(-1, dtype=torch.float64)  # (B, L-1)
-    w = response_mask[:, 1:].to(torch.float64)
-    return (w * w * chi2).sum(1)
+    rows = _Rows.of(response_mask)
+    qr = _probs_rows("q", q, logits, rows)
+    chi2 = _drift_rows(logits, qr, torch.log(qr), rows, temperature)[1]
+    return rows.per_sample(rows.weight.to(chi2.device) ** 2 * chi2.to(torch.float64))
 
 
 @dataclass(frozen=True)
@@ -452,55 +521,62 @@ class RegimeGrad:
         self.bound_sq: Tensor | None = None
         self.token_adv: Tensor | None = None
 
-    def _teacher_probs(self, like: Tensor) -> Tensor:
-        r = self.regime
-        z = self.teacher_logits.to(like.device)
-        return torch.softmax(z.to(_dtype(like)) / r.teacher_temperature, dim=-1)
-
     def __call__(self, logits: Tensor) -> Tensor:
         """The cotangent (B, L, V) of the regime's objective at ``logits``; sets ``bound_sq``, ``token_adv``."""
         r, dev = self.regime, logits.device
         ids, mask = self.input_ids.to(dev), self.response_mask.to(dev)
-        z = logits.detach()
-        tau = r.temperature
-        if r.kind in ("rl", "rl_token", "distill_sampled"):
-            if r.kind == "rl":
-                adv, b = token_advantages(torch.as_tensor(self.advantages).to(dev), mask), None
-            elif r.kind == "rl_token":
-                if self.advantages is None:
-                    base = torch.zeros(mask.shape, dtype=torch.float64, device=dev)
-                else:
-                    base = token_advantages(torch.as_tensor(self.advantages).to(dev), mask)
-                if r.kl_beta:
-                    base = base + kl_penalty(z, self.ref_logits.to(dev), ids, mask, r.kl_beta, tau, r.kl_reward_to_go)
-                adv = length_normalise(base, mask, r.length_norm, r.max_length)
-                b = None if self.baseline is None else torch.as_tensor(self.baseline).to(dev)
+        z, tau, V = logits.detach(), r.temperature, logits.shape[-1]
+        _check(z, ids, mask, tau)
+        rows = _Rows.of(mask)
+        if r.kind in ("distill_reverse_kl", "distill_forward_kl", "sft_drift"):
+            for name, t in (("teacher_logits", self.teacher_logits), ("mu", self.mu)):
+                if t is not None:
+                    _same_shape(name, t, tuple(z.shape))
+            if r.kind == "distill_reverse_kl":
+                c, _, scalar = _reverse_kl_rows(z, self.teacher_logits.to(dev), rows, tau, r.teacher_temperature)
             else:
-                adv, b = distill_sampled_advantages(
-                    z,
-                    ids,
-                    mask,
-                    None if self.teacher_logits is None else self.teacher_logits.to(dev),
-                    None if self.teacher_logprobs is None else self.teacher_logprobs.to(dev),
-                    tau,
-                    r.teacher_temperature,
-                    baseline=r.baseline,
-                )
-            self.token_adv = (adv if b is None else adv - b.to(torch.float64)) * (mask != 0)
-            self.bound_sq = advantage_sq_sums(adv, mask, b)
-            return token_advantage_logit_grad(z, ids, mask, adv, b, tau)
-        if r.kind == "distill_reverse_kl":
-            zq = self.teacher_logits.to(dev)
-            self.bound_sq = reverse_kl_var_sums(z, zq, mask, tau, r.teacher_temperature)
-            return reverse_kl_logit_grad(z, zq, mask, tau, r.teacher_temperature)
-        if r.kind in ("distill_forward_kl", "sft_drift"):
-            q = self.mu.to(dev) if (r.kind == "sft_drift" and self.mu is not None) else self._teacher_probs(z)
-            self.bound_sq = chi2_sums(z, q, mask, tau)
-            return drift_logit_grad(z, q, mask, tau)
-        # sft_sampled: the plain score at μ's samples; μ unknown, so no bound scalar
-        self.bound_sq = None
-        ones = torch.ones(mask.shape[0], dtype=torch.float64, device=dev)
-        return token_advantage_logit_grad(z, ids, mask, ones, None, tau)
+                if r.kind == "sft_drift" and self.mu is not None:
+                    q = _probs_rows("mu", self.mu.to(dev), z, rows)
+                    logq = torch.log(q)
+                else:
+                    logq = torch.log_softmax(
+                        rows.take(self.teacher_logits.to(dev), _dtype(z)) / r.teacher_temperature, -1
+                    )
+                    q = logq.exp()
+                c, scalar = _drift_rows(z, q, logq, rows, tau)
+            self.bound_sq = rows.per_sample(rows.weight.to(dev) ** 2 * scalar.to(torch.float64))
+            return rows.place(c, V)
+        if r.kind == "sft_sampled":  # the plain score at μ's samples; μ unknown, so no bound scalar
+            self.bound_sq = None
+            ones = torch.ones(rows.flat.shape[0], dtype=torch.float64, device=dev)
+            return rows.place(_advantage_rows(z, ids, rows, ones, tau), V)
+        b = None
+        if r.kind == "rl":
+            adv = token_advantages(torch.as_tensor(self.advantages).to(dev), mask)
+        elif r.kind == "rl_token":
+            if self.advantages is None:
+                adv = torch.zeros(mask.shape, dtype=torch.float64, device=dev)
+            else:
+                adv = token_advantages(torch.as_tensor(self.advantages).to(dev), mask)
+            if r.kl_beta:
+                adv = adv + kl_penalty(z, self.ref_logits.to(dev), ids, mask, r.kl_beta, tau, r.kl_reward_to_go)
+            adv = length_normalise(adv, mask, r.length_norm, r.max_length)
+            b = None if self.baseline is None else torch.as_tensor(self.baseline).to(dev)
+        else:
+            adv, b = distill_sampled_advantages(
+                z,
+                ids,
+                mask,
+                None if self.teacher_logits is None else self.teacher_logits.to(dev),
+                None if self.teacher_logprobs is None else self.teacher_logprobs.to(dev),
+                tau,
+                r.teacher_temperature,
+                baseline=r.baseline,
+            )
+        coef = _coefficients(adv, mask, b)  # (B, L)
+        self.token_adv = coef
+        self.bound_sq = advantage_sq_sums(coef, mask)
+        return rows.place(_advantage_rows(z, ids, rows, rows.tokens(coef), tau), V)
 
 
 class RegimeMoments:
