@@ -707,3 +707,40 @@ def test_sft_on_mu_prefixes_drift_is_the_sampled_mean_and_bounded_by_token_fishe
     assert float((G.abs() / (a2**0.5 * F_mu.sqrt())).max()) <= 1 + 1e-9
     seq = lin.grads(ids, score_logit_grad(z, ids, m, temperature=tau))
     assert float(((prob_mu @ seq**2) - F_mu).abs().max() / F_mu.max()) > 1e-2
+
+
+def test_near_policy_chi2_masked_vocabulary_and_low_precision_logits():
+    gen = torch.Generator().manual_seed(6)
+    B, L, Vv = 2, 5, 4000
+    z = torch.randn(B, L, Vv, generator=gen) * 3
+    m = torch.zeros(B, L)
+    m[:, 2:] = 1
+    # near policy: χ² ~ 1e-9 from float32 inputs, kept to 1e-2 relative (their rounding limits it);
+    # Σ q²/p − 1 in float32 cancels to noise
+    p64 = torch.softmax(z.double(), -1)
+    u = torch.randn(B, L, Vv, generator=gen, dtype=torch.float64)
+    u -= (p64 * u).sum(-1, keepdim=True)
+    q = p64 * (1 + 1e-4 * u / u.abs().amax(-1, keepdim=True))
+    chi2_ref = ((q - p64) ** 2 / p64).sum(-1)[:, :-1] * m[:, 1:]
+    got = chi2_sums(z, q.float(), m)
+    assert float(((got - chi2_ref.sum(1)) / chi2_ref.sum(1)).abs().max()) < 1e-2, (got, chi2_ref.sum(1))
+    pf, qf = torch.softmax(z, -1), q.float()
+    naive = ((qf * qf / pf).sum(-1) - 1)[:, :-1] * m[:, 1:]
+    assert float(((naive.sum(1).double() - chi2_ref.sum(1)) / chi2_ref.sum(1)).abs().max()) > 0.5
+    # −inf logits (a masked vocabulary) in the policy: those tokens contribute nothing
+    zm = z.clone()
+    zm[..., :100] = float("-inf")
+    zq = torch.randn(B, L, Vv, generator=gen)
+    c = reverse_kl_logit_grad(zm, zq, m)
+    assert bool(torch.isfinite(c).all()) and float(c[..., :100].abs().max()) == 0
+    ref = reverse_kl_logit_grad(zm[..., 100:], zq[..., 100:] - torch.logsumexp(zq, -1, keepdim=True), m)
+    assert float((c[..., 100:] - ref).abs().max()) < 1e-6
+    zq_bad = zq.clone()
+    zq_bad[..., 200] = float("-inf")
+    with pytest.raises(ValueError, match="infinite"):
+        reverse_kl_logit_grad(zm, zq_bad, m)
+    # bf16 logits: float32 cotangents, equal to those of the float32 copy
+    zb = z.bfloat16()
+    for fn in (lambda x: reverse_kl_logit_grad(x, zq, m), lambda x: drift_logit_grad(x, q.float(), m)):
+        a, b = fn(zb), fn(zb.float())
+        assert a.dtype == torch.float32 and torch.equal(a, b)
