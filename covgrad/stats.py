@@ -500,14 +500,16 @@ class BlockedStats:
 
     Attributes:
         scalars: N, mean_A, std_A, rho_undefined, bound_violations, zero_mean_trace, zero_mean_coord,
-            max_abs_rho, adv_rms, overlap_1pct, P and, for each cross-fit direction ``even_F_odd_G`` and
-            ``odd_F_even_G``, ``crossfit_{direction}_{n_exceed, n_finite, frac_exceed}`` (NaN where undefined).
+            max_abs_rho, adv_rms, overlap_1pct and P (NaN where undefined).
+        crossfit: for each cross-fit direction ``even_F_odd_G`` and ``odd_F_even_G``,
+            ``crossfit_{direction}_{n_exceed, n_finite, frac_exceed}`` (counts 0 and NaN where undefined).
         tensors: ``tensor_summary`` of the written arrays, (n_tensors,) each.
         degenerate: ``degenerate``'s finding, or None.
         crossfit_undefined: ``crossfit_gap``'s reason, or None.
     """
 
     scalars: dict[str, Any]
+    crossfit: dict[str, Any]
     tensors: dict[str, np.ndarray]
     degenerate: str | None
     crossfit_undefined: str | None
@@ -546,7 +548,7 @@ def blocked_stats(
         chunk: the outputs' chunk length along P.
 
     Returns:
-        The scalars, per-tensor summaries and findings (``BlockedStats``).
+        The scalars, cross-fit counts, per-tensor summaries and findings (``BlockedStats``).
     """
     N, n_even, n_odd = counts
     P = layout.P
@@ -595,12 +597,13 @@ def blocked_stats(
     scalars["adv_rms"] = adv_rms(scalars["mean_A"], scalars["std_A"])
     scalars["overlap_1pct"] = next((float(r["overlap"]) for r in overlap if r["scope"] == "global"), nan)
     scalars["P"] = P
+    crossfit: dict[str, Any] = {}
     for tag, n_exceed, n_finite in zip(("even_F_odd_G", "odd_F_even_G"), totals.n_exceed, totals.n_finite, strict=True):
-        scalars[f"crossfit_{tag}_n_exceed"] = n_exceed
-        scalars[f"crossfit_{tag}_n_finite"] = n_finite
-        scalars[f"crossfit_{tag}_frac_exceed"] = n_exceed / n_finite if n_finite else nan
+        crossfit[f"crossfit_{tag}_n_exceed"] = n_exceed
+        crossfit[f"crossfit_{tag}_n_finite"] = n_finite
+        crossfit[f"crossfit_{tag}_frac_exceed"] = n_exceed / n_finite if n_finite else nan
     tensors = {k: np.asarray(v) for k, v in summary.items()}
-    return BlockedStats(scalars, tensors, finding, gap)
+    return BlockedStats(scalars, crossfit, tensors, finding, gap)
 
 
 def dot64(a: np.ndarray, b: np.ndarray) -> float:

@@ -93,7 +93,8 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: Artifa
         log.warning("stats %s: %s", ref.key, note)
     for name, values in result.tensors.items():
         write(g, STORE, f"tensor_{name}", values)
-    scalars = {**result.scalars, "kl_sampler_policy_per_token": sc.attrs.get("kl_sampler_policy_per_token", math.nan)}
+    kl = sc.attrs.get("kl_sampler_policy_per_token", math.nan)  # recorded by the scores stage
+    scalars = {**result.scalars, "kl_sampler_policy_per_token": kl, **result.crossfit}
     g.attrs.update(
         {
             "scalars": scalars,
