@@ -39,7 +39,7 @@ Array = Any  # numpy.ndarray or dask.array.Array
 BOUND_RTOL = 1e-6  # relative slack of the in-sample bound check (float64 rounding is ~1e-15)
 PARAM_STATS = ("m", "F", "Fvar", "G", "Cov", "rho")  # the (P,) statistics of compute_stats a stats store keeps
 BLOCK_OUTPUTS = (*PARAM_STATS, "crossfit_ratio")  # the (P,) outputs of blocked_stats
-BLOCK_CHUNKS = 64  # param chunks per block of blocked_stats
+BLOCK_CHUNKS = 64  # param chunks per block of the blocked reads of (P,) arrays: 4M parameters, 32 MB of float64
 OVERLAP_Q = 0.01  # the q of the ``overlap_1pct`` scalar
 
 # Row order of the packed (nb, 6, P) float64 representation used by the reductions; the three
