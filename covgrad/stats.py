@@ -15,7 +15,10 @@ row before squaring, so the raw sums never cancel (a large mean relative to the 
 accuracy), and a constant column gives exactly zero variance.
 
 Functions accept numpy arrays (computed at once) or dask arrays (returned lazily; compute them with
-the threaded scheduler or under a ``distributed.Client``).
+the threaded scheduler or under a ``distributed.Client``). ``blocked_stats`` is the stats stage's whole
+reduction: it reads the moments in blocks along P, writes the (P,) statistics block by block and returns
+the scalars (``adv_rms``, the cross-fit counts), the per-tensor summaries and the findings
+(``degenerate``, ``crossfit_gap``).
 
 Shape notation: N samples, nb moment rows (batches), P parameter elements on the flat axis.
 """
