@@ -541,7 +541,7 @@ def blocked_stats(
     errors. Lazy moments are computed with dask's current scheduler (threads, or a distributed client).
 
     Args:
-        read: ``read(cols, halves)``, the moments of the parameters ``cols`` (a slice of whole chunks):
+        read: ``read(cols, halves)``, the moments of the parameters ``cols`` (a block of whole chunks):
             (all samples,) or, with ``halves``, (all, even prompt groups, odd prompt groups), numpy or dask.
             Called with ``halves`` only when both halves hold N ≥ 2.
         counts: N, and the samples of the even and of the odd prompt-group halves.
@@ -563,12 +563,13 @@ def blocked_stats(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported as a finding, below
         for j in range(0, max(P, 1), block):
+            # 1. Read the block's moments and reduce them: the statistics and both cross-fit directions
+            #    (with N < 2 nothing is read and the block is NaN)
             cols = slice(j, min(P, j + block))
             if N < 2:
                 for name in BLOCK_OUTPUTS:
                     out[name][cols] = np.full(cols.stop - cols.start, nan)
                 continue
-            # 1. Read the block's moments and reduce them: the statistics and both cross-fit directions
             full, *halves = read(cols, gap is None)
             lazy_cross = [crossfit_stats(*halves), crossfit_stats(*halves[::-1])] if halves else []
             stats, *cross = dask.compute(compute_stats(full), *lazy_cross)
