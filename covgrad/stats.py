@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import dask
 import dask.array as da
 import numpy as np
 
@@ -572,7 +571,7 @@ def blocked_stats(
                 continue
             full, *halves = read(cols, gap is None)
             lazy_cross = [crossfit_stats(*halves), crossfit_stats(*halves[::-1])] if halves else []
-            stats, *cross = dask.compute(compute_stats(full), *lazy_cross)
+            stats, *cross = da.compute(compute_stats(full), *lazy_cross)
             # 2. Write the block's (param,) statistics
             for name in PARAM_STATS:
                 out[name][cols] = np.asarray(stats[name], dtype=np.float64)
@@ -583,7 +582,7 @@ def blocked_stats(
             totals.add(stats, cross)
         # 4. Per-tensor summaries of the written arrays
         stored = {k: da.from_array(out[k], chunks=(chunk,)) for k in ("F", "Fvar", "G", "rho")}
-        (summary,) = dask.compute(tensor_summary(stored, layout))
+        (summary,) = da.compute(tensor_summary(stored, layout))
     # 5. The findings, and the overlap of the top sets by |G| and by F when G is defined
     from covgrad.topk import overlap_table  # covgrad.topk imports dot64 from this module
 
