@@ -15,7 +15,10 @@ row before squaring, so the raw sums never cancel (a large mean relative to the 
 accuracy), and a constant column gives exactly zero variance.
 
 Functions accept numpy arrays (computed at once) or dask arrays (returned lazily; compute them with
-the threaded scheduler or under a ``distributed.Client``).
+the threaded scheduler or under a ``distributed.Client``). ``blocked_stats`` is the stats stage's whole
+reduction: it reads the moments in blocks along P, writes the (P,) statistics block by block and returns
+the scalars (``adv_rms``, the cross-fit counts), the per-tensor summaries and the findings
+(``degenerate``, ``crossfit_gap``).
 
 Shape notation: N samples, nb moment rows (batches), P parameter elements on the flat axis.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -36,6 +39,10 @@ from covgrad.layout import ParamLayout
 Array = Any  # numpy.ndarray or dask.array.Array
 
 BOUND_RTOL = 1e-6  # relative slack of the in-sample bound check (float64 rounding is ~1e-15)
+PARAM_STATS = ("m", "F", "Fvar", "G", "Cov", "rho")  # the (P,) statistics of compute_stats a stats store keeps
+BLOCK_OUTPUTS = (*PARAM_STATS, "crossfit_ratio")  # the (P,) outputs of blocked_stats
+BLOCK_CHUNKS = 64  # param chunks per block of the blocked reads of (P,) arrays: 4M parameters, 32 MB of float64
+OVERLAP_Q = 0.01  # the q of the ``overlap_1pct`` scalar
 
 # Row order of the packed (nb, 6, P) float64 representation used by the reductions; the three
 # per-batch scalars are broadcast along P so that one array carries a whole moment row.
@@ -426,6 +433,180 @@ def tensor_summary(stats: dict[str, Array], layout: ParamLayout) -> dict[str, Ar
     out["F_share"] = _safe_ratio(xp, out["F_sum"], out["F_sum"].sum())
     out["absG_share"] = _safe_ratio(xp, out["absG_sum"], out["absG_sum"].sum())
     return out
+
+
+def adv_rms(mean_A: float, std_A: float) -> float:
+    """√mean(A²) = √(std_A² + mean_A²) of the advantages (1/N), the scale of the bound |G_i| ≤ √mean(A²)·√F_i."""
+    return math.sqrt(std_A**2 + mean_A**2)
+
+
+def degenerate(N: int, any_score: bool, std_A: float) -> str | None:
+    """Why the run's statistics carry no finding about G (in words), or None: fewer than two samples,
+    every score 0 (no scored tokens; ``any_score`` is whether some F_i > 0), or std(A) = 0 (no reward
+    variance: G ≡ 0)."""
+    if N < 2:
+        return f"too few samples: N = {N}, the statistics need N ≥ 2; F, G, overlap, ρ and the bound are undefined"
+    if not any_score:
+        return "no scored tokens: every score is 0; F, G, overlap, ρ and the bound are undefined"
+    if not float(std_A) > 0:
+        return "no reward variance: G ≡ 0; overlap, ρ and the bound are undefined"
+    return None
+
+
+def crossfit_gap(n_even: int, n_odd: int) -> str | None:
+    """Why the cross-fit is undefined (a prompt-group half with fewer than two samples), or None."""
+    small = [(name, n) for name, n in (("even", n_even), ("odd", n_odd)) if n < 2]
+    if not small:
+        return None
+    name, n = small[0]
+    return (
+        f"cross-fit undefined: the {name} prompt groups hold N = {n} samples, each half needs N ≥ 2; "
+        "give at least two prompt groups"
+    )
+
+
+@dataclass
+class _Totals:
+    """The scalars of blocked_stats that are sums, counts or maxima over parameter blocks."""
+
+    bound_violations: int = 0
+    m2_sum: float = 0.0  # Σ m_i²
+    fvar_sum: float = 0.0  # Σ Fvar_i
+    coord_sum: float = 0.0  # Σ m_i² / Fvar_i over Fvar_i > 0
+    coord_n: int = 0  # coordinates with Fvar_i > 0
+    max_rho: float = -1.0  # max |ρ_i| over finite ρ_i; −1 while there is none
+    any_score: bool = False  # some F_i > 0
+    n_exceed: list[int] = field(default_factory=lambda: [0, 0])  # cross-fit (even F, odd G), (odd F, even G)
+    n_finite: list[int] = field(default_factory=lambda: [0, 0])
+
+    def add(self, stats: dict[str, Any], cross: list[dict[str, Any]]) -> None:
+        """Add one block's computed ``compute_stats`` and ``crossfit_stats`` (both directions, or none)."""
+        m, Fvar, rho = (np.asarray(stats[k]) for k in ("m", "Fvar", "rho"))  # (b,) each
+        varies = Fvar > 0
+        self.any_score = self.any_score or bool((np.asarray(stats["F"]) > 0).any())
+        self.bound_violations += int(stats["bound_violations"])
+        self.m2_sum += float((m * m).sum())
+        self.fvar_sum += float(Fvar.sum())
+        self.coord_sum += float((m[varies] ** 2 / Fvar[varies]).sum())
+        self.coord_n += int(varies.sum())
+        finite = np.abs(rho[np.isfinite(rho)])
+        self.max_rho = max(self.max_rho, float(finite.max()) if finite.size else -1.0)
+        for i, c in enumerate(cross):
+            self.n_exceed[i] += int(c["n_exceed"])
+            self.n_finite[i] += int(c["n_finite"])
+
+
+@dataclass(frozen=True)
+class BlockedStats:
+    """What blocked_stats returns besides the (P,) arrays it writes.
+
+    Attributes:
+        scalars: N, mean_A, std_A, rho_undefined, bound_violations, zero_mean_trace, zero_mean_coord,
+            max_abs_rho, adv_rms, overlap_1pct and P (NaN where undefined).
+        crossfit: for each cross-fit direction ``even_F_odd_G`` and ``odd_F_even_G``,
+            ``crossfit_{direction}_{n_exceed, n_finite, frac_exceed}`` (counts 0 and NaN where undefined).
+        tensors: ``tensor_summary`` of the written arrays, (n_tensors,) each.
+        degenerate: ``degenerate``'s finding, or None.
+        crossfit_undefined: ``crossfit_gap``'s reason, or None.
+    """
+
+    scalars: dict[str, Any]
+    crossfit: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    degenerate: str | None
+    crossfit_undefined: str | None
+
+    @property
+    def notes(self) -> list[str]:
+        """The findings to report: the degenerate condition, else the cross-fit gap (none when neither)."""
+        note = self.degenerate or self.crossfit_undefined
+        return [note] if note else []
+
+
+def blocked_stats(
+    read: Callable[[slice, bool], tuple[Moments, ...]],
+    counts: tuple[int, int, int],
+    layout: ParamLayout,
+    out: Mapping[str, Array],
+    *,
+    chunk: int,
+) -> BlockedStats:
+    """All statistics of a run, reduced in blocks along the parameter axis, so memory is bounded by a
+    block (``BLOCK_CHUNKS`` chunks), not P, except the overlap at ``OVERLAP_Q`` (it ranks F and |G|).
+
+    The (P,) statistics are elementwise in the parameter, so blocks give exactly the whole-P values; the
+    scalars are sums, counts and maxima over blocks. With N < 2 every statistic is undefined: the arrays
+    are NaN and nothing is read. Degenerate runs are findings (``degenerate``, ``crossfit_gap``), not
+    errors. Lazy moments are computed with dask's current scheduler (threads, or a distributed client).
+
+    Args:
+        read: ``read(cols, halves)``, the moments of the parameters ``cols`` (a block of whole chunks):
+            (all samples,) or, with ``halves``, (all, even prompt groups, odd prompt groups), numpy or dask.
+            Called with ``halves`` only when both halves hold N ≥ 2.
+        counts: N, and the samples of the even and of the odd prompt-group halves.
+        layout: the flat parameter axis, P = ``layout.P``.
+        out: (P,) float64 arrays chunked by ``chunk`` (numpy, or a store's arrays), one for each name of
+            ``BLOCK_OUTPUTS``: filled block by block, then read back for the per-tensor summaries.
+        chunk: the outputs' chunk length along P.
+
+    Returns:
+        The scalars, cross-fit counts, per-tensor summaries and findings (``BlockedStats``).
+    """
+    N, n_even, n_odd = counts
+    P = layout.P
+    gap = crossfit_gap(n_even, n_odd)
+    block = chunk * BLOCK_CHUNKS
+    nan = float("nan")
+    totals = _Totals()
+    first: dict[str, Any] = {}  # the first block's statistics: N, mean_A, std_A and rho_undefined are global
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # std(A) = 0 is reported as a finding, below
+        for j in range(0, max(P, 1), block):
+            # 1. Read the block's moments and reduce them: the statistics and both cross-fit directions
+            #    (with N < 2 nothing is read and the block is NaN)
+            cols = slice(j, min(P, j + block))
+            if N < 2:
+                for name in BLOCK_OUTPUTS:
+                    out[name][cols] = np.full(cols.stop - cols.start, nan)
+                continue
+            full, *halves = read(cols, gap is None)
+            lazy_cross = [crossfit_stats(*halves), crossfit_stats(*halves[::-1])] if halves else []
+            stats, *cross = da.compute(compute_stats(full), *lazy_cross)
+            # 2. Write the block's (param,) statistics
+            for name in PARAM_STATS:
+                out[name][cols] = np.asarray(stats[name], dtype=np.float64)
+            ratio = cross[0]["ratio"] if cross else np.full(cols.stop - cols.start, nan)
+            out["crossfit_ratio"][cols] = np.asarray(ratio, dtype=np.float64)
+            # 3. Add the block to the totals
+            first = first or stats
+            totals.add(stats, cross)
+        # 4. Per-tensor summaries of the written arrays
+        stored = {k: da.from_array(out[k], chunks=(chunk,)) for k in ("F", "Fvar", "G", "rho")}
+        (summary,) = da.compute(tensor_summary(stored, layout))
+    # 5. The findings, and the overlap of the top sets by |G| and by F when G is defined
+    from covgrad.topk import overlap_table  # covgrad.topk imports dot64 from this module
+
+    finding = degenerate(N, totals.any_score, float(first.get("std_A", nan)))
+    overlap = [] if finding else overlap_table(out["F"][:], np.abs(out["G"][:]), layout, [OVERLAP_Q])
+    # 6. The scalars
+    if first:
+        scalars: dict[str, Any] = {k: np.asarray(first[k]).item() for k in ("N", "mean_A", "std_A", "rho_undefined")}
+    else:
+        scalars = {"N": N, "mean_A": nan, "std_A": nan, "rho_undefined": True}
+    scalars["bound_violations"] = totals.bound_violations
+    scalars["zero_mean_trace"] = N * totals.m2_sum / totals.fvar_sum if totals.fvar_sum > 0 else nan
+    scalars["zero_mean_coord"] = N * totals.coord_sum / totals.coord_n if totals.coord_n else nan
+    scalars["max_abs_rho"] = totals.max_rho if totals.max_rho >= 0 else nan
+    scalars["adv_rms"] = adv_rms(scalars["mean_A"], scalars["std_A"])
+    scalars["overlap_1pct"] = next((float(r["overlap"]) for r in overlap if r["scope"] == "global"), nan)
+    scalars["P"] = P
+    crossfit: dict[str, Any] = {}
+    for tag, n_exceed, n_finite in zip(("even_F_odd_G", "odd_F_even_G"), totals.n_exceed, totals.n_finite, strict=True):
+        crossfit[f"crossfit_{tag}_n_exceed"] = n_exceed
+        crossfit[f"crossfit_{tag}_n_finite"] = n_finite
+        crossfit[f"crossfit_{tag}_frac_exceed"] = n_exceed / n_finite if n_finite else nan
+    tensors = {k: np.asarray(v) for k, v in summary.items()}
+    return BlockedStats(scalars, crossfit, tensors, finding, gap)
 
 
 def dot64(a: np.ndarray, b: np.ndarray) -> float:

@@ -240,6 +240,40 @@ def topk_indices(values: Array, k: int) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64)
 
 
+def top_k_masks(values: np.ndarray, ks: Sequence[int], largest: bool = True) -> Iterator[np.ndarray]:
+    """(P,) bool masks of the k best values for each k of ``ks``, in order: the k largest (``largest``)
+    or the k smallest, ties broken by the lowest index, NaN ranked worst (tied with −inf for the largest,
+    with +inf for the smallest), so every mask holds exactly k values.
+
+    The mask of k equals the first k of the stable sort (numpy ``argsort(kind="stable")`` of −values for
+    the largest, of values for the smallest, NaN replaced by the worst infinity). Memory: one float64
+    copy of ``values``, the search's blocks (see find_cuts) and one mask.
+
+    Args:
+        values: shape (P,), float32 or float64.
+        ks: set sizes, each in [0, P].
+
+    Raises:
+        ValueError: values is not 1-D, or a k is outside [0, P].
+    """
+    if values.ndim != 1:
+        raise ValueError(f"top_k_masks needs a flat (P,) array, got shape {values.shape}")
+    P = values.shape[0]
+    bad = [k for k in ks if not 0 <= k <= P]
+    if bad:
+        raise ValueError(f"top_k_masks: k = {bad[0]} is outside [0, {P}]")
+    ranked = np.array(values, dtype=np.float64)  # (P,) a copy: larger is better
+    if not largest:
+        np.negative(ranked, out=ranked)
+    ranked[np.isnan(ranked)] = -np.inf
+    vals = as_values(ranked)
+    for cut in find_cuts(vals, ks):
+        mask, taken = np.empty(P, dtype=bool), 0
+        for start, v in vals.blocks():
+            mask[start : start + len(v)], taken = _mark(v, cut, taken)
+        yield mask
+
+
 def count_for_fraction(q: float, n: int) -> int:
     """k = ceil(q·n), ignoring float noise in the product (q = 0.07, n = 100 gives 7, not 8).
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, parameters_flat
+from covgrad.topk import top_k_masks
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 PRECISIONS = ("bf16", "fp32_master", "fp32")
@@ -95,75 +96,11 @@ def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
     }
 
 
-def rank_order(values: torch.Tensor, largest: bool = True) -> torch.Tensor:
-    """Indices of a (P,) tensor from best to worst, ties broken by lowest index; NaN ranks last.
-
-    ``order[:k]`` is the exact top-k (``largest=True``) or bottom-k set. Returns (P,) int64.
-    """
-    if values.dim() != 1:
-        raise ValueError(f"rank_order needs a flat (P,) tensor, got shape {tuple(values.shape)}")
-    worst = float("-inf") if largest else float("inf")
-    clean = torch.where(torch.isnan(values), torch.full_like(values, worst), values)
-    return torch.sort(clean, descending=largest, stable=True).indices
-
-
 def mask_from_order(order: torch.Tensor, k: int) -> torch.Tensor:
     """(P,) bool mask of the first ``k`` indices of ``order``."""
     mask = torch.zeros(order.numel(), dtype=torch.bool)
     mask[order[:k]] = True
     return mask
-
-
-def top_k_masks(values: torch.Tensor, ks: Sequence[int], largest: bool = True) -> Iterator[torch.Tensor]:
-    """``mask_from_order(rank_order(values, largest), k)`` for each k of ``ks``, (P,) bool each, in order,
-    without the (P,) int64 order: the k-th value t by one partition, then every value strictly better
-    than t and the lowest-index values equal to t (ties to the lowest index, NaN worst).
-
-    Memory: one float64 copy of ``values`` (partitioned for the k-th values, then restored) and one mask.
-    """
-    if values.dim() != 1:
-        raise ValueError(f"top_k_masks needs a flat (P,) tensor, got shape {tuple(values.shape)}")
-    P = values.numel()
-    bad = [k for k in ks if not 0 <= k <= P]
-    if bad:
-        raise ValueError(f"top_k_masks: k = {bad[0]} is outside [0, {P}]")
-    worst = float("-inf") if largest else float("inf")
-    clean = values.to(torch.float64, copy=True)
-
-    def cleaned() -> torch.Tensor:
-        return clean.nan_to_num_(nan=worst, posinf=float("inf"), neginf=float("-inf"))
-
-    where = {k: P - k if largest else k - 1 for k in ks if k > 0}  # the k-th best's index in ascending order
-    if where:
-        part = cleaned().numpy()
-        part.partition(sorted(set(where.values())))  # in place: clean's order is restored below
-        kth = {k: float(part[i]) for k, i in where.items()}
-        clean.copy_(values)
-        cleaned()
-    for k in ks:
-        if k == 0:
-            yield torch.zeros(P, dtype=torch.bool)
-            continue
-        t = kth[k]
-        mask = clean > t if largest else clean < t
-        need = k - int(mask.sum())  # ≥ 1: t itself is among the k best
-        tied = clean == t
-        last = _nth_true(tied, need)
-        mask[: last + 1] |= tied[: last + 1]
-        del tied
-        yield mask
-
-
-def _nth_true(mask: torch.Tensor, n: int) -> int:
-    """Index of the n-th (1-based) True entry of a (P,) bool mask, counted in chunks of ``CHUNK``."""
-    seen = 0
-    for lo in range(0, mask.numel(), CHUNK):
-        part = mask[lo : lo + CHUNK]
-        count = int(part.sum())
-        if seen + count >= n:
-            return lo + int(torch.nonzero(part).flatten()[n - seen - 1])
-        seen += count
-    raise ValueError(f"the mask holds {seen} True entries, fewer than {n}")
 
 
 def rule_masks(
@@ -310,7 +247,7 @@ def update_grid(
 
     Memory (P = 134.5M in float32 is 0.54 GB per (P,) float32 vector): every cell trains first, keeping
     only its changed sets, bit-packed (P/8 bytes each); the predictors are evaluated after, one at a time
-    (one statistic loaded, top-k sets from one partition, :func:`top_k_masks`), and the rules in chunks of
+    (one statistic loaded, exact top-k sets by ``covgrad.topk.top_k_masks``), and the rules in chunks of
     the flat axis, so no (P,) int64 order and no two statistics are held at once.
 
     Returns one flat row per (optimizer, precision, lr, steps): the cell parameters, ``P``,
@@ -391,12 +328,14 @@ def _score_ranked(
         if name == "random":
             order = torch.randperm(P, generator=torch.Generator().manual_seed(seed))
             yield from (mask_from_order(order, k) for k in ks)
-        elif name == "smallw":
-            yield from top_k_masks(start.abs(), ks, largest=False)
+            return
+        if name == "smallw":
+            values, largest = start.abs(), False
         elif name == "F":
-            yield from top_k_masks(_stat("F", F, P), ks)
+            values, largest = _stat("F", F, P), True
         else:
-            yield from top_k_masks(_stat(name[3:], G if name == "absG" else rho, P).abs(), ks)
+            values, largest = _stat(name[3:], G if name == "absG" else rho, P).abs(), True
+        yield from (torch.from_numpy(m) for m in top_k_masks(values.numpy(), ks, largest))
 
     for name in RANKED_PREDICTORS:
         for (i, metric), pred in zip(cases, masks(name), strict=True):

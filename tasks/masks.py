@@ -22,6 +22,7 @@ import numpy as np
 from prefect import task
 
 from covgrad.layout import ParamLayout
+from covgrad.stats import OVERLAP_Q
 from covgrad.topk import SCOPES, TopSets, Values, bound_mask_table, overlap_rows, spearman_blocked
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import MASKS as STORE
@@ -89,8 +90,8 @@ def _blocks(arr: Any, absolute: bool = False) -> Values:
 
 
 def _share_rows(tops: dict[str, TopSets], layout: ParamLayout, qs: list[float]) -> list[dict[str, Any]]:
-    """Each tensor's share of the global top sets by F and by |G| at the q nearest 1%."""
-    i = int(np.argmin(np.abs(np.asarray(qs) - 0.01)))
+    """Each tensor's share of the global top sets by F and by |G| at the q nearest ``OVERLAP_Q`` (1%)."""
+    i = int(np.argmin(np.abs(np.asarray(qs) - OVERLAP_Q)))
     rows = []
     for metric in ("F", "absG"):
         counts = tops[metric].counts["global"][i]  # (T,) int64

@@ -24,15 +24,13 @@ from typing import Any
 import numpy as np
 from prefect import task
 
-from covgrad.stats import rel_diff
+from covgrad.stats import BLOCK_CHUNKS, rel_diff
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import OFFPOLICY as STORE
 from storage.schema import OFFPOLICY_TABLE, OFFPOLICY_VARS, STATS, param_chunk, write
 from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, run_stage
 from tasks.specs import Instance, OffPolicySpec
-
-BLOCKS_PER_READ = 64  # param chunks per block of the rel_diff_G reads: 4M parameters, 2 × 32 MB float64
 
 
 def offpolicy_rows(
@@ -96,7 +94,7 @@ def offpolicy_task(ref: ArtifactRef, spec: OffPolicySpec, upstream: dict[str, Ar
 
     def compute(store: ArtifactStore, r: ArtifactRef) -> dict[str, Any]:
         P = int(store.open_group(next(iter(upstream.values())), STATS, mode="r").attrs["scalars"]["P"])
-        rows = offpolicy_rows(store, spec, upstream, BLOCKS_PER_READ * param_chunk(P))
+        rows = offpolicy_rows(store, spec, upstream, BLOCK_CHUNKS * param_chunk(P))  # the stats stage's blocks
         write_offpolicy(store, r, rows)
         return {"rel_diff_G": {x["sampler"]: x["rel_diff_G"] for x in rows if x["centering"] == "sampler"}}
 

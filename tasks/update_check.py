@@ -133,7 +133,7 @@ def _compute(
     # each (P,) float64 statistic is read when update_grid evaluates it and dropped after (8 bytes × P each)
     F, G, rho = (lambda name=name: torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
     scalars = st.attrs["scalars"]
-    adv_rms = math.sqrt(scalars["std_A"] ** 2 + scalars["mean_A"] ** 2)
+    adv_rms = float(scalars["adv_rms"])  # √mean(A²), covgrad.stats.adv_rms
     batches = minibatches(ro, spec.groups_per_batch)
     uc = spec.settings
     rows = update_grid(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from unittest import mock
 
 import dask
 import dask.array as da
@@ -11,8 +12,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import covgrad.stats as stats_module
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.stats import Moments, compute_stats, crossfit_stats, merge_moments, sample_moments, tensor_summary
+from covgrad.stats import (
+    BLOCK_OUTPUTS,
+    Moments,
+    adv_rms,
+    blocked_stats,
+    compute_stats,
+    crossfit_gap,
+    crossfit_stats,
+    degenerate,
+    merge_moments,
+    sample_moments,
+    tensor_summary,
+)
+from covgrad.topk import overlap_table
 
 RTOL = 1e-9
 N, P, B = 48, 300, 8  # samples, parameters, samples per batch
@@ -282,3 +297,91 @@ def test_local_cluster_gives_same_numbers_as_threads() -> None:
         (distributed,) = dask.compute(stats)
     for name, value in threaded.items():
         np.testing.assert_array_equal(distributed[name], value, err_msg=name)
+
+
+LAYOUT = ParamLayout(
+    (
+        TensorEntry("a.weight", 0, 10, (2, 5), "float32"),
+        TensorEntry("b.bias", 10, 10, (10,), "float32"),
+        TensorEntry("c.weight", 20, P - 20, (P - 20,), "float32"),
+    )
+)
+
+
+def blocked(S: np.ndarray, A: np.ndarray, parity: np.ndarray, lazy: bool, chunk: int = 7):
+    """blocked_stats of per-sample scores (N, P) split into prompt-group halves by ``parity`` (N,), with
+    blocks of 2 chunks of ``chunk``; returns the result, the filled (P,) arrays and the reads made."""
+    reads: list[tuple[slice, bool]] = []
+
+    def moments(rows: np.ndarray, cols: slice) -> Moments:
+        if lazy:
+            return sample_moments(da.from_array(S[rows][:, cols], chunks=(B, chunk)), A[rows])
+        return sample_moments(S[rows][:, cols], A[rows], block_rows=B)
+
+    def read(cols: slice, halves: bool) -> tuple[Moments, ...]:
+        reads.append((cols, halves))
+        every = np.ones(len(A), dtype=bool)
+        return tuple(moments(rows, cols) for rows in ((every, parity == 0, parity == 1) if halves else (every,)))
+
+    out = {name: np.full(P, -1.0) for name in BLOCK_OUTPUTS}
+    counts = (len(A), int((parity == 0).sum()), int((parity == 1).sum()))
+    with mock.patch.object(stats_module, "BLOCK_CHUNKS", 2):
+        result = blocked_stats(read, counts, LAYOUT, out, chunk=chunk)
+    return result, out, reads
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["numpy", "dask"])
+def test_blocked_stats_equal_the_whole_axis(lazy: bool) -> None:
+    """Blocks of 14 parameters give the (P,) statistics, the scalars, the cross-fit counts, the per-tensor
+    summaries and the overlap of one whole-axis reduction."""
+    S, A = make_scores(15)
+    parity = (np.arange(N) // B) % 2
+    result, out, reads = blocked(S, A, parity, lazy)
+    assert [r[0] for r in reads] == [slice(j, min(P, j + 14)) for j in range(0, P, 14)] and all(h for _, h in reads)
+    whole = compute_stats(sample_moments(S, A, block_rows=B))
+    even, odd = sample_moments(S[parity == 0], A[parity == 0]), sample_moments(S[parity == 1], A[parity == 1])
+    cross = [crossfit_stats(even, odd), crossfit_stats(odd, even)]
+    for name in BLOCK_OUTPUTS:
+        want = cross[0]["ratio"] if name == "crossfit_ratio" else whole[name]
+        np.testing.assert_allclose(out[name], want, rtol=1e-12, atol=1e-300, err_msg=name)
+    sc = result.scalars
+    assert (sc["N"], sc["P"], sc["bound_violations"], sc["rho_undefined"]) == (N, P, 0, False)
+    for name in ("mean_A", "std_A", "zero_mean_trace", "zero_mean_coord"):
+        np.testing.assert_allclose(sc[name], whole[name], rtol=1e-12, err_msg=name)
+    np.testing.assert_allclose(sc["max_abs_rho"], np.nanmax(np.abs(whole["rho"])), rtol=1e-12)
+    np.testing.assert_allclose(sc["adv_rms"], np.sqrt(np.mean(A * A)), rtol=1e-12)
+    for tag, c in zip(("even_F_odd_G", "odd_F_even_G"), cross, strict=True):
+        for name in ("n_exceed", "n_finite", "frac_exceed"):
+            assert result.crossfit[f"crossfit_{tag}_{name}"] == c[name], (tag, name)
+    overlap = overlap_table(out["F"], np.abs(out["G"]), LAYOUT, [0.01])
+    assert sc["overlap_1pct"] == next(r["overlap"] for r in overlap if r["scope"] == "global")
+    summary = tensor_summary(out, LAYOUT)
+    for name, values in summary.items():
+        np.testing.assert_allclose(result.tensors[name], values, rtol=1e-12, err_msg=name)
+    assert result.degenerate is None and result.crossfit_undefined is None and result.notes == []
+
+
+def test_blocked_stats_findings() -> None:
+    """N < 2: NaN arrays, nothing read; one prompt group: no cross-fit read, NaN ratios; std(A) = 0: a
+    finding, no overlap."""
+    S, A = make_scores(16)
+    result, out, reads = blocked(S[:1], A[:1], np.zeros(1, dtype=np.int64), lazy=False)
+    assert reads == [] and all(np.isnan(out[name]).all() for name in BLOCK_OUTPUTS)
+    assert result.degenerate.startswith("too few samples: N = 1") and result.notes == [result.degenerate]
+    assert result.scalars["N"] == 1 and np.isnan(result.scalars["adv_rms"])
+    result, out, reads = blocked(S, A, np.zeros(N, dtype=np.int64), lazy=False)
+    assert reads and not any(h for _, h in reads) and np.isnan(out["crossfit_ratio"]).all()
+    assert result.degenerate is None and result.notes == [result.crossfit_undefined]
+    assert result.crossfit_undefined.startswith("cross-fit undefined: the odd prompt groups hold N = 0")
+    assert result.crossfit["crossfit_even_F_odd_G_n_finite"] == 0
+    assert np.isnan(result.crossfit["crossfit_even_F_odd_G_frac_exceed"])
+    result, _, _ = blocked(S, np.full(N, 0.5), (np.arange(N) // B) % 2, lazy=False)
+    assert result.degenerate.startswith("no reward variance") and np.isnan(result.scalars["overlap_1pct"])
+    assert result.scalars["adv_rms"] == 0.5
+
+
+def test_degenerate_conditions_and_adv_rms() -> None:
+    assert degenerate(8, True, 0.5) is None
+    assert degenerate(8, False, 0.5).startswith("no scored tokens")
+    assert crossfit_gap(1, 4).startswith("cross-fit undefined: the even prompt groups hold N = 1 samples")
+    assert adv_rms(3.0, 4.0) == 5.0

@@ -19,6 +19,7 @@ from covgrad.topk import (
     count_for_fraction,
     overlap_table,
     spearman,
+    top_k_masks,
     topk_global,
     topk_indices,
     topk_per_tensor,
@@ -86,6 +87,55 @@ def test_nan_excluded_even_when_k_exceeds_the_numbers() -> None:
     values = np.array([np.nan, 1.0, np.nan, -2.0, np.nan], dtype=np.float32)
     np.testing.assert_array_equal(topk_indices(values, 5), [1, 3])
     np.testing.assert_array_equal(topk_indices(np.full(4, np.nan), 2), np.zeros(0, np.int64))
+
+
+def stable_prefix_mask(values: np.ndarray, k: int, largest: bool) -> np.ndarray:
+    """(P,) bool mask of the first k of numpy's stable argsort, best first, NaN as the worst infinity."""
+    v = values.astype(np.float64)
+    key = np.where(np.isnan(v), np.inf, -v if largest else v)  # ascending key: best first
+    mask = np.zeros(len(v), dtype=bool)
+    mask[np.argsort(key, kind="stable")[:k]] = True
+    return mask
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_top_k_masks_equal_stable_argsort_prefixes(largest: bool, dtype: type) -> None:
+    """Every k from 0 to P on random values with many ties, ±0, ±inf and NaN, blocks and key bins small
+    enough that the search narrows and the ties cross block boundaries."""
+    rng = np.random.default_rng(5)
+    P = 600
+    values = rng.integers(-3, 4, P).astype(np.float64) * 0.5
+    values[rng.integers(0, P, 30)] = np.nan
+    values[rng.integers(0, P, 5)] = np.inf
+    values[rng.integers(0, P, 5)] = -np.inf
+    values[rng.integers(0, P, 20)] = -0.0
+    values[:100] = rng.standard_normal(100)  # distinct values too
+    values = values.astype(dtype)
+    before = values.copy()
+    ks = list(range(P + 1))
+    with mock.patch.object(topk_module, "BLOCK", 37), mock.patch.object(topk_module, "_CANDIDATES", 3):
+        masks = list(top_k_masks(values, ks, largest))
+    for k, mask in zip(ks, masks, strict=True):
+        assert mask.dtype == np.bool_ and int(mask.sum()) == k
+        np.testing.assert_array_equal(mask, stable_prefix_mask(values, k, largest), err_msg=f"k = {k}")
+    np.testing.assert_array_equal(values, before)  # the input is left as it was
+    with pytest.raises(ValueError, match="outside"):
+        next(top_k_masks(values, [P + 1]))
+    with pytest.raises(ValueError, match="flat"):
+        next(top_k_masks(values.reshape(2, -1), [1]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=value_arrays(), data=st.data())
+def test_top_k_masks_equal_stable_argsort_property(values: np.ndarray, data: st.DataObject) -> None:
+    P = len(values)
+    ks = data.draw(st.lists(st.integers(0, P), min_size=1, max_size=5), label="ks")
+    largest = data.draw(st.booleans(), label="largest")
+    block = data.draw(st.integers(1, P), label="block")
+    with mock.patch.object(topk_module, "BLOCK", block):
+        for k, mask in zip(ks, top_k_masks(values, ks, largest), strict=True):
+            np.testing.assert_array_equal(mask, stable_prefix_mask(values, k, largest))
 
 
 @pytest.mark.parametrize(
