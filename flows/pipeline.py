@@ -15,8 +15,8 @@ from typing import Any
 from prefect import Task, flow
 
 from covgrad.config import PipelineConfig
-from covgrad.preflight import check_model
 from flows.deployment import run_config
+from flows.preflight import preflight
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
 from tasks.base_model import base_model_task
@@ -59,8 +59,7 @@ def covgrad_pipeline(config: PipelineConfig = PipelineConfig(), config_file: str
     """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status.
     ``config_file``: a YAML config (relative to the working directory) under the keys ``config`` sets."""
     config = run_config(config, config_file)  # a deployment's partial config keeps its defaults
-    if (m := config.model).path is not None:  # unsupported modules fail here, in seconds, not after rollouts
-        check_model(m.path, config.scores.params, m.trust_remote_code, config.scores.self_check)
+    preflight(config)  # bad input fails here, in one line, before any stage
     p = plan(config)
     store = ArtifactStore(config.root)
     refs: dict[str, Any] = {}

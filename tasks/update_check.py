@@ -67,7 +67,7 @@ def check_layout(layout: ParamLayout, stats_layout: ParamLayout) -> None:
         if a != b:
             raise ValueError(
                 f"the policy's selected parameters do not match the stats store's tensor table (model {a} vs "
-                f"stats {b}); run update_check with the scores.params that produced the stats"
+                f"stats {b}); run update_check with the model.params that produced the stats"
             )
 
 

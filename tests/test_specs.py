@@ -167,10 +167,10 @@ def _field(label: str) -> str:
 
 
 def test_tokens_key_covers_the_parameter_selection(bases):
-    """The stale-cache bug this layout fixes: tokens reads scores.params, so its key changes with it."""
+    """The stale-cache bug this layout fixes: tokens reads model.params, so its key changes with it."""
     data = bases[0][0]
     before = plan(PipelineConfig.model_validate(data))
-    after = plan(PipelineConfig.model_validate(changed(data, ("scores", "params"), ["model.layers.0.*"])))
+    after = plan(PipelineConfig.model_validate(changed(data, ("model", "params"), ["model.layers.0.*"])))
     assert before.tokens.ref.key != after.tokens.ref.key
     assert before.tokens.spec.params is None and after.tokens.spec.params == ["model.layers.0.*"]
 
@@ -181,7 +181,7 @@ def test_placement_fields_change_no_artifact_key_below_the_report(bases):
     data = bases[0][0]
     before = plan(PipelineConfig.model_validate(data))
     for path, value in (
-        (("scores", "device"), "cpu"),
+        (("model", "device"), "cpu"),
         (("scores", "checkpoint_batches"), 3),
         (("scores", "shards"), [1, 2]),
         (("dask", "address"), "tcp://127.0.0.1:1"),
