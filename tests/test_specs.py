@@ -1,12 +1,11 @@
-"""Stage specs are what each stage computes from and what its key covers; tasks see specs, never the config;
-the package's import graph has no cycle and no stage module imports another.
+"""Stage specs are what each stage computes from and what its key covers; tasks see specs, never the config
+(the import graph's rules are tests/test_layering.py's).
 
 The key-coverage test is derived, not listed: it walks every leaf field of ``PipelineConfig``, changes it,
 and checks that the artifact keys that change are exactly those of the stages whose (hashed) spec changed
 and of everything below them in the plan.
 """
 
-import ast
 import inspect
 import json
 import re
@@ -23,7 +22,6 @@ from covgrad.config import PipelineConfig
 from tasks.specs import Plan, StageSpec, plan
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("covgrad", "tasks", "flows", "storage")
 STAGE_MODULES = ("base_model", "rollouts", "scores", "stats", "offpolicy", "masks", "tokens", "update_check", "report")
 
 
@@ -216,45 +214,6 @@ def test_stage_tasks_take_a_spec_and_upstream_refs_never_the_config():
         spec = hints["spec"]
         assert issubclass(spec, StageSpec) and task.name == spec.STAGE, (name, spec)
         assert PipelineConfig not in hints.values(), name
-
-
-def _imports() -> dict[str, set[str]]:
-    """Module -> the project modules it imports (at any depth of the file, lazy imports included)."""
-    files = {
-        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
-        for pkg in PACKAGES
-        for p in (REPO / pkg).rglob("*.py")
-    }
-    graph: dict[str, set[str]] = {}
-    for module, path in files.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        graph[module] = {m for m in found if m in files and m != module}
-    return graph
-
-
-def test_no_import_cycle_and_no_stage_module_imports_another():
-    graph = _imports()
-    state: dict[str, int] = {}
-
-    def visit(m: str, stack: list[str]) -> None:
-        state[m] = 1
-        for n in sorted(graph[m]):
-            assert state.get(n) != 1, f"import cycle: {' -> '.join([*stack, m, n])}"
-            if n not in state:
-                visit(n, [*stack, m])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])
-    stage = {f"tasks.{s}" for s in STAGE_MODULES}
-    for m in sorted(stage):
-        assert not graph[m] & stage, f"{m} imports the stage module(s) {sorted(graph[m] & stage)}"
 
 
 def test_flow_names_every_stage_and_fits_on_one_screen():
