@@ -20,7 +20,7 @@ indexes and notebooks use. The artifact directory is ``{root}/{stage}/{key}``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -242,24 +242,27 @@ class Step:
 
 @dataclass(frozen=True)
 class Plan(Mapping[str, Step]):
-    """Every artifact of one pipeline run, each with its spec and key, by stage; as a mapping, every step
-    by instance name in DAG order (upstream first)."""
+    """Every artifact of one pipeline run, each with its spec and key, by stage. The stage fields, in DAG
+    order (upstream first), are the one declaration of the stage order (``STAGES``); as a mapping, every
+    step by instance name in that order (per-sampler stages sampler by sampler, disabled stages left out)."""
 
     base_model: Step
     rollouts: dict[str, Step]
     scores: dict[Instance, Step]
     stats: dict[Instance, Step]
     offpolicy: Step
-    main: Step  # the main statistics: analysed sampler, sampler centering whenever μ ≠ p
     masks: Step
     tokens: Step | None
     update_check: Step | None
     report: Step
+    main: Step  # not a stage: the main statistics (one of ``stats``), sampler-centred whenever μ ≠ p
 
     def _steps(self) -> list[Step]:
-        optional = [s for s in (self.tokens, self.update_check) if s is not None]
-        per_sampler = [*self.rollouts.values(), *self.scores.values(), *self.stats.values()]
-        return [self.base_model, *per_sampler, self.offpolicy, self.masks, *optional, self.report]
+        out: list[Step] = []
+        for stage in STAGES:
+            value = getattr(self, stage)
+            out += list(value.values()) if isinstance(value, dict) else [] if value is None else [value]
+        return out
 
     def __getitem__(self, name: str) -> Step:
         for s in self._steps():
@@ -288,6 +291,9 @@ class Plan(Mapping[str, Step]):
 
     def _name(self, ref: ArtifactRef) -> str:
         return next(str(s.instance) for s in self._steps() if s.ref == ref)
+
+
+STAGES = tuple(f.name for f in fields(Plan) if f.name != "main")  # the stage names, in DAG order
 
 
 def _step(store: ArtifactStore, instance: Instance, spec: StageSpec, upstream: dict[str, Step]) -> Step:
@@ -386,4 +392,4 @@ def plan(cfg: PipelineConfig) -> Plan:
     everything += [x for x in (tokens, update) if x is not None]
     report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude={"root"})))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
-    return Plan(base, rollouts, scores, stats, offpolicy, main, masks, tokens, update, report)
+    return Plan(base, rollouts, scores, stats, offpolicy, masks, tokens, update, report, main=main)

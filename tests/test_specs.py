@@ -19,10 +19,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from covgrad.config import PipelineConfig
-from tasks.specs import Plan, StageSpec, plan
+from tasks.specs import STAGES, Plan, StageSpec, plan
 
 REPO = Path(__file__).resolve().parent.parent
-STAGE_MODULES = ("base_model", "rollouts", "scores", "stats", "offpolicy", "masks", "tokens", "update_check", "report")
 
 
 def leaves(model: BaseModel, prefix: tuple = ()) -> list[tuple[tuple, Any, Any]]:
@@ -194,7 +193,7 @@ def _stage_tasks() -> dict[str, Any]:
     from prefect import Task
 
     out = {}
-    for name in STAGE_MODULES:
+    for name in STAGES:  # each stage's task module is named after it
         module = importlib.import_module(f"tasks.{name}")
         out |= {f"{name}.{k}": v for k, v in vars(module).items() if isinstance(v, Task)}
     return out
@@ -205,7 +204,7 @@ def test_stage_tasks_take_a_spec_and_upstream_refs_never_the_config():
     from storage.artifacts import ArtifactRef
 
     tasks = _stage_tasks()
-    assert len(tasks) == len(STAGE_MODULES), sorted(tasks)
+    assert len(tasks) == len(STAGES), sorted(tasks)
     for name, task in tasks.items():
         params = list(inspect.signature(task.fn).parameters)
         hints = typing.get_type_hints(task.fn)
@@ -216,13 +215,22 @@ def test_stage_tasks_take_a_spec_and_upstream_refs_never_the_config():
         assert PipelineConfig not in hints.values(), name
 
 
-def test_flow_names_every_stage_and_fits_on_one_screen():
-    """flows/pipeline.py's stage list calls every stage task once, in DAG order."""
+def test_stage_order_is_the_plans_and_the_flow_has_a_task_per_stage():
+    """The stages (``Plan``'s stage fields, in DAG order) are the stage specs in the order specs.py defines
+    them; ``flows.pipeline.TASKS`` has one task per stage; and the plan lists each step after its upstreams."""
     import flows.pipeline
 
-    source = inspect.getsource(flows.pipeline.run_stages)
-    calls = [f"{s}_task" for s in STAGE_MODULES]
-    order = [source.index(c) for c in calls]
-    assert order == sorted(order), order
-    assert all(source.count(c) == 1 for c in calls), source
+    assert list(STAGES) == [cls.STAGE for cls in StageSpec.__subclasses__()]
+    assert sorted(t.name for t in flows.pipeline.TASKS) == sorted(STAGES)
     assert len((REPO / "flows" / "pipeline.py").read_text().splitlines()) <= 90
+
+
+def test_the_plan_runs_upstream_first(bases):
+    for data in bases[0]:
+        p = plan(PipelineConfig.model_validate(data))
+        seen: set[str] = set()
+        for name, step in p.items():
+            assert {r.key for r in step.upstream.values()} <= seen, name
+            seen.add(step.ref.key)
+        order = [STAGES.index(step.spec.STAGE) for step in p.values()]
+        assert order == sorted(order)
