@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,18 @@ def test_recorded_configs_keep_the_report_key_and_read_back():
     assert not {"params", "device", "self_check"} & set(old["model"])
     assert PipelineConfig.model_validate(current_layout(old)) == cfg
     assert current_layout(new) == new
+
+
+@pytest.mark.parametrize("name", ["demo", "tiny"])
+def test_preflight_takes_well_under_two_seconds(tmp_path, name):
+    """The flow's first step on the demo and tiny configs (task, tokenizer, context): milliseconds."""
+    from flows.cli import load_config
+
+    cfg = load_config(str(REPO / "configs" / f"{name}.yaml"), [f"root={tmp_path / 'runs'}"])
+    t0 = time.perf_counter()
+    preflight(cfg)
+    assert time.perf_counter() - t0 < 2.0
+    assert not (tmp_path / "runs").exists()
 
 
 def test_preflight_rejects_bad_model_paths(tmp_path):
