@@ -219,7 +219,7 @@ def make_plan(
     smaller = "scores.state_dtype=float32, " if work.state_dtype == "float64" else ""
     raise ValueError(
         f"scores.shards=[{samples}, auto]: even one tensor per block needs {gb(need)} GB per worker, more than "
-        f"{HEADROOM:.0%} of {gb(device_bytes)} GB; use {smaller}fewer parameters (scores.params) or a smaller "
+        f"{HEADROOM:.0%} of {gb(device_bytes)} GB; use {smaller}fewer parameters (model.params) or a smaller "
         "batch (scores.groups_per_batch)"
     )
 

@@ -260,10 +260,10 @@ def device_memory(device: torch.device) -> int:
 
 
 def pick_device(choice: str) -> torch.device:
-    """The torch device of a ``scores.device`` choice (``auto``: cuda when visible)."""
+    """The torch device of a ``model.device`` choice (``auto``: cuda when visible)."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ValueError("scores.device=cuda but no CUDA device is visible; use auto or cpu")
+            raise ValueError("model.device=cuda but no CUDA device is visible; use auto or cpu")
         return torch.device("cuda")
     return torch.device("cpu")
 

@@ -73,7 +73,7 @@ def plan_for_config(
     anything runs: the model on the meta device, prompts of ``prompt_tokens`` tokens); returns the lines
     to print and the plan."""
     model = meta_model(cfg)
-    layout = select_parameters(model, cfg.scores.params)
+    layout = select_parameters(model, cfg.model.params)
     samplers = cfg.rollouts.samplers.values()
     group = max(s.group_size for s in samplers)
     if cfg.task.kind == "jsonl" and cfg.task.path and Path(cfg.task.path).is_file():

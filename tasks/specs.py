@@ -20,19 +20,25 @@ indexes and notebooks use. The artifact directory is ``{root}/{stage}/{key}``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
 from covgrad.config import (
+    Advantage,
+    Blocks,
     DemoModel,
+    Device,
+    Dtype,
     PipelineConfig,
     SamplerSection,
+    StateDtype,
     TaskSection,
     TokensSection,
     UpdateCheckSection,
+    report_layout,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, stage_key
 from storage.models import model_fingerprint
@@ -80,7 +86,7 @@ class PolicySpec(Spec):
     the demo model that the base_model artifact holds, in ``dtype``."""
 
     path: str | None
-    dtype: Literal["float32", "bfloat16"]
+    dtype: Dtype
     trust_remote_code: bool
 
 
@@ -105,7 +111,7 @@ class RolloutsSpec(StageSpec):
     sampler: str
     settings: SamplerSection
     task: TaskSection
-    advantage: Literal["group_mean", "group_zscore", "global_mean", "none"]
+    advantage: Advantage
     policy: PolicySpec
 
 
@@ -126,11 +132,11 @@ class ScoresSpec(StageSpec):
     params: list[str] | None
     groups_per_batch: int
     byte_budget: int
-    state_dtype: Literal["float64", "float32"]
+    state_dtype: StateDtype
     # sample shards change the order of the merges; parameter blocks and placement change no byte
     sample_shards: int
-    blocks: int | Literal["auto"]
-    device: Literal["auto", "cpu", "cuda"]
+    blocks: Blocks
+    device: Device
     self_check: bool
     checkpoint_batches: int
     checkpoint_seconds: float
@@ -177,7 +183,7 @@ class TokensSpec(StageSpec):
     sampler: str
     on_policy: bool
     policy: PolicySpec
-    device: Literal["auto", "cpu", "cuda"]
+    device: Device
     self_check: bool
 
 
@@ -194,7 +200,8 @@ class UpdateCheckSpec(StageSpec):
 
 
 class ReportSpec(StageSpec):
-    """report: the run ``name`` rendered from its artifacts and its config (JSON, without ``root``)."""
+    """report: the run ``name`` rendered from its artifacts and its config (JSON without ``root``, in
+    ``covgrad.config.report_layout``)."""
 
     STAGE: ClassVar[str] = "report"
     VERSION: ClassVar[str] = "7"
@@ -235,24 +242,27 @@ class Step:
 
 @dataclass(frozen=True)
 class Plan(Mapping[str, Step]):
-    """Every artifact of one pipeline run, each with its spec and key, by stage; as a mapping, every step
-    by instance name in DAG order (upstream first)."""
+    """Every artifact of one pipeline run, each with its spec and key, by stage. The stage fields, in DAG
+    order (upstream first), are the one declaration of the stage order (``STAGES``); as a mapping, every
+    step by instance name in that order (per-sampler stages sampler by sampler, disabled stages left out)."""
 
     base_model: Step
     rollouts: dict[str, Step]
     scores: dict[Instance, Step]
     stats: dict[Instance, Step]
     offpolicy: Step
-    main: Step  # the main statistics: analysed sampler, sampler centering whenever μ ≠ p
     masks: Step
     tokens: Step | None
     update_check: Step | None
     report: Step
+    main: Step  # not a stage: the main statistics (one of ``stats``), sampler-centred whenever μ ≠ p
 
     def _steps(self) -> list[Step]:
-        optional = [s for s in (self.tokens, self.update_check) if s is not None]
-        per_sampler = [*self.rollouts.values(), *self.scores.values(), *self.stats.values()]
-        return [self.base_model, *per_sampler, self.offpolicy, self.masks, *optional, self.report]
+        out: list[Step] = []
+        for stage in STAGES:
+            value = getattr(self, stage)
+            out += list(value.values()) if isinstance(value, dict) else [] if value is None else [value]
+        return out
 
     def __getitem__(self, name: str) -> Step:
         for s in self._steps():
@@ -283,6 +293,9 @@ class Plan(Mapping[str, Step]):
         return next(str(s.instance) for s in self._steps() if s.ref == ref)
 
 
+STAGES = tuple(f.name for f in fields(Plan) if f.name != "main")  # the stage names, in DAG order
+
+
 def _step(store: ArtifactStore, instance: Instance, spec: StageSpec, upstream: dict[str, Step]) -> Step:
     keys = [u.ref.key for u in upstream.values()]
     ref = store.ref(spec.STAGE, spec.key(keys), spec.VERSION, keys)
@@ -310,7 +323,7 @@ def plan(cfg: PipelineConfig) -> Plan:
     """Every artifact of ``cfg``'s pipeline run: specs built from the config, keys chained in DAG order."""
     store = ArtifactStore(cfg.root)
     policy = policy_spec(cfg)
-    sc = cfg.scores
+    sc, m = cfg.scores, cfg.model
     base = _step(store, Instance("base_model"), base_model_spec(cfg), {})
     rollouts: dict[str, Step] = {}
     scores: dict[Instance, Step] = {}
@@ -331,14 +344,14 @@ def plan(cfg: PipelineConfig) -> Plan:
                 centering=c,
                 settings=settings,
                 policy=policy,
-                params=sc.params,
+                params=m.params,
                 groups_per_batch=sc.groups_per_batch,
                 byte_budget=sc.byte_budget,
                 state_dtype=sc.state_dtype,
                 sample_shards=sc.shards[0],
                 blocks=sc.shards[1],
-                device=sc.device,
-                self_check=sc.self_check,
+                device=m.device,
+                self_check=m.self_check,
                 checkpoint_batches=sc.checkpoint_batches,
                 checkpoint_seconds=sc.checkpoint_seconds,
             )
@@ -358,18 +371,18 @@ def plan(cfg: PipelineConfig) -> Plan:
     if cfg.tokens.enabled:
         spec = TokensSpec(
             settings=cfg.tokens.model_copy(deep=True),
-            params=sc.params,
+            params=m.params,
             sampler=analysed,
             on_policy=on_policy(s),
             policy=policy,
-            device=sc.device,
-            self_check=sc.self_check,
+            device=m.device,
+            self_check=m.self_check,
         )
         tokens = _step(store, Instance("tokens"), spec, {"base_model": base, "rollouts": rollouts[analysed]})
     if cfg.update_check.enabled:
         spec = UpdateCheckSpec(
             settings=cfg.update_check.model_copy(deep=True),
-            params=sc.params,
+            params=m.params,
             groups_per_batch=sc.groups_per_batch,
             policy=policy,
         )
@@ -377,6 +390,6 @@ def plan(cfg: PipelineConfig) -> Plan:
         update = _step(store, Instance("update_check"), spec, upstream)
     everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
     everything += [x for x in (tokens, update) if x is not None]
-    report_spec = ReportSpec(name=cfg.name, config=cfg.model_dump(mode="json", exclude={"root"}))
+    report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude={"root"})))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
-    return Plan(base, rollouts, scores, stats, offpolicy, main, masks, tokens, update, report)
+    return Plan(base, rollouts, scores, stats, offpolicy, masks, tokens, update, report, main=main)

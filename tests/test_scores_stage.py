@@ -68,7 +68,7 @@ def test_stage_scores_match_naive_loop(run):
 
     model, _ = load_models(store, refs["base_model"], "policy", policy_spec(cfg))
     model.eval()
-    layout = select_parameters(model, cfg.scores.params)
+    layout = select_parameters(model, cfg.model.params)
     ro = store.open_group(refs["rollouts.policy"], "rollouts.zarr")
     stored = _scores(store, refs["scores.policy.policy"])
     params = dict(model.named_parameters())

@@ -85,7 +85,7 @@ def test_matches_one_batch_recomputation(run):
     cfg, refs, store, g = run
     ro = store.open_group(refs["rollouts.policy"], ROLLOUTS, mode="r")
     model = load_models(store, refs["base_model"], "policy", policy_spec(cfg))[0].eval()
-    layout = select_parameters(model, cfg.scores.params)
+    layout = select_parameters(model, cfg.model.params)
     N = cfg.tokens.max_samples
     pl = torch.from_numpy(ro["prompt_len"][:N]).long()
     rl = torch.from_numpy(ro["response_len"][:N]).long()
