@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,22 +17,6 @@ _WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-
-
-def model_fingerprint(path: str) -> str:
-    """sha256 over a model directory's config and the names, sizes and mtimes of its weight files:
-    enough to notice a changed checkpoint without hashing gigabytes."""
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"model path {path!r} does not exist or is not a directory")
-    h = hashlib.sha256()
-    for f in sorted(root.iterdir()):
-        if f.is_file() and (f.suffix in {".json", ".safetensors", ".bin", ".model", ".txt"}):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
-            if f.name == "config.json":
-                h.update(f.read_bytes())
-    return h.hexdigest()[:24]
 
 
 def check_model_dir(path: str, what: str) -> None:

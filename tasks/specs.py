@@ -19,6 +19,7 @@ indexes and notebooks use. The artifact directory is ``{root}/{stage}/{key}``.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -41,7 +42,7 @@ from covgrad.config import (
     report_layout,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, stage_key
-from storage.models import model_fingerprint
+from storage.digests import input_digest
 
 Centering = Literal["policy", "sampler"]
 
@@ -73,8 +74,12 @@ class StageSpec(Spec):
     PLACEMENT: ClassVar[frozenset[str]] = frozenset()
 
     def hashed(self) -> dict[str, Any]:
-        """The spec as the key hashes it: every field except the placement fields, as JSON values."""
-        return self.model_dump(mode="json", exclude=set(self.PLACEMENT))
+        """The spec as the key hashes it: every field except the placement fields, as JSON values; an empty
+        ``inputs`` (the stage reads no user file) is hashed as if the field did not exist."""
+        out = self.model_dump(mode="json", exclude=set(self.PLACEMENT))
+        if out.get("inputs") == {}:
+            del out["inputs"]
+        return out
 
     def key(self, upstream: list[str]) -> str:
         """The artifact key of this spec computed from upstream artifacts with keys ``upstream``."""
@@ -92,7 +97,8 @@ class PolicySpec(Spec):
 
 class BaseModelSpec(StageSpec):
     """base_model: train the demo model (``demo`` on the ``digits``-digit addition task) or register the
-    user model at ``policy.path`` (``fingerprint``: its config and weight files' names, sizes, mtimes)."""
+    user model at ``policy.path`` (``fingerprint``: the content digest of its config, weight, tokenizer and
+    code files, :func:`storage.digests.input_digest`)."""
 
     STAGE: ClassVar[str] = "base_model"
     VERSION: ClassVar[str] = "1"
@@ -113,6 +119,7 @@ class RolloutsSpec(StageSpec):
     task: TaskSection
     advantage: Advantage
     policy: PolicySpec
+    inputs: dict[str, str] = {}  # content digests of the files it reads: task, reward source, sampler files
 
 
 class ScoresSpec(StageSpec):
@@ -138,6 +145,7 @@ class ScoresSpec(StageSpec):
     blocks: Blocks
     device: Device
     self_check: bool
+    inputs: dict[str, str] = {}  # content digests of the sampler's model and μ files it reads
     checkpoint_batches: int
     checkpoint_seconds: float
 
@@ -315,8 +323,36 @@ def base_model_spec(cfg: PipelineConfig) -> BaseModelSpec:
         policy=policy_spec(cfg),
         demo=cfg.model.demo.model_copy(deep=True) if demo else None,
         digits=cfg.task.digits if demo else None,
-        fingerprint=None if demo else model_fingerprint(cfg.model.path),
+        fingerprint=None if demo else input_digest(cfg.model.path, model=True),
     )
+
+
+def sampler_inputs(s: SamplerSection, mu: bool) -> dict[str, str]:
+    """Content digests of the files sampler ``s``'s rollouts read (another model directory, imported rollouts)
+    and, with ``mu`` (sampler-centred scores), μ's model directory."""
+    out = {}
+    if s.model not in ("policy", "stale"):
+        out["model"] = input_digest(s.model, model=True)
+    if s.import_path is not None:
+        out["import_path"] = input_digest(s.import_path)
+    if mu and s.mu_model is not None:
+        out["mu_model"] = input_digest(s.mu_model, model=True)
+    return out
+
+
+def task_inputs(t: TaskSection) -> dict[str, str]:
+    """Content digests of a JSONL task's prompt file and of its reward function's source file."""
+    if t.kind != "jsonl":
+        return {}
+    out = {"task": input_digest(t.path) if t.path else "absent"}
+    module = (t.reward or "").partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) if module else None
+    except (ImportError, ValueError):
+        found = None
+    origin = getattr(found, "origin", None)
+    out["reward"] = input_digest(origin) if origin and Path(origin).is_file() else "absent"
+    return out
 
 
 def plan(cfg: PipelineConfig) -> Plan:
@@ -336,6 +372,7 @@ def plan(cfg: PipelineConfig) -> Plan:
             task=cfg.task.model_copy(deep=True),
             advantage=cfg.rollouts.advantage,
             policy=policy,
+            inputs={**task_inputs(cfg.task), **sampler_inputs(s, mu=False)},
         )
         rollouts[name] = _step(store, Instance("rollouts", name), spec, {"base_model": base})
         for c in centerings(s):
@@ -354,6 +391,7 @@ def plan(cfg: PipelineConfig) -> Plan:
                 self_check=m.self_check,
                 checkpoint_batches=sc.checkpoint_batches,
                 checkpoint_seconds=sc.checkpoint_seconds,
+                inputs=sampler_inputs(s, mu=True) if c == "sampler" else {},
             )
             upstream = {"base_model": base, "rollouts": rollouts[name]}
             scores[Instance("scores", name, c)] = _step(store, Instance("scores", name, c), score_spec, upstream)
