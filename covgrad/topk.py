@@ -31,7 +31,7 @@ import numpy as np
 
 from covgrad.config import MasksSection
 from covgrad.layout import ParamLayout
-from covgrad.stats import dot64
+from covgrad.numerics import dot64
 
 Array = Any  # numpy.ndarray, dask.array.Array, or any 1-D array that slices to numpy (a zarr array)
 
