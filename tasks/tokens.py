@@ -43,6 +43,7 @@ from prefect import task
 from torch import nn
 
 from covgrad.config import TokensSection
+from covgrad.devices import pick_device
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
@@ -58,10 +59,11 @@ from covgrad.token_fisher import (
 )
 from covgrad.topk import as_values, spearman, spearman_blocked
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, annotate, create, param_chunk
 from storage.schema import TOKENS as STORE
-from tasks.common import StageResult, load_models, pick_device, progress_bar, run_stage
+from tasks.common import StageResult, progress_bar, run_stage
 from tasks.specs import TokensSpec
 
 BATCH_ROWS = 16  # most samples per batch: the per-sample gradients are BATCH_ROWS x P float32

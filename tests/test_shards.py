@@ -162,7 +162,7 @@ def test_plan_qwen7b_on_eight_80gb_gpus(qwen7b: Path):
     block; auto picks the fewest blocks that fit 90% of 80 GB."""
     from covgrad.shardplan import HEADROOM
     from flows.cli import load_config
-    from tasks.shards import plan_for_config
+    from flows.shards import plan_for_config
 
     cfg = load_config(str(qwen7b), [])
     V, H, I, layers, kv = 152064, 3584, 18944, 28, 512

@@ -13,8 +13,8 @@ from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import cross_term_ratio, token_fisher, token_scores
 from storage.artifacts import ArtifactStore, mark_batch_done
+from storage.models import load_models
 from storage.schema import ROLLOUTS
-from tasks.common import load_models
 from tasks.specs import plan, policy_spec
 from tasks.tokens import POSITION_ARRAYS, STORE
 from tests.conftest import run_planned, tiny_config
