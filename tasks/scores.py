@@ -118,20 +118,18 @@ class ScoresJob:
             def on_batch(b: int, out: torch.Tensor | None) -> None:
                 w.on_batch(b, out, None if self.mu is None else self.mu.kl)
 
-            every, seconds = spec.checkpoint_batches, spec.checkpoint_seconds
-            todo, done = w.todo, w.done
             fold_batches(
                 psg,
                 acc,
-                todo,
+                w.todo,
                 self._read,
                 self._logit_grad,
                 checkpoint,
-                done=done,
+                done=w.done,
                 rows=rows,
                 on_batch=on_batch,
-                every=every,
-                seconds=seconds,
+                every=spec.checkpoint_batches,
+                seconds=spec.checkpoint_seconds,
             )
 
     def finalize(self) -> dict[str, Any] | None:
