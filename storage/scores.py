@@ -303,7 +303,7 @@ class JobWriter:
                     mark_batch_done(g, b)
         self.todo = batches[self.done :]
         if not batches and g["shard_batches"][job] < 0:
-            scores._save(g, job, acc, 0, final=True)
+            scores.commit(g, job, acc, 0, final=True, batches=[])
         keep = scores.keep_rows and self.todo
         self.writer = RowWriter(g["scores"], scores.B, scores.P, acc.device) if keep else None
 

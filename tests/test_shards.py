@@ -65,6 +65,16 @@ def test_split_blocks_partition_the_layout():
         split_blocks(layout, 7)
 
 
+def test_per_sample_rows_are_kept_with_one_block_equal_batches_and_within_the_budget():
+    from covgrad.shardplan import keeps_rows
+
+    N, P = 8, 100
+    assert keeps_rows(N, P, N * P * 4, 1, True)
+    assert not keeps_rows(N, P, N * P * 4 - 1, 1, True)
+    assert not keeps_rows(N, P, N * P * 4, 2, True)
+    assert not keeps_rows(N, P, N * P * 4, 1, False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", [65536, 512])  # one chunk (every boundary is an edge), and many
 def test_parameter_blocks_do_not_change_a_byte(upstream, tmp_path, monkeypatch, chunk):
