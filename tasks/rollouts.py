@@ -24,11 +24,12 @@ from covgrad.problems import response_texts, score_rewards
 from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from storage.models import load_models
 from storage.prompts import load_task, prompt_places
 from storage.readers import read_located_records
 from storage.schema import ROLLOUTS as STORE
 from storage.schema import create, var
-from tasks.common import StageResult, load_models, progress_bar, run_stage
+from tasks.common import StageResult, progress_bar, run_stage
 from tasks.specs import RolloutsSpec
 
 # every rollouts store holds these (storage/schema.py); μ arrays as ``store_mu`` says; advantage at the end
