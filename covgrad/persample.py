@@ -29,17 +29,20 @@ vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layo
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from covgrad.accum import MomentAccumulator
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.rules import FLATTENING_PARENTS, Call, Rule, Slot, float_outputs, rule_for
+from covgrad.rules import Call, Rule, Slot, float_outputs, generic_rule, rule_for
 
 # Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: about the
 # L2 cache (measured on a 2-core EPYC VM, B = 32, 256 × 256 and 640 × 256 weights: 2–4 MiB chunks made
@@ -133,11 +136,13 @@ Binding = tuple[nn.Module, Rule, dict[str, TensorEntry]]
 
 def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
     """Every module owning selected parameters, with its per-sample rule and its selected parameters
-    (local name → layout entry), in ``named_modules`` order.
+    (local name → layout entry), in ``named_modules`` order. A module whose fast rule covers only some of
+    its parameters gets a second binding, :func:`covgrad.rules.generic_rule` over the others.
 
     Raises:
-        ValueError: when a selected parameter is not in the model, or is owned by a module without a
-            per-sample rule (the message names the parameter and the module type).
+        ValueError: when a selected parameter is not in the model, or (one message naming every such
+            parameter, with a ``scores.params`` selection without them) has no per-sample rule: owned by
+            the model's top-level module or by a module whose rule refuses it.
     """
     params = dict(model.named_parameters())
     missing = [name for name in layout.names if name not in params]
@@ -145,20 +150,66 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
         raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
     by_id = {id(params[e.name]): e for e in layout.entries}
     bindings: list[Binding] = []
+    refused: list[tuple[str, str]] = []
     for module_name, module in model.named_modules():
         local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
         if not local:
             continue
+        if not module_name:
+            refused += [
+                (
+                    e.name,
+                    f"{e.name!r} is owned by the model's top-level {type(module).__name__}, whose forward is "
+                    "the whole model",
+                )
+                for e in local.values()
+            ]
+            continue
         found = rule_for(module)
-        uncovered = [pn for pn in local if isinstance(found, str) or pn not in found[1]]
-        if uncovered:
-            reason = found if isinstance(found, str) else f"its rule covers only {sorted(found[1])}"
-            raise ValueError(
-                f"no per-sample rule for parameter {local[uncovered[0]].name!r} (as {module_name}."
-                f"{uncovered[0]}, in a {type(module).__name__}); {reason}"
-            )
-        bindings.append((module, found[0], local))
+        if isinstance(found, str):
+            refused += [
+                (e.name, f"{e.name!r} (as {module_name}.{pn}, in a {type(module).__name__}): {found}")
+                for pn, e in local.items()
+            ]
+            continue
+        rule, covered = found
+        mine = {pn: e for pn, e in local.items() if pn in covered}
+        rest = {pn: e for pn, e in local.items() if pn not in covered}
+        if mine:
+            bindings.append((module, rule, mine))
+        if rest:
+            bindings.append((module, generic_rule, rest))
+    if refused:
+        raise ValueError(refusal(layout, refused))
     return bindings
+
+
+def refusal(layout: ParamLayout, refused: list[tuple[str, str]]) -> str:
+    """One line naming every refused parameter (``(layout name, reason)`` pairs) and a ``scores.params``
+    selection of the layout's other parameters that runs (globs over layer indices where they stay exact)."""
+    bad = {name for name, _ in refused}
+    keep = [name for name in layout.names if name not in bad]
+    head = (
+        f"no per-sample rule for parameter {refused[0][1]}"
+        if len(refused) == 1
+        else f"no per-sample rule for {len(refused)} selected parameters: " + "; ".join(r for _, r in refused)
+    )
+    if not keep:
+        return f"{head}; nothing else is selected"
+    return f"{head}; a selection without them that runs: scores.params = {suggest_params(keep, layout.names)}"
+
+
+def suggest_params(keep: list[str], names: tuple[str, ...] | list[str]) -> list[str]:
+    """Glob patterns matching exactly ``keep`` among ``names``: each name with its layer indices replaced by
+    ``*`` where that pattern matches no other name, the name itself otherwise; deduplicated, in order."""
+    keep_set, out = set(keep), []
+    for name in keep:
+        pat = re.sub(r"\.\d+\.", ".*.", name)
+        if pat != name and not all(n in keep_set for n in names if fnmatch.fnmatchcase(n, pat)):
+            pat = name
+        if pat not in out:
+            out.append(pat)
+    return out
 
 
 class PerSampleGrads:
@@ -190,11 +241,16 @@ class PerSampleGrads:
         self.chunk_bytes = chunk_bytes
         self._bindings = bind_rules(model, layout)
         self._params = [params[e.name] for e in layout.entries]
-        # Modules run on a flattened (B·L, …) batch by a verified parent (OPT layers, MoE blocks).
-        flattening = [m for m in model.modules() if type(m) in FLATTENING_PARENTS]
-        self._flat_ok = {id(m) for parent in flattening for m in parent.modules()}
+        self._names = {id(m): name for name, m in model.named_modules()}
+        # Set by the first call's trace (_trace): parameter uses checked, and (first call with B ≥ 2) which
+        # hooked modules run on a flattened (B·L, …) batch whose row n·L + t is sample n's position t.
+        self._traced = False
+        self._verified = False
+        self._flat_ok: set[int] = set()
         # Per-call state, set and cleared by _per_sample.
         self._B = 0
+        self._L = 0
+        self._replaying = False  # a rule re-runs a module's forward: the hooks of its submodules stand aside
         self._out: Tensor | None = None
         self._acc: MomentAccumulator | None = None
         self._check: _Check | None = None
@@ -344,14 +400,16 @@ class PerSampleGrads:
         acc: MomentAccumulator | None = None,
         check: _Check | None = None,
     ) -> Tensor | None:
-        B = inputs["input_ids"].shape[0]
-        self._B, self._out, self._acc, self._check = B, out, acc, check
+        B, L = inputs["input_ids"].shape
+        self._B, self._L, self._out, self._acc, self._check = B, L, out, acc, check
         flags = [(p, p.requires_grad) for p in self.model.parameters()]
         handles = []
         try:
             # Frozen parameters: the graph starts at the first hooked outputs, no weight grads are formed.
             for p, _ in flags:
                 p.requires_grad_(False)
+            if not self._traced or (B >= 2 and not self._verified):
+                self._trace(inputs)
             for module, rule, local in self._bindings:
                 handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
             with torch.enable_grad():
@@ -499,41 +557,49 @@ class PerSampleGrads:
 
         slot = _FoldingSlot(self, view, local)
         needs_call = getattr(rule, "needs_call", False)
+        rows = B * self._L
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple | None:
+            if self._replaying:
+                return None
             first_in = args[0] if args else next(iter(kwargs.values()), None)
             outs = float_outputs(output)
             n_in = first_in.shape[0] if isinstance(first_in, Tensor) and first_in.dim() else None
             n_out = outs[0].shape[0] if outs and outs[0].dim() else None
-            flat = n_in is not None and n_in == n_out != B and n_in % B == 0 and id(module) in self._flat_ok
-            if not flat and (n_in, n_out) != (B, B):
-                if n_in is not None and n_in == n_out and n_in % B == 0:
-                    raise ValueError(
-                        f"a hooked {type(module).__name__} ran on a flattened batch of {n_in} = {B}·{n_in // B} rows "
-                        "(its caller reshaped (B, L, …) to (B·L, …)) inside a parent not verified to flatten "
-                        "sample by sample; deselect its parameters"
-                    )
+            if needs_call:  # per tensor: leading dimension B, or B·L for a flattened batch
+                leads = [o.shape[0] if o.dim() else None for o in outs]
+                flat = rows != B and rows in (n_in, *leads)
+                ok = bool(leads) and all(n in (B, rows) for n in leads)
+                n_flat = rows
+            else:
+                flat = n_in is not None and n_in == n_out != B and n_in % B == 0
+                ok = flat or (n_in, n_out) == (B, B)
+                n_flat = n_in
+            if not ok:
+                self._batch_dims_error(module, n_in, n_out, B)
+            if flat and B > 1 and id(module) not in self._flat_ok:
                 raise ValueError(
-                    f"a hooked {type(module).__name__} ran with batch dims {(n_in, n_out)} (input, output), not "
-                    f"{B}: a tensor broadcast over the batch (e.g. default position ids) has no per-sample "
-                    "gradient; pass position_ids of shape (B, L)"
+                    f"a hooked {type(module).__name__} ({self._names.get(id(module), '?')}) ran on a flattened "
+                    f"batch of {n_flat} = {B}·{n_flat // B} rows (its caller reshaped (B, L, …) to (B·L, …)) "
+                    "whose rows were not verified to be sample by sample; deselect its parameters"
                 )
 
             def unflat(t: object) -> object:
-                if flat and isinstance(t, Tensor) and t.dim() and t.shape[0] == n_in:
-                    return t.reshape(B, n_in // B, *t.shape[1:])
+                if flat and isinstance(t, Tensor) and t.dim() and t.shape[0] == n_flat:
+                    return t.reshape(B, n_flat // B, *t.shape[1:])
                 return t
 
-            x = unflat(first_in.detach())
+            x = unflat(first_in.detach()) if isinstance(first_in, Tensor) else first_in
             call = None
             if needs_call:  # rules that read more than the first input (generic rule, fused experts)
-                detached = tree_map(lambda t: unflat(t.detach()) if isinstance(t, Tensor) else t, (args, kwargs))
-                call = Call(detached[0], detached[1], flat)
+                detached = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (args, kwargs))
+                where = self._names.get(id(module), type(module).__name__)
+                call = Call(detached[0], detached[1], flat, self._L, tuple(local), where)
 
             def run(g: Tensor | tuple[Tensor, ...]) -> None:
                 g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
                 if needs_call:
-                    self._run_rule(lambda: rule(module, x, g, slot, call=call), local)
+                    self._run_rule(lambda: self._replay(rule, module, x, g, slot, call), local)
                 else:
                     self._run_rule(lambda: rule(module, x, g, slot), local)
 
@@ -559,6 +625,178 @@ class PerSampleGrads:
             return type(output)(next(tapped) if isinstance(t, Tensor) and t.is_floating_point() else t for t in output)
 
         return hook
+
+    def _replay(self, rule: Rule, module: nn.Module, x: Tensor, g: object, slot: Slot, call: Call) -> None:
+        """Run a rule that may re-run the module's forward, with every hook standing aside meanwhile."""
+        self._replaying = True
+        try:
+            rule(module, x, g, slot, call=call)
+        finally:
+            self._replaying = False
+
+    def _batch_dims_error(self, module: nn.Module, n_in: int | None, n_out: int | None, B: int) -> None:
+        where = f"{type(module).__name__} ({self._names.get(id(module), '?')})"
+        if B > 1 and 1 in (n_in, n_out):
+            raise ValueError(
+                f"a hooked {where} ran with batch dims {(n_in, n_out)} (input, output), not {B}: a tensor "
+                "broadcast over the batch (e.g. default position ids) has no per-sample gradient; pass "
+                "position_ids of shape (B, L)"
+            )
+        raise ValueError(
+            f"a hooked {where} ran with leading dims {(n_in, n_out)} (input, output), neither B = {B} nor "
+            f"B·L = {B * self._L}: its rows cannot be split by sample; deselect its parameters"
+        )
+
+    def _trace(self, inputs: dict[str, Tensor | None]) -> None:
+        """One forward of the batch's first (at most) two samples that checks where the selected parameters
+        are used and, with two samples, that every hooked module whose rule replays its forward or that runs
+        on a flattened (B·L, …) batch keeps the samples apart.
+
+        A parameter used outside the forward of every module bound to it (a weight handed to a functional
+        conv by its parent, so its own module never runs and no hook would fire) is rebound to the smallest
+        module whose forward holds all its uses, with :func:`covgrad.rules.generic_rule` for it alone.
+        Samples apart: Σ of random projections of sample b's rows of those modules' inputs and outputs must
+        have a zero gradient on the other sample's embeddings (one backward per sample).
+
+        Raises:
+            ValueError: naming the parameter when only the model's top-level forward uses it, or the module
+                that mixes samples or whose flattened rows are not sample by sample.
+        """
+        n = min(inputs["input_ids"].shape[0], 2)
+        sub = {k: v[:n] if v is not None else None for k, v in inputs.items()}
+        wanted = {id(p): e.name for e, p in zip(self.layout.entries, self._params, strict=True)}
+        bound = {id(m) for m, _, _ in self._bindings}
+        stack: list[str] = []
+        uses: dict[str, set[tuple[str, ...]]] = {}
+        users: set[str] = set()
+        records: list[tuple[nn.Module, list[Tensor], list[Tensor]]] = []
+        emb: list[Tensor] = []
+        try:
+            embedding = self.model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            embedding = None
+
+        def pre(module: nn.Module, args: tuple) -> None:
+            stack.append(self._names[id(module)])
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            name = stack.pop()
+            if n == 2 and (id(module) in bound or name in users):
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                ins = [first] if isinstance(first, Tensor) and first.is_floating_point() else []
+                records.append((module, ins, list(float_outputs(output))))
+
+        def leaf(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+            out = output.detach().requires_grad_()
+            emb.append(out)
+            return out
+
+        handles = []
+        for m in self.model.modules():
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post, with_kwargs=True))
+        if n == 2 and isinstance(embedding, nn.Module):
+            handles.append(embedding.register_forward_hook(leaf))
+        try:
+            with torch.enable_grad(), _ParamUses(wanted, stack, uses, users):
+                self.model(**sub, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        self._rebind(uses)
+        self._traced = True
+        if n < 2:
+            return
+        if emb:
+            self._check_apart(emb[0], records, sub["input_ids"].shape[1])
+        self._verified = True
+
+    def _rebind(self, uses: dict[str, set[tuple[str, ...]]]) -> None:
+        """Move every selected parameter with a use outside its bound modules' forwards to the smallest
+        module whose forward holds all its uses (see :meth:`_trace`)."""
+        modules = dict(self.model.named_modules())
+        bound_in: dict[str, set[str]] = {}
+        for module, _, local in self._bindings:
+            for e in local.values():
+                bound_in.setdefault(e.name, set()).add(self._names[id(module)])
+        moves: dict[str, str] = {}
+        refused: list[tuple[str, str]] = []
+        for name, stacks in uses.items():
+            if all(st and st[-1] in bound_in.get(name, ()) for st in stacks):
+                continue
+            common = _common_prefix(stacks)
+            target = common[-1] if common else ""
+            if not target or not name.startswith(target + "."):
+                refused.append(
+                    (
+                        name,
+                        f"{name!r} is used by the forward of {target or 'the top-level model'} outside any "
+                        "submodule that owns it, so no module's per-sample rule sees it (it would be served as zeros)",
+                    )
+                )
+                continue
+            moves[name] = target
+        if refused:
+            raise ValueError(refusal(self.layout, refused))
+        if not moves:
+            return
+        kept = []
+        for module, rule, local in self._bindings:
+            local = {pn: e for pn, e in local.items() if e.name not in moves}
+            if local:
+                kept.append((module, rule, local))
+        added: dict[str, dict[str, TensorEntry]] = {}
+        for name, target in moves.items():
+            added.setdefault(target, {})[name[len(target) + 1 :]] = self.layout.entry(name)
+        self._bindings = kept + [(modules[t], generic_rule, local) for t, local in added.items()]
+
+    def _check_apart(self, emb: Tensor, records: list[tuple[nn.Module, list[Tensor], list[Tensor]]], L: int) -> None:
+        """Verify that the recorded module calls keep the two traced samples apart (see :meth:`_trace`); mark
+        the modules that ran flattened as verified."""
+        rules = {id(m): rule for m, rule, _ in self._bindings}
+        checked = []
+        for module, ins, outs in records:
+            if id(module) not in rules:
+                continue
+            needs = getattr(rules[id(module)], "needs_call", False)
+            flat = any(t.shape[0] == 2 * L != 2 for t in (*ins, *outs) if t.dim())
+            if needs or flat:
+                checked.append((module, ins, outs, flat))
+        gen = torch.Generator().manual_seed(0)
+
+        def part(t: Tensor, b: int) -> Tensor:
+            k = t.shape[0] // 2
+            return t[b * k : (b + 1) * k]
+
+        def leaks(ts: list[Tensor], b: int) -> bool:
+            ts = [t for t in ts if t.requires_grad and t.dim() and t.shape[0] in (2, 2 * L)]
+            if not ts:
+                return False
+            total = sum(
+                (part(t, b).float() * torch.randn(part(t, b).shape, generator=gen).to(t.device)).sum() for t in ts
+            )
+            (grad,) = torch.autograd.grad(total, emb, retain_graph=True, allow_unused=True)
+            return grad is not None and bool((grad[1 - b] != 0).any())
+
+        every = [t for _, ins, outs, _ in checked for t in (*ins, *outs)]
+        if any(leaks(every, b) for b in (0, 1)):
+            for module, ins, outs, flat in checked:
+                where = f"{self._names[id(module)]} (a {type(module).__name__})"
+                names = sorted({e.name for m, _, local in self._bindings if m is module for e in local.values()})
+                if any(leaks(ins, b) for b in (0, 1)):
+                    what = (
+                        "ran on a flattened batch whose rows are not sample by sample (its caller mixes samples or "
+                        "orders the rows otherwise)"
+                        if flat
+                        else "receives an input that mixes samples"
+                    )
+                    raise ValueError(f"{where} {what}, so no per-sample gradient exists; deselect {names}")
+                if any(leaks(outs, b) for b in (0, 1)):
+                    raise ValueError(
+                        f"{where} mixes samples: its output for one sample depends on another sample's input, so "
+                        f"no per-sample gradient exists; deselect {names}"
+                    )
+        self._flat_ok = {id(module) for module, _, _, flat in checked if flat}
 
     def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> _Check:
         """The self-check's reference: the batched autograd gradient of the summed objective (one extra
@@ -626,6 +864,32 @@ class _Check:
             raise ValueError(self.error)
 
 
+class _ParamUses(TorchFunctionMode):
+    """Records, for every torch function called with a selected parameter, the stack of module calls it ran in.
+
+    Args:
+        wanted: id of each selected parameter → its name.
+        stack: the qualified names of the module calls in progress (kept by the caller's hooks).
+        uses: filled with name → set of call stacks (tuples of module names, outermost first).
+        users: filled with the innermost module name of every use.
+    """
+
+    def __init__(
+        self, wanted: dict[int, str], stack: list[str], uses: dict[str, set[tuple[str, ...]]], users: set[str]
+    ) -> None:
+        super().__init__()
+        self.wanted, self.stack, self.uses, self.users = wanted, stack, uses, users
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
+        kwargs = kwargs or {}
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, Tensor) and id(t) in self.wanted:
+                self.uses.setdefault(self.wanted[id(t)], set()).add(tuple(self.stack))
+                if self.stack:
+                    self.users.add(self.stack[-1])
+        return func(*args, **kwargs)
+
+
 class _Tap(torch.autograd.Function):
     """Identity on a module's floating outputs whose backward hands all their gradients to one callback
     at once (missing ones as zeros), for modules that return tuples (MoE routers)."""
@@ -639,6 +903,15 @@ class _Tap(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
         ctx.fn(grads)
         return (None, *grads)
+
+
+def _common_prefix(stacks: set[tuple[str, ...]]) -> list[str]:
+    """The longest common prefix of module call stacks (outermost first)."""
+    common = list(min(stacks, key=len))
+    for st in stacks:
+        k = next((i for i, (a, b) in enumerate(zip(common, st, strict=False)) if a != b), len(common))
+        common = common[:k]
+    return common
 
 
 def _column_sums(block: Tensor, columns: int = 1 << 20) -> Tensor:

@@ -82,13 +82,20 @@ Rule = Callable[[nn.Module, Tensor, Tensor, Slot], None]
 class Call:
     """A hooked call's full (detached) inputs, passed as ``call=`` to rules marked by :func:`full_call`.
 
-    ``args``/``kwargs`` are the call's arguments; when ``flat`` the module ran on a flattened (B·L, …)
-    batch and every tensor argument with leading dimension B·L is given reshaped to (B, L, …).
+    ``args``/``kwargs`` are the call's arguments as the module received them. ``flat`` says that the
+    module ran on a flattened (B·L, …) batch (row n·L + t is sample n's position t, verified by
+    :class:`covgrad.persample.PerSampleGrads`); ``length`` is L, so that :func:`generic_rule` splits a
+    tensor with leading dimension B·L into the samples' (L, …) rows. ``params`` are the local (dotted)
+    names of the parameters the rule differentiates (empty: the module's own), ``where`` the module's
+    qualified name for error messages.
     """
 
     args: tuple
     kwargs: dict[str, Any]
     flat: bool
+    length: int = 0
+    params: tuple[str, ...] = ()
+    where: str = ""
 
 
 # Parents that run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's
@@ -332,43 +339,107 @@ def float_outputs(output: Any) -> tuple[Tensor, ...]:
     return ()
 
 
+# Module classes whose forward torch.func.vmap cannot batch (in-place writes into fresh tensors, data-dependent
+# control flow, autograd.Functions without setup_context): generic_rule loops over samples for them.
+_NO_VMAP: set[type] = set()
+
+
+def _split_modes(leaves: list, B: int, rows: int | None) -> list[int]:
+    """Per pytree leaf of a call: 1 = a per-sample tensor (leading dimension B), 2 = a flattened one (leading
+    dimension ``rows`` = B·L, row n·L + t is sample n's), 0 = shared by every sample."""
+    modes = []
+    for t in leaves:
+        lead = t.shape[0] if isinstance(t, Tensor) and t.dim() else None
+        modes.append(1 if lead == B else 2 if rows is not None and lead == rows else 0)
+    return modes
+
+
 @full_call
 def generic_rule(module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], slot: Slot, call: Call) -> None:
-    """Any leaf module: per sample, the vector-Jacobian product of its own forward with respect to its
-    selected parameters, at the sample's saved inputs and against the sample's output gradient(s) ``g``
-    (one per floating output, see :func:`float_outputs`), vectorised over samples with torch.func.vmap.
+    """Any module: per sample, the vector-Jacobian product of its own forward with respect to the parameters
+    ``call.params`` (its own when empty; dotted names reach into submodules), at the sample's saved inputs
+    and against the sample's output gradient(s) ``g`` (one per floating output, see :func:`float_outputs`,
+    each with leading dimension B), vectorised over samples with torch.func.vmap, or in a loop over samples
+    of plain autograd where vmap cannot batch the forward.
 
     Tensor arguments with leading dimension B are split by sample (shown to the forward with a batch of
-    one, or as the sample's own (L, …) rows for a flattened call); others are shared.
+    one); with leading dimension B·L (``call.length`` = L > 1) as the sample's own (L, …) rows; others are
+    shared. Submodules run their own forward (their parameters are constants here), so their parameters
+    keep their own rules and are not counted twice.
+
+    Raises:
+        ValueError: naming the module when neither vmap nor the loop can differentiate its forward.
     """
     cots = (g,) if isinstance(g, Tensor) else tuple(g)
     B = cots[0].shape[0]
-    slots = {pn: s for pn, _ in module.named_parameters(recurse=False) if (s := slot(pn)) is not None}
+    names = call.params or tuple(pn for pn, _ in module.named_parameters(recurse=False))
+    slots = {pn: s for pn in names if (s := slot(pn)) is not None}
     if not slots:
         return
-    primals = {pn: getattr(module, pn).detach() for pn in slots}
+    primals = {pn: module.get_parameter(pn).detach() for pn in slots}
     leaves, spec = tree_flatten((call.args, call.kwargs))
-    split = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == B for t in leaves]
-    per_sample = [t for t, s in zip(leaves, split, strict=True) if s]
+    modes = _split_modes(leaves, B, B * call.length if call.length > 1 else None)
+    per_sample = [t if m == 1 else t.reshape(B, -1, *t.shape[1:]) for t, m in zip(leaves, modes, strict=True) if m]
+
+    def forward(p: dict[str, Tensor], mine: list[Tensor]) -> tuple[Tensor, ...]:
+        own = iter(mine)
+        filled = [
+            (next(own).unsqueeze(0) if m == 1 else next(own)) if m else t for t, m in zip(leaves, modes, strict=True)
+        ]
+        args, kwargs = tree_unflatten(filled, spec)
+        with _reparametrize_module(module, p):
+            return float_outputs(module.forward(*args, **kwargs))
 
     def one(params: dict[str, Tensor], mine: list[Tensor], cot: tuple[Tensor, ...]) -> dict[str, Tensor]:
-        own = iter(t if call.flat else t.unsqueeze(0) for t in mine)
-        args, kwargs = tree_unflatten([next(own) if s else t for t, s in zip(leaves, split, strict=True)], spec)
+        outs, vjp_fn = torch.func.vjp(lambda p: forward(p, mine), params)
+        return vjp_fn(tuple(c.reshape(o.shape) for c, o in zip(cot, outs, strict=True)))[0]
 
-        def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            with _reparametrize_module(module, p):
-                return float_outputs(module.forward(*args, **kwargs))
-
-        _, vjp_fn = torch.func.vjp(forward, params)
-        return vjp_fn(tuple(c if call.flat else c.unsqueeze(0) for c in cot))[0]
-
-    with torch.enable_grad():
-        grads = torch.func.vmap(one, in_dims=(None, 0, 0))(primals, per_sample, cots)
+    grads = None
+    if type(module) not in _NO_VMAP:
+        try:
+            with torch.enable_grad():
+                grads = torch.func.vmap(one, in_dims=(None, 0, 0))(primals, per_sample, cots)
+        except Exception:  # any failure to batch: the loop below
+            _NO_VMAP.add(type(module))
+    if grads is None:
+        grads = _looped_vjp(module, forward, primals, per_sample, cots, call.where)
     for pn, (view, first) in slots.items():
         if first:
             view.copy_(grads[pn])
         else:
             view.add_(grads[pn].to(torch.float32))
+
+
+def _looped_vjp(
+    module: nn.Module,
+    forward: Callable[[dict[str, Tensor], list[Tensor]], tuple[Tensor, ...]],
+    primals: dict[str, Tensor],
+    per_sample: list[Tensor],
+    cots: tuple[Tensor, ...],
+    where: str,
+) -> dict[str, Tensor]:
+    """generic_rule's fallback: per sample n, one forward of the module at sample n's inputs and one plain
+    autograd backward of its outputs against sample n's cotangents; {name: (B, *shape)} gradients."""
+    B = cots[0].shape[0]
+    rows: dict[str, list[Tensor]] = {pn: [] for pn in primals}
+    try:
+        for n in range(B):
+            p = {pn: t.detach().requires_grad_() for pn, t in primals.items()}
+            with torch.enable_grad():
+                outs = forward(p, [t[n] for t in per_sample])
+                pairs = [(o, c[n].reshape(o.shape)) for o, c in zip(outs, cots, strict=True) if o.requires_grad]
+                grads = torch.autograd.grad(
+                    [o for o, _ in pairs], list(p.values()), [c for _, c in pairs], allow_unused=True
+                )
+            for (pn, t), gr in zip(p.items(), grads, strict=True):
+                rows[pn].append(torch.zeros_like(t) if gr is None else gr)
+    except Exception as exc:  # reported as a refusal naming the module
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"the per-sample vector-Jacobian product of {where or 'a module'} (a {type(module).__name__}) failed "
+            f"({type(exc).__name__}: {first[:200]}); deselect {sorted(primals)} there"
+        ) from None
+    return {pn: torch.stack(r) for pn, r in rows.items()}
 
 
 _EXACT: dict[type, tuple[Rule, frozenset[str]]] = {
@@ -390,7 +461,8 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
     """The module's rule and the parameter names it covers, or the reason it has none.
 
     Fast rules by exact class (and verified forward source for RMSNorms and fused experts); any other
-    module whose submodules own no parameters gets :func:`generic_rule`.
+    module gets :func:`generic_rule` over its own parameters (a module with parametrised submodules too:
+    they keep their own rules, and its forward is replayed per sample with them as constants).
     """
     cls = type(module)
     if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
@@ -401,11 +473,5 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
         return _rmsnorm_rule, frozenset({"weight"})
     if _fused_experts_ok(module):
         return _experts_rule, frozenset({"gate_up_proj", "down_proj"})
-    nested = next((n for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))), None)
-    if nested is not None:
-        return (
-            f"it owns parameters and so does its submodule {nested!r}; per-sample gradients need the "
-            "parameters on leaf modules (deselect this module's own parameters)"
-        )
     own = frozenset(pn for pn, _ in module.named_parameters(recurse=False))
     return generic_rule, own
