@@ -557,7 +557,7 @@ class PerSampleGrads:
 
         slot = _FoldingSlot(self, view, local)
         needs_call = getattr(rule, "needs_call", False)
-        rows = B * self._L
+        rows = B * self._L  # a flattened (B·L, …) batch
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple | None:
             if self._replaying:
@@ -566,11 +566,12 @@ class PerSampleGrads:
             outs = float_outputs(output)
             n_in = first_in.shape[0] if isinstance(first_in, Tensor) and first_in.dim() else None
             n_out = outs[0].shape[0] if outs and outs[0].dim() else None
-            if needs_call:  # per tensor: leading dimension B, or B·L for a flattened batch
+            if needs_call:  # per tensor: leading dimension B, or k·B for a flattened batch (k = L, L·heads, …)
                 leads = [o.shape[0] if o.dim() else None for o in outs]
-                flat = rows != B and rows in (n_in, *leads)
-                ok = bool(leads) and all(n in (B, rows) for n in leads)
-                n_flat = rows
+                multiples = [n for n in (*leads, n_in) if n is not None and n != B and n % B == 0]
+                flat = bool(multiples)
+                n_flat = multiples[0] if flat else rows
+                ok = bool(leads) and all(n in (B, n_flat) for n in leads)
             else:
                 flat = n_in is not None and n_in == n_out != B and n_in % B == 0
                 ok = flat or (n_in, n_out) == (B, B)
@@ -594,7 +595,7 @@ class PerSampleGrads:
             if needs_call:  # rules that read more than the first input (generic rule, fused experts)
                 detached = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (args, kwargs))
                 where = self._names.get(id(module), type(module).__name__)
-                call = Call(detached[0], detached[1], flat, self._L, tuple(local), where)
+                call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where)
 
             def run(g: Tensor | tuple[Tensor, ...]) -> None:
                 g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
@@ -708,7 +709,7 @@ class PerSampleGrads:
         if n < 2:
             return
         if emb:
-            self._check_apart(emb[0], records, sub["input_ids"].shape[1])
+            self._check_apart(emb[0], records)
         self._verified = True
 
     def _rebind(self, uses: dict[str, set[tuple[str, ...]]]) -> None:
@@ -750,7 +751,7 @@ class PerSampleGrads:
             added.setdefault(target, {})[name[len(target) + 1 :]] = self.layout.entry(name)
         self._bindings = kept + [(modules[t], generic_rule, local) for t, local in added.items()]
 
-    def _check_apart(self, emb: Tensor, records: list[tuple[nn.Module, list[Tensor], list[Tensor]]], L: int) -> None:
+    def _check_apart(self, emb: Tensor, records: list[tuple[nn.Module, list[Tensor], list[Tensor]]]) -> None:
         """Verify that the recorded module calls keep the two traced samples apart (see :meth:`_trace`); mark
         the modules that ran flattened as verified."""
         rules = {id(m): rule for m, rule, _ in self._bindings}
@@ -759,7 +760,7 @@ class PerSampleGrads:
             if id(module) not in rules:
                 continue
             needs = getattr(rules[id(module)], "needs_call", False)
-            flat = any(t.shape[0] == 2 * L != 2 for t in (*ins, *outs) if t.dim())
+            flat = any(t.shape[0] > 2 for t in (*ins, *outs) if t.dim() and t.shape[0] % 2 == 0)
             if needs or flat:
                 checked.append((module, ins, outs, flat))
         gen = torch.Generator().manual_seed(0)
@@ -769,33 +770,39 @@ class PerSampleGrads:
             return t[b * k : (b + 1) * k]
 
         def leaks(ts: list[Tensor], b: int) -> bool:
-            ts = [t for t in ts if t.requires_grad and t.dim() and t.shape[0] in (2, 2 * L)]
+            ts = [t for t in ts if t.requires_grad and t.dim() and t.shape[0] % 2 == 0]
             if not ts:
                 return False
             total = sum(
                 (part(t, b).float() * torch.randn(part(t, b).shape, generator=gen).to(t.device)).sum() for t in ts
             )
             (grad,) = torch.autograd.grad(total, emb, retain_graph=True, allow_unused=True)
-            return grad is not None and bool((grad[1 - b] != 0).any())
+            # NaN/inf entries (0·∞ through a zero-norm padding embedding) carry no evidence either way
+            return grad is not None and bool((grad[1 - b].nan_to_num(0.0, 0.0, 0.0) != 0).any())
 
         every = [t for _, ins, outs, _ in checked for t in (*ins, *outs)]
         if any(leaks(every, b) for b in (0, 1)):
+            refused: list[tuple[str, str]] = []
             for module, ins, outs, flat in checked:
                 where = f"{self._names[id(module)]} (a {type(module).__name__})"
-                names = sorted({e.name for m, _, local in self._bindings if m is module for e in local.values()})
                 if any(leaks(ins, b) for b in (0, 1)):
                     what = (
-                        "ran on a flattened batch whose rows are not sample by sample (its caller mixes samples or "
-                        "orders the rows otherwise)"
+                        "runs on inputs whose leading dimension is not sample by sample (the batch is another "
+                        "dimension, or its caller orders or mixes the rows otherwise)"
                         if flat
                         else "receives an input that mixes samples"
                     )
-                    raise ValueError(f"{where} {what}, so no per-sample gradient exists; deselect {names}")
-                if any(leaks(outs, b) for b in (0, 1)):
-                    raise ValueError(
-                        f"{where} mixes samples: its output for one sample depends on another sample's input, so "
-                        f"no per-sample gradient exists; deselect {names}"
-                    )
+                elif any(leaks(outs, b) for b in (0, 1)):
+                    what = "mixes samples (its output for one sample depends on another sample's input)"
+                else:
+                    continue
+                refused += [
+                    (e.name, f"{e.name!r}: {where} {what}, so no per-sample gradient exists")
+                    for m, _, local in self._bindings
+                    if m is module
+                    for e in local.values()
+                ]
+            raise ValueError(refusal(self.layout, refused))
         self._flat_ok = {id(module) for module, _, _, flat in checked if flat}
 
     def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> _Check:
@@ -864,6 +871,26 @@ class _Check:
             raise ValueError(self.error)
 
 
+# Tensor methods and attribute getters (``.dtype``, ``.shape``: ``__get__``) that read metadata, not values.
+_METADATA = frozenset(
+    {
+        "__get__",
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "stride",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "data_ptr",
+        "__len__",
+        "get_device",
+    }
+)
+
+
 class _ParamUses(TorchFunctionMode):
     """Records, for every torch function called with a selected parameter, the stack of module calls it ran in.
 
@@ -882,6 +909,8 @@ class _ParamUses(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _METADATA:  # reads no values: not a use
+            return func(*args, **kwargs)
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, Tensor) and id(t) in self.wanted:
                 self.uses.setdefault(self.wanted[id(t)], set()).add(tuple(self.stack))
