@@ -270,6 +270,11 @@ class PerSampleGrads:
         self._pool: list[Tensor] = []
         self._roots: list[Tensor] = []
 
+    def bindings(self) -> list[Binding]:
+        """The modules hooked, with their rules and selected parameters (after the first call's trace, which
+        may move a parameter to the module whose forward uses it)."""
+        return list(self._bindings)
+
     def __call__(
         self,
         input_ids: Tensor,
