@@ -841,7 +841,7 @@ class _Check:
 
     ``compare(entry, summed)`` takes the tensor's (numel,) float64 sum of per-sample gradients, compares it
     with the reference within the dtype's tolerance and drops the reference; ``raise_first`` raises the
-    first mismatch (a ValueError naming the parameter) once the batch is done.
+    mismatches (one ValueError naming every mismatched parameter) once the batch is done.
 
     Args:
         layout: the selected parameters.
@@ -854,7 +854,8 @@ class _Check:
         # holds only rounding noise; it is compared against 1e-4 of the whole gradient's norm instead.
         self.floor = 1e-4 * float(sum(float(g.double().norm()) ** 2 for g in grads if g is not None) ** 0.5)
         self.refs = {e.name: (p.dtype, g) for e, p, g in zip(layout.entries, params, grads, strict=True)}
-        self.error: str | None = None
+        self.errors: list[tuple[str, float]] = []  # (parameter, relative difference) of every mismatch
+        self.rtol = 1e-4
 
     def compare(self, entry: TensorEntry, summed: Tensor) -> None:
         """Check one tensor's summed per-sample gradient (numel,) float64 and drop its reference."""
@@ -863,17 +864,21 @@ class _Check:
         err = float((summed - ref).norm())
         scale = max(float(ref.norm()), float(summed.norm()), self.floor)
         rtol = _CHECK_RTOL.get(dtype, 1e-4)
-        if err > rtol * scale and self.error is None:
-            self.error = (
-                f"self-check failed for parameter {entry.name!r}: the summed per-sample gradient differs "
-                f"from the batched gradient by {err / scale:.3g} (relative, tolerance {rtol:g}); its "
-                "module's forward does not match the per-sample rule"
-            )
+        if err > rtol * scale:
+            self.errors.append((entry.name, err / scale))
+            self.rtol = rtol
 
     def raise_first(self) -> None:
-        """Raise the first mismatch found, if any."""
-        if self.error is not None:
-            raise ValueError(self.error)
+        """Raise one error naming every mismatch found (the first in full), if any."""
+        if not self.errors:
+            return
+        (name, rel), rest = self.errors[0], self.errors[1:]
+        also = "; also for " + ", ".join(f"{n!r} ({r:.3g})" for n, r in rest) if rest else ""
+        raise ValueError(
+            f"self-check failed for parameter {name!r}: the summed per-sample gradient differs from the "
+            f"batched gradient by {rel:.3g} (relative, tolerance {self.rtol:g}); its module's forward does not "
+            f"match the per-sample rule, or the parameter is used where no rule sees it{also}"
+        )
 
 
 # Tensor methods and attribute getters (``.dtype``, ``.shape``: ``__get__``) that read metadata, not values.

@@ -437,7 +437,7 @@ def _looped_vjp(
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ValueError(
             f"the per-sample vector-Jacobian product of {where or 'a module'} (a {type(module).__name__}) failed "
-            f"({type(exc).__name__}: {first[:200]}); deselect {sorted(primals)} there"
+            f"({type(exc).__name__}: {first[:200]}); deselect {[f'{where}.{pn}' if where else pn for pn in primals]}"
         ) from None
     return {pn: torch.stack(r) for pn, r in rows.items()}
 

@@ -12,12 +12,14 @@ import ast
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as T
 from torch import nn
 
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
+from tests.models import tiny_llama
 from tests.test_persample import BATCH, PAD, V, hook_scores, make_batch, naive_scores
 
 COMMON = {
@@ -392,3 +394,80 @@ def test_unsupported_family_refused_in_one_line(name):
         layout = select_parameters(model, ast.literal_eval(msg.split("scores.params = ")[1]))
         err, where = _worst(layout, hook_scores(model, layout, batch), naive_scores(model, layout, batch))
         assert err < 1e-5, (name, err, where)
+
+
+class ShortConv(nn.Module):
+    """LFM2's pattern: a depthwise causal conv whose Conv1d child's weight the parent hands to F.conv1d (the
+    child's forward never runs), before the wrapped MLP."""
+
+    def __init__(self, mlp: nn.Module, hidden: int) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.conv = nn.Conv1d(hidden, hidden, 3, groups=hidden, padding=2)
+
+    def forward(self, x):
+        y = F.conv1d(x.transpose(1, 2), self.conv.weight, self.conv.bias, padding=2, groups=x.shape[-1])
+        return self.mlp(x + y[..., : x.shape[1]].transpose(1, 2))
+
+
+class _OldStyleSquare(torch.autograd.Function):
+    """x ⊙ w² as an autograd.Function without setup_context (torch.func cannot transform it)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w * w, (g * x * 2 * w).sum(tuple(range(g.dim() - 1)))
+
+
+class OldStyleGain(nn.Module):
+    def __init__(self, hidden: int, stateful: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(hidden))
+        self.stateful = stateful
+
+    def forward(self, x):
+        if self.stateful and x.shape[0] < 2:  # like RecurrentGemma's RG-LRU: built around the whole batch's state
+            raise RuntimeError("the recurrent state was allocated for the whole batch")
+        return _OldStyleSquare.apply(x, self.weight)
+
+
+def planted_llama(kind: str) -> nn.Module:
+    model = tiny_llama(V, intermediate=48, pad_token_id=PAD)
+    for layer in model.model.layers:
+        if kind == "conv":
+            layer.mlp = ShortConv(layer.mlp, 32)
+        else:
+            layer.post_attention_layernorm = nn.Sequential(
+                layer.post_attention_layernorm, OldStyleGain(32, stateful=kind == "stateful")
+            )
+    return perturb(model)
+
+
+@pytest.mark.parametrize("kind", ["conv", "old-style-function"])
+def test_planted_parameters_take_the_generic_path_exactly(kind):
+    """A weight used by its parent's forward (rebound to the parent) and a forward torch.func cannot
+    transform (looped over samples) are exact, also without the self-check."""
+    model = planted_llama(kind)
+    layout = select_parameters(model)
+    batch = make_batch(33, **BATCH)
+    ref = naive_scores(model, layout, batch)
+    for check in (True, False):
+        err, where = _worst(layout, hook_scores(model, layout, batch, check=check), ref)
+        assert err < 1e-5, (kind, check, err, where)
+
+
+def test_forward_that_cannot_run_per_sample_refused_naming_the_module():
+    model = planted_llama("stateful")
+    batch = make_batch(33, **BATCH)
+    with pytest.raises(
+        ValueError,
+        match=r"vector-Jacobian product of model\.layers\.\d\.post_attention_layernorm\.1 "
+        r"\(a OldStyleGain\) failed",
+    ) as info:
+        hook_scores(model, select_parameters(model), batch, check=False)
+    assert "\n" not in str(info.value)
