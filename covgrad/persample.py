@@ -6,10 +6,15 @@ neither divided by the number of tokens T nor by the batch size N, so Fisher and
 it are in per-sample units; a mean loss would scale every score by 1/T_n (and the ordinary batched
 gradient by 1/N).
 
-How: forward hooks on the leaf modules that own the selected parameters save each module's input, and
+How: forward hooks on the modules that own the selected parameters save each module's input, and
 a tensor hook on the module's output receives ∂objective/∂output during the backward; a per-module rule
-(:mod:`covgrad.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm) turns the pair into every sample's parameter
-gradient. During the call all parameters are frozen and the backward is taken with respect to the
+(:mod:`covgrad.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm, fused experts, and the generic
+per-sample vector-Jacobian product of any other module's forward) turns the pair into every sample's
+parameter gradient. The first call traces one forward of two samples: a parameter used outside the
+forward of the module that owns it (a weight its parent hands to a functional conv) moves to the smallest
+module whose forward holds all its uses, and every module that runs on a flattened (B·L, …) batch or whose
+forward a rule replays must keep the samples apart (checked by autograd, not by a list of classes).
+During the call all parameters are frozen and the backward is taken with respect to the
 outputs of the first hooked modules, so autograd never computes a batched weight gradient: the
 per-sample products replace those GEMMs instead of adding to them. A parameter shared by several
 modules (tied embedding and LM head) gets the sum of their contributions per sample.
@@ -59,6 +64,10 @@ def default_chunk_bytes(device_type: str) -> int:
 
 # Largest per-sample block buffer kept for reuse (every decoder-layer block of a ~1B model fits).
 _POOL_MAX_BYTES = 256 << 20
+
+# Positions of the first call's trace (PerSampleGrads._trace): the last ones of each row (real tokens under
+# left padding).
+_TRACE_POSITIONS = 16
 
 # Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
 # because the batched reference gradient itself is accumulated in bf16/fp16.
@@ -654,9 +663,10 @@ class PerSampleGrads:
         )
 
     def _trace(self, inputs: dict[str, Tensor | None]) -> None:
-        """One forward of the batch's first (at most) two samples that checks where the selected parameters
-        are used and, with two samples, that every hooked module whose rule replays its forward or that runs
-        on a flattened (B·L, …) batch keeps the samples apart.
+        """One forward of the batch's first (at most) two samples, cut to their last ``_TRACE_POSITIONS``
+        positions (the trace keeps a graph, and a real vocabulary's logits), that checks where the selected
+        parameters are used and, with two samples, that every hooked module whose rule replays its forward
+        or that runs on a flattened (B·L, …) batch keeps the samples apart.
 
         A parameter used outside the forward of every module bound to it (a weight handed to a functional
         conv by its parent, so its own module never runs and no hook would fire) is rebound to the smallest
@@ -669,7 +679,7 @@ class PerSampleGrads:
                 that mixes samples or whose flattened rows are not sample by sample.
         """
         n = min(inputs["input_ids"].shape[0], 2)
-        sub = {k: v[:n] if v is not None else None for k, v in inputs.items()}
+        sub = {k: v[:n, -_TRACE_POSITIONS:] if v is not None else None for k, v in inputs.items()}
         wanted = {id(p): e.name for e, p in zip(self.layout.entries, self._params, strict=True)}
         bound = {id(m) for m, _, _ in self._bindings}
         stack: list[str] = []

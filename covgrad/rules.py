@@ -10,9 +10,11 @@ reduction folds while each is still in cache (see :class:`Slot`). :func:`rule_fo
 
 Fast rules are matched by exact class (a subclass may change the forward: Gemma's scaled embedding
 multiplies inside it), and RMSNorm and fused-expert classes by the source text of their forward, so any
-family whose norm is a verbatim copy of Llama's, OLMo2's or Gemma's gets the fast rule. Every other leaf
-module gets :func:`generic_rule`, the exact per-sample vector-Jacobian product of its own forward. Rules
-marked by :func:`full_call` also receive the hooked call's full inputs (:class:`Call`).
+family whose norm is a verbatim copy of Llama's, OLMo2's or Gemma's gets the fast rule. Every other module
+gets :func:`generic_rule`, the exact per-sample vector-Jacobian product of its own forward with respect to
+its selected parameters only: a leaf module's, or a mixer's own small parameters (dt_bias, A_log, D,
+attention sinks, router biases) while its parametrised submodules keep their fast rules. Rules marked by
+:func:`full_call` also receive the hooked call's full inputs (:class:`Call`).
 """
 
 from __future__ import annotations
@@ -98,8 +100,10 @@ class Call:
     where: str = ""
 
 
-# Parents that run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's
+# Parents known to run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's
 # position t): OPT's decoder layer (final norm and MLP) and the MoE blocks (router, experts, shared expert).
+# PerSampleGrads does not rely on this list (it verifies every flattened call by a check, see
+# PerSampleGrads._trace); covgrad.token_fisher reads it to pick its repeated-batch path.
 FLATTENING_PARENTS = frozenset(
     {OPTDecoderLayer, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock}
 )

@@ -180,7 +180,7 @@ def test_flattened_rows_not_sample_by_sample_refused():
     mlp.up_proj = Flattener(mlp.up_proj, by_position=True).eval()
     batch = make_batch(31, **BATCH)
     psg = PerSampleGrads(model, select_parameters(model))
-    with pytest.raises(ValueError, match=r"up_proj.inner \(a Linear\) ran on a flattened batch whose rows are not"):
+    with pytest.raises(ValueError, match=r"up_proj\.inner \(a Linear\) runs on inputs whose leading dimension is not"):
         psg(
             batch["input_ids"],
             batch["attention_mask"],
