@@ -764,7 +764,12 @@ class PerSampleGrads:
         added: dict[str, dict[str, TensorEntry]] = {}
         for name, target in moves.items():
             added.setdefault(target, {})[name[len(target) + 1 :]] = self.layout.entry(name)
-        self._bindings = kept + [(modules[t], generic_rule, local) for t, local in added.items()]
+        # a module's generic binding takes the moved parameters too: one replay of its forward for all of them
+        merged = []
+        for module, rule, local in kept:
+            extra = added.pop(self._names[id(module)], {}) if rule is generic_rule else {}
+            merged.append((module, rule, {**local, **extra}))
+        self._bindings = merged + [(modules[t], generic_rule, local) for t, local in added.items()]
 
     def _check_apart(self, emb: Tensor, records: list[tuple[nn.Module, list[Tensor], list[Tensor]]]) -> None:
         """Verify that the recorded module calls keep the two traced samples apart (see :meth:`_trace`); mark
