@@ -126,7 +126,7 @@ def generic_summary(psg: PerSampleGrads, layout: ParamLayout) -> str:
     generic = [n for n in layout.names if index.sub(".N.", n) in kinds]
     numel = sum(layout.entry(n).numel for n in generic)
     share = 100.0 * numel / max(layout.P, 1)
-    listed = ", ".join(sorted(kinds)[:6]) + (", …" if len(kinds) > 6 else "")
+    listed = ", ".join(sorted(kinds))
     return (
         f"generic path: {len(generic)} of {len(layout.names)} tensors, {share:.2g}% of P ({listed or 'none'}); "
         "each replays its module's forward per sample"

@@ -67,9 +67,13 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
+_OVERRIDES: dict[str, object] = {}  # config fields every build takes (family_model)
+
+
 def build(config_cls: type, model_cls: type, common: bool = True, **extra: object) -> nn.Module:
     torch.manual_seed(0)
     kw = {**COMMON, **extra} if common else {"pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2, **extra}
+    kw.update(_OVERRIDES)
     config = config_cls(**kw)
     config._attn_implementation = "eager"
     return perturb(model_cls(config))
@@ -300,6 +304,16 @@ FAMILIES = {
         block_types=["recurrent", "attention"],
     ),
 }
+
+
+def family_model(name: str, **overrides: object) -> nn.Module:
+    """The tiny ``name`` model of :data:`FAMILIES` with config fields overridden (e.g. ``vocab_size``)."""
+    _OVERRIDES.update(overrides)
+    try:
+        return FAMILIES[name]()
+    finally:
+        _OVERRIDES.clear()
+
 
 # Families whose output depends on left padding (the padded batch is not the unpadded sequences): compared
 # against one backward per padded row instead.

@@ -191,3 +191,43 @@ def test_parameter_used_outside_its_module_refused_without_self_check(tmp_path):
 def test_check_model_reports_the_generic_path(tmp_path):
     summary = check_model(str(family_dir(tmp_path, "gemma3")), None)
     assert summary.startswith("generic path: 1 of ") and "model.embed_tokens.weight" in summary
+
+
+def arch_dir(path: Path, family: str) -> Path:
+    """A tiny ``family`` model of tests.test_families_2026 with the character tokenizer, saved."""
+    from covgrad.problems import build_char_tokenizer
+    from tests.test_families_2026 import family_model
+
+    tok = build_char_tokenizer()
+    model = family_model(family, vocab_size=len(tok))
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+ARCH_GENERIC = {
+    "qwen3.5": "model.layers.N.linear_attn.dt_bias",
+    "gpt-oss": "model.layers.N.self_attn.sinks",
+    "deepseek-v3": "model.layers.N.mlp.gate.weight",
+}
+
+
+@pytest.mark.parametrize("family", list(ARCH_GENERIC))
+def test_check_model_accepts_hybrid_and_moe_directories(tmp_path, family):
+    summary = check_model(str(arch_dir(tmp_path, family)), None, self_check=False)
+    assert summary.startswith("generic path: ") and ARCH_GENERIC[family] in summary, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(ARCH_GENERIC))
+def test_pipeline_completes_every_stage_on_hybrid_and_moe(prefect_server, tmp_path, family):
+    from flows.pipeline import covgrad_pipeline
+    from storage.artifacts import ArtifactStore
+    from tasks.specs import plan
+
+    cfg = user_config(tmp_path, arch_dir(tmp_path / family, family))
+    result = covgrad_pipeline(cfg)
+    assert set(result["status"].values()) == {"computed"}
+    store = ArtifactStore(cfg.root)
+    assert all(store.is_complete(node.ref) for node in plan(cfg).values())
