@@ -3,7 +3,8 @@
 ``--suite arch`` (default): a Qwen3.5-shaped hybrid (three Gated DeltaNet layers to one full-attention
 layer; dt_bias, A_log, the short conv and the gated norm on the generic path) and a DeepSeek-V3-style MoE
 (MLA attention, sigmoid router with group top-k and a correction bias, shared expert, first layer dense),
-every parameter selected. Each repetition times, interleaved after one warm-up, the floor (one forward and
+every parameter selected, and again without the generic-path parameters (what their replays cost). Each
+repetition times, interleaved after one warm-up, the floor (one forward and
 one batched backward of the summed objective with every parameter requiring grad: the ordinary training
 gradient) and the fused per-sample reduction (``PerSampleGrads.accumulate`` into a float64
 :class:`covgrad.accum.MomentAccumulator`, self-check off); the median ratio is reported (goal ≤ 1.5 with
@@ -137,8 +138,9 @@ def run_arch(args: argparse.Namespace) -> None:
     fn = lambda z: score_logit_grad(z, ids, target)  # noqa: E731
     adv, half = np.linspace(-1.0, 1.0, B), np.arange(B) % 2
     print(f"B={B}, L={L}, reps={args.reps}, threads={torch.get_num_threads()}, torch {torch.__version__}")
-    print(f"{'model':18s} {'P':>10s} {'generic P':>10s} {'floor s':>8s} {'scores s':>9s} {'ratio':>6s}")
-    for name in ("qwen3.5-hybrid", "deepseek-v3-moe"):
+    print(f"{'model':26s} {'P':>10s} {'generic P':>10s} {'floor s':>8s} {'scores s':>9s} {'ratio':>6s}")
+    rows = [(name, fast) for name in ("qwen3.5-hybrid", "deepseek-v3-moe") for fast in (False, True)]
+    for name, fast_only in rows:
         model = arch_model(name)
         layout = select_parameters(model)
         psg = PerSampleGrads(model, layout, check=True)
@@ -146,6 +148,12 @@ def run_arch(args: argparse.Namespace) -> None:
         psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
         generic = {e.name for _, rule, local in psg.bindings() if rule is generic_rule for e in local.values()}
         n_generic = sum(layout.entry(n).numel for n in generic)
+        if fast_only:  # the same model with the generic-path parameters deselected: what their replays cost
+            layout = select_parameters(model, [n for n in layout.names if n not in generic])
+            psg = PerSampleGrads(model, layout, check=True)
+            acc = MomentAccumulator(layout.P, "cpu", "float64")
+            psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+            name, n_generic = f"{name} -generic", 0
         batched_backward(model, ids, attn, pos, target)
         floor, ours = [], []
         for _ in range(args.reps):
@@ -158,10 +166,10 @@ def run_arch(args: argparse.Namespace) -> None:
             ours.append(time.perf_counter() - t)
         ratio = statistics.median([o / f for o, f in zip(ours, floor, strict=True)])
         print(
-            f"{name:18s} {layout.P:10,d} {n_generic:10,d} {statistics.median(floor):8.3f} "
+            f"{name:26s} {layout.P:10,d} {n_generic:10,d} {statistics.median(floor):8.3f} "
             f"{statistics.median(ours):9.3f} {ratio:6.2f}"
         )
-    print("ratio: median per-repetition scores / floor (goal <= 1.5)")
+    print("ratio: median per-repetition scores / floor (goal <= 1.5); -generic: generic-path parameters deselected")
 
 
 def run_norms(args: argparse.Namespace) -> None:
