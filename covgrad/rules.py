@@ -47,6 +47,10 @@ try:  # fused expert tensors arrived with transformers 5; older versions keep on
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 except ImportError:
     _default_apply_gate = Qwen3MoeExperts = None
+try:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+except ImportError:
+    GptOssExperts = None
 
 
 class Slot:
@@ -264,19 +268,41 @@ def _rmsnorm_style(cls: type) -> str | None:
 
 
 def _fused_experts_ok(module: nn.Module) -> bool:
-    """Whether ``module`` runs transformers' fused-expert forward in its default layout (Qwen3-MoE, Mixtral,
-    OLMoE, Qwen2-MoE): gate_up_proj (E, 2I, H) concatenated [gate; up], down_proj (E, H, I), no biases."""
+    """Whether ``module`` runs transformers' fused-expert forward: Qwen3-MoE's (Mixtral, OLMoE, Qwen2-MoE,
+    DeepSeek, …: gate_up_proj (E, 2I, H) concatenated [gate; up], down_proj (E, H, I), no biases) or GPT-OSS's
+    (transposed weights (E, H, 2I) and (E, I, H), biases, its own clamped gate on interleaved columns), each
+    with its own gate function, no post-expert norm, in any of transformers' expert implementations (eager,
+    batched or grouped matmuls compute the same map)."""
     cls = type(module)
-    return (
-        Qwen3MoeExperts is not None
-        and _source_key(cls.forward) == _source_key(Qwen3MoeExperts.forward)
-        and getattr(cls, "_apply_gate", None) is _default_apply_gate
-        and getattr(module, "is_concatenated", False)
-        and getattr(module, "has_gate", False)
-        and not getattr(module, "is_transposed", True)
-        and not getattr(module, "has_bias", True)
+    if not (
+        getattr(module, "has_gate", False)
         and not getattr(module, "has_post_expert_norm", True)
-    )
+        and not getattr(module, "_is_expert_parallel", False)
+    ):
+        return False
+    forward = _source_key(cls.forward)
+    if Qwen3MoeExperts is not None and forward == _source_key(Qwen3MoeExperts.forward):
+        return (
+            getattr(cls, "_apply_gate", None) is _default_apply_gate
+            and getattr(module, "is_concatenated", False)
+            and not getattr(module, "is_transposed", True)
+            and not getattr(module, "has_bias", True)
+        )
+    if GptOssExperts is not None and forward == _source_key(GptOssExperts.forward):
+        return (
+            _source_key(cls._apply_gate) == _source_key(GptOssExperts._apply_gate)
+            and getattr(module, "is_transposed", False)
+            and getattr(module, "has_bias", False)
+        )
+    return False
+
+
+def _experts_params(module: nn.Module) -> frozenset[str]:
+    """The parameters :func:`_experts_rule` covers on a module accepted by :func:`_fused_experts_ok`."""
+    names = {"gate_up_proj", "down_proj"}
+    if getattr(module, "has_bias", False):
+        names |= {"gate_up_proj_bias", "down_proj_bias"}
+    return frozenset(names)
 
 
 def _call_arg(call: Call, i: int, name: str) -> Any:
@@ -300,11 +326,12 @@ def _grouped_outer(sample: Tensor, left: Tensor, right: Tensor, B: int) -> Tenso
 
 @full_call
 def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
-    """Fused experts: out_t = Σ_k w_{t,k} D_e act(G_e x_t) ⊙ (U_e x_t) with e = index_{t,k}.
+    """Fused experts: out_t = Σ_k w_{t,k} [D_e a(G_e x_t + b_e) + c_e] with e = index_{t,k} and a the module's
+    gate (act(gate) ⊙ up; biases b, c only where the module has them; D, G stored transposed where it says so).
 
-    Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ and ∂[G_e; U_e] = Σ_{(t,k)→e} δ_t x_tᵀ
-    with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e contribute.
-    Computed in float32; the router weights w are constants here (the router has its own rule).
+    Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ, ∂c_e = Σ w_{t,k} g_t, ∂G_e = Σ δ_t x_tᵀ and
+    ∂b_e = Σ δ_t with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e
+    contribute. Computed in float32; the router weights w are constants here (the router has its own rule).
     """
     B, H = g.shape[0], x.shape[-1]
     h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
@@ -312,8 +339,11 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
     T = h.shape[0] // B
     index = _call_arg(call, 1, "top_k_index").reshape(B * T, -1)
     weights = _call_arg(call, 2, "top_k_weights").reshape(B * T, -1).to(torch.float32)
+    transposed, bias = getattr(module, "is_transposed", False), getattr(module, "has_bias", False)
     s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
-    for s in (s_gu, s_d):
+    s_gub = slot("gate_up_proj_bias") if bias else None
+    s_db = slot("down_proj_bias") if bias else None
+    for s in (s_gu, s_d, s_gub, s_db):
         if s is not None and s[1]:
             s[0].zero_()
     for e in range(module.num_experts):
@@ -324,14 +354,23 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
         W_gu, W_d = module.gate_up_proj[e].to(torch.float32), module.down_proj[e].to(torch.float32)
         do = go[tok] * weights[tok, kpos, None]  # (m, H): gradient of the expert's output
         with torch.enable_grad():
-            gu = F.linear(xe, W_gu).requires_grad_()
+            gu = xe @ W_gu if transposed else F.linear(xe, W_gu)
+            if bias:
+                gu = gu + module.gate_up_proj_bias[e].to(torch.float32)
+            gu = gu.detach().requires_grad_()
             a = module._apply_gate(gu)  # (m, I)
-            if s_gu is not None:
-                (dgu,) = torch.autograd.grad(a, gu, do @ W_d)
+            if s_gu is not None or s_gub is not None:
+                (dgu,) = torch.autograd.grad(a, gu, do @ W_d.T if transposed else do @ W_d)
         if s_d is not None:
-            s_d[0][:, e] += _grouped_outer(sample, do, a.detach(), B)
+            s_d[0][:, e] += (
+                _grouped_outer(sample, a.detach(), do, B) if transposed else _grouped_outer(sample, do, a.detach(), B)
+            )
         if s_gu is not None:
-            s_gu[0][:, e] += _grouped_outer(sample, dgu, xe, B)
+            s_gu[0][:, e] += _grouped_outer(sample, xe, dgu, B) if transposed else _grouped_outer(sample, dgu, xe, B)
+        if s_db is not None:
+            s_db[0][:, e].index_add_(0, sample, do)
+        if s_gub is not None:
+            s_gub[0][:, e].index_add_(0, sample, dgu)
 
 
 def float_outputs(output: Any) -> tuple[Tensor, ...]:
@@ -476,6 +515,6 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
     if _rmsnorm_style(cls) is not None:
         return _rmsnorm_rule, frozenset({"weight"})
     if _fused_experts_ok(module):
-        return _experts_rule, frozenset({"gate_up_proj", "down_proj"})
+        return _experts_rule, _experts_params(module)
     own = frozenset(pn for pn, _ in module.named_parameters(recurse=False))
     return generic_rule, own

@@ -485,3 +485,28 @@ def test_forward_that_cannot_run_per_sample_refused_naming_the_module():
     ) as info:
         hook_scores(model, select_parameters(model), batch, check=False)
     assert "\n" not in str(info.value)
+
+
+def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_path():
+    """Experts with biases and transposed weights (GPT-OSS) get the fused-experts rule; a mixer's own small
+    parameters and its short conv (Qwen3.5's Gated DeltaNet) share one generic replay of the mixer."""
+    from covgrad.rules import _experts_rule, generic_rule, rule_for
+
+    oss = FAMILIES["gpt-oss"]()
+    assert rule_for(oss.model.layers[0].mlp.experts) == (
+        _experts_rule,
+        frozenset({"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}),
+    )
+    qwen = FAMILIES["qwen3.5"]()
+    psg = PerSampleGrads(qwen, select_parameters(qwen))
+    batch = make_batch(30, **BATCH)
+    psg(
+        batch["input_ids"],
+        batch["attention_mask"],
+        lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"]),
+        position_ids=batch["position_ids"],
+    )
+    mixer = qwen.model.layers[0].linear_attn
+    replays = [set(local) for m, rule, local in psg.bindings() if m is mixer]
+    assert replays == [{"dt_bias", "A_log", "conv1d.weight"}]
+    assert all(rule is generic_rule for m, rule, _ in psg.bindings() if m is mixer)
