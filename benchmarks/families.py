@@ -15,7 +15,8 @@ everything selected).
 vector-Jacobian product, via a subclass whose forward is the same math written differently) against the
 specialised RMSNorm rule; the median ratio generic / specialised (goal ≤ 1.1) and the score difference.
 
-    python -m benchmarks.families                 # a few minutes on 2 CPU cores
+    python -m benchmarks.families --threads 1     # a few minutes on a CPU
+    python -m benchmarks.families --clock wall    # wall time, torch's threads
     python -m benchmarks.families --suite norms --reps 3
 """
 
@@ -229,7 +230,10 @@ def main() -> None:
         default="cpu",
         help="arch suite: process CPU time (steady on a shared machine; both threads counted) or wall time",
     )
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     (run_arch if args.suite == "arch" else run_norms)(args)
 
 

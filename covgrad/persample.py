@@ -236,8 +236,10 @@ class PerSampleGrads:
             change the GEMM shapes, so the fp32 products may differ in their last bits from whole blocks.
 
     Raises:
-        ValueError: when a selected parameter is not in the model, or is owned by a module without a
-            per-sample rule (the message names the parameter and the module type).
+        ValueError: when a selected parameter is not in the model, or has no per-sample rule (one message
+            naming every such parameter and its module type, with a selection that runs). The first call
+            refuses, the same way, a parameter only the model's top-level forward uses and a module that
+            mixes samples or whose flattened rows are not sample by sample (see :meth:`_trace`).
     """
 
     def __init__(
