@@ -594,3 +594,24 @@ def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_pat
     replays = [set(local) for m, rule, local in psg.bindings() if m is mixer]
     assert replays == [{"dt_bias", "A_log", "conv1d.weight"}]
     assert all(rule is generic_rule for m, rule, _ in psg.bindings() if m is mixer)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "lfm2", "gpt-oss", "deepseek-v3", "mamba2"])
+def test_token_backward_rows_match_per_sample_grads(name):
+    """The token-Fisher engine's batched logit cotangents (the repeated-batch path, which every family with
+    a generic-path parameter takes) give, per row, the per-sample gradients of that cotangent alone."""
+    from covgrad.token_fisher import TokenBackward
+
+    model = FAMILIES[name]()
+    layout = select_parameters(model)
+    batch = make_batch(32, **BATCH)
+    ids, attn, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    eng = TokenBackward(model, layout, ids, attn, pos)
+    gen = torch.Generator().manual_seed(5)
+    cot = torch.randn(2, *eng.logits.shape, generator=gen) * attn[None, :, :, None]  # (R, B, L, V)
+    got = eng.grads(cot).double()  # (R, B, P)
+    psg = PerSampleGrads(model, layout, check=False)
+    for r in range(cot.shape[0]):
+        ref = psg(ids, attn, lambda z, r=r: cot[r], position_ids=pos).double()
+        err, where = _worst(layout, got[r], ref)
+        assert err < 1e-5, (name, r, err, where)
