@@ -258,6 +258,7 @@ class PerSampleGrads:
         self._traced = False
         self._verified = False
         self._flat_ok: set[int] = set()
+        self._outer: set[int] = set()  # of those, the ones with outer-major rows (see _check_apart)
         # Per-call state, set and cleared by _per_sample.
         self._B = 0
         self._L = 0
@@ -594,6 +595,7 @@ class PerSampleGrads:
                 n_flat = n_in
             if not ok:
                 self._batch_dims_error(module, n_in, n_out, B)
+            outer = needs_call and flat and id(module) in self._outer and n_flat % rows == 0
             if flat and B > 1 and id(module) not in self._flat_ok:
                 raise ValueError(
                     f"a hooked {type(module).__name__} ({self._names.get(id(module), '?')}) ran on a flattened "
@@ -603,6 +605,12 @@ class PerSampleGrads:
 
             def unflat(t: object) -> object:
                 if flat and isinstance(t, Tensor) and t.dim() and t.shape[0] == n_flat:
+                    if outer:  # (m·B·L, …) outer-major → (B, m·L, …): sample n's rows, in their order
+                        return (
+                            t.reshape(n_flat // rows, B, self._L, *t.shape[1:])
+                            .transpose(0, 1)
+                            .reshape(B, n_flat // B, *t.shape[1:])
+                        )
                     return t.reshape(B, n_flat // B, *t.shape[1:])
                 return t
 
@@ -611,7 +619,8 @@ class PerSampleGrads:
             if needs_call:  # rules that read more than the first input (generic rule, fused experts)
                 detached = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (args, kwargs))
                 where = self._names.get(id(module), type(module).__name__)
-                call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where)
+                m = n_flat // rows if outer else 0
+                call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where, m)
 
             def run(g: Tensor | tuple[Tensor, ...]) -> None:
                 g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
@@ -726,7 +735,7 @@ class PerSampleGrads:
         if n < 2:
             return
         if emb:
-            self._check_apart(emb[0], records)
+            self._check_apart(emb[0], records, sub["input_ids"].shape[1])
         self._verified = True
 
     def _rebind(self, uses: dict[str, set[tuple[str, ...]]]) -> None:
@@ -773,9 +782,11 @@ class PerSampleGrads:
             merged.append((module, rule, {**local, **extra}))
         self._bindings = merged + [(modules[t], generic_rule, local) for t, local in added.items()]
 
-    def _check_apart(self, emb: Tensor, records: list[tuple[nn.Module, list[Tensor], list[Tensor]]]) -> None:
-        """Verify that the recorded module calls keep the two traced samples apart (see :meth:`_trace`); mark
-        the modules that ran flattened as verified."""
+    def _check_apart(self, emb: Tensor, records: list[tuple[nn.Module, list[Tensor], list[Tensor]]], L: int) -> None:
+        """Verify that the recorded module calls keep the two traced samples apart (see :meth:`_trace`; L: the
+        traced positions); mark the modules that ran flattened as verified: sample-major rows (row n·k + j is
+        sample n's), or, for a rule that reads the whole call, outer-major ones (an (m·B·L, …) batch whose
+        row (i·B + n)·L + t is sample n's position t, as experts that see every token once per expert)."""
         rules = {id(m): rule for m, rule, _ in self._bindings}
         checked = []
         for module, ins, outs in records:
@@ -787,26 +798,38 @@ class PerSampleGrads:
                 checked.append((module, ins, outs, flat))
         gen = torch.Generator().manual_seed(0)
 
-        def part(t: Tensor, b: int) -> Tensor:
+        def part(t: Tensor, b: int, outer: bool) -> Tensor:
+            if outer and t.shape[0] % (2 * L) == 0:
+                return t.reshape(t.shape[0] // (2 * L), 2, L, *t.shape[1:])[:, b]
             k = t.shape[0] // 2
             return t[b * k : (b + 1) * k]
 
-        def leaks(ts: list[Tensor], b: int) -> bool:
+        def leaks(ts: list[Tensor], b: int, outer: bool = False) -> bool:
             ts = [t for t in ts if t.requires_grad and t.dim() and t.shape[0] % 2 == 0]
             if not ts:
                 return False
             total = sum(
-                (part(t, b).float() * torch.randn(part(t, b).shape, generator=gen).to(t.device)).sum() for t in ts
+                (part(t, b, outer).float() * torch.randn(part(t, b, outer).shape, generator=gen).to(t.device)).sum()
+                for t in ts
             )
             (grad,) = torch.autograd.grad(total, emb, retain_graph=True, allow_unused=True)
             # NaN/inf entries (0·∞ through a zero-norm padding embedding) carry no evidence either way
             return grad is not None and bool((grad[1 - b].nan_to_num(0.0, 0.0, 0.0) != 0).any())
 
         every = [t for _, ins, outs, _ in checked for t in (*ins, *outs)]
+        outer: set[int] = set()
         if any(leaks(every, b) for b in (0, 1)):
             refused: list[tuple[str, str]] = []
             for module, ins, outs, flat in checked:
                 where = f"{self._names[id(module)]} (a {type(module).__name__})"
+                if (
+                    flat
+                    and getattr(rules[id(module)], "needs_call", False)
+                    and any(leaks(ins, b) for b in (0, 1))
+                    and not any(leaks(ins + outs, b, outer=True) for b in (0, 1))
+                ):
+                    outer.add(id(module))
+                    continue
                 if any(leaks(ins, b) for b in (0, 1)):
                     what = (
                         "runs on inputs whose leading dimension is not sample by sample (the batch is another "
@@ -824,8 +847,10 @@ class PerSampleGrads:
                     if m is module
                     for e in local.values()
                 ]
-            raise ValueError(refusal(self.layout, refused))
+            if refused:
+                raise ValueError(refusal(self.layout, refused))
         self._flat_ok = {id(module) for module, _, _, flat in checked if flat}
+        self._outer = outer
 
     def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> _Check:
         """The self-check's reference: the batched autograd gradient of the summed objective (one extra

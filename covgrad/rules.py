@@ -93,7 +93,8 @@ class Call:
     :class:`covgrad.persample.PerSampleGrads`); ``length`` is L, so that :func:`generic_rule` splits a
     tensor with leading dimension B·L into the samples' (L, …) rows. ``params`` are the local (dotted)
     names of the parameters the rule differentiates (empty: the module's own), ``where`` the module's
-    qualified name for error messages.
+    qualified name for error messages. ``outer`` = m > 0: the flattened rows are outer-major instead, an
+    (m·B·L, …) batch whose row (i·B + n)·L + t is sample n's position t (experts that see every token once).
     """
 
     args: tuple
@@ -102,6 +103,7 @@ class Call:
     length: int = 0
     params: tuple[str, ...] = ()
     where: str = ""
+    outer: int = 0
 
 
 # Parents known to run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's
@@ -397,6 +399,14 @@ def _split_modes(leaves: list, B: int, rows: int | None) -> list[int]:
     return modes
 
 
+def _sample_rows(t: Tensor, B: int, outer: int) -> Tensor:
+    """A flattened (B·k, …) tensor as (B, k, …) of each sample's rows: sample-major (row n·k + j), or with
+    ``outer`` = m outer-major ((m·B·L, …), row (i·B + n)·L + t, given as sample n's m·L rows in order)."""
+    if outer:
+        return t.reshape(outer, B, -1, *t.shape[1:]).transpose(0, 1).reshape(B, -1, *t.shape[1:])
+    return t.reshape(B, -1, *t.shape[1:])
+
+
 @full_call
 def generic_rule(module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], slot: Slot, call: Call) -> None:
     """Any module: per sample, the vector-Jacobian product of its own forward with respect to the parameters
@@ -406,9 +416,9 @@ def generic_rule(module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], s
     of plain autograd where vmap cannot batch the forward.
 
     Tensor arguments with leading dimension B are split by sample (shown to the forward with a batch of
-    one); with leading dimension B·L (``call.length`` = L > 1) as the sample's own (L, …) rows; others are
-    shared. Submodules run their own forward (their parameters are constants here), so their parameters
-    keep their own rules and are not counted twice.
+    one); with leading dimension B·L (``call.length`` = L > 1) as the sample's own (L, …) rows (sample- or
+    outer-major, see :class:`Call`); others are shared. Submodules run their own forward (their parameters
+    are constants here), so their parameters keep their own rules and are not counted twice.
 
     Raises:
         ValueError: naming the module when neither vmap nor the loop can differentiate its forward.
@@ -422,7 +432,7 @@ def generic_rule(module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], s
     primals = {pn: module.get_parameter(pn).detach() for pn in slots}
     leaves, spec = tree_flatten((call.args, call.kwargs))
     modes = _split_modes(leaves, B, B * call.length if call.length > 1 else None)
-    per_sample = [t if m == 1 else t.reshape(B, -1, *t.shape[1:]) for t, m in zip(leaves, modes, strict=True) if m]
+    per_sample = [t if m == 1 else _sample_rows(t, B, call.outer) for t, m in zip(leaves, modes, strict=True) if m]
 
     def forward(p: dict[str, Tensor], mine: list[Tensor]) -> tuple[Tensor, ...]:
         own = iter(mine)

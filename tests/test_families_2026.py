@@ -406,8 +406,6 @@ PADDING_SENSITIVE = {"deepseek-v3.2"}  # the indexer's top-k keys count the padd
 # Families that cannot be supported as a whole, with the refusal each gets (the parameters it names; the
 # selection it proposes runs and is exact).
 REFUSED = {
-    # routed experts run on an (experts·B·L, H) batch, expert-major: no sample's rows are contiguous
-    "llama4": r"feed_forward\.experts\.gate_up_proj'.*feed_forward\.experts \(a Llama4TextExperts\) runs on inputs",
     # AltUp's correct_output_scale is applied by the decoder layer to (altup inputs, B, L, H) stacks
     "gemma3n": r"altup\.correct_output_scale'.*a Gemma3nTextDecoderLayer\) runs on inputs whose leading dimension",
     # the RG-LRU keeps its recurrent state on the module: its forward cannot be replayed for one sample
@@ -615,3 +613,15 @@ def test_token_backward_rows_match_per_sample_grads(name):
         ref = psg(ids, attn, lambda z, r=r: cot[r], position_ids=pos).double()
         err, where = _worst(layout, got[r], ref)
         assert err < 1e-5, (name, r, err, where)
+
+
+def test_outer_major_rows_are_found_by_the_check():
+    """Llama 4's routed experts see an (experts·B·L, H) batch, expert-major: the trace finds that layout
+    (each sample's rows depend on its own embeddings only when read that way) and the generic rule splits it."""
+    model = FAMILIES["llama4"]()
+    psg = PerSampleGrads(model, select_parameters(model))
+    batch = make_batch(30, **BATCH)
+    ids = batch["input_ids"]
+    psg(ids, batch["attention_mask"], lambda z: score_logit_grad(z, ids, batch["target_mask"]), batch["position_ids"])
+    experts = [m for m in model.modules() if type(m).__name__ == "Llama4TextExperts"]
+    assert experts and all(id(m) in psg._outer for m in experts)
