@@ -150,7 +150,7 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
 
     Raises:
         ValueError: when a selected parameter is not in the model, or (one message naming every such
-            parameter, with a ``scores.params`` selection without them) has no per-sample rule: owned by
+            parameter, with a ``model.params`` selection without them) has no per-sample rule: owned by
             the model's top-level module or by a module whose rule refuses it.
     """
     params = dict(model.named_parameters())
@@ -194,7 +194,7 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
 
 
 def refusal(layout: ParamLayout, refused: list[tuple[str, str]]) -> str:
-    """One line naming every refused parameter (``(layout name, reason)`` pairs) and a ``scores.params``
+    """One line naming every refused parameter (``(layout name, reason)`` pairs) and a ``model.params``
     selection of the layout's other parameters that runs (globs over layer indices where they stay exact)."""
     bad = {name for name, _ in refused}
     keep = [name for name in layout.names if name not in bad]
@@ -205,7 +205,7 @@ def refusal(layout: ParamLayout, refused: list[tuple[str, str]]) -> str:
     )
     if not keep:
         return f"{head}; nothing else is selected"
-    return f"{head}; a selection without them that runs: scores.params = {suggest_params(keep, layout.names)}"
+    return f"{head}; a selection without them that runs: model.params = {suggest_params(keep, layout.names)}"
 
 
 def suggest_params(keep: list[str], names: tuple[str, ...] | list[str]) -> list[str]:

@@ -5,12 +5,12 @@ forward is reported before rollouts are sampled:
 
 1. the full architecture on the meta device (no memory, no weights): every selected parameter must have a
    per-sample path (:class:`covgrad.persample.PerSampleGrads` names every parameter without one at once,
-   with a ``scores.params`` selection that runs);
+   with a ``model.params`` selection that runs);
 2. the same architecture cut to at most two layers, randomly initialised on the CPU in float32, runs
    one checked per-sample pass on a two-sample, left-padded batch: the parameters of every module type
    selected in step 1 go through their rules, the trace of where each parameter is used and whether the
    modules keep the samples apart, and the self-check (Σ_n s_n against the batched gradient, every
-   selected tensor). This step always runs, whatever ``scores.self_check`` says: a parameter that no rule
+   selected tensor). This step always runs, whatever ``model.self_check`` says: a parameter that no rule
    reaches would otherwise be served as rows of zeros.
 """
 
@@ -70,7 +70,7 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
         path: a Hugging Face model directory (only its config is read).
         params: the ``model.params`` selection.
         trust_remote_code: as for loading the model.
-        self_check: the run's ``scores.self_check``; step 2 runs either way (see the module docstring).
+        self_check: the run's ``model.self_check``; step 2 runs either way (see the module docstring).
 
     Returns:
         e.g. "generic path: 6 of 20 tensors, 0.4% of P (…); each replays its module's forward per sample".

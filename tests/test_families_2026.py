@@ -486,8 +486,8 @@ def test_unsupported_family_refused_in_one_line(name):
         hook_scores(model, select_parameters(model), batch)
     msg = str(info.value)
     assert "\n" not in msg
-    if "scores.params = " in msg:
-        layout = select_parameters(model, ast.literal_eval(msg.split("scores.params = ")[1]))
+    if "model.params = " in msg:
+        layout = select_parameters(model, ast.literal_eval(msg.split("model.params = ")[1]))
         err, where = _worst(layout, hook_scores(model, layout, batch), naive_scores(model, layout, batch))
         assert err < 1e-5, (name, err, where)
 

@@ -337,7 +337,7 @@ def test_every_unsupported_parameter_named_in_one_refusal():
     msg = str(info.value)
     assert "\n" not in msg and "2 selected parameters" in msg
     assert "'logit_scale'" in msg and "'model.embed_tokens.weight'" in msg and "max_norm" in msg
-    selection = ast.literal_eval(msg.split("scores.params = ")[1])
+    selection = ast.literal_eval(msg.split("model.params = ")[1])
     layout = select_parameters(model, selection)
     assert set(layout.names) == set(select_parameters(model).names) - {"logit_scale", "model.embed_tokens.weight"}
     assert "model.layers.*.mlp.up_proj.weight" in selection
