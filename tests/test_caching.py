@@ -3,7 +3,7 @@ Prefect lock of a killed run, and ``covgrad ls`` / ``gc``. One tiny pipeline per
 
 import pytest
 
-from tests.conftest import below, tiny_config
+from tests.helpers.pipeline import below, tiny_config
 
 pytestmark = pytest.mark.slow
 

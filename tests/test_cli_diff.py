@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flows.cli import main
-from tests.models import tiny_llama
+from tests.helpers.models import tiny_llama
 
 
 def _save(model, path):

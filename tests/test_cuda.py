@@ -11,10 +11,10 @@ from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.rules import _bmm_into, _flat
-from tests.test_accum import assert_close, check_row_chunks, fused, numpy_moments, state
-from tests.test_persample import BATCH, MODELS, make_batch, naive_scores
+from tests.helpers.moments import assert_close, check_row_chunks, fused, numpy_moments, state
+from tests.helpers.persample import BATCH, MODELS, make_batch, naive_scores
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda device")]
 
 
 def on(batch: dict, device: str) -> dict:

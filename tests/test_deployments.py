@@ -19,50 +19,13 @@ from typing import Any
 import pytest
 import yaml
 
-from covgrad.config import DemoModel, PipelineConfig
-from tests.conftest import REPO, tiny_config
+from covgrad.config import PipelineConfig
+from tests.helpers.pipeline import REPO
+from tests.helpers.user import user_config, write_checkpoint
 
 pytestmark = pytest.mark.integration
 
 SCRIPTS = REPO / "scripts"
-PROMPTS = [(1, 2), (3, 4), (5, 1), (2, 2), (7, 1), (0, 9), (4, 4), (6, 3)]
-
-
-def digit_reward(prompt: str, response: str, answer: str) -> float:
-    """1 when the response starts with a digit: a reward an untrained model earns about half the time."""
-    del prompt, answer
-    return float(response[:1].isdigit())
-
-
-def write_checkpoint(path: Path) -> Path:
-    """A randomly initialised tiny Llama with the character tokenizer, saved as a model directory."""
-    from covgrad.models import build_demo_model
-    from covgrad.problems import build_char_tokenizer
-
-    tok = build_char_tokenizer()
-    model = build_demo_model(DemoModel(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64), tok)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-def user_config(root: Path, checkpoint: Path, task_file: Path, **overrides: object) -> PipelineConfig:
-    """The tiny config on a user checkpoint and a JSONL task with ``digit_reward`` (no training)."""
-    if not task_file.exists():
-        lines = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a, b in PROMPTS]
-        task_file.write_text("\n".join(lines) + "\n")
-    return tiny_config(
-        str(root),
-        **{
-            "name": "user",
-            "model.path": str(checkpoint),
-            "task": {"kind": "jsonl", "path": str(task_file), "reward": "tests.test_deployments:digit_reward"},
-            "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16}},
-            "tokens.enabled": False,
-            "update_check.enabled": False,
-            **overrides,
-        },
-    )
 
 
 def assert_run_complete(cfg: PipelineConfig) -> None:

@@ -14,8 +14,8 @@ from distributed import WorkerPlugin
 from covgrad.config import PipelineConfig
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.specs import plan
-from tests.conftest import run_planned
-from tests.test_deployments import user_config, write_checkpoint
+from tests.helpers.pipeline import run_planned
+from tests.helpers.user import user_config, write_checkpoint
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tasks.specs import plan
-from tests.conftest import tiny_config
-from tests.test_deployments import user_config, write_checkpoint
+from tests.helpers.pipeline import tiny_config
+from tests.helpers.user import user_config, write_checkpoint
 
 
 @pytest.fixture(autouse=True)

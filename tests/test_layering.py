@@ -14,7 +14,7 @@ import ast
 import shutil
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.helpers.pipeline import REPO
 
 PACKAGES = ("covgrad", "storage", "tasks", "flows")
 NEVER = {
@@ -110,3 +110,19 @@ def test_a_planted_violation_of_each_rule_is_named(tmp_path):
         "tasks.planted imports tasks.masks: a task module imports another task module",
         "tasks.planted imports flows.pipeline: tasks never imports flows",
     }
+
+
+def test_no_test_module_imports_another():
+    """Shared references and builders live in tests/helpers; a test module never imports another test module."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [
+                f"{path.relative_to(REPO)} imports {n}"
+                for n in names
+                if n.startswith(("tests.test_", "tests.conftest"))
+            ]
+    assert not found, found

@@ -9,7 +9,7 @@ import torch
 
 from storage.artifacts import ArtifactStore
 from storage.notebook import open_run
-from tests.conftest import REPO, tiny_config
+from tests.helpers.pipeline import REPO, tiny_config
 
 SHAPES = {"a.weight": (3, 5), "b.bias": (7,), "c.weight": (2, 3, 4)}
 
@@ -107,7 +107,7 @@ def policy_run(tmp_path_factory):
     """A policy-only tiny pipeline run (no tokens, no update check), task bodies called directly."""
     from storage.runs import write_run_index
     from tasks.specs import plan
-    from tests.conftest import run_planned
+    from tests.helpers.pipeline import run_planned
 
     torch.set_num_threads(1)
     cfg = tiny_config(

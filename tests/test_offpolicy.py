@@ -56,7 +56,7 @@ def test_float64_reductions_do_not_depend_on_the_blas_thread_count():
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.helpers.pipeline import REPO
 
     out = {}
     for threads in ("1", "2"):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.pipeline import REPO
 
 
 def _covgrad_run(tmp_path, env_extra: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:

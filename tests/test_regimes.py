@@ -29,9 +29,9 @@ from covgrad.regimes import (
     reverse_kl_var_sums,
     token_advantage_logit_grad,
 )
-from tests.models import tiny_llama
-from tests.test_families import FAMILIES
-from tests.test_persample import BATCH, PAD, V, make_batch, max_rel_err
+from tests.helpers.families import FAMILIES
+from tests.helpers.models import tiny_llama
+from tests.helpers.persample import BATCH, PAD, V, make_batch, max_rel_err
 
 TAU, TAU_Q, BETA = 0.8, 1.3, 0.3
 

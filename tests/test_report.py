@@ -20,7 +20,7 @@ from storage.artifacts import MARKER, ArtifactStore
 from storage.runs import read_run_index, write_run_index
 from tasks.report import artifact_key, publish, render_run
 from tasks.specs import plan
-from tests.conftest import run_planned, tiny_config
+from tests.helpers.pipeline import run_planned, tiny_config
 
 PLOTS = (
     "fisher_vs_grad.png",

@@ -20,7 +20,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from tests.conftest import REPO, below, run_planned, status_of, tiny_config
+from tests.helpers.pipeline import REPO, below, run_planned, status_of, tiny_config
 
 # Many small batches, so a kill can land in the middle: 8 score batches and 8 rollout batches; the
 # scores state is checkpointed every 3 batches (after batches 3, 6 and the final 8).

@@ -14,7 +14,7 @@ import torch
 from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, generate, mu_from_topk
 from storage.readers import read_prompt_file, read_records
-from tests.models import tiny_llama
+from tests.helpers.models import tiny_llama
 
 V = 16
 EOS, PAD = 0, 15

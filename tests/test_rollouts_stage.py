@@ -9,8 +9,8 @@ import pytest
 from covgrad.layout import select_parameters
 from storage.artifacts import ArtifactStore
 from tasks.specs import plan
-from tests.conftest import run_planned
-from tests.test_deployments import user_config, write_checkpoint
+from tests.helpers.pipeline import run_planned
+from tests.helpers.user import user_config, write_checkpoint
 
 G = 4
 

@@ -25,7 +25,7 @@ from covgrad.sampling import (
     sample_uniforms,
     sampler_log_probs,
 )
-from tests.models import tiny_llama
+from tests.helpers.models import tiny_llama
 
 V = 16
 EOS, PAD = 0, 15

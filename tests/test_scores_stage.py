@@ -11,7 +11,7 @@ import torch
 from covgrad.layout import select_parameters
 from storage.artifacts import ArtifactStore
 from tasks.specs import plan
-from tests.conftest import run_planned, tiny_config
+from tests.helpers.pipeline import run_planned, tiny_config
 
 STALE = {"model": "stale", "group_size": 4, "max_new_tokens": 3, "batch_size": 16}
 OVERRIDES = {

@@ -13,8 +13,8 @@ from covgrad.config import PipelineConfig
 from covgrad.layout import select_parameters, split_blocks
 from storage.artifacts import ArtifactStore
 from tasks.specs import plan
-from tests.conftest import run_planned
-from tests.test_deployments import user_config, write_checkpoint
+from tests.helpers.pipeline import run_planned
+from tests.helpers.user import user_config, write_checkpoint
 
 SCORES = "scores.policy.policy"
 STATE = ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.pipeline import REPO
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from covgrad.support_mu import (
     tail_summary,
 )
 from storage.readers import read_located_records
-from tests.models import tiny_llama
+from tests.helpers.models import tiny_llama
 
 V = 16
 

@@ -23,7 +23,7 @@ from covgrad.token_fisher import (
     token_score_squares,
     token_scores,
 )
-from tests.models import tiny_llama
+from tests.helpers.models import tiny_llama
 
 V = 16
 PROMPT_LEN = torch.tensor([2, 1, 3])
@@ -388,6 +388,7 @@ def test_weightings_of_the_exact_rows_equal_their_own_modes(case):
         token_fisher(*args, "topk", k=2, engine=eng, also=also)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu():
     """The same code on cuda: exact equal to the CPU's, probes drawn on the CPU so seeded results agree."""

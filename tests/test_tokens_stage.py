@@ -20,22 +20,8 @@ from storage.models import load_models
 from storage.schema import ROLLOUTS
 from storage.schema import TOKENS as STORE
 from tasks.specs import plan, policy_spec
-from tests.conftest import run_planned, tiny_config
-
-POLICY_ONLY = {"rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16}}}
-
-
-def run_upto(cfg, target: str) -> dict:
-    """Run ``target`` and the planned steps it depends on, in plan order, by calling the task bodies."""
-    steps = plan(cfg)
-    names = {s.ref.key: n for n, s in steps.items()}
-    needed, stack = set(), [target]
-    while stack:
-        name = stack.pop()
-        if name not in needed:
-            needed.add(name)
-            stack.extend(names[r.key] for r in steps[name].upstream.values())
-    return {n: r.ref for n, r in run_planned(cfg, needed).items()}
+from tests.helpers.pipeline import tiny_config
+from tests.helpers.stages import POLICY_ONLY, run_upto
 
 
 @pytest.fixture(scope="module")

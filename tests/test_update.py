@@ -21,7 +21,7 @@ from covgrad.update import (
     set_metrics,
     update_grid,
 )
-from tests.models import tiny_llama as build_llama
+from tests.helpers.models import tiny_llama as build_llama
 
 VOCAB = 16
 

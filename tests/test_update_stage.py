@@ -14,8 +14,8 @@ from covgrad.layout import ParamLayout
 from storage.artifacts import ArtifactStore
 from tasks.specs import plan
 from tasks.update_check import STORE, check_layout
-from tests.conftest import tiny_config
-from tests.test_tokens_stage import POLICY_ONLY, run_upto
+from tests.helpers.pipeline import tiny_config
+from tests.helpers.stages import POLICY_ONLY, run_upto
 
 # 8 prompts in one minibatch: the step's gradient is the G the stats describe
 ONE_MINIBATCH = {**POLICY_ONLY, "scores.groups_per_batch": 8}

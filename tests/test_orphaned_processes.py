@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.pipeline import REPO
 
 pytestmark = pytest.mark.slow
 

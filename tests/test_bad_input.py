@@ -15,7 +15,7 @@ from covgrad.problems import score_rewards
 from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import compute_advantages
 from storage.readers import read_prompt_file
-from tests.conftest import REPO
+from tests.helpers.pipeline import REPO
 
 
 @pytest.mark.parametrize("kind", ["group_mean", "group_zscore", "global_mean"])
@@ -86,7 +86,7 @@ def test_top_k_mass_above_one_is_refused_naming_the_position():
 @pytest.mark.slow
 def test_a_huge_reward_ends_the_run_with_one_line_and_exit_2(tmp_path):
     """Reward 1e308 for every response: the rollouts stage refuses it and nothing is marked complete."""
-    from tests.test_deployments import write_checkpoint
+    from tests.helpers.user import write_checkpoint
 
     model = write_checkpoint(tmp_path / "model")
     (tmp_path / "huge_reward.py").write_text("def reward(prompt, response, answer):\n    return 1e308\n")

@@ -7,14 +7,8 @@ import pytest
 
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
-from tests.conftest import run_planned
-from tests.test_deployments import user_config, write_checkpoint
-
-
-def constant_reward(prompt: str, response: str, answer: str) -> float:
-    """The same reward for every response: no signal at all."""
-    del prompt, response, answer
-    return 1.0
+from tests.helpers.pipeline import run_planned
+from tests.helpers.user import user_config, write_checkpoint
 
 
 @pytest.mark.slow
@@ -24,7 +18,7 @@ def test_pipeline_with_constant_rewards(tmp_path):
         write_checkpoint(tmp_path / "ckpt"),
         tmp_path / "task.jsonl",
         **{
-            "task.reward": "tests.test_edge_cases:constant_reward",
+            "task.reward": "tests.helpers.user:constant_reward",
             "tokens.enabled": True,
             "update_check.enabled": True,
         },

@@ -11,7 +11,7 @@ import torch
 import transformers as T
 
 from covgrad.preflight import check_model
-from tests.conftest import tiny_config
+from tests.helpers.pipeline import tiny_config
 
 FAMILIES = {
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
@@ -194,9 +194,9 @@ def test_check_model_reports_the_generic_path(tmp_path):
 
 
 def arch_dir(path: Path, family: str) -> Path:
-    """A tiny ``family`` model of tests.test_families_2026 with the character tokenizer, saved."""
+    """A tiny ``family`` model of tests.test_families_hybrid_ssm_moe with the character tokenizer, saved."""
     from covgrad.problems import build_char_tokenizer
-    from tests.test_families_2026 import family_model
+    from tests.helpers.families_2026 import family_model
 
     tok = build_char_tokenizer()
     model = family_model(family, vocab_size=len(tok))

@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO
-from tests.test_faults import OVERRIDES, digests
+from tests.helpers.faults import OVERRIDES, digests
+from tests.helpers.pipeline import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,7 @@ def test_truncated_weights_are_one_line_in_under_two_seconds(tmp_path):
 
 def test_prompt_over_the_context_is_one_line_in_under_two_seconds(tmp_path):
     """Preflight counts prompt tokens with tokenizer.json against config.json's context, before torch."""
-    from tests.test_deployments import write_checkpoint
+    from tests.helpers.user import write_checkpoint
 
     model = write_checkpoint(tmp_path / "model")  # the character tokenizer: BOS + one token per character
     task = tmp_path / "task.jsonl"
@@ -113,7 +113,7 @@ def test_nan_reward_is_one_line_naming_the_task_file_line(reference, tmp_path):
     shutil.copytree(reference[0], root)
     task = tmp_path / "task.jsonl"
     task.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n' for a, b in [(1, 2), (2, 2), (3, 4)]))
-    reward = "task.reward=tests.test_cli_faults:nan_on_seven"
+    reward = "task.reward=tests.helpers.user:nan_on_seven"
     jsonl = ["task.kind=jsonl", f"task.path={task}", reward, "task.n_prompts=3"]
     proc = covgrad(root, *(a for s in jsonl for a in ("--set", s)))
     _, err = proc.communicate(timeout=300)
@@ -126,12 +126,6 @@ def test_nan_reward_is_one_line_naming_the_task_file_line(reference, tmp_path):
     assert "Traceback" in log.read_text()
     index = json.loads((root / "runs" / "tiny.json").read_text())  # written as stages complete
     assert list(index["artifacts"]) == ["base_model"]
-
-
-def nan_on_seven(prompt: str, response: str, answer: str) -> float:
-    """NaN for the prompt whose answer is 7 (line 3 of the task file above), else 1."""
-    del prompt, response
-    return float("nan") if answer == "7" else 1.0
 
 
 @pytest.mark.parametrize(
@@ -187,7 +181,7 @@ def test_degenerate_run_exits_zero_and_says_so(tmp_path):
     or Spearman numbers."""
     import yaml
 
-    from tests.test_deployments import user_config, write_checkpoint
+    from tests.helpers.user import user_config, write_checkpoint
 
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps({"prompt_ids": [1, 5], "response_ids": [6, 2], "reward": 1.0, "logprobs": [-1.0, -0.5]}))
@@ -199,7 +193,7 @@ def test_degenerate_run_exits_zero_and_says_so(tmp_path):
         tmp_path / "root",
         write_checkpoint(tmp_path / "ckpt"),
         tmp_path / "task.jsonl",
-        **{"task.reward": "tests.test_edge_cases:constant_reward", "rollouts.samplers": samplers},
+        **{"task.reward": "tests.helpers.user:constant_reward", "rollouts.samplers": samplers},
     )
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))

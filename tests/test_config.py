@@ -31,7 +31,7 @@ from covgrad.problems import (
 )
 from flows.preflight import preflight
 from storage.prompts import load_task
-from tests.conftest import REPO, tiny_config
+from tests.helpers.pipeline import REPO, tiny_config
 
 
 def test_tokenizer_round_trip(tmp_path):

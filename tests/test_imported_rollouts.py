@@ -9,8 +9,8 @@ import pytest
 
 from storage.artifacts import ArtifactStore
 from tasks.specs import plan
-from tests.conftest import run_planned
-from tests.test_deployments import user_config, write_checkpoint
+from tests.helpers.pipeline import run_planned
+from tests.helpers.user import user_config, write_checkpoint
 
 G = 4
 
@@ -180,7 +180,7 @@ def test_prompt_over_the_context_names_the_task_file_line(ckpt):
 def test_demo_max_new_tokens_over_the_context_is_refused_by_preflight(tmp_path):
     """The demo model is not trained yet at preflight: its tokenizer and context are known without it."""
     from flows.preflight import preflight
-    from tests.conftest import tiny_config
+    from tests.helpers.pipeline import tiny_config
 
     cfg = tiny_config(str(tmp_path / "runs"), **{"rollouts.samplers.stale.max_new_tokens": 60})
     said = r"^prompt 0: the prompt is 5 tokens; with rollouts\.samplers\.stale\.max_new_tokens=60 that is 65 > "

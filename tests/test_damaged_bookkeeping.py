@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from storage.artifacts import MARKER, ArtifactStore
-from tests.conftest import NO_OPTIONAL, run_planned, status_of, tiny_config
+from tests.helpers.pipeline import NO_OPTIONAL, run_planned, status_of, tiny_config
 
 
 @pytest.fixture

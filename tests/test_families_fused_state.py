@@ -12,8 +12,8 @@ from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import TokenBackward
-from tests.test_families import FAMILIES
-from tests.test_persample import BATCH, make_batch
+from tests.helpers.families import FAMILIES
+from tests.helpers.persample import BATCH, make_batch
 
 
 def _reference(S: np.ndarray, a: np.ndarray, half: np.ndarray, h: int) -> dict[str, np.ndarray]:

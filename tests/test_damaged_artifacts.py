@@ -12,30 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NO_OPTIONAL, below, run_planned, status_of, tiny_config
-
-OVERRIDES = NO_OPTIONAL
-
-
-def run_chain(cfg) -> dict[str, str]:
-    """Every planned stage through its task function, in order, then the run index; instance →
-    computed/cached."""
-    from storage.artifacts import ArtifactStore
-    from storage.runs import write_run_index
-    from tasks.specs import plan
-
-    results = run_planned(cfg)
-    write_run_index(ArtifactStore(cfg.root), cfg, plan(cfg).run_key, {n: r.ref for n, r in results.items()})
-    return status_of(results)
-
-
-def digests(directory: Path) -> dict[str, bytes]:
-    """Every data file of an artifact (not the bookkeeping files, not zarr.json with its timestamps)."""
-    return {
-        str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and not p.name.startswith("_") and p.name != "zarr.json" and p.suffix != ".html"
-    }
+from tests.helpers.faults import OVERRIDES, digests, run_chain
+from tests.helpers.pipeline import below, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +223,7 @@ def test_degenerate_conditions():
 
 @pytest.fixture(scope="module")
 def user_model(tmp_path_factory):
-    from tests.test_deployments import write_checkpoint
+    from tests.helpers.user import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("user-model") / "ckpt")
 
@@ -265,7 +243,7 @@ def test_one_sample_is_a_finding_that_every_stage_records(user_model, tmp_path, 
     from storage.artifacts import ArtifactStore
     from storage.masks import load_masks
     from tasks.specs import plan
-    from tests.test_deployments import user_config
+    from tests.helpers.user import user_config
 
     record = {"prompt_ids": [1, 5], "response_ids": [6, 2], "reward": 1.0, "logprobs": [-1.0, -0.5]}
     one = tmp_path / "one.jsonl"
@@ -319,7 +297,7 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
 
     from storage.artifacts import ArtifactStore
     from tasks.specs import plan
-    from tests.test_deployments import user_config
+    from tests.helpers.user import user_config
 
     cfg = user_config(tmp_path / "root", user_model, tmp_path / "task.jsonl", **{"task.n_prompts": 1})
     with caplog.at_level(logging.WARNING, logger="covgrad"):
@@ -340,7 +318,7 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
 CHAIN = r"""
 import json, sys
 import tests.conftest as conftest
-from tests.test_faults import OVERRIDES, run_chain
+from tests.helpers.faults import OVERRIDES, run_chain
 print(json.dumps(run_chain(conftest.tiny_config(sys.argv[1], **OVERRIDES))))
 """
 
@@ -357,7 +335,7 @@ def test_sigkills_at_random_moments_then_rerun_is_byte_identical(reference, tmp_
     import sys
     import time
 
-    from tests.conftest import REPO
+    from tests.helpers.pipeline import REPO
 
     ref_root, nodes, want_headline = reference
     root = tmp_path / "root"
