@@ -22,10 +22,10 @@ Two implementations of the same update. The compiled fold (``torch.compile``: C+
 from the one function :func:`_fold_started`) reads each block once and does the shift, the three sums of
 every half and the merge in one kernel, in float64 whatever the state dtype. The eager fold (column tiles,
 two GEMMs, the merge as (H, n) torch ops) serves a half's first samples, and everything when compiling
-fails. Compiling costs 10–60 s per process and state dtype on a 2-core CPU (dynamo and AOT tracing run
-again even when inductor's cache is warm), more than a small run's whole fold, so by default the compiled
-fold takes over only once the state holds samples × P ≥ ``_COMPILE_AFTER`` element-folds (about that
-much eager folding). The switch depends on the state alone, so a resumed run switches at the same batch
+fails. Compiling costs tens of seconds per process and state dtype (dynamo and AOT tracing run again even
+when inductor's cache is warm), more than a small run's whole fold, so by default the compiled fold takes
+over only once the state holds samples × P ≥ ``_COMPILE_AFTER`` element-folds (about as much eager folding
+as a compile costs). The switch depends on the state alone, so a resumed run switches at the same batch
 as an uninterrupted one and ends with the same bytes.
 
 Shape notation: H halves (rows), B samples in a batch, P parameter elements, n columns of one tensor.
@@ -68,7 +68,7 @@ def _fold_started(
         coef: (5, H) float64 per half: 1/b, b/n, n_old·b/n, n_old·b/n·(ā_b − ā_old), Σ(a − ā_b)/b.
         mean, m2, c: per half h, its (n,) state columns (float64, or float32 with ``lo`` the low halves of
             the means). One row per argument, not (H, n) views: the kernel then updates them in place
-            (stacked rows cost extra buffers and copy loops, measured 1.6x the whole fold on a CPU).
+            (stacked rows would cost extra buffers and copy loops).
     """
     H = wa.shape[1] // 2
     K = mean[0].to(torch.float64, copy=True)  # the shift: half 0's mean before this batch (hi part for float32)
@@ -120,7 +120,7 @@ def _compiled() -> Any:
     """The compiled :func:`_fold_started` (one per process; shapes are symbolic, so one compile per state dtype)."""
     global _compiled_fold
     if _compiled_fold is None:
-        # C++ on CPU: let the compiler fuse a·b + c into FMAs (one rounding instead of two; 13% faster measured)
+        # C++ on CPU: let the compiler fuse a·b + c into FMAs (one rounding instead of two, and fewer instructions)
         options = {"cpp.enable_floating_point_contract_flag": "fast"}
         _compiled_fold = torch.compile(_fold_started, dynamic=True, options=options)
     return _compiled_fold
@@ -307,8 +307,8 @@ class MomentAccumulator:
         hi_out.copy_(hi)
 
     def _workspace(self, B: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Reused buffers (B, n), (2H, n), (H, n) of the state dtype: fresh large allocations page-fault
-        on every fold step (measured 2x the whole fold on a CPU)."""
+        """Reused buffers (B, n), (2H, n), (H, n) of the state dtype: fresh large allocations would page-fault
+        on every fold step."""
         size = B * max(n, min(self.P, max(1, self._fold_elements // B)))
         if self._work is None or self._work[0].numel() < size:
             rows = (B, 2 * self.H, self.H)

@@ -4,10 +4,9 @@ glibc serves allocations below its mmap threshold from the heap, and the thresho
 as one mmapped block is freed, so a model's activations (2–30 MB tensors) come from the heap and their
 pages stay resident after the backward frees them. Before a large allocation that the heap cannot serve (a
 tied embedding's per-sample block, mmapped) and when a stage starts (what earlier stages of the process
-left), ``release_free_memory`` returns them (``malloc_trim``; a no-op without glibc): measured on
-SmolLM2-135M, 1–3 GB of a 6 GB peak. Not in a hot loop: the pages handed back are faulted in again by
-the next allocations (a trim per batch cost 0.26x a batched backward on a CPU, benchmarks/scores.py
-"large").
+left), ``release_free_memory`` returns them (``malloc_trim``; a no-op without glibc; docs/memory.md has
+what it saves on SmolLM2-135M). Not in a hot loop: the pages handed back are faulted in again by the next
+allocations.
 """
 
 from __future__ import annotations

@@ -24,9 +24,8 @@ reduction) folds each tensor's (B, numel) block into a :class:`covgrad.accum.Mom
 as its last contribution of the backward has arrived (modules' forward calls are counted, so tied and
 repeated modules are summed first) and drops it, so no B × P buffer exists. A Linear or Conv1D weight
 with one contribution is not even formed whole: its rule writes it in chunks of rows
-(:func:`default_chunk_bytes`) into one reused buffer, each folded while it is still in cache (measured on
-a CPU: products + fold 1.27x the products alone in 2 MiB chunks, 1.75x on whole blocks read back from
-memory; see ``benchmarks/scores.py``).
+(:func:`default_chunk_bytes`) into one reused buffer, each folded while it is still in cache rather than read
+back from memory (``benchmarks/scores.py`` compares the two).
 
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V
 vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layout.ParamLayout`).
@@ -50,9 +49,8 @@ from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.rules import Call, Rule, Slot, float_outputs, generic_rule, rule_for
 
 # Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: about the
-# L2 cache (measured on a 2-core EPYC VM, B = 32, 256 × 256 and 640 × 256 weights: 2–4 MiB chunks made
-# products + fold 1.27x the products alone, against 1.75x for whole blocks, 1.46x at 1 MiB, 1.60x at
-# 20 MiB). Accelerators: large GEMMs; the chunk only bounds the block in flight.
+# L2 cache, so the fold reads the chunk while it is still there (benchmarks/scores.py, docs/measurements.md).
+# Accelerators: large GEMMs; the chunk only bounds the block in flight.
 _CHUNK_BYTES = {"cpu": 2 << 20}
 _CHUNK_BYTES_DEFAULT = 256 << 20
 
@@ -307,7 +305,7 @@ class PerSampleGrads:
                 padding for models with absolute position embeddings.
             out: optional (B, P) float32 contiguous buffer on the inputs' device to write into and
                 return; reusing one across batches avoids first-touch page faults on a fresh B·P·4-byte
-                allocation (measured 40–60 ms per 40 MiB on a 2-core VM, about a third of the backward).
+                allocation.
 
         Returns:
             shape (B, P) float32: row n is ∇θ of sample n's objective over the layout's flat axis

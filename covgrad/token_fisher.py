@@ -20,8 +20,7 @@ forward is shared by all rows of all modes (and the stage's token and sequence s
 can weight its rows several ways at once (``also=``): its rows cover every candidate, so topk, mc and
 Σ_t s_t² cost one more matrix column each instead of their own rows. Rows come in blocks of about
 ``row_bytes``; a block of one row is a plain backward (vmap's fallback loops over ops without a batching
-rule, e.g. CPU flash attention's backward, and small blocks stay in cache: 1 row per block was the
-fastest on a 2-core CPU).
+rule, e.g. CPU flash attention's backward, and small blocks stay in cache).
 
 The cotangent rows of each mode, per sample and response position t (p = p_t):
 

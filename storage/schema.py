@@ -17,10 +17,9 @@ A = advantage, f_t = token Fisher at one position; means over the N samples with
 
 Coordinates of the flat parameter axis (DESIGN.md section 5), one row per tensor along dim ``tensor``:
 ``tensor_name`` (as in ``named_parameters()``), ``tensor_offset`` and ``tensor_numel`` (its run of
-``param``). Measured on a SmolLM2-135M layout (P = 134,515,008 in 272 tensors): a name per element
-compresses to about 0.5 MB on disk but is 3.4 GB of text and P Python strings once loaded; an int32
-tensor index per element 60 kB on disk, 538 MB loaded (selecting by it reads all of it); the per-tensor
-table 3 kB, and a tensor is a contiguous slice of ``param``, which xarray selects lazily. Plain
+``param``). A per-tensor table, not a label per element: at P = 1e8 a name or an index per element is GBs
+once loaded, while the table is a few kB and a tensor is a contiguous slice of ``param``, which xarray
+selects lazily. Plain
 xarray selects a tensor by name with no project import::
 
     ds = xr.open_zarr(path_of_stats_store)
