@@ -39,7 +39,7 @@ from benchmarks.tokens import build as perturbed_llama
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.rules import _rmsnorm_rule, generic_rule, rule_for
+from covgrad.rules import rmsnorm_rule, generic_rule, rule_for
 
 
 class RewrittenRMSNorm(LlamaRMSNorm):
@@ -183,7 +183,7 @@ def run_norms(args: argparse.Namespace) -> None:
     fast, slow = build(False), build(True)
     norms = [m for m in slow.modules() if isinstance(m, LlamaRMSNorm)]
     assert all(rule_for(m)[0] is generic_rule for m in norms)
-    assert all(rule_for(m)[0] is _rmsnorm_rule for m in fast.modules() if isinstance(m, LlamaRMSNorm))
+    assert all(rule_for(m)[0] is rmsnorm_rule for m in fast.modules() if isinstance(m, LlamaRMSNorm))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 512, (B, L), generator=gen)
     attn = torch.ones(B, L, dtype=torch.long)

@@ -218,7 +218,7 @@ def _layernorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None
         _sum_into(s[0].view(B, n), g, s[1])
 
 
-def _rmsnorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
+def rmsnorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """Hugging Face RMSNorms: x̂ = x·rsqrt(mean x² + ε) in float32, ∂w = Σ_t g ⊙ x̂ per sample.
 
     Llama-style norms cast x̂ back to the input dtype before multiplying by w; OLMo2-style (w ⊙ x̂, then
@@ -251,7 +251,7 @@ def _source_key(fn: Callable) -> str | None:
     return re.sub(r"\s+", "", re.sub(r"#[^\n]*", "", src))
 
 
-# Verbatim RMSNorm forwards of transformers and how each multiplies the weight (see _rmsnorm_rule);
+# Verbatim RMSNorm forwards of transformers and how each multiplies the weight (see rmsnorm_rule);
 # Gemma's forward calls self._norm, which must match too.
 _RMSNORM_FORWARDS = {
     "cast-then-scale": (LlamaRMSNorm, ("forward",)),
@@ -523,7 +523,7 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
     if cls in _EXACT:
         return _EXACT[cls]
     if _rmsnorm_style(cls) is not None:
-        return _rmsnorm_rule, frozenset({"weight"})
+        return rmsnorm_rule, frozenset({"weight"})
     if _fused_experts_ok(module):
         return _experts_rule, _experts_params(module)
     own = frozenset(pn for pn, _ in module.named_parameters(recurse=False))

@@ -9,7 +9,7 @@ from torch import nn
 
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.rules import _rmsnorm_rule, generic_rule, rule_for
+from covgrad.rules import rmsnorm_rule, generic_rule, rule_for
 from tests.helpers.families import FAMILIES, perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, hook_scores, make_batch, max_rel_err, naive_scores
@@ -39,7 +39,7 @@ def test_norms_use_the_fast_rule_and_subclasses_the_generic_one():
     for name in ("qwen3", "gemma3", "olmo2", "phi3", "granite", "smollm3", "mixtral"):
         model = FAMILIES[name]()
         norms = [m for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
-        assert norms and all(rule_for(m)[0] is _rmsnorm_rule for m in norms), name
+        assert norms and all(rule_for(m)[0] is rmsnorm_rule for m in norms), name
     gemma = FAMILIES["gemma3"]()
     assert type(gemma.model.embed_tokens).__name__ == "Gemma3TextScaledWordEmbedding"
     assert rule_for(gemma.model.embed_tokens)[0] is generic_rule
