@@ -39,7 +39,7 @@ from benchmarks.tokens import build as perturbed_llama
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.rules import rmsnorm_rule, generic_rule, rule_for
+from covgrad.rules import generic_rule, rmsnorm_rule, rule_for
 
 
 class RewrittenRMSNorm(LlamaRMSNorm):
