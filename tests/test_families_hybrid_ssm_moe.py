@@ -19,7 +19,7 @@ from torch import nn
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
-from tests.helpers.families_2026 import (
+from tests.helpers.families_hybrid import (
     FAMILIES,
     MAMBA,
     MLA,

@@ -196,7 +196,7 @@ def test_check_model_reports_the_generic_path(tmp_path):
 def arch_dir(path: Path, family: str) -> Path:
     """A tiny ``family`` model of tests.test_families_hybrid_ssm_moe with the character tokenizer, saved."""
     from covgrad.problems import build_char_tokenizer
-    from tests.helpers.families_2026 import family_model
+    from tests.helpers.families_hybrid import family_model
 
     tok = build_char_tokenizer()
     model = family_model(family, vocab_size=len(tok))
