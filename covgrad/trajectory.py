@@ -412,17 +412,18 @@ class StepZeroStats:
 
 
 def _ranked_values(stats: StepZeroStats | None, start: torch.Tensor, seed: int) -> dict[str, tuple[np.ndarray, bool]]:
-    """Predictor name -> ((P,) values, largest first?) of the ranked predictors."""
+    """Predictor name -> ((P,) values, largest first?) of the ranked predictors: |w| and the seeded
+    random values in float32, the statistics in their own floating dtype."""
     P = start.numel()
     out = {
-        "smallw": (start.float().abs().numpy().astype(np.float64), False),
-        "random": (np.random.default_rng([seed, 0]).random(P), True),
+        "smallw": (start.float().abs().numpy(), False),
+        "random": (np.random.default_rng([seed, 0]).random(P, dtype=np.float32), True),
     }
     if stats is not None:
         for name, v in (("F", stats.F), ("absG", np.abs(stats.G)), ("absrho", np.abs(stats.rho))):
-            values = np.asarray(v, dtype=np.float64).reshape(-1)
-            if values.shape != (P,):
-                raise ValueError(f"step-0 statistic {name} has shape {values.shape}, expected ({P},)")
+            values = np.asarray(v).reshape(-1)
+            if values.shape != (P,) or values.dtype not in (np.float32, np.float64):
+                raise ValueError(f"step-0 statistic {name} is {values.dtype} {values.shape}, expected float ({P},)")
             out[name] = (values, True)
     return out
 
@@ -450,7 +451,7 @@ class ChangeTracker:
         self.rules = ("absorb", "bound") if optimizer.name == "sgd" and stats is not None else ("absorb",)
         self.union = {r: torch.zeros(layout.P, dtype=torch.bool) for r in self.rules}
         order = np.argsort(start.float().abs().numpy(), kind="stable")
-        self.decile = np.empty(layout.P, dtype=np.int64)
+        self.decile = np.empty(layout.P, dtype=np.int8)
         self.decile[order] = np.arange(layout.P) * N_DECILES // layout.P
 
     def state_dict(self) -> dict:
@@ -549,22 +550,20 @@ class ChangeTracker:
     def _deciles(self, scope: str, true: torch.Tensor) -> dict[str, np.ndarray]:
         """``decile_{scope}_{predictor}_{stat}`` (N_DECILES,) float64: the ranked predictor within each |w|
         decile at k = the decile's changed count, against the decile's changed set."""
-        out = {}
+        names = [n for n in DECILE_PREDICTORS if n in self.values]
+        tables = {n: np.full((len(SET_STATS), N_DECILES), np.nan) for n in names}
         t = true.numpy()
-        for name in DECILE_PREDICTORS:
-            if name not in self.values:
+        for d in range(N_DECILES):
+            idx = np.flatnonzero(self.decile == d)
+            if not idx.size:
                 continue
-            values, largest = self.values[name]
-            table = np.full((len(SET_STATS), N_DECILES), np.nan)
-            for d in range(N_DECILES):
-                idx = np.flatnonzero(self.decile == d)
-                if not idx.size:
-                    continue
-                true_d = torch.from_numpy(t[idx])
-                pred = torch.from_numpy(next(top_k_masks(values[idx], [int(true_d.sum())], largest)))
-                table[:, d] = [set_metrics(pred, true_d)[s] for s in SET_STATS]
-            out.update({f"decile_{scope}_{name}_{s}": table[i] for i, s in enumerate(SET_STATS)})
-        return out
+            true_d = torch.from_numpy(t[idx])
+            k = int(true_d.sum())
+            for name in names:
+                values, largest = self.values[name]
+                pred = torch.from_numpy(next(top_k_masks(values[idx], [k], largest)))
+                tables[name][:, d] = [set_metrics(pred, true_d)[s] for s in SET_STATS]
+        return {f"decile_{scope}_{n}_{s}": tables[n][i] for n in names for i, s in enumerate(SET_STATS)}
 
 
 def run_trajectory(

@@ -265,7 +265,7 @@ def test_predictor_metrics_equal_a_numpy_brute_force(layout, precision, name):
     batches = FixedBatches([rollouts(1), rollouts(2)])
     recs = list(run_trajectory(stepper, batches, layout, 3, tracker))
     w0 = start.float().numpy().astype(np.float64)
-    rand = np.random.default_rng([stats.seed, 0]).random(layout.P)
+    rand = np.random.default_rng([stats.seed, 0]).random(layout.P, dtype=np.float32)
     values = {
         "F": (stats.F, True),
         "absG": (np.abs(stats.G), True),
