@@ -608,6 +608,24 @@ def run_trajectory(
         yield rec
 
 
+def persistence(records: Sequence[Mapping], P: int, ks: Sequence[int] = (1, 2, 4, 8)) -> dict[str, float]:
+    """Persistence over the n = len(records) steps of a run: ``jaccard_prev_mean`` (mean Jaccard of
+    consecutive steps' changed sets, steps 2..n), ``frac_ge_{k}`` (fraction of the P coordinates changed
+    in at least k of the n steps, from the last ``persist_hist``), ``frac_step_mean`` (mean per-step changed
+    fraction) and ``frac_cum`` (cumulative changed fraction after step n)."""
+    if not records:
+        raise ValueError("persistence needs at least one step record")
+    hist = np.asarray(records[-1]["persist_hist"], dtype=np.int64)
+    consecutive = [float(r["jaccard_prev"]) for r in records[1:]]
+    out = {
+        "jaccard_prev_mean": float(np.mean(consecutive)) if consecutive else float("nan"),
+        "frac_step_mean": float(np.mean([r["n_changed_step"] for r in records])) / P,
+        "frac_cum": records[-1]["n_changed_cum"] / P,
+    }
+    out.update({f"frac_ge_{k}": int(hist[k:].sum()) / P for k in ks})
+    return out
+
+
 def trajectory_state(stepper: Stepper, tracker: ChangeTracker | None, seed: int) -> dict:
     """Everything a resumed run needs, a plain dict of tensors and ints: ``step``, ``seed``, ``stepper``
     (weights, optimizer state) and ``tracker`` (None without one)."""

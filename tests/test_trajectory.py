@@ -30,6 +30,7 @@ from covgrad.trajectory import (
     StepZeroStats,
     bf16_rounded,
     load_trajectory_state,
+    persistence,
     run_trajectory,
     step_seed,
     stored_dtype,
@@ -313,6 +314,10 @@ def test_predictor_metrics_equal_a_numpy_brute_force(layout, precision, name):
         assert rec["sign_flips_cum"] == int((np.sign(now.float().numpy()) != np.sign(w0)).sum())
         prev, last = now, step_set
     assert recs[0]["step_absorb_recall"] > 0.5
+    summary = persistence(recs, layout.P, ks=(1, 2, 3))
+    for k in (1, 2, 3):
+        assert summary[f"frac_ge_{k}"] == (counts >= k).mean()
+    assert summary["frac_cum"] == sets["cum"].mean()
 
 
 def test_update_check_is_the_fixed_data_case(layout):
