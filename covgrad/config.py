@@ -13,6 +13,23 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+Dtype = Literal["float32", "bfloat16"]  # dtype a model is loaded in
+Device = Literal["auto", "cpu", "cuda"]  # where per-sample passes run; auto: cuda when visible
+StateDtype = Literal["float64", "float32"]  # moment state of the scores stage
+Advantage = Literal["group_mean", "group_zscore", "global_mean", "none"]  # advantage A from rewards r
+MuStore = Literal["none", "full", "topk"]  # how much of the sampler's distribution μ the rollouts keep
+TokenMode = Literal["exact", "topk", "mc", "probe", "probe_seq"]  # token-Fisher estimators
+Blocks = int | Literal["auto"]  # parameter blocks of the scores stage: a count, or the fewest that fit
+
+MOVED = {
+    "scores.params": "model.params",
+    "scores.device": "model.device",
+    "scores.self_check": "model.self_check",
+}
+"""Keys that moved (old dotted key -> new): a config that sets an old key is refused in one line naming
+the new one. Report keys hash the config in the layout before the move (:func:`report_layout`), so
+every artifact key stays what it was; :func:`current_layout` reads a recorded config of either layout."""
+
 
 class Section(BaseModel):
     """Base for config sections: unknown keys are rejected, assignments are validated."""
@@ -53,11 +70,23 @@ class DemoModel(Section):
 
 
 class ModelSection(Section):
-    """The policy: the demo model (``path`` unset) or a local Hugging Face causal-LM directory."""
+    """The policy: the demo model (``path`` unset) or a local Hugging Face causal-LM directory, and how the
+    stages that differentiate it (scores, tokens, update check, and the preflight's architecture check)
+    select its parameters (``params``), where they run (``device``) and whether they self-check."""
 
     path: str | None = Field(None, description="local Hugging Face causal-LM directory; unset: the built-in demo")
     trust_remote_code: bool = Field(False, description="allow the model directory's own modelling code")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="dtype the policy is loaded in")
+    dtype: Dtype = Field("float32", description="dtype the policy is loaded in")
+    params: list[str] | None = Field(
+        None,
+        description="parameter names or glob patterns analysed by scores, tokens and the update check; "
+        "unset: every trainable one",
+    )
+    device: Device = Field("auto", description="where scores and tokens compute; auto: cuda when visible")
+    self_check: bool = Field(
+        True,
+        description="scores and tokens check their batched per-sample pass against autograd on a few samples first",
+    )
     demo: DemoModel = DemoModel()
 
 
@@ -98,7 +127,7 @@ class SamplerSection(Section):
     group_size: int = Field(8, ge=2, le=1024, description="responses per prompt")
     seed: int = Field(0, description="sampling seed")
     batch_size: int = Field(64, ge=1, description="sequences generated per batch")
-    store_mu: Literal["none", "full", "topk"] = Field(
+    store_mu: MuStore = Field(
         "none", description="keep the sampler's distribution μ per position: not, in full, or its top-k"
     )
     mu_topk: int = Field(8, ge=1, description="store_mu=topk: entries of μ kept per position")
@@ -124,7 +153,7 @@ class SamplerSection(Section):
 class RolloutsSection(Section):
     """Samplers by name; ``analyse`` names the one whose rollouts feed masks, tokens and update check."""
 
-    advantage: Literal["group_mean", "group_zscore", "global_mean", "none"] = Field(
+    advantage: Advantage = Field(
         "group_mean",
         description="advantage A from rewards r: r − group mean, group z-score, r − global mean, or r itself",
     )
@@ -147,19 +176,12 @@ class ScoresSection(Section):
     """Per-sample score extraction."""
 
     groups_per_batch: int = Field(4, ge=1, description="prompt groups per score batch")
-    params: list[str] | None = Field(
-        None, description="parameter names or glob patterns to analyse; unset: every trainable one"
-    )
     byte_budget: int = Field(
         2 * 1024**3,
         ge=0,
         description="bytes of per-sample score rows kept in the store; above it only moments are kept",
     )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where scores are computed; auto: cuda when visible"
-    )
-    self_check: bool = Field(True, description="check the batched scores against autograd on a few samples first")
-    state_dtype: Literal["float64", "float32"] = Field(
+    state_dtype: StateDtype = Field(
         "float64",
         description="moment state on the device and in the store: float64 (48 bytes per parameter for the two halves) "
         "or float32 (32 bytes: mean as a float32 pair, sums in float32; relative error ≲ batches × 6e-8)",
@@ -170,7 +192,7 @@ class ScoresSection(Section):
         description="checkpoint the state every this many batches (or seconds, whichever first; never affects results)",
     )
     checkpoint_seconds: float = Field(1800.0, gt=0, description="checkpoint the state every this many seconds")
-    shards: tuple[int, int | Literal["auto"]] = Field(
+    shards: tuple[int, Blocks] = Field(
         (1, 1),
         description="[sample shards, parameter blocks]. Sample shard i folds the batches b with b % samples == i into "
         "its own state rows; their Chan merges run in another order than one shard's, so the sample count is part of "
@@ -178,6 +200,15 @@ class ScoresSection(Section):
         'tensors and never change a byte: "auto" blocks are the fewest whose job fits one device (`covgrad plan` '
         'prints them). "auto" alone is [1, "auto"]. Resuming an unfinished partition with another is an error',
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in MOVED.items():
+                if old.removeprefix("scores.") in data:
+                    raise ValueError(f"{old} moved to {new}")
+        return data
 
     @field_validator("shards", mode="before")
     @classmethod
@@ -209,9 +240,6 @@ class MasksSection(Section):
             if not 0.0 < q <= 1.0:
                 raise ValueError(f"masks.qs value {q} must lie in (0, 1]")
         return sorted(set(v))
-
-
-TokenMode = Literal["exact", "topk", "mc", "probe", "probe_seq"]
 
 
 class TokensSection(Section):
@@ -298,6 +326,28 @@ class PipelineConfig(Section):
                     "give a checkpoint directory instead"
                 )
         return self
+
+
+def _moved(data: dict[str, Any], moves: dict[str, str]) -> dict[str, Any]:
+    """A copy of the config JSON ``data`` with each key ``old`` of ``moves`` that it holds moved to ``new``."""
+    out = json.loads(json.dumps(data))
+    for old, new in moves.items():
+        (src, key), (dst, new_key) = old.split("."), new.split(".")
+        if key in out.get(src, {}):
+            out.setdefault(dst, {})[new_key] = out[src].pop(key)
+    return out
+
+
+def report_layout(data: dict[str, Any]) -> dict[str, Any]:
+    """The config JSON ``data`` in the layout the report's key hashes: the keys of ``MOVED`` at their old
+    places (the report key of a config is the same as before they moved)."""
+    return _moved(data, {new: old for old, new in MOVED.items()})
+
+
+def current_layout(data: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config JSON (a report spec's, a run index's) of either layout, with the keys of
+    ``MOVED`` at their new places: what ``PipelineConfig.model_validate`` accepts."""
+    return _moved(data, MOVED)
 
 
 def config_help(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[str]:

@@ -98,14 +98,6 @@ def select_parameters(model: nn.Module, patterns: Sequence[str] | None = None) -
     return ParamLayout(tuple(entries))
 
 
-def flatten(layout: ParamLayout, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Concatenate ``tensors[name]`` (each of the entry's shape, optionally with a leading batch dim B)
-    into (P,) or (B, P) in layout order."""
-    first = tensors[layout.entries[0].name]
-    lead = first.shape[: first.dim() - len(layout.entries[0].shape)]
-    return torch.cat([tensors[e.name].reshape(*lead, e.numel) for e in layout.entries], dim=-1)
-
-
 def parameters_flat(model: nn.Module, layout: ParamLayout) -> torch.Tensor:
     """The model's current values of the selected parameters as one (P,) tensor (a copy)."""
     params = dict(model.named_parameters())

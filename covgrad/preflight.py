@@ -61,7 +61,7 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
 
     Args:
         path: a Hugging Face model directory (only its config is read).
-        params: the ``scores.params`` selection.
+        params: the ``model.params`` selection.
         trust_remote_code: as for loading the model.
         self_check: also run step 2 (a checked pass on a cut-down random copy).
     """

@@ -24,18 +24,18 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from covgrad.config import Advantage as AdvantageKind
+from covgrad.config import MuStore as MuMode
 from covgrad.config import SamplerSection
 
-MuMode = Literal["none", "full", "topk"]
-AdvantageKind = Literal["group_mean", "group_zscore", "global_mean", "none"]
-_MU_MODES = ("none", "full", "topk")
-_ADVANTAGE_KINDS = ("group_mean", "group_zscore", "global_mean", "none")
+_MU_MODES = get_args(MuMode)
+_ADVANTAGE_KINDS = get_args(AdvantageKind)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ import dask.array as da
 import numpy as np
 
 from covgrad.layout import ParamLayout
+from covgrad.numerics import dot64
+from covgrad.topk import overlap_table
 
 Array = Any  # numpy.ndarray or dask.array.Array
 
@@ -584,7 +586,6 @@ def blocked_stats(
         stored = {k: da.from_array(out[k], chunks=(chunk,)) for k in ("F", "Fvar", "G", "rho")}
         (summary,) = da.compute(tensor_summary(stored, layout))
     # 5. The findings, and the overlap of the top sets by |G| and by F when G is defined
-    from covgrad.topk import overlap_table  # covgrad.topk imports dot64 from this module
 
     finding = degenerate(N, totals.any_score, float(first.get("std_A", nan)))
     overlap = [] if finding else overlap_table(out["F"][:], np.abs(out["G"][:]), layout, [OVERLAP_Q])
@@ -607,13 +608,6 @@ def blocked_stats(
         crossfit[f"crossfit_{tag}_frac_exceed"] = n_exceed / n_finite if n_finite else nan
     tensors = {k: np.asarray(v) for k, v in summary.items()}
     return BlockedStats(scalars, crossfit, tensors, finding, gap)
-
-
-def dot64(a: np.ndarray, b: np.ndarray) -> float:
-    """Σ a·b of two (n,) float64 vectors in numpy's own single-threaded loop, so an artifact's bits do not
-    depend on the BLAS thread count: OpenBLAS splits ``a @ b`` over its threads once n > 10⁴, and the sum
-    then changes in its last bits with ``OPENBLAS_NUM_THREADS`` (measured: 1 and 2 threads differ at n = 4M)."""
-    return float(np.einsum("i,i->", a, b))
 
 
 def rel_diff(blocks: Iterable[tuple[np.ndarray, np.ndarray]]) -> float:

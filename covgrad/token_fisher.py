@@ -51,19 +51,20 @@ positions, V vocabulary, H hidden size, P selected parameter elements, R cotange
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 from torch import Tensor, nn
 
+from covgrad.config import TokenMode as Mode
+from covgrad.config import TokensSection
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.persample import PerSampleGrads, bind_rules
 from covgrad.rules import FLATTENING_PARENTS, Rule, Slot
 
-Mode = Literal["exact", "topk", "mc", "probe", "probe_seq"]
-MODES: tuple[str, ...] = ("exact", "topk", "mc", "probe", "probe_seq")
-DEFAULT_EXACT_BUDGET = 65536  # most T·V cotangent rows per sample that mode "exact" accepts
-DEFAULT_ROW_BYTES = 32 * 1024**2  # memory aimed at per block of cotangent rows (small blocks stay in cache)
+MODES: tuple[str, ...] = get_args(Mode)
+DEFAULT_EXACT_BUDGET: int = TokensSection.model_fields["exact_budget"].default  # most T·V rows "exact" accepts
+DEFAULT_ROW_BYTES: int = TokensSection.model_fields["row_bytes"].default  # memory aimed at per block of rows
 
 
 def exact_rows(T: int, V: int) -> int:

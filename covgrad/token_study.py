@@ -33,8 +33,8 @@ from torch import nn
 from covgrad.batch import RolloutBatch
 from covgrad.config import TokensSection
 from covgrad.layout import ParamLayout, select_parameters
+from covgrad.numerics import dot64
 from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.stats import dot64
 from covgrad.token_fisher import (
     TokenBackward,
     candidate_weights,

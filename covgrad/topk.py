@@ -29,12 +29,13 @@ from typing import Any, NamedTuple
 import dask.array as da
 import numpy as np
 
+from covgrad.config import MasksSection
 from covgrad.layout import ParamLayout
-from covgrad.stats import dot64
+from covgrad.numerics import dot64
 
 Array = Any  # numpy.ndarray, dask.array.Array, or any 1-D array that slices to numpy (a zarr array)
 
-DEFAULT_QS = (0.001, 0.01, 0.05, 0.1)
+DEFAULT_QS = tuple(MasksSection().qs)  # the config's default fractions
 SCOPES = ("global", "per_tensor")
 BLOCK = 1 << 20  # values per read (8 MiB of float64; glibc reuses such buffers, larger ones are fresh
 # pages on every allocation), a multiple of the stores' param chunk

@@ -161,14 +161,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         from flows.reaper import start_reaper
 
         start_reaper()
-    from flows.runtime import check_prefect_runtime
-
-    check_prefect_runtime()
     previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        from tasks.preflight import preflight
+        from flows.preflight import preflight
+        from flows.runtime import check_prefect_runtime
 
-        preflight(cfg)
+        preflight(cfg, architecture=False)  # the flow repeats it whole: bad files fail before Prefect starts
+        check_prefect_runtime()
         from flows.pipeline import covgrad_pipeline
 
         route_errors_to_log()
@@ -210,12 +209,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the scores stage's shards, the device memory each worker needs and the store size."""
     import torch
 
-    from tasks.common import device_memory
-    from tasks.shards import plan_for_config
+    from covgrad.devices import device_memory
+    from flows.shards import plan_for_config
 
     cfg = load_config(args.config, list(args.set or []))
     cuda = torch.cuda.is_available()
-    gpu = (cuda or args.device_memory is not None) and cfg.scores.device != "cpu"
+    gpu = (cuda or args.device_memory is not None) and cfg.model.device != "cpu"
     device = args.device or ("cuda" if gpu else "cpu")
     workers = args.workers or (torch.cuda.device_count() if device == "cuda" and cuda else 1)
     if args.device_memory is not None:

@@ -1,8 +1,8 @@
 """The ``covgrad-pipeline`` flow: every stage of one analysis, each a cached artifact.
 
-``run_stages`` is the stage list, in DAG order; ``tasks.specs.plan`` fixes each artifact's spec and key
-before anything runs, and each stage's task receives its spec and upstream refs. The flow submits every
-call through Prefect with the artifact cache policy; tests call ``run_stages`` with the task bodies.
+``TASKS`` is the stage list; ``tasks.specs.plan`` fixes each artifact's spec, key and place in the order
+(``tasks.specs.STAGES``) before anything runs, and ``run_stages`` calls each planned artifact's task with
+its spec and upstream refs: through Prefect with the artifact cache policy in the flow, as task bodies in tests.
 
 No ``from __future__ import annotations`` here: Prefect builds the parameter schema from the
 annotations at import time (DESIGN.md section 6).
@@ -15,8 +15,8 @@ from typing import Any
 from prefect import Task, flow
 
 from covgrad.config import PipelineConfig
-from covgrad.preflight import check_model
 from flows.deployment import run_config
+from flows.preflight import preflight
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
 from tasks.base_model import base_model_task
@@ -36,22 +36,24 @@ log = logging.getLogger("covgrad")
 Run = Callable[[Task, Step], StageResult]
 
 
+TASKS = (
+    base_model_task,
+    rollouts_task,
+    scores_task,
+    stats_task,
+    offpolicy_task,
+    masks_task,
+    tokens_task,
+    update_check_task,
+    report_task,
+)  # one per stage; each task's name is its spec's STAGE
+
+
 def run_stages(p: Plan, run: Run) -> None:
-    """Every planned artifact of ``p``, one ``run(task, step)`` each, upstream first."""
-    run(base_model_task, p.base_model)
-    for step in p.rollouts.values():
-        run(rollouts_task, step)
-    for step in p.scores.values():
-        run(scores_task, step)
-    for step in p.stats.values():
-        run(stats_task, step)
-    run(offpolicy_task, p.offpolicy)
-    run(masks_task, p.masks)
-    if p.tokens is not None:
-        run(tokens_task, p.tokens)
-    if p.update_check is not None:
-        run(update_check_task, p.update_check)
-    run(report_task, p.report)
+    """Every planned artifact of ``p``, one ``run(task, step)`` each, in the plan's order (upstream first)."""
+    by_stage = {t.name: t for t in TASKS}
+    for step in p.values():
+        run(by_stage[step.spec.STAGE], step)
 
 
 @flow(name="covgrad-pipeline", log_prints=True)
@@ -59,8 +61,7 @@ def covgrad_pipeline(config: PipelineConfig = PipelineConfig(), config_file: str
     """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status.
     ``config_file``: a YAML config (relative to the working directory) under the keys ``config`` sets."""
     config = run_config(config, config_file)  # a deployment's partial config keeps its defaults
-    if (m := config.model).path is not None:  # unsupported modules fail here, in seconds, not after rollouts
-        check_model(m.path, config.scores.params, m.trust_remote_code, config.scores.self_check)
+    preflight(config)  # bad input fails here, in one line, before any stage
     p = plan(config)
     store = ArtifactStore(config.root)
     refs: dict[str, Any] = {}

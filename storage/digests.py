@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 
 _BLOCK = 1 << 24  # bytes read at a time: 16 MiB
+# The files of a model directory that loading reads: config, weights, tokenizer, chat template, remote code.
+MODEL_FILES = frozenset({".json", ".safetensors", ".bin", ".model", ".txt", ".py", ".jinja"})
 _lock = threading.Lock()
 
 
@@ -57,9 +59,10 @@ def file_digest(path: str | os.PathLike, cache: dict[str, str] | None = None) ->
     return digest
 
 
-def content_digest(path: str | os.PathLike) -> str:
-    """The 24-hex-digit content digest of a file, or of every file under a directory (names and bytes);
-    FileNotFoundError naming ``path`` when it does not exist."""
+def content_digest(path: str | os.PathLike, suffixes: frozenset[str] | None = None) -> str:
+    """The 24-hex-digit content digest of a file, or of every file under a directory (names and bytes;
+    with ``suffixes``, only the directory's own files with those suffixes); FileNotFoundError naming
+    ``path`` when it does not exist."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no such file or directory: {path}")
@@ -69,7 +72,8 @@ def content_digest(path: str | os.PathLike) -> str:
         size = len(cache)
         if p.is_dir():
             h = hashlib.sha256()
-            for f in sorted(q for q in p.rglob("*") if q.is_file() and not q.name.startswith(".")):
+            found = p.rglob("*") if suffixes is None else (q for q in p.iterdir() if q.suffix in suffixes)
+            for f in sorted(q for q in found if q.is_file() and not q.name.startswith(".")):
                 h.update(f"{f.relative_to(p).as_posix()}\0{file_digest(f, cache)}\n".encode())
             digest = h.hexdigest()
         else:
@@ -88,3 +92,18 @@ def _save_cache(path: Path, cache: dict[str, str]) -> None:
         tmp.replace(path)
     except OSError:
         return
+
+
+def input_digest(path_or_url: str, model: bool = False) -> str:
+    """The digest a stage's key records for an input: :func:`content_digest` of a local file or (``model``)
+    of a model directory's :data:`MODEL_FILES`; for a remote URL, fsspec's checksum of its listing (ETag,
+    size, modification time); ``"absent"`` when there is nothing at the path (preflight names it)."""
+    if "://" in path_or_url and not path_or_url.startswith("file://"):
+        import fsspec
+
+        fs, inner = fsspec.core.url_to_fs(path_or_url)
+        return f"{fs.checksum(inner):x}" if fs.exists(inner) else "absent"
+    local = path_or_url.removeprefix("file://")
+    if not Path(local).exists():
+        return "absent"
+    return content_digest(local, MODEL_FILES if model else None)

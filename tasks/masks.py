@@ -23,11 +23,11 @@ from prefect import task
 
 from covgrad.layout import ParamLayout
 from covgrad.stats import OVERLAP_Q
+from covgrad.tables import to_csv, to_markdown
 from covgrad.topk import SCOPES, TopSets, Values, bound_mask_table, overlap_rows, spearman_blocked
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import MASKS as STORE
 from storage.schema import STATS, annotate, create, write
-from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import MasksSpec
 

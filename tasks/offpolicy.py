@@ -25,10 +25,10 @@ import numpy as np
 from prefect import task
 
 from covgrad.stats import BLOCK_CHUNKS, rel_diff
+from covgrad.tables import to_csv, to_markdown
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import OFFPOLICY as STORE
 from storage.schema import OFFPOLICY_TABLE, OFFPOLICY_VARS, STATS, param_chunk, write
-from storage.tables import to_csv, to_markdown
 from tasks.common import StageResult, run_stage
 from tasks.specs import Instance, OffPolicySpec
 

@@ -10,7 +10,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 
-from covgrad.config import PipelineConfig
+from covgrad.config import PipelineConfig, current_layout
 from covgrad.report import Report, render_report
 from covgrad.report.document import cell
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -26,9 +26,10 @@ def artifact_key(text: str) -> str:
 
 def render_run(store: ArtifactStore, index: dict[str, Any]) -> Report:
     """The report of a run index (``name``, ``config``, ``artifacts``) from the stores under ``store``."""
-    cfg = PipelineConfig.model_validate(index["config"])
+    config = current_layout(index["config"])
+    cfg = PipelineConfig.model_validate(config)
     main = str(main_stats(cfg))
-    return render_report(RunArtifacts(store, index), index["config"], index.get("name", cfg.name), main)
+    return render_report(RunArtifacts(store, index), config, index.get("name", cfg.name), main)
 
 
 def publish(report: Report, name: str) -> None:

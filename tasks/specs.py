@@ -19,23 +19,30 @@ indexes and notebooks use. The artifact directory is ``{root}/{stage}/{key}``.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
 from covgrad.config import (
+    Advantage,
+    Blocks,
     DemoModel,
+    Device,
+    Dtype,
     PipelineConfig,
     SamplerSection,
+    StateDtype,
     TaskSection,
     TokensSection,
     UpdateCheckSection,
+    report_layout,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, stage_key
-from storage.models import model_fingerprint
+from storage.digests import input_digest
 
 Centering = Literal["policy", "sampler"]
 
@@ -67,8 +74,12 @@ class StageSpec(Spec):
     PLACEMENT: ClassVar[frozenset[str]] = frozenset()
 
     def hashed(self) -> dict[str, Any]:
-        """The spec as the key hashes it: every field except the placement fields, as JSON values."""
-        return self.model_dump(mode="json", exclude=set(self.PLACEMENT))
+        """The spec as the key hashes it: every field except the placement fields, as JSON values; an empty
+        ``inputs`` (the stage reads no user file) is hashed as if the field did not exist."""
+        out = self.model_dump(mode="json", exclude=set(self.PLACEMENT))
+        if out.get("inputs") == {}:
+            del out["inputs"]
+        return out
 
     def key(self, upstream: list[str]) -> str:
         """The artifact key of this spec computed from upstream artifacts with keys ``upstream``."""
@@ -80,13 +91,14 @@ class PolicySpec(Spec):
     the demo model that the base_model artifact holds, in ``dtype``."""
 
     path: str | None
-    dtype: Literal["float32", "bfloat16"]
+    dtype: Dtype
     trust_remote_code: bool
 
 
 class BaseModelSpec(StageSpec):
     """base_model: train the demo model (``demo`` on the ``digits``-digit addition task) or register the
-    user model at ``policy.path`` (``fingerprint``: its config and weight files' names, sizes, mtimes)."""
+    user model at ``policy.path`` (``fingerprint``: the content digest of its config, weight, tokenizer and
+    code files, :func:`storage.digests.input_digest`)."""
 
     STAGE: ClassVar[str] = "base_model"
     VERSION: ClassVar[str] = "1"
@@ -105,8 +117,9 @@ class RolloutsSpec(StageSpec):
     sampler: str
     settings: SamplerSection
     task: TaskSection
-    advantage: Literal["group_mean", "group_zscore", "global_mean", "none"]
+    advantage: Advantage
     policy: PolicySpec
+    inputs: dict[str, str] = {}  # content digests of the files it reads: task, reward source, sampler files
 
 
 class ScoresSpec(StageSpec):
@@ -126,12 +139,13 @@ class ScoresSpec(StageSpec):
     params: list[str] | None
     groups_per_batch: int
     byte_budget: int
-    state_dtype: Literal["float64", "float32"]
+    state_dtype: StateDtype
     # sample shards change the order of the merges; parameter blocks and placement change no byte
     sample_shards: int
-    blocks: int | Literal["auto"]
-    device: Literal["auto", "cpu", "cuda"]
+    blocks: Blocks
+    device: Device
     self_check: bool
+    inputs: dict[str, str] = {}  # content digests of the sampler's model and μ files it reads
     checkpoint_batches: int
     checkpoint_seconds: float
 
@@ -177,7 +191,7 @@ class TokensSpec(StageSpec):
     sampler: str
     on_policy: bool
     policy: PolicySpec
-    device: Literal["auto", "cpu", "cuda"]
+    device: Device
     self_check: bool
 
 
@@ -194,7 +208,8 @@ class UpdateCheckSpec(StageSpec):
 
 
 class ReportSpec(StageSpec):
-    """report: the run ``name`` rendered from its artifacts and its config (JSON, without ``root``)."""
+    """report: the run ``name`` rendered from its artifacts and its config (JSON without ``root``, in
+    ``covgrad.config.report_layout``)."""
 
     STAGE: ClassVar[str] = "report"
     VERSION: ClassVar[str] = "7"
@@ -235,24 +250,27 @@ class Step:
 
 @dataclass(frozen=True)
 class Plan(Mapping[str, Step]):
-    """Every artifact of one pipeline run, each with its spec and key, by stage; as a mapping, every step
-    by instance name in DAG order (upstream first)."""
+    """Every artifact of one pipeline run, each with its spec and key, by stage. The stage fields, in DAG
+    order (upstream first), are the one declaration of the stage order (``STAGES``); as a mapping, every
+    step by instance name in that order (per-sampler stages sampler by sampler, disabled stages left out)."""
 
     base_model: Step
     rollouts: dict[str, Step]
     scores: dict[Instance, Step]
     stats: dict[Instance, Step]
     offpolicy: Step
-    main: Step  # the main statistics: analysed sampler, sampler centering whenever μ ≠ p
     masks: Step
     tokens: Step | None
     update_check: Step | None
     report: Step
+    main: Step  # not a stage: the main statistics (one of ``stats``), sampler-centred whenever μ ≠ p
 
     def _steps(self) -> list[Step]:
-        optional = [s for s in (self.tokens, self.update_check) if s is not None]
-        per_sampler = [*self.rollouts.values(), *self.scores.values(), *self.stats.values()]
-        return [self.base_model, *per_sampler, self.offpolicy, self.masks, *optional, self.report]
+        out: list[Step] = []
+        for stage in STAGES:
+            value = getattr(self, stage)
+            out += list(value.values()) if isinstance(value, dict) else [] if value is None else [value]
+        return out
 
     def __getitem__(self, name: str) -> Step:
         for s in self._steps():
@@ -283,6 +301,9 @@ class Plan(Mapping[str, Step]):
         return next(str(s.instance) for s in self._steps() if s.ref == ref)
 
 
+STAGES = tuple(f.name for f in fields(Plan) if f.name != "main")  # the stage names, in DAG order
+
+
 def _step(store: ArtifactStore, instance: Instance, spec: StageSpec, upstream: dict[str, Step]) -> Step:
     keys = [u.ref.key for u in upstream.values()]
     ref = store.ref(spec.STAGE, spec.key(keys), spec.VERSION, keys)
@@ -302,15 +323,43 @@ def base_model_spec(cfg: PipelineConfig) -> BaseModelSpec:
         policy=policy_spec(cfg),
         demo=cfg.model.demo.model_copy(deep=True) if demo else None,
         digits=cfg.task.digits if demo else None,
-        fingerprint=None if demo else model_fingerprint(cfg.model.path),
+        fingerprint=None if demo else input_digest(cfg.model.path, model=True),
     )
+
+
+def sampler_inputs(s: SamplerSection, mu: bool) -> dict[str, str]:
+    """Content digests of the files sampler ``s``'s rollouts read (another model directory, imported rollouts)
+    and, with ``mu`` (sampler-centred scores), μ's model directory."""
+    out = {}
+    if s.model not in ("policy", "stale"):
+        out["model"] = input_digest(s.model, model=True)
+    if s.import_path is not None:
+        out["import_path"] = input_digest(s.import_path)
+    if mu and s.mu_model is not None:
+        out["mu_model"] = input_digest(s.mu_model, model=True)
+    return out
+
+
+def task_inputs(t: TaskSection) -> dict[str, str]:
+    """Content digests of a JSONL task's prompt file and of its reward function's source file."""
+    if t.kind != "jsonl":
+        return {}
+    out = {"task": input_digest(t.path) if t.path else "absent"}
+    module = (t.reward or "").partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) if module else None
+    except (ImportError, ValueError):
+        found = None
+    origin = getattr(found, "origin", None)
+    out["reward"] = input_digest(origin) if origin and Path(origin).is_file() else "absent"
+    return out
 
 
 def plan(cfg: PipelineConfig) -> Plan:
     """Every artifact of ``cfg``'s pipeline run: specs built from the config, keys chained in DAG order."""
     store = ArtifactStore(cfg.root)
     policy = policy_spec(cfg)
-    sc = cfg.scores
+    sc, m = cfg.scores, cfg.model
     base = _step(store, Instance("base_model"), base_model_spec(cfg), {})
     rollouts: dict[str, Step] = {}
     scores: dict[Instance, Step] = {}
@@ -323,6 +372,7 @@ def plan(cfg: PipelineConfig) -> Plan:
             task=cfg.task.model_copy(deep=True),
             advantage=cfg.rollouts.advantage,
             policy=policy,
+            inputs={**task_inputs(cfg.task), **sampler_inputs(s, mu=False)},
         )
         rollouts[name] = _step(store, Instance("rollouts", name), spec, {"base_model": base})
         for c in centerings(s):
@@ -331,16 +381,17 @@ def plan(cfg: PipelineConfig) -> Plan:
                 centering=c,
                 settings=settings,
                 policy=policy,
-                params=sc.params,
+                params=m.params,
                 groups_per_batch=sc.groups_per_batch,
                 byte_budget=sc.byte_budget,
                 state_dtype=sc.state_dtype,
                 sample_shards=sc.shards[0],
                 blocks=sc.shards[1],
-                device=sc.device,
-                self_check=sc.self_check,
+                device=m.device,
+                self_check=m.self_check,
                 checkpoint_batches=sc.checkpoint_batches,
                 checkpoint_seconds=sc.checkpoint_seconds,
+                inputs=sampler_inputs(s, mu=True) if c == "sampler" else {},
             )
             upstream = {"base_model": base, "rollouts": rollouts[name]}
             scores[Instance("scores", name, c)] = _step(store, Instance("scores", name, c), score_spec, upstream)
@@ -358,18 +409,18 @@ def plan(cfg: PipelineConfig) -> Plan:
     if cfg.tokens.enabled:
         spec = TokensSpec(
             settings=cfg.tokens.model_copy(deep=True),
-            params=sc.params,
+            params=m.params,
             sampler=analysed,
             on_policy=on_policy(s),
             policy=policy,
-            device=sc.device,
-            self_check=sc.self_check,
+            device=m.device,
+            self_check=m.self_check,
         )
         tokens = _step(store, Instance("tokens"), spec, {"base_model": base, "rollouts": rollouts[analysed]})
     if cfg.update_check.enabled:
         spec = UpdateCheckSpec(
             settings=cfg.update_check.model_copy(deep=True),
-            params=sc.params,
+            params=m.params,
             groups_per_batch=sc.groups_per_batch,
             policy=policy,
         )
@@ -377,6 +428,6 @@ def plan(cfg: PipelineConfig) -> Plan:
         update = _step(store, Instance("update_check"), spec, upstream)
     everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
     everything += [x for x in (tokens, update) if x is not None]
-    report_spec = ReportSpec(name=cfg.name, config=cfg.model_dump(mode="json", exclude={"root"}))
+    report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude={"root"})))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
-    return Plan(base, rollouts, scores, stats, offpolicy, main, masks, tokens, update, report)
+    return Plan(base, rollouts, scores, stats, offpolicy, masks, tokens, update, report, main=main)

@@ -34,14 +34,16 @@ from typing import Any
 import torch
 from prefect import task
 
+from covgrad.batch import group_batches
 from covgrad.layout import ParamLayout, select_parameters
+from covgrad.tables import to_csv, to_markdown
 from covgrad.update import BATCH_KEYS, RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
-from storage.tables import to_csv, to_markdown
-from tasks.common import StageResult, group_batches, load_models, log, run_stage
+from tasks.common import StageResult, log, run_stage
 from tasks.specs import UpdateCheckSpec
 
 MD_COLUMNS = (
@@ -67,7 +69,7 @@ def check_layout(layout: ParamLayout, stats_layout: ParamLayout) -> None:
         if a != b:
             raise ValueError(
                 f"the policy's selected parameters do not match the stats store's tensor table (model {a} vs "
-                f"stats {b}); run update_check with the scores.params that produced the stats"
+                f"stats {b}); run update_check with the model.params that produced the stats"
             )
 
 

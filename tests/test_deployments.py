@@ -4,10 +4,12 @@ the ``covgrad-watch`` flow. One server, pool and worker serve the whole module."
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from covgrad.config import DemoModel, PipelineConfig
 from tests.conftest import REPO, tiny_config
@@ -228,6 +231,42 @@ def test_bad_parameter_is_rejected_before_a_run_exists(server: Server):
     with server.settings(), server.client() as client:
         assert len(client.read_flow_runs()) == before
     assert not (server.tmp / "bad-root").exists()
+
+
+def test_bad_task_file_fails_in_preflight_with_the_cli_line(server: Server):
+    """A deployment run whose task file has a malformed line fails in the flow's preflight, before any
+    stage (no task run, nothing under its root), with the line ``covgrad run`` prints for the same config."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    task = server.tmp / "malformed.jsonl"
+    task.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": \n')
+    root = server.tmp / "malformed-root"
+    cfg = user_config(root, server.checkpoint, task, **{"task.reward": "covgrad.rewards:mentions_answer"})
+    config_file = server.tmp / "malformed.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    env = {**server.env, "PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(server.tmp / "logs")}
+    cli = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", str(config_file)],
+        cwd=REPO,
+        env={k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 2, cli.stderr
+    said = re.fullmatch(r"covgrad: error: (.*) \(traceback: .*\)", cli.stderr.strip())
+    assert said and f"{task}:2: not valid JSON" in said[1], cli.stderr
+    with server.settings(), server.client() as client:
+        deployment = client.read_deployment_by_name("covgrad-pipeline/user-model")
+        run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": cfg.model_dump(mode="json")})
+        deadline = time.monotonic() + 180
+        while not (state := client.read_flow_run(run.id).state).is_final() and time.monotonic() < deadline:
+            time.sleep(1)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    assert state.is_failed(), state
+    assert state.message == f"Flow run encountered an exception: ValueError: {said[1]}", state.message
+    assert tasks == []
+    assert not root.exists()
 
 
 def test_watch_analyses_each_checkpoint_once(prefect_server, server: Server):

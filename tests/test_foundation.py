@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,15 @@ import yaml
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from covgrad.config import DemoModel, PipelineConfig, apply_overrides, format_validation_error
+from covgrad.config import (
+    MOVED,
+    DemoModel,
+    PipelineConfig,
+    apply_overrides,
+    current_layout,
+    format_validation_error,
+    report_layout,
+)
 from covgrad.models import build_demo_model
 from covgrad.problems import (
     addition_problems,
@@ -20,7 +29,8 @@ from covgrad.problems import (
     resolve_reward,
     score_rewards,
 )
-from tasks.preflight import load_task, preflight
+from flows.preflight import preflight
+from storage.prompts import load_task
 from tests.conftest import REPO, tiny_config
 
 
@@ -105,6 +115,41 @@ def test_config_validation():
     assert data == {"a": {"b": 2, "c": [1, 2]}, "d": "x"}
 
 
+@pytest.mark.parametrize(("old", "new"), list(MOVED.items()))
+def test_moved_keys_are_refused_naming_the_new_key(old, new):
+    """From a YAML mapping and from ``--set``: one line, ``scores.params moved to model.params``."""
+    section, key = old.split(".")
+    for data in ({section: {key: None}}, apply_overrides({}, [f"{old}=null"])):
+        with pytest.raises(ValidationError) as e:
+            PipelineConfig.model_validate(data)
+        line = format_validation_error(e.value)
+        assert f"{old} moved to {new}" in line and "\n" not in line, line
+
+
+def test_recorded_configs_keep_the_report_key_and_read_back():
+    """The report spec hashes the config with the moved keys at their old places (the report key of a
+    config is what it was before they moved); a recorded config of either layout reads back."""
+    cfg = PipelineConfig.model_validate({"model": {"params": ["model.layers.0.*"], "device": "cpu"}})
+    new = cfg.model_dump(mode="json")
+    old = report_layout(new)
+    assert old["scores"]["params"] == ["model.layers.0.*"] and old["scores"]["device"] == "cpu"
+    assert not {"params", "device", "self_check"} & set(old["model"])
+    assert PipelineConfig.model_validate(current_layout(old)) == cfg
+    assert current_layout(new) == new
+
+
+@pytest.mark.parametrize("name", ["demo", "tiny"])
+def test_preflight_takes_well_under_two_seconds(tmp_path, name):
+    """The flow's first step on the demo and tiny configs (task, tokenizer, context): milliseconds."""
+    from flows.cli import load_config
+
+    cfg = load_config(str(REPO / "configs" / f"{name}.yaml"), [f"root={tmp_path / 'runs'}"])
+    t0 = time.perf_counter()
+    preflight(cfg)
+    assert time.perf_counter() - t0 < 2.0
+    assert not (tmp_path / "runs").exists()
+
+
 def test_preflight_rejects_bad_model_paths(tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         preflight(
@@ -137,6 +182,7 @@ def _cli(args, cwd):
     [
         (["--set", "scores.groups_perbatch=3"], "scores.groups_perbatch"),
         (["--set", "masks.qs=[0.5, 2.0]"], "masks.qs"),
+        (["--set", "scores.self_check=false"], "scores.self_check moved to model.self_check"),
         (
             ["--set", "model.path=/nonexistent/model", "--set", "rollouts.samplers={policy: {}}"],
             "/nonexistent/model",

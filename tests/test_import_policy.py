@@ -48,7 +48,7 @@ def test_on_policy_import_without_top_k_completes_with_policy_centering(ckpt):
     path.write_text(_records())
     cfg = _cfg(tmp, path_ckpt, path, "runs-on", on_policy=True)
     assert not any(n.endswith(".sampler") for n in plan(cfg))
-    from tasks.preflight import preflight
+    from flows.preflight import preflight
 
     preflight(cfg)
     refs = _run(cfg)
@@ -58,7 +58,7 @@ def test_on_policy_import_without_top_k_completes_with_policy_centering(ckpt):
 
 
 def test_sampler_centred_import_without_mu_source_is_refused_by_preflight(ckpt):
-    from tasks.preflight import preflight
+    from flows.preflight import preflight
 
     tmp, path_ckpt = ckpt
     path = tmp / "plain.jsonl"
@@ -144,7 +144,7 @@ def test_mu_model_recomputes_mu_for_an_import(ckpt):
     path = tmp / "mu.jsonl"
     path.write_text(_records())
     cfg = _cfg(tmp, path_ckpt, path, "runs-mu", mu_model=str(path_ckpt))
-    from tasks.preflight import preflight
+    from flows.preflight import preflight
 
     preflight(cfg)
     refs = _run(cfg, ("base_model", "rollouts", "scores", "stats"))
@@ -164,7 +164,7 @@ def test_prompt_over_the_context_names_the_task_file_line(ckpt):
         json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n" + json.dumps({"prompt": "1" * 70, "answer": "1"}) + "\n"
     )
     cfg = user_config(tmp / "runs-long", path_ckpt, task)
-    from tasks.preflight import preflight
+    from flows.preflight import preflight
 
     said = (
         rf"^{re.escape(str(task))}:3: the prompt is 71 tokens; with rollouts\.samplers\.policy\.max_new_tokens=3 "
@@ -179,7 +179,7 @@ def test_prompt_over_the_context_names_the_task_file_line(ckpt):
 
 def test_demo_max_new_tokens_over_the_context_is_refused_by_preflight(tmp_path):
     """The demo model is not trained yet at preflight: its tokenizer and context are known without it."""
-    from tasks.preflight import preflight
+    from flows.preflight import preflight
     from tests.conftest import tiny_config
 
     cfg = tiny_config(str(tmp_path / "runs"), **{"rollouts.samplers.stale.max_new_tokens": 60})

@@ -28,17 +28,14 @@ README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 README_LIMIT = 15_000
 
-# Keys renamed to the section of the stages they drive; the old names must not appear in the docs. Until the
-# schema carries the new names, a new name counts as valid when its old name is in the key listing.
-RENAMED = {"model.params": "scores.params", "model.device": "scores.device", "model.self_check": "scores.self_check"}
+# Keys renamed to the section of the stages they drive: the old names must not appear in the docs.
+from covgrad.config import MOVED as RENAMED  # noqa: E402
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 # configs/..., scripts/..., notebooks/..., docs/... mentioned anywhere (not inside an absolute path or URL)
 REPO_PATH = re.compile(
     r"(?<![\w/.:-])((?:configs|scripts|notebooks|docs|benchmarks|covgrad|storage|tasks|flows)/[\w./-]*[\w/])"
 )
-# Files that move in the same change as these docs: the new path counts while only the old one exists.
-MOVED = {"flows/shards.py": "tasks/shards.py"}
 TABLE_RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
 SEPARATORS = {"&&", "||", ";", "|"}
 PYTHONS = {"python", "python3", "python3.11", "python3.12"}
@@ -109,7 +106,7 @@ def config_keys() -> list[str]:
 
 def is_config_key(key: str) -> bool:
     listed = [re.compile(re.escape(k).replace(re.escape("<name>"), r"[^.]+") + r"\Z") for k in config_keys()]
-    return any(p.match(k) for k in (key, RENAMED.get(key, key)) for p in listed)
+    return any(p.match(key) for p in listed)
 
 
 def makefile_targets() -> set[str]:
@@ -219,12 +216,12 @@ def test_benchmark_commands_use_real_flags():
 def test_docs_and_readme_use_the_renamed_keys():
     for path in [README, *DOCS]:
         text = path.read_text()
-        for new, old in RENAMED.items():
+        for old, new in RENAMED.items():
             assert old not in text, f"{path.name} names {old}; the key is {new}"
 
 
 def exists(path: str) -> bool:
-    return (REPO / path).exists() or (path in MOVED and (REPO / MOVED[path]).exists())
+    return (REPO / path).exists()
 
 
 def test_paths_mentioned_exist():
@@ -270,14 +267,30 @@ def test_readme_python_imports_exist():
                     importlib.import_module(alias.name)
 
 
+# A measured number in a table cell: a decimal, or an integer with a unit of time, memory or ratio.
+MEASURED = re.compile(r"(?<![\w.])\d+\.\d+|(?<![\w.])\d+\s?(s|ms|min|GiB|MiB|GB|MB|KiB|x|×|%)(?!\w)")
+
+
+def table_rows(lines: list[str], i: int) -> list[str]:
+    """The body rows of the table whose header is ``lines[i]``."""
+    rows = []
+    for line in lines[i + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
 def unheaded_tables(text: str) -> list[str]:
-    """The tables of a markdown text (by line number) with no ``Command: `...` `` line or no ``Machine:`` line
-    between them and the heading or table before them."""
+    """The tables of measurements (a cell holds a measured number) of a markdown text, by line number, with no
+    ``Command: `...` `` line or no ``Machine:`` line between them and the heading or table before them.
+    Tables of definitions (formulas, field names) need no command."""
     lines = text.splitlines()
     found, start = [], 0  # start: first line after the last heading or table
     for i, line in enumerate(lines):
         table_starts = line.startswith("|") and i + 1 < len(lines) and TABLE_RULE.match(lines[i + 1])
-        if table_starts and not (i > 0 and lines[i - 1].startswith("|")):
+        measured = table_starts and any(MEASURED.search(row) for row in table_rows(lines, i))
+        if measured and not (i > 0 and lines[i - 1].startswith("|")):
             head = lines[start:i]
             if not any(re.match(r"Command: `[^`]+`", h) for h in head):
                 found.append(f"line {i + 1}: no Command: line")
@@ -306,8 +319,9 @@ def test_command_checker_refuses_what_does_not_exist():
     assert not problems(["covgrad", "run", "--set=model.params=null", "--root", "r"])
     assert exists("flows/shards.py")
     assert not exists("configs/no_such.yaml")
-    table = "| a | b |\n|---|---|\n| 1 | 2 |\n"
+    table = "| a | b |\n|---|---|\n| 1.5 | 2 s |\n"
     assert unheaded_tables("# T\n\n" + table) == ["line 3: no Command: line", "line 3: no Machine: line"]
+    assert unheaded_tables("# T\n\n| field | meaning |\n|---|---|\n| `x_t` | A_t − b_t |\n") == []
     assert unheaded_tables("Command: `covgrad ls`\nMachine: any\n\n" + table + "\n" + table) == [
         "line 8: no Command: line",
         "line 8: no Machine: line",

@@ -1,12 +1,11 @@
-"""Stage specs are what each stage computes from and what its key covers; tasks see specs, never the config;
-the package's import graph has no cycle and no stage module imports another.
+"""Stage specs are what each stage computes from and what its key covers; tasks see specs, never the config
+(the import graph's rules are tests/test_layering.py's).
 
 The key-coverage test is derived, not listed: it walks every leaf field of ``PipelineConfig``, changes it,
 and checks that the artifact keys that change are exactly those of the stages whose (hashed) spec changed
 and of everything below them in the plan.
 """
 
-import ast
 import inspect
 import json
 import re
@@ -20,11 +19,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from covgrad.config import PipelineConfig
-from tasks.specs import Plan, StageSpec, plan
+from tasks.specs import STAGES, Plan, StageSpec, plan
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("covgrad", "tasks", "flows", "storage")
-STAGE_MODULES = ("base_model", "rollouts", "scores", "stats", "offpolicy", "masks", "tokens", "update_check", "report")
 
 
 def leaves(model: BaseModel, prefix: tuple = ()) -> list[tuple[tuple, Any, Any]]:
@@ -167,10 +164,10 @@ def _field(label: str) -> str:
 
 
 def test_tokens_key_covers_the_parameter_selection(bases):
-    """The stale-cache bug this layout fixes: tokens reads scores.params, so its key changes with it."""
+    """The stale-cache bug this layout fixes: tokens reads model.params, so its key changes with it."""
     data = bases[0][0]
     before = plan(PipelineConfig.model_validate(data))
-    after = plan(PipelineConfig.model_validate(changed(data, ("scores", "params"), ["model.layers.0.*"])))
+    after = plan(PipelineConfig.model_validate(changed(data, ("model", "params"), ["model.layers.0.*"])))
     assert before.tokens.ref.key != after.tokens.ref.key
     assert before.tokens.spec.params is None and after.tokens.spec.params == ["model.layers.0.*"]
 
@@ -181,7 +178,7 @@ def test_placement_fields_change_no_artifact_key_below_the_report(bases):
     data = bases[0][0]
     before = plan(PipelineConfig.model_validate(data))
     for path, value in (
-        (("scores", "device"), "cpu"),
+        (("model", "device"), "cpu"),
         (("scores", "checkpoint_batches"), 3),
         (("scores", "shards"), [1, 2]),
         (("dask", "address"), "tcp://127.0.0.1:1"),
@@ -196,7 +193,7 @@ def _stage_tasks() -> dict[str, Any]:
     from prefect import Task
 
     out = {}
-    for name in STAGE_MODULES:
+    for name in STAGES:  # each stage's task module is named after it
         module = importlib.import_module(f"tasks.{name}")
         out |= {f"{name}.{k}": v for k, v in vars(module).items() if isinstance(v, Task)}
     return out
@@ -207,7 +204,7 @@ def test_stage_tasks_take_a_spec_and_upstream_refs_never_the_config():
     from storage.artifacts import ArtifactRef
 
     tasks = _stage_tasks()
-    assert len(tasks) == len(STAGE_MODULES), sorted(tasks)
+    assert len(tasks) == len(STAGES), sorted(tasks)
     for name, task in tasks.items():
         params = list(inspect.signature(task.fn).parameters)
         hints = typing.get_type_hints(task.fn)
@@ -218,52 +215,22 @@ def test_stage_tasks_take_a_spec_and_upstream_refs_never_the_config():
         assert PipelineConfig not in hints.values(), name
 
 
-def _imports() -> dict[str, set[str]]:
-    """Module -> the project modules it imports (at any depth of the file, lazy imports included)."""
-    files = {
-        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
-        for pkg in PACKAGES
-        for p in (REPO / pkg).rglob("*.py")
-    }
-    graph: dict[str, set[str]] = {}
-    for module, path in files.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        graph[module] = {m for m in found if m in files and m != module}
-    return graph
-
-
-def test_no_import_cycle_and_no_stage_module_imports_another():
-    graph = _imports()
-    state: dict[str, int] = {}
-
-    def visit(m: str, stack: list[str]) -> None:
-        state[m] = 1
-        for n in sorted(graph[m]):
-            assert state.get(n) != 1, f"import cycle: {' -> '.join([*stack, m, n])}"
-            if n not in state:
-                visit(n, [*stack, m])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])
-    stage = {f"tasks.{s}" for s in STAGE_MODULES}
-    for m in sorted(stage):
-        assert not graph[m] & stage, f"{m} imports the stage module(s) {sorted(graph[m] & stage)}"
-
-
-def test_flow_names_every_stage_and_fits_on_one_screen():
-    """flows/pipeline.py's stage list calls every stage task once, in DAG order."""
+def test_stage_order_is_the_plans_and_the_flow_has_a_task_per_stage():
+    """The stages (``Plan``'s stage fields, in DAG order) are the stage specs in the order specs.py defines
+    them; ``flows.pipeline.TASKS`` has one task per stage; and the plan lists each step after its upstreams."""
     import flows.pipeline
 
-    source = inspect.getsource(flows.pipeline.run_stages)
-    calls = [f"{s}_task" for s in STAGE_MODULES]
-    order = [source.index(c) for c in calls]
-    assert order == sorted(order), order
-    assert all(source.count(c) == 1 for c in calls), source
+    assert list(STAGES) == [cls.STAGE for cls in StageSpec.__subclasses__()]
+    assert sorted(t.name for t in flows.pipeline.TASKS) == sorted(STAGES)
     assert len((REPO / "flows" / "pipeline.py").read_text().splitlines()) <= 90
+
+
+def test_the_plan_runs_upstream_first(bases):
+    for data in bases[0]:
+        p = plan(PipelineConfig.model_validate(data))
+        seen: set[str] = set()
+        for name, step in p.items():
+            assert {r.key for r in step.upstream.values()} <= seen, name
+            seen.add(step.ref.key)
+        order = [STAGES.index(step.spec.STAGE) for step in p.values()]
+        assert order == sorted(order)

@@ -16,9 +16,9 @@ from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import cross_term_ratio, token_fisher, token_scores
 from covgrad.token_study import POSITION_ARRAYS, StudyRecord, TokenStudy, rel_l2, row_names, summarize, trace_names
 from storage.artifacts import ArtifactStore, mark_batch_done
+from storage.models import load_models
 from storage.schema import ROLLOUTS
 from storage.schema import TOKENS as STORE
-from tasks.common import load_models
 from tasks.specs import plan, policy_spec
 from tests.conftest import run_planned, tiny_config
 
@@ -85,7 +85,7 @@ def test_matches_one_batch_recomputation(run):
     cfg, refs, store, g = run
     ro = store.open_group(refs["rollouts.policy"], ROLLOUTS, mode="r")
     model = load_models(store, refs["base_model"], "policy", policy_spec(cfg))[0].eval()
-    layout = select_parameters(model, cfg.scores.params)
+    layout = select_parameters(model, cfg.model.params)
     N = cfg.tokens.max_samples
     pl = torch.from_numpy(ro["prompt_len"][:N]).long()
     rl = torch.from_numpy(ro["response_len"][:N]).long()

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.tables import to_markdown, uniform
+from covgrad.tables import to_markdown, uniform
 
 FLOAT_FORMAT = ".4g"
 # Wide tables scroll inside their own box instead of being cut at the page's right edge.

@@ -1,4 +1,5 @@
-"""Row tables (lists of dicts) as CSV and markdown, the formats stages write beside their stores."""
+"""Row tables (lists of dicts) as CSV and markdown text: the tables stages write beside their stores and
+the report's tables (pure formatting; storage writes the files)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,47 @@
+"""Pure checks of a run's inputs, made before any stage: do the prompts fit the policy's context.
+
+No file is read here (``storage.prompts`` reads the task, the tokenizer and the model config) and
+nothing heavy is imported, so the preflight (``flows.preflight``) stays well under 2 s; the rollouts
+stage repeats :func:`check_context` with the loaded tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+_MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+def max_positions(config: Mapping[str, Any]) -> int | None:
+    """The longest sequence a Hugging Face model config allows (``max_position_embeddings``,
+    ``n_positions`` or ``max_sequence_length``, at the top level or in ``text_config``), or None."""
+    for section in (config, config.get("text_config") or {}):
+        for key in _MAX_POSITION_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def check_context(lengths: Sequence[int], where: Sequence[str], max_new_tokens: int, limit: int, what: str) -> None:
+    """ValueError (one line) naming the first prompt whose tokens plus ``max_new_tokens`` exceed the
+    model's context ``limit``, with both lengths, how many prompts are too long, and what to change.
+
+    Args:
+        lengths: prompt lengths in tokens, special tokens included.
+        where: the place of each prompt (``file:line``).
+        max_new_tokens: the sampler's response budget.
+        limit: the policy's context (maximum positions).
+        what: the sampler's config section, e.g. ``rollouts.samplers.policy``.
+    """
+    over = [i for i, n in enumerate(lengths) if n + max_new_tokens > limit]
+    if not over:
+        return
+    i = over[0]
+    more = f" ({len(over) - 1} more prompt(s) too long)" if len(over) > 1 else ""
+    raise ValueError(
+        f"{where[i]}: the prompt is {lengths[i]} tokens; with {what}.max_new_tokens={max_new_tokens} that is "
+        f"{lengths[i] + max_new_tokens} > the model's context of {limit} positions{more}; shorten the prompt "
+        f"or lower max_new_tokens"
+    )

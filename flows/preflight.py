@@ -1,0 +1,53 @@
+"""The one preflight: every check of a run's inputs, before any stage, so that bad input fails in one
+line with nothing written.
+
+``covgrad-pipeline`` calls :func:`preflight` first, so ``covgrad run`` and ``prefect deployment run``
+validate alike; ``covgrad run`` also calls it before Prefect starts (``architecture=False``), so bad
+files fail in well under 2 s. The checks themselves live where their layer says: pure checks in
+covgrad (``covgrad.inputs``, ``covgrad.rollout_import.require_mu_source``, ``covgrad.preflight``),
+file reading in storage (``storage.models``, ``storage.readers``, ``storage.prompts``); the config's own
+validators ran when it was built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from covgrad.config import PipelineConfig
+from covgrad.inputs import check_context
+from covgrad.rollout_import import require_mu_source
+from storage.models import check_model_dir
+from storage.prompts import load_task, prompt_lengths, prompt_places
+from storage.readers import read_records
+
+
+def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
+    """Validate everything ``cfg`` points at, in this order: model directories, imported rollouts and
+    their μ source, the task file and its reward, that the prompts fit the policy's context with every
+    generating sampler's ``max_new_tokens``, and (``architecture``, a user model) that per-sample scores
+    support every selected parameter (``covgrad.preflight.check_model``: seconds, imports torch).
+    Raises ValueError or FileNotFoundError with a one-line message naming the bad value."""
+    if cfg.model.path is not None:
+        check_model_dir(cfg.model.path, "model.path")
+    for name, s in cfg.rollouts.samplers.items():
+        if s.model not in ("policy", "stale"):
+            check_model_dir(s.model, f"rollouts.samplers.{name}.model")
+        if s.import_path is not None and not Path(s.import_path).is_file() and "://" not in s.import_path:
+            raise FileNotFoundError(f"rollouts.samplers.{name}.import_path {s.import_path!r} does not exist")
+        if s.import_path is not None:
+            first = next(iter(read_records(s.import_path)))
+            require_mu_source(f"rollouts.samplers.{name}", first, s.on_policy, s.mu_model)
+        if s.mu_model is not None:
+            check_model_dir(s.mu_model, f"rollouts.samplers.{name}.mu_model")
+    problems, _ = load_task(cfg.task)
+    generating = {name: s for name, s in cfg.rollouts.samplers.items() if s.import_path is None}
+    counted = prompt_lengths(cfg.model.path, problems) if generating else None
+    if counted is not None:
+        lengths, limit = counted
+        where = prompt_places(cfg.task, len(problems))
+        for name, s in generating.items():
+            check_context(lengths, where, s.max_new_tokens, limit, f"rollouts.samplers.{name}")
+    if architecture and (m := cfg.model).path is not None:  # unsupported modules fail in seconds, not after rollouts
+        from covgrad.preflight import check_model
+
+        check_model(m.path, m.params, m.trust_remote_code, m.self_check)

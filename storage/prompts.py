@@ -1,0 +1,61 @@
+"""A task's prompts and reward, where each prompt comes from, and how many tokens each prompt is.
+
+Token counts use the ``tokenizers`` library on the policy's ``tokenizer.json`` (what ``AutoTokenizer``
+loads for a fast tokenizer, special tokens included, no chat template: the rollouts stage encodes the
+prompt text as it is), so the preflight counts them before torch or transformers load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from covgrad.config import TaskSection
+from covgrad.inputs import max_positions
+from covgrad.problems import (
+    DEMO_CONTEXT,
+    Problem,
+    RewardFn,
+    addition_problems,
+    addition_reward,
+    char_tokenizer,
+    problems_from_records,
+    resolve_reward,
+)
+from storage.readers import prompt_locations, read_prompt_file
+
+
+def load_task(t: TaskSection) -> tuple[list[Problem], RewardFn]:
+    """The prompts and reward function of task section ``t``."""
+    if t.kind == "addition":
+        return addition_problems(t.n_prompts, t.digits, t.seed), addition_reward
+    assert t.path is not None and t.reward is not None
+    reward = resolve_reward(t.reward)
+    problems = problems_from_records(read_prompt_file(t.path))
+    return problems[: t.n_prompts], reward
+
+
+def prompt_places(t: TaskSection, n: int) -> list[str]:
+    """Where each of the first ``n`` prompts of task ``t`` comes from: ``file:line`` of a JSONL task, else
+    ``prompt i`` (the built-in task)."""
+    if t.kind == "jsonl" and t.path is not None:
+        return prompt_locations(t.path)[:n]
+    return [f"prompt {i}" for i in range(n)]
+
+
+def prompt_lengths(model_path: str | None, problems: list[Problem]) -> tuple[list[int], int] | None:
+    """Token counts of the prompts and the policy's context (the demo's when ``model_path`` is None), or
+    None when they cannot be told without loading the model (no tokenizer.json, no max positions in
+    config.json): the rollouts stage checks then."""
+    if model_path is None:
+        tokenizer, limit = char_tokenizer(), DEMO_CONTEXT
+    else:
+        root = Path(model_path)
+        limit = max_positions(json.loads((root / "config.json").read_text()))
+        if limit is None or not (root / "tokenizer.json").is_file():
+            return None
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    encodings = tokenizer.encode_batch([p.prompt for p in problems])
+    return [len(e.ids) for e in encodings], limit
