@@ -290,6 +290,29 @@ class UpdateCheckSection(Section):
     seed: int = Field(0, description="seed of the minibatch order")
 
 
+class TrajectorySection(Section):
+    """K optimizer steps of the rl regime from the policy, each step's changed set against step-0 predictors."""
+
+    enabled: bool = Field(False, description="run the trajectory stage")
+    data: Literal["on_policy", "fixed"] = Field(
+        "on_policy",
+        description="on_policy: fresh samples from the current policy every step; fixed: the analysed rollouts",
+    )
+    steps: int = Field(32, ge=1, description="optimizer steps K")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("adam", description="optimizer stepped")
+    lr: float = Field(1e-5, gt=0, description="learning rate (after warmup)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/AdamW betas")
+    weight_decay: float | None = Field(None, ge=0, description="weight decay; unset: torch's (0, AdamW 0.01)")
+    warmup: int = Field(0, ge=0, description="steps of linear learning-rate warmup")
+    precision: Literal["bf16", "fp32_master", "fp32"] = Field("bf16", description="weight precision")
+    prompts_per_step: int = Field(8, ge=1, description="on_policy: prompts per step (group_size samples each)")
+    checkpoint_steps: list[int] | None = Field(
+        None, description="steps with a Hugging Face checkpoint; unset: 1, 2, 4, ... and the last"
+    )
+    state_every: int = Field(1, ge=1, description="steps between stored resume states")
+    seed: int = Field(0, description="seed of the samples, the prompt order and the random predictors")
+
+
 class DaskSection(Section):
     """Where reductions run: the threaded scheduler (no address) or an existing dask.distributed scheduler."""
 
@@ -308,6 +331,7 @@ class PipelineConfig(Section):
     masks: MasksSection = MasksSection()
     tokens: TokensSection = TokensSection()
     update_check: UpdateCheckSection = UpdateCheckSection()
+    trajectory: TrajectorySection = TrajectorySection()
     dask: DaskSection = DaskSection()
 
     @field_validator("name")
