@@ -302,15 +302,22 @@ class TrajectorySection(Section):
     optimizer: Literal["sgd", "adam", "adamw"] = Field("adam", description="optimizer stepped")
     lr: float = Field(1e-5, gt=0, description="learning rate (after warmup)")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/AdamW betas")
-    weight_decay: float | None = Field(None, ge=0, description="weight decay; unset: torch's (0, AdamW 0.01)")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay; SGD and Adam take none")
     warmup: int = Field(0, ge=0, description="steps of linear learning-rate warmup")
     precision: Literal["bf16", "fp32_master", "fp32"] = Field("bf16", description="weight precision")
     prompts_per_step: int = Field(8, ge=1, description="on_policy: prompts per step (group_size samples each)")
-    checkpoint_steps: list[int] | None = Field(
-        None, description="steps with a Hugging Face checkpoint; unset: 1, 2, 4, ... and the last"
+    checkpoint_ratio: float = Field(
+        2.0, ge=0, description="Hugging Face checkpoints at steps floor(r**i) and the last; 0: none"
     )
     state_every: int = Field(1, ge=1, description="steps between stored resume states")
     seed: int = Field(0, description="seed of the samples, the prompt order and the random predictors")
+
+    @field_validator("checkpoint_ratio")
+    @classmethod
+    def _ratio(cls, v: float) -> float:
+        if v != 0 and not v > 1:
+            raise ValueError(f"trajectory.checkpoint_ratio {v} must be 0 (no checkpoints) or > 1 (log-spaced steps)")
+        return v
 
 
 class DaskSection(Section):

@@ -11,7 +11,7 @@ Resumable by step: each step's packed changed set and record are written, then i
 ``state_every`` steps (and at the last) the resume state (weights, optimizer state, tracker state, step,
 seed) is stored, so a killed run restarts from the newest state and ends byte-identical to an
 uninterrupted one. Hugging Face checkpoints of the analysed model are written at ``checkpoint_steps``
-(default: powers of two up to K, and K).
+(``checkpoint_ratio`` r: steps floor(r**i) and K; r = 2 by default).
 """
 
 from __future__ import annotations
@@ -61,11 +61,16 @@ from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import TrajectorySpec
 
 
-def checkpoint_steps(steps: int, chosen: list[int] | None) -> list[int]:
-    """The steps that get a Hugging Face checkpoint: ``chosen`` (within 1..steps), else 1, 2, 4, … and K."""
-    if chosen is not None:
-        return sorted({t for t in chosen if 1 <= t <= steps})
-    return sorted({2**i for i in range(steps.bit_length()) if 2**i <= steps} | {steps})
+def checkpoint_steps(steps: int, ratio: float) -> list[int]:
+    """The steps that get a Hugging Face checkpoint: floor(ratio**i) for i = 0, 1, … up to ``steps``, and
+    ``steps`` itself (ratio 2: 1, 2, 4, 8, …, K); none for ratio 0."""
+    if ratio == 0:
+        return []
+    out, i = {steps}, 0
+    while ratio**i <= steps:
+        out.add(int(ratio**i))
+        i += 1
+    return sorted(out)
 
 
 def _check_layout(layout: ParamLayout, stats_layout: ParamLayout) -> None:
@@ -122,7 +127,8 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     layout = select_parameters(start, spec.params)
     _check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]))
     stats = StepZeroStats(F=st["F"][:], G=st["G"][:], rho=st["rho"][:], seed=s.seed)
-    opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), s.weight_decay, s.warmup)
+    decay = s.weight_decay if s.optimizer == "adamw" else None
+    opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
     stepper = Stepper(bf16_rounded(start, layout), opt, s.precision)
     tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats)
     reference = bf16_rounded(policy()).to(stored_dtype(s.precision))
@@ -134,7 +140,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     state = read_state(store, ref)
     if state is not None:
         load_trajectory_state(state, stepper, tracker, s.seed)
-    saved = set(checkpoint_steps(s.steps, s.checkpoint_steps))
+    saved = set(checkpoint_steps(s.steps, s.checkpoint_ratio))
     with progress_bar(f"trajectory {ref.key[:8]}", s.steps, unit="step") as bar:
         bar.update(stepper.step)
         for rec in run_trajectory(stepper, source, layout, s.steps, tracker, reference):

@@ -82,8 +82,9 @@ def test_store_checkpoints_and_packed_sets(reference):
     assert ds.step.values.tolist() == list(range(1, STEPS + 1))
     assert ds.kl.values[0] == 0.0 and np.all(ds.kl.values[1:] > 0)
     assert not (artifact / "state").exists()
-    steps = checkpoint_steps(STEPS, None)
+    steps = checkpoint_steps(STEPS, 2.0)
     assert steps == [1, 2, 4, 6]
+    assert checkpoint_steps(10, 1.5) == [1, 2, 3, 5, 7, 10] and checkpoint_steps(6, 0) == []
     assert sorted(p.name for p in (artifact / "checkpoints").iterdir()) == [f"step_{t:06d}" for t in steps]
     ckpt = {t: load_state_dict(artifact / "checkpoints" / f"step_{t:06d}") for t in steps}
     packed = np.unpackbits(ds.changed.values[1], axis=-1, count=layout.P).astype(bool)  # step 2
