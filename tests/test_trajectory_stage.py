@@ -113,3 +113,15 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(reference, tmp_path):
     result = run_planned(tiny_config(str(copy), **OVERRIDES), {"trajectory"})["trajectory"]
     assert result.computed
     assert digests(partial) == digests(root / ref.stage / ref.key)
+
+
+@pytest.mark.slow
+def test_fixed_data_is_the_update_checks_case(reference, tmp_path):
+    root, _, _ = reference
+    copy = tmp_path / "fixed"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns(".locks"))
+    cfg = tiny_config(str(copy), **{**OVERRIDES, "trajectory.data": "fixed", "trajectory.steps": 2})
+    result = run_planned(cfg, {"trajectory"})["trajectory"]
+    assert result.computed
+    ds = xr.open_zarr(copy / result.ref.stage / result.ref.key / TRAJECTORY)
+    assert np.isnan(ds.reward.values).all() and (ds.n_changed_step.values > 0).all()
