@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from covgrad.ckpt_diff import diff_state_dicts
 from covgrad.layout import select_parameters
@@ -37,8 +38,6 @@ from covgrad.trajectory import (
     trajectory_state,
 )
 from covgrad.update import run_update_cell
-from tests.models import tiny_llama as build_llama
-from tests.test_update import rollouts
 
 VOCAB, EOS, PAD, SEED = 16, 15, 0, 7
 GROUP, PER_STEP = 4, 2
@@ -46,10 +45,43 @@ SAMPLER = SamplerSpec(max_new_tokens=4)
 LRS = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 
 
-def tiny_llama():
-    return build_llama(
-        VOCAB, hidden=16, intermediate=32, heads=2, kv_heads=1, max_positions=32, attn_implementation="eager"
+def tiny_llama() -> LlamaForCausalLM:
+    """A 2-layer Llama of width 16 over VOCAB tokens, seeded, in eval mode."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        attn_implementation="eager",
     )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def rollouts(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
+    """Fixed right-padded rows (prompt, response, pad) with random tokens and centred advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(1, 4, (n,), generator=g)
+    response_len = torch.randint(2, 6, (n,), generator=g)
+    L = int((prompt_len + response_len).max()) + 1
+    input_ids = torch.zeros(n, L, dtype=torch.long)
+    attention_mask = torch.zeros(n, L, dtype=torch.long)
+    response_mask = torch.zeros(n, L, dtype=torch.bool)
+    for i in range(n):
+        end = int(prompt_len[i] + response_len[i])
+        input_ids[i, :end] = torch.randint(1, VOCAB, (end,), generator=g)
+        attention_mask[i, :end] = 1
+        response_mask[i, int(prompt_len[i]) : end] = True
+    rewards = torch.randn(n, generator=g)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "advantages": rewards - rewards.mean(),
+    }
 
 
 def even_fraction(out, prompt_of):
