@@ -296,6 +296,36 @@ class UpdateCheckSection(Section):
     seed: int = Field(0, description="seed of the minibatch order")
 
 
+class TrajectorySection(Section):
+    """K optimizer steps of the rl regime from the policy, each step's changed set against step-0 predictors."""
+
+    enabled: bool = Field(False, description="run the trajectory stage")
+    data: Literal["on_policy", "fixed"] = Field(
+        "on_policy",
+        description="on_policy: fresh samples from the current policy every step; fixed: the analysed rollouts",
+    )
+    steps: int = Field(32, ge=1, description="optimizer steps K")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("adam", description="optimizer stepped")
+    lr: float = Field(1e-5, gt=0, description="learning rate (after warmup)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/AdamW betas")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay; SGD and Adam take none")
+    warmup: int = Field(0, ge=0, description="steps of linear learning-rate warmup")
+    precision: Literal["bf16", "fp32_master", "fp32"] = Field("bf16", description="weight precision")
+    prompts_per_step: int = Field(8, ge=1, description="on_policy: prompts per step (group_size samples each)")
+    checkpoint_ratio: float = Field(
+        2.0, ge=0, description="Hugging Face checkpoints at steps floor(r**i) and the last; 0: none"
+    )
+    state_every: int = Field(1, ge=1, description="steps between stored resume states")
+    seed: int = Field(0, description="seed of the samples, the prompt order and the random predictors")
+
+    @field_validator("checkpoint_ratio")
+    @classmethod
+    def _ratio(cls, v: float) -> float:
+        if v != 0 and not v > 1:
+            raise ValueError(f"trajectory.checkpoint_ratio {v} must be 0 (no checkpoints) or > 1 (log-spaced steps)")
+        return v
+
+
 class DaskSection(Section):
     """Where reductions run: the threaded scheduler (no address) or an existing dask.distributed scheduler."""
 
@@ -314,6 +344,7 @@ class PipelineConfig(Section):
     masks: MasksSection = MasksSection()
     tokens: TokensSection = TokensSection()
     update_check: UpdateCheckSection = UpdateCheckSection()
+    trajectory: TrajectorySection = TrajectorySection()
     dask: DaskSection = DaskSection()
 
     @field_validator("name")

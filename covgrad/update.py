@@ -21,7 +21,6 @@ Rows are right-padded (prompt, response, pad); logit position t predicts token t
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -32,12 +31,13 @@ from torch import nn
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, parameters_flat
 from covgrad.topk import top_k_masks
+from covgrad.trajectory import ADAM_EPS, OPTIMIZERS, PRECISIONS, FixedBatches, OptimizerSpec, Stepper, bf16_rounded
+from covgrad.trajectory import BATCH_KEYS as BATCH_KEYS
+from covgrad.trajectory import bf16_half_spacing as bf16_half_spacing
+from covgrad.trajectory import sequence_logp as sequence_logp
+from covgrad.trajectory import set_metrics as set_metrics
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-PRECISIONS = ("bf16", "fp32_master", "fp32")
 ABS_THRESHOLD = 1e-5  # the |Δ| metric of Mukherjee et al. 2025
-ADAM_EPS = 1e-8  # torch.optim.Adam / AdamW default, used by the optimizer and by the Adam rule
-BATCH_KEYS = ("input_ids", "attention_mask", "response_mask", "advantages")
 RANKED_PREDICTORS = ("F", "absG", "absrho", "random", "smallw")
 METRICS = ("bf16", "abs")
 RULES = ("absorb", "bound")
@@ -47,53 +47,6 @@ SET_STATS = ("precision", "recall", "jaccard", "size")
 # A (P,) statistic, or a function that loads it: update_grid loads each one when a predictor needs it and
 # drops it after, so a large P holds at most one statistic at a time.
 Stat = torch.Tensor | Callable[[], torch.Tensor]
-
-
-def bf16_half_spacing(w: torch.Tensor) -> torch.Tensor:
-    """Half the gap from ``bf16(w)`` to its nearest bf16 neighbour, float32, same shape as ``w``.
-
-    A step smaller than this cannot change a bf16 value under round-to-nearest-even; a step of at
-    least this much can (toward the nearer neighbour). Exact, from the bf16 bit pattern:
-
-    - normal, ``2**e <= |w| < 2**(e+1)``: the spacing is ``2**(e-7)``, half of it ``2**(e-8)``;
-      at an exact power of two above the smallest normal the gap toward zero is half the gap away
-      from zero, so the result there is ``2**(e-9)``;
-    - zero, subnormals and the smallest normal ``2**-126``: the spacing is ``2**-133``, half ``2**-134``.
-
-    ``w`` is any floating tensor; it is first rounded to bf16 (round-to-nearest-even).
-    """
-    if not w.is_floating_point():
-        raise ValueError(f"bf16_half_spacing needs a floating tensor, got dtype {w.dtype}")
-    wb = w.detach().to(torch.bfloat16)
-    if not torch.isfinite(wb).all():
-        raise ValueError("bf16_half_spacing: bf16(w) has inf or NaN entries; pass finite weights within bf16 range")
-    bits = wb.view(torch.int16).to(torch.int32) & 0x7FFF  # magnitude bits: 8 exponent, 7 mantissa
-    biased = bits >> 7
-    mantissa = bits & 0x7F
-    exponent = biased.clamp(min=1) - 127 - 8  # half of the binade spacing 2**(e - 7)
-    exponent = exponent - ((mantissa == 0) & (biased >= 2)).to(torch.int32)
-    return torch.exp2(exponent.to(torch.float64)).to(torch.float32)
-
-
-def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
-    """Precision |pred ∩ true|/|pred|, recall |pred ∩ true|/|true|, Jaccard |∩|/|∪| and size |pred|.
-
-    ``pred`` and ``true`` are bool tensors of one shape. A ratio whose denominator is 0 is NaN.
-    """
-    if pred.dtype != torch.bool or true.dtype != torch.bool:
-        raise ValueError(f"set_metrics needs bool masks, got {pred.dtype} and {true.dtype}")
-    if pred.shape != true.shape:
-        raise ValueError(f"set_metrics: mask shapes differ, pred {tuple(pred.shape)} vs true {tuple(true.shape)}")
-    n_pred = int(pred.sum())
-    n_true = int(true.sum())
-    n_both = int((pred & true).sum())
-    n_union = n_pred + n_true - n_both
-    return {
-        "precision": n_both / n_pred if n_pred else float("nan"),
-        "recall": n_both / n_true if n_true else float("nan"),
-        "jaccard": n_both / n_union if n_union else float("nan"),
-        "size": n_pred,
-    }
 
 
 def mask_from_order(order: torch.Tensor, k: int) -> torch.Tensor:
@@ -155,23 +108,6 @@ def matched_sgd_lr(start: torch.Tensor, G: torch.Tensor, adam_lr: float) -> floa
     k = int((adam_lr * absG / (absG + ADAM_EPS) >= half).sum())
     ratios = (half / absG)[absG > 0]
     return float(torch.kthvalue(ratios, min(max(k, 1), ratios.numel())).values)
-
-
-def sequence_logp(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
-) -> torch.Tensor:
-    """log p(response) per row: Σ over response tokens of the log-softmax at the drawn token, (N,) float32.
-
-    ``input_ids``, ``attention_mask``, ``response_mask``: (N, L), right-padded rows; response_mask marks
-    response tokens in the full row. The log-softmax runs in float32 whatever the model's dtype.
-    Differentiable with respect to the model's parameters.
-    """
-    _check_rows(input_ids, attention_mask, response_mask)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (N, L, V)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (N, L-1, V); position t predicts t+1
-    token_logp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (N, L-1)
-    keep = response_mask[:, 1:].bool()
-    return torch.where(keep, token_logp, torch.zeros_like(token_logp)).sum(-1)
 
 
 def run_update_cell(
@@ -401,8 +337,9 @@ def _train(
     snapshots: Sequence[int],
     fresh_minibatches: bool,
 ) -> Iterator[tuple[int, nn.Module]]:
-    """One run of max(snapshots) steps: yields (0, model) at the start, then (n, model) after each snapshot
-    step n, in order; the model is the analysed one (its parameters change once the generator resumes)."""
+    """One run of max(snapshots) steps on fixed batches (``covgrad.trajectory.Stepper`` with
+    ``FixedBatches``): yields (0, model) at the start, then (n, model) after each snapshot step n, in
+    order; the model is the analysed one (its parameters change once the generator resumes)."""
     _check_optimizer(optimizer)
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
@@ -410,55 +347,19 @@ def _train(
         raise ValueError(f"learning rate {lr!r} must be positive")
     if not snapshots or min(snapshots) < 1:
         raise ValueError(f"step counts must be positive integers, got {list(snapshots)}")
-    if not batches:
-        raise ValueError("batches is empty; pass at least one batch of rollouts")
-    for i, batch in enumerate(batches):
-        missing = [key for key in BATCH_KEYS if key not in batch]
-        if missing:
-            raise ValueError(f"batch {i} lacks {missing}; each batch needs {list(BATCH_KEYS)}")
-
-    master = _bf16_rounded_model(model_fn, layout)
-    if precision == "bf16":
-        master.to(torch.bfloat16)
-    work = copy.deepcopy(master).to(torch.bfloat16) if precision == "fp32_master" else master
-    pairs = [
-        (pm, pw)
-        for (_, pm), (_, pw) in zip(master.named_parameters(), work.named_parameters(), strict=True)
-        if pm.requires_grad
-    ]
-    opt = _make_optimizer(optimizer, [pm for pm, _ in pairs], lr)
-
-    yield 0, work
+    source = FixedBatches(batches, fresh_minibatches)
+    stepper = Stepper(_bf16_rounded_model(model_fn, layout), OptimizerSpec(optimizer, lr), precision)
+    yield 0, stepper.model
     for step in range(1, max(snapshots) + 1):
-        batch = batches[(step - 1) % len(batches)] if fresh_minibatches else batches[0]
-        work.zero_grad(set_to_none=True)
-        logp = sequence_logp(work, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
-        loss = -(batch["advantages"].float() * logp).mean()
-        loss.backward()
-        if work is not master:
-            for pm, pw in pairs:
-                pm.grad = None if pw.grad is None else pw.grad.float()
-        opt.step()
-        if work is not master:
-            with torch.no_grad():
-                for pm, pw in pairs:
-                    pw.copy_(pm)  # round-to-nearest-even cast of the master
+        stepper.backward(source.batch(step, stepper.model))
+        stepper.update()
         if step in snapshots:
-            yield step, work
+            yield step, stepper.model
 
 
 def _bf16_rounded_model(model_fn: Callable[[], nn.Module], layout: ParamLayout) -> nn.Module:
     """``model_fn()`` in eval mode, every parameter rounded to bf16 (dtype kept); checks the layout fits."""
-    model = model_fn()
-    model.eval()
-    params = dict(model.named_parameters())
-    for e in layout.entries:
-        if e.name not in params or tuple(params[e.name].shape) != e.shape:
-            raise ValueError(f"layout tensor {e.name!r} {e.shape} is not a parameter of the model model_fn builds")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16))
-    return model
+    return bf16_rounded(model_fn(), layout)
 
 
 def _bf16_start(model_fn: Callable[[], nn.Module], layout: ParamLayout) -> torch.Tensor:
@@ -466,29 +367,6 @@ def _bf16_start(model_fn: Callable[[], nn.Module], layout: ParamLayout) -> torch
     return parameters_flat(_bf16_rounded_model(model_fn, layout), layout).float()
 
 
-def _make_optimizer(optimizer: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """torch.optim SGD (no momentum), Adam or AdamW with torch's defaults otherwise (eps = ADAM_EPS)."""
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, eps=ADAM_EPS)
-    return torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS)
-
-
 def _check_optimizer(optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
-
-
-def _check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> None:
-    """Shapes (N, L) agree, no response token at position 0 (nothing predicts it), none on padding."""
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape or response_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"input_ids, attention_mask, response_mask must all be (N, L); got {tuple(input_ids.shape)}, "
-            f"{tuple(attention_mask.shape)}, {tuple(response_mask.shape)}"
-        )
-    response = response_mask.bool()
-    if bool(response[:, 0].any()):
-        raise ValueError("response_mask marks position 0, which no logit predicts; rows start with the prompt")
-    if bool((response & ~attention_mask.bool()).any()):
-        raise ValueError("response_mask marks padding (attention_mask == 0); mark only real response tokens")

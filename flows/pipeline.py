@@ -29,6 +29,7 @@ from tasks.scores import scores_task
 from tasks.specs import Plan, Step, plan
 from tasks.stats import stats_task
 from tasks.tokens import tokens_task
+from tasks.trajectory import trajectory_task
 from tasks.update_check import update_check_task
 
 log = logging.getLogger("covgrad")
@@ -45,6 +46,7 @@ TASKS = (
     masks_task,
     tokens_task,
     update_check_task,
+    trajectory_task,
     report_task,
 )  # one per stage; each task's name is its spec's STAGE
 

@@ -51,6 +51,7 @@ STATS = "stats.zarr"
 MASKS = "masks.zarr"
 TOKENS = "tokens.zarr"
 UPDATE = "update.zarr"
+TRAJECTORY = "trajectory.zarr"
 OFFPOLICY = "offpolicy.zarr"
 OFFPOLICY_TABLE = "offpolicy"  # its tables: offpolicy.{json,csv,md}
 
@@ -348,6 +349,54 @@ UPDATE_VARS = {
     **TENSOR_TABLE,
 }
 
+
+# trajectory.zarr — dims: step (one per optimizer step, from 1), param_byte (ceil(P/8) bytes of a
+# bit-packed (param,) set), threshold, tensor, decile (of |w| at step 0), count (steps changed, 0..K).
+# Records of ``covgrad.trajectory.run_trajectory``; {scope} is step (w_t != w_{t-1}) or cum (w_t != w_0),
+# in the stored dtype; {predictor} a ranked predictor (F, absG, absrho, smallw, random, tensor_random,
+# each of size k = the changed count) or a rule (absorb, bound).
+def _per_step(dtype: str | None, long_name: str, definition: str = "", units: str = "", **kw: Any) -> Var:
+    """A (step,) array of the trajectory store, one value per optimizer step."""
+    return Var(("step",), dtype, (WHOLE,), long_name, definition, units, **kw)
+
+
+TRAJECTORY_VARS = {
+    "changed": Var(
+        ("step", "param_byte"),
+        "uint8",
+        (1, PARAM),
+        "changed set of the step, bit-packed",
+        "np.packbits over param of w_t != w_{t-1} in the stored dtype (big-endian bit order)",
+    ),
+    "step": _per_step("int64", "optimizer step", "from 1", labels=("step",)),
+    "lr": _per_step("float64", "learning rate of the step"),
+    "loss": _per_step("float64", "REINFORCE loss before the step", "-mean(A * log p(y))"),
+    "adv_rms": _per_step("float64", "rms advantage of the step's samples", "sqrt(mean A^2)"),
+    "reward": _per_step("float64", "mean reward of the step's samples", "NaN on fixed data"),
+    "kl": _per_step("float64", "KL to the start per token", "mean over response tokens of KL(p_t || p_0,t)", "nats"),
+    "jaccard_prev": _per_step("float64", "Jaccard of this and the previous step's changed sets", "NaN at step 1", "1"),
+    "n_changed_{scope}": _per_step("int64", "parameters changed"),
+    "sign_flips_{scope}": _per_step("int64", "parameters whose sign changed"),
+    "n_above_{scope}": Var(("step", "threshold"), "int64", (WHOLE, WHOLE), "parameters with |delta| > threshold"),
+    "per_tensor_{scope}": Var(("step", "tensor"), "int64", (WHOLE, WHOLE), "parameters changed per tensor"),
+    "{scope}_{predictor}_precision": _per_step("float64", "precision of the predicted set", units="1"),
+    "{scope}_{predictor}_recall": _per_step("float64", "recall of the predicted set", units="1"),
+    "{scope}_{predictor}_jaccard": _per_step("float64", "Jaccard of the predicted and the changed set", units="1"),
+    "{scope}_{predictor}_size": _per_step(None, "size of the predicted set"),
+    **{
+        f"decile_{{scope}}_{{predictor}}_{stat}": Var(
+            ("step", "decile"), "float64", (WHOLE, WHOLE), f"{stat} within a |w| decile", "k = the decile's count"
+        )
+        for stat in ("precision", "recall", "jaccard", "size")
+    },
+    "persist_hist": Var(
+        ("step", "count"), "int64", (WHOLE, WHOLE), "parameters changed in exactly count of the first step steps"
+    ),
+    **PROGRESS,
+    **TENSOR_TABLE,
+}
+
+
 # offpolicy.zarr — dim row: one row per stats artifact, in the spec's order (the same rows are the tables
 # ``offpolicy.{json,csv,md}`` beside the store); ``sampler`` and ``centering`` label the rows.
 OFFPOLICY_VARS = {
@@ -382,6 +431,7 @@ SCHEMAS: dict[str, dict[str, Var]] = {
     MASKS: MASKS_VARS,
     TOKENS: TOKENS_VARS,
     UPDATE: UPDATE_VARS,
+    TRAJECTORY: TRAJECTORY_VARS,
     OFFPOLICY: OFFPOLICY_VARS,
 }
 

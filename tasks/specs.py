@@ -38,6 +38,7 @@ from covgrad.config import (
     StateDtype,
     TaskSection,
     TokensSection,
+    TrajectorySection,
     UpdateCheckSection,
     report_layout,
 )
@@ -207,6 +208,24 @@ class UpdateCheckSpec(StageSpec):
     policy: PolicySpec
 
 
+class TrajectorySpec(StageSpec):
+    """trajectory: ``settings.steps`` optimizer steps of the rl regime from the policy over the parameters
+    ``params``, on fresh samples of the analysed sampler's ``sampler`` settings rewarded by ``task`` with
+    ``advantage`` advantages (or on minibatches of ``groups_per_batch`` prompt groups of the analysed
+    rollouts: ``settings.data = "fixed"``)."""
+
+    STAGE: ClassVar[str] = "trajectory"
+    VERSION: ClassVar[str] = "1"
+    settings: TrajectorySection
+    params: list[str] | None
+    groups_per_batch: int
+    sampler: SamplerSection
+    task: TaskSection
+    advantage: Advantage
+    policy: PolicySpec
+    inputs: dict[str, str] = {}  # content digests of the task files it reads
+
+
 class ReportSpec(StageSpec):
     """report: the run ``name`` rendered from its artifacts and its config (JSON without ``root``, in
     ``covgrad.config.report_layout``)."""
@@ -262,6 +281,7 @@ class Plan(Mapping[str, Step]):
     masks: Step
     tokens: Step | None
     update_check: Step | None
+    trajectory: Step | None
     report: Step
     main: Step  # not a stage: the main statistics (one of ``stats``), sampler-centred whenever μ ≠ p
 
@@ -426,8 +446,24 @@ def plan(cfg: PipelineConfig) -> Plan:
         )
         upstream = {"base_model": base, "rollouts": rollouts[analysed], "stats": main}
         update = _step(store, Instance("update_check"), spec, upstream)
+    trajectory = None
+    if cfg.trajectory.enabled:
+        spec = TrajectorySpec(
+            settings=cfg.trajectory.model_copy(deep=True),
+            params=m.params,
+            groups_per_batch=sc.groups_per_batch,
+            sampler=s.model_copy(deep=True),
+            task=cfg.task.model_copy(deep=True),
+            advantage=cfg.rollouts.advantage,
+            policy=policy,
+            inputs=task_inputs(cfg.task),
+        )
+        upstream = {"base_model": base, "rollouts": rollouts[analysed], "stats": main}
+        trajectory = _step(store, Instance("trajectory"), spec, upstream)
     everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
     everything += [x for x in (tokens, update) if x is not None]
-    report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude={"root"})))
+    # the report renders no trajectory: a disabled section leaves the report's key as it was
+    exclude = {"root"} if cfg.trajectory.enabled else {"root", "trajectory"}
+    report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude=exclude)))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
-    return Plan(base, rollouts, scores, stats, offpolicy, masks, tokens, update, report, main=main)
+    return Plan(base, rollouts, scores, stats, offpolicy, masks, tokens, update, trajectory, report, main=main)

@@ -109,6 +109,7 @@ def bases(tmp_path_factory):
         dirs.append(str(d))
     demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     demo["root"] = str(tmp / "root")
+    demo["trajectory"] = {"enabled": True}  # a disabled stage's leaves are in no planned spec
     user = {
         "root": str(tmp / "root"),
         "model": {"path": dirs[0]},

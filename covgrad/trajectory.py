@@ -1,0 +1,665 @@
+"""Optimizer trajectories: K steps of the rl regime from a policy, and which parameters each step changes.
+
+One code path steps an optimizer: :class:`Stepper` holds the model in one precision regime and one
+optimizer, and takes a step on a batch of rows with the REINFORCE loss ``-mean_n(A_n · log p(y_n))``.
+The batches come from a data source: :class:`FixedBatches` (the update check's fixed rollouts) or
+:class:`OnPolicy` (fresh samples from the current policy every step, rewarded and given group
+advantages as the rollouts stage does). :func:`run_trajectory` steps K times and yields one compact
+record per step from :class:`ChangeTracker`: the step's changed set in the stored dtype (exact
+inequality, bit-packed), counts at |Δ| thresholds, sign flips, reward, loss, the per-token KL to the
+start, and how well step-0 predictors (top-k by F, |G|, |ρ|, smallest |w|, random, per-tensor random,
+the absorption rules) match the per-step and cumulative changed sets, globally and within |w| deciles.
+
+Precision regimes: ``bf16`` parameters, gradients and optimizer state in bf16; ``fp32_master`` forward
+and backward on a bf16 copy, gradients cast to float32, the optimizer steps float32 master weights and
+the analysed model is the master cast to bf16 (round-to-nearest-even); ``fp32`` everything in float32.
+The *stored dtype* is the analysed model's: bf16 for ``bf16`` and ``fp32_master``, float32 for ``fp32``.
+
+Determinism and resume: the only randomness is the sampler's, a pure function of (seed, step, prompt,
+sample) (``covgrad.sampling.sample_uniforms``), and the prompt order, a seeded permutation per epoch.
+:func:`trajectory_state` is a plain dict of tensors and ints (weights, optimizer state, tracker state,
+step, seed); a run rebuilt from it by :func:`load_trajectory_state` continues byte-identically.
+
+Shapes: N samples per step, L row length, V vocabulary, P selected parameter elements (``layout.P``),
+E layout tensors. Rows are right-padded (prompt, response, pad); logit position t predicts token t + 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from covgrad.layout import ParamLayout
+from covgrad.problems import Problem, RewardFn, response_texts, score_rewards
+from covgrad.sampling import AdvantageKind, SamplerSpec, check_rewards, compute_advantages, generate
+from covgrad.topk import top_k_masks
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+PRECISIONS = ("bf16", "fp32_master", "fp32")
+ADAM_EPS = 1e-8  # torch.optim.Adam / AdamW default, used by the optimizer and by the Adam rule
+BATCH_KEYS = ("input_ids", "attention_mask", "response_mask", "advantages")
+THRESHOLDS = (0.0, 1e-8, 1e-6, 1e-5, 1e-4)  # |Δ| > threshold counts, Δ in float32
+SCOPES = ("step", "cum")  # the step's changed set (w_t != w_{t-1}) and the cumulative one (w_t != w_0)
+RANKED = ("F", "absG", "absrho", "smallw", "random", "tensor_random")
+DECILE_PREDICTORS = ("F", "absG", "absrho", "random")
+RULES = ("absorb", "bound")
+SET_STATS = ("precision", "recall", "jaccard", "size")
+N_DECILES = 10
+
+# rewards of one step's samples: (generate's output, prompt index of every sample) -> (N,) float64
+SampleRewards = Callable[[Mapping[str, torch.Tensor], Sequence[int]], np.ndarray]
+
+
+def bf16_half_spacing(w: torch.Tensor) -> torch.Tensor:
+    """Half the gap from ``bf16(w)`` to its nearest bf16 neighbour, float32, same shape as ``w``.
+
+    A step smaller than this cannot change a bf16 value under round-to-nearest-even; a step of at
+    least this much can (toward the nearer neighbour). Exact, from the bf16 bit pattern:
+
+    - normal, ``2**e <= |w| < 2**(e+1)``: the spacing is ``2**(e-7)``, half of it ``2**(e-8)``;
+      at an exact power of two above the smallest normal the gap toward zero is half the gap away
+      from zero, so the result there is ``2**(e-9)``;
+    - zero, subnormals and the smallest normal ``2**-126``: the spacing is ``2**-133``, half ``2**-134``.
+
+    ``w`` is any floating tensor; it is first rounded to bf16 (round-to-nearest-even).
+    """
+    if not w.is_floating_point():
+        raise ValueError(f"bf16_half_spacing needs a floating tensor, got dtype {w.dtype}")
+    wb = w.detach().to(torch.bfloat16)
+    if not torch.isfinite(wb).all():
+        raise ValueError("bf16_half_spacing: bf16(w) has inf or NaN entries; pass finite weights within bf16 range")
+    bits = wb.view(torch.int16).to(torch.int32) & 0x7FFF  # magnitude bits: 8 exponent, 7 mantissa
+    biased = bits >> 7
+    mantissa = bits & 0x7F
+    exponent = biased.clamp(min=1) - 127 - 8  # half of the binade spacing 2**(e - 7)
+    exponent = exponent - ((mantissa == 0) & (biased >= 2)).to(torch.int32)
+    return torch.exp2(exponent.to(torch.float64)).to(torch.float32)
+
+
+def half_spacing(w: torch.Tensor) -> torch.Tensor:
+    """Half the gap from ``w`` to its nearest neighbour in ``w``'s own dtype (bf16 or float32), float64.
+
+    bf16: :func:`bf16_half_spacing`. float32: ``min(nextafter(w, +inf) - w, w - nextafter(w, -inf)) / 2``.
+    """
+    if w.dtype == torch.bfloat16:
+        return bf16_half_spacing(w).double()
+    if w.dtype != torch.float32:
+        raise ValueError(f"half_spacing handles bf16 and float32 weights, got {w.dtype}")
+    up = torch.nextafter(w, torch.tensor(math.inf)).double() - w.double()
+    down = w.double() - torch.nextafter(w, torch.tensor(-math.inf)).double()
+    return torch.minimum(up, down) / 2
+
+
+def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
+    """Precision |pred ∩ true|/|pred|, recall |pred ∩ true|/|true|, Jaccard |∩|/|∪| and size |pred|.
+
+    ``pred`` and ``true`` are bool tensors of one shape. A ratio whose denominator is 0 is NaN.
+    """
+    if pred.dtype != torch.bool or true.dtype != torch.bool:
+        raise ValueError(f"set_metrics needs bool masks, got {pred.dtype} and {true.dtype}")
+    if pred.shape != true.shape:
+        raise ValueError(f"set_metrics: mask shapes differ, pred {tuple(pred.shape)} vs true {tuple(true.shape)}")
+    n_pred = int(pred.sum())
+    n_true = int(true.sum())
+    n_both = int((pred & true).sum())
+    n_union = n_pred + n_true - n_both
+    return {
+        "precision": n_both / n_pred if n_pred else float("nan"),
+        "recall": n_both / n_true if n_true else float("nan"),
+        "jaccard": n_both / n_union if n_union else float("nan"),
+        "size": n_pred,
+    }
+
+
+def sequence_logp(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """log p(response) per row: Σ over response tokens of the log-softmax at the drawn token, (N,) float32.
+
+    ``input_ids``, ``attention_mask``, ``response_mask``: (N, L), right-padded rows; response_mask marks
+    response tokens in the full row. The log-softmax runs in float32 whatever the model's dtype.
+    Differentiable with respect to the model's parameters.
+    """
+    return _log_probs(model, input_ids, attention_mask, response_mask)[0]
+
+
+def _log_probs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence log p (N,), the float32 log-softmax (N, L-1, V), response positions (N, L-1) bool)."""
+    _check_rows(input_ids, attention_mask, response_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (N, L, V)
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (N, L-1, V); position t predicts t+1
+    token_logp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (N, L-1)
+    keep = response_mask[:, 1:].bool()
+    return torch.where(keep, token_logp, torch.zeros_like(token_logp)).sum(-1), logp, keep
+
+
+def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, keep: torch.Tensor) -> float:
+    """Mean over response positions of KL(p_t ‖ p_ref,t) = Σ_v p_v (log p_v − log p_ref,v), in nats per token.
+
+    ``logp``, ``ref_logp``: (N, L-1, V) float32 log-softmax of the current and the start model; ``keep``
+    (N, L-1) bool marks the response positions. Summed in float64.
+    """
+    kl = (logp.exp() * (logp - ref_logp)).sum(-1).double()  # (N, L-1)
+    n = int(keep.sum())
+    return float(kl[keep].sum() / n) if n else float("nan")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """torch.optim SGD (no momentum), Adam or AdamW with a linear warmup of the learning rate.
+
+    ``weight_decay`` None keeps torch's default (0 for SGD and Adam, 0.01 for AdamW); ``warmup`` W > 0
+    scales step t's learning rate (t from 1) by min(1, t / W); W = 0 keeps ``lr`` for every step.
+    """
+
+    name: str
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float | None = None
+    warmup: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.name!r} is not one of {OPTIMIZERS}")
+        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"learning rate {self.lr!r} must be positive")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 steps, got {self.warmup!r}")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.weight_decay is not None and not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (from 1)."""
+        return self.lr if self.warmup == 0 else self.lr * min(1.0, step / self.warmup)
+
+    def build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The torch optimizer over ``params`` (eps = ADAM_EPS for Adam and AdamW)."""
+        decay = {} if self.weight_decay is None else {"weight_decay": self.weight_decay}
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, **decay)
+        cls = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
+        return cls(params, lr=self.lr, betas=self.betas, eps=ADAM_EPS, **decay)
+
+
+def bf16_rounded(model: nn.Module, layout: ParamLayout | None = None) -> nn.Module:
+    """``model`` in eval mode with every parameter rounded to bf16 in place (dtype kept); with ``layout``,
+    checks that every layout tensor is a parameter of that shape."""
+    model.eval()
+    if layout is not None:
+        params = dict(model.named_parameters())
+        for e in layout.entries:
+            if e.name not in params or tuple(params[e.name].shape) != e.shape:
+                raise ValueError(f"layout tensor {e.name!r} {e.shape} is not a parameter of the model")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    return model
+
+
+def stored_dtype(precision: str) -> torch.dtype:
+    """The analysed model's dtype in a precision regime."""
+    _check_precision(precision)
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+class Stepper:
+    """One model, one optimizer, one precision regime; :meth:`backward` then :meth:`update` is one step.
+
+    ``model`` is the start (already on the grid the caller wants, e.g. :func:`bf16_rounded`); it is
+    taken over (cast in place for ``bf16``). :attr:`model` is the analysed model.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: OptimizerSpec, precision: str) -> None:
+        _check_precision(precision)
+        self.spec, self.precision, self.step = optimizer, precision, 0
+        self.master = model.to(torch.bfloat16) if precision == "bf16" else model
+        self.model = copy.deepcopy(self.master).to(torch.bfloat16) if precision == "fp32_master" else self.master
+        self._pairs = [
+            (pm, pw)
+            for (_, pm), (_, pw) in zip(self.master.named_parameters(), self.model.named_parameters(), strict=True)
+            if pm.requires_grad
+        ]
+        self.opt = optimizer.build([pm for pm, _ in self._pairs])
+
+    def backward(self, batch: Mapping[str, torch.Tensor], keep_logp: bool = False) -> dict:
+        """Gradients of ``-mean_n(A_n · log p(y_n))`` on the analysed model; returns ``loss`` (float) and,
+        with ``keep_logp``, the detached ``logp`` (N, L-1, V) and ``keep`` (N, L-1) of the forward."""
+        self.model.zero_grad(set_to_none=True)
+        seq, logp, keep = _log_probs(self.model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+        loss = -(batch["advantages"].float() * seq).mean()
+        loss.backward()
+        out: dict = {"loss": float(loss.detach())}
+        if keep_logp:
+            out.update(logp=logp.detach(), keep=keep)
+        return out
+
+    def update(self) -> None:
+        """One optimizer step from the gradients of the last :meth:`backward` at ``spec.lr_at(step + 1)``."""
+        self.step += 1
+        for group in self.opt.param_groups:
+            group["lr"] = self.spec.lr_at(self.step)
+        if self.model is not self.master:
+            for pm, pw in self._pairs:
+                pm.grad = None if pw.grad is None else pw.grad.float()
+        self.opt.step()
+        if self.model is not self.master:
+            with torch.no_grad():
+                for pm, pw in self._pairs:
+                    pw.copy_(pm)  # round-to-nearest-even cast of the master
+
+    def flat(self, layout: ParamLayout, grad: bool = False) -> torch.Tensor:
+        """The analysed model's selected values (or their gradients, 0 where None), (P,) stored dtype."""
+        params = dict(self.model.named_parameters())
+        parts = []
+        for e in layout.entries:
+            p = params[e.name]
+            t = p.grad if grad else p
+            parts.append(torch.zeros(e.numel, dtype=p.dtype) if t is None else t.detach().reshape(-1))
+        return torch.cat(parts)
+
+    def state_dict(self) -> dict:
+        """Plain dict: ``step`` int, ``weights`` {name: tensor} of the master, ``optimizer`` torch's state."""
+        return {
+            "step": self.step,
+            "weights": {n: p.detach().clone() for n, p in self.master.named_parameters()},
+            "optimizer": copy.deepcopy(self.opt.state_dict()),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict`'s output (the analysed copy is recast from the master)."""
+        with torch.no_grad():
+            for n, p in self.master.named_parameters():
+                p.copy_(state["weights"][n])
+            if self.model is not self.master:
+                for pm, pw in self._pairs:
+                    pw.copy_(pm)
+        self.opt.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.step = int(state["step"])
+
+
+class FixedBatches:
+    """The update check's data: step t (from 1) uses ``batches[(t - 1) % len]`` when ``fresh_minibatches``,
+    else ``batches[0]``; each batch has ``input_ids``, ``attention_mask``, ``response_mask`` (N, L) and
+    ``advantages`` (N,)."""
+
+    def __init__(self, batches: Sequence[Mapping[str, torch.Tensor]], fresh_minibatches: bool = True) -> None:
+        if not batches:
+            raise ValueError("batches is empty; pass at least one batch of rollouts")
+        for i, batch in enumerate(batches):
+            missing = [key for key in BATCH_KEYS if key not in batch]
+            if missing:
+                raise ValueError(f"batch {i} lacks {missing}; each batch needs {list(BATCH_KEYS)}")
+        self.batches, self.fresh = list(batches), fresh_minibatches
+
+    def batch(self, step: int, model: nn.Module) -> Mapping[str, torch.Tensor]:
+        """The rows of step ``step`` (``model`` is unused: the data are fixed)."""
+        return self.batches[(step - 1) % len(self.batches)] if self.fresh else self.batches[0]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampler seed of step ``step``: 63 bits of sha256 of (seed, step)."""
+    digest = hashlib.sha256(f"covgrad.trajectory:{seed}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class OnPolicy:
+    """Fresh rl rows every step: ``prompts_per_step`` prompts, G = ``group_size`` samples each from the
+    current analysed model (``covgrad.sampling.generate`` with seed ``step_seed(seed, step)``), rewarded
+    by ``rewards`` and given advantages of kind ``advantage`` within each prompt's group.
+
+    Prompt order: the prompts are consumed in a seeded permutation per epoch (numpy ``default_rng([seed,
+    epoch])``), ``prompts_per_step`` at a time, an epoch continuing into the next where they do not
+    divide the number of prompts.
+    """
+
+    prompts: list[list[int]]
+    rewards: SampleRewards
+    group_size: int
+    sampler: SamplerSpec
+    prompts_per_step: int
+    seed: int
+    eos_id: int
+    pad_id: int
+    advantage: AdvantageKind = "group_mean"
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("OnPolicy needs at least one prompt")
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The prompt order of epoch ``epoch``, (n_prompts,) int64."""
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
+
+    def prompt_indices(self, step: int) -> list[int]:
+        """The prompts of step ``step`` (from 1)."""
+        n, lo = len(self.prompts), (step - 1) * self.prompts_per_step
+        return [int(self.order(j // n)[j % n]) for j in range(lo, lo + self.prompts_per_step)]
+
+    def batch(self, step: int, model: nn.Module) -> Mapping[str, torch.Tensor]:
+        """Generate, reward and score step ``step``'s rows from ``model``: the BATCH_KEYS plus ``reward``
+        (N,) float64 and ``prompt_index`` (N,) int64."""
+        idx = self.prompt_indices(step)
+        out = generate(
+            model,
+            [self.prompts[i] for i in idx],
+            list(range(len(idx))),
+            self.group_size,
+            self.sampler,
+            step_seed(self.seed, step),
+            batch_size=self.batch_size,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+        )
+        return rl_batch(out, [idx[int(k)] for k in out["prompt_index"]], self.rewards, self.advantage)
+
+
+def rl_batch(
+    out: Mapping[str, torch.Tensor], prompt_of: Sequence[int], rewards: SampleRewards, advantage: AdvantageKind
+) -> dict[str, torch.Tensor]:
+    """Training rows from ``generate``'s output: ``input_ids`` (N, L) int64, ``attention_mask`` (N, L) int64,
+    ``response_mask`` (N, L) bool, ``reward`` (N,) float64, ``advantages`` (N,) float64 (by group =
+    ``out["prompt_index"]``), ``prompt_index`` (N,) int64 = ``prompt_of``."""
+    r = np.asarray(rewards(out, prompt_of), dtype=np.float64)
+    check_rewards(r)
+    L = out["tokens"].shape[1]
+    total = out["prompt_len"] + out["response_len"]
+    return {
+        "input_ids": out["tokens"].long(),
+        "attention_mask": (torch.arange(L)[None] < total[:, None]).long(),
+        "response_mask": out["response_mask"],
+        "reward": torch.from_numpy(r),
+        "advantages": torch.from_numpy(compute_advantages(r, out["prompt_index"].numpy(), advantage)),
+        "prompt_index": torch.tensor(list(prompt_of), dtype=torch.long),
+    }
+
+
+def text_rewards(tokenizer, problems: Sequence[Problem], reward_fn: RewardFn) -> SampleRewards:
+    """A task's reward as the rollouts stage applies it: decode each response, then
+    ``reward_fn(prompt, response, answer)`` of its problem."""
+
+    def rewards(out: Mapping[str, torch.Tensor], prompt_of: Sequence[int]) -> np.ndarray:
+        texts = response_texts(tokenizer, out["tokens"].tolist(), out["prompt_len"], out["response_len"])
+        probs = [problems[i] for i in prompt_of]
+        return np.asarray(score_rewards(reward_fn, [p.prompt for p in probs], texts, [p.answer for p in probs]))
+
+    return rewards
+
+
+@dataclass(frozen=True)
+class StepZeroStats:
+    """Step-0 predictors: F, G, ρ (P,) from the stats stage of the start policy, and the seed of the
+    random baselines."""
+
+    F: np.ndarray
+    G: np.ndarray
+    rho: np.ndarray
+    seed: int = 0
+
+
+def _ranked_values(stats: StepZeroStats | None, start: torch.Tensor, seed: int) -> dict[str, tuple[np.ndarray, bool]]:
+    """Predictor name -> ((P,) values, largest first?) of the ranked predictors: |w| and the seeded
+    random values in float32, the statistics in their own floating dtype."""
+    P = start.numel()
+    out = {
+        "smallw": (start.float().abs().numpy(), False),
+        "random": (np.random.default_rng([seed, 0]).random(P, dtype=np.float32), True),
+    }
+    if stats is not None:
+        for name, v in (("F", stats.F), ("absG", np.abs(stats.G)), ("absrho", np.abs(stats.rho))):
+            values = np.asarray(v).reshape(-1)
+            if values.shape != (P,) or values.dtype not in (np.float32, np.float64):
+                raise ValueError(f"step-0 statistic {name} is {values.dtype} {values.shape}, expected float ({P},)")
+            out[name] = (values, True)
+    return out
+
+
+class ChangeTracker:
+    """The per-step record of a trajectory (see :meth:`record`).
+
+    ``start``: (P,) the analysed model's selected values at step 0, stored dtype. ``stats``: step-0 F, G, ρ
+    for the F / |G| / |ρ| predictors and the bound rule (None: those are left out). ``optimizer``: which
+    absorption rule applies.
+    """
+
+    def __init__(
+        self, layout: ParamLayout, start: torch.Tensor, optimizer: OptimizerSpec, stats: StepZeroStats | None = None
+    ) -> None:
+        if start.shape != (layout.P,):
+            raise ValueError(f"start has shape {tuple(start.shape)}, expected ({layout.P},)")
+        self.layout, self.spec, self.stats = layout, optimizer, stats
+        self.start, self.prev = start.clone(), start.clone()
+        self.counts = torch.zeros(layout.P, dtype=torch.int32)  # steps that changed each coordinate
+        self.last = torch.zeros(layout.P, dtype=torch.bool)  # the previous step's changed set
+        self.steps = 0  # steps recorded
+        seed = 0 if stats is None else stats.seed
+        self.values = _ranked_values(stats, start, seed)
+        self.rules = ("absorb", "bound") if optimizer.name == "sgd" and stats is not None else ("absorb",)
+        self.union = {r: torch.zeros(layout.P, dtype=torch.bool) for r in self.rules}
+        order = np.argsort(start.float().abs().numpy(), kind="stable")
+        self.decile = np.empty(layout.P, dtype=np.int8)
+        self.decile[order] = np.arange(layout.P) * N_DECILES // layout.P
+
+    def state_dict(self) -> dict:
+        """Plain dict of tensors and ints (steps, start, prev, counts, last set, rule unions)."""
+        return {
+            "steps": self.steps,
+            "start": self.start.clone(),
+            "prev": self.prev.clone(),
+            "counts": self.counts.clone(),
+            "last": self.last.clone(),
+            "union": {r: u.clone() for r, u in self.union.items()},
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.start, self.prev = state["start"].clone(), state["prev"].clone()
+        self.counts, self.last = state["counts"].clone(), state["last"].clone()
+        self.steps = int(state["steps"])
+        self.union = {r: state["union"][r].clone() for r in self.rules}
+
+    def rule_masks(self, prev: torch.Tensor, grad: torch.Tensor, lr: float, adv_rms: float) -> dict[str, torch.Tensor]:
+        """(P,) bool predicted step sets from the weights ``prev`` before the step and its gradient ``grad``:
+        ``absorb`` SGD lr·|ĝ| ≥ h(w), Adam/AdamW lr·|ĝ|/(|ĝ| + eps) ≥ h(w) (their first step);
+        ``bound`` (SGD) lr·adv_rms·√F ≥ h(w); h = :func:`half_spacing` in the stored dtype, float64."""
+        h = half_spacing(prev)
+        g = grad.double().abs()
+        step = lr * g if self.spec.name == "sgd" else lr * g / (g + ADAM_EPS)
+        masks = {"absorb": step >= h}
+        if "bound" in self.rules:
+            assert self.stats is not None
+            F = torch.from_numpy(np.asarray(self.stats.F, dtype=np.float64).reshape(-1))
+            masks["bound"] = lr * adv_rms * F.clamp(min=0).sqrt() >= h
+        return masks
+
+    def record(self, now: torch.Tensor, grad: torch.Tensor | None, lr: float, adv_rms: float) -> dict:
+        """The record of one step from ``now`` (P,) stored dtype, the weights after it, and ``grad`` (P,),
+        the gradient it stepped on (None: no rule predictors).
+
+        Keys: ``changed`` (P/8,) uint8 bit-packed step set (``np.packbits``); per scope s in (step, cum):
+        ``n_changed_{s}``, ``n_above_{s}`` (len(THRESHOLDS),) counts of |Δ| > threshold, ``sign_flips_{s}``,
+        ``per_tensor_{s}`` (E,) changed counts, ``{s}_{predictor}_{stat}`` set metrics of the ranked
+        predictors (size k = n_changed_{s}) and rules, and ``decile_{s}_{predictor}_{stat}`` (N_DECILES,)
+        the same within |w| deciles (k = changed count within the decile); ``jaccard_prev`` (Jaccard of
+        this and the previous step's sets; NaN at step 1) and ``persist_hist`` (t + 1,) int64, the number
+        of coordinates changed in exactly j of the first t steps.
+        """
+        if now.shape != self.prev.shape or now.dtype != self.prev.dtype:
+            raise ValueError(f"weights {tuple(now.shape)} {now.dtype} differ from the start's layout or dtype")
+        rules = self.rule_masks(self.prev, grad, lr, adv_rms) if grad is not None else {}
+        sets = {"step": now != self.prev, "cum": now != self.start}
+        rec: dict = {"changed": np.packbits(sets["step"].numpy())}
+        for scope, base in (("step", self.prev), ("cum", self.start)):
+            delta = (now.float() - base.float()).abs()
+            rec[f"n_changed_{scope}"] = int(sets[scope].sum())
+            rec[f"n_above_{scope}"] = np.asarray([int((delta > t).sum()) for t in THRESHOLDS], dtype=np.int64)
+            rec[f"sign_flips_{scope}"] = int((torch.sign(now.float()) != torch.sign(base.float())).sum())
+            rec[f"per_tensor_{scope}"] = np.asarray(
+                [int(sets[scope][e.offset : e.offset + e.numel].sum()) for e in self.layout.entries], dtype=np.int64
+            )
+        rec["jaccard_prev"] = set_metrics(sets["step"], self.last)["jaccard"] if self.steps else float("nan")
+        self.steps += 1
+        self.counts += sets["step"].to(torch.int32)
+        rec["persist_hist"] = np.bincount(self.counts.numpy(), minlength=self.steps + 1).astype(np.int64)
+        for r, m in rules.items():
+            self.union[r] |= m
+        for scope in SCOPES:
+            true = sets[scope]
+            for name, pred in self._ranked(true):
+                rec.update({f"{scope}_{name}_{k}": v for k, v in set_metrics(pred, true).items()})
+            for r in rules:
+                pred = rules[r] if scope == "step" else self.union[r]
+                rec.update({f"{scope}_{r}_{k}": v for k, v in set_metrics(pred, true).items()})
+            rec.update(self._deciles(scope, true))
+        self.prev, self.last = now.clone(), sets["step"]
+        return rec
+
+    def _ranked(self, true: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, (P,) bool) of every ranked predictor at k = |true| (tensor_random: per tensor k_e)."""
+        k = int(true.sum())
+        for name in RANKED:
+            if name == "tensor_random":
+                yield name, self._tensor_random(true)
+            elif name in self.values:
+                values, largest = self.values[name]
+                yield name, torch.from_numpy(next(top_k_masks(values, [k], largest)))
+
+    def _tensor_random(self, true: torch.Tensor) -> torch.Tensor:
+        """Each tensor's changed count k_e placed at its k_e largest seeded random values."""
+        values = self.values["random"][0]
+        mask = np.zeros(self.layout.P, dtype=bool)
+        for e in self.layout.entries:
+            cols = slice(e.offset, e.offset + e.numel)
+            mask[cols] = next(top_k_masks(values[cols], [int(true[cols].sum())]))
+        return torch.from_numpy(mask)
+
+    def _deciles(self, scope: str, true: torch.Tensor) -> dict[str, np.ndarray]:
+        """``decile_{scope}_{predictor}_{stat}`` (N_DECILES,) float64: the ranked predictor within each |w|
+        decile at k = the decile's changed count, against the decile's changed set."""
+        names = [n for n in DECILE_PREDICTORS if n in self.values]
+        tables = {n: np.full((len(SET_STATS), N_DECILES), np.nan) for n in names}
+        t = true.numpy()
+        for d in range(N_DECILES):
+            idx = np.flatnonzero(self.decile == d)
+            if not idx.size:
+                continue
+            true_d = torch.from_numpy(t[idx])
+            k = int(true_d.sum())
+            for name in names:
+                values, largest = self.values[name]
+                pred = torch.from_numpy(next(top_k_masks(values[idx], [k], largest)))
+                tables[name][:, d] = [set_metrics(pred, true_d)[s] for s in SET_STATS]
+        return {f"decile_{scope}_{n}_{s}": tables[n][i] for n in names for i, s in enumerate(SET_STATS)}
+
+
+def run_trajectory(
+    stepper: Stepper,
+    source: FixedBatches | OnPolicy,
+    layout: ParamLayout,
+    steps: int,
+    tracker: ChangeTracker | None = None,
+    reference: nn.Module | None = None,
+) -> Iterator[dict]:
+    """Step from ``stepper.step`` up to ``steps``, yielding after each step its record: ``step``, ``lr``,
+    ``loss``, ``adv_rms`` (sqrt(mean A²)), ``reward`` (mean, NaN for fixed data), ``kl`` (per token to
+    ``reference``, the start model; NaN without one) and, with ``tracker``, its :meth:`ChangeTracker.record`.
+
+    The stepper's and tracker's state after a yield is the state to store (:func:`trajectory_state`).
+    """
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    while stepper.step < steps:
+        t = stepper.step + 1
+        batch = source.batch(t, stepper.model)
+        out = stepper.backward(batch, keep_logp=reference is not None)
+        kl = float("nan")
+        if reference is not None:
+            with torch.no_grad():
+                rows = (batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+                ref_logp = _log_probs(reference, *rows)[1]
+            kl = token_kl(out["logp"], ref_logp, out["keep"])
+        A = batch["advantages"].double()
+        rec = {
+            "step": t,
+            "lr": stepper.spec.lr_at(t),
+            "loss": out["loss"],
+            "adv_rms": float((A**2).mean().sqrt()),
+            "reward": float(batch["reward"].double().mean()) if "reward" in batch else float("nan"),
+            "kl": kl,
+        }
+        grad = stepper.flat(layout, grad=True) if tracker is not None else None
+        stepper.update()
+        if tracker is not None:
+            rec.update(tracker.record(stepper.flat(layout), grad, rec["lr"], rec["adv_rms"]))
+        yield rec
+
+
+def persistence(records: Sequence[Mapping], P: int, ks: Sequence[int] = (1, 2, 4, 8)) -> dict[str, float]:
+    """Persistence over the n = len(records) steps of a run: ``jaccard_prev_mean`` (mean Jaccard of
+    consecutive steps' changed sets, steps 2..n), ``frac_ge_{k}`` (fraction of the P coordinates changed
+    in at least k of the n steps, from the last ``persist_hist``), ``frac_step_mean`` (mean per-step changed
+    fraction) and ``frac_cum`` (cumulative changed fraction after step n)."""
+    if not records:
+        raise ValueError("persistence needs at least one step record")
+    hist = np.asarray(records[-1]["persist_hist"], dtype=np.int64)
+    consecutive = [float(r["jaccard_prev"]) for r in records[1:]]
+    out = {
+        "jaccard_prev_mean": float(np.mean(consecutive)) if consecutive else float("nan"),
+        "frac_step_mean": float(np.mean([r["n_changed_step"] for r in records])) / P,
+        "frac_cum": records[-1]["n_changed_cum"] / P,
+    }
+    out.update({f"frac_ge_{k}": int(hist[k:].sum()) / P for k in ks})
+    return out
+
+
+def trajectory_state(stepper: Stepper, tracker: ChangeTracker | None, seed: int) -> dict:
+    """Everything a resumed run needs, a plain dict of tensors and ints: ``step``, ``seed``, ``stepper``
+    (weights, optimizer state) and ``tracker`` (None without one)."""
+    return {
+        "step": stepper.step,
+        "seed": seed,
+        "stepper": stepper.state_dict(),
+        "tracker": None if tracker is None else tracker.state_dict(),
+    }
+
+
+def load_trajectory_state(state: Mapping, stepper: Stepper, tracker: ChangeTracker | None, seed: int) -> None:
+    """Restore :func:`trajectory_state`'s output into a freshly built stepper (and tracker) of the same run."""
+    if int(state["seed"]) != seed:
+        raise ValueError(f"the stored trajectory state has seed {state['seed']}, this run has seed {seed}")
+    stepper.load_state_dict(state["stepper"])
+    if tracker is not None:
+        tracker.load_state_dict(state["tracker"])
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+
+
+def _check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Shapes (N, L) agree, no response token at position 0 (nothing predicts it), none on padding."""
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape or response_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids, attention_mask, response_mask must all be (N, L); got {tuple(input_ids.shape)}, "
+            f"{tuple(attention_mask.shape)}, {tuple(response_mask.shape)}"
+        )
+    response = response_mask.bool()
+    if bool(response[:, 0].any()):
+        raise ValueError("response_mask marks position 0, which no logit predicts; rows start with the prompt")
+    if bool((response & ~attention_mask.bool()).any()):
+        raise ValueError("response_mask marks padding (attention_mask == 0); mark only real response tokens")

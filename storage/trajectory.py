@@ -1,0 +1,125 @@
+"""The trajectory artifact's files: per-step records, the bit-packed changed sets, resume state, checkpoints.
+
+Layout of ``{root}/trajectory/{key}/``:
+
+- ``trajectory.zarr`` (arrays declared in ``storage/schema.py``): ``changed`` (step, param_byte) uint8,
+  step t's changed set bit-packed (``np.packbits`` over the flat parameter axis), one row per step and
+  written once; ``batch_done`` (batch = step), the progress array; once every step is done, the per-step
+  scalars, threshold counts, per-tensor counts, decile tables and persistence histograms as arrays over
+  ``step`` (:func:`finish_store`) and the tensor table.
+- ``records/step_{t:06d}.json``: step t's scalar and small-array record, written before its progress mark.
+- ``state/step_{t:06d}.pt``: the newest resume state (``torch.save`` of a plain dict of tensors and ints),
+  written atomically; older ones are deleted once a newer one exists, the last one when the stage ends.
+- ``checkpoints/step_{t:06d}/``: Hugging Face checkpoints (model and tokenizer) at the configured steps.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import torch
+
+from covgrad.layout import ParamLayout
+from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.schema import TRAJECTORY as STORE
+from storage.schema import annotate, create, write
+
+STATE_DIR = "state"
+RECORDS_DIR = "records"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def record_name(step: int) -> str:
+    return f"{RECORDS_DIR}/step_{step:06d}.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{CHECKPOINTS_DIR}/step_{step:06d}"
+
+
+def _state_name(step: int) -> str:
+    return f"{STATE_DIR}/step_{step:06d}.pt"
+
+
+def create_changed(g: Any, steps: int, P: int) -> None:
+    """The ``changed`` (step, param_byte) array of a ``steps``-step run over P parameters (idempotent)."""
+    create(g, STORE, "changed", (steps, -(-P // 8)))
+
+
+def write_step(store: ArtifactStore, ref: ArtifactRef, g: Any, step: int, packed: np.ndarray, record: dict) -> None:
+    """Step ``step``'s data (from 1): its packed changed set as row step - 1 and its record file."""
+    g["changed"][step - 1] = packed
+    store.write_json(ref, record_name(step), _plain(record))
+
+
+def read_records(store: ArtifactStore, ref: ArtifactRef, steps: int) -> list[dict]:
+    """The records of steps 1..``steps``, in order."""
+    return [store.read_json(ref, record_name(t)) for t in range(1, steps + 1)]
+
+
+def write_state(store: ArtifactStore, ref: ArtifactRef, state: dict) -> None:
+    """Store the resume state of step ``state["step"]`` atomically, then delete the older states."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    target = store.path(ref, _state_name(int(state["step"])))
+    store.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+    if store.local:
+        store.fs.pipe_file(target + ".partial", buf.getvalue())
+        store.fs.mv(target + ".partial", target)
+    else:
+        store.fs.pipe_file(target, buf.getvalue())
+    for old in _state_files(store, ref):
+        if not old.endswith(_state_name(int(state["step"]))):
+            store.fs.rm(old)
+
+
+def read_state(store: ArtifactStore, ref: ArtifactRef) -> dict | None:
+    """The newest stored resume state, or None."""
+    files = _state_files(store, ref)
+    if not files:
+        return None
+    return torch.load(io.BytesIO(store.fs.cat_file(files[-1])), weights_only=True)
+
+
+def drop_state(store: ArtifactStore, ref: ArtifactRef) -> None:
+    """Delete every stored resume state (the stage's last write before its marker)."""
+    for f in _state_files(store, ref):
+        store.fs.rm(f)
+    if store.fs.exists(store.path(ref, STATE_DIR)):
+        store.fs.rm(store.path(ref, STATE_DIR), recursive=True)
+
+
+def _state_files(store: ArtifactStore, ref: ArtifactRef) -> list[str]:
+    d = store.path(ref, STATE_DIR)
+    if not store.fs.exists(d):
+        return []
+    return sorted(p for p in store.fs.ls(d, detail=False) if p.endswith(".pt"))
+
+
+def finish_store(g: Any, records: list[dict], layout: ParamLayout) -> None:
+    """The per-step arrays over ``step`` from the records (scalars (step,), the vectors by their second
+    dim, ``persist_hist`` padded with zeros to (step, count = steps + 1)) and the tensor table."""
+    K = len(records)
+    for name in records[0]:
+        values = [r[name] for r in records]
+        if name == "persist_hist":
+            table = np.zeros((K, K + 1), dtype=np.int64)
+            for i, v in enumerate(values):
+                table[i, : len(v)] = v
+            write(g, STORE, name, table, overwrite=True)
+        else:
+            write(g, STORE, name, np.asarray(values, dtype=_dtype(values)), overwrite=True)
+    annotate(g, STORE, layout)
+
+
+def _dtype(values: list) -> type:
+    """int64 for integer columns, float64 otherwise (NaN-able)."""
+    flat = np.asarray(values).reshape(-1)
+    return np.int64 if flat.dtype.kind in "iu" else np.float64
+
+
+def _plain(record: dict) -> dict:
+    """A record as JSON values: arrays to lists, numpy scalars to Python numbers."""
+    return {k: v.tolist() if isinstance(v, np.ndarray | np.generic) else v for k, v in record.items()}

@@ -1,0 +1,187 @@
+"""trajectory stage: K optimizer steps of the rl regime from the policy, checked against step-0 predictions.
+
+The stepping, the per-step records and the predictors are ``covgrad.trajectory`` (``run_trajectory``); the
+files are ``storage/trajectory.py``'s. Data: ``trajectory.data = "on_policy"`` draws fresh samples from
+the current policy every step (the analysed sampler's temperature, truncation, group size and length),
+rewards them with the task's reward and gives them group advantages (``rollouts.advantage``);
+``"fixed"`` steps on the analysed rollouts' minibatches of ``scores.groups_per_batch`` prompt groups, the
+update check's data. Predictors: F, G, ρ of the main statistics (the start policy's step 0).
+
+Resumable by step: each step's packed changed set and record are written, then its progress mark; every
+``state_every`` steps (and at the last) the resume state (weights, optimizer state, tracker state, step,
+seed) is stored, so a killed run restarts from the newest state and ends byte-identical to an
+uninterrupted one. Hugging Face checkpoints of the analysed model are written at ``checkpoint_steps``
+(``checkpoint_ratio`` r: steps floor(r**i) and K; r = 2 by default).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+
+from covgrad.batch import group_batches
+from covgrad.layout import ParamLayout, select_parameters
+from covgrad.sampling import SamplerSpec
+from covgrad.trajectory import (
+    BATCH_KEYS,
+    ChangeTracker,
+    FixedBatches,
+    OnPolicy,
+    OptimizerSpec,
+    Stepper,
+    StepZeroStats,
+    bf16_rounded,
+    load_trajectory_state,
+    run_trajectory,
+    stored_dtype,
+    text_rewards,
+    trajectory_state,
+)
+from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
+from storage.models import load_models
+from storage.prompts import load_task
+from storage.rollouts import read_batch
+from storage.schema import ROLLOUTS, STATS
+from storage.schema import TRAJECTORY as STORE
+from storage.trajectory import (
+    checkpoint_name,
+    create_changed,
+    drop_state,
+    finish_store,
+    read_records,
+    read_state,
+    write_state,
+    write_step,
+)
+from tasks.common import StageResult, log, progress_bar, run_stage
+from tasks.specs import TrajectorySpec
+
+
+def checkpoint_steps(steps: int, ratio: float) -> list[int]:
+    """The steps that get a Hugging Face checkpoint: floor(ratio**i) for i = 0, 1, … up to ``steps``, and
+    ``steps`` itself (ratio 2: 1, 2, 4, 8, …, K); none for ratio 0."""
+    if ratio == 0:
+        return []
+    out, i = {steps}, 0
+    while ratio**i <= steps:
+        out.add(int(ratio**i))
+        i += 1
+    return sorted(out)
+
+
+def _check_layout(layout: ParamLayout, stats_layout: ParamLayout) -> None:
+    mine = [(e.name, e.offset, e.numel, e.shape) for e in layout.entries]
+    theirs = [(e.name, e.offset, e.numel, e.shape) for e in stats_layout.entries]
+    for a, b in itertools.zip_longest(mine, theirs):
+        if a != b:
+            raise ValueError(
+                f"the policy's selected parameters do not match the stats store's tensor table (model {a} vs "
+                f"stats {b}); run trajectory with the scores.params that produced the stats"
+            )
+
+
+def _source(store: ArtifactStore, spec: TrajectorySpec, up: dict[str, ArtifactRef], tokenizer: Any):
+    """The data of every step: fresh on-policy rows, or the analysed rollouts' fixed minibatches."""
+    s = spec.settings
+    if s.data == "fixed":
+        ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
+        batches = []
+        for lo, hi in group_batches(ro["group"][:], spec.groups_per_batch):
+            b = read_batch(ro, lo, hi)
+            batches.append({k: getattr(b, k) for k in BATCH_KEYS})
+        return FixedBatches(batches, fresh_minibatches=True)
+    problems, reward_fn = load_task(spec.task)
+    sampler = spec.sampler
+    return OnPolicy(
+        prompts=[tokenizer(p.prompt)["input_ids"] for p in problems],
+        rewards=text_rewards(tokenizer, problems, reward_fn),
+        group_size=sampler.group_size,
+        sampler=SamplerSpec.of(sampler),
+        prompts_per_step=s.prompts_per_step,
+        seed=s.seed,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        advantage=spec.advantage,
+        batch_size=sampler.batch_size,
+    )
+
+
+def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: dict[str, ArtifactRef]) -> dict:
+    s = spec.settings
+    st = store.open_group(up["stats"], STATS, mode="r")
+    if st.attrs.get("degenerate"):
+        raise ValueError(
+            f"trajectory: the main statistics are degenerate ({st.attrs['degenerate']}); "
+            "their predictors are undefined, so the trajectory is not run"
+        )
+
+    def policy() -> torch.nn.Module:
+        return load_models(store, up["base_model"], "policy", spec.policy)[0].float()
+
+    tokenizer = load_models(store, up["base_model"], "policy", spec.policy)[1]
+    start = policy()
+    layout = select_parameters(start, spec.params)
+    _check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]))
+    stats = StepZeroStats(F=st["F"][:], G=st["G"][:], rho=st["rho"][:], seed=s.seed)
+    decay = s.weight_decay if s.optimizer == "adamw" else None
+    opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
+    stepper = Stepper(bf16_rounded(start, layout), opt, s.precision)
+    tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats)
+    reference = bf16_rounded(policy()).to(stored_dtype(s.precision))
+    source = _source(store, spec, up, tokenizer)
+
+    g = store.open_group(ref, STORE, mode="a")
+    create_changed(g, s.steps, layout.P)
+    create_progress(g, STORE, s.steps)
+    state = read_state(store, ref)
+    if state is not None:
+        load_trajectory_state(state, stepper, tracker, s.seed)
+    saved = set(checkpoint_steps(s.steps, s.checkpoint_ratio))
+    with progress_bar(f"trajectory {ref.key[:8]}", s.steps, unit="step") as bar:
+        bar.update(stepper.step)
+        for rec in run_trajectory(stepper, source, layout, s.steps, tracker, reference):
+            t = rec["step"]
+            write_step(store, ref, g, t, rec.pop("changed"), rec)
+            if t in saved:
+                with store.local_dir(ref, checkpoint_name(t), write=True) as d:
+                    stepper.model.save_pretrained(d)
+                    tokenizer.save_pretrained(d)
+            mark_batch_done(g, t - 1)
+            if t % s.state_every == 0 or t == s.steps:
+                write_state(store, ref, trajectory_state(stepper, tracker, s.seed))
+            bar.update(1)
+    records = read_records(store, ref, s.steps)
+    finish_store(g, records, layout)
+    last = records[-1]
+    summary = {
+        "P": layout.P,
+        "steps": s.steps,
+        "frac_changed_step_mean": float(np.mean([r["n_changed_step"] for r in records]) / layout.P),
+        "frac_changed_cum_final": last["n_changed_cum"] / layout.P,
+        "reward_first": records[0]["reward"],
+        "reward_last": last["reward"],
+        "kl_last": last["kl"],
+        "checkpoints": sorted(saved),
+    }
+    store.write_json(ref, "summary.json", summary)
+    g.attrs.update({"tensors": layout.to_records(), "summary": summary})
+    store.consolidate(ref, STORE)
+    drop_state(store, ref)
+    log.info(
+        "trajectory %s: %d steps, per-step changed %.4f, cumulative %.4f",
+        ref.key,
+        s.steps,
+        summary["frac_changed_step_mean"],
+        summary["frac_changed_cum_final"],
+    )
+    return summary
+
+
+@task(name="trajectory")
+def trajectory_task(ref: ArtifactRef, spec: TrajectorySpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """K optimizer steps from the policy, each step's changed set against the step-0 predictors."""
+    return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream), resumable=True)

@@ -1,0 +1,375 @@
+"""covgrad.trajectory against references: hand-written optimizer steps on hand-built on-policy rows,
+an uninterrupted run against runs resumed from stored state, covgrad.ckpt_diff on the step weights,
+and a numpy brute force of every predictor metric."""
+
+import copy
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from covgrad.ckpt_diff import diff_state_dicts
+from covgrad.layout import select_parameters
+from covgrad.sampling import SamplerSpec, compute_advantages, generate
+from covgrad.trajectory import (
+    ADAM_EPS,
+    DECILE_PREDICTORS,
+    N_DECILES,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCOPES,
+    SET_STATS,
+    THRESHOLDS,
+    ChangeTracker,
+    FixedBatches,
+    OnPolicy,
+    OptimizerSpec,
+    Stepper,
+    StepZeroStats,
+    bf16_rounded,
+    load_trajectory_state,
+    persistence,
+    run_trajectory,
+    step_seed,
+    stored_dtype,
+    trajectory_state,
+)
+from covgrad.update import run_update_cell
+
+VOCAB, EOS, PAD, SEED = 16, 15, 0, 7
+GROUP, PER_STEP = 4, 2
+SAMPLER = SamplerSpec(max_new_tokens=4)
+LRS = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    """A 2-layer Llama of width 16 over VOCAB tokens, seeded, in eval mode."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def rollouts(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
+    """Fixed right-padded rows (prompt, response, pad) with random tokens and centred advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(1, 4, (n,), generator=g)
+    response_len = torch.randint(2, 6, (n,), generator=g)
+    L = int((prompt_len + response_len).max()) + 1
+    input_ids = torch.zeros(n, L, dtype=torch.long)
+    attention_mask = torch.zeros(n, L, dtype=torch.long)
+    response_mask = torch.zeros(n, L, dtype=torch.bool)
+    for i in range(n):
+        end = int(prompt_len[i] + response_len[i])
+        input_ids[i, :end] = torch.randint(1, VOCAB, (end,), generator=g)
+        attention_mask[i, :end] = 1
+        response_mask[i, int(prompt_len[i]) : end] = True
+    rewards = torch.randn(n, generator=g)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "advantages": rewards - rewards.mean(),
+    }
+
+
+def even_fraction(out, prompt_of):
+    """Reward: the fraction of a response's tokens that are even ids."""
+    return np.asarray(
+        [
+            float((row[int(p) : int(p) + int(r)] % 2 == 0).float().mean())
+            for row, p, r in zip(out["tokens"], out["prompt_len"], out["response_len"], strict=True)
+        ]
+    )
+
+
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3, 1]]
+
+
+def on_policy() -> OnPolicy:
+    return OnPolicy(PROMPTS, even_fraction, GROUP, SAMPLER, PER_STEP, SEED, EOS, PAD)
+
+
+def spec(name: str) -> OptimizerSpec:
+    return OptimizerSpec(name, LRS[name], warmup=2, weight_decay=0.1 if name == "adamw" else None)
+
+
+@pytest.fixture(scope="module")
+def layout():
+    return select_parameters(tiny_llama())
+
+
+def hand_rows(model):
+    """Step 1's rows built by hand: the epoch-0 prompt order, generate at step_seed(SEED, 1), rewards,
+    group-mean advantages."""
+    idx = [int(i) for i in np.random.default_rng([SEED, 0]).permutation(len(PROMPTS))[:PER_STEP]]
+    out = generate(model, [PROMPTS[i] for i in idx], [0, 1], GROUP, SAMPLER, step_seed(SEED, 1), 64, EOS, PAD)
+    total = out["prompt_len"] + out["response_len"]
+    attn = (torch.arange(out["tokens"].shape[1])[None] < total[:, None]).long()
+    A = compute_advantages(even_fraction(out, None), out["prompt_index"].numpy(), "group_mean")
+    return out["tokens"].long(), attn, out["response_mask"], torch.from_numpy(A)
+
+
+def hand_step(name: str, precision: str) -> dict[str, torch.Tensor]:
+    """One step written out: the REINFORCE loss, then torch's single-tensor SGD / Adam / AdamW update
+    (warmup 2: step 1 at lr/2) in the precision regime's arithmetic."""
+    master = bf16_rounded(tiny_llama())
+    if precision == "bf16":
+        master = master.to(torch.bfloat16)
+    work = copy.deepcopy(master).to(torch.bfloat16) if precision == "fp32_master" else master
+    ids, attn, resp, A = hand_rows(work)
+    logp = torch.log_softmax(work(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), dim=-1)
+    tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    seq = torch.where(resp[:, 1:], tok, torch.zeros_like(tok)).sum(-1)
+    (-(A.float() * seq).mean()).backward()
+    lr = LRS[name] * 0.5
+    b1, b2 = 0.9, 0.999
+    with torch.no_grad():
+        for pm, pw in zip(master.parameters(), work.parameters(), strict=True):
+            g = pw.grad.float() if precision == "fp32_master" else pw.grad
+            if name == "sgd":
+                pm.add_(g, alpha=-lr)
+            else:
+                if name == "adamw":
+                    pm.mul_(1 - lr * 0.1)
+                m = torch.zeros_like(pm).lerp_(g, 1 - b1)
+                v = torch.zeros_like(pm).mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (v.sqrt() / (1 - b2) ** 0.5).add_(ADAM_EPS)
+                pm.addcdiv_(m, denom, value=-(lr / (1 - b1)))
+            if pw is not pm:
+                pw.copy_(pm)
+    return {n: p.detach().clone() for n, p in work.named_parameters()}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_one_step_equals_a_hand_written_step(layout, name, precision):
+    stepper = Stepper(bf16_rounded(tiny_llama()), spec(name), precision)
+    (rec,) = run_trajectory(stepper, on_policy(), layout, 1)
+    want = hand_step(name, precision)
+    got = dict(stepper.model.named_parameters())
+    for n, w in want.items():
+        assert got[n].dtype == w.dtype == stored_dtype(precision)
+        assert torch.equal(
+            got[n].detach().view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32),
+            w.view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32),
+        ), n
+    assert rec["step"] == 1 and rec["lr"] == LRS[name] / 2
+    assert math.isfinite(rec["loss"]) and 0 <= rec["reward"] <= 1
+
+
+def fresh_run(precision: str, name: str, stats: StepZeroStats | None, layout):
+    """Stepper, tracker and start-model reference of one run, built from scratch."""
+    stepper = Stepper(bf16_rounded(tiny_llama()), spec(name), precision)
+    tracker = ChangeTracker(layout, stepper.flat(layout), spec(name), stats)
+    reference = bf16_rounded(tiny_llama()).to(stored_dtype(precision))
+    return stepper, tracker, reference
+
+
+def stats_for(layout) -> StepZeroStats:
+    g = np.random.default_rng(3)
+    return StepZeroStats(g.random(layout.P), g.standard_normal(layout.P), g.uniform(-1, 1, layout.P), seed=11)
+
+
+def same(a, b) -> bool:
+    """Equality of two records / states, NaN equal to NaN, tensors and arrays by bytes."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        as_bytes = (a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*as_bytes)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return a == b
+
+
+@pytest.mark.parametrize(("precision", "name"), [("bf16", "adam"), ("fp32_master", "sgd")])
+def test_resumed_runs_are_byte_identical(layout, precision, name):
+    K = 5
+    stats = stats_for(layout)
+    stepper, tracker, ref = fresh_run(precision, name, stats, layout)
+    whole = list(run_trajectory(stepper, on_policy(), layout, K, tracker, ref))
+    whole_state = trajectory_state(stepper, tracker, SEED)
+    assert whole[0]["kl"] == 0.0 and whole[-1]["kl"] > 0
+
+    cuts = sorted(np.random.default_rng(5).choice(np.arange(1, K), 2, replace=False).tolist())
+    stepper, tracker, ref = fresh_run(precision, name, stats, layout)
+    pieces: list[dict] = []
+    for stop in [*cuts, K]:
+        pieces += run_trajectory(stepper, on_policy(), layout, stop, tracker, ref)
+        buf = io.BytesIO()
+        torch.save(trajectory_state(stepper, tracker, SEED), buf)  # what a caller stores
+        buf.seek(0)
+        state = torch.load(buf, weights_only=True)
+        stepper, tracker, ref = fresh_run(precision, name, stats, layout)  # a new process
+        load_trajectory_state(state, stepper, tracker, SEED)
+    assert same(pieces, whole)
+    assert same(trajectory_state(stepper, tracker, SEED), whole_state)
+
+
+def test_packed_sets_equal_ckpt_diff(layout):
+    stepper, tracker, _ = fresh_run("bf16", "adam", None, layout)
+    weights = [{n: p.detach().clone() for n, p in stepper.model.named_parameters()}]
+    recs = []
+    for rec in run_trajectory(stepper, on_policy(), layout, 3, tracker):
+        recs.append(rec)
+        weights.append({n: p.detach().clone() for n, p in stepper.model.named_parameters()})
+    for k, rec in enumerate(recs, start=1):
+        changed = np.unpackbits(rec["changed"], count=layout.P).astype(bool)
+        assert 0 < changed.sum() < layout.P
+        step = diff_state_dicts(weights[k - 1], weights[k], masks={"packed": changed}, layout=layout)
+        assert step["overlap"]["packed"]["exact"]["precision"] == 1.0
+        assert step["overlap"]["packed"]["exact"]["recall"] == 1.0
+        assert rec["per_tensor_step"].tolist() == [t["changed_exact"] for t in step["tensors"]]
+        for scope, before in (("step", weights[k - 1]), ("cum", weights[0])):
+            for i, atol in enumerate(THRESHOLDS):
+                d = diff_state_dicts(before, weights[k], atol=atol)
+                assert rec[f"n_above_{scope}"][i] == d["changed_abs"]
+        cum = diff_state_dicts(weights[0], weights[k])
+        assert rec["per_tensor_cum"].tolist() == [t["changed_exact"] for t in cum["tensors"]]
+        assert rec["n_changed_cum"] == cum["changed_exact"]
+
+
+class Capturing(ChangeTracker):
+    """A tracker that keeps what it was given, for the brute force."""
+
+    def record(self, now, grad, lr, adv_rms):
+        self.seen = [*getattr(self, "seen", []), (now.clone(), grad.clone(), lr, adv_rms)]
+        return super().record(now, grad, lr, adv_rms)
+
+
+def np_half(w: torch.Tensor) -> np.ndarray:
+    """Half the gap to the nearer neighbour in w's dtype, from bit patterns / np.nextafter, float64."""
+    if w.dtype == torch.float32:
+        x = w.numpy()
+        up = np.nextafter(x, np.float32(np.inf)).astype(np.float64) - x
+        down = x - np.nextafter(x, np.float32(-np.inf)).astype(np.float64)
+        return np.minimum(up, down) / 2
+    mag = (w.view(torch.int16).numpy().view(np.uint16) & 0x7FFF).astype(np.uint32)
+
+    def val(m):
+        return (m.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    up = val(mag + 1) - val(mag)
+    down = np.where(mag > 0, val(mag) - val(np.maximum(mag, 1) - 1), up)
+    return np.minimum(up, down) / 2
+
+
+def np_metrics(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    both, n_pred, n_true = int((pred & true).sum()), int(pred.sum()), int(true.sum())
+    union = n_pred + n_true - both
+    nan = float("nan")
+    return {
+        "precision": both / n_pred if n_pred else nan,
+        "recall": both / n_true if n_true else nan,
+        "jaccard": both / union if union else nan,
+        "size": n_pred,
+    }
+
+
+def np_top(values: np.ndarray, k: int, largest: bool) -> np.ndarray:
+    order = np.argsort(-values if largest else values, kind="stable")
+    mask = np.zeros(values.shape, dtype=bool)
+    mask[order[:k]] = True
+    return mask
+
+
+@pytest.mark.parametrize(("precision", "name"), [("bf16", "sgd"), ("fp32", "adam")])
+def test_predictor_metrics_equal_a_numpy_brute_force(layout, precision, name):
+    stats = stats_for(layout)
+    stepper = Stepper(bf16_rounded(tiny_llama()), spec(name), precision)
+    start = stepper.flat(layout)
+    tracker = Capturing(layout, start, spec(name), stats)
+    batches = FixedBatches([rollouts(1), rollouts(2)])
+    recs = list(run_trajectory(stepper, batches, layout, 3, tracker))
+    w0 = start.float().numpy().astype(np.float64)
+    rand = np.random.default_rng([stats.seed, 0]).random(layout.P, dtype=np.float32)
+    values = {
+        "F": (stats.F, True),
+        "absG": (np.abs(stats.G), True),
+        "absrho": (np.abs(stats.rho), True),
+        "smallw": (np.abs(w0), False),
+        "random": (rand, True),
+    }
+    decile = np.empty(layout.P, dtype=int)
+    decile[np.argsort(np.abs(w0), kind="stable")] = np.arange(layout.P) * N_DECILES // layout.P
+    prev, union, counts, last = start, {}, np.zeros(layout.P, dtype=int), None
+    for t, (rec, (now, grad, lr, adv_rms)) in enumerate(zip(recs, tracker.seen, strict=True), start=1):
+        step_set = (now != prev).numpy()
+        sets = {"step": step_set, "cum": (now != start).numpy()}
+        h = np_half(prev)
+        g = grad.double().numpy()
+        rules = {"absorb": (lr * np.abs(g) if name == "sgd" else lr * np.abs(g) / (np.abs(g) + ADAM_EPS)) >= h}
+        if name == "sgd":
+            rules["bound"] = lr * adv_rms * np.sqrt(stats.F) >= h
+        for r, m in rules.items():
+            union[r] = union.get(r, np.zeros(layout.P, dtype=bool)) | m
+        for scope in SCOPES:
+            true = sets[scope]
+            k = int(true.sum())
+            want = {n: np_top(v, k, big) for n, (v, big) in values.items()}
+            tr = np.zeros(layout.P, dtype=bool)
+            for e in layout.entries:
+                c = slice(e.offset, e.offset + e.numel)
+                tr[c] = np_top(rand[c], int(true[c].sum()), True)
+            want["tensor_random"] = tr
+            want.update(rules if scope == "step" else union)
+            for n, pred in want.items():
+                for s, v in np_metrics(pred, true).items():
+                    assert same(rec[f"{scope}_{n}_{s}"], v), (t, scope, n, s)
+            for n in DECILE_PREDICTORS:
+                v, big = values[n]
+                for d in range(N_DECILES):
+                    idx = np.flatnonzero(decile == d)
+                    m = np_metrics(np_top(v[idx], int(true[idx].sum()), big), true[idx])
+                    for s in SET_STATS:
+                        assert same(float(rec[f"decile_{scope}_{n}_{s}"][d]), float(m[s])), (t, scope, n, d, s)
+        counts += step_set
+        assert rec["persist_hist"].tolist() == np.bincount(counts, minlength=t + 1).tolist()
+        want_j = np_metrics(step_set, last)["jaccard"] if last is not None else float("nan")
+        assert same(rec["jaccard_prev"], want_j)
+        assert rec["sign_flips_cum"] == int((np.sign(now.float().numpy()) != np.sign(w0)).sum())
+        prev, last = now, step_set
+    assert recs[0]["step_absorb_recall"] > 0.5
+    summary = persistence(recs, layout.P, ks=(1, 2, 3))
+    for k in (1, 2, 3):
+        assert summary[f"frac_ge_{k}"] == (counts >= k).mean()
+    assert summary["frac_cum"] == sets["cum"].mean()
+
+
+def test_update_check_is_the_fixed_data_case(layout):
+    batches = [rollouts(1), rollouts(2)]
+    cell = run_update_cell(tiny_llama, layout, batches, "adamw", "fp32_master", 1e-3, steps=3, fresh_minibatches=True)
+    stepper = Stepper(bf16_rounded(tiny_llama()), OptimizerSpec("adamw", 1e-3), "fp32_master")
+    list(run_trajectory(stepper, FixedBatches(batches), layout, 3))
+    assert torch.equal(stepper.flat(layout).float(), cell["end"])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="optimizer"):
+        OptimizerSpec("lion", 1e-3)
+    with pytest.raises(ValueError, match="learning rate"):
+        OptimizerSpec("sgd", 0.0)
+    with pytest.raises(ValueError, match="warmup"):
+        OptimizerSpec("adam", 1e-3, warmup=-1)
+    with pytest.raises(ValueError, match="precision"):
+        Stepper(tiny_llama(), OptimizerSpec("sgd", 0.1), "fp16")
+    with pytest.raises(ValueError, match="lacks"):
+        FixedBatches([{"input_ids": torch.zeros(1, 2)}])
+    assert OptimizerSpec("adam", 1.0, warmup=4).lr_at(1) == 0.25
+    assert OptimizerSpec("adam", 1.0, warmup=4).lr_at(9) == 1.0

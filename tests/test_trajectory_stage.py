@@ -1,0 +1,156 @@
+"""trajectory stage on the tiny pipeline: the store opens in plain xarray, the checkpoints at log-spaced
+steps agree with the packed sets (covgrad.ckpt_diff), and a run SIGKILLed at a random step and rerun
+ends byte-identical to an uninterrupted one."""
+
+import hashlib
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+import yaml
+
+from covgrad.ckpt_diff import diff_state_dicts
+from covgrad.layout import ParamLayout
+from storage.checkpoints import load_state_dict
+from storage.schema import TRAJECTORY
+from tasks.specs import plan
+from tasks.trajectory import checkpoint_steps
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 6
+OVERRIDES = {
+    "tokens.enabled": False,
+    "update_check.enabled": False,
+    "trajectory.enabled": True,
+    "trajectory.steps": STEPS,
+    "trajectory.state_every": 2,
+    "trajectory.lr": 1e-3,
+    "trajectory.prompts_per_step": 2,
+}
+
+# argv: root, marks to let through, overrides JSON. SIGKILLs itself at the next progress mark.
+CHILD = r"""
+import json, os, signal, sys
+import tasks.trajectory as module
+import tests.test_trajectory_stage as here
+
+root, let_through, overrides = sys.argv[1:4]
+cfg = here.tiny_config(root, **json.loads(overrides))
+real_mark, calls = module.mark_batch_done, []
+
+def mark(group, b):
+    if len(calls) == int(let_through):
+        os.kill(os.getpid(), signal.SIGKILL)
+    calls.append(b)
+    real_mark(group, b)
+
+module.mark_batch_done = mark
+here.run_planned(cfg, {"trajectory"})
+"""
+
+
+def tiny_config(root: str, **overrides: object):
+    """configs/tiny.yaml with ``root`` and dotted-key overrides."""
+    from covgrad.config import PipelineConfig, apply_overrides
+
+    data = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    dotted = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in overrides.items()]
+    items = [f"root={root}", *dotted]
+    return PipelineConfig.model_validate(apply_overrides(data, [i.removesuffix("\n...") for i in items]))
+
+
+def run_planned(cfg, names=None) -> dict:
+    """The task bodies of ``cfg``'s planned stages (no Prefect engine) in the flow's order, every stage or
+    the instances ``names``; instance -> StageResult."""
+    from flows.pipeline import run_stages
+
+    results = {}
+
+    def call(task, step):
+        name = str(step.instance)
+        if names is None or name in names:
+            results[name] = task.fn(step.ref, step.spec, step.upstream)
+        return results.get(name)
+
+    run_stages(plan(cfg), call)
+    return results
+
+
+def digests(artifact: Path) -> dict[str, str]:
+    """sha256 of every file of an artifact except its bookkeeping (marker, claim, manifest, zarr.json)."""
+    skip = {"_COMPLETE.json", "_STARTED.json", "_MANIFEST.json", "zarr.json"}
+    return {
+        str(p.relative_to(artifact)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(artifact.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trajectory")
+    cfg = tiny_config(str(root), **OVERRIDES)
+    results = run_planned(cfg)
+    assert results["trajectory"].computed
+    return root, cfg, plan(cfg)["trajectory"].ref
+
+
+@pytest.mark.slow
+def test_store_checkpoints_and_packed_sets(reference):
+    root, _, ref = reference
+    artifact = root / ref.stage / ref.key
+    ds = xr.open_zarr(artifact / TRAJECTORY)
+    layout = ParamLayout.from_records(json.loads(json.dumps(ds.attrs["tensors"])))
+    assert ds.changed.shape == (STEPS, -(-layout.P // 8))
+    assert ds.step.values.tolist() == list(range(1, STEPS + 1))
+    assert ds.kl.values[0] == 0.0 and np.all(ds.kl.values[1:] > 0)
+    assert not (artifact / "state").exists()
+    steps = checkpoint_steps(STEPS, 2.0)
+    assert steps == [1, 2, 4, 6]
+    assert checkpoint_steps(10, 1.5) == [1, 2, 3, 5, 7, 10] and checkpoint_steps(6, 0) == []
+    assert sorted(p.name for p in (artifact / "checkpoints").iterdir()) == [f"step_{t:06d}" for t in steps]
+    ckpt = {t: load_state_dict(artifact / "checkpoints" / f"step_{t:06d}") for t in steps}
+    packed = np.unpackbits(ds.changed.values[1], axis=-1, count=layout.P).astype(bool)  # step 2
+    d = diff_state_dicts(ckpt[1], ckpt[2], masks={"step2": packed}, layout=layout)
+    assert d["overlap"]["step2"]["exact"]["recall"] == 1.0
+    assert d["overlap"]["step2"]["exact"]["precision"] == 1.0
+    assert int(ds.n_changed_step.values[1]) == d["changed_exact"]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_rerun_is_byte_identical(reference, tmp_path):
+    root, _, ref = reference
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns(".locks"))
+    shutil.rmtree(copy / ref.stage / ref.key)
+    let_through = random.Random(0).randrange(1, STEPS)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(copy), str(let_through), json.dumps(OVERRIDES)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert child.returncode == -9, child.stderr[-2000:]
+    partial = copy / ref.stage / ref.key
+    assert not (partial / "_COMPLETE.json").exists()
+    result = run_planned(tiny_config(str(copy), **OVERRIDES), {"trajectory"})["trajectory"]
+    assert result.computed
+    assert digests(partial) == digests(root / ref.stage / ref.key)
+
+
+@pytest.mark.slow
+def test_fixed_data_is_the_update_checks_case(reference, tmp_path):
+    root, _, _ = reference
+    copy = tmp_path / "fixed"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns(".locks"))
+    cfg = tiny_config(str(copy), **{**OVERRIDES, "trajectory.data": "fixed", "trajectory.steps": 2})
+    result = run_planned(cfg, {"trajectory"})["trajectory"]
+    assert result.computed
+    ds = xr.open_zarr(copy / result.ref.stage / result.ref.key / TRAJECTORY)
+    assert np.isnan(ds.reward.values).all() and (ds.n_changed_step.values > 0).all()
