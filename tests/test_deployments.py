@@ -98,7 +98,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (tmp / "watch-empty").mkdir()
     env = {
         **os.environ,
-        "PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # the venv's prefect
         "PREFECT_HOME": str(tmp / "prefect-home"),
         "PREFECT_API_URL": url,
         "COVGRAD_PREFECT_PORT": str(port),
