@@ -17,7 +17,7 @@ from tests.helpers.persample import BATCH, MODELS, doubled_up_proj, llama, make_
 TOL = {"float64": 1e-9, "float32": 1e-5}
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("state_dtype", ["float64", "float32"])
 @pytest.mark.parametrize("ratio", [1.0, 1e4])
 def test_accumulator_matches_numpy_float64(state_dtype, ratio, compiled):

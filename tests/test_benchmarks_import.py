@@ -18,6 +18,7 @@ def test_benchmark_imports(name: str):
 GPU_IMAGE_LACKS = ("zarr", "numcodecs", "dask", "distributed", "prefect", "pydantic", "pydantic_settings")
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_without_the_pipeline_packages(tmp_path: Path):
     """``scripts/gpu_check.sh --dry-run`` with zarr, dask, prefect and pydantic unimportable (the GPU image
     has none of them): the cuda tests and benchmarks.scores import, the tests skip here, the script exits 0."""

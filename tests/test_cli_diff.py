@@ -45,6 +45,7 @@ def test_diff_bad_input(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_diff_with_the_masks_a_pipeline_wrote(tiny_run, capsys):
     """``covgrad diff --masks`` on the tiny pipeline's own masks artifact: the policy against its stale
     checkpoint, every mask's precision and recall against a brute-force numpy count over the flat axis."""

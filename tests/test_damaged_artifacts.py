@@ -181,6 +181,7 @@ def zero_reward(prompt: str, response: str, answer: str) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_all_rewards_equal_is_a_finding_without_overlap_numbers(reference, tmp_path, caplog, capsys):
     import warnings
 
@@ -228,6 +229,7 @@ def user_model(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("user-model") / "ckpt")
 
 
+@pytest.mark.slow
 def test_one_sample_is_a_finding_that_every_stage_records(user_model, tmp_path, caplog, capsys):
     """N = 1 (one imported record): stats record "too few samples" with NaN arrays, masks hold none,
     the update check takes no steps, tokens still runs (it is per sample), report and watch say it in
@@ -290,6 +292,7 @@ def test_one_sample_is_a_finding_that_every_stage_records(user_model, tmp_path, 
     assert f"No optimizer steps: {said}." in full and "| overlap(" not in full
 
 
+@pytest.mark.slow
 def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_path, caplog):
     """A single prompt group: the odd half is empty, so the cross-fit ratios are NaN with the reason in
     words; every other statistic, the masks and the overlap are computed as usual."""

@@ -11,6 +11,8 @@ import pytest
 from storage.artifacts import MARKER, ArtifactStore
 from tests.helpers.pipeline import NO_OPTIONAL, run_planned, status_of, tiny_config
 
+pytestmark = pytest.mark.slow  # each test copies and reruns the tiny pipeline
+
 
 @pytest.fixture
 def copied(tiny_run, tmp_path):

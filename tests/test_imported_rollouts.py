@@ -42,6 +42,7 @@ def _cfg(tmp, ckpt, path, root: str, **sampler):
     return user_config(tmp / root, ckpt, tmp / "task.jsonl", **overrides)
 
 
+@pytest.mark.slow
 def test_on_policy_import_without_top_k_completes_with_policy_centering(ckpt):
     tmp, path_ckpt = ckpt
     path = tmp / "onpolicy.jsonl"
@@ -135,6 +136,7 @@ def test_a_config_file_lies_under_the_keys_a_run_sets(tmp_path):
         run_config(given, str(tmp_path / "nope.yaml"))
 
 
+@pytest.mark.slow
 def test_mu_model_recomputes_mu_for_an_import(ckpt):
     """Sampler centering of an import with μ recomputed from ``mu_model``: with the policy's own
     checkpoint at temperature 1, μ = p, so the sampler-centred scores equal the policy-centred ones."""

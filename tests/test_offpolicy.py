@@ -48,6 +48,7 @@ print(repr(rel_diff([(a, b)])), repr(rel_l2(b, a)))
 """
 
 
+@pytest.mark.slow
 def test_float64_reductions_do_not_depend_on_the_blas_thread_count():
     """rel_diff_G and the tokens stage's relative L2 errors come out bit for bit the same under 1 and 2 BLAS
     threads (OpenBLAS splits ``a @ a`` over its threads, which changed rel_diff_G's last bit between a killed

@@ -23,6 +23,7 @@ def _covgrad_run(tmp_path, env_extra: dict[str, str]) -> tuple[subprocess.Comple
     return proc, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_a_corrupt_prefect_database_is_named_within_ten_seconds(tmp_path):
     home = tmp_path / "prefect-home"
     home.mkdir()
@@ -35,6 +36,7 @@ def test_a_corrupt_prefect_database_is_named_within_ten_seconds(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
+@pytest.mark.slow
 def test_an_api_url_that_does_not_answer_names_its_source(tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -112,6 +112,7 @@ def test_the_key_holds_the_sample_shards_not_the_blocks(upstream):
             configured(cfg, root, shards=bad)
 
 
+@pytest.mark.slow
 def test_sample_shards_are_in_the_key_and_blocks_keep_their_bytes(upstream, tmp_path):
     """2 × 2 in one process equals 2 × 1 byte for byte; 1 and 2 sample shards are different artifacts
     whose statistics agree to float64 rounding. Two prompt groups per batch, so that each shard's rows
@@ -167,6 +168,7 @@ def qwen7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "qwen7b.yaml"
 
 
+@pytest.mark.slow
 def test_plan_qwen7b_on_eight_80gb_gpus(qwen7b: Path):
     """The plan's arithmetic by hand: P from the config values, the fixed part of every job, the state per
     block; auto picks the fewest blocks that fit 90% of 80 GB."""

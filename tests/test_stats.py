@@ -187,7 +187,7 @@ def test_graph_building_is_lazy() -> None:
     assert all(isinstance(v, da.Array) for v in stats.values())
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["numpy", "dask"])
+@pytest.mark.parametrize("lazy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["numpy", "dask"])
 def test_constant_advantage_rho_undefined_and_warns(lazy: bool) -> None:
     S, _ = make_scores(7)
     A = np.zeros(N)
@@ -206,7 +206,7 @@ def test_no_warning_when_advantage_varies() -> None:
         compute(compute_stats(row_by_row_moments(S, A, B, 128)))
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["numpy", "dask"])
+@pytest.mark.parametrize("lazy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["numpy", "dask"])
 def test_fewer_than_two_samples_raises(lazy: bool) -> None:
     S, A = make_scores(9, n=1)
     moments = row_by_row_moments(S, A, 1, 128) if lazy else sample_moments(S, A)
@@ -224,7 +224,7 @@ def test_bad_moment_rows_raise() -> None:
         sample_moments(np.zeros((4, 3), np.float32), np.zeros(5))
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["numpy", "dask"])
+@pytest.mark.parametrize("lazy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["numpy", "dask"])
 def test_crossfit_matches_reference(lazy: bool) -> None:
     S, A = make_scores(11)
     half = (np.arange(N) // B) % 2  # batch parity stands in for prompt-group parity
@@ -252,7 +252,7 @@ def test_crossfit_rejects_different_P() -> None:
         crossfit_stats(sample_moments(S, A), sample_moments(S[:, :10], A))
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["numpy", "dask"])
+@pytest.mark.parametrize("lazy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["numpy", "dask"])
 def test_tensor_summary_matches_loop(lazy: bool) -> None:
     S, A = make_scores(13)
     S[:, 10:20] = 1.0  # the whole second tensor is constant: max |rho| is NaN
@@ -330,7 +330,7 @@ def blocked(S: np.ndarray, A: np.ndarray, parity: np.ndarray, lazy: bool, chunk:
     return result, out, reads
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["numpy", "dask"])
+@pytest.mark.parametrize("lazy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["numpy", "dask"])
 def test_blocked_stats_equal_the_whole_axis(lazy: bool) -> None:
     """Blocks of 14 parameters give the (P,) statistics, the scalars, the cross-fit counts, the per-tensor
     summaries and the overlap of one whole-axis reduction."""

@@ -56,6 +56,7 @@ def value_arrays(draw: st.DrawFn) -> np.ndarray:
     return values
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(values=value_arrays(), data=st.data())
 def test_topk_equals_stable_argsort(values: np.ndarray, data: st.DataObject) -> None:
