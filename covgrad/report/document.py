@@ -1,8 +1,9 @@
 """A rendered report as ordered blocks, and its markdown, HTML and headline forms.
 
-No numbers are computed here: every value in a block was read from a store by
-:mod:`covgrad.report.sections`. ``blocks`` holds ``("h2", text)``, ``("p", text)``, ``("table", rows)``
-(rows: a list of dicts) and ``("img", file_name, caption)``.
+No numbers are computed here: every value in a block was read from a store or computed by
+:mod:`covgrad.report.sections`; :func:`findings` turns ``Report.numbers`` into sentences.
+``blocks`` holds ``("h2", text)``, ``("p", text)``, ``("table", rows)`` (rows: a list of dicts) and
+``("img", file_name, caption)``.
 """
 
 from __future__ import annotations
@@ -125,28 +126,99 @@ class Report:
         )
 
 
+def count(n: int) -> str:
+    """A parameter count in words: 3.5M, 224.7k, 950."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def _ci(iv: Any, fmt: str) -> str:
+    """`` (95% CI lo–hi)`` of an interval pair, or nothing when there is none (or it is NaN)."""
+    if not iv or not all(isinstance(v, int | float) and math.isfinite(v) for v in iv):
+        return ""
+    return f" (95% CI {format(iv[0], fmt)}–{format(iv[1], fmt)})"
+
+
+def _pct(v: float) -> str:
+    """A fraction as a percentage with two significant digits (0.0006 -> 0.06%, 0.61 -> 61%)."""
+    return f"{v * 100:.2g}%" if v * 100 < 10 else f"{v * 100:.0f}%"
+
+
+def findings(numbers: dict[str, Any]) -> list[str]:
+    """The run's findings as sentences, from ``Report.numbers`` (the stores' values and intervals): the
+    task, then either the degenerate condition or the overlap at the q nearest 1% against both
+    baselines, Spearman, the bound in sample and in the cross-fit with max |ρ|, the zero-mean test
+    against its null band, and each off-policy finding."""
+    out = []
+    t = numbers.get("task", {})
+    if t.get("N") is not None:
+        var = t.get("groups_with_reward_variance")
+        out.append(
+            f"Task: {t['N']} samples in {t['groups']} prompt groups of {t['group_size']} from sampler "
+            f"{t['sampler']} (at most {t['T']} new tokens, temperature {t['temperature']:g}); mean reward "
+            f"{t['mean_reward']:.3g}, {var} of {t['groups']} groups with reward variance; advantage {t['advantage']}, "
+            f"{t['centering']} centering; {count(int(numbers.get('P', 0)))} parameters "
+            f"({', '.join(t['selection']) if t.get('selection') else 'every trainable one'})."
+        )
+    if numbers.get("degenerate"):
+        out.append(f"No finding about G: {numbers['degenerate']}.")
+        return out
+    iv = numbers.get("intervals", {})
+    overlap = [r for r in numbers.get("overlap", []) if r["scope"] == "global"]
+    if overlap:
+        r = min(overlap, key=lambda r: abs(math.log(r["q"] / 0.01)))
+        ptr, rnd = r["per_tensor_random"], r["random"]
+        q = _pct(r["q"])
+        out.append(
+            f"The top {q} of parameters by |G| shares {_pct(r['overlap'])}"
+            f"{_ci(iv.get('overlap', {}).get(r['q']), '.0%')} with the top {q} by F: "
+            f"{r['overlap'] / ptr:.3g}× the per-tensor random baseline ({ptr:.3g}) and "
+            f"{r['overlap'] / rnd:.3g}× random ({rnd:.3g})."
+        )
+    if numbers.get("spearman_F_absG") is not None:
+        rho_s = numbers["spearman_F_absG"]
+        out.append(f"Spearman(F, |G|) = {rho_s:.3g}{_ci(iv.get('spearman_F_absG'), '.3g')} over all parameters.")
+    if numbers.get("bound_violations") is not None:
+        P = count(int(numbers["P"]))
+        cross = [numbers.get(f"crossfit_frac_exceed_{d}") for d in ("even_F_odd_G", "odd_F_even_G")]
+        if numbers.get("crossfit_undefined"):
+            where = numbers["crossfit_undefined"]
+        else:
+            where = f"{' and '.join(_pct(num(c)) for c in cross)} in the two cross-fit directions"
+        out.append(
+            f"{numbers['bound_violations']} of {P} parameters exceed the bound |Cov| ≤ std(A)·√Fvar in sample, "
+            f"{where}; max |ρ| = {num(numbers.get('max_abs_rho')):.3g}{_ci(iv.get('max_abs_rho'), '.3g')}."
+        )
+    for k, label in (("trace", "N·‖m‖² / tr Var(s)"), ("coord", "mean_i N·m_i² / Var_i")):
+        v, band = numbers.get(f"zero_mean_{k}"), iv.get(f"null_band_{k}")
+        if v is None or not band or not math.isfinite(num(v)):
+            continue
+        inside = band[0] <= v <= band[1]
+        verdict = "consistent with E[s] = 0" if inside else "evidence that E[s] ≠ 0"
+        side = "inside" if inside else "outside"
+        band_text = f"{band[0]:.3g}–{band[1]:.3g}"
+        out.append(f"Zero-mean test: {label} = {v:.3g}, {side} the 95% null band {band_text}: {verdict}.")
+    off = numbers.get("off_policy", [])
+    out += [f"{r['sampler']}/{r['centering']}: {r['finding']}." for r in off if r.get("finding")]
+    return out
+
+
 def summary_lines(numbers: dict[str, Any], missing: list[str]) -> list[str]:
     """The run's key numbers in a few terminal lines (``report.json``'s ``numbers`` in; the full tables
-    are in ``headline.md`` and ``report.html``): findings in words, the main scalars, the global overlap
-    per q against its random baseline, and the missing instances."""
-    lines = []
-    if numbers.get("degenerate"):
-        lines.append(f"finding: {numbers['degenerate']}")
-    keys = ("N", "P", "std_A", "max_abs_rho", "bound_violations", "spearman_F_absG")
-    main = [f"{k} {cell(numbers[k])}" for k in keys if numbers.get(k) is not None]
-    if main:
-        lines.append(f"{numbers.get('main_stats', 'main')}: {', '.join(main)}")
+    are in ``headline.md`` and ``report.html``): the findings in words (``findings``), the global overlap
+    per q against the per-tensor random and the random baseline, and the missing instances."""
+    lines = list(numbers.get("findings") or findings(numbers))
     overlap = [r for r in numbers.get("overlap", []) if r["scope"] == "global"]
     if overlap:
         lines.append(
-            "overlap(q) vs random: "
-            + ", ".join(f"{r['q']:g}: {cell(r['overlap'])} vs {cell(r['random'])}" for r in overlap)
+            "overlap(q) vs per-tensor random, random: "
+            + ", ".join(
+                f"{r['q']:g}: {cell(r['overlap'])} vs {cell(r['per_tensor_random'])}, {cell(r['random'])}"
+                for r in overlap
+            )
         )
-    if numbers.get("crossfit_undefined"):
-        lines.append(numbers["crossfit_undefined"])
-    lines += [
-        f"{r['sampler']}/{r['centering']}: {r['finding']}" for r in numbers.get("off_policy", []) if r.get("finding")
-    ]
     if missing:
         lines.append(f"missing or incomplete: {', '.join(missing)}")
     return lines
