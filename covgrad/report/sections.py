@@ -25,15 +25,18 @@ from covgrad.report.document import Report, cell, findings, finite
 from covgrad.report.plots import (
     plot_fisher_vs_grad,
     plot_overlap,
+    plot_rho,
     plot_tensor_shares,
     plot_token_trace,
     plot_update_check,
+    plot_update_steps,
     plot_zero_mean,
 )
 
 STATS = "stats.zarr"
 TOKENS = "tokens.zarr"
 SCORES = "scores.zarr"
+MASKS = "masks.zarr"
 ROLLOUTS = "rollouts.zarr"
 N_BOOT = 200  # bootstrap replicates of the intervals (fewer at large P: uncertainty.REPLICATE_BUDGET)
 HEADLINE_NOTES = {
@@ -261,9 +264,12 @@ def headline(report: Report, run: RunSource, cfg: PipelineConfig, main: str) -> 
         if gap:
             report.numbers["crossfit_undefined"] = gap
         rows += [{"quantity": k, "value": v, "note": notes.get(k, "")} for k, v in numbers.items()]
-        png = plot_fisher_vs_grad(st["F"], st["G"], float(s["adv_rms"]))
+        png = plot_fisher_vs_grad(st["F"], st["G"], float(s["adv_rms"]), None if finding else _cuts(run, st))
         if png is not None:
             report.plots["fisher_vs_grad.png"] = png
+        png = None if finding else plot_rho(st["rho"])
+        if png is not None:
+            report.plots["rho.png"] = png
     else:
         _skip(report, "Statistics", main)
     overlap: list[dict[str, Any]] = []
@@ -292,12 +298,34 @@ def headline(report: Report, run: RunSource, cfg: PipelineConfig, main: str) -> 
         cols = ("q", "scope", "n_G", "n_both", "overlap", "random", "per_tensor_random")
         report.blocks.append(("table", [{c: r[c] for c in cols} for r in overlap]))
     for file, caption in (
-        ("fisher_vs_grad.png", "F against |G| per parameter, with the bound line"),
+        ("fisher_vs_grad.png", "F against |G| per parameter: the bound, iso-ratio lines and the top-1% thresholds"),
+        ("rho.png", "Distribution of |ρ|: how close the parameters come to the bound"),
         ("overlap.png", "Overlap against q with the random and per-tensor baselines"),
         ("tensor_shares.png", "Each tensor's share of the top set by F and by |G|"),
     ):
         if file in report.plots:
             report.blocks.append(("img", file, caption))
+
+
+def _cuts(run: RunSource, st: Any, block: int = 1 << 22) -> tuple[float, float, float] | None:
+    """(q, smallest F in the global top-q set by F, smallest |G| in the one by |G|) at the masks' q
+    nearest 1%, read in blocks from the masks and stats stores; None without masks."""
+    if not run.has("masks"):
+        return None
+    mk = run.group("masks", MASKS)
+    if "F_global" not in mk:
+        return None
+    qs = mk["q"][:]
+    i = int(np.argmin(np.abs(np.log(qs / 0.01))))
+    cut = []
+    for metric, values in (("F_global", st["F"]), ("absG_global", st["G"])):
+        low = np.inf
+        for j in range(0, values.shape[0], block):
+            sel = mk[metric][i, j : j + block]
+            if sel.any():
+                low = min(low, float(np.abs(values[j : j + block][sel]).min()))
+        cut.append(low)
+    return float(qs[i]), cut[0], cut[1]
 
 
 def off_policy(report: Report, run: RunSource) -> None:
@@ -391,3 +419,6 @@ def update_check(report: Report, run: RunSource) -> None:
     if first and predictors:
         report.plots["update_check.png"] = plot_update_check(first, predictors)
         report.blocks.append(("img", "update_check.png", "Update check: precision and recall against random"))
+    if len({r.get("steps") for r in grid}) > 1 or len({r.get("lr") for r in grid}) > 1:
+        report.plots["update_steps.png"] = plot_update_steps(grid)
+        report.blocks.append(("img", "update_steps.png", "Fraction of parameters changed against steps, per lr"))
