@@ -14,14 +14,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from covgrad.report.glossary import meaning
 from covgrad.tables import to_markdown, uniform
 
 FLOAT_FORMAT = ".4g"
-# Wide tables scroll inside their own box instead of being cut at the page's right edge.
+# Tables wrap their cells to the page width, and a table still wider scrolls with the whole page: no
+# element has its own scroll bar (no overflow other than visible), so no column is ever hidden.
 STYLE = (
-    "body{font-family:sans-serif;max-width:60em;margin:2em auto}"
-    ".table{overflow-x:auto;max-width:100%;margin:0.5em 0}table{border-collapse:collapse}"
-    "td,th{border:1px solid #bbb;padding:2px 8px;text-align:right;white-space:nowrap}img{max-width:100%}"
+    "body{font-family:sans-serif;max-width:80em;margin:2em auto;padding:0 1em}"
+    ".table{margin:0.5em 0}table{border-collapse:collapse}"
+    "td,th{border:1px solid #bbb;padding:2px 6px;text-align:right;white-space:normal;overflow-wrap:anywhere}"
+    "th{cursor:help;text-decoration:underline dotted}img{max-width:100%}"
+    "dl.glossary dt{font-family:monospace;font-weight:bold}dl.glossary dd{margin:0 0 0.4em 2em}"
 )
 OFF_POLICY_HEADLINE = (
     "sampler",
@@ -104,8 +108,21 @@ class Report:
                 parts.append(f"![{block[2]}]({block[1]})\n")
         return "\n".join(parts)
 
+    def names(self) -> list[str]:
+        """Every column name and every ``quantity`` of the report's tables, in order of appearance."""
+        seen: dict[str, None] = {}
+        for block in self.blocks:
+            if block[0] == "table" and block[1]:
+                for row in uniform(block[1]):
+                    seen |= dict.fromkeys(row)
+                    if "quantity" in row:
+                        seen[str(row["quantity"])] = None
+        return list(seen)
+
     def html(self) -> str:
-        """The whole report as one self-contained HTML page (PNGs embedded as base64 data URIs)."""
+        """The whole report as one self-contained HTML page (PNGs embedded as base64 data URIs); every
+        column header and quantity carries its glossary meaning as a tooltip, and the page ends with the
+        glossary of the names it shows (footnotes; docs/reading.md has them all)."""
         body = [f"<h1>{html.escape(self.title)}</h1>"]
         for block in self.blocks:
             kind = block[0]
@@ -120,6 +137,10 @@ class Report:
                 cap = html.escape(block[2])
                 body.append(f'<figure><img alt="{cap}" src="data:image/png;base64,{data}"><figcaption>{cap}')
                 body.append("</figcaption></figure>")
+        terms = [(n, meaning(n)) for n in self.names()]
+        body.append("<h2 id='glossary'>Reading the tables</h2><dl class='glossary'>")
+        body += [f"<dt>{html.escape(n)}</dt><dd>{html.escape(m)}</dd>" for n, m in terms if m]
+        body.append("</dl>")
         return (
             f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(self.title)}</title>"
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
@@ -224,11 +245,23 @@ def summary_lines(numbers: dict[str, Any], missing: list[str]) -> list[str]:
     return lines
 
 
+def _tip(name: str) -> str:
+    """`` title="…"`` with the glossary meaning of ``name`` (escaped), or nothing."""
+    m = meaning(name)
+    return f' title="{html.escape(m)}"' if m else ""
+
+
 def html_table(rows: list[dict[str, Any]]) -> str:
-    """An HTML table of ``rows`` inside a box that scrolls sideways when the table is wider than the page."""
+    """An HTML table of ``rows`` whose cells wrap to the page width (no inner scroll box); headers and
+    ``quantity`` cells carry their glossary meaning as a tooltip."""
     rows = uniform(rows)
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
+    head = "".join(f"<th{_tip(str(c))}>{html.escape(str(c))}</th>" for c in rows[0])
+    body = "".join(
+        "<tr>"
+        + "".join(f"<td{_tip(str(v)) if k == 'quantity' else ''}>{html.escape(cell(v))}</td>" for k, v in r.items())
+        + "</tr>"
+        for r in rows
+    )
     return f'<div class="table"><table><tr>{head}</tr>{body}</table></div>'
 
 
