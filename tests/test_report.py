@@ -29,6 +29,8 @@ PLOTS = (
     "zero_mean.png",
     "token_trace.png",
     "update_check.png",
+    "rho.png",
+    "update_steps.png",
 )
 
 
