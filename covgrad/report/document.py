@@ -67,9 +67,11 @@ class Report:
     missing: list[str] = field(default_factory=list)
 
     def headline_markdown(self) -> str:
-        """The headline as markdown (what ``covgrad run`` prints at the end): the main table, the
-        off-policy table, and one line each for the token Fisher and the update check when present."""
-        text = f"## {self.title}\n\n" + (to_markdown(self.headline, FLOAT_FORMAT) if self.headline else "")
+        """The headline as markdown (what ``covgrad report`` prints): the findings in words, the main table,
+        the off-policy table, and one line each for the token Fisher and the update check when present."""
+        words = self.numbers.get("findings") or []
+        text = f"## {self.title}\n\n" + "".join(f"{w}\n\n" for w in words)
+        text += to_markdown(self.headline, FLOAT_FORMAT) if self.headline else ""
         off = self.numbers.get("off_policy")
         if off:
             rows = [{c: float("nan") if r.get(c) is None else r[c] for c in OFF_POLICY_HEADLINE} for r in off]
@@ -184,7 +186,7 @@ def findings(numbers: dict[str, Any]) -> list[str]:
             f"({', '.join(t['selection']) if t.get('selection') else 'every trainable one'})."
         )
     if numbers.get("degenerate"):
-        out.append(f"No finding about G: {numbers['degenerate']}.")
+        out.append(f"finding: {numbers['degenerate']}")
         return out
     iv = numbers.get("intervals", {})
     overlap = [r for r in numbers.get("overlap", []) if r["scope"] == "global"]
