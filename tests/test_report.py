@@ -201,12 +201,12 @@ def test_publish_creates_prefect_artifacts_in_a_flow(prefect_server):
     assert "std_A" in str(keys["covgrad-headline-demo-run-v2"].data)
 
 
-def test_wide_tables_scroll_inside_their_box():
+def test_wide_tables_wrap_with_no_inner_scroll_box():
     from covgrad.report.document import STYLE
 
     row = {f"column_{i}": float(i) for i in range(30)}
     html = Report(title="t", blocks=[("table", [row])]).html()
-    assert '<div class="table"><table>' in html and ".table{overflow-x:auto" in STYLE
+    assert '<div class="table"><table>' in html and "overflow" not in STYLE and "white-space:normal" in STYLE
 
 
 def test_progress_logs_a_line_every_interval(caplog, monkeypatch):

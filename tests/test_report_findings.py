@@ -59,9 +59,9 @@ def test_findings_state_the_numbers_with_intervals_and_the_honest_baseline():
 def test_degenerate_run_keeps_its_wording():
     why = "no reward variance: G ≡ 0; overlap, ρ and the bound are undefined"
     words = findings({"task": TASK, "P": 10, "degenerate": why, "zero_mean_trace": 1.0})
-    assert words[-1] == f"No finding about G: {why}." and len(words) == 2
+    assert words[-1] == f"finding: {why}" and len(words) == 2
     assert summary_lines({"degenerate": why}, ["masks"]) == [
-        f"No finding about G: {why}.",
+        f"finding: {why}",
         "missing or incomplete: masks",
     ]
 

@@ -14,8 +14,8 @@ GLOSSARY: dict[str, str] = {
     "quantity": "name of the number in this row (its own entry in this glossary)",
     "value": "the number as stored by the stage that computed it",
     "note": "what the number is, in words",
-    "lo": "lower end of the 95% interval (or of the null band for zero_mean rows); see the Uncertainty section",
-    "hi": "upper end of the 95% interval (or of the null band for zero_mean rows)",
+    "lo": "lower end of the 95-percent interval (or of the null band for zero_mean rows); see the Uncertainty section",
+    "hi": "upper end of the 95-percent interval (or of the null band for zero_mean rows)",
     # task
     "model": "the analysed policy: a model directory or the built-in demo Llama",
     "selection": "parameter name patterns analysed (model.params); P counts their elements",
@@ -45,7 +45,7 @@ GLOSSARY: dict[str, str] = {
     "zero_mean_coord": "mean over coordinates of N·m_i² / Var_i: ≈ 1 (inside its null band) when E[s] = 0",
     "spearman_F_absG": "Spearman rank correlation of F and |G| over all parameters",
     # overlap
-    "q": "top fraction of parameters (0.01 = the top 1%)",
+    "q": "top fraction of parameters (q = 1/100 keeps the top one percent)",
     "scope": "global: top-q over all parameters; per_tensor: top-q inside each tensor",
     "n_G": "size of the top-q set by |G|",
     "n_F": "size of the top-q set by F",
@@ -56,7 +56,7 @@ GLOSSARY: dict[str, str] = {
     # off-policy
     "kl_per_token": "mean over response tokens of KL(μ ‖ p) in nats (0 when the sampler is the policy)",
     "rel_diff_G": "‖G_sampler − G_policy‖ / ‖G_sampler‖ between one sampler's two centerings",
-    "overlap_1pct": "global overlap at q = 1%",
+    "overlap_1pct": "global overlap at q = 1/100",
     # tokens
     "mode": "token Fisher estimator: exact, topk (top-k vocabulary), mc (Monte Carlo tokens), probe (random probes)",
     "rel_L2_vs_F": "‖Σ f / N − F‖ / ‖F‖ over parameters: token Fisher against the sequence Fisher",

@@ -93,7 +93,7 @@ def plot_fisher_vs_grad(F: Any, G: Any, adv_rms: float, cuts: tuple[float, float
     ax.set_xlabel("Fisher F = mean(s²)  [(log-prob / parameter unit)²]")
     ax.set_ylabel("|G| = |mean(A·s)|  [advantage × log-prob / parameter unit]")
     ax.set_title(f"F vs |G|: {h.n} of {h.P} parameters with F, |G| > 0", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8)  # below the axes, clear of the data
     return _png(fig)
 
 
@@ -246,7 +246,7 @@ def plot_rho(rho: Any, bins: int = 50, block: int = READ_BLOCK) -> bytes | None:
     ax.set_title(f"|ρ| over {n} of {P} parameters (finite ρ)", fontsize=10)
     handles = ax.get_legend_handles_labels()[0] + cdf.get_legend_handles_labels()[0]
     labels = ax.get_legend_handles_labels()[1] + cdf.get_legend_handles_labels()[1]
-    ax.legend(handles, labels, loc="upper center", fontsize=8)
+    ax.legend(handles, labels, loc="center right", fontsize=8)
     return _png(fig)
 
 
