@@ -1,14 +1,23 @@
-"""The generic per-sample rule is not the fast path: the same Llama with its RMSNorms on the generic rule
-(torch.func vmap of each norm's own vector-Jacobian product) against the specialised RMSNorm rule.
+"""Cost of per-sample scores on today's architectures, and of the generic rule against the fast path.
 
-Both models hold the same weights; the second swaps every LlamaRMSNorm for a subclass whose forward is
-the same math written differently, so it is matched to :func:`covgrad.rules.generic_rule`. Each
-repetition times one PerSampleGrads call (self-check off, reused output buffer) of each model,
-interleaved after one warm-up; the median ratio generic / specialised is reported (goal ≤ 1.1: norm
-parameters are a small part of P). The two score matrices are compared too.
+``--suite arch`` (default): a Qwen3.5-shaped hybrid (three Gated DeltaNet layers to one full-attention
+layer; dt_bias, A_log, the short conv and the gated norm on the generic path) and a DeepSeek-V3-style MoE
+(MLA attention, sigmoid router with group top-k and a correction bias, shared expert, first layer dense),
+every parameter selected, and again without the generic-path parameters (what their replays cost). Each
+repetition times, interleaved after one warm-up, the floor (one forward and one batched backward of the
+summed objective with every parameter requiring grad: the ordinary training gradient) and the fused
+per-sample reduction (``PerSampleGrads.accumulate`` into a float64 :class:`covgrad.accum.MomentAccumulator`,
+self-check off), in process CPU time by default (``--clock wall``: wall time; on a shared machine other
+jobs' load enters wall time, not the process's own CPU time); the median ratio is reported (goal ≤ 1.5 with
+everything selected).
 
-    python -m benchmarks.families               # ~1 minute on one core
-    python -m benchmarks.families --reps 3
+``--suite norms``: the same Llama with its RMSNorms on the generic rule (torch.func vmap of each norm's own
+vector-Jacobian product, via a subclass whose forward is the same math written differently) against the
+specialised RMSNorm rule; the median ratio generic / specialised (goal ≤ 1.1) and the score difference.
+
+    python -m benchmarks.families --threads 1     # a few minutes on a CPU
+    python -m benchmarks.families --clock wall    # wall time, torch's threads
+    python -m benchmarks.families --suite norms --reps 3
 """
 
 from __future__ import annotations
@@ -20,11 +29,14 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np
 import torch
+import transformers as T
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from benchmarks.tokens import build as perturbed_llama
+from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.rules import _rmsnorm_rule, generic_rule, rule_for
@@ -52,12 +64,121 @@ def build(generic_norms: bool) -> nn.Module:
     return model.eval()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=64)
-    args = parser.parse_args()
+def arch_model(name: str, vocab: int = 512) -> nn.Module:
+    """A 4-layer, hidden-256 random model of ``name`` ("qwen3.5-hybrid" or "deepseek-v3-moe"), every small
+    parameter (norms, biases, gates, routers, A_log, dt) moved off its init, eval mode, eager attention."""
+    torch.manual_seed(0)
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": 256,
+        "intermediate_size": 640,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
+    if name == "qwen3.5-hybrid":
+        config = T.Qwen3_5TextConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+        )
+        cls = T.Qwen3_5ForCausalLM
+    elif name == "deepseek-v3-moe":
+        config = T.DeepseekV3Config(
+            **common,
+            num_key_value_heads=4,
+            moe_intermediate_size=128,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=64,
+            q_lora_rank=96,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+        )
+        cls = T.DeepseekV3ForCausalLM
+    else:
+        raise ValueError(f"unknown model {name!r}")
+    config._attn_implementation = "eager"
+    model = cls(config)
+    gen = torch.Generator().manual_seed(1)
+    keys = ("norm", "bias", "gate", "A_log", "dt_")
+    with torch.no_grad():
+        for pn, p in model.named_parameters():
+            if p.dim() <= 1 or any(k in pn for k in keys):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def batched_backward(model: nn.Module, ids: Tensor, attn: Tensor, pos: Tensor, target: Tensor) -> None:
+    """The floor: one forward and one batched backward of the summed objective (every parameter's .grad)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+    logits.backward(score_logit_grad(logits.detach(), ids, target).to(logits.dtype))
+
+
+def run_arch(args: argparse.Namespace) -> None:
+    B, L = args.batch, args.length
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (B, L), generator=gen)
+    attn = torch.ones(B, L, dtype=torch.long)
+    attn[1::2, : L // 4] = 0  # every other sample left-padded by a quarter
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    target = torch.zeros(B, L)
+    target[:, L // 2 :] = 1.0
+    fn = lambda z: score_logit_grad(z, ids, target)  # noqa: E731
+    adv, half = np.linspace(-1.0, 1.0, B), np.arange(B) % 2
+    print(
+        f"B={B}, L={L}, reps={args.reps}, threads={torch.get_num_threads()}, torch {torch.__version__}, "
+        f"clock={args.clock}"
+    )
+    print(f"{'model':26s} {'P':>10s} {'generic P':>10s} {'floor s':>8s} {'scores s':>9s} {'ratio':>6s}")
+    rows = [(name, fast) for name in ("qwen3.5-hybrid", "deepseek-v3-moe") for fast in (False, True)]
+    for name, fast_only in rows:
+        model = arch_model(name)
+        layout = select_parameters(model)
+        psg = PerSampleGrads(model, layout, check=True)
+        acc = MomentAccumulator(layout.P, "cpu", "float64")
+        psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
+        generic = {e.name for _, rule, local in psg.bindings() if rule is generic_rule for e in local.values()}
+        n_generic = sum(layout.entry(n).numel for n in generic)
+        if fast_only:  # the same model with the generic-path parameters deselected: what their replays cost
+            layout = select_parameters(model, [n for n in layout.names if n not in generic])
+            psg = PerSampleGrads(model, layout, check=True)
+            acc = MomentAccumulator(layout.P, "cpu", "float64")
+            psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+            name, n_generic = f"{name} -generic", 0
+        batched_backward(model, ids, attn, pos, target)
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        floor, ours = [], []
+        for _ in range(args.reps):
+            t = clock()
+            batched_backward(model, ids, attn, pos, target)
+            floor.append(clock() - t)
+            model.zero_grad(set_to_none=True)
+            t = clock()
+            psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+            ours.append(clock() - t)
+        ratio = statistics.median([o / f for o, f in zip(ours, floor, strict=True)])
+        print(
+            f"{name:26s} {layout.P:10,d} {n_generic:10,d} {statistics.median(floor):8.3f} "
+            f"{statistics.median(ours):9.3f} {ratio:6.2f}"
+        )
+    print("ratio: median per-repetition scores / floor (goal <= 1.5); -generic: generic-path parameters deselected")
+
+
+def run_norms(args: argparse.Namespace) -> None:
     B, L = args.batch, args.length
     fast, slow = build(False), build(True)
     norms = [m for m in slow.modules() if isinstance(m, LlamaRMSNorm)]
@@ -95,6 +216,25 @@ def main() -> None:
     ratios = [g / s for g, s in zip(times["generic"], times["specialised"], strict=True)]
     print(f"median per-repetition ratio generic/specialised: {statistics.median(ratios):.3f} (goal <= 1.1)")
     print(f"scores agree: relative difference {rel:.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=("arch", "norms"), default="arch")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="arch suite: process CPU time (steady on a shared machine; both threads counted) or wall time",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    (run_arch if args.suite == "arch" else run_norms)(args)
 
 
 if __name__ == "__main__":

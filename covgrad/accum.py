@@ -45,7 +45,7 @@ STATE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 # Columns per fold step: bounds the transient (B, columns) state-dtype buffers. CPU: small enough to stay
 # in cache; accelerators: large enough that a step is a few big kernels.
-_FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}
+FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}
 
 # Columns per call of the compiled fold: its kernel keeps per-column sums of every half (6 × columns × 8
 # bytes), so a tied embedding's block (V × H columns, 28M for SmolLM2) is folded in tiles of 32 MiB of sums
@@ -102,6 +102,14 @@ def _fold_started(
         hi = full.to(torch.float32)
         mean[h].copy_(hi)
         lo[h].copy_(full - hi.to(torch.float64))
+
+
+def state_bytes_per_param(state_dtype: str, halves: int = 2) -> int:
+    """Bytes of moment state per parameter element over ``halves`` rows: the mean, M2 and co-moment (and
+    the mean's low part for float32) in ``state_dtype``; 48 (float64) or 32 (float32) for two halves."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype {state_dtype!r} is not supported; use one of {sorted(STATE_DTYPES)}")
+    return halves * (4 if state_dtype == "float32" else 3) * STATE_DTYPES[state_dtype].itemsize
 
 
 _compiled_fold: Any = None
@@ -167,7 +175,7 @@ class MomentAccumulator:
         self.mean_lo = torch.zeros_like(self.mean) if self.dtype == torch.float32 else None
         self._batch: _Batch | None = None
         self._work: tuple[Tensor, ...] | None = None
-        self._fold_elements = _FOLD_ELEMENTS.get(self.device.type, 1 << 22)
+        self._fold_elements = FOLD_ELEMENTS.get(self.device.type, 1 << 22)
         # samples × P from which the compiled fold runs (None: never)
         self._compile_from = {None: _COMPILE_AFTER, True: 0, False: None}[compiled]
         self.switch_P = P if switch_P is None else switch_P
@@ -178,7 +186,7 @@ class MomentAccumulator:
     @property
     def bytes_per_param(self) -> int:
         """Device bytes of state per parameter element (all halves)."""
-        return self.H * (4 if self.mean_lo is not None else 3) * self.mean.element_size()
+        return state_bytes_per_param(self.state_dtype, self.H)
 
     def begin_batch(self, advantages: Tensor | np.ndarray, half: Tensor | np.ndarray) -> None:
         """Start a batch: its advantages (B,) and each sample's half (B,) integers in [0, H)."""

@@ -1,7 +1,8 @@
 """The rollout batch every engine consumes: one typed set of (B, L) rows built in one place.
 
 Rows are right-padded (prompt, then response, then padding), so ``position_ids`` are 0..L−1 on every row
-and ``attention_mask`` marks the first ``prompt_len + response_len`` tokens.
+and ``attention_mask`` marks the first ``prompt_len + response_len`` tokens. Batches hold whole prompt
+groups (:func:`group_batches`), so group-relative advantages and the parity split stay exact.
 """
 
 from __future__ import annotations
@@ -62,3 +63,10 @@ class RolloutBatch:
     def to(self, device: torch.device | str) -> RolloutBatch:
         """The same batch with every tensor on ``device``."""
         return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def group_batches(group: np.ndarray, groups_per_batch: int) -> list[tuple[int, int]]:
+    """[lo, hi) sample ranges, each holding ``groups_per_batch`` whole consecutive groups of ``group`` (N,)."""
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    bounds = [*starts[::groups_per_batch].tolist(), len(group)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))

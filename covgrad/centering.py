@@ -1,16 +1,81 @@
-"""The sampler distribution μ aligned with the policy's logits, for sampler-centered scores.
+"""The logit-gradient functions of the scores: policy-centered, or centered by the sampler distribution μ
+aligned with the policy's logits.
 
-Rollouts keep μ per response position (``(B, T, V)`` full, or a top-k record); the score needs it
-per logit position (``(B, L, V)``, index t = distribution of token t+1). Positions that are not
-scored get the uniform distribution (their weight is 0, so they never enter the score).
+Rollouts keep μ per response position (``(B, T, V)`` full, or a top-k record), or nothing (μ is then
+recomputed by the sampler model); the score needs it per logit position (``(B, L, V)``, index t =
+distribution of token t+1). Positions that are not scored get the uniform distribution (their weight is
+0, so they never enter the score).
+
+Shape notation: B rows of L tokens, T response positions, V vocabulary, k recorded tokens per position.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
-from covgrad.sampling import mu_from_topk
+import torch
+from torch import Tensor, nn
+
+from covgrad.batch import RolloutBatch
+from covgrad.persample import score_logit_grad
+from covgrad.sampling import SamplerSpec, mu_from_topk, recompute_sampler_logp
+
+LogitGrad = Callable[[Tensor], Tensor]  # logits (B, L, V) -> the (B, L, V) gradient the score backpropagates
+
+
+@dataclass(frozen=True)
+class MuRecord:
+    """What the rollouts hold about μ for one batch: the full log μ, a top-k record, or neither."""
+
+    logp: Tensor | None = None  # (B, T, V) float32: log μ at each response position
+    topk_ids: Tensor | None = None  # (B, T, k) int32: the recorded tokens
+    topk_logp: Tensor | None = None  # (B, T, k) float32: their log μ
+    tail: Tensor | None = None  # (B, T) float32: μ's mass outside the recorded tokens
+
+
+def policy_logit_grad(batch: RolloutBatch, device: torch.device) -> LogitGrad:
+    """The logit-gradient function of ∇ log p of ``batch``'s response tokens (policy centering), on ``device``."""
+    return partial(score_logit_grad, input_ids=batch.input_ids.to(device), target_mask=batch.response_mask.to(device))
+
+
+class SamplerCentering:
+    """Logit-gradient functions of sampler-centered scores, batch by batch.
+
+    μ comes from the batch's :class:`MuRecord` (full log μ; or a top-k record, its tail spread in
+    proportion to the policy) or, for rollouts without one, from ``model`` (the sampler, with the
+    sampling settings ``spec``) by one teacher-forced forward on the CPU. Each call of a batch's function
+    sets ``kl``: the batch's Σ KL(μ‖p) over scored tokens (nats) and their number.
+    """
+
+    def __init__(self, spec: SamplerSpec, model: nn.Module | None = None) -> None:
+        self.spec, self.model = spec, model
+        self.kl: tuple[float, int] = (0.0, 0)
+
+    def logit_grad(self, batch: RolloutBatch, mu: MuRecord) -> LogitGrad:
+        """The logit-gradient function of ``batch`` (CPU tensors) centered by its μ record ``mu``."""
+        tokens, pl, rl, target = batch.input_ids, batch.prompt_len, batch.response_len, batch.response_mask
+        fixed = None
+        if mu.logp is not None:
+            fixed = align_full_mu(mu.logp, pl, rl, tokens.shape[1])
+        elif mu.topk_ids is None:
+            if self.model is None:
+                raise ValueError("these rollouts hold no record of μ; sampler centering needs the sampler model")
+            fixed = mask_unscored(recompute_sampler_logp(self.model, tokens, pl, rl, self.spec), target.bool())
+
+        def fn(logits: Tensor) -> Tensor:
+            # everything on the logits' device: no (B, L, V) tensor crosses to the host per batch
+            dev, z = logits.device, logits.detach()
+            if fixed is None:
+                mu_t = align_topk_mu(z.float(), *(t.to(dev) for t in (mu.topk_ids, mu.topk_logp, mu.tail, pl, rl)))
+            else:
+                mu_t = fixed.to(dev)
+            tgt = target.to(dev)
+            self.kl = kl_sampler_policy(mu_t, z, tgt)
+            return score_logit_grad(logits, tokens.to(dev), tgt, mu=mu_t)
+
+        return fn
 
 
 def response_to_logit_index(prompt_len: Tensor, response_len: Tensor, T: int) -> tuple[Tensor, Tensor]:

@@ -13,13 +13,17 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Dtype = Literal["float32", "bfloat16"]  # dtype a model is loaded in
-Device = Literal["auto", "cpu", "cuda"]  # where per-sample passes run; auto: cuda when visible
-StateDtype = Literal["float64", "float32"]  # moment state of the scores stage
-Advantage = Literal["group_mean", "group_zscore", "global_mean", "none"]  # advantage A from rewards r
-MuStore = Literal["none", "full", "topk"]  # how much of the sampler's distribution μ the rollouts keep
-TokenMode = Literal["exact", "topk", "mc", "probe", "probe_seq"]  # token-Fisher estimators
-Blocks = int | Literal["auto"]  # parameter blocks of the scores stage: a count, or the fewest that fit
+from covgrad.choices import (  # the schema's choices and the defaults engines share, without pydantic
+    TOKENS_EXACT_BUDGET,
+    TOKENS_ROW_BYTES,
+    Advantage,
+    Blocks,
+    Device,
+    Dtype,
+    MuStore,
+    StateDtype,
+    TokenMode,
+)
 
 MOVED = {
     "scores.params": "model.params",
@@ -261,8 +265,10 @@ class TokensSection(Section):
     topk: int = Field(4, ge=1, description="topk: candidate tokens per position")
     mc_samples: int = Field(8, ge=1, description="mc: draws per position")
     probes: int = Field(8, ge=1, description="probe: Rademacher probes per position (per sequence for probe_seq)")
-    exact_budget: int = Field(65536, ge=1, description="largest T·V cotangent rows per sample for which exact runs")
-    row_bytes: int = Field(32 * 1024**2, ge=1, description="memory aimed at per block of cotangent rows")
+    exact_budget: int = Field(
+        TOKENS_EXACT_BUDGET, ge=1, description="largest T·V cotangent rows per sample for which exact runs"
+    )
+    row_bytes: int = Field(TOKENS_ROW_BYTES, ge=1, description="memory aimed at per block of cotangent rows")
     seed: int = Field(0, description="seed of the mc draws and probes")
 
     @field_validator("modes")

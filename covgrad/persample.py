@@ -6,10 +6,15 @@ neither divided by the number of tokens T nor by the batch size N, so Fisher and
 it are in per-sample units; a mean loss would scale every score by 1/T_n (and the ordinary batched
 gradient by 1/N).
 
-How: forward hooks on the leaf modules that own the selected parameters save each module's input, and
+How: forward hooks on the modules that own the selected parameters save each module's input, and
 a tensor hook on the module's output receives ∂objective/∂output during the backward; a per-module rule
-(:mod:`covgrad.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm) turns the pair into every sample's parameter
-gradient. During the call all parameters are frozen and the backward is taken with respect to the
+(:mod:`covgrad.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm, fused experts, and the generic
+per-sample vector-Jacobian product of any other module's forward) turns the pair into every sample's
+parameter gradient. The first call traces one forward of two samples: a parameter used outside the
+forward of the module that owns it (a weight its parent hands to a functional conv) moves to the smallest
+module whose forward holds all its uses, and every module that runs on a flattened (B·L, …) batch or whose
+forward a rule replays must keep the samples apart (checked by autograd, not by a list of classes).
+During the call all parameters are frozen and the backward is taken with respect to the
 outputs of the first hooked modules, so autograd never computes a batched weight gradient: the
 per-sample products replace those GEMMs instead of adding to them. A parameter shared by several
 modules (tied embedding and LM head) gets the sum of their contributions per sample.
@@ -29,17 +34,20 @@ vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layo
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from covgrad.accum import MomentAccumulator
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.rules import FLATTENING_PARENTS, Call, Rule, Slot, float_outputs, rule_for
+from covgrad.rules import Call, Rule, Slot, float_outputs, generic_rule, rule_for
 
 # Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: about the
 # L2 cache (measured on a 2-core EPYC VM, B = 32, 256 × 256 and 640 × 256 weights: 2–4 MiB chunks made
@@ -56,6 +64,10 @@ def default_chunk_bytes(device_type: str) -> int:
 
 # Largest per-sample block buffer kept for reuse (every decoder-layer block of a ~1B model fits).
 _POOL_MAX_BYTES = 256 << 20
+
+# Positions of the first call's trace (PerSampleGrads._trace): the last ones of each row (real tokens under
+# left padding).
+_TRACE_POSITIONS = 16
 
 # Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
 # because the batched reference gradient itself is accumulated in bf16/fp16.
@@ -133,11 +145,13 @@ Binding = tuple[nn.Module, Rule, dict[str, TensorEntry]]
 
 def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
     """Every module owning selected parameters, with its per-sample rule and its selected parameters
-    (local name → layout entry), in ``named_modules`` order.
+    (local name → layout entry), in ``named_modules`` order. A module whose fast rule covers only some of
+    its parameters gets a second binding, :func:`covgrad.rules.generic_rule` over the others.
 
     Raises:
-        ValueError: when a selected parameter is not in the model, or is owned by a module without a
-            per-sample rule (the message names the parameter and the module type).
+        ValueError: when a selected parameter is not in the model, or (one message naming every such
+            parameter, with a ``model.params`` selection without them) has no per-sample rule: owned by
+            the model's top-level module or by a module whose rule refuses it.
     """
     params = dict(model.named_parameters())
     missing = [name for name in layout.names if name not in params]
@@ -145,20 +159,66 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
         raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
     by_id = {id(params[e.name]): e for e in layout.entries}
     bindings: list[Binding] = []
+    refused: list[tuple[str, str]] = []
     for module_name, module in model.named_modules():
         local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
         if not local:
             continue
+        if not module_name:
+            refused += [
+                (
+                    e.name,
+                    f"{e.name!r} is owned by the model's top-level {type(module).__name__}, whose forward is "
+                    "the whole model",
+                )
+                for e in local.values()
+            ]
+            continue
         found = rule_for(module)
-        uncovered = [pn for pn in local if isinstance(found, str) or pn not in found[1]]
-        if uncovered:
-            reason = found if isinstance(found, str) else f"its rule covers only {sorted(found[1])}"
-            raise ValueError(
-                f"no per-sample rule for parameter {local[uncovered[0]].name!r} (as {module_name}."
-                f"{uncovered[0]}, in a {type(module).__name__}); {reason}"
-            )
-        bindings.append((module, found[0], local))
+        if isinstance(found, str):
+            refused += [
+                (e.name, f"{e.name!r} (as {module_name}.{pn}, in a {type(module).__name__}): {found}")
+                for pn, e in local.items()
+            ]
+            continue
+        rule, covered = found
+        mine = {pn: e for pn, e in local.items() if pn in covered}
+        rest = {pn: e for pn, e in local.items() if pn not in covered}
+        if mine:
+            bindings.append((module, rule, mine))
+        if rest:
+            bindings.append((module, generic_rule, rest))
+    if refused:
+        raise ValueError(refusal(layout, refused))
     return bindings
+
+
+def refusal(layout: ParamLayout, refused: list[tuple[str, str]]) -> str:
+    """One line naming every refused parameter (``(layout name, reason)`` pairs) and a ``model.params``
+    selection of the layout's other parameters that runs (globs over layer indices where they stay exact)."""
+    bad = {name for name, _ in refused}
+    keep = [name for name in layout.names if name not in bad]
+    head = (
+        f"no per-sample rule for parameter {refused[0][1]}"
+        if len(refused) == 1
+        else f"no per-sample rule for {len(refused)} selected parameters: " + "; ".join(r for _, r in refused)
+    )
+    if not keep:
+        return f"{head}; nothing else is selected"
+    return f"{head}; a selection without them that runs: model.params = {suggest_params(keep, layout.names)}"
+
+
+def suggest_params(keep: list[str], names: tuple[str, ...] | list[str]) -> list[str]:
+    """Glob patterns matching exactly ``keep`` among ``names``: each name with its layer indices replaced by
+    ``*`` where that pattern matches no other name, the name itself otherwise; deduplicated, in order."""
+    keep_set, out = set(keep), []
+    for name in keep:
+        pat = re.sub(r"\.\d+\.", ".*.", name)
+        if pat != name and not all(n in keep_set for n in names if fnmatch.fnmatchcase(n, pat)):
+            pat = name
+        if pat not in out:
+            out.append(pat)
+    return out
 
 
 class PerSampleGrads:
@@ -176,8 +236,10 @@ class PerSampleGrads:
             change the GEMM shapes, so the fp32 products may differ in their last bits from whole blocks.
 
     Raises:
-        ValueError: when a selected parameter is not in the model, or is owned by a module without a
-            per-sample rule (the message names the parameter and the module type).
+        ValueError: when a selected parameter is not in the model, or has no per-sample rule (one message
+            naming every such parameter and its module type, with a selection that runs). The first call
+            refuses, the same way, a parameter only the model's top-level forward uses and a module that
+            mixes samples or whose flattened rows are not sample by sample (see :meth:`_trace`).
     """
 
     def __init__(
@@ -190,11 +252,17 @@ class PerSampleGrads:
         self.chunk_bytes = chunk_bytes
         self._bindings = bind_rules(model, layout)
         self._params = [params[e.name] for e in layout.entries]
-        # Modules run on a flattened (B·L, …) batch by a verified parent (OPT layers, MoE blocks).
-        flattening = [m for m in model.modules() if type(m) in FLATTENING_PARENTS]
-        self._flat_ok = {id(m) for parent in flattening for m in parent.modules()}
+        self._names = {id(m): name for name, m in model.named_modules()}
+        # Set by the first call's trace (_trace): parameter uses checked, and (first call with B ≥ 2) which
+        # hooked modules run on a flattened (B·L, …) batch whose row n·L + t is sample n's position t.
+        self._traced = False
+        self._verified = False
+        self._flat_ok: set[int] = set()
+        self._outer: set[int] = set()  # of those, the ones with outer-major rows (see _check_apart)
         # Per-call state, set and cleared by _per_sample.
         self._B = 0
+        self._L = 0
+        self._replaying = False  # a rule re-runs a module's forward: the hooks of its submodules stand aside
         self._out: Tensor | None = None
         self._acc: MomentAccumulator | None = None
         self._check: _Check | None = None
@@ -213,6 +281,11 @@ class PerSampleGrads:
         # every forward and backward, when the activations peak.
         self._pool: list[Tensor] = []
         self._roots: list[Tensor] = []
+
+    def bindings(self) -> list[Binding]:
+        """The modules hooked, with their rules and selected parameters (after the first call's trace, which
+        may move a parameter to the module whose forward uses it)."""
+        return list(self._bindings)
 
     def __call__(
         self,
@@ -344,14 +417,16 @@ class PerSampleGrads:
         acc: MomentAccumulator | None = None,
         check: _Check | None = None,
     ) -> Tensor | None:
-        B = inputs["input_ids"].shape[0]
-        self._B, self._out, self._acc, self._check = B, out, acc, check
+        B, L = inputs["input_ids"].shape
+        self._B, self._L, self._out, self._acc, self._check = B, L, out, acc, check
         flags = [(p, p.requires_grad) for p in self.model.parameters()]
         handles = []
         try:
             # Frozen parameters: the graph starts at the first hooked outputs, no weight grads are formed.
             for p, _ in flags:
                 p.requires_grad_(False)
+            if not self._traced or (B >= 2 and not self._verified):
+                self._trace(inputs)
             for module, rule, local in self._bindings:
                 handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
             with torch.enable_grad():
@@ -499,41 +574,58 @@ class PerSampleGrads:
 
         slot = _FoldingSlot(self, view, local)
         needs_call = getattr(rule, "needs_call", False)
+        rows = B * self._L  # a flattened (B·L, …) batch
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple | None:
+            if self._replaying:
+                return None
             first_in = args[0] if args else next(iter(kwargs.values()), None)
             outs = float_outputs(output)
             n_in = first_in.shape[0] if isinstance(first_in, Tensor) and first_in.dim() else None
             n_out = outs[0].shape[0] if outs and outs[0].dim() else None
-            flat = n_in is not None and n_in == n_out != B and n_in % B == 0 and id(module) in self._flat_ok
-            if not flat and (n_in, n_out) != (B, B):
-                if n_in is not None and n_in == n_out and n_in % B == 0:
-                    raise ValueError(
-                        f"a hooked {type(module).__name__} ran on a flattened batch of {n_in} = {B}·{n_in // B} rows "
-                        "(its caller reshaped (B, L, …) to (B·L, …)) inside a parent not verified to flatten "
-                        "sample by sample; deselect its parameters"
-                    )
+            if needs_call:  # per tensor: leading dimension B, or k·B for a flattened batch (k = L, L·heads, …)
+                leads = [o.shape[0] if o.dim() else None for o in outs]
+                multiples = [n for n in (*leads, n_in) if n is not None and n != B and n % B == 0]
+                flat = bool(multiples)
+                n_flat = multiples[0] if flat else rows
+                ok = bool(leads) and all(n in (B, n_flat) for n in leads)
+            else:
+                flat = n_in is not None and n_in == n_out != B and n_in % B == 0
+                ok = flat or (n_in, n_out) == (B, B)
+                n_flat = n_in
+            if not ok:
+                self._batch_dims_error(module, n_in, n_out, B)
+            outer = needs_call and flat and id(module) in self._outer and n_flat % rows == 0
+            if flat and B > 1 and id(module) not in self._flat_ok:
                 raise ValueError(
-                    f"a hooked {type(module).__name__} ran with batch dims {(n_in, n_out)} (input, output), not "
-                    f"{B}: a tensor broadcast over the batch (e.g. default position ids) has no per-sample "
-                    "gradient; pass position_ids of shape (B, L)"
+                    f"a hooked {type(module).__name__} ({self._names.get(id(module), '?')}) ran on a flattened "
+                    f"batch of {n_flat} = {B}·{n_flat // B} rows (its caller reshaped (B, L, …) to (B·L, …)) "
+                    "whose rows were not verified to be sample by sample; deselect its parameters"
                 )
 
             def unflat(t: object) -> object:
-                if flat and isinstance(t, Tensor) and t.dim() and t.shape[0] == n_in:
-                    return t.reshape(B, n_in // B, *t.shape[1:])
+                if flat and isinstance(t, Tensor) and t.dim() and t.shape[0] == n_flat:
+                    if outer:  # (m·B·L, …) outer-major → (B, m·L, …): sample n's rows, in their order
+                        return (
+                            t.reshape(n_flat // rows, B, self._L, *t.shape[1:])
+                            .transpose(0, 1)
+                            .reshape(B, n_flat // B, *t.shape[1:])
+                        )
+                    return t.reshape(B, n_flat // B, *t.shape[1:])
                 return t
 
-            x = unflat(first_in.detach())
+            x = unflat(first_in.detach()) if isinstance(first_in, Tensor) else first_in
             call = None
             if needs_call:  # rules that read more than the first input (generic rule, fused experts)
-                detached = tree_map(lambda t: unflat(t.detach()) if isinstance(t, Tensor) else t, (args, kwargs))
-                call = Call(detached[0], detached[1], flat)
+                detached = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (args, kwargs))
+                where = self._names.get(id(module), type(module).__name__)
+                m = n_flat // rows if outer else 0
+                call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where, m)
 
             def run(g: Tensor | tuple[Tensor, ...]) -> None:
                 g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
                 if needs_call:
-                    self._run_rule(lambda: rule(module, x, g, slot, call=call), local)
+                    self._run_rule(lambda: self._replay(rule, module, x, g, slot, call), local)
                 else:
                     self._run_rule(lambda: rule(module, x, g, slot), local)
 
@@ -559,6 +651,206 @@ class PerSampleGrads:
             return type(output)(next(tapped) if isinstance(t, Tensor) and t.is_floating_point() else t for t in output)
 
         return hook
+
+    def _replay(self, rule: Rule, module: nn.Module, x: Tensor, g: object, slot: Slot, call: Call) -> None:
+        """Run a rule that may re-run the module's forward, with every hook standing aside meanwhile."""
+        self._replaying = True
+        try:
+            rule(module, x, g, slot, call=call)
+        finally:
+            self._replaying = False
+
+    def _batch_dims_error(self, module: nn.Module, n_in: int | None, n_out: int | None, B: int) -> None:
+        where = f"{type(module).__name__} ({self._names.get(id(module), '?')})"
+        if B > 1 and 1 in (n_in, n_out):
+            raise ValueError(
+                f"a hooked {where} ran with batch dims {(n_in, n_out)} (input, output), not {B}: a tensor "
+                "broadcast over the batch (e.g. default position ids) has no per-sample gradient; pass "
+                "position_ids of shape (B, L)"
+            )
+        raise ValueError(
+            f"a hooked {where} ran with leading dims {(n_in, n_out)} (input, output), neither B = {B} nor "
+            f"B·L = {B * self._L}: its rows cannot be split by sample; deselect its parameters"
+        )
+
+    def _trace(self, inputs: dict[str, Tensor | None]) -> None:
+        """One forward of the batch's first (at most) two samples, cut to their last ``_TRACE_POSITIONS``
+        positions (the trace keeps a graph, and a real vocabulary's logits), that checks where the selected
+        parameters are used and, with two samples, that every hooked module whose rule replays its forward
+        or that runs on a flattened (B·L, …) batch keeps the samples apart.
+
+        A parameter used outside the forward of every module bound to it (a weight handed to a functional
+        conv by its parent, so its own module never runs and no hook would fire) is rebound to the smallest
+        module whose forward holds all its uses, with :func:`covgrad.rules.generic_rule` for it alone.
+        Samples apart: Σ of random projections of sample b's rows of those modules' inputs and outputs must
+        have a zero gradient on the other sample's embeddings (one backward per sample).
+
+        Raises:
+            ValueError: naming the parameter when only the model's top-level forward uses it, or the module
+                that mixes samples or whose flattened rows are not sample by sample.
+        """
+        n = min(inputs["input_ids"].shape[0], 2)
+        sub = {k: v[:n, -_TRACE_POSITIONS:] if v is not None else None for k, v in inputs.items()}
+        wanted = {id(p): e.name for e, p in zip(self.layout.entries, self._params, strict=True)}
+        bound = {id(m) for m, _, _ in self._bindings}
+        stack: list[str] = []
+        uses: dict[str, set[tuple[str, ...]]] = {}
+        users: set[str] = set()
+        records: list[tuple[nn.Module, list[Tensor], list[Tensor]]] = []
+        emb: list[Tensor] = []
+        try:
+            embedding = self.model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            embedding = None
+
+        def pre(module: nn.Module, args: tuple) -> None:
+            stack.append(self._names[id(module)])
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            name = stack.pop()
+            if n == 2 and (id(module) in bound or name in users):
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                ins = [first] if isinstance(first, Tensor) and first.is_floating_point() else []
+                records.append((module, ins, list(float_outputs(output))))
+
+        def leaf(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+            out = output.detach().requires_grad_()
+            emb.append(out)
+            return out
+
+        handles = []
+        for m in self.model.modules():
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post, with_kwargs=True))
+        if n == 2 and isinstance(embedding, nn.Module):
+            handles.append(embedding.register_forward_hook(leaf))
+        try:
+            with torch.enable_grad(), _ParamUses(wanted, stack, uses, users):
+                self.model(**sub, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        self._rebind(uses)
+        self._traced = True
+        if n < 2:
+            return
+        if emb:
+            self._check_apart(emb[0], records, sub["input_ids"].shape[1])
+        self._verified = True
+
+    def _rebind(self, uses: dict[str, set[tuple[str, ...]]]) -> None:
+        """Move every selected parameter with a use outside its bound modules' forwards to the smallest
+        module whose forward holds all its uses (see :meth:`_trace`)."""
+        modules = dict(self.model.named_modules())
+        bound_in: dict[str, set[str]] = {}
+        for module, _, local in self._bindings:
+            for e in local.values():
+                bound_in.setdefault(e.name, set()).add(self._names[id(module)])
+        moves: dict[str, str] = {}
+        refused: list[tuple[str, str]] = []
+        for name, stacks in uses.items():
+            if all(st and st[-1] in bound_in.get(name, ()) for st in stacks):
+                continue
+            common = _common_prefix(stacks)
+            target = common[-1] if common else ""
+            if not target or not name.startswith(target + "."):
+                refused.append(
+                    (
+                        name,
+                        f"{name!r} is used by the forward of {target or 'the top-level model'} outside any "
+                        "submodule that owns it, so no module's per-sample rule sees it (it would be served as zeros)",
+                    )
+                )
+                continue
+            moves[name] = target
+        if refused:
+            raise ValueError(refusal(self.layout, refused))
+        if not moves:
+            return
+        kept = []
+        for module, rule, local in self._bindings:
+            local = {pn: e for pn, e in local.items() if e.name not in moves}
+            if local:
+                kept.append((module, rule, local))
+        added: dict[str, dict[str, TensorEntry]] = {}
+        for name, target in moves.items():
+            added.setdefault(target, {})[name[len(target) + 1 :]] = self.layout.entry(name)
+        # a module's generic binding takes the moved parameters too: one replay of its forward for all of them
+        merged = []
+        for module, rule, local in kept:
+            extra = added.pop(self._names[id(module)], {}) if rule is generic_rule else {}
+            merged.append((module, rule, {**local, **extra}))
+        self._bindings = merged + [(modules[t], generic_rule, local) for t, local in added.items()]
+
+    def _check_apart(self, emb: Tensor, records: list[tuple[nn.Module, list[Tensor], list[Tensor]]], L: int) -> None:
+        """Verify that the recorded module calls keep the two traced samples apart (see :meth:`_trace`; L: the
+        traced positions); mark the modules that ran flattened as verified: sample-major rows (row n·k + j is
+        sample n's), or, for a rule that reads the whole call, outer-major ones (an (m·B·L, …) batch whose
+        row (i·B + n)·L + t is sample n's position t, as experts that see every token once per expert)."""
+        rules = {id(m): rule for m, rule, _ in self._bindings}
+        checked = []
+        for module, ins, outs in records:
+            if id(module) not in rules:
+                continue
+            needs = getattr(rules[id(module)], "needs_call", False)
+            flat = any(t.shape[0] > 2 for t in (*ins, *outs) if t.dim() and t.shape[0] % 2 == 0)
+            if needs or flat:
+                checked.append((module, ins, outs, flat))
+        gen = torch.Generator().manual_seed(0)
+
+        def part(t: Tensor, b: int, outer: bool) -> Tensor:
+            if outer and t.shape[0] % (2 * L) == 0:
+                return t.reshape(t.shape[0] // (2 * L), 2, L, *t.shape[1:])[:, b]
+            k = t.shape[0] // 2
+            return t[b * k : (b + 1) * k]
+
+        def leaks(ts: list[Tensor], b: int, outer: bool = False) -> bool:
+            ts = [t for t in ts if t.requires_grad and t.dim() and t.shape[0] % 2 == 0]
+            if not ts:
+                return False
+            total = sum(
+                (part(t, b, outer).float() * torch.randn(part(t, b, outer).shape, generator=gen).to(t.device)).sum()
+                for t in ts
+            )
+            (grad,) = torch.autograd.grad(total, emb, retain_graph=True, allow_unused=True)
+            # NaN/inf entries (0·∞ through a zero-norm padding embedding) carry no evidence either way
+            return grad is not None and bool((grad[1 - b].nan_to_num(0.0, 0.0, 0.0) != 0).any())
+
+        every = [t for _, ins, outs, _ in checked for t in (*ins, *outs)]
+        outer: set[int] = set()
+        if any(leaks(every, b) for b in (0, 1)):
+            refused: list[tuple[str, str]] = []
+            for module, ins, outs, flat in checked:
+                where = f"{self._names[id(module)]} (a {type(module).__name__})"
+                if (
+                    flat
+                    and getattr(rules[id(module)], "needs_call", False)
+                    and any(leaks(ins, b) for b in (0, 1))
+                    and not any(leaks(ins + outs, b, outer=True) for b in (0, 1))
+                ):
+                    outer.add(id(module))
+                    continue
+                if any(leaks(ins, b) for b in (0, 1)):
+                    what = (
+                        "runs on inputs whose leading dimension is not sample by sample (the batch is another "
+                        "dimension, or its caller orders or mixes the rows otherwise)"
+                        if flat
+                        else "receives an input that mixes samples"
+                    )
+                elif any(leaks(outs, b) for b in (0, 1)):
+                    what = "mixes samples (its output for one sample depends on another sample's input)"
+                else:
+                    continue
+                refused += [
+                    (e.name, f"{e.name!r}: {where} {what}, so no per-sample gradient exists")
+                    for m, _, local in self._bindings
+                    if m is module
+                    for e in local.values()
+                ]
+            if refused:
+                raise ValueError(refusal(self.layout, refused))
+        self._flat_ok = {id(module) for module, _, _, flat in checked if flat}
+        self._outer = outer
 
     def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> _Check:
         """The self-check's reference: the batched autograd gradient of the summed objective (one extra
@@ -591,7 +883,7 @@ class _Check:
 
     ``compare(entry, summed)`` takes the tensor's (numel,) float64 sum of per-sample gradients, compares it
     with the reference within the dtype's tolerance and drops the reference; ``raise_first`` raises the
-    first mismatch (a ValueError naming the parameter) once the batch is done.
+    mismatches (one ValueError naming every mismatched parameter) once the batch is done.
 
     Args:
         layout: the selected parameters.
@@ -604,7 +896,8 @@ class _Check:
         # holds only rounding noise; it is compared against 1e-4 of the whole gradient's norm instead.
         self.floor = 1e-4 * float(sum(float(g.double().norm()) ** 2 for g in grads if g is not None) ** 0.5)
         self.refs = {e.name: (p.dtype, g) for e, p, g in zip(layout.entries, params, grads, strict=True)}
-        self.error: str | None = None
+        self.errors: list[tuple[str, float]] = []  # (parameter, relative difference) of every mismatch
+        self.rtol = 1e-4
 
     def compare(self, entry: TensorEntry, summed: Tensor) -> None:
         """Check one tensor's summed per-sample gradient (numel,) float64 and drop its reference."""
@@ -613,17 +906,69 @@ class _Check:
         err = float((summed - ref).norm())
         scale = max(float(ref.norm()), float(summed.norm()), self.floor)
         rtol = _CHECK_RTOL.get(dtype, 1e-4)
-        if err > rtol * scale and self.error is None:
-            self.error = (
-                f"self-check failed for parameter {entry.name!r}: the summed per-sample gradient differs "
-                f"from the batched gradient by {err / scale:.3g} (relative, tolerance {rtol:g}); its "
-                "module's forward does not match the per-sample rule"
-            )
+        if err > rtol * scale:
+            self.errors.append((entry.name, err / scale))
+            self.rtol = rtol
 
     def raise_first(self) -> None:
-        """Raise the first mismatch found, if any."""
-        if self.error is not None:
-            raise ValueError(self.error)
+        """Raise one error naming every mismatch found (the first in full), if any."""
+        if not self.errors:
+            return
+        (name, rel), rest = self.errors[0], self.errors[1:]
+        also = "; also for " + ", ".join(f"{n!r} ({r:.3g})" for n, r in rest) if rest else ""
+        raise ValueError(
+            f"self-check failed for parameter {name!r}: the summed per-sample gradient differs from the "
+            f"batched gradient by {rel:.3g} (relative, tolerance {self.rtol:g}); its module's forward does not "
+            f"match the per-sample rule, or the parameter is used where no rule sees it{also}"
+        )
+
+
+# Tensor methods and attribute getters (``.dtype``, ``.shape``: ``__get__``) that read metadata, not values.
+_METADATA = frozenset(
+    {
+        "__get__",
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "stride",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "data_ptr",
+        "__len__",
+        "get_device",
+    }
+)
+
+
+class _ParamUses(TorchFunctionMode):
+    """Records, for every torch function called with a selected parameter, the stack of module calls it ran in.
+
+    Args:
+        wanted: id of each selected parameter → its name.
+        stack: the qualified names of the module calls in progress (kept by the caller's hooks).
+        uses: filled with name → set of call stacks (tuples of module names, outermost first).
+        users: filled with the innermost module name of every use.
+    """
+
+    def __init__(
+        self, wanted: dict[int, str], stack: list[str], uses: dict[str, set[tuple[str, ...]]], users: set[str]
+    ) -> None:
+        super().__init__()
+        self.wanted, self.stack, self.uses, self.users = wanted, stack, uses, users
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _METADATA:  # reads no values: not a use
+            return func(*args, **kwargs)
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, Tensor) and id(t) in self.wanted:
+                self.uses.setdefault(self.wanted[id(t)], set()).add(tuple(self.stack))
+                if self.stack:
+                    self.users.add(self.stack[-1])
+        return func(*args, **kwargs)
 
 
 class _Tap(torch.autograd.Function):
@@ -639,6 +984,15 @@ class _Tap(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
         ctx.fn(grads)
         return (None, *grads)
+
+
+def _common_prefix(stacks: set[tuple[str, ...]]) -> list[str]:
+    """The longest common prefix of module call stacks (outermost first)."""
+    common = list(min(stacks, key=len))
+    for st in stacks:
+        k = next((i for i, (a, b) in enumerate(zip(common, st, strict=False)) if a != b), len(common))
+        common = common[:k]
+    return common
 
 
 def _column_sums(block: Tensor, columns: int = 1 << 20) -> Tensor:

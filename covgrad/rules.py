@@ -10,9 +10,11 @@ reduction folds while each is still in cache (see :class:`Slot`). :func:`rule_fo
 
 Fast rules are matched by exact class (a subclass may change the forward: Gemma's scaled embedding
 multiplies inside it), and RMSNorm and fused-expert classes by the source text of their forward, so any
-family whose norm is a verbatim copy of Llama's, OLMo2's or Gemma's gets the fast rule. Every other leaf
-module gets :func:`generic_rule`, the exact per-sample vector-Jacobian product of its own forward. Rules
-marked by :func:`full_call` also receive the hooked call's full inputs (:class:`Call`).
+family whose norm is a verbatim copy of Llama's, OLMo2's or Gemma's gets the fast rule. Every other module
+gets :func:`generic_rule`, the exact per-sample vector-Jacobian product of its own forward with respect to
+its selected parameters only: a leaf module's, or a mixer's own small parameters (dt_bias, A_log, D,
+attention sinks, router biases) while its parametrised submodules keep their fast rules. Rules marked by
+:func:`full_call` also receive the hooked call's full inputs (:class:`Call`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ try:  # fused expert tensors arrived with transformers 5; older versions keep on
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 except ImportError:
     _default_apply_gate = Qwen3MoeExperts = None
+try:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+except ImportError:
+    GptOssExperts = None
 
 
 class Slot:
@@ -82,17 +88,28 @@ Rule = Callable[[nn.Module, Tensor, Tensor, Slot], None]
 class Call:
     """A hooked call's full (detached) inputs, passed as ``call=`` to rules marked by :func:`full_call`.
 
-    ``args``/``kwargs`` are the call's arguments; when ``flat`` the module ran on a flattened (B·L, …)
-    batch and every tensor argument with leading dimension B·L is given reshaped to (B, L, …).
+    ``args``/``kwargs`` are the call's arguments as the module received them. ``flat`` says that the
+    module ran on a flattened (B·L, …) batch (row n·L + t is sample n's position t, verified by
+    :class:`covgrad.persample.PerSampleGrads`); ``length`` is L, so that :func:`generic_rule` splits a
+    tensor with leading dimension B·L into the samples' (L, …) rows. ``params`` are the local (dotted)
+    names of the parameters the rule differentiates (empty: the module's own), ``where`` the module's
+    qualified name for error messages. ``outer`` = m > 0: the flattened rows are outer-major instead, an
+    (m·B·L, …) batch whose row (i·B + n)·L + t is sample n's position t (experts that see every token once).
     """
 
     args: tuple
     kwargs: dict[str, Any]
     flat: bool
+    length: int = 0
+    params: tuple[str, ...] = ()
+    where: str = ""
+    outer: int = 0
 
 
-# Parents that run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's
+# Parents known to run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's
 # position t): OPT's decoder layer (final norm and MLP) and the MoE blocks (router, experts, shared expert).
+# PerSampleGrads does not rely on this list (it verifies every flattened call by a check, see
+# PerSampleGrads._trace); covgrad.token_fisher reads it to pick its repeated-batch path.
 FLATTENING_PARENTS = frozenset(
     {OPTDecoderLayer, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock}
 )
@@ -253,19 +270,41 @@ def _rmsnorm_style(cls: type) -> str | None:
 
 
 def _fused_experts_ok(module: nn.Module) -> bool:
-    """Whether ``module`` runs transformers' fused-expert forward in its default layout (Qwen3-MoE, Mixtral,
-    OLMoE, Qwen2-MoE): gate_up_proj (E, 2I, H) concatenated [gate; up], down_proj (E, H, I), no biases."""
+    """Whether ``module`` runs transformers' fused-expert forward: Qwen3-MoE's (Mixtral, OLMoE, Qwen2-MoE,
+    DeepSeek, …: gate_up_proj (E, 2I, H) concatenated [gate; up], down_proj (E, H, I), no biases) or GPT-OSS's
+    (transposed weights (E, H, 2I) and (E, I, H), biases, its own clamped gate on interleaved columns), each
+    with its own gate function, no post-expert norm, in any of transformers' expert implementations (eager,
+    batched or grouped matmuls compute the same map)."""
     cls = type(module)
-    return (
-        Qwen3MoeExperts is not None
-        and _source_key(cls.forward) == _source_key(Qwen3MoeExperts.forward)
-        and getattr(cls, "_apply_gate", None) is _default_apply_gate
-        and getattr(module, "is_concatenated", False)
-        and getattr(module, "has_gate", False)
-        and not getattr(module, "is_transposed", True)
-        and not getattr(module, "has_bias", True)
+    if not (
+        getattr(module, "has_gate", False)
         and not getattr(module, "has_post_expert_norm", True)
-    )
+        and not getattr(module, "_is_expert_parallel", False)
+    ):
+        return False
+    forward = _source_key(cls.forward)
+    if Qwen3MoeExperts is not None and forward == _source_key(Qwen3MoeExperts.forward):
+        return (
+            getattr(cls, "_apply_gate", None) is _default_apply_gate
+            and getattr(module, "is_concatenated", False)
+            and not getattr(module, "is_transposed", True)
+            and not getattr(module, "has_bias", True)
+        )
+    if GptOssExperts is not None and forward == _source_key(GptOssExperts.forward):
+        return (
+            _source_key(cls._apply_gate) == _source_key(GptOssExperts._apply_gate)
+            and getattr(module, "is_transposed", False)
+            and getattr(module, "has_bias", False)
+        )
+    return False
+
+
+def _experts_params(module: nn.Module) -> frozenset[str]:
+    """The parameters :func:`_experts_rule` covers on a module accepted by :func:`_fused_experts_ok`."""
+    names = {"gate_up_proj", "down_proj"}
+    if getattr(module, "has_bias", False):
+        names |= {"gate_up_proj_bias", "down_proj_bias"}
+    return frozenset(names)
 
 
 def _call_arg(call: Call, i: int, name: str) -> Any:
@@ -289,11 +328,12 @@ def _grouped_outer(sample: Tensor, left: Tensor, right: Tensor, B: int) -> Tenso
 
 @full_call
 def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
-    """Fused experts: out_t = Σ_k w_{t,k} D_e act(G_e x_t) ⊙ (U_e x_t) with e = index_{t,k}.
+    """Fused experts: out_t = Σ_k w_{t,k} [D_e a(G_e x_t + b_e) + c_e] with e = index_{t,k} and a the module's
+    gate (act(gate) ⊙ up; biases b, c only where the module has them; D, G stored transposed where it says so).
 
-    Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ and ∂[G_e; U_e] = Σ_{(t,k)→e} δ_t x_tᵀ
-    with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e contribute.
-    Computed in float32; the router weights w are constants here (the router has its own rule).
+    Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ, ∂c_e = Σ w_{t,k} g_t, ∂G_e = Σ δ_t x_tᵀ and
+    ∂b_e = Σ δ_t with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e
+    contribute. Computed in float32; the router weights w are constants here (the router has its own rule).
     """
     B, H = g.shape[0], x.shape[-1]
     h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
@@ -301,8 +341,11 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
     T = h.shape[0] // B
     index = _call_arg(call, 1, "top_k_index").reshape(B * T, -1)
     weights = _call_arg(call, 2, "top_k_weights").reshape(B * T, -1).to(torch.float32)
+    transposed, bias = getattr(module, "is_transposed", False), getattr(module, "has_bias", False)
     s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
-    for s in (s_gu, s_d):
+    s_gub = slot("gate_up_proj_bias") if bias else None
+    s_db = slot("down_proj_bias") if bias else None
+    for s in (s_gu, s_d, s_gub, s_db):
         if s is not None and s[1]:
             s[0].zero_()
     for e in range(module.num_experts):
@@ -313,14 +356,23 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
         W_gu, W_d = module.gate_up_proj[e].to(torch.float32), module.down_proj[e].to(torch.float32)
         do = go[tok] * weights[tok, kpos, None]  # (m, H): gradient of the expert's output
         with torch.enable_grad():
-            gu = F.linear(xe, W_gu).requires_grad_()
+            gu = xe @ W_gu if transposed else F.linear(xe, W_gu)
+            if bias:
+                gu = gu + module.gate_up_proj_bias[e].to(torch.float32)
+            gu = gu.detach().requires_grad_()
             a = module._apply_gate(gu)  # (m, I)
-            if s_gu is not None:
-                (dgu,) = torch.autograd.grad(a, gu, do @ W_d)
+            if s_gu is not None or s_gub is not None:
+                (dgu,) = torch.autograd.grad(a, gu, do @ W_d.T if transposed else do @ W_d)
         if s_d is not None:
-            s_d[0][:, e] += _grouped_outer(sample, do, a.detach(), B)
+            s_d[0][:, e] += (
+                _grouped_outer(sample, a.detach(), do, B) if transposed else _grouped_outer(sample, do, a.detach(), B)
+            )
         if s_gu is not None:
-            s_gu[0][:, e] += _grouped_outer(sample, dgu, xe, B)
+            s_gu[0][:, e] += _grouped_outer(sample, xe, dgu, B) if transposed else _grouped_outer(sample, dgu, xe, B)
+        if s_db is not None:
+            s_db[0][:, e].index_add_(0, sample, do)
+        if s_gub is not None:
+            s_gub[0][:, e].index_add_(0, sample, dgu)
 
 
 def float_outputs(output: Any) -> tuple[Tensor, ...]:
@@ -332,43 +384,115 @@ def float_outputs(output: Any) -> tuple[Tensor, ...]:
     return ()
 
 
+# Module classes whose forward torch.func.vmap cannot batch (in-place writes into fresh tensors, data-dependent
+# control flow, autograd.Functions without setup_context): generic_rule loops over samples for them.
+_NO_VMAP: set[type] = set()
+
+
+def _split_modes(leaves: list, B: int, rows: int | None) -> list[int]:
+    """Per pytree leaf of a call: 1 = a per-sample tensor (leading dimension B), 2 = a flattened one (leading
+    dimension ``rows`` = B·L, row n·L + t is sample n's), 0 = shared by every sample."""
+    modes = []
+    for t in leaves:
+        lead = t.shape[0] if isinstance(t, Tensor) and t.dim() else None
+        modes.append(1 if lead == B else 2 if rows is not None and lead == rows else 0)
+    return modes
+
+
+def _sample_rows(t: Tensor, B: int, outer: int) -> Tensor:
+    """A flattened (B·k, …) tensor as (B, k, …) of each sample's rows: sample-major (row n·k + j), or with
+    ``outer`` = m outer-major ((m·B·L, …), row (i·B + n)·L + t, given as sample n's m·L rows in order)."""
+    if outer:
+        return t.reshape(outer, B, -1, *t.shape[1:]).transpose(0, 1).reshape(B, -1, *t.shape[1:])
+    return t.reshape(B, -1, *t.shape[1:])
+
+
 @full_call
 def generic_rule(module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], slot: Slot, call: Call) -> None:
-    """Any leaf module: per sample, the vector-Jacobian product of its own forward with respect to its
-    selected parameters, at the sample's saved inputs and against the sample's output gradient(s) ``g``
-    (one per floating output, see :func:`float_outputs`), vectorised over samples with torch.func.vmap.
+    """Any module: per sample, the vector-Jacobian product of its own forward with respect to the parameters
+    ``call.params`` (its own when empty; dotted names reach into submodules), at the sample's saved inputs
+    and against the sample's output gradient(s) ``g`` (one per floating output, see :func:`float_outputs`,
+    each with leading dimension B), vectorised over samples with torch.func.vmap, or in a loop over samples
+    of plain autograd where vmap cannot batch the forward.
 
     Tensor arguments with leading dimension B are split by sample (shown to the forward with a batch of
-    one, or as the sample's own (L, …) rows for a flattened call); others are shared.
+    one); with leading dimension B·L (``call.length`` = L > 1) as the sample's own (L, …) rows (sample- or
+    outer-major, see :class:`Call`); others are shared. Submodules run their own forward (their parameters
+    are constants here), so their parameters keep their own rules and are not counted twice.
+
+    Raises:
+        ValueError: naming the module when neither vmap nor the loop can differentiate its forward.
     """
     cots = (g,) if isinstance(g, Tensor) else tuple(g)
     B = cots[0].shape[0]
-    slots = {pn: s for pn, _ in module.named_parameters(recurse=False) if (s := slot(pn)) is not None}
+    names = call.params or tuple(pn for pn, _ in module.named_parameters(recurse=False))
+    slots = {pn: s for pn in names if (s := slot(pn)) is not None}
     if not slots:
         return
-    primals = {pn: getattr(module, pn).detach() for pn in slots}
+    primals = {pn: module.get_parameter(pn).detach() for pn in slots}
     leaves, spec = tree_flatten((call.args, call.kwargs))
-    split = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == B for t in leaves]
-    per_sample = [t for t, s in zip(leaves, split, strict=True) if s]
+    modes = _split_modes(leaves, B, B * call.length if call.length > 1 else None)
+    per_sample = [t if m == 1 else _sample_rows(t, B, call.outer) for t, m in zip(leaves, modes, strict=True) if m]
+
+    def forward(p: dict[str, Tensor], mine: list[Tensor]) -> tuple[Tensor, ...]:
+        own = iter(mine)
+        filled = [
+            (next(own).unsqueeze(0) if m == 1 else next(own)) if m else t for t, m in zip(leaves, modes, strict=True)
+        ]
+        args, kwargs = tree_unflatten(filled, spec)
+        with _reparametrize_module(module, p):
+            return float_outputs(module.forward(*args, **kwargs))
 
     def one(params: dict[str, Tensor], mine: list[Tensor], cot: tuple[Tensor, ...]) -> dict[str, Tensor]:
-        own = iter(t if call.flat else t.unsqueeze(0) for t in mine)
-        args, kwargs = tree_unflatten([next(own) if s else t for t, s in zip(leaves, split, strict=True)], spec)
+        outs, vjp_fn = torch.func.vjp(lambda p: forward(p, mine), params)
+        return vjp_fn(tuple(c.reshape(o.shape) for c, o in zip(cot, outs, strict=True)))[0]
 
-        def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            with _reparametrize_module(module, p):
-                return float_outputs(module.forward(*args, **kwargs))
-
-        _, vjp_fn = torch.func.vjp(forward, params)
-        return vjp_fn(tuple(c if call.flat else c.unsqueeze(0) for c in cot))[0]
-
-    with torch.enable_grad():
-        grads = torch.func.vmap(one, in_dims=(None, 0, 0))(primals, per_sample, cots)
+    grads = None
+    if type(module) not in _NO_VMAP:
+        try:
+            with torch.enable_grad():
+                grads = torch.func.vmap(one, in_dims=(None, 0, 0))(primals, per_sample, cots)
+        except Exception:  # any failure to batch: the loop below
+            _NO_VMAP.add(type(module))
+    if grads is None:
+        grads = _looped_vjp(module, forward, primals, per_sample, cots, call.where)
     for pn, (view, first) in slots.items():
         if first:
             view.copy_(grads[pn])
         else:
             view.add_(grads[pn].to(torch.float32))
+
+
+def _looped_vjp(
+    module: nn.Module,
+    forward: Callable[[dict[str, Tensor], list[Tensor]], tuple[Tensor, ...]],
+    primals: dict[str, Tensor],
+    per_sample: list[Tensor],
+    cots: tuple[Tensor, ...],
+    where: str,
+) -> dict[str, Tensor]:
+    """generic_rule's fallback: per sample n, one forward of the module at sample n's inputs and one plain
+    autograd backward of its outputs against sample n's cotangents; {name: (B, *shape)} gradients."""
+    B = cots[0].shape[0]
+    rows: dict[str, list[Tensor]] = {pn: [] for pn in primals}
+    try:
+        for n in range(B):
+            p = {pn: t.detach().requires_grad_() for pn, t in primals.items()}
+            with torch.enable_grad():
+                outs = forward(p, [t[n] for t in per_sample])
+                pairs = [(o, c[n].reshape(o.shape)) for o, c in zip(outs, cots, strict=True) if o.requires_grad]
+                grads = torch.autograd.grad(
+                    [o for o, _ in pairs], list(p.values()), [c for _, c in pairs], allow_unused=True
+                )
+            for (pn, t), gr in zip(p.items(), grads, strict=True):
+                rows[pn].append(torch.zeros_like(t) if gr is None else gr)
+    except Exception as exc:  # reported as a refusal naming the module
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"the per-sample vector-Jacobian product of {where or 'a module'} (a {type(module).__name__}) failed "
+            f"({type(exc).__name__}: {first[:200]}); deselect {[f'{where}.{pn}' if where else pn for pn in primals]}"
+        ) from None
+    return {pn: torch.stack(r) for pn, r in rows.items()}
 
 
 _EXACT: dict[type, tuple[Rule, frozenset[str]]] = {
@@ -390,7 +514,8 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
     """The module's rule and the parameter names it covers, or the reason it has none.
 
     Fast rules by exact class (and verified forward source for RMSNorms and fused experts); any other
-    module whose submodules own no parameters gets :func:`generic_rule`.
+    module gets :func:`generic_rule` over its own parameters (a module with parametrised submodules too:
+    they keep their own rules, and its forward is replayed per sample with them as constants).
     """
     cls = type(module)
     if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
@@ -400,12 +525,6 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
     if _rmsnorm_style(cls) is not None:
         return _rmsnorm_rule, frozenset({"weight"})
     if _fused_experts_ok(module):
-        return _experts_rule, frozenset({"gate_up_proj", "down_proj"})
-    nested = next((n for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))), None)
-    if nested is not None:
-        return (
-            f"it owns parameters and so does its submodule {nested!r}; per-sample gradients need the "
-            "parameters on leaf modules (deselect this module's own parameters)"
-        )
+        return _experts_rule, _experts_params(module)
     own = frozenset(pn for pn, _ in module.named_parameters(recurse=False))
     return generic_rule, own

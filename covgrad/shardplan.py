@@ -28,13 +28,19 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from covgrad.accum import FOLD_ELEMENTS, state_bytes_per_param
 from covgrad.layout import ParamLayout, split_blocks
 from covgrad.persample import default_chunk_bytes
 from covgrad.rules import writes_weight_in_row_chunks
 
 HEADROOM = 0.9
-STATE_BYTES = {"float64": 48, "float32": 32}  # per parameter element, both halves
-_FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}  # covgrad.accum's fold step
+
+
+def keeps_rows(N: int, P: int, byte_budget: int, blocks: int, equal_batches: bool) -> bool:
+    """Whether the scores store keeps the per-sample rows (N, P) float32: with one parameter block, when
+    their N·P·4 bytes fit ``byte_budget`` and every batch but the last has the same size (the rows are
+    chunked one batch per chunk)."""
+    return blocks == 1 and equal_batches and byte_budget >= N * P * 4
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,8 @@ class Workload:
     n_batches: int
     state_dtype: str  # "float64" | "float32"
     device: str  # "cuda" | "cpu"
-    keep_rows: bool  # per-sample rows fit scores.byte_budget (only kept with one block)
+    byte_budget: int  # scores.byte_budget: the most bytes of per-sample rows (N, P) float32 to keep
+    equal_batches: bool  # every batch but the last holds B samples
 
 
 @dataclass(frozen=True)
@@ -176,8 +183,8 @@ def block_needs(layout: ParamLayout, shape: ModelShape, work: Workload, n_blocks
         if shape.tied_embedding in block.names:
             tied = block.entry(shape.tied_embedding).numel
             in_flight = tied + max((s for s in made if s != tied), default=0)
-        columns = min(_FOLD_ELEMENTS[work.device], B * sizes[0])
-        rows = B * block.P * 4 if work.keep_rows and n_blocks == 1 else 0
+        columns = min(FOLD_ELEMENTS[work.device], B * sizes[0])
+        rows = B * block.P * 4 if keeps_rows(work.N, layout.P, work.byte_budget, n_blocks, work.equal_batches) else 0
         needs.append(
             BlockNeed(
                 tensors=len(block.entries),
@@ -185,7 +192,7 @@ def block_needs(layout: ParamLayout, shape: ModelShape, work: Workload, n_blocks
                 fixed=fixed,
                 in_flight=B * 4 * in_flight,
                 workspace=int(columns * (1 + 6 / B) * elem),
-                state=STATE_BYTES[work.state_dtype] * block.P,
+                state=state_bytes_per_param(work.state_dtype) * block.P,
                 rows=rows,
             )
         )
@@ -233,8 +240,8 @@ def _plan(
     workers: int,
     device_bytes: int,
 ) -> ShardPlan:
-    state = STATE_BYTES[work.state_dtype] * layout.P
-    rows = work.N * layout.P * 4 if work.keep_rows and blocks == 1 else 0
+    state = state_bytes_per_param(work.state_dtype) * layout.P
+    rows = work.N * layout.P * 4 if keeps_rows(work.N, layout.P, work.byte_budget, blocks, work.equal_batches) else 0
     # checkpoints held at once: per running job its newest one and the one being written
     ckpt = 2 * min(workers, samples * blocks) * max(n.state for n in needs)
     return ShardPlan(

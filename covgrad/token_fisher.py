@@ -56,15 +56,15 @@ from typing import Any, get_args
 import torch
 from torch import Tensor, nn
 
-from covgrad.config import TokenMode as Mode
-from covgrad.config import TokensSection
+from covgrad.choices import TOKENS_EXACT_BUDGET, TOKENS_ROW_BYTES
+from covgrad.choices import TokenMode as Mode
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.persample import PerSampleGrads, bind_rules
 from covgrad.rules import FLATTENING_PARENTS, Rule, Slot
 
 MODES: tuple[str, ...] = get_args(Mode)
-DEFAULT_EXACT_BUDGET: int = TokensSection.model_fields["exact_budget"].default  # most T·V rows "exact" accepts
-DEFAULT_ROW_BYTES: int = TokensSection.model_fields["row_bytes"].default  # memory aimed at per block of rows
+DEFAULT_EXACT_BUDGET: int = TOKENS_EXACT_BUDGET  # most T·V rows "exact" accepts
+DEFAULT_ROW_BYTES: int = TOKENS_ROW_BYTES  # memory aimed at per block of rows
 
 
 def exact_rows(T: int, V: int) -> int:

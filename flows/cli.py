@@ -209,8 +209,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the scores stage's shards, the device memory each worker needs and the store size."""
     import torch
 
-    from tasks.common import device_memory
-    from tasks.shards import plan_for_config
+    from covgrad.devices import device_memory
+    from flows.shards import plan_for_config
 
     cfg = load_config(args.config, list(args.set or []))
     cuda = torch.cuda.is_available()

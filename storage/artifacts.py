@@ -101,10 +101,6 @@ class ArtifactRef(BaseModel):
     version: str = ""
     upstream: list[str] = []
 
-    @property
-    def uri(self) -> str:
-        return join_url(self.root, self.stage, self.key)
-
 
 def join_url(root: str, *parts: str) -> str:
     """``root/part/...`` for a local path or URL root."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from storage.weights import check_weights
 
 if TYPE_CHECKING:  # torch and transformers load lazily: checking a directory must not wait for them
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from storage.artifacts import ArtifactRef, ArtifactStore
 
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -96,3 +98,26 @@ def load_model_and_tokenizer(
     tok = load_tokenizer(path)
     check_vocab(model, tok, f"model path {str(path)!r}")
     return model, tok
+
+
+class ModelSource(Protocol):
+    """How a stage loads the policy (``tasks.specs.PolicySpec``): a user model directory or None (the
+    demo model of the base_model artifact), in ``dtype``."""
+
+    path: str | None
+    dtype: str
+    trust_remote_code: bool
+
+
+def load_models(
+    store: ArtifactStore, base: ArtifactRef, which: str, policy: ModelSource
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the policy (``which='policy'``), the demo's stale checkpoint (``'stale'``) or another model
+    directory given by path, with the tokenizer saved beside it, in eval mode, as ``policy`` says."""
+    dtype, trust = policy.dtype, policy.trust_remote_code
+    if which == "policy" and policy.path is not None:
+        return load_model_and_tokenizer(policy.path, dtype, trust)
+    if which in ("policy", "stale"):
+        with store.local_dir(base, which, write=False) as d:
+            return load_model_and_tokenizer(d, dtype, trust)
+    return load_model_and_tokenizer(which, dtype, trust)

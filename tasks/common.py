@@ -12,7 +12,8 @@ layers keep reruns cheap and correct:
    unchanged since) is returned at once; a damaged one is reported in one warning line and recomputed.
    Otherwise it takes the artifact's writer lock (``ArtifactStore.lock``), checks again (a
    concurrent run may have finished it meanwhile), resumes an interrupted writer's batches or clears
-   the directory, computes, and writes the marker last.
+   the directory, computes, and writes the marker last. The sharded scores flow (``flows/shards.py``)
+   runs its jobs through the same function.
 
 Prefect never expires its file-system locks, so a run killed inside a stage would leave one that makes
 every later run wait forever. ``cache_options`` removes such a leftover: a Prefect lock on an artifact
@@ -24,16 +25,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import psutil
-import torch
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
 from prefect.exceptions import MissingContextError
@@ -43,12 +40,11 @@ from prefect.logging import get_run_logger
 from prefect.transactions import IsolationLevel
 from pydantic import BaseModel
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from covgrad.devices import PeakRSS
 from covgrad.heap import release_free_memory
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.models import load_model_and_tokenizer
-from tasks.specs import PolicySpec, StageSpec
+from tasks.specs import StageSpec
 
 
 class _StageLog:
@@ -110,22 +106,12 @@ def cache_options(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
         locks = base / ".prefect-locks"
         if not complete and not store.busy(ref):
             (locks / f"{cache_key(ref)}.lock").unlink(missing_ok=True)
-        policy = ArtifactCache().configure(
-            isolation_level=IsolationLevel.SERIALIZABLE,
-            lock_manager=FileSystemLockManager(lock_files_directory=locks),
-        )
+        lock_manager: Any = FileSystemLockManager(lock_files_directory=locks)
         storage: dict[str, Any] = {"result_storage": base / ".prefect-results"}
     else:
-        policy = ArtifactCache().configure(
-            isolation_level=IsolationLevel.SERIALIZABLE, lock_manager=MemoryLockManager()
-        )
-        storage = {}
-    return {
-        "cache_policy": policy,
-        "persist_result": True,
-        "refresh_cache": not complete,
-        **storage,
-    }
+        lock_manager, storage = MemoryLockManager(), {}
+    policy = ArtifactCache().configure(isolation_level=IsolationLevel.SERIALIZABLE, lock_manager=lock_manager)
+    return {"cache_policy": policy, "persist_result": True, "refresh_cache": not complete, **storage}
 
 
 def check_spec(ref: ArtifactRef, spec: StageSpec) -> None:
@@ -174,37 +160,6 @@ def run_stage(
     return StageResult(ref=ref, computed=True, seconds=seconds, peak_rss_bytes=rss.peak)
 
 
-class PeakRSS:
-    """Context manager: the largest resident set size (bytes) of this process while the block runs,
-    sampled every ``interval`` seconds by a daemon thread (``peak`` after exit). Work done in other
-    processes is not included: the pipeline's scores stage runs its parameter blocks one after another in
-    this process (so its peak covers them), the sharded scores flow measures each job in its worker
-    (``tasks.shards.run_job``) and records the largest, and a stats stage reduced on the dask.distributed
-    scheduler at ``dask.address`` reports only this process."""
-
-    def __init__(self, interval: float = 0.05) -> None:
-        self.interval = interval
-        self.peak = 0
-        self._process = psutil.Process()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while True:
-            self.peak = max(self.peak, self._process.memory_info().rss)
-            if self._stop.wait(self.interval):
-                return
-
-    def __enter__(self) -> PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._process.memory_info().rss)
-
-
 class Progress:
     """A long loop's progress: a terminal bar (stage name, k of n, rate; silent when not a TTY unless
     COVGRAD_PROGRESS=1) and, every ``every`` seconds, one log line, so a worker's log shows that a long
@@ -236,40 +191,3 @@ class Progress:
 def progress_bar(stage: str, total: int, unit: str = "batch") -> Progress:
     """The :class:`Progress` of a long loop, logging every ``$COVGRAD_PROGRESS_SECONDS`` seconds (default 60)."""
     return Progress(stage, total, unit, float(os.environ.get("COVGRAD_PROGRESS_SECONDS", "60")))
-
-
-def load_models(
-    store: ArtifactStore, base: ArtifactRef, which: str, policy: PolicySpec
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the policy (``which='policy'``), the demo's stale checkpoint (``'stale'``) or another model
-    directory given by path, with the tokenizer saved beside it, in eval mode, as ``policy`` says."""
-    dtype, trust = policy.dtype, policy.trust_remote_code
-    if which == "policy" and policy.path is not None:
-        return load_model_and_tokenizer(policy.path, dtype, trust)
-    if which in ("policy", "stale"):
-        with store.local_dir(base, which, write=False) as d:
-            return load_model_and_tokenizer(d, dtype, trust)
-    return load_model_and_tokenizer(which, dtype, trust)
-
-
-def device_memory(device: torch.device) -> int:
-    """Bytes of memory of ``device`` (a cuda device's total; the host's RAM for the CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return psutil.virtual_memory().total
-
-
-def pick_device(choice: str) -> torch.device:
-    """The torch device of a ``model.device`` choice (``auto``: cuda when visible)."""
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("model.device=cuda but no CUDA device is visible; use auto or cpu")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def group_batches(group: np.ndarray, groups_per_batch: int) -> list[tuple[int, int]]:
-    """[lo, hi) sample ranges, each holding ``groups_per_batch`` whole consecutive groups of ``group`` (N,)."""
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-    bounds = [*starts[::groups_per_batch].tolist(), len(group)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))

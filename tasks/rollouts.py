@@ -14,56 +14,22 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 from prefect import task
 
-from covgrad.config import SamplerSection
 from covgrad.inputs import check_context
 from covgrad.models import context_length
 from covgrad.problems import response_texts, score_rewards
 from covgrad.rollout_import import records_to_rollouts
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from storage.models import load_models
 from storage.prompts import load_task, prompt_places
 from storage.readers import read_located_records
+from storage.rollouts import create_rollout_arrays, write_rollout_rows
 from storage.schema import ROLLOUTS as STORE
-from storage.schema import create, var
-from tasks.common import StageResult, load_models, progress_bar, run_stage
+from storage.schema import create
+from tasks.common import StageResult, progress_bar, run_stage
 from tasks.specs import RolloutsSpec
-
-# every rollouts store holds these (storage/schema.py); μ arrays as ``store_mu`` says; advantage at the end
-BASE_ARRAYS = (
-    "tokens",
-    "response_mask",
-    "prompt_len",
-    "response_len",
-    "group",
-    "prompt_index",
-    "sample_index",
-    "reward",
-    "sampler_logp",
-    "prompt",
-    "response",
-)
-
-
-def _create_arrays(g: Any, N: int, width: int, T: int, V: int, rows: int, s: SamplerSection) -> None:
-    shapes = {"sample": N, "token": width, "position": T, "vocab": V, "k": s.mu_topk}
-    mu = {"full": ("mu_logp",), "topk": ("mu_topk_ids", "mu_topk_logp", "mu_tail")}.get(s.store_mu, ())
-    for name in (*BASE_ARRAYS, *mu):
-        create(g, STORE, name, [shapes[d] for d in var(STORE, name).dims], rows=rows)
-
-
-def _write_rows(g: Any, lo: int, out: dict[str, Any], width: int) -> None:
-    """Write one batch of rows starting at sample ``lo`` (arrays padded to the store's width)."""
-    n = len(out["prompt_len"])
-    for name, value in out.items():
-        v = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-        if name in ("tokens", "response_mask"):
-            padded = np.zeros((n, width), dtype=v.dtype)
-            padded[:, : v.shape[1]] = v
-            v = padded
-        g[name][lo : lo + n] = v
 
 
 def _reward(reward_fn: Any, problem: Any, response: str, where: str) -> float:
@@ -94,7 +60,7 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: 
     n_batches = -(-len(prompts) // per_batch)
     N, width = len(prompts) * G, max(len(p) for p in prompts) + T
     g = store.open_group(ref, STORE, mode="a")
-    _create_arrays(g, N, width, T, V, per_batch * G, s)
+    create_rollout_arrays(g, N, width, T, V, per_batch * G, s)
     create_progress(g, STORE, n_batches)
     sampling = SamplerSpec.of(s)
     todo = pending_batches(g)
@@ -125,7 +91,7 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: 
             out["sample_index"] = out["sample_index"].numpy().astype(np.int32)
             for key in ("prompt_len", "response_len"):
                 out[key] = out[key].numpy().astype(np.int32)
-            _write_rows(g, b * per_batch * G, out, width)
+            write_rollout_rows(g, b * per_batch * G, out, width)
             mark_batch_done(g, b)
             bar.update(1)
     return g, tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -163,7 +129,7 @@ def _import(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: Ar
         for r, p in zip(data["tokens"], data["prompt_len"], strict=True)
     ]
     g = store.open_group(ref, STORE, mode="a")
-    _create_arrays(g, N, width, T, V, N, s)
+    create_rollout_arrays(g, N, width, T, V, N, s)
     create_progress(g, STORE, 1)
     rows = {k: v for k, v in data.items() if k != "reward"}
     for k in ("prompt_len", "response_len", "group", "prompt_index", "sample_index"):
@@ -171,7 +137,7 @@ def _import(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: Ar
     rows["reward"] = data["reward"]
     rows["prompt"] = np.asarray(prompts, dtype=object).astype(str)
     rows["response"] = np.asarray(texts, dtype=object).astype(str)
-    _write_rows(g, 0, rows, width)
+    write_rollout_rows(g, 0, rows, width)
     mark_batch_done(g, 0)
     return g, tokenizer.eos_token_id, tokenizer.pad_token_id
 

@@ -18,15 +18,14 @@ from functools import partial
 from typing import Any
 
 import dask
-import dask.array as da
-import numpy as np
 from prefect import task
 
 from covgrad.layout import ParamLayout
-from covgrad.stats import BLOCK_OUTPUTS, Moments, blocked_stats, sample_moments
+from covgrad.stats import BLOCK_OUTPUTS, blocked_stats
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import SCORES, annotate, create, param_chunk, write
 from storage.schema import STATS as STORE
+from storage.scores import load_moments, sample_counts
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import StatsSpec
 
@@ -44,42 +43,6 @@ def dask_scheduler(address: str | None) -> Iterator[None]:
         log.info("stats: reducing on dask.distributed scheduler %s", address)
         with dask.config.set(scheduler=client.get):
             yield
-
-
-def sample_counts(sc: Any) -> tuple[int, int, int]:
-    """N and the samples of the even and the odd prompt-group halves of a scores group."""
-    if "scores" in sc:
-        parity = sc["group"][:] % 2
-        return int(parity.size), int((parity == 0).sum()), int((parity == 1).sum())
-    count = sc["count"][:]  # rows 2·shard + half
-    return int(count.sum()), int(count[0::2].sum()), int(count[1::2].sum())
-
-
-def load_moments(sc: Any, cols: slice = slice(None), halves: bool = True) -> tuple[Moments, ...]:
-    """All moments of the parameters ``cols`` and, with ``halves``, those of the two prompt-group-parity
-    halves (even, odd), lazily, from a scores group."""
-    if "scores" in sc:
-        S = da.from_zarr(sc["scores"])[:, cols]
-        A = sc["advantage"][:]
-        parity = sc["group"][:] % 2
-        rows = S.chunks[0][0]
-        parts = [sample_moments(S[parity == h], A[parity == h], block_rows=rows) for h in (0, 1)] if halves else []
-        return sample_moments(S, A, block_rows=rows), *parts
-    count = sc["count"][:]
-    arrays = {n: da.from_zarr(sc[n])[:, cols] for n in ("mean_s", "m2_s", "c_as")}
-    if "mean_s_lo" in sc:  # float32 state: the mean is an unevaluated pair hi + lo
-        lo = da.from_zarr(sc["mean_s_lo"])[:, cols]
-        arrays["mean_s"] = arrays["mean_s"].astype(np.float64) + lo.astype(np.float64)
-    scal = {n: sc[n][:] for n in ("mean_a", "m2_a")}
-
-    def pick(sel: np.ndarray) -> Moments:
-        idx = np.flatnonzero(sel & (count > 0))
-        return Moments(
-            count[idx], scal["mean_a"][idx], scal["m2_a"][idx], *(arrays[n][idx] for n in ("mean_s", "m2_s", "c_as"))
-        )
-
-    r = np.arange(len(count))
-    return pick(np.ones_like(r, dtype=bool)), *((pick(r % 2 == 0), pick(r % 2 == 1)) if halves else ())
 
 
 def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: ArtifactRef) -> dict[str, Any]:

@@ -14,14 +14,16 @@ from typing import Any
 
 from prefect import task
 
+from covgrad.devices import pick_device
 from covgrad.heap import release_free_memory
 from covgrad.token_study import TokenStudy, batch_bounds, summarize
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS
 from storage.schema import TOKENS as STORE
 from storage.tokens import TokensStore, summary_step
-from tasks.common import StageResult, load_models, pick_device, progress_bar, run_stage
+from tasks.common import StageResult, progress_bar, run_stage
 from tasks.specs import TokensSpec
 
 

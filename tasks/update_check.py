@@ -34,14 +34,16 @@ from typing import Any
 import torch
 from prefect import task
 
+from covgrad.batch import group_batches
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.tables import to_csv, to_markdown
 from covgrad.update import BATCH_KEYS, RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
-from tasks.common import StageResult, group_batches, load_models, log, run_stage
+from tasks.common import StageResult, log, run_stage
 from tasks.specs import UpdateCheckSpec
 
 MD_COLUMNS = (

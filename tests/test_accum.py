@@ -218,6 +218,51 @@ def test_accumulator_state_round_trips_and_continues_identically():
             assert v.tobytes() == resumed.rows()[k].tobytes(), k
 
 
+def test_fold_batches_checkpoints_and_resumes_with_the_same_bytes():
+    """covgrad.fold without a store: checkpoints every 2 batches and after the last, and a fold resumed
+    from the state of its second checkpoint ends with the bytes of the uninterrupted fold."""
+    from covgrad.batch import RolloutBatch
+    from covgrad.centering import policy_logit_grad
+    from covgrad.fold import fold_batches
+    from tests.models import tiny_llama
+
+    model = tiny_llama(11, hidden=8, intermediate=16, layers=1, heads=2, kv_heads=1)
+    layout = select_parameters(model, None)
+    rng = np.random.default_rng(3)
+    L, B, n = 7, 4, 5
+    pl, rl = rng.integers(1, 3, (n, B)), rng.integers(1, 5, (n, B))
+    pos = np.arange(L)[None, None]
+    mask = (pos >= pl[..., None]) & (pos < (pl + rl)[..., None])  # (n, B, L): the response tokens
+    tokens = rng.integers(1, 11, (n, B, L)) * (pos < (pl + rl)[..., None])  # right-padded with 0
+    adv = rng.standard_normal((n, B))
+
+    def read(b: int) -> RolloutBatch:
+        groups = np.arange(B) // 2 + 2 * b  # two prompt groups per batch
+        return RolloutBatch.from_arrays(tokens[b], pl[b], rl[b], mask[b], adv[b], groups, trim=False)
+
+    grad = lambda b, batch: policy_logit_grad(batch, torch.device("cpu"))  # noqa: E731
+
+    def fold(todo, acc, done, calls):
+        psg = PerSampleGrads(model, layout, check=False)
+        save = lambda folded, final, batches: calls.append((folded, final, list(batches)))  # noqa: E731
+        on_batch = lambda b, out: seen.append((b, out.data_ptr() == rows.data_ptr()))  # noqa: E731
+        fold_batches(psg, acc, todo, read, grad, save, done=done, rows=rows, on_batch=on_batch, every=2)
+
+    rows, seen, calls = torch.empty(B, layout.P), [], []
+    whole = MomentAccumulator(layout.P, "cpu")
+    fold(range(n), whole, 0, calls)
+    assert calls == [(2, False, [0, 1]), (4, False, [2, 3]), (5, True, [4])]
+    part, resumed, again = MomentAccumulator(layout.P, "cpu"), MomentAccumulator(layout.P, "cpu"), []
+    fold(range(2), part, 0, [])
+    resumed.load(part.rows())
+    fold(range(2, n), resumed, 2, again)
+    assert again == [(4, False, [2, 3]), (5, True, [4])]
+    assert seen == [(b, True) for b in [*range(n), *range(n)]]  # each batch's rows, in the buffer
+    assert whole.count.sum() == n * B and np.count_nonzero(whole.rows()["c_as"]) > 0
+    for k, v in whole.rows().items():
+        assert v.tobytes() == resumed.rows()[k].tobytes(), k
+
+
 def test_accumulator_rejects_bad_use():
     acc = MomentAccumulator(4, "cpu")
     with pytest.raises(ValueError, match="state_dtype 'float16'"):

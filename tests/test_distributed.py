@@ -91,7 +91,7 @@ def test_sharded_scores_equal_one_process(prefect_server, threaded: PipelineConf
     jobs ran on both workers (the scheduler's task stream)."""
     from distributed import Client
 
-    from tasks.shards import sharded_scores
+    from flows.shards import sharded_scores
 
     shutil.copytree(Path(threaded.root).parent / "upstream", tmp_path / "root")
     cfg = with_root(threaded, tmp_path / "root")
@@ -132,19 +132,19 @@ class PauseAfterCheckpoint(WorkerPlugin):
         import os
         import time
 
-        import tasks.scores
+        from storage.scores import ScoresStore
 
-        real, flag = tasks.scores.ScoresJob._drop_checkpoints, self.flag
-        real_restore = tasks.scores.ScoresJob._restore
+        real, flag = ScoresStore.drop_checkpoints, self.flag
+        real_restore = ScoresStore.restore
 
-        def restore(job, g, which, acc):
-            done = real_restore(job, g, which, acc)
+        def restore(store, g, which, acc):
+            done = real_restore(store, g, which, acc)
             with open(flag + ".log", "a") as f:
                 f.write(f"{which[0]} {which[1]} {done}\n")
             return done
 
-        def drop(job, g, which, keep):
-            real(job, g, which, keep)
+        def drop(store, g, which, keep):
+            real(store, g, which, keep)
             if keep == 2:
                 try:
                     fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -154,8 +154,8 @@ class PauseAfterCheckpoint(WorkerPlugin):
                 os.close(fd)
                 time.sleep(300)
 
-        tasks.scores.ScoresJob._drop_checkpoints = drop
-        tasks.scores.ScoresJob._restore = restore
+        ScoresStore.drop_checkpoints = drop
+        ScoresStore.restore = restore
 
 
 def test_worker_killed_mid_job_gives_the_same_bytes(threaded: PipelineConfig, cluster, tmp_path: Path):
@@ -168,7 +168,7 @@ def test_worker_killed_mid_job_gives_the_same_bytes(threaded: PipelineConfig, cl
 
     from distributed import Client
 
-    from tasks.shards import run_sharded
+    from flows.shards import run_sharded
 
     shutil.copytree(Path(threaded.root).parent / "upstream", tmp_path / "root")
     cfg = with_root(threaded, tmp_path / "root")
@@ -202,7 +202,7 @@ def test_worker_killed_mid_job_gives_the_same_bytes(threaded: PipelineConfig, cl
 def test_sharded_scores_rejects_bad_input(prefect_server, threaded: PipelineConfig, cluster):
     from distributed import Client
 
-    from tasks.shards import run_sharded
+    from flows.shards import run_sharded
 
     with Client(cluster.scheduler_address) as client:
         with pytest.raises(ValueError, match="not a planned scores artifact"):

@@ -149,23 +149,38 @@ def test_norms_use_the_fast_rule_and_subclasses_the_generic_one():
 
 
 class Flattener(nn.Module):
-    """Runs a Linear on a (B·L, H) view, like OPT's layers, but is not a verified flattening parent."""
+    """Runs a Linear on a (B·L, H) view, like OPT's layers: row n·L + t is sample n's position t, or with
+    ``by_position`` row t·B + n (a correct computation whose rows are not sample by sample)."""
 
-    def __init__(self, inner: nn.Linear) -> None:
+    def __init__(self, inner: nn.Linear, by_position: bool = False) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.by_position = inner, by_position
 
     def forward(self, x):
+        if self.by_position:
+            B, L, H = x.shape
+            y = self.inner(x.transpose(0, 1).reshape(-1, H))
+            return y.reshape(L, B, -1).transpose(0, 1)
         return self.inner(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
-def test_unverified_flattened_batch_refused_with_what_happened():
+def test_flattened_batch_verified_by_a_check_and_exact():
     model = perturb(tiny_llama(V, intermediate=48, pad_token_id=PAD))
     mlp = model.model.layers[0].mlp
     mlp.up_proj = Flattener(mlp.up_proj).eval()
+    layout = select_parameters(model)
+    batch = make_batch(31, **BATCH)
+    err, where = max_rel_err(layout, hook_scores(model, layout, batch), naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)
+
+
+def test_flattened_rows_not_sample_by_sample_refused():
+    model = perturb(tiny_llama(V, intermediate=48, pad_token_id=PAD))
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj = Flattener(mlp.up_proj, by_position=True).eval()
     batch = make_batch(31, **BATCH)
     psg = PerSampleGrads(model, select_parameters(model))
-    with pytest.raises(ValueError, match=r"Linear ran on a flattened batch of \d+ = 4·\d+ rows"):
+    with pytest.raises(ValueError, match=r"up_proj\.inner \(a Linear\) runs on inputs whose leading dimension is not"):
         psg(
             batch["input_ids"],
             batch["attention_mask"],

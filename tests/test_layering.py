@@ -23,9 +23,6 @@ NEVER = {
     "tasks": ("flows",),
 }
 SHARED_TASK_MODULES = ("tasks.common", "tasks.specs")
-# Known until the merge of issue 23: tasks/shards.py (a @flow importing tasks.scores) moves to
-# flows/shards.py on another branch. The coordinator removes this entry when merging.
-EXPECTED_UNTIL_MERGE = {"tasks.shards imports tasks.scores: a task module imports another task module"}
 
 
 def imports(root: Path) -> dict[str, set[str]]:
@@ -72,7 +69,7 @@ IMPORTS = imports(REPO)
 
 def test_the_tree_keeps_the_never_list():
     found = violations(IMPORTS)
-    assert not found - EXPECTED_UNTIL_MERGE, sorted(found - EXPECTED_UNTIL_MERGE)
+    assert not found, sorted(found)
 
 
 def test_no_import_cycle():
@@ -92,17 +89,10 @@ def test_no_import_cycle():
             visit(m, [])
 
 
-def test_expected_violations_still_exist():
-    """The allow-list names only what is really there (an entry whose module is gone is not kept)."""
-    found = violations(IMPORTS)
-    stale = {v for v in EXPECTED_UNTIL_MERGE if v.split(" ", 1)[0] in IMPORTS and v not in found}
-    assert not stale, sorted(stale)
-
-
 def test_a_planted_violation_of_each_rule_is_named(tmp_path):
     for pkg in PACKAGES:
         shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    assert violations(imports(tmp_path)) <= EXPECTED_UNTIL_MERGE
+    assert not violations(imports(tmp_path))
     planted = {
         "covgrad/planted_a.py": "def f():\n    import zarr\n",
         "covgrad/planted_b.py": "from storage.artifacts import ArtifactStore\n",
@@ -112,7 +102,7 @@ def test_a_planted_violation_of_each_rule_is_named(tmp_path):
     }
     for rel, text in planted.items():
         (tmp_path / rel).write_text(text)
-    assert violations(imports(tmp_path)) - EXPECTED_UNTIL_MERGE == {
+    assert violations(imports(tmp_path)) == {
         "covgrad.planted_a imports zarr: covgrad never imports zarr",
         "covgrad.planted_b imports storage.artifacts: covgrad never imports storage",
         "covgrad.planted_c imports prefect: covgrad never imports prefect",

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import psutil
 
-from tasks.common import PeakRSS
+from covgrad.devices import PeakRSS
 
 
 def test_peak_rss_sees_a_transient_allocation():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import numpy as np
 import pytest
 import torch
@@ -305,7 +307,8 @@ def test_score_logit_grad_rejects_bad_input():
 
 
 class ScaleNorm(nn.Module):
-    """A norm-like module that owns a parameter and wraps a parametrised submodule: no per-sample rule."""
+    """A norm-like module that owns a parameter and wraps a parametrised submodule: its own parameter takes
+    the generic path (its forward replayed per sample), the submodule's keeps the Linear rule."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -316,12 +319,29 @@ class ScaleNorm(nn.Module):
         return self.inner(x) * self.weight
 
 
-def test_unsupported_module_names_parameter_and_type():
+def test_parameter_of_a_module_with_parametrised_submodules_is_exact():
     model = llama(tied=False)
-    model.model.norm = ScaleNorm(model.model.norm.weight.detach())
-    with pytest.raises(ValueError, match=r"'model\.norm\.weight'.*ScaleNorm"):
+    model.model.norm = ScaleNorm(model.model.norm.weight.detach()).eval()
+    layout = select_parameters(model)
+    batch = make_batch(15, **BATCH)
+    err, where = max_rel_err(layout, hook_scores(model, layout, batch), naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)
+
+
+def test_every_unsupported_parameter_named_in_one_refusal():
+    model = llama(tied=False)
+    model.logit_scale = nn.Parameter(torch.ones(()))  # owned by the top-level module
+    model.model.embed_tokens.max_norm = 1.0  # renormalises rows in place: no per-sample rule
+    with pytest.raises(ValueError) as info:
         PerSampleGrads(model, select_parameters(model))
-    PerSampleGrads(model, select_parameters(model, ["model.layers.*"]))  # deselected: fine
+    msg = str(info.value)
+    assert "\n" not in msg and "2 selected parameters" in msg
+    assert "'logit_scale'" in msg and "'model.embed_tokens.weight'" in msg and "max_norm" in msg
+    selection = ast.literal_eval(msg.split("model.params = ")[1])
+    layout = select_parameters(model, selection)
+    assert set(layout.names) == set(select_parameters(model).names) - {"logit_scale", "model.embed_tokens.weight"}
+    assert "model.layers.*.mlp.up_proj.weight" in selection
+    PerSampleGrads(model, layout)
 
 
 def doubled_up_proj(model: nn.Module) -> nn.Module:

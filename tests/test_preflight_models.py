@@ -19,8 +19,8 @@ FAMILIES = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
 }
 
-# A Llama whose final norm owns a weight and wraps a Linear: no per-sample rule (remote code, as a user's
-# custom architecture would be).
+# A Llama whose final norm owns a weight, wraps a Linear and mixes the samples of a batch: no per-sample
+# gradient exists (remote code, as a user's custom architecture would be).
 BAD_MODELING = """
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ class WrappedNorm(nn.Module):
         self.inner = nn.Linear(n, n, bias=False)
 
     def forward(self, x):
-        return self.inner(x) * self.weight
+        return self.inner(x) * self.weight + x.mean(0, keepdim=True)
 
 
 class BadLlamaForCausalLM(LlamaForCausalLM):
@@ -134,6 +134,99 @@ def test_pipeline_completes_every_stage(prefect_server, tmp_path, family):
     from tasks.specs import plan
 
     cfg = user_config(tmp_path, family_dir(tmp_path / family, family))
+    result = covgrad_pipeline(cfg)
+    assert set(result["status"].values()) == {"computed"}
+    store = ArtifactStore(cfg.root)
+    assert all(store.is_complete(node.ref) for node in plan(cfg).values())
+
+
+# A Llama whose top-level forward multiplies the final hidden states by a child module's weight with
+# F.linear: the child's forward never runs, so no hook would see the weight (its rows would be zeros).
+PLANTED_MODELING = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+class Mix(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(n))
+
+
+class PlantedLlamaForCausalLM(LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.mix = Mix(config.hidden_size)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        h = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(F.linear(h, self.mix.weight)))
+"""
+
+
+def planted_dir(path: Path) -> Path:
+    family_dir(path, "llama")
+    (path / "modeling_planted.py").write_text(PLANTED_MODELING)
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_planted.PlantedLlamaForCausalLM"}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_parameter_used_outside_its_module_refused_without_self_check(tmp_path):
+    path = str(planted_dir(tmp_path))
+    with pytest.raises(
+        ValueError,
+        match=r"preflight .*'mix\.weight' is used by the forward of the top-level model.*"
+        r"zeros.*scores\.params = \[",
+    ) as info:
+        check_model(path, None, trust_remote_code=True, self_check=False)
+    assert "\n" not in str(info.value)
+    check_model(path, ["model.*", "lm_head.weight"], trust_remote_code=True, self_check=False)
+
+
+def test_check_model_reports_the_generic_path(tmp_path):
+    summary = check_model(str(family_dir(tmp_path, "gemma3")), None)
+    assert summary.startswith("generic path: 1 of ") and "model.embed_tokens.weight" in summary
+
+
+def arch_dir(path: Path, family: str) -> Path:
+    """A tiny ``family`` model of tests.test_families_2026 with the character tokenizer, saved."""
+    from covgrad.problems import build_char_tokenizer
+    from tests.test_families_2026 import family_model
+
+    tok = build_char_tokenizer()
+    model = family_model(family, vocab_size=len(tok))
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+ARCH_GENERIC = {
+    "qwen3.5": "model.layers.N.linear_attn.dt_bias",
+    "gpt-oss": "model.layers.N.self_attn.sinks",
+    "deepseek-v3": "model.layers.N.mlp.gate.weight",
+}
+
+
+@pytest.mark.parametrize("family", list(ARCH_GENERIC))
+def test_check_model_accepts_hybrid_and_moe_directories(tmp_path, family):
+    summary = check_model(str(arch_dir(tmp_path, family)), None, self_check=False)
+    assert summary.startswith("generic path: ") and ARCH_GENERIC[family] in summary, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(ARCH_GENERIC))
+def test_pipeline_completes_every_stage_on_hybrid_and_moe(prefect_server, tmp_path, family):
+    from flows.pipeline import covgrad_pipeline
+    from storage.artifacts import ArtifactStore
+    from tasks.specs import plan
+
+    cfg = user_config(tmp_path, arch_dir(tmp_path / family, family))
     result = covgrad_pipeline(cfg)
     assert set(result["status"].values()) == {"computed"}
     store = ArtifactStore(cfg.root)

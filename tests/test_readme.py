@@ -28,17 +28,14 @@ README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 README_LIMIT = 15_000
 
-# Keys renamed to the section of the stages they drive; the old names must not appear in the docs. Until the
-# schema carries the new names, a new name counts as valid when its old name is in the key listing.
-RENAMED = {"model.params": "scores.params", "model.device": "scores.device", "model.self_check": "scores.self_check"}
+# Keys renamed to the section of the stages they drive: the old names must not appear in the docs.
+from covgrad.config import MOVED as RENAMED  # noqa: E402
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 # configs/..., scripts/..., notebooks/..., docs/... mentioned anywhere (not inside an absolute path or URL)
 REPO_PATH = re.compile(
     r"(?<![\w/.:-])((?:configs|scripts|notebooks|docs|benchmarks|covgrad|storage|tasks|flows)/[\w./-]*[\w/])"
 )
-# Files that move in the same change as these docs: the new path counts while only the old one exists.
-MOVED = {"flows/shards.py": "tasks/shards.py"}
 TABLE_RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
 SEPARATORS = {"&&", "||", ";", "|"}
 PYTHONS = {"python", "python3", "python3.11", "python3.12"}
@@ -109,7 +106,7 @@ def config_keys() -> list[str]:
 
 def is_config_key(key: str) -> bool:
     listed = [re.compile(re.escape(k).replace(re.escape("<name>"), r"[^.]+") + r"\Z") for k in config_keys()]
-    return any(p.match(k) for k in (key, RENAMED.get(key, key)) for p in listed)
+    return any(p.match(key) for p in listed)
 
 
 def makefile_targets() -> set[str]:
@@ -219,12 +216,12 @@ def test_benchmark_commands_use_real_flags():
 def test_docs_and_readme_use_the_renamed_keys():
     for path in [README, *DOCS]:
         text = path.read_text()
-        for new, old in RENAMED.items():
+        for old, new in RENAMED.items():
             assert old not in text, f"{path.name} names {old}; the key is {new}"
 
 
 def exists(path: str) -> bool:
-    return (REPO / path).exists() or (path in MOVED and (REPO / MOVED[path]).exists())
+    return (REPO / path).exists()
 
 
 def test_paths_mentioned_exist():

@@ -32,6 +32,9 @@ OVERRIDES = {
     "rollouts.samplers.policy.batch_size": 4,
 }
 
+# The module whose ``mark_batch_done`` (and, for scores, ``write_state``) a stage's writes go through.
+WRITERS = {"scores": "storage.scores", "rollouts": "tasks.rollouts"}
+
 # argv: root, instance, mode ("kill" | "kill-write" | "race"), arg (kill: batch marks to let through;
 # kill-write: state block writes to let through; race: directory for the ready/go files), overrides
 # JSON. Prints {"computed": ...} as its last line.
@@ -42,10 +45,11 @@ import tests.conftest as conftest
 from tasks.specs import plan
 
 root, instance, mode, arg, overrides = sys.argv[1:6]
+WRITERS = __WRITERS__
 cfg = conftest.tiny_config(root, **json.loads(overrides))
 nodes = plan(cfg)
 node = nodes[instance]
-module = importlib.import_module(f"tasks.{node.ref.stage}")
+module = importlib.import_module(WRITERS[node.ref.stage])
 real_mark = module.mark_batch_done
 calls = []
 
@@ -75,7 +79,7 @@ if mode == "race":
         time.sleep(0.02)
 result = conftest.run_planned(cfg, {instance})[instance]
 print(json.dumps({"computed": result.computed, "batches": len(calls)}))
-"""
+""".replace("__WRITERS__", repr(WRITERS))
 
 
 STATE_ARRAYS = {"count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as", "shard_batches", "ckpt"}
@@ -208,7 +212,7 @@ def resume_after_kill(reference, tmp_path, instance, mode, arg, monkeypatch) -> 
     store_name = "scores.zarr" if instance.startswith("scores") else "rollouts.zarr"
     (art / store_name / "stray.partial").write_bytes(b"torn")
 
-    module = importlib.import_module(f"tasks.{nodes[instance].ref.stage}")
+    module = importlib.import_module(WRITERS[nodes[instance].ref.stage])
     real_mark, marked = module.mark_batch_done, []
     monkeypatch.setattr(module, "mark_batch_done", lambda g, b: (marked.append(b), real_mark(g, b)))
     assert plan(cfg)[instance].ref.root == str(root)

@@ -63,7 +63,7 @@ def test_sampler_centering_sources_agree(run):
 
 def test_stage_scores_match_naive_loop(run):
     cfg, store, refs = run
-    from tasks.common import load_models
+    from storage.models import load_models
     from tasks.specs import policy_spec
 
     model, _ = load_models(store, refs["base_model"], "policy", policy_spec(cfg))
@@ -138,7 +138,7 @@ def test_kl_sampler_policy_against_numpy():
 def test_row_writer_writes_every_batch_in_the_background_and_reports_failures(tmp_path):
     import zarr
 
-    from tasks.scores import RowWriter
+    from storage.scores import RowWriter
 
     arr = zarr.open_group(str(tmp_path / "g.zarr"), mode="w").create_array(
         "scores", shape=(10, 7), chunks=(4, 7), dtype="float32"

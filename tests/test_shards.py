@@ -65,6 +65,16 @@ def test_split_blocks_partition_the_layout():
         split_blocks(layout, 7)
 
 
+def test_per_sample_rows_are_kept_with_one_block_equal_batches_and_within_the_budget():
+    from covgrad.shardplan import keeps_rows
+
+    N, P = 8, 100
+    assert keeps_rows(N, P, N * P * 4, 1, True)
+    assert not keeps_rows(N, P, N * P * 4 - 1, 1, True)
+    assert not keeps_rows(N, P, N * P * 4, 2, True)
+    assert not keeps_rows(N, P, N * P * 4, 1, False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", [65536, 512])  # one chunk (every boundary is an edge), and many
 def test_parameter_blocks_do_not_change_a_byte(upstream, tmp_path, monkeypatch, chunk):
@@ -162,7 +172,7 @@ def test_plan_qwen7b_on_eight_80gb_gpus(qwen7b: Path):
     block; auto picks the fewest blocks that fit 90% of 80 GB."""
     from covgrad.shardplan import HEADROOM
     from flows.cli import load_config
-    from tasks.shards import plan_for_config
+    from flows.shards import plan_for_config
 
     cfg = load_config(str(qwen7b), [])
     V, H, I, layers, kv = 152064, 3584, 18944, 28, 512

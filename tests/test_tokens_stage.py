@@ -16,9 +16,9 @@ from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.token_fisher import cross_term_ratio, token_fisher, token_scores
 from covgrad.token_study import POSITION_ARRAYS, StudyRecord, TokenStudy, rel_l2, row_names, summarize, trace_names
 from storage.artifacts import ArtifactStore, mark_batch_done
+from storage.models import load_models
 from storage.schema import ROLLOUTS
 from storage.schema import TOKENS as STORE
-from tasks.common import load_models
 from tasks.specs import plan, policy_spec
 from tests.conftest import run_planned, tiny_config
 

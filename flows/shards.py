@@ -1,7 +1,7 @@
 """Sharded score extraction: one ``scores`` artifact computed by the workers of a dask.distributed cluster.
 
 The artifact's partition is ``scores.shards`` = S sample shards × K parameter blocks (layout in
-``tasks/scores.py``); job (i, k) folds the batches b with b % S == i into block k's columns, with hooks on
+``storage/scores.py``); job (i, k) folds the batches b with b % S == i into block k's columns, with hooks on
 that block's tensors only, and owns its checkpoints and state chunks, so jobs never write the same chunk.
 Where the jobs run is not part of the artifact: S × K jobs on any number of workers, or one after another
 in one process (the pipeline's ``scores`` task), write the same bytes.
@@ -14,8 +14,9 @@ per GPU (or ``dask cuda worker tcp://scheduler:8786``).
 
 Order of operations, which keeps the store consistent:
 
-1. the flow takes the artifact's writer lock, claims it (resuming finished jobs) and creates every array
-   before any job starts, so no two jobs race on ``create_array``;
+1. the flow reuses a complete artifact, or takes the artifact's writer lock and claims it (resuming
+   finished jobs) by the pipeline's run-or-reuse protocol (``tasks.common.run_stage``), and creates every
+   array before any job starts, so no two jobs race on ``create_array``;
 2. the jobs are submitted to the cluster as plain dask tasks. A job whose worker dies is rerun by the
    scheduler on another worker, and the rerun resumes from the job's newest complete checkpoint (a job's
    state is written only by the job, final state and ``shard_batches`` last), so no batch is folded twice;
@@ -36,10 +37,11 @@ from distributed import Client, LocalCluster
 from prefect import flow
 
 from covgrad.config import PipelineConfig
+from covgrad.devices import PeakRSS
 from covgrad.layout import select_parameters
 from covgrad.shardplan import ModelShape, ShardPlan, Workload, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore
-from tasks.common import PeakRSS, check_spec
+from tasks.common import run_stage
 from tasks.scores import ScoresJob
 from tasks.specs import ScoresSpec, Step, plan
 
@@ -88,7 +90,8 @@ def plan_for_config(
         n_batches=-(-prompts // cfg.scores.groups_per_batch),
         state_dtype=cfg.scores.state_dtype,
         device=device,
-        keep_rows=cfg.scores.byte_budget >= N * layout.P * 4,
+        byte_budget=cfg.scores.byte_budget,
+        equal_batches=True,  # every prompt group of one sampler has its group_size
     )
     shape = ModelShape.of(model)
     chosen = make_plan(layout, shape, work, cfg.scores.shards, workers, device_bytes)
@@ -143,16 +146,10 @@ def run_sharded(config: PipelineConfig, instance: str, client: Client, torch_thr
     if torch_threads < 1:
         raise ValueError(f"torch_threads {torch_threads} must be at least 1")
     step = _shard_step(config, instance)
-    ref, spec = step.ref, step.spec
+    spec = step.spec
     assert isinstance(spec, ScoresSpec)
-    check_spec(ref, spec)
-    store = ArtifactStore(config.root)
-    if store.is_complete(ref):
-        return {"key": ref.key, "computed": False, "shards": store.marker(ref).get("shards")}
-    with store.lock(ref):
-        if store.is_complete(ref):
-            return {"key": ref.key, "computed": False, "shards": store.marker(ref).get("shards")}
-        claim = store.begin(ref, spec.model_dump(mode="json"), resume=True)
+
+    def compute(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
         job = ScoresJob(store, ref, spec, step.upstream, workers=len(client.nthreads()))
         job.prepare()
         shards = (job.S, job.K)
@@ -174,10 +171,15 @@ def run_sharded(config: PipelineConfig, instance: str, client: Client, torch_thr
         extra = job.finalize()
         if extra is None:
             raise RuntimeError(f"scores {ref.key}: jobs still pending after all {len(futures)} returned")
-        peak = max(peaks.values())
         jobs = {f"{i},{k}": p for (i, k), p in peaks.items()}
-        store.complete(ref, claim, {**extra, "peak_rss_bytes": peak, "job_peak_rss_bytes": jobs})
-    return {"key": ref.key, "computed": True, "shards": list(shards), "peak_rss_bytes": peak}
+        return {**extra, "peak_rss_bytes": max(peaks.values()), "job_peak_rss_bytes": jobs}
+
+    result = run_stage(step.ref, spec, compute, resumable=True)
+    marker = ArtifactStore(config.root).marker(step.ref) or {}
+    out = {"key": step.ref.key, "computed": result.computed, "shards": marker.get("shards")}
+    if result.computed:
+        out["peak_rss_bytes"] = marker["peak_rss_bytes"]
+    return out
 
 
 @contextmanager

@@ -1,0 +1,16 @@
+"""The config schema's choices (Literal types) and the defaults that engines share with it, in a module free of
+pydantic: :mod:`covgrad.config` builds its schema from these, and engines that run on a bare GPU image (no
+pipeline packages) import them from here."""
+
+from typing import Literal
+
+Dtype = Literal["float32", "bfloat16"]  # dtype a model is loaded in
+Device = Literal["auto", "cpu", "cuda"]  # where per-sample passes run; auto: cuda when visible
+StateDtype = Literal["float64", "float32"]  # moment state of the scores stage
+Advantage = Literal["group_mean", "group_zscore", "global_mean", "none"]  # advantage A from rewards r
+MuStore = Literal["none", "full", "topk"]  # how much of the sampler's distribution μ the rollouts keep
+TokenMode = Literal["exact", "topk", "mc", "probe", "probe_seq"]  # token-Fisher estimators
+Blocks = int | Literal["auto"]  # parameter blocks of the scores stage: a count, or the fewest that fit
+
+TOKENS_EXACT_BUDGET = 65536  # largest T·V cotangent rows per sample for which the exact token Fisher runs
+TOKENS_ROW_BYTES = 32 * 1024**2  # bytes aimed at per block of token-Fisher cotangent rows

@@ -1,0 +1,70 @@
+"""Where the work runs: the torch device of a device choice, its memory, whether moment state fits it, and
+the peak resident memory of this process."""
+
+from __future__ import annotations
+
+import threading
+
+import psutil
+import torch
+
+from covgrad.accum import state_bytes_per_param
+
+
+def pick_device(choice: str) -> torch.device:
+    """The torch device of a ``model.device`` choice (``auto``: cuda when visible)."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("model.device=cuda but no CUDA device is visible; use auto or cpu")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of ``device`` (a cuda device's total; the host's RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
+
+
+def check_state_fits(device: torch.device, P: int, state_dtype: str, what: str) -> None:
+    """ValueError in one line, instead of an out-of-memory error, when the moment state of P parameter
+    elements (two halves, ``state_dtype``) exceeds the free memory of cuda ``device``; ``what`` names
+    the parameters in the message. No check on other devices."""
+    if device.type != "cuda":
+        return
+    need = state_bytes_per_param(state_dtype) * P
+    free = torch.cuda.mem_get_info(device)[0]
+    if need > free:
+        raise ValueError(
+            f"{what} ({P} parameters) needs {need / 1e9:.1f} GB of state but {device} has {free / 1e9:.1f} GB "
+            "free; use more blocks (see `covgrad plan`) or scores.state_dtype=float32"
+        )
+
+
+class PeakRSS:
+    """Context manager: the largest resident set size (bytes) of this process while the block runs,
+    sampled every ``interval`` seconds by a daemon thread (``peak`` after exit). Work done in other
+    processes (dask workers) is not included: they measure their own."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
