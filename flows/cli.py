@@ -206,7 +206,8 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the scores stage's shards, the device memory each worker needs and the store size."""
+    """Print the scores stage's shards and the device memory each worker needs, with the task's real
+    prompt lengths, then every other stage's disk and peak host memory (``flows.runplan``)."""
     import torch
 
     from covgrad.devices import device_memory
@@ -223,9 +224,62 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("no CUDA device is visible here; give --device-memory GB to plan for one")
     else:
         memory = device_memory(torch.device(device))
-    lines, chosen = plan_for_config(cfg, workers, memory, device, args.prompt_tokens)
+    prompt_tokens, source = args.prompt_tokens, "--prompt-tokens"
+    if prompt_tokens is None:
+        prompt_tokens, source = _prompt_tokens(cfg)
+    lines, chosen = plan_for_config(cfg, workers, memory, device, prompt_tokens)
+    print(f"prompt length: {prompt_tokens} tokens ({source})")
     print("\n".join(lines))
+    print("\n".join(_run_lines(cfg, prompt_tokens)))
     return 0 if chosen.fits else 1  # 1: the plan does not fit the devices
+
+
+def _prompt_tokens(cfg: Any) -> tuple[int, str]:
+    """The longest prompt of the task in the policy's tokens, and where that number comes from (128,
+    assumed, when the tokenizer cannot be read without loading the model)."""
+    from storage.prompts import load_task, prompt_lengths
+
+    problems, _ = load_task(cfg.task)
+    counted = prompt_lengths(cfg.model.path, problems)
+    if counted is None or not counted[0]:
+        return 128, "assumed: no tokenizer.json to count the task's prompts"
+    return max(counted[0]), f"longest of the task's {len(counted[0])} prompts"
+
+
+def _run_lines(cfg: Any, prompt_tokens: int) -> list[str]:
+    """The whole run's other stages: disk and peak host memory each (``flows.runplan``), totals, time."""
+    from covgrad.layout import select_parameters
+    from covgrad.shardplan import ModelShape
+    from flows.runplan import RunShape, human, stage_sizes
+    from flows.shards import meta_model
+    from storage.prompts import load_task
+    from tasks.specs import plan
+
+    model = meta_model(cfg)
+    shape = ModelShape.of(model)
+    prompts = len(load_task(cfg.task)[0])
+    samplers = cfg.rollouts.samplers
+    instances = list(plan(cfg))
+    run = RunShape(
+        P=select_parameters(model, cfg.model.params).P,
+        n_params=shape.n_params,
+        dtype_bytes=shape.dtype_bytes,
+        vocab=shape.vocab,
+        samples={n: prompts * s.group_size for n, s in samplers.items()},
+        T={n: s.max_new_tokens for n, s in samplers.items()},
+        mu={n: (s.store_mu, s.mu_topk) for n, s in samplers.items()},
+        L=prompt_tokens + max(s.max_new_tokens for s in samplers.values()),
+        stats_instances=sum(i.startswith("stats.") for i in instances),
+        n_qs=len(cfg.masks.qs),
+        tokens="tokens" in instances,
+        update_check="update_check" in instances,
+        demo=cfg.model.path is None,
+    )
+    rows = stage_sizes(run)
+    out = ["other stages (disk, peak host memory; time: unknown, it depends on the device):"]
+    out += [f"  {r['stage']:13s} disk {human(int(r['disk'])):>10s}   peak {human(int(r['peak'])):>10s}" for r in rows]
+    out.append(f"  total disk of these stages: {human(sum(int(r['disk']) for r in rows))} (plus the scores artifacts)")
+    return out
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -425,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, help="devices (dask workers); unset: the visible GPUs, else 1")
     p.add_argument("--device-memory", type=float, metavar="GB", help="memory per device in GB (1e9 bytes)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="unset: cuda if visible or --device-memory is set")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length assumed for L")
+    p.add_argument("--prompt-tokens", type=int, help="prompt length for L (unset: the task's longest prompt, counted)")
     p.set_defaults(fn=cmd_plan)
     root_help = "artifact root (local path or fsspec URL; env COVGRAD_ROOT)"
     p = sub.add_parser(
