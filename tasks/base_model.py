@@ -40,7 +40,8 @@ def _train_demo(store: ArtifactStore, ref: ArtifactRef, spec: BaseModelSpec) -> 
 
         def report(step: int, acc: float) -> None:
             log.info("base_model: step %d sampled accuracy %.3f", step, acc)
-            bar.update(step - bar.done)
+            if step > bar.done:
+                bar.update(step - bar.done)
 
         try:
             result = train_sft(model, tokenizer, demo, train_problems, eval_problems, answer_tokens(digits), report)

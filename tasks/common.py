@@ -176,18 +176,20 @@ class Progress:
         self.start = self.last = time.monotonic()
 
     def line(self, now: float) -> str:
-        """``stage: k/n unit (p%), r unit/s, ETA t s, s so far`` at time ``now`` (monotonic seconds)."""
+        """``stage: k/n unit (p%), r unit/s, ETA t s, s so far`` at time ``now`` (monotonic seconds; ETA
+        unknown before the first unit)."""
         elapsed = now - self.start
         rate = self.done / elapsed if elapsed > 0 else float("nan")
         eta = (self.total - self.done) / rate if rate > 0 else float("nan")
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        return (
-            f"{self.stage}: {self.done}/{self.total} {self.unit} ({pct:.0f}%), {rate:.3g} {self.unit}/s, "
-            f"ETA {eta:.0f} s, {elapsed:.0f} s so far"
-        )
+        left = f"ETA {eta:.0f} s" if eta == eta else "ETA unknown"
+        done = f"{self.done}/{self.total} {self.unit} ({pct:.0f}%)"
+        return f"{self.stage}: {done}, {rate:.3g} {self.unit}/s, {left}, {elapsed:.0f} s so far"
 
     def update(self, n: int = 1) -> None:
         """Count ``n`` more finished units; report a line when ``every`` seconds passed since the last one."""
+        if n <= 0:
+            return
         self.bar.update(n)
         self.done += n
         now = time.monotonic()
@@ -195,8 +197,9 @@ class Progress:
             self.last = now
             text = self.line(now)
             log.info("%s", text)
-            if self.plain:
-                print(f"covgrad progress: {text}", file=sys.stderr, flush=True)
+            if self.plain:  # a write, not print(): Prefect's log_prints would turn a print into a task-log line
+                sys.stderr.write(f"covgrad progress: {text}\n")
+                sys.stderr.flush()
 
     def __enter__(self) -> Progress:
         return self
