@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from covgrad.config import PipelineConfig
-from covgrad.report import uncertainty
 from covgrad.report.document import Report, cell, findings, finite
 from covgrad.report.plots import (
     plot_fisher_vs_grad,
@@ -32,6 +31,7 @@ from covgrad.report.plots import (
     plot_update_steps,
     plot_zero_mean,
 )
+from covgrad.report.uncertainty import LEVEL, METHOD, group_bootstrap, interval, null_band
 
 STATS = "stats.zarr"
 TOKENS = "tokens.zarr"
@@ -174,21 +174,20 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
     sc = run.group(scores, SCORES)
     overlap = [r for r in report.numbers.get("overlap", []) if r["scope"] == "global"]
     qs = [r["q"] for r in overlap]
-    out: dict[str, Any] = {"level": uncertainty.LEVEL}
+    out: dict[str, Any] = {"level": LEVEL}
     if "scores" in sc:
         rows = sc["scores"]
-        boot = uncertainty.group_bootstrap(
+        boot = group_bootstrap(
             lambda a, b: rows[:, a:b], sc["advantage"][:], sc["group"][:], rows.shape[1], qs, n_boot=N_BOOT
         )
-        out |= {"method": uncertainty.METHOD, "n_boot": boot["n_boot"]}
+        out |= {"method": METHOD, "n_boot": boot["n_boot"]}
         if boot["n_boot"]:
             est = report.numbers
-            out["max_abs_rho"] = uncertainty.interval(est["max_abs_rho"], boot["max_abs_rho"], 0.0, 1.0)
+            out["max_abs_rho"] = interval(est["max_abs_rho"], boot["max_abs_rho"], 0.0, 1.0)
             if "spearman_F_absG" in est:
-                out["spearman_F_absG"] = uncertainty.interval(est["spearman_F_absG"], boot["spearman"], -1.0, 1.0)
+                out["spearman_F_absG"] = interval(est["spearman_F_absG"], boot["spearman"], -1.0, 1.0)
             out["overlap"] = {
-                r["q"]: uncertainty.interval(r["overlap"], boot["overlap"][:, i], 0.0, 1.0)
-                for i, r in enumerate(overlap)
+                r["q"]: interval(r["overlap"], boot["overlap"][:, i], 0.0, 1.0) for i, r in enumerate(overlap)
             }
         dof = {"trace": boot["dof_trace"], "coord": boot["dof_coord"]}
     else:
@@ -196,7 +195,7 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
         dof = {"trace": 1.0, "coord": 1.0}
     for k, d in dof.items():
         if d == d:
-            out[f"null_band_{k}"] = uncertainty.null_band(d)
+            out[f"null_band_{k}"] = null_band(d)
             out[f"dof_{k}"] = d
     report.numbers["intervals"] = out
     table = [
