@@ -258,7 +258,7 @@ def plot_update_steps(rows: list[dict[str, Any]]) -> bytes:
     cells = sorted({(r["optimizer"], r["precision"], float(r["lr"])) for r in rows})
     for ax, metric, title in (
         (axes[0], "frac_changed_bf16", "bf16 value changed"),
-        (axes[1], "frac_changed_abs", "|Δ| > atol (fp32 values)"),
+        (axes[1], "frac_changed_abs", "|Δ| > atol (in the cell's precision)"),
     ):
         for i, (opt, prec, lr) in enumerate(cells):
             sel = sorted(
@@ -275,7 +275,12 @@ def plot_update_steps(rows: list[dict[str, Any]]) -> bytes:
             )
         ax.set_xlabel("optimizer steps")
         ax.set_title(title, fontsize=10)
-        ax.set_xscale("log")
+        steps = [r["steps"] for r in rows]
+        if max(steps) >= 8 * min(steps):
+            ax.set_xscale("log")
+        ticks = sorted(set(steps))
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
     axes[0].set_ylabel("fraction of parameters changed")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(cells), 4), fontsize=7)
