@@ -185,9 +185,10 @@ def findings(numbers: dict[str, Any]) -> list[str]:
             f"{t['centering']} centering; {count(int(numbers.get('P', 0)))} parameters "
             f"({', '.join(t['selection']) if t.get('selection') else 'every trainable one'})."
         )
+    off = numbers.get("off_policy", [])
+    off_words = [f"{r['sampler']}/{r['centering']}: {r['finding']}." for r in off if r.get("finding")]
     if numbers.get("degenerate"):
-        out.append(f"finding: {numbers['degenerate']}")
-        return out
+        return [*out, f"finding: {numbers['degenerate']}", *off_words]
     iv = numbers.get("intervals", {})
     overlap = [r for r in numbers.get("overlap", []) if r["scope"] == "global"]
     if overlap:
@@ -223,9 +224,7 @@ def findings(numbers: dict[str, Any]) -> list[str]:
         side = "inside" if inside else "outside"
         band_text = f"{band[0]:.3g}–{band[1]:.3g}"
         out.append(f"Zero-mean test: {label} = {v:.3g}, {side} the 95% null band {band_text}: {verdict}.")
-    off = numbers.get("off_policy", [])
-    out += [f"{r['sampler']}/{r['centering']}: {r['finding']}." for r in off if r.get("finding")]
-    return out
+    return out + off_words
 
 
 def summary_lines(numbers: dict[str, Any], missing: list[str]) -> list[str]:
