@@ -305,7 +305,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """One line per artifact: stage, key, the runs whose index uses it, state, size, created, config."""
+    """One line per artifact: stage, key, state, the runs whose index uses it, size, created, config."""
     from storage.artifacts import ArtifactStore
     from storage.runs import runs_of
 
@@ -315,12 +315,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"no artifacts under {args.root}")
         return 0
     runs = runs_of(store)
-    print(f"{'stage':14s} {'key':26s} {'run':16s} {'state':9s} {'size':>10s}  {'created':25s} config")
+    print(f"{'stage':14s} {'key':26s} {'state':9s} {'run':16s} {'size':>10s}  {'created':25s} config")
     for r in rows:
         state = "damaged" if r["damaged"] else "complete" if r["complete"] else "partial"
         used = ",".join(runs.get((r["stage"], r["key"]), [])) or "-"
         print(
-            f"{r['stage']:14s} {r['key']:26s} {used:16s} {state:9s} {_size(r['bytes']):>10s}  "
+            f"{r['stage']:14s} {r['key']:26s} {state:9s} {used:16s} {_size(r['bytes']):>10s}  "
             f"{r['created']:25s} {r['config']}"
         )
     return 0
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "ls",
         help="list artifacts under a root, with the runs that use each",
-        description="List every artifact: stage, key, the runs whose index uses it, state, size, created, config.",
+        description="List every artifact: stage, key, state, the runs whose index uses it, size, created, config.",
         formatter_class=defaults,
     )
     p.add_argument("--root", default=default_root, help=root_help)

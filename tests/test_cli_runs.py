@@ -36,8 +36,8 @@ def test_runs_lists_each_run_once_with_its_headline_and_ls_names_the_run(tiny_ru
     assert any(line.strip() == f"report: {root}/_reports/tiny/report.html" for line in out), out
     assert main(["ls", "--root", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:4] == ["stage", "key", "run", "state"]
-    assert all(line.split()[2] == "tiny" for line in lines[1:]), lines
+    assert lines[0].split()[:4] == ["stage", "key", "state", "run"]
+    assert all(line.split()[3] == "tiny" for line in lines[1:]), lines
 
 
 def test_report_rebuilds_into_the_run_report_location(tiny_run, tmp_path, capsys):
