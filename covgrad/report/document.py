@@ -220,7 +220,11 @@ def findings(numbers: dict[str, Any]) -> list[str]:
         if v is None or not band or not math.isfinite(num(v)):
             continue
         inside = band[0] <= v <= band[1]
-        verdict = "consistent with E[s] = 0" if inside else "evidence that E[s] ≠ 0"
+        verdict = (
+            "consistent with E[s] = 0"
+            if inside
+            else "not consistent with E[s] = 0 under the χ² approximation (which assumes near-Gaussian scores)"
+        )
         side = "inside" if inside else "outside"
         band_text = f"{band[0]:.3g}–{band[1]:.3g}"
         out.append(f"Zero-mean test: {label} = {v:.3g}, {side} the 95% null band {band_text}: {verdict}.")
