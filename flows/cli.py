@@ -184,7 +184,7 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
     where the run index, the report and the full headline tables are."""
     from covgrad.report.document import summary_lines
     from storage.artifacts import ArtifactStore
-    from storage.reports import report_numbers, report_url
+    from storage.reports import publish_report, report_numbers
     from storage.runs import read_run_index, run_index_url
 
     store = ArtifactStore(cfg.root)
@@ -201,12 +201,13 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
         f"{len(result['status']) - len(computed)} from cache"
     )
     print(f"results: {run_index_url(store, cfg.name)}")
-    if report is not None:
-        print(f"report:  {report_url(store, report)} (tables: headline.md beside it)")
+    if report is not None and store.is_complete(report):
+        print(f"report:  {publish_report(store, report, cfg.name)} (tables: headline.md beside it)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the scores stage's shards, the device memory each worker needs and the store size."""
+    """Print the scores stage's shards and the device memory each worker needs, with the task's real
+    prompt lengths, then every other stage's disk and peak host memory (``flows.runplan``)."""
     import torch
 
     from covgrad.devices import device_memory
@@ -223,9 +224,62 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("no CUDA device is visible here; give --device-memory GB to plan for one")
     else:
         memory = device_memory(torch.device(device))
-    lines, chosen = plan_for_config(cfg, workers, memory, device, args.prompt_tokens)
+    prompt_tokens, source = args.prompt_tokens, "--prompt-tokens"
+    if prompt_tokens is None:
+        prompt_tokens, source = _prompt_tokens(cfg)
+    lines, chosen = plan_for_config(cfg, workers, memory, device, prompt_tokens)
+    print(f"prompt length: {prompt_tokens} tokens ({source})")
     print("\n".join(lines))
+    print("\n".join(_run_lines(cfg, prompt_tokens)))
     return 0 if chosen.fits else 1  # 1: the plan does not fit the devices
+
+
+def _prompt_tokens(cfg: Any) -> tuple[int, str]:
+    """The longest prompt of the task in the policy's tokens, and where that number comes from (128,
+    assumed, when the tokenizer cannot be read without loading the model)."""
+    from storage.prompts import load_task, prompt_lengths
+
+    problems, _ = load_task(cfg.task)
+    counted = prompt_lengths(cfg.model.path, problems)
+    if counted is None or not counted[0]:
+        return 128, "assumed: no tokenizer.json to count the task's prompts"
+    return max(counted[0]), f"longest of the task's {len(counted[0])} prompts"
+
+
+def _run_lines(cfg: Any, prompt_tokens: int) -> list[str]:
+    """The whole run's other stages: disk and peak host memory each (``flows.runplan``), totals, time."""
+    from covgrad.layout import select_parameters
+    from covgrad.shardplan import ModelShape
+    from flows.runplan import RunShape, human, stage_sizes
+    from flows.shards import meta_model
+    from storage.prompts import load_task
+    from tasks.specs import plan
+
+    model = meta_model(cfg)
+    shape = ModelShape.of(model)
+    prompts = len(load_task(cfg.task)[0])
+    samplers = cfg.rollouts.samplers
+    instances = list(plan(cfg))
+    run = RunShape(
+        P=select_parameters(model, cfg.model.params).P,
+        n_params=shape.n_params,
+        dtype_bytes=shape.dtype_bytes,
+        vocab=shape.vocab,
+        samples={n: prompts * s.group_size for n, s in samplers.items()},
+        T={n: s.max_new_tokens for n, s in samplers.items()},
+        mu={n: (s.store_mu, s.mu_topk) for n, s in samplers.items()},
+        L=prompt_tokens + max(s.max_new_tokens for s in samplers.values()),
+        stats_instances=sum(i.startswith("stats.") for i in instances),
+        n_qs=len(cfg.masks.qs),
+        tokens="tokens" in instances,
+        update_check="update_check" in instances,
+        demo=cfg.model.path is None,
+    )
+    rows = stage_sizes(run)
+    out = ["other stages (disk, peak host memory; time: unknown, it depends on the device):"]
+    out += [f"  {r['stage']:13s} disk {human(int(r['disk'])):>10s}   peak {human(int(r['peak'])):>10s}" for r in rows]
+    out.append(f"  total disk of these stages: {human(sum(int(r['disk']) for r in rows))} (plus the scores artifacts)")
+    return out
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -242,7 +296,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     for name in report.missing:
         a = index["artifacts"][name]
         print(f"covgrad: stage {name} ({a['stage']}/{a['key']}) is missing or incomplete; skipped", file=sys.stderr)
-    out = args.out or rebuilt_report_dir(store, args.run)
+    out = args.out or rebuilt_report_dir(store, index.get("name") or args.run)
     fs_out, base = fsspec.core.url_to_fs(out)
     write_report(fs_out, base, report)
     print(report.headline_markdown())
@@ -251,16 +305,43 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    """One line per artifact: stage, key, state, the runs whose index uses it, size, created, config."""
     from storage.artifacts import ArtifactStore
+    from storage.runs import runs_of
 
-    rows = ArtifactStore(args.root).list_artifacts()
+    store = ArtifactStore(args.root)
+    rows = store.list_artifacts()
     if not rows:
         print(f"no artifacts under {args.root}")
         return 0
-    print(f"{'stage':14s} {'key':26s} {'state':9s} {'size':>10s}  {'created':25s} config")
+    runs = runs_of(store)
+    print(f"{'stage':14s} {'key':26s} {'state':9s} {'run':16s} {'size':>10s}  {'created':25s} config")
     for r in rows:
         state = "damaged" if r["damaged"] else "complete" if r["complete"] else "partial"
-        print(f"{r['stage']:14s} {r['key']:26s} {state:9s} {_size(r['bytes']):>10s}  {r['created']:25s} {r['config']}")
+        used = ",".join(runs.get((r["stage"], r["key"]), [])) or "-"
+        print(
+            f"{r['stage']:14s} {r['key']:26s} {state:9s} {used:16s} {_size(r['bytes']):>10s}  "
+            f"{r['created']:25s} {r['config']}"
+        )
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """One line per run, newest first: name, key, date, complete stages, the headline finding."""
+    from storage.artifacts import ArtifactStore
+    from storage.reports import rebuilt_report_dir
+    from storage.runs import list_runs
+
+    store = ArtifactStore(args.root)
+    rows = list_runs(store)
+    if not rows:
+        print(f"no runs under {args.root}")
+        return 0
+    print(f"{'name':16s} {'key':26s} {'date':25s} {'stages':7s} headline")
+    for r in rows:
+        print(f"{r['name']:16s} {r['run']:26s} {r['written']:25s} {r['stages']:7s} {r['headline'] or '-'}")
+        if args.reports:
+            print(f"{'':16s} report: {rebuilt_report_dir(store, r['name'])}/report.html")
     return 0
 
 
@@ -374,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     default_root = os.environ.get("COVGRAD_ROOT") or "runs"
     parser = argparse.ArgumentParser(prog="covgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
     p = sub.add_parser(
         "run",
         help="run the covgrad-pipeline flow",
@@ -383,41 +465,83 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="YAML config (default: the built-in demo)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
-    p.add_argument("--root", help="artifact root (local path or fsspec URL)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    p.add_argument("--root", help="artifact root (local path or fsspec URL; default: the config's root)")
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser("plan", help="print the scores shards, per-worker device memory and store size")
+    p = sub.add_parser(
+        "plan",
+        help="print the scores shards, per-worker device memory and store size",
+        description="Size the scores stage of a config: shards, device memory per worker, store size.",
+        formatter_class=defaults,
+    )
     p.add_argument("--config", help="YAML config (default: the built-in demo)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value")
-    p.add_argument("--workers", type=int, help="devices (dask workers); default: the visible GPUs, else 1")
+    p.add_argument("--workers", type=int, help="devices (dask workers); unset: the visible GPUs, else 1")
     p.add_argument("--device-memory", type=float, metavar="GB", help="memory per device in GB (1e9 bytes)")
-    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if visible or --device-memory is set")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length assumed for L (default 128)")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="unset: cuda if visible or --device-memory is set")
+    p.add_argument("--prompt-tokens", type=int, help="prompt length for L (unset: the task's longest prompt, counted)")
     p.set_defaults(fn=cmd_plan)
-    p = sub.add_parser("report", help="rebuild a run's report from its stores (no model needed)")
+    root_help = "artifact root (local path or fsspec URL; env COVGRAD_ROOT)"
+    p = sub.add_parser(
+        "report",
+        help="rebuild a run's report from its stores (no model needed)",
+        description="Render a run's report again from its stores alone into the run's report location "
+        "({root}/_reports/{run name}/, where `covgrad run` puts it too), or into --out.",
+        formatter_class=defaults,
+    )
     p.add_argument("run", help="run key or name")
-    p.add_argument("--root", default=default_root)
-    p.add_argument("--out", help="output directory (default: {root}/_reports/{run})")
+    p.add_argument("--root", default=default_root, help=root_help)
+    p.add_argument("--out", help="output directory (default: {root}/_reports/{run name})")
     p.set_defaults(fn=cmd_report)
-    p = sub.add_parser("ls", help="list artifacts under a root")
-    p.add_argument("--root", default=default_root)
+    p = sub.add_parser(
+        "runs",
+        help="list runs: name, key, date, complete stages, headline",
+        description="List the runs under a root, newest first, with the headline finding of each run's report.",
+        formatter_class=defaults,
+    )
+    p.add_argument("--root", default=default_root, help=root_help)
+    p.add_argument("--reports", action="store_true", help="print each run's report location too")
+    p.set_defaults(fn=cmd_runs)
+    p = sub.add_parser(
+        "ls",
+        help="list artifacts under a root, with the runs that use each",
+        description="List every artifact: stage, key, state, the runs whose index uses it, size, created, config.",
+        formatter_class=defaults,
+    )
+    p.add_argument("--root", default=default_root, help=root_help)
     p.set_defaults(fn=cmd_ls)
-    p = sub.add_parser("gc", help="remove partial and unreferenced artifacts")
-    p.add_argument("--root", default=default_root)
+    p = sub.add_parser(
+        "gc",
+        help="remove partial and unreferenced artifacts",
+        description="Remove partial, damaged and unreferenced artifacts after listing them (asks unless --yes).",
+        formatter_class=defaults,
+    )
+    p.add_argument("--root", default=default_root, help=root_help)
     p.add_argument("--yes", action="store_true", help="do not ask before deleting")
     p.set_defaults(fn=cmd_gc)
-    p = sub.add_parser("verify", help="check every checksum of a run's (or all) artifacts; exit 1 on damage")
+    p = sub.add_parser(
+        "verify",
+        help="check every checksum of a run's (or all) artifacts; exit 1 on damage",
+        description="Re-hash every file of a run's (or every) complete artifact against its manifest.",
+        formatter_class=defaults,
+    )
     p.add_argument("run", nargs="?", help="run key or name")
     p.add_argument("--all", action="store_true", help="every complete artifact under the root")
-    p.add_argument("--root", default=default_root)
+    p.add_argument("--root", default=default_root, help=root_help)
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("diff", help="update sparsity between two checkpoints")
-    p.add_argument("before")
-    p.add_argument("after")
-    p.add_argument("--atol", type=float, default=1e-5)
+    p = sub.add_parser(
+        "diff",
+        help="update sparsity between two checkpoints",
+        description="Fraction of parameters changed between two checkpoints (bf16 value and |Δ| > atol), "
+        "per tensor and numel-weighted, optionally against the top-q masks of a masks artifact.",
+        formatter_class=defaults,
+    )
+    p.add_argument("before", help="checkpoint before (model directory or state-dict file)")
+    p.add_argument("after", help="checkpoint after")
+    p.add_argument("--atol", type=float, default=1e-5, help="|Δ| above which a parameter counts as changed")
     p.add_argument("--masks", help="a masks artifact directory to compare the changed set with")
     p.add_argument("--q", type=float, default=0.01, help="top-q fraction of the masks to compare")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(fn=cmd_diff)
     args = parser.parse_args(argv)
     # As the process's entry point (the console script, argv None) covgrad stops the temporary server

@@ -9,6 +9,10 @@ and returns a :class:`RunData`, a read-only mapping from instance name (``stats.
 
     ds = open_run("runs", "demo")["stats.policy.policy"]
     ds.covgrad.tensor("model.layers.0.mlp.up_proj.weight")["F"]   # lazy, shape (64, 32)
+    open_run("runs", "demo").off_policy().loc[("stale", "sampler"), "zero_mean_trace"]
+
+The ``offpolicy`` Dataset's ``row`` dimension is indexed by (sampler, centering), so
+``ds.sel(sampler="stale", centering="sampler")`` selects one row.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class RunData(Mapping[str, xr.Dataset]):
             ref = self.refs[instance]
             zstore = self.store.zarr_store(ref, self._zarr_names[instance], read_only=True)
             ds = xr.open_zarr(zstore, consolidated=True)
+            if {"sampler", "centering"} <= set(ds.coords) and ds["sampler"].dims == ("row",):
+                ds = ds.set_index(row=["sampler", "centering"])
             ds.attrs["provenance"] = self.store.marker(ref)
             ds.attrs["instance"] = instance
             self._cache[instance] = ds
@@ -70,6 +76,16 @@ class RunData(Mapping[str, xr.Dataset]):
 
     def __len__(self) -> int:
         return len(self._zarr_names)
+
+    def off_policy(self) -> Any:
+        """The off-policy table as a pandas DataFrame indexed by (sampler, centering), one row per stats
+        instance (columns as in the report's off-policy table; docs/reading.md defines them)."""
+        import pandas as pd
+
+        if "offpolicy" not in self.refs or "offpolicy" in self.missing:
+            raise KeyError(f"this run has no complete offpolicy artifact under {self.store.root}")
+        rows = self.store.read_json(self.refs["offpolicy"], "offpolicy.json")
+        return pd.DataFrame(rows).set_index(["sampler", "centering"])
 
     def __repr__(self) -> str:
         return f"RunData(run={self.run!r}, name={self.name!r}, instances={list(self)}, missing={self.missing})"

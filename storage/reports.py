@@ -81,5 +81,22 @@ def report_url(store: ArtifactStore, ref: ArtifactRef, name: str = "report.html"
 
 
 def rebuilt_report_dir(store: ArtifactStore, run: str) -> str:
-    """Where ``covgrad report RUN`` writes a report rebuilt from the stores: ``{root}/_reports/{run}``."""
+    """The one report location of run ``run`` (its name): ``{root}/_reports/{run}``, where ``covgrad run``
+    copies the report stage's files and ``covgrad report RUN`` writes a report rebuilt from the stores."""
     return join_url(store.root, "_reports", run)
+
+
+def publish_report(store: ArtifactStore, ref: ArtifactRef, run: str) -> str:
+    """Copy the files of report artifact ``ref`` to the run's report location (``rebuilt_report_dir``),
+    replacing what an earlier render left there; returns the path or URL of its ``report.html``."""
+    src = store.path(ref)
+    dst = f"{store.base}/_reports/{run}"
+    store.fs.makedirs(dst, exist_ok=True)
+    names = {p.rsplit("/", 1)[-1] for p in store.fs.ls(src, detail=False)}
+    files = {n for n in names if n.endswith((".md", ".html", ".json", ".png")) and not n.startswith((".", "_"))}
+    for stale in store.fs.ls(dst, detail=False):
+        if stale.rsplit("/", 1)[-1] not in files:
+            store.fs.rm(stale)
+    for n in sorted(files):
+        store.fs.pipe_file(f"{dst}/{n}", store.fs.cat_file(f"{src}/{n}"))
+    return join_url(rebuilt_report_dir(store, run), "report.html")

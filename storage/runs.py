@@ -91,3 +91,55 @@ def write_watch_record(store: ArtifactStore, name: str, record: dict[str, Any]) 
     """Replace the watch record of watch config ``name``."""
     store.fs.makedirs(f"{store.base}/watch", exist_ok=True)
     store.write_atomic(_watch_path(store, name), json.dumps(record, indent=1, sort_keys=True))
+
+
+def list_runs(store: ArtifactStore) -> list[dict[str, Any]]:
+    """Every run under the root, newest first, one row per run key (the name alias is not a second
+    run): ``name``, ``run`` (key), ``written``, ``stages`` (complete / all instances), ``headline`` (the
+    report's overlap or degenerate finding, "" without a report) and ``report`` (the report artifact ref or
+    None). A file that is not a run index is skipped."""
+    rows = []
+    for path in store.fs.glob(f"{store.base}/runs/*.json"):
+        try:
+            index = _read_index(store, path)
+        except ValueError:
+            continue
+        if path.rsplit("/", 1)[-1].removesuffix(".json") != index.get("run"):
+            continue  # the name alias of a run listed under its key
+        refs = {n: store.ref(a["stage"], a["key"]) for n, a in index["artifacts"].items()}
+        complete = sum(store.is_complete(r) for r in refs.values())
+        report = refs.get("report")
+        rows.append(
+            {
+                "name": index.get("name", ""),
+                "run": index["run"],
+                "written": index.get("written", ""),
+                "stages": f"{complete}/{len(refs)}",
+                "headline": _headline(store, report) if report is not None and store.is_complete(report) else "",
+                "report": report,
+            }
+        )
+    return sorted(rows, key=lambda r: r["written"], reverse=True)
+
+
+def _headline(store: ArtifactStore, ref: ArtifactRef) -> str:
+    """The report's first finding about G (the overlap sentence, or why there is none)."""
+    path = store.path(ref, "report.json")
+    if not store.fs.exists(path):
+        return ""
+    numbers = json.loads(store.fs.cat_file(path)).get("numbers", {})
+    words = [w for w in numbers.get("findings", []) if not w.startswith("Task:")]
+    return words[0] if words else ""
+
+
+def runs_of(store: ArtifactStore) -> dict[tuple[str, str], list[str]]:
+    """(stage, key) -> the names of the runs whose index refers to that artifact (sorted)."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for path in store.fs.glob(f"{store.base}/runs/*.json"):
+        try:
+            index = _read_index(store, path)
+        except ValueError:
+            continue
+        for a in index["artifacts"].values():
+            out.setdefault((a["stage"], a["key"]), set()).add(str(index.get("name") or index.get("run")))
+    return {k: sorted(v) for k, v in out.items()}

@@ -13,7 +13,7 @@ from covgrad.problems import addition_problems, build_char_tokenizer
 from covgrad.sft import train_sft
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer
-from tasks.common import StageResult, log, run_stage
+from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import BaseModelSpec
 
 
@@ -33,15 +33,20 @@ def _train_demo(store: ArtifactStore, ref: ArtifactRef, spec: BaseModelSpec) -> 
     def train_problems(step: int) -> list:
         return addition_problems(demo.batch_size, digits, seed=zlib.crc32(f"{demo.seed}:{step}".encode()))
 
-    def report(step: int, acc: float) -> None:
-        log.info("base_model: step %d sampled accuracy %.3f", step, acc)
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 1e5-parameter model trains fastest on one thread; more only contend
-    try:
-        result = train_sft(model, tokenizer, demo, train_problems, eval_problems, answer_tokens(digits), report)
-    finally:
-        torch.set_num_threads(threads)
+    # total: at most max_steps SFT steps (training stops earlier once the accuracy band is reached)
+    with progress_bar("base_model SFT (stops at the accuracy band)", demo.max_steps, "step") as bar:
+
+        def report(step: int, acc: float) -> None:
+            log.info("base_model: step %d sampled accuracy %.3f", step, acc)
+            if step > bar.done:
+                bar.update(step - bar.done)
+
+        try:
+            result = train_sft(model, tokenizer, demo, train_problems, eval_problems, answer_tokens(digits), report)
+        finally:
+            torch.set_num_threads(threads)
     for name, state in (("policy", result.policy_state), ("stale", result.stale_state)):
         model.load_state_dict(state)
         with store.local_dir(ref, name, write=True) as d:

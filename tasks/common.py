@@ -161,25 +161,45 @@ def run_stage(
 
 
 class Progress:
-    """A long loop's progress: a terminal bar (stage name, k of n, rate; silent when not a TTY unless
-    COVGRAD_PROGRESS=1) and, every ``every`` seconds, one log line, so a worker's log shows that a long
-    stage is alive and how far it got."""
+    """A long loop's progress: a terminal bar (stage name, k of n, rate) when stderr is a terminal (or
+    COVGRAD_PROGRESS=1), and every ``every`` seconds one plain line with items done, rate and ETA: in the
+    stage log, and on stderr itself when stderr is not a terminal (``covgrad run > log 2>&1``), so a job's
+    output file shows that a long stage is alive, how far it got and when it should end."""
 
     def __init__(self, stage: str, total: int, unit: str, every: float) -> None:
-        show = sys.stderr.isatty() or os.environ.get("COVGRAD_PROGRESS") == "1"
+        tty = sys.stderr.isatty()
+        show = tty or os.environ.get("COVGRAD_PROGRESS") == "1"
         self.bar = tqdm(total=total, desc=stage, unit=unit, disable=not show, leave=False, dynamic_ncols=True)
+        self.plain = not tty and not show  # the bar is off: plain lines go to stderr too
         self.stage, self.total, self.unit, self.every = stage, total, unit, every
         self.done = 0
         self.start = self.last = time.monotonic()
 
+    def line(self, now: float) -> str:
+        """``stage: k/n unit (p%), r unit/s, ETA t s, s so far`` at time ``now`` (monotonic seconds; ETA
+        unknown before the first unit)."""
+        elapsed = now - self.start
+        rate = self.done / elapsed if elapsed > 0 else float("nan")
+        eta = (self.total - self.done) / rate if rate > 0 else float("nan")
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        left = f"ETA {eta:.0f} s" if eta == eta else "ETA unknown"
+        done = f"{self.done}/{self.total} {self.unit} ({pct:.0f}%)"
+        return f"{self.stage}: {done}, {rate:.3g} {self.unit}/s, {left}, {elapsed:.0f} s so far"
+
     def update(self, n: int = 1) -> None:
-        """Count ``n`` more finished units; log a line when ``every`` seconds passed since the last one."""
+        """Count ``n`` more finished units; report a line when ``every`` seconds passed since the last one."""
+        if n <= 0:
+            return
         self.bar.update(n)
         self.done += n
         now = time.monotonic()
         if now - self.last >= self.every and self.done < self.total:
             self.last = now
-            log.info("%s: %d/%d %s done, %.0f s so far", self.stage, self.done, self.total, self.unit, now - self.start)
+            text = self.line(now)
+            log.info("%s", text)
+            if self.plain:  # a write, not print(): Prefect's log_prints would turn a print into a task-log line
+                sys.stderr.write(f"covgrad progress: {text}\n")
+                sys.stderr.flush()
 
     def __enter__(self) -> Progress:
         return self
@@ -189,5 +209,5 @@ class Progress:
 
 
 def progress_bar(stage: str, total: int, unit: str = "batch") -> Progress:
-    """The :class:`Progress` of a long loop, logging every ``$COVGRAD_PROGRESS_SECONDS`` seconds (default 60)."""
-    return Progress(stage, total, unit, float(os.environ.get("COVGRAD_PROGRESS_SECONDS", "60")))
+    """The :class:`Progress` of a long loop, reporting every ``$COVGRAD_PROGRESS_SECONDS`` seconds (default 30)."""
+    return Progress(stage, total, unit, float(os.environ.get("COVGRAD_PROGRESS_SECONDS", "30")))

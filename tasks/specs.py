@@ -231,7 +231,7 @@ class ReportSpec(StageSpec):
     ``covgrad.config.report_layout``)."""
 
     STAGE: ClassVar[str] = "report"
-    VERSION: ClassVar[str] = "7"
+    VERSION: ClassVar[str] = "8"
     name: str
     config: dict[str, Any]
 

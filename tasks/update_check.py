@@ -43,7 +43,7 @@ from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
-from tasks.common import StageResult, log, run_stage
+from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import UpdateCheckSpec
 
 MD_COLUMNS = (
@@ -138,22 +138,10 @@ def _compute(
     adv_rms = float(scalars["adv_rms"])  # √mean(A²), covgrad.stats.adv_rms
     batches = minibatches(ro, spec.groups_per_batch)
     uc = spec.settings
-    rows = update_grid(
-        load_policy,
-        layout,
-        batches,
-        F,
-        G,
-        rho,
-        adv_rms,
-        optimizers=uc.optimizers,
-        precisions=uc.precisions,
-        adam_lrs=uc.adam_lrs,
-        sgd_lrs=uc.sgd_lrs or None,
-        steps=uc.steps,
-        fresh_minibatches=uc.fresh_minibatches,
-        seed=uc.seed,
-    )
+    n_lrs = {"adam": len(uc.adam_lrs), "sgd": len(uc.sgd_lrs or uc.adam_lrs)}
+    cells = sum(n_lrs.get(o, len(uc.adam_lrs)) for o in uc.optimizers) * len(uc.precisions)
+    with progress_bar("update_check", cells, "cell") as bar:
+        rows = _grid(load_policy, bar, layout, batches, F, G, rho, adv_rms, uc)
     columns = list(dict.fromkeys(col for r in rows for col in r))  # SGD rows add the bound rule's columns
     rows = [{col: r.get(col, float("nan")) for col in columns} for r in rows]
     summary = summarize(rows, len(batches) == 1)
@@ -170,6 +158,38 @@ def _compute(
     annotate(g, STORE, layout)
     store.consolidate(ref, STORE)
     return {"cells": len(rows), "one_minibatch_holds_all_samples": summary["one_minibatch_holds_all_samples"]}
+
+
+def _grid(
+    load_policy: Any, bar: Any, layout: ParamLayout, batches: Any, F: Any, G: Any, rho: Any, adv_rms: float, uc: Any
+) -> list[dict[str, Any]]:
+    """``update_grid`` of the settings ``uc``, counting a finished cell on ``bar`` each time the next cell
+    loads its fresh policy (``update_grid`` loads one for the common start, then one per cell)."""
+    loads = 0
+
+    def counted() -> torch.nn.Module:
+        nonlocal loads
+        if loads >= 2:
+            bar.update(1)
+        loads += 1
+        return load_policy()
+
+    return update_grid(
+        counted,
+        layout,
+        batches,
+        F,
+        G,
+        rho,
+        adv_rms,
+        optimizers=uc.optimizers,
+        precisions=uc.precisions,
+        adam_lrs=uc.adam_lrs,
+        sgd_lrs=uc.sgd_lrs or None,
+        steps=uc.steps,
+        fresh_minibatches=uc.fresh_minibatches,
+        seed=uc.seed,
+    )
 
 
 @task(name="update_check")

@@ -174,3 +174,20 @@ def test_completion_markers_record_the_spec(policy_run):
     store = ArtifactStore(policy_run.root)
     for name, step in plan(policy_run).items():
         assert store.marker(step.ref)["config"] == step.spec.model_dump(mode="json"), name
+
+
+@pytest.mark.slow
+def test_off_policy_table_is_indexed_by_sampler_and_centering(tiny_run):
+    """``RunData.off_policy()`` and the offpolicy Dataset select a row by (sampler, centering)."""
+    root, p = tiny_run
+    run = open_run(str(root), p.run_key)
+    table = run.off_policy()
+    assert table.index.names == ["sampler", "centering"]
+    rows = json.loads((root / "offpolicy" / p["offpolicy"].ref.key / "offpolicy.json").read_text())
+    for r in rows:
+        got = table.loc[(r["sampler"], r["centering"]), "zero_mean_trace"]
+        assert got == r["zero_mean_trace"] or (np.isnan(got) and r["zero_mean_trace"] is None)
+    ds = run["offpolicy"]
+    one = rows[-1]
+    sel = ds.sel(sampler=one["sampler"], centering=one["centering"])
+    assert float(sel.zero_mean_trace) == pytest.approx(one["zero_mean_trace"], nan_ok=True)

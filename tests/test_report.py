@@ -29,6 +29,8 @@ PLOTS = (
     "zero_mean.png",
     "token_trace.png",
     "update_check.png",
+    "rho.png",
+    "update_steps.png",
 )
 
 
@@ -199,15 +201,21 @@ def test_publish_creates_prefect_artifacts_in_a_flow(prefect_server):
     assert "std_A" in str(keys["covgrad-headline-demo-run-v2"].data)
 
 
-def test_wide_tables_scroll_inside_their_box():
+def test_wide_tables_wrap_with_no_inner_scroll_box():
     from covgrad.report.document import STYLE
 
     row = {f"column_{i}": float(i) for i in range(30)}
     html = Report(title="t", blocks=[("table", [row])]).html()
-    assert '<div class="table"><table>' in html and ".table{overflow-x:auto" in STYLE
+    assert (
+        '<div class="table"><table>' in html
+        and not re.search(r"overflow(-[xy])?:", STYLE)
+        and "white-space:normal" in STYLE
+    )
 
 
-def test_progress_logs_a_line_every_interval(caplog, monkeypatch):
+def test_progress_logs_a_line_every_interval(caplog, capsys, monkeypatch):
+    """Log lines and, with stderr not a terminal (pytest captures it), the same lines on stderr: items
+    done, rate and ETA."""
     from tasks.common import progress_bar
 
     monkeypatch.setenv("COVGRAD_PROGRESS_SECONDS", "0")
@@ -216,7 +224,10 @@ def test_progress_logs_a_line_every_interval(caplog, monkeypatch):
         bar.update(1)
         bar.update(1)  # the last unit: the stage's own computed line follows, no progress line
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scores x/y:")]
-    assert [line.split(",")[0] for line in lines] == ["scores x/y: 1/3 batch done", "scores x/y: 2/3 batch done"]
+    assert [line.split(",")[0] for line in lines] == ["scores x/y: 1/3 batch (33%)", "scores x/y: 2/3 batch (67%)"]
+    assert all(re.search(r", \S+ batch/s, ETA \S+ s, \d+ s so far$", line) for line in lines), lines
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("covgrad progress: scores")]
+    assert err == [f"covgrad progress: {line}" for line in lines]
 
 
 @pytest.mark.parametrize("block", [1, 7, 1000, 1 << 22])

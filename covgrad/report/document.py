@@ -1,8 +1,9 @@
 """A rendered report as ordered blocks, and its markdown, HTML and headline forms.
 
-No numbers are computed here: every value in a block was read from a store by
-:mod:`covgrad.report.sections`. ``blocks`` holds ``("h2", text)``, ``("p", text)``, ``("table", rows)``
-(rows: a list of dicts) and ``("img", file_name, caption)``.
+No numbers are computed here: every value in a block was read from a store or computed by
+:mod:`covgrad.report.sections`; :func:`findings` turns ``Report.numbers`` into sentences.
+``blocks`` holds ``("h2", text)``, ``("p", text)``, ``("table", rows)`` (rows: a list of dicts) and
+``("img", file_name, caption)``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from covgrad.report.glossary import meaning
 from covgrad.tables import to_markdown, uniform
 
 FLOAT_FORMAT = ".4g"
-# Wide tables scroll inside their own box instead of being cut at the page's right edge.
+# Tables wrap their cells to the page width, and a table still wider scrolls with the whole page: no
+# element has its own scroll bar (no overflow other than visible), so no column is ever hidden.
 STYLE = (
-    "body{font-family:sans-serif;max-width:60em;margin:2em auto}"
-    ".table{overflow-x:auto;max-width:100%;margin:0.5em 0}table{border-collapse:collapse}"
-    "td,th{border:1px solid #bbb;padding:2px 8px;text-align:right;white-space:nowrap}img{max-width:100%}"
+    "body{font-family:sans-serif;max-width:80em;margin:2em auto;padding:0 1em}"
+    ".table{margin:0.5em 0}table{border-collapse:collapse}"
+    "td,th{border:1px solid #bbb;padding:2px 6px;text-align:right;white-space:normal;overflow-wrap:anywhere}"
+    "th{cursor:help;text-decoration:underline dotted}img{max-width:100%}"
+    "dl.glossary dt{font-family:monospace;font-weight:bold}dl.glossary dd{margin:0 0 0.4em 2em}"
 )
 OFF_POLICY_HEADLINE = (
     "sampler",
@@ -62,9 +67,11 @@ class Report:
     missing: list[str] = field(default_factory=list)
 
     def headline_markdown(self) -> str:
-        """The headline as markdown (what ``covgrad run`` prints at the end): the main table, the
-        off-policy table, and one line each for the token Fisher and the update check when present."""
-        text = f"## {self.title}\n\n" + (to_markdown(self.headline, FLOAT_FORMAT) if self.headline else "")
+        """The headline as markdown (what ``covgrad report`` prints): the findings in words, the main table,
+        the off-policy table, and one line each for the token Fisher and the update check when present."""
+        words = self.numbers.get("findings") or []
+        text = f"## {self.title}\n\n" + "".join(f"{w}\n\n" for w in words)
+        text += to_markdown(self.headline, FLOAT_FORMAT) if self.headline else ""
         off = self.numbers.get("off_policy")
         if off:
             rows = [{c: float("nan") if r.get(c) is None else r[c] for c in OFF_POLICY_HEADLINE} for r in off]
@@ -103,8 +110,21 @@ class Report:
                 parts.append(f"![{block[2]}]({block[1]})\n")
         return "\n".join(parts)
 
+    def names(self) -> list[str]:
+        """Every column name and every ``quantity`` of the report's tables, in order of appearance."""
+        seen: dict[str, None] = {}
+        for block in self.blocks:
+            if block[0] == "table" and block[1]:
+                for row in uniform(block[1]):
+                    seen |= dict.fromkeys(row)
+                    if "quantity" in row:
+                        seen[str(row["quantity"])] = None
+        return list(seen)
+
     def html(self) -> str:
-        """The whole report as one self-contained HTML page (PNGs embedded as base64 data URIs)."""
+        """The whole report as one self-contained HTML page (PNGs embedded as base64 data URIs); every
+        column header and quantity carries its glossary meaning as a tooltip, and the page ends with the
+        glossary of the names it shows (footnotes; docs/reading.md has them all)."""
         body = [f"<h1>{html.escape(self.title)}</h1>"]
         for block in self.blocks:
             kind = block[0]
@@ -119,44 +139,134 @@ class Report:
                 cap = html.escape(block[2])
                 body.append(f'<figure><img alt="{cap}" src="data:image/png;base64,{data}"><figcaption>{cap}')
                 body.append("</figcaption></figure>")
+        terms = [(n, meaning(n)) for n in self.names()]
+        body.append("<h2 id='glossary'>Reading the tables</h2><dl class='glossary'>")
+        body += [f"<dt>{html.escape(n)}</dt><dd>{html.escape(m)}</dd>" for n, m in terms if m]
+        body.append("</dl>")
         return (
             f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(self.title)}</title>"
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
         )
 
 
+def count(n: int) -> str:
+    """A parameter count in words: 3.5M, 224.7k, 950."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def _ci(iv: Any, fmt: str) -> str:
+    """`` (95% CI lo–hi)`` of an interval pair, or nothing when there is none (or it is NaN)."""
+    if not iv or not all(isinstance(v, int | float) and math.isfinite(v) for v in iv):
+        return ""
+    return f" (95% CI {format(iv[0], fmt)}–{format(iv[1], fmt)})"
+
+
+def _pct(v: float) -> str:
+    """A fraction as a percentage with two significant digits (0.0006 -> 0.06%, 0.61 -> 61%)."""
+    return f"{v * 100:.2g}%" if v * 100 < 10 else f"{v * 100:.0f}%"
+
+
+def findings(numbers: dict[str, Any]) -> list[str]:
+    """The run's findings as sentences, from ``Report.numbers`` (the stores' values and intervals): the
+    task, then either the degenerate condition or the overlap at the q nearest 1% against both
+    baselines, Spearman, the bound in sample and in the cross-fit with max |ρ|, the zero-mean test
+    against its null band, and each off-policy finding."""
+    out = []
+    t = numbers.get("task", {})
+    if t.get("N") is not None:
+        var = t.get("groups_with_reward_variance")
+        out.append(
+            f"Task: {t['N']} samples in {t['groups']} prompt groups of {t['group_size']} from sampler "
+            f"{t['sampler']} (at most {t['T']} new tokens, temperature {t['temperature']:g}); mean reward "
+            f"{t['mean_reward']:.3g}, {var} of {t['groups']} groups with reward variance; advantage {t['advantage']}, "
+            f"{t['centering']} centering; {count(int(numbers.get('P', 0)))} parameters "
+            f"({', '.join(t['selection']) if t.get('selection') else 'every trainable one'})."
+        )
+    off = numbers.get("off_policy", [])
+    off_words = [f"{r['sampler']}/{r['centering']}: {r['finding']}." for r in off if r.get("finding")]
+    if numbers.get("degenerate"):
+        return [*out, f"finding: {numbers['degenerate']}", *off_words]
+    iv = numbers.get("intervals", {})
+    overlap = [r for r in numbers.get("overlap", []) if r["scope"] == "global"]
+    if overlap:
+        r = min(overlap, key=lambda r: abs(math.log(r["q"] / 0.01)))
+        ptr, rnd = r["per_tensor_random"], r["random"]
+        q = _pct(r["q"])
+        out.append(
+            f"The top {q} of parameters by |G| shares {_pct(r['overlap'])}"
+            f"{_ci(iv.get('overlap', {}).get(r['q']), '.0%')} with the top {q} by F: "
+            f"{r['overlap'] / ptr:.3g}× the per-tensor random baseline ({ptr:.3g}) and "
+            f"{r['overlap'] / rnd:.3g}× random ({rnd:.3g})."
+        )
+    if numbers.get("spearman_F_absG") is not None:
+        rho_s = numbers["spearman_F_absG"]
+        out.append(f"Spearman(F, |G|) = {rho_s:.3g}{_ci(iv.get('spearman_F_absG'), '.3g')} over all parameters.")
+    if numbers.get("bound_violations") is not None:
+        P = count(int(numbers["P"]))
+        cross = [numbers.get(f"crossfit_frac_exceed_{d}") for d in ("even_F_odd_G", "odd_F_even_G")]
+        if numbers.get("crossfit_undefined"):
+            where = numbers["crossfit_undefined"]
+        else:
+            where = f"{' and '.join(_pct(num(c)) for c in cross)} in the two cross-fit directions"
+        out.append(
+            f"{numbers['bound_violations']} of {P} parameters exceed the bound |Cov| ≤ std(A)·√Fvar in sample, "
+            f"{where}; max |ρ| = {num(numbers.get('max_abs_rho')):.3g}{_ci(iv.get('max_abs_rho'), '.3g')}."
+        )
+    for k, label in (("trace", "N·‖m‖² / tr Var(s)"), ("coord", "mean_i N·m_i² / Var_i")):
+        v, band = numbers.get(f"zero_mean_{k}"), iv.get(f"null_band_{k}")
+        if v is None or not band or not math.isfinite(num(v)):
+            continue
+        inside = band[0] <= v <= band[1]
+        verdict = (
+            "consistent with E[s] = 0"
+            if inside
+            else "not consistent with E[s] = 0 under the χ² approximation (which assumes near-Gaussian scores)"
+        )
+        side = "inside" if inside else "outside"
+        band_text = f"{band[0]:.3g}–{band[1]:.3g}"
+        out.append(f"Zero-mean test: {label} = {v:.3g}, {side} the 95% null band {band_text}: {verdict}.")
+    return out + off_words
+
+
 def summary_lines(numbers: dict[str, Any], missing: list[str]) -> list[str]:
     """The run's key numbers in a few terminal lines (``report.json``'s ``numbers`` in; the full tables
-    are in ``headline.md`` and ``report.html``): findings in words, the main scalars, the global overlap
-    per q against its random baseline, and the missing instances."""
-    lines = []
-    if numbers.get("degenerate"):
-        lines.append(f"finding: {numbers['degenerate']}")
-    keys = ("N", "P", "std_A", "max_abs_rho", "bound_violations", "spearman_F_absG")
-    main = [f"{k} {cell(numbers[k])}" for k in keys if numbers.get(k) is not None]
-    if main:
-        lines.append(f"{numbers.get('main_stats', 'main')}: {', '.join(main)}")
+    are in ``headline.md`` and ``report.html``): the findings in words (``findings``), the global overlap
+    per q against the per-tensor random and the random baseline, and the missing instances."""
+    lines = list(numbers.get("findings") or findings(numbers))
     overlap = [r for r in numbers.get("overlap", []) if r["scope"] == "global"]
     if overlap:
         lines.append(
-            "overlap(q) vs random: "
-            + ", ".join(f"{r['q']:g}: {cell(r['overlap'])} vs {cell(r['random'])}" for r in overlap)
+            "overlap(q) vs per-tensor random, random: "
+            + ", ".join(
+                f"{r['q']:g}: {cell(r['overlap'])} vs {cell(r['per_tensor_random'])}, {cell(r['random'])}"
+                for r in overlap
+            )
         )
-    if numbers.get("crossfit_undefined"):
-        lines.append(numbers["crossfit_undefined"])
-    lines += [
-        f"{r['sampler']}/{r['centering']}: {r['finding']}" for r in numbers.get("off_policy", []) if r.get("finding")
-    ]
     if missing:
         lines.append(f"missing or incomplete: {', '.join(missing)}")
     return lines
 
 
+def _tip(name: str) -> str:
+    """`` title="…"`` with the glossary meaning of ``name`` (escaped), or nothing."""
+    m = meaning(name)
+    return f' title="{html.escape(m)}"' if m else ""
+
+
 def html_table(rows: list[dict[str, Any]]) -> str:
-    """An HTML table of ``rows`` inside a box that scrolls sideways when the table is wider than the page."""
+    """An HTML table of ``rows`` whose cells wrap to the page width (no inner scroll box); headers and
+    ``quantity`` cells carry their glossary meaning as a tooltip."""
     rows = uniform(rows)
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in rows[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell(v))}</td>" for v in r.values()) + "</tr>" for r in rows)
+    head = "".join(f"<th{_tip(str(c))}>{html.escape(str(c))}</th>" for c in rows[0])
+    body = "".join(
+        "<tr>"
+        + "".join(f"<td{_tip(str(v)) if k == 'quantity' else ''}>{html.escape(cell(v))}</td>" for k, v in r.items())
+        + "</tr>"
+        for r in rows
+    )
     return f'<div class="table"><table><tr>{head}</tr>{body}</table></div>'
 
 

@@ -8,6 +8,7 @@ points held 19 GiB at P = 134.5M).
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -64,10 +65,12 @@ def log_histogram(arrays: Sequence[Any], bins: int = 60, block: int = READ_BLOCK
     return LogHistogram(counts, [10.0**e for e in edges], n, P)
 
 
-def plot_fisher_vs_grad(F: Any, G: Any, adv_rms: float) -> bytes | None:
+def plot_fisher_vs_grad(F: Any, G: Any, adv_rms: float, cuts: tuple[float, float, float] | None = None) -> bytes | None:
     """Log-log density of |G_i| against F_i over every parameter with F, |G| > 0 (F and G: (P,) arrays
     that slice to numpy, e.g. the stats store's, read in blocks by :func:`log_histogram`) with the bound
-    √mean(A²)·√F; None when no parameter has F, |G| > 0 (e.g. every advantage is 0)."""
+    √mean(A²)·√F, the iso-ratio lines at 10% and 1% of the bound, and, with ``cuts`` = (q, F cut, |G| cut),
+    the thresholds of the top-q sets by F (vertical) and by |G| (horizontal); None when no parameter has
+    F, |G| > 0 (e.g. every advantage is 0)."""
     h = log_histogram([F, G])
     if h is None:
         return None
@@ -80,11 +83,17 @@ def plot_fisher_vs_grad(F: Any, G: Any, adv_rms: float) -> bytes | None:
     fig.colorbar(mesh, ax=ax, label="parameters per bin")
     x = np.geomspace(fe[0], fe[-1], 100)
     ax.plot(x, adv_rms * np.sqrt(x), "r-", label="bound √mean(A²)·√F (= std(A)·√F when mean A = 0)")
+    for frac, style in ((0.1, "--"), (0.01, ":")):
+        ax.plot(x, frac * adv_rms * np.sqrt(x), "r" + style, lw=0.8, label=f"iso-ratio |G| = {frac:g} × bound")
+    if cuts is not None:
+        q, f_cut, g_cut = cuts
+        ax.axvline(f_cut, color="k", ls="--", lw=0.8, label=f"top {q:.2%} by F: F ≥ {f_cut:.3g}")
+        ax.axhline(g_cut, color="k", ls="-.", lw=0.8, label=f"top {q:.2%} by |G|: |G| ≥ {g_cut:.3g}")
     ax.set_ylim(ge[0], ge[-1])
     ax.set_xlabel("Fisher F = mean(s²)  [(log-prob / parameter unit)²]")
     ax.set_ylabel("|G| = |mean(A·s)|  [advantage × log-prob / parameter unit]")
     ax.set_title(f"F vs |G|: {h.n} of {h.P} parameters with F, |G| > 0", fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8)  # below the axes, clear of the data
     return _png(fig)
 
 
@@ -97,10 +106,16 @@ def plot_overlap(rows: list[dict[str, Any]]) -> bytes:
         if not sel:
             continue
         q = [r["q"] for r in sel]
-        ax.plot(q, [r["overlap"] for r in sel], "o" + style, color="C0", label=f"measured ({scope})")
+        ax.plot(q, [r["overlap"] for r in sel], "o" + style, color="C0", label=f"measured overlap, {scope} top sets")
         if scope == "global":
-            ax.plot(q, [r["random"] for r in sel], "s:", color="C7", label="random baseline")
-            ax.plot(q, [r["per_tensor_random"] for r in sel], "^-.", color="C1", label="per-tensor random baseline")
+            ax.plot(q, [r["random"] for r in sel], "s:", color="C7", label="baseline: random positions (= q)")
+            ax.plot(
+                q,
+                [r["per_tensor_random"] for r in sel],
+                "^-.",
+                color="C1",
+                label="baseline: per-tensor random (each tensor's share kept, positions random)",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("q (fraction of parameters kept)")
     ax.set_ylabel("overlap = |top-q |G| ∩ top-q F| / |top-q |G||")
@@ -110,11 +125,28 @@ def plot_overlap(rows: list[dict[str, Any]]) -> bytes:
     return _png(fig)
 
 
+LAYER_AGGREGATE = 24  # more tensors than this: the shares plot sums them per layer
+
+
+def layer_of(name: str) -> str:
+    """The layer a tensor belongs to (``layers.3``), or its own name outside numbered layers."""
+    m = re.search(r"(?:^|\.)(layers|h|blocks|layer)\.(\d+)\.", name)
+    return f"{m.group(1)}.{m.group(2)}" if m else name.removeprefix("model.")
+
+
 def plot_tensor_shares(rows: list[dict[str, Any]]) -> bytes:
-    """Each tensor's share of the global top-q set by F and by |G| beside its share of all parameters."""
-    tensors = list(dict.fromkeys(r["tensor"] for r in rows))
-    share = {(r["tensor"], r["metric"]): float(r["share"]) for r in rows}
-    numel = {r["tensor"]: float(r["numel_share"]) for r in rows}
+    """Each tensor's share of the global top-q set by F and by |G| beside its share of all parameters;
+    summed per layer (``layer_of``) when there are more than ``LAYER_AGGREGATE`` tensors."""
+    names = list(dict.fromkeys(r["tensor"] for r in rows))
+    key = layer_of if len(names) > LAYER_AGGREGATE else (lambda n: n)
+    tensors = list(dict.fromkeys(key(n) for n in names))
+    share: dict[tuple[str, str], float] = {}
+    for r in rows:
+        k = (key(r["tensor"]), r["metric"])
+        share[k] = share.get(k, 0.0) + float(r["share"])
+    numel: dict[str, float] = {}
+    for n in names:
+        numel[key(n)] = numel.get(key(n), 0.0) + next(float(r["numel_share"]) for r in rows if r["tensor"] == n)
     q = float(rows[0]["q"])
     y = np.arange(len(tensors))
     fig = Figure(figsize=(7, 1.2 + 0.32 * len(tensors)))
@@ -125,7 +157,7 @@ def plot_tensor_shares(rows: list[dict[str, Any]]) -> bytes:
     ax.set_yticks(y, [t.removeprefix("model.") for t in tensors], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("share of the set (fraction)")
-    ax.set_title("Which tensors hold the top parameters")
+    ax.set_title("Which " + ("layers" if len(names) > LAYER_AGGREGATE else "tensors") + " hold the top parameters")
     ax.legend(fontsize=8)
     return _png(fig)
 
@@ -179,10 +211,77 @@ def plot_update_check(rows: list[dict[str, Any]], predictors: list[str]) -> byte
             ax.bar(
                 x + (j - (len(predictors) - 1) / 2) * width, vals, width, label=p, color="C7" if p == "random" else None
             )
-        ax.set_title(f"{stat} against the changed set (bf16)", fontsize=10)
+        ax.set_title(f"{stat} against the set whose bf16 value changed, at the fewest steps", fontsize=10)
         ax.set_ylabel(f"{stat} (fraction)")
         ax.set_ylim(0, 1.02)
     axes[1].set_xticks(x, cells, fontsize=7)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(predictors), 6), fontsize=8)
+    return _png(fig)
+
+
+def plot_rho(rho: Any, bins: int = 50, block: int = READ_BLOCK) -> bytes | None:
+    """Histogram and CDF of |ρ_i| = |Cov_i| / (std(A)·√Fvar_i) over the parameters with finite ρ (``rho``:
+    a (P,) array read in blocks): how close each parameter comes to the bound (|ρ| = 1 is on it). None
+    when no ρ is finite."""
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    counts = np.zeros(bins, dtype=np.int64)
+    P = rho.shape[0]
+    for j in range(0, P, block):
+        r = np.abs(np.asarray(rho[j : j + block], dtype=np.float64))
+        counts += np.histogram(r[np.isfinite(r)], bins=edges)[0]
+    n = int(counts.sum())
+    if n == 0:
+        return None
+    fig = Figure(figsize=(6, 4.0))
+    ax = fig.add_subplot()
+    ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="C0", label="parameters per bin")
+    ax.set_yscale("log")
+    ax.set_xlabel("|ρ| = |Cov| / (std(A)·√Fvar)  (1 = on the bound)")
+    ax.set_ylabel("parameters per bin")
+    cdf = ax.twinx()
+    cdf.plot(edges[1:], np.cumsum(counts) / n, "k-", label="CDF (fraction with |ρ| ≤ x)")
+    cdf.set_ylim(0, 1.02)
+    cdf.set_ylabel("fraction of parameters with |ρ| ≤ x")
+    ax.set_title(f"|ρ| over {n} of {P} parameters (finite ρ)", fontsize=10)
+    handles = ax.get_legend_handles_labels()[0] + cdf.get_legend_handles_labels()[0]
+    labels = ax.get_legend_handles_labels()[1] + cdf.get_legend_handles_labels()[1]
+    ax.legend(handles, labels, loc="center right", fontsize=8)
+    return _png(fig)
+
+
+def plot_update_steps(rows: list[dict[str, Any]]) -> bytes:
+    """Fraction of parameters changed (bf16 and |Δ| > atol) against optimizer steps, one line per
+    (optimizer, precision, lr) cell of the update-check grid."""
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    cells = sorted({(r["optimizer"], r["precision"], float(r["lr"])) for r in rows})
+    for ax, metric, title in (
+        (axes[0], "frac_changed_bf16", "bf16 value changed"),
+        (axes[1], "frac_changed_abs", "|Δ| > atol (in the cell's precision)"),
+    ):
+        for i, (opt, prec, lr) in enumerate(cells):
+            sel = sorted(
+                (r for r in rows if (r["optimizer"], r["precision"], float(r["lr"])) == (opt, prec, lr)),
+                key=lambda r: r["steps"],
+            )
+            style = "-" if prec == "bf16" else "--"
+            ax.plot(
+                [r["steps"] for r in sel],
+                [r[metric] for r in sel],
+                "o" + style,
+                color=f"C{i % 10}",
+                label=f"{opt} {prec} lr={lr:g}",
+            )
+        ax.set_xlabel("optimizer steps")
+        ax.set_title(title, fontsize=10)
+        steps = [r["steps"] for r in rows]
+        if max(steps) >= 8 * min(steps):
+            ax.set_xscale("log")
+        ticks = sorted(set(steps))
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+    axes[0].set_ylabel("fraction of parameters changed")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(cells), 4), fontsize=7)
     return _png(fig)

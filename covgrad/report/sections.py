@@ -1,8 +1,11 @@
 """The report's sections, each read from the stores of one run: headline, off-policy, token Fisher,
 update check.
 
-Every number shown was computed and stored by the stage that owns it (stats, masks, offpolicy, tokens,
-update_check); a section only selects, labels and plots.
+Every point estimate shown was computed and stored by the stage that owns it (stats, masks, offpolicy,
+tokens, update_check); a section selects, labels and plots. The intervals and null bands are computed
+here from the main scores store (``covgrad.report.uncertainty``: a prompt-group bootstrap over the
+per-sample score rows), and the task's reward summary from the analysed rollouts. The findings in
+words (``covgrad.report.document.findings``) open the report.
 
 Instances whose artifact is absent or incomplete are listed in ``Report.missing`` and their
 sections are replaced by a note; everything else still renders. Optional stages (tokens,
@@ -17,18 +20,25 @@ from typing import Any, Protocol
 import numpy as np
 
 from covgrad.config import PipelineConfig
-from covgrad.report.document import Report, cell, finite
+from covgrad.report.document import Report, cell, findings, finite
 from covgrad.report.plots import (
     plot_fisher_vs_grad,
     plot_overlap,
+    plot_rho,
     plot_tensor_shares,
     plot_token_trace,
     plot_update_check,
+    plot_update_steps,
     plot_zero_mean,
 )
+from covgrad.report.uncertainty import LEVEL, METHOD, group_bootstrap, interval, null_band
 
 STATS = "stats.zarr"
 TOKENS = "tokens.zarr"
+SCORES = "scores.zarr"
+MASKS = "masks.zarr"
+ROLLOUTS = "rollouts.zarr"
+N_BOOT = 200  # bootstrap replicates of the intervals (fewer at large P: uncertainty.REPLICATE_BUDGET)
 HEADLINE_NOTES = {
     "N": "samples",
     "P": "parameters analysed",
@@ -90,14 +100,132 @@ def render_report(run: RunSource, config: dict[str, Any], name: str, main: str) 
     cfg = PipelineConfig.model_validate(config)
     report = Report(title=f"covgrad report: {name}", missing=list(run.missing))
     report.numbers["main_stats"] = main
-    report.blocks.append(("p", f"Model: {model_label(config)}. Main statistics: {main}."))
     if report.missing:
         report.blocks.append(("p", f"Missing or incomplete artifacts: {', '.join(report.missing)}."))
+    task(report, run, cfg, main)
     headline(report, run, cfg, main)
+    intervals(report, run, main)
     off_policy(report, run)
     tokens(report, run)
     update_check(report, run)
+    words = findings(report.numbers)
+    top = [("h2", "Findings"), *(("p", w) for w in words)] if words else []
+    report.blocks[:0] = top
+    report.numbers["findings"] = words
     return report
+
+
+def task(report: Report, run: RunSource, cfg: PipelineConfig, main: str) -> None:
+    """The task in one table: model, parameter selection, N, groups, sampling settings, reward summary,
+    advantage mode and centering (from the config and the analysed rollouts)."""
+    sampler, centering = main.split(".")[1:3]
+    spec = cfg.rollouts.samplers[sampler]
+    rows: list[dict[str, Any]] = [
+        {"quantity": "model", "value": model_label(cfg.model_dump(mode="json"))},
+        {"quantity": "selection", "value": ", ".join(cfg.model.params) if cfg.model.params else "every trainable"},
+        {"quantity": "task", "value": cfg.task.kind if cfg.task.kind != "jsonl" else str(cfg.task.path)},
+        {"quantity": "sampler", "value": sampler},
+        {"quantity": "centering", "value": centering},
+        {"quantity": "group_size", "value": spec.group_size},
+        {"quantity": "T", "value": spec.max_new_tokens},
+        {"quantity": "temperature", "value": spec.temperature},
+        {"quantity": "top_p", "value": spec.top_p},
+        {"quantity": "top_k", "value": spec.top_k},
+        {"quantity": "advantage", "value": cfg.rollouts.advantage},
+    ]
+    info: dict[str, Any] = {
+        "sampler": sampler,
+        "centering": centering,
+        "group_size": spec.group_size,
+        "T": spec.max_new_tokens,
+        "temperature": spec.temperature,
+        "advantage": cfg.rollouts.advantage,
+        "selection": cfg.model.params,
+    }
+    name = f"rollouts.{sampler}"
+    if run.has(name):
+        ro = run.group(name, ROLLOUTS)
+        reward, group = ro["reward"][:], ro["group"][:]
+        labels, idx = np.unique(group, return_inverse=True)
+        spread = np.zeros(len(labels))
+        np.maximum.at(spread, idx, reward)
+        low = np.full(len(labels), np.inf)
+        np.minimum.at(low, idx, reward)
+        varied = int(np.count_nonzero(spread > low))
+        info |= {"N": int(reward.size), "groups": len(labels), "mean_reward": float(np.mean(reward))}
+        info["groups_with_reward_variance"] = varied
+        rows[3:3] = [
+            {"quantity": "N", "value": int(reward.size)},
+            {"quantity": "groups", "value": len(labels)},
+            {"quantity": "mean_reward", "value": float(np.mean(reward))},
+            {"quantity": "groups_with_reward_variance", "value": f"{varied}/{len(labels)}"},
+        ]
+    report.numbers["task"] = info
+    report.blocks.append(("h2", "Task"))
+    report.blocks.append(("table", rows))
+
+
+def intervals(report: Report, run: RunSource, main: str) -> None:
+    """95% intervals of the overlap at each q, Spearman and max |ρ| (prompt-group bootstrap over the main
+    scores store's per-sample rows) and the null bands of the zero-mean statistics."""
+    scores = "scores." + main.split(".", 1)[1]
+    if report.numbers.get("degenerate") or not run.has(scores) or "max_abs_rho" not in report.numbers:
+        return
+    sc = run.group(scores, SCORES)
+    overlap = [r for r in report.numbers.get("overlap", []) if r["scope"] == "global"]
+    qs = [r["q"] for r in overlap]
+    out: dict[str, Any] = {"level": LEVEL}
+    if "scores" in sc:
+        rows = sc["scores"]
+        boot = group_bootstrap(
+            lambda a, b: rows[:, a:b], sc["advantage"][:], sc["group"][:], rows.shape[1], qs, n_boot=N_BOOT
+        )
+        out |= {"method": METHOD, "n_boot": boot["n_boot"]}
+        if boot["n_boot"]:
+            est = report.numbers
+            out["max_abs_rho"] = interval(est["max_abs_rho"], boot["max_abs_rho"], 0.0, 1.0)
+            if "spearman_F_absG" in est:
+                out["spearman_F_absG"] = interval(est["spearman_F_absG"], boot["spearman"], -1.0, 1.0)
+            out["overlap"] = {
+                r["q"]: interval(r["overlap"], boot["overlap"][:, i], 0.0, 1.0) for i, r in enumerate(overlap)
+            }
+        dof = {"trace": boot["dof_trace"], "coord": boot["dof_coord"]}
+    else:
+        out["method"] = "none: the scores store kept only moment state (two parity halves), too few to resample"
+        dof = {"trace": 1.0, "coord": 1.0}
+    for k, d in dof.items():
+        if d == d:
+            out[f"null_band_{k}"] = null_band(d)
+            out[f"dof_{k}"] = d
+    report.numbers["intervals"] = out
+    table = [
+        {"quantity": k, "value": report.numbers.get(k), "lo": v[0], "hi": v[1]}
+        for k, v in out.items()
+        if k in ("max_abs_rho", "spearman_F_absG")
+    ]
+    table += [
+        {"quantity": f"overlap(q={q:g})", "value": r["overlap"], "lo": out["overlap"][q][0], "hi": out["overlap"][q][1]}
+        for q, r in zip(qs, overlap, strict=True)
+        if q in out.get("overlap", {})
+    ]
+    table += [
+        {"quantity": f"zero_mean_{k}", "value": report.numbers.get(f"zero_mean_{k}"), "lo": b[0], "hi": b[1]}
+        for k in ("trace", "coord")
+        if (b := out.get(f"null_band_{k}"))
+    ]
+    report.blocks.append(("h2", "Uncertainty"))
+    text = (
+        f"Intervals: {out['method']}"
+        + (f", {out['n_boot']} replicates" if out.get("n_boot") else "")
+        + ". lo/hi of the overlap, Spearman and max |ρ| rows: where the statistic of a rerun with fresh seeds "
+        "falls, 95% (finite-N bias not removed; see docs/reading.md). lo/hi of the zero_mean rows: the 95% null "
+        "band, the range of the statistic when E[s] = 0 (χ²_d / d with d effective degrees of freedom"
+        + (f": d = {out['dof_trace']:.3g} and {out['dof_coord']:.3g}" if "dof_trace" in out else "")
+        + ")."
+    )
+    report.blocks.append(("p", text))
+    if table:
+        report.blocks.append(("table", table))
 
 
 def _skip(report: Report, what: str, instance: str) -> None:
@@ -135,9 +263,12 @@ def headline(report: Report, run: RunSource, cfg: PipelineConfig, main: str) -> 
         if gap:
             report.numbers["crossfit_undefined"] = gap
         rows += [{"quantity": k, "value": v, "note": notes.get(k, "")} for k, v in numbers.items()]
-        png = plot_fisher_vs_grad(st["F"], st["G"], float(s["adv_rms"]))
+        png = plot_fisher_vs_grad(st["F"], st["G"], float(s["adv_rms"]), None if finding else _cuts(run, st))
         if png is not None:
             report.plots["fisher_vs_grad.png"] = png
+        png = None if finding else plot_rho(st["rho"])
+        if png is not None:
+            report.plots["rho.png"] = png
     else:
         _skip(report, "Statistics", main)
     overlap: list[dict[str, Any]] = []
@@ -166,12 +297,34 @@ def headline(report: Report, run: RunSource, cfg: PipelineConfig, main: str) -> 
         cols = ("q", "scope", "n_G", "n_both", "overlap", "random", "per_tensor_random")
         report.blocks.append(("table", [{c: r[c] for c in cols} for r in overlap]))
     for file, caption in (
-        ("fisher_vs_grad.png", "F against |G| per parameter, with the bound line"),
+        ("fisher_vs_grad.png", "F against |G| per parameter: the bound, iso-ratio lines and the top-1% thresholds"),
+        ("rho.png", "Distribution of |ρ|: how close the parameters come to the bound"),
         ("overlap.png", "Overlap against q with the random and per-tensor baselines"),
         ("tensor_shares.png", "Each tensor's share of the top set by F and by |G|"),
     ):
         if file in report.plots:
             report.blocks.append(("img", file, caption))
+
+
+def _cuts(run: RunSource, st: Any, block: int = 1 << 22) -> tuple[float, float, float] | None:
+    """(q, smallest F in the global top-q set by F, smallest |G| in the one by |G|) at the masks' q
+    nearest 1%, read in blocks from the masks and stats stores; None without masks."""
+    if not run.has("masks"):
+        return None
+    mk = run.group("masks", MASKS)
+    if "F_global" not in mk:
+        return None
+    qs = mk["q"][:]
+    i = int(np.argmin(np.abs(np.log(qs / 0.01))))
+    cut = []
+    for metric, values in (("F_global", st["F"]), ("absG_global", st["G"])):
+        low = np.inf
+        for j in range(0, values.shape[0], block):
+            sel = mk[metric][i, j : j + block]
+            if sel.any():
+                low = min(low, float(np.abs(values[j : j + block][sel]).min()))
+        cut.append(low)
+    return float(qs[i]), cut[0], cut[1]
 
 
 def off_policy(report: Report, run: RunSource) -> None:
@@ -265,3 +418,6 @@ def update_check(report: Report, run: RunSource) -> None:
     if first and predictors:
         report.plots["update_check.png"] = plot_update_check(first, predictors)
         report.blocks.append(("img", "update_check.png", "Update check: precision and recall against random"))
+    if len({r.get("steps") for r in grid}) > 1 or len({r.get("lr") for r in grid}) > 1:
+        report.plots["update_steps.png"] = plot_update_steps(grid)
+        report.blocks.append(("img", "update_steps.png", "Fraction of parameters changed against steps, per lr"))

@@ -1,0 +1,166 @@
+"""Uncertainty of the headline statistics: a prompt-group bootstrap and a χ² null band.
+
+**Intervals** (``group_bootstrap``): the prompt groups are resampled with replacement ``n_boot`` times
+(a group keeps all its samples and their stored advantages, so a group-relative advantage stays what
+the rollouts computed), and every replicate recomputes F, G, ρ from the per-sample score rows with
+the replicate's group counts as sample weights. The interval is θ̂ shifted by the replicates' centred
+quantiles, [θ̂ − (Q(0.975) − θ̄*), θ̂ + (θ̄* − Q(0.025))], clipped to the statistic's range: it says
+where the statistic of another run of the same configuration with fresh seeds falls (its mean over
+such runs, at the same N). It does not remove the finite-N bias of the statistic: noise in F and |G|
+lowers the overlap and Spearman and raises max |ρ| against their values at N → ∞, and the replicates
+(which add that noise a second time) measure the bias only in part. Only the per-sample score rows support it:
+the moment state is two parity halves, too few to resample, so a run that kept only moments has no
+intervals (``covgrad.report`` says so).
+
+**Null band** (``null_band``): under E[s] = 0 the zero-mean trace statistic N·‖m‖² / tr Σ is
+Σ_k λ_k χ²₁ / Σ_k λ_k over the eigenvalues λ of Σ = Var(s), with mean 1 and variance
+2 tr(Σ²) / (tr Σ)²; it is matched to χ²_d / d with d = (tr Σ)² / tr(Σ²) (Satterthwaite), and tr(Σ²) is
+‖Sc Scᵀ‖²_F / N² of the centred rows Sc (N, P), an N × N Gram matrix, never P × P. The coordinate
+statistic is the same with Σ replaced by the correlation matrix (rows standardised per coordinate). The
+band is the central 95% of χ²_d / d (Wilson–Hilferty quantiles). Without rows tr(Σ²) is unknown and the
+conservative d = 1 band (the widest) is returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from covgrad.topk import count_for_fraction, spearman
+
+Z975 = 1.959963984540054  # standard normal 0.975 quantile
+LEVEL = 0.95
+METHOD = "prompt-group bootstrap (centred percentile interval)"
+REPLICATE_BUDGET = 50_000_000  # n_boot × P entries held per replicate array (float32: 200 MB each)
+
+
+def chi2_quantile(d: float, p_z: float) -> float:
+    """Wilson–Hilferty approximation of the χ²_d quantile at standard-normal deviate ``p_z`` (≥ 0)."""
+    c = 2.0 / (9.0 * d)
+    return max(0.0, d * (1.0 - c + p_z * math.sqrt(c)) ** 3)
+
+
+def null_band(d: float) -> tuple[float, float]:
+    """Central 95% of χ²_d / d: where a zero-mean statistic with d effective degrees of freedom falls
+    when E[s] = 0."""
+    return chi2_quantile(d, -Z975) / d, chi2_quantile(d, Z975) / d
+
+
+def interval(estimate: float, replicates: np.ndarray, lo: float, hi: float) -> tuple[float, float]:
+    """95% interval of ``estimate`` from (B,) bootstrap ``replicates`` (NaN ignored): ``estimate`` plus the
+    replicates' centred 2.5% and 97.5% quantiles, clipped to [lo, hi]; NaN when fewer than 2 replicates."""
+    r = replicates[np.isfinite(replicates)]
+    if r.size < 2 or not math.isfinite(estimate):
+        return math.nan, math.nan
+    q_lo, q_hi = np.quantile(r, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]) - r.mean()
+    return float(min(max(estimate - q_hi, lo), hi)), float(min(max(estimate - q_lo, lo), hi))
+
+
+def replicates_for(P: int, n_boot: int) -> int:
+    """Replicates that fit ``REPLICATE_BUDGET`` at P parameters, at most ``n_boot``."""
+    return int(min(n_boot, REPLICATE_BUDGET // max(P, 1)))
+
+
+def _overlap(F: np.ndarray, absG: np.ndarray, ks: Sequence[int]) -> list[float]:
+    """Global overlap |top-k by |G| ∩ top-k by F| / k for each k, from (P,) arrays (ties in any order)."""
+    out = []
+    for k in ks:
+        top_g = np.argpartition(-absG, k - 1)[:k]
+        top_f = np.zeros(F.size, dtype=bool)
+        top_f[np.argpartition(-F, k - 1)[:k]] = True
+        out.append(float(top_f[top_g].sum()) / k)
+    return out
+
+
+def group_bootstrap(
+    read: Callable[[int, int], np.ndarray],
+    advantage: np.ndarray,
+    group: np.ndarray,
+    P: int,
+    qs: Sequence[float],
+    *,
+    n_boot: int = 200,
+    seed: int = 0,
+    block: int = 16384,
+) -> dict[str, Any]:
+    """Bootstrap replicates of the global overlap at each q, Spearman(F, |G|) and max |ρ|, and the
+    effective degrees of freedom of the two zero-mean statistics.
+
+    Args:
+        read: ``read(a, b)``, the score rows of parameters a..b, shape (N, b − a), float32 or float64.
+        advantage: (N,) advantages as stored with the scores.
+        group: (N,) prompt group of each sample.
+        P: parameters.
+        qs: top fractions for the overlap.
+        n_boot: replicates B (fewer when B × P exceeds ``REPLICATE_BUDGET``; 0 disables).
+        seed: seed of the group draws (the report is deterministic).
+        block: parameters per read.
+
+    Returns:
+        ``n_boot`` (replicates used), ``overlap`` (B, len(qs)), ``spearman`` (B,), ``max_abs_rho`` (B,),
+        ``dof_trace`` and ``dof_coord`` (d of the null bands; NaN when undefined).
+    """
+    N = advantage.size
+    A = np.asarray(advantage, dtype=np.float64)
+    labels, gidx = np.unique(group, return_inverse=True)
+    B = replicates_for(P, n_boot) if len(labels) >= 2 else 0
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(labels), size=(B, len(labels)))  # (B, groups)
+    gcount = np.stack([np.bincount(d, minlength=len(labels)) for d in draws]) if B else np.zeros((0, len(labels)))
+    W = gcount[:, gidx].astype(np.float64)  # (B, N) sample weights
+    sw = W.sum(axis=1, keepdims=True)  # (B, 1)
+    mean_a = (W @ A)[:, None] / sw  # (B, 1)
+    std_a = np.sqrt(np.maximum((W @ (A * A))[:, None] / sw - mean_a**2, 0.0))  # (B, 1)
+    F_b = np.empty((B, P), dtype=np.float32)
+    absG_b = np.empty((B, P), dtype=np.float32)
+    max_rho = np.full(B, -1.0)
+    gram_t = np.zeros((N, N))
+    gram_c = np.zeros((N, N))
+    n_coord = 0
+    tr_t = 0.0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for a in range(0, P, block):
+            b = min(P, a + block)
+            S = np.asarray(read(a, b), dtype=np.float64)  # (N, b)
+            # 1. the null band's Gram matrices of the centred and of the standardised rows
+            Sc = S - S.mean(axis=0)
+            var = (Sc * Sc).mean(axis=0)
+            tr_t += float(var.sum())
+            gram_t += Sc @ Sc.T
+            varies = var > 0
+            Z = Sc[:, varies] / np.sqrt(var[varies])
+            gram_c += Z @ Z.T
+            n_coord += int(varies.sum())
+            if not B:
+                continue
+            # 2. the replicates' statistics of this block
+            m = (W @ S) / sw  # (B, b)
+            F = (W @ (S * S)) / sw
+            G = (W @ (A[:, None] * S)) / sw
+            Cov = G - mean_a * m
+            rho = Cov / (std_a * np.sqrt(np.maximum(F - m * m, 0.0)))
+            F_b[:, a:b] = F
+            absG_b[:, a:b] = np.abs(G)
+            finite = np.where(np.isfinite(rho), np.abs(rho), -1.0)
+            max_rho = np.maximum(max_rho, finite.max(axis=1))
+    ks = [count_for_fraction(q, P) for q in qs]
+    overlap = np.full((B, len(qs)), np.nan)
+    rank = np.full(B, np.nan)
+    for i in range(B):
+        if std_a[i, 0] > 0:
+            overlap[i] = _overlap(F_b[i], absG_b[i], ks)
+            rank[i] = spearman(F_b[i], absG_b[i])
+    max_rho[(max_rho < 0) | (std_a[:, 0] <= 0)] = np.nan
+    tr_sq = float((gram_t * gram_t).sum()) / N**2
+    tr_csq = float((gram_c * gram_c).sum()) / N**2
+    return {
+        "n_boot": B,
+        "overlap": overlap,
+        "spearman": rank,
+        "max_abs_rho": max_rho,
+        "dof_trace": tr_t**2 / tr_sq if tr_sq > 0 else math.nan,
+        "dof_coord": n_coord**2 / tr_csq if tr_csq > 0 else math.nan,
+    }

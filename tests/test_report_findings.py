@@ -1,0 +1,127 @@
+"""Findings in words, intervals and null bands, the glossary and the HTML's layout, without a pipeline run."""
+
+import math
+import re
+
+import numpy as np
+
+from covgrad.report import Report
+from covgrad.report.document import STYLE, findings, html_table, summary_lines
+from covgrad.report.glossary import GLOSSARY, meaning
+from covgrad.report.uncertainty import group_bootstrap, interval, null_band
+from tests.helpers.pipeline import REPO
+
+TASK = {
+    "N": 256, "groups": 32, "group_size": 8, "sampler": "policy", "T": 4, "temperature": 1.0,
+    "mean_reward": 0.406, "groups_with_reward_variance": 13, "advantage": "group_mean", "centering": "policy",
+    "selection": None,
+}  # fmt: skip
+NUMBERS = {
+    "task": TASK,
+    "P": 3_500_000,
+    "max_abs_rho": 0.9,
+    "bound_violations": 0,
+    "crossfit_frac_exceed_even_F_odd_G": 0.0006,
+    "crossfit_frac_exceed_odd_F_even_G": 0.0005,
+    "spearman_F_absG": 0.7,
+    "zero_mean_trace": 1.583,
+    "zero_mean_coord": 1.01,
+    "overlap": [
+        {"q": 0.01, "scope": "global", "overlap": 0.6101, "random": 0.01, "per_tensor_random": 0.040},
+        {"q": 0.1, "scope": "global", "overlap": 0.7, "random": 0.1, "per_tensor_random": 0.3},
+    ],
+    "intervals": {
+        "overlap": {0.01: (0.55, 0.66)},
+        "spearman_F_absG": (0.68, 0.72),
+        "max_abs_rho": (0.85, 0.95),
+        "null_band_trace": (0.2, 2.5),
+        "null_band_coord": (0.9, 1.1),
+    },
+}
+
+
+def test_findings_state_the_numbers_with_intervals_and_the_honest_baseline():
+    words = findings(NUMBERS)
+    text = "\n".join(words)
+    assert "256 samples in 32 prompt groups of 8" in text and "mean reward 0.406" in text
+    assert "13 of 32 groups with reward variance" in text
+    assert "shares 61% (95% CI 55%–66%) with the top 1% by F" in text
+    assert "15.3× the per-tensor random baseline (0.04) and 61× random (0.01)" in text
+    assert "0 of 3.5M parameters exceed the bound" in text and "0.06% and 0.05% in the two cross-fit" in text
+    assert "Spearman(F, |G|) = 0.7 (95% CI 0.68–0.72)" in text
+    assert "1.58, inside the 95% null band 0.2–2.5: consistent with E[s] = 0" in text
+    assert "1.01, outside the 95% null band 0.9–1.1" not in text  # 1.01 is inside
+    lines = summary_lines(NUMBERS, [])
+    assert lines[: len(words)] == words
+    assert "0.01: 0.6101 vs 0.04, 0.01" in lines[-1]  # per-tensor random first
+
+
+def test_degenerate_run_keeps_its_wording():
+    why = "no reward variance: G ≡ 0; overlap, ρ and the bound are undefined"
+    words = findings({"task": TASK, "P": 10, "degenerate": why, "zero_mean_trace": 1.0})
+    assert words[-1] == f"finding: {why}" and len(words) == 2
+    assert summary_lines({"degenerate": why}, ["masks"]) == [
+        f"finding: {why}",
+        "missing or incomplete: masks",
+    ]
+
+
+def test_null_band_matches_chi2_and_covers_under_zero_mean():
+    lo, hi = null_band(1.0)
+    assert lo < 0.01 and 4.5 < hi < 5.5  # χ²_1: 0.001, 5.02
+    lo, hi = null_band(1e4)
+    assert abs(lo - (1 - 1.96 * math.sqrt(2e-4))) < 1e-3 and abs(hi - (1 + 1.96 * math.sqrt(2e-4))) < 1e-3
+    rng = np.random.default_rng(1)
+    sigma = np.exp(rng.normal(size=300))
+    inside = 0
+    for _ in range(40):
+        S = rng.normal(size=(64, 300)) * sigma
+        A = rng.normal(size=64)
+        b = group_bootstrap(lambda a, c, S=S: S[:, a:c], A, np.repeat(np.arange(16), 4), 300, [0.1], n_boot=0)
+        stat = 64 * float((S.mean(0) ** 2).sum()) / float(S.var(0).sum())
+        lo, hi = null_band(b["dof_trace"])
+        inside += lo <= stat <= hi
+    assert inside >= 36
+
+
+def test_bootstrap_interval_covers_a_rerun():
+    """Overlap and Spearman of a fresh-seed rerun fall inside the 95% intervals of most runs."""
+    rng = np.random.default_rng(2)
+    P, groups, g = 400, 16, 4
+    sigma = np.exp(rng.normal(size=P))
+    beta = sigma * np.exp(rng.normal(-1, 1, P))
+
+    def draw():
+        r = rng.normal(size=(groups, g))
+        A = (r - r.mean(1, keepdims=True)).ravel()
+        return r.ravel()[:, None] * beta + rng.normal(size=(groups * g, P)) * sigma, A
+
+    def stat(S, A):
+        from covgrad.topk import spearman
+
+        return spearman((S * S).mean(0), np.abs((A[:, None] * S).mean(0)))
+
+    at_n = np.mean([stat(*draw()) for _ in range(100)])
+    covered = 0
+    for _ in range(20):
+        S, A = draw()
+        b = group_bootstrap(lambda a, c, S=S: S[:, a:c], A, np.repeat(np.arange(groups), g), P, [0.1], n_boot=100)
+        lo, hi = interval(stat(S, A), b["spearman"], -1.0, 1.0)
+        covered += lo <= at_n <= hi
+    assert covered >= 16
+
+
+def test_html_has_tooltips_a_glossary_and_no_inner_scroll_box():
+    report = Report(title="t", blocks=[("table", [{"quantity": "max_abs_rho", "value": 0.5, "lo": 0.1, "hi": 0.9}])])
+    page = report.html()
+    assert f'<th title="{GLOSSARY["lo"]}">lo</th>' in page
+    assert "<dt>max_abs_rho</dt>" in page and "Reading the tables" in page
+    assert not re.search(r"overflow(-x|-y)?:(auto|scroll|hidden)", STYLE) and "nowrap" not in STYLE
+    assert "overflow" not in html_table([{"a": 1}])
+
+
+def test_docs_reading_lists_every_glossary_name():
+    text = (REPO / "docs" / "reading.md").read_text()
+    assert all(f"`{name}`" in text for name in GLOSSARY)
+    for name in ("overlap(q=0.01)", "relerr_exact_vs_seq_n8", "spearman_mc_vs_seq", "mc_expected_relerr"):
+        assert meaning(name) is not None
