@@ -23,6 +23,7 @@ from tasks.base_model import base_model_task
 from tasks.common import StageResult, cache_options
 from tasks.masks import masks_task
 from tasks.offpolicy import offpolicy_task
+from tasks.regimes import REGIME_TASKS
 from tasks.report import report_task
 from tasks.rollouts import rollouts_task
 from tasks.scores import scores_task
@@ -45,6 +46,7 @@ TASKS = (
     masks_task,
     tokens_task,
     update_check_task,
+    *REGIME_TASKS,
     report_task,
 )  # one per stage; each task's name is its spec's STAGE
 

@@ -34,6 +34,7 @@ from covgrad.config import (
     Device,
     Dtype,
     PipelineConfig,
+    RegimeSection,
     SamplerSection,
     StateDtype,
     TaskSection,
@@ -207,6 +208,45 @@ class UpdateCheckSpec(StageSpec):
     policy: PolicySpec
 
 
+class RegimeSpec(StageSpec):
+    """regime: the per-sample gradients g_n of regime ``name`` (``settings``) over the rollouts of
+    ``sampler``, folded into scores-layout moment state (g_n in place of s_n, A = 0) with its bound scalars;
+    ``inputs``: content digests of the teacher and reference model directories it reads."""
+
+    STAGE: ClassVar[str] = "regime"
+    VERSION: ClassVar[str] = "1"
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset(
+        {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
+    )
+    centering: ClassVar[str] = "policy"  # the scores machinery's: no sampler centering of g_n
+    name: str
+    settings: RegimeSection
+    sampler: str
+    policy: PolicySpec
+    params: list[str] | None
+    groups_per_batch: int
+    byte_budget: int
+    state_dtype: StateDtype
+    sample_shards: int
+    blocks: Blocks
+    device: Device
+    self_check: bool
+    inputs: dict[str, str] = {}
+    checkpoint_batches: int
+    checkpoint_seconds: float
+
+
+class RegimeStatsSpec(StageSpec):
+    """regimes: per regime G, its bound a·√F with the main scores' F, ρ, violations, cross-fit and overlap
+    tables at ``qs``; and the cross-regime comparison of the regimes ``names`` (in that order)."""
+
+    STAGE: ClassVar[str] = "regimes"
+    VERSION: ClassVar[str] = "1"
+    names: list[str]
+    qs: list[float]
+    allowance_z: float = 3.0
+
+
 class ReportSpec(StageSpec):
     """report: the run ``name`` rendered from its artifacts and its config (JSON without ``root``, in
     ``covgrad.config.report_layout``)."""
@@ -262,6 +302,8 @@ class Plan(Mapping[str, Step]):
     masks: Step
     tokens: Step | None
     update_check: Step | None
+    regime: dict[Instance, Step]
+    regimes: Step | None
     report: Step
     main: Step  # not a stage: the main statistics (one of ``stats``), sampler-centred whenever μ ≠ p
 
@@ -428,6 +470,53 @@ def plan(cfg: PipelineConfig) -> Plan:
         update = _step(store, Instance("update_check"), spec, upstream)
     everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
     everything += [x for x in (tokens, update) if x is not None]
-    report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude={"root"})))
+    regime, regimes = plan_regimes(cfg, store, base, rollouts, scores[Instance("scores", *main.instance[1:])])
+    everything += [*regime.values(), *([regimes] if regimes is not None else [])]
+    dumped = cfg.model_dump(mode="json", exclude={"root"} | (set() if cfg.regimes else {"regimes"}))
+    report_spec = ReportSpec(name=cfg.name, config=report_layout(dumped))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
-    return Plan(base, rollouts, scores, stats, offpolicy, masks, tokens, update, report, main=main)
+    return Plan(base, rollouts, scores, stats, offpolicy, masks, tokens, update, regime, regimes, report, main=main)
+
+
+def regime_inputs(r: RegimeSection) -> dict[str, str]:
+    """Content digests of the teacher and reference model directories a regime reads."""
+    return {
+        role: input_digest(path, model=True)
+        for role, path in (("teacher", r.teacher), ("reference", r.reference))
+        if path is not None and path not in ("policy", "stale")
+    }
+
+
+def plan_regimes(
+    cfg: PipelineConfig, store: ArtifactStore, base: Step, rollouts: dict[str, Step], main_scores: Step
+) -> tuple[dict[Instance, Step], Step | None]:
+    """The ``regime.<name>`` folds of ``cfg.regimes`` and their ``regimes`` statistics (None without regimes).
+    Instances name the regime in the sampler slot: ``regime.distill``."""
+    sc, m = cfg.scores, cfg.model
+    out: dict[Instance, Step] = {}
+    for name, r in cfg.regimes.items():
+        sampler = r.sampler or cfg.rollouts.analyse
+        spec = RegimeSpec(
+            name=name,
+            settings=r.model_copy(deep=True),
+            sampler=sampler,
+            policy=policy_spec(cfg),
+            params=m.params,
+            groups_per_batch=sc.groups_per_batch,
+            byte_budget=sc.byte_budget,
+            state_dtype=sc.state_dtype,
+            sample_shards=sc.shards[0],
+            blocks=sc.shards[1],
+            device=m.device,
+            self_check=m.self_check,
+            inputs=regime_inputs(r),
+            checkpoint_batches=sc.checkpoint_batches,
+            checkpoint_seconds=sc.checkpoint_seconds,
+        )
+        up = {"base_model": base, "rollouts": rollouts[sampler]}
+        out[Instance("regime", name)] = _step(store, Instance("regime", name), spec, up)
+    if not out:
+        return out, None
+    stats_spec = RegimeStatsSpec(names=list(cfg.regimes), qs=list(cfg.masks.qs))
+    up = {"scores": main_scores, **{str(i): s for i, s in out.items()}}
+    return out, _step(store, Instance("regimes"), stats_spec, up)
