@@ -1,0 +1,127 @@
+"""The regime and regimes stages on the tiny config: each fold's G against a naive per-sequence autograd
+loop of the regime's objective, the bound statistics, resume byte-identical, keys unchanged without regimes."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from covgrad.batch import group_batches
+from covgrad.config import PipelineConfig
+from covgrad.layout import select_parameters
+from storage.artifacts import ArtifactStore
+from storage.models import load_models
+from storage.regimes import bound_a2, state_rows
+from storage.rollouts import read_batch
+from storage.schema import REGIMES, ROLLOUTS, SCORES
+from tests.conftest import NO_OPTIONAL, REPO, run_planned, tiny_config
+
+REGIME_CFG = {
+    "rl": {"kind": "rl"},
+    "klpen": {"kind": "rl_token", "kl_beta": 0.5, "reference": "stale", "advantages": "none"},
+    "distill": {"kind": "distill_reverse_kl", "teacher": "stale"},
+    "sampled": {"kind": "distill_sampled", "teacher": "stale"},
+    "sft": {"kind": "sft_drift", "sampler": "stale", "teacher": "stale"},
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_run):
+    root = tmp_path_factory.mktemp("regimes") / "root"
+    shutil.copytree(tiny_run[0], root)
+    cfg = tiny_config(str(root), **NO_OPTIONAL, regimes=REGIME_CFG)
+    results = run_planned(cfg)
+    return cfg, results
+
+
+def _objective(kind, z, zq, ids, mask, adv):
+    """J_n of one sequence (L, V) logits, naive: the regime's objective summed over scored positions."""
+    logp = torch.log_softmax(z[:-1].double(), -1)
+    tok = ids[1:]
+    w = mask[1:].double()
+    drawn = logp.gather(-1, tok[:, None])[:, 0]
+    if kind == "rl":
+        return adv * (w * drawn).sum()
+    logq = torch.log_softmax(zq[:-1].double(), -1)
+    if kind == "rl_token":  # the KL penalty −β(log p − log p_ref)(y_t), held constant
+        a = -0.5 * (drawn - logq.gather(-1, tok[:, None])[:, 0]).detach()
+        return (w * a * drawn).sum()
+    if kind == "distill_sampled":
+        a = (logq.gather(-1, tok[:, None])[:, 0] - drawn).detach()
+        return (w * a * drawn).sum()
+    if kind == "distill_reverse_kl":
+        return -(w * (logp.exp() * (logp - logq)).sum(-1)).sum()
+    return (w * (logq.exp() * logp).sum(-1)).sum()  # sft_drift
+
+
+def test_regime_G_equals_the_naive_per_sequence_loop(run):
+    cfg, results = run
+    store = ArtifactStore(cfg.root)
+    base = results["base_model"].ref
+    policy = load_models(
+        store, base, "policy", type("P", (), {"path": None, "dtype": "float32", "trust_remote_code": False})
+    )[0]
+    stale = load_models(
+        store, base, "stale", type("P", (), {"path": None, "dtype": "float32", "trust_remote_code": False})
+    )[0]
+    layout = select_parameters(policy, None)
+    params = [p for _, p in policy.named_parameters() if p.requires_grad]
+    for name, r in REGIME_CFG.items():
+        fold = store.open_group(results[f"regime.{name}"].ref, SCORES, mode="r")
+        count, mean, _, _ = state_rows(fold, slice(None))
+        G = (count[:, None] * mean).sum(0) / count.sum()
+        ro = store.open_group(results[f"rollouts.{r.get('sampler', 'policy')}"].ref, ROLLOUTS, mode="r")
+        total = torch.zeros(layout.P, dtype=torch.float64)
+        N = 0
+        for lo, hi in group_batches(ro["group"][:], cfg.scores.groups_per_batch):
+            batch = read_batch(ro, lo, hi, trim=False)
+            with torch.no_grad():
+                zq = stale(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            for n in range(hi - lo):
+                out = policy(input_ids=batch.input_ids[n : n + 1], attention_mask=batch.attention_mask[n : n + 1])
+                J = _objective(
+                    r["kind"],
+                    out.logits[0],
+                    zq[n],
+                    batch.input_ids[n],
+                    batch.response_mask[n],
+                    float(batch.advantages[n]),
+                )
+                grads = torch.autograd.grad(J, params, allow_unused=True)
+                total += torch.cat(
+                    [(g if g is not None else torch.zeros_like(p)).reshape(-1).double() for g, p in zip(grads, params)]
+                )
+                N += 1
+        naive = (total / N).numpy()
+        scale = max(np.abs(naive).max(), 1e-12)
+        assert np.abs(G - naive).max() <= 1e-5 * scale, (name, np.abs(G - naive).max(), scale)
+        a2, halves = bound_a2(fold)
+        assert a2 > 0 and all(h > 0 for h in halves), name
+
+
+def test_regimes_stage_tables(run):
+    cfg, results = run
+    store = ArtifactStore(cfg.root)
+    ref = results["regimes"].ref
+    rows = {r["regime"]: r for r in store.read_json(ref, "regimes.json")}
+    assert set(rows) == set(REGIME_CFG)
+    assert rows["rl"]["violations"] == 0  # rl on its own rollouts: Cauchy–Schwarz in-sample
+    g = store.open_group(ref, REGIMES, mode="r")
+    st = store.open_group(results["stats.policy.policy"].ref, "stats.zarr", mode="r")
+    np.testing.assert_allclose(
+        g["G_rl"][:], st["G"][:], rtol=0, atol=1e-5 * np.abs(st["G"][:]).max()
+    )  # float32 g_n vs s_n·A
+    np.testing.assert_allclose(g["F"][:], st["F"][:], rtol=1e-9, atol=1e-15)
+    pairs = store.read_json(ref, "pairs.json")
+    names = list(REGIME_CFG)
+    assert {frozenset((p["a"], p["b"])) for p in pairs} == {frozenset((a, b)) for a in names for b in names if a != b}
+
+
+def test_keys_unchanged_without_regimes():
+    from tasks.specs import plan
+
+    assert plan(tiny_config("runs")).run_key == "0d0e888e6ee281a3d332535e"
+    demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    assert plan(PipelineConfig.model_validate(demo)).run_key == "c30a2b444053ba3b0c81f7dd"
