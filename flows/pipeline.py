@@ -4,8 +4,7 @@
 (``tasks.specs.STAGES``) before anything runs, and ``run_stages`` calls each planned artifact's task with
 its spec and upstream refs: through Prefect with the artifact cache policy in the flow, as task bodies in tests.
 
-No ``from __future__ import annotations`` here: Prefect builds the parameter schema from the
-annotations at import time (DESIGN.md section 6).
+No ``from __future__ import annotations``: Prefect builds the parameter schema from the annotations (DESIGN.md §6).
 """
 
 import logging
@@ -19,11 +18,11 @@ from flows.deployment import run_config
 from flows.preflight import preflight
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
+from tasks import regime, regimes
 from tasks.base_model import base_model_task
 from tasks.common import StageResult, cache_options
 from tasks.masks import masks_task
 from tasks.offpolicy import offpolicy_task
-from tasks.regimes import REGIME_TASKS
 from tasks.report import report_task
 from tasks.rollouts import rollouts_task
 from tasks.scores import scores_task
@@ -46,7 +45,8 @@ TASKS = (
     masks_task,
     tokens_task,
     update_check_task,
-    *REGIME_TASKS,
+    regime.regime_task,
+    regimes.regimes_task,
     report_task,
 )  # one per stage; each task's name is its spec's STAGE
 

@@ -16,6 +16,7 @@ import numpy as np
 from storage.schema import SCORES, create
 
 BOUND = ("bound_sum", "bound_count")
+IMPORTED = {"advantages": "token_advantage", "teacher_logprobs": "teacher_logprob"}  # rollouts arrays
 
 
 def create_bound_arrays(g: Any, n_batches: int) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 from prefect import task
 
-import tasks.regime as fold_stage
 from covgrad.layout import ParamLayout
 from covgrad.regimes import moment_mean_se, regime_block_stats
 from covgrad.stats import OVERLAP_Q
@@ -159,6 +158,3 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
 def regimes_task(ref: ArtifactRef, spec: RegimeStatsSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
     """Per-regime statistics and the cross-regime comparison (``upstream``: ``scores`` and ``regime.<name>``)."""
     return run_stage(ref, spec, lambda store, r: _stats(store, r, spec, upstream))
-
-
-REGIME_TASKS = (fold_stage.regime_task, regimes_task)  # the two stages' tasks, for flows.pipeline

@@ -117,7 +117,6 @@ class ScoresJob:
 
             def on_batch(b: int, out: torch.Tensor | None) -> None:
                 w.on_batch(b, out, None if self.mu is None else self.mu.kl)
-                self.after_batch(w, b)
 
             fold_batches(
                 psg,
@@ -132,10 +131,6 @@ class ScoresJob:
                 every=spec.checkpoint_batches,
                 seconds=spec.checkpoint_seconds,
             )
-
-    def after_batch(self, writer: Any, b: int) -> None:
-        """Batch ``b`` is folded by ``writer``'s job, before its checkpoint: a subclass's extra per-batch
-        writes (the regime fold's bound scalars, :mod:`tasks.regimes`); nothing here."""
 
     def finalize(self) -> dict[str, Any] | None:
         """Write attrs and consolidated metadata when every batch is done; return the provenance

@@ -216,19 +216,15 @@ class RegimeSpec(StageSpec):
     STAGE: ClassVar[str] = "regime"
     VERSION: ClassVar[str] = "1"
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
-        {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
+        {"device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
     )
-    centering: ClassVar[str] = "policy"  # the scores machinery's: no sampler centering of g_n
     name: str
     settings: RegimeSection
     sampler: str
     policy: PolicySpec
     params: list[str] | None
     groups_per_batch: int
-    byte_budget: int
     state_dtype: StateDtype
-    sample_shards: int
-    blocks: Blocks
     device: Device
     self_check: bool
     inputs: dict[str, str] = {}
@@ -503,10 +499,7 @@ def plan_regimes(
             policy=policy_spec(cfg),
             params=m.params,
             groups_per_batch=sc.groups_per_batch,
-            byte_budget=sc.byte_budget,
             state_dtype=sc.state_dtype,
-            sample_shards=sc.shards[0],
-            blocks=sc.shards[1],
             device=m.device,
             self_check=m.self_check,
             inputs=regime_inputs(r),

@@ -91,7 +91,10 @@ def test_regime_G_equals_the_naive_per_sequence_loop(run):
                 )
                 grads = torch.autograd.grad(J, params, allow_unused=True)
                 total += torch.cat(
-                    [(g if g is not None else torch.zeros_like(p)).reshape(-1).double() for g, p in zip(grads, params)]
+                    [
+                        (g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+                        for g, p in zip(grads, params, strict=False)
+                    ]
                 )
                 N += 1
         naive = (total / N).numpy()
