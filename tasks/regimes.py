@@ -144,8 +144,9 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
                 pairs.append({"a": a, "b": b, "cosine": cosine, **row})
     for stem, table in (("regimes", rows), ("overlap", overlap), ("pairs", pairs)):
         store.write_json(ref, f"{stem}.json", table)
-        store.write_text(ref, f"{stem}.csv", to_csv(table))
-        store.write_text(ref, f"{stem}.md", to_markdown(table))
+        if table:  # one regime has no pairs
+            store.write_text(ref, f"{stem}.csv", to_csv(table))
+            store.write_text(ref, f"{stem}.md", to_markdown(table))
     store.write_text(ref, "tensors.csv", to_csv(tensors))
     store.write_text(ref, "tensors.md", to_markdown(tensors))
     g.attrs.update({"tensors": sc.attrs["tensors"], "regimes": spec.names, "allowance_z": spec.allowance_z})
