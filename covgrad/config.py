@@ -335,6 +335,8 @@ class RegimeSection(Section):
             raise ValueError("regime kind rl takes the sequence advantages; use rl_token for per-token ones")
         if self.length_norm == "constant" and self.max_length is None:
             raise ValueError("length_norm constant needs max_length")
+        if k.startswith("sft") and self.sampler is None:
+            raise ValueError(f"regime kind {k} needs responses: set sampler to the sampler that drew them")
         if self.baseline and self.teacher is None:
             raise ValueError("baseline −KL(p_t‖q_t) needs a teacher model")
         return self

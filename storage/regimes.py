@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.schema import SCORES, create
+from storage.schema import ROLLOUTS, SCORES, create
 
 BOUND = ("bound_sum", "bound_count")
 IMPORTED = {"advantages": "token_advantage", "teacher_logprobs": "teacher_logprob"}  # rollouts arrays
@@ -46,3 +46,66 @@ def state_rows(g: Any, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     if "mean_s_lo" in g:
         mean = mean + g["mean_s_lo"][:, cols].astype(np.float64)
     return count, mean, g["m2_s"][:, cols].astype(np.float64), np.arange(len(count)) % 2
+
+
+def create_imported_token_arrays(g: Any, data: dict[str, np.ndarray], rows: int) -> None:
+    """Create the imported per-token arrays that ``data`` (records_to_rollouts' output) holds, in the
+    rollouts group ``g`` (their rows are written with the others)."""
+    for name in IMPORTED.values():
+        if name in data:
+            create(g, ROLLOUTS, name, data[name].shape, rows=rows)
+
+
+def _vocab_size(path: str) -> int | None:
+    """``vocab_size`` of a model directory's config.json (None when it does not say)."""
+    import json
+    from pathlib import Path
+
+    v = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    return int(v) if isinstance(v, int) else None
+
+
+def check_regime_inputs(cfg: Any) -> None:
+    """The preflight's regime checks of a ``PipelineConfig``, one-line errors: every teacher and reference
+    directory is a causal LM with the policy's vocabulary size, and every imported per-token field a regime
+    reads is in every record of its sampler's file with one entry per response token (``file:line``)."""
+    from storage.models import check_model_dir
+    from storage.readers import read_located_records
+
+    if cfg.model.path is not None:
+        policy_vocab = _vocab_size(cfg.model.path)
+    else:
+        from covgrad.problems import build_char_tokenizer
+
+        policy_vocab = len(build_char_tokenizer())
+    for name, r in cfg.regimes.items():
+        for role in ("teacher", "reference"):
+            path = getattr(r, role)
+            if path is None or path in ("policy", "stale"):
+                continue
+            check_model_dir(path, f"regimes.{name}.{role}")
+            v = _vocab_size(path)
+            if policy_vocab is not None and v is not None and v != policy_vocab:
+                raise ValueError(
+                    f"regimes.{name}.{role} {path!r} has vocabulary {v}, the policy {policy_vocab}: "
+                    "a teacher or reference must share the policy's vocabulary"
+                )
+        fields = [
+            f for f, on in (("advantages", r.advantages == "imported"), ("teacher_logprobs", r.teacher_logprobs)) if on
+        ]
+        if not fields:
+            continue
+        sampler = r.sampler or cfg.rollouts.analyse
+        source = cfg.rollouts.samplers[sampler].import_path
+        if source is None:
+            raise ValueError(
+                f"regimes.{name}: imported {fields[0]} need a sampler with import_path; {sampler!r} has none"
+            )
+        for at, rec in read_located_records(source):
+            for field in fields:
+                if field not in rec:
+                    raise ValueError(f"regimes.{name}: {at} has no '{field}' field (the regime reads it)")
+                n, got = len(rec.get("response_ids", [])), rec[field]
+                if not isinstance(got, list) or len(got) != n:
+                    size = len(got) if isinstance(got, list) else type(got).__name__
+                    raise ValueError(f"{at}: '{field}' has {size} entries for {n} response tokens")

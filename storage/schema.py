@@ -215,6 +215,18 @@ ROLLOUTS_VARS = {
     **PROGRESS,
 }
 
+# per-token fields of imported rollouts (covgrad.rollout_import.PER_TOKEN), token-aligned like ``tokens``
+ROLLOUTS_VARS.update(
+    {
+        "token_advantage": Var(
+            ("sample", "token"), "float64", (ROWS, WHOLE), "imported per-token advantage", "A_t of token t", fill=0
+        ),
+        "teacher_logprob": Var(
+            ("sample", "token"), "float32", (ROWS, WHOLE), "imported teacher log-probability", "log q(y_t)", "nats"
+        ),
+    }
+)
+
 # scores.zarr — dims: row (2 per sample shard: shard i's samples of the prompt groups with parity h at row
 # 2i + h), param, sample, batch, shard, block. Checkpoint groups (ckpt/…, edges/…) hold the state arrays
 # and ``batches``.
