@@ -1,6 +1,7 @@
 """The regime and regimes stages on the tiny config: each fold's G against a naive per-sequence autograd
 loop of the regime's objective, the bound statistics, resume byte-identical, keys unchanged without regimes."""
 
+import json
 import shutil
 
 import numpy as np
@@ -27,23 +28,58 @@ REGIME_CFG = {
 }
 
 
+IMPORTED_CFG = {
+    "imp": {"kind": "rl_token", "sampler": "engine", "advantages": "imported"},
+    "implq": {"kind": "distill_sampled", "sampler": "engine", "teacher_logprobs": True},
+}
+
+
+def _export(tiny_run, path):
+    """The tiny run's policy rollouts as an import JSONL with per-token advantages and teacher log-probs."""
+    root, p = tiny_run
+    ro = ArtifactStore(str(root)).open_group(p["rollouts.policy"].ref, ROLLOUTS, mode="r")
+    rng = np.random.default_rng(0)
+    lines = []
+    for n in range(ro["group"].shape[0]):
+        pl, rl = int(ro["prompt_len"][n]), int(ro["response_len"][n])
+        row = ro["tokens"][n].tolist()
+        rec = {
+            "prompt_ids": row[:pl],
+            "response_ids": row[pl : pl + rl],
+            "reward": float(ro["reward"][n]),
+            "logprobs": ro["sampler_logp"][n, :rl].tolist(),
+            "group": int(ro["group"][n]),
+            "advantages": rng.normal(size=rl).tolist(),
+            "teacher_logprobs": (-rng.exponential(size=rl)).tolist(),
+        }
+        lines.append(json.dumps(rec) + "\n")
+    path.write_text("".join(lines))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_run):
     root = tmp_path_factory.mktemp("regimes") / "root"
     shutil.copytree(tiny_run[0], root)
-    cfg = tiny_config(str(root), **NO_OPTIONAL, regimes=REGIME_CFG)
+    engine = {"import_path": _export(tiny_run, root.parent / "engine.jsonl"), "on_policy": True}
+    over = {"rollouts.samplers.engine": engine, "regimes": {**REGIME_CFG, **IMPORTED_CFG}}
+    cfg = tiny_config(str(root), **NO_OPTIONAL, **over)
     results = run_planned(cfg)
     return cfg, results
 
 
-def _objective(kind, z, zq, ids, mask, adv):
-    """J_n of one sequence (L, V) logits, naive: the regime's objective summed over scored positions."""
+def _objective(kind, z, zq, ids, mask, adv, imported=None):
+    """J_n of one sequence (L, V) logits, naive: the regime's objective summed over scored positions
+    (``imported``: the row's token-aligned imported advantages or teacher log-probs)."""
     logp = torch.log_softmax(z[:-1].double(), -1)
     tok = ids[1:]
     w = mask[1:].double()
     drawn = logp.gather(-1, tok[:, None])[:, 0]
     if kind == "rl":
         return adv * (w * drawn).sum()
+    if imported is not None:
+        a = imported[1:] if kind == "rl_token" else (imported[1:] - drawn).detach()
+        return (w * a * drawn).sum()
     logq = torch.log_softmax(zq[:-1].double(), -1)
     if kind == "rl_token":  # the KL penalty −β(log p − log p_ref)(y_t), held constant
         a = -0.5 * (drawn - logq.gather(-1, tok[:, None])[:, 0]).detach()
@@ -68,7 +104,7 @@ def test_regime_G_equals_the_naive_per_sequence_loop(run):
     )[0]
     layout = select_parameters(policy, None)
     params = [p for _, p in policy.named_parameters() if p.requires_grad]
-    for name, r in REGIME_CFG.items():
+    for name, r in {**REGIME_CFG, **IMPORTED_CFG}.items():
         fold = store.open_group(results[f"regime.{name}"].ref, SCORES, mode="r")
         count, mean, _, _ = state_rows(fold, slice(None))
         G = (count[:, None] * mean).sum(0) / count.sum()
@@ -77,6 +113,8 @@ def test_regime_G_equals_the_naive_per_sequence_loop(run):
         N = 0
         for lo, hi in group_batches(ro["group"][:], cfg.scores.groups_per_batch):
             batch = read_batch(ro, lo, hi, trim=False)
+            field = {"imp": "token_advantage", "implq": "teacher_logprob"}.get(name)
+            extra = None if field is None else torch.from_numpy(ro[field][lo:hi].astype(np.float64))
             with torch.no_grad():
                 zq = stale(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             for n in range(hi - lo):
@@ -88,6 +126,7 @@ def test_regime_G_equals_the_naive_per_sequence_loop(run):
                     batch.input_ids[n],
                     batch.response_mask[n],
                     float(batch.advantages[n]),
+                    None if extra is None else extra[n],
                 )
                 grads = torch.autograd.grad(J, params, allow_unused=True)
                 total += torch.cat(
@@ -109,7 +148,7 @@ def test_regimes_stage_tables(run):
     store = ArtifactStore(cfg.root)
     ref = results["regimes"].ref
     rows = {r["regime"]: r for r in store.read_json(ref, "regimes.json")}
-    assert set(rows) == set(REGIME_CFG)
+    assert set(rows) == set(REGIME_CFG) | set(IMPORTED_CFG)
     assert rows["rl"]["violations"] == 0  # rl on its own rollouts: Cauchy–Schwarz in-sample
     g = store.open_group(ref, REGIMES, mode="r")
     st = store.open_group(results["stats.policy.policy"].ref, "stats.zarr", mode="r")
@@ -118,7 +157,7 @@ def test_regimes_stage_tables(run):
     )  # float32 g_n vs s_n·A
     np.testing.assert_allclose(g["F"][:], st["F"][:], rtol=1e-9, atol=1e-15)
     pairs = store.read_json(ref, "pairs.json")
-    names = list(REGIME_CFG)
+    names = [*REGIME_CFG, *IMPORTED_CFG]
     assert {frozenset((p["a"], p["b"])) for p in pairs} == {frozenset((a, b)) for a in names for b in names if a != b}
 
 

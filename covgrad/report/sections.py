@@ -26,6 +26,7 @@ from covgrad.report.plots import (
     plot_update_check,
     plot_zero_mean,
 )
+from covgrad.report.regimes import regimes as regimes_section
 
 STATS = "stats.zarr"
 TOKENS = "tokens.zarr"
@@ -97,6 +98,7 @@ def render_report(run: RunSource, config: dict[str, Any], name: str, main: str) 
     off_policy(report, run)
     tokens(report, run)
     update_check(report, run)
+    regimes_section(report, run)
     return report
 
 
