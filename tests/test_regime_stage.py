@@ -167,3 +167,42 @@ def test_keys_unchanged_without_regimes():
     assert plan(tiny_config("runs")).run_key == "0d0e888e6ee281a3d332535e"
     demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     assert plan(PipelineConfig.model_validate(demo)).run_key == "c30a2b444053ba3b0c81f7dd"
+
+
+def test_moment_mean_se_merges_rows_like_numpy():
+    from covgrad.regimes import moment_mean_se
+
+    rng = np.random.default_rng(3)
+    g = rng.normal(size=(11, 5))
+    parts = [g[:4], g[4:4], g[4:]]  # an empty row is skipped
+    count = np.array([len(p) for p in parts], dtype=float)
+    mean = np.stack([p.mean(0) if len(p) else np.zeros(5) for p in parts])
+    m2 = np.stack([((p - p.mean(0)) ** 2).sum(0) if len(p) else np.zeros(5) for p in parts])
+    G, se, n = moment_mean_se(count, mean, m2)
+    assert n == 11
+    np.testing.assert_allclose(G, g.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(se, g.std(0, ddof=1) / np.sqrt(11), rtol=1e-12)
+
+
+def test_regime_block_stats_counts_violations_against_the_allowance():
+    from covgrad.regimes import regime_block_stats
+
+    F = np.array([1.0, 1.0, 1.0, 0.0])
+    G = np.array([0.5, 1.2, 3.0, 0.0])  # bound a·√F = 1: inside, over by 0.2 (within 3 se), over by 2
+    se = np.full(4, 0.1)
+    out = regime_block_stats(G, se, F, 1.0, np.stack([G, G]), np.stack([se, se]), np.stack([F, F]), np.ones(2))
+    assert out["violations"] == 2 and out["violations_beyond"] == 1
+    np.testing.assert_array_equal(out["crossfit_exceed"], [2, 2])
+    np.testing.assert_array_equal(out["crossfit_defined"], [3, 3])  # F = 0: the ratio is undefined
+    assert np.isnan(out["rho"][3]) and out["max_abs_rho"] == 3.0
+    none = regime_block_stats(
+        G, se, F, float("nan"), np.stack([G, G]), np.stack([se, se]), np.stack([F, F]), np.full(2, np.nan)
+    )
+    assert none["violations"] == 0 and np.isnan(none["bound"]).all()
+
+
+def test_the_report_has_the_regimes_section(run):
+    cfg, results = run
+    store = ArtifactStore(cfg.root)
+    text = store.fs.cat_file(f"{store.path(results['report'].ref)}/report.md").decode()
+    assert "## Regimes" in text and "| distill | distill_reverse_kl |" in text
