@@ -306,7 +306,7 @@ class RegimeSection(Section):
     ``none`` (KL penalty only); ``teacher_logprobs``: distill_sampled reads the imported per-token
     ``teacher_logprobs`` field instead of a teacher model."""
 
-    kind: RegimeKind = Field(description="the objective: one of covgrad.regimes.REGIMES")
+    kind: RegimeKind = Field("rl", description="the objective: one of covgrad.regimes.REGIMES")
     sampler: str | None = Field(None, description="whose rollouts (sft: the responses); unset: rollouts.analyse")
     teacher: str | None = Field(None, description="distill/sft_drift: stale, policy or a model directory")
     reference: str | None = Field(None, description="rl_token with kl_beta: stale, policy or a model directory")
