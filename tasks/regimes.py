@@ -44,6 +44,8 @@ def _abs(arr: Any) -> Values:
 
 
 def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: dict[str, ArtifactRef]) -> dict[str, Any]:
+    """Write the regimes store and tables: per regime, block by block of parameters, the statistics of
+    :func:`covgrad.regimes.regime_block_stats`; then the overlap, tensor-share and pairwise tables."""
     sc = store.open_group(up["scores"], SCORES, mode="r")
     layout = ParamLayout.from_records(sc.attrs["tensors"])
     P, step = layout.P, param_chunk(layout.P) * 16
@@ -81,10 +83,7 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
             t["ex"] += out["crossfit_exceed"]
             t["exb"] += out["crossfit_exceed_beyond"]
             t["def"] += out["crossfit_defined"]
-            if out["max_abs_rho"] == out["max_abs_rho"]:
-                max_rho[name] = (
-                    max(out["max_abs_rho"], max_rho[name]) if max_rho[name] == max_rho[name] else out["max_abs_rho"]
-                )
+            max_rho[name] = float(np.fmax(max_rho[name], out["max_abs_rho"]))  # NaN: undefined in every block
     rows, overlap, tensors = [], [], []
     qs = spec.qs
     i1 = int(np.argmin(np.abs(np.asarray(qs) - OVERLAP_Q)))
