@@ -326,6 +326,58 @@ class TrajectorySection(Section):
         return v
 
 
+RegimeKind = Literal[
+    "rl", "rl_token", "distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift", "sft_sampled"
+]  # covgrad.regimes.REGIMES
+TEACHER_KINDS = ("distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift")
+
+
+class RegimeSection(Section):
+    """One analysed post-training objective (docs/regimes.md), folded over the rollouts of ``sampler``.
+
+    Its options mirror ``covgrad.regimes.Regime``. ``teacher``: the model whose logits are q (distill) or
+    μ (sft_drift): ``stale`` (the demo's stale checkpoint), ``policy`` or a model directory;
+    ``reference``: the KL-penalty reference of ``rl_token``; ``advantages``: ``sequence`` (the rollouts'
+    A, broadcast over tokens), ``imported`` (the per-token ``advantages`` field of imported rollouts) or
+    ``none`` (KL penalty only); ``teacher_logprobs``: distill_sampled reads the imported per-token
+    ``teacher_logprobs`` field instead of a teacher model."""
+
+    kind: RegimeKind = Field("rl", description="the objective: one of covgrad.regimes.REGIMES")
+    sampler: str | None = Field(None, description="whose rollouts (sft: the responses); unset: rollouts.analyse")
+    teacher: str | None = Field(None, description="distill/sft_drift: stale, policy or a model directory")
+    reference: str | None = Field(None, description="rl_token with kl_beta: stale, policy or a model directory")
+    advantages: Literal["sequence", "imported", "none"] = Field(
+        "sequence", description="rl/rl_token advantages: the rollouts' A, the imported per-token field, or none"
+    )
+    teacher_logprobs: bool = Field(False, description="distill_sampled: the imported teacher_logprobs field")
+    temperature: float = Field(1.0, gt=0.0, description="the policy's τ in p = softmax(z/τ)")
+    teacher_temperature: float = Field(1.0, gt=0.0, description="τ_q of the teacher's logits")
+    kl_beta: float = Field(0.0, ge=0.0, description="rl_token: β of the KL penalty to the reference")
+    kl_reward_to_go: bool = Field(False, description="rl_token: sum the KL penalties to the end of the response")
+    length_norm: Literal["none", "response_length", "constant"] = Field(
+        "none", description="rl_token: GRPO length normalisation of the per-token advantages"
+    )
+    max_length: int | None = Field(None, ge=1, description="length_norm=constant: the constant")
+    baseline: bool = Field(False, description="distill_sampled: subtract b_t = −KL(p_t‖q_t)")
+
+    @model_validator(mode="after")
+    def _sources(self) -> Self:
+        k = self.kind
+        if k in TEACHER_KINDS and self.teacher is None and not (k == "distill_sampled" and self.teacher_logprobs):
+            raise ValueError(f"regime kind {k} needs a teacher (stale, policy or a model directory)")
+        if k == "rl_token" and self.kl_beta > 0 and self.reference is None:
+            raise ValueError("regime kind rl_token with kl_beta > 0 needs a reference model")
+        if k == "rl" and self.advantages != "sequence":
+            raise ValueError("regime kind rl takes the sequence advantages; use rl_token for per-token ones")
+        if self.length_norm == "constant" and self.max_length is None:
+            raise ValueError("length_norm constant needs max_length")
+        if k.startswith("sft") and self.sampler is None:
+            raise ValueError(f"regime kind {k} needs responses: set sampler to the sampler that drew them")
+        if self.baseline and self.teacher is None:
+            raise ValueError("baseline −KL(p_t‖q_t) needs a teacher model")
+        return self
+
+
 class DaskSection(Section):
     """Where reductions run: the threaded scheduler (no address) or an existing dask.distributed scheduler."""
 
@@ -346,6 +398,9 @@ class PipelineConfig(Section):
     update_check: UpdateCheckSection = UpdateCheckSection()
     trajectory: TrajectorySection = TrajectorySection()
     dask: DaskSection = DaskSection()
+    regimes: dict[str, RegimeSection] = Field(
+        default_factory=dict, description="analysed post-training objectives by name (docs/regimes.md); none by default"
+    )
 
     @field_validator("name")
     @classmethod
@@ -362,6 +417,18 @@ class PipelineConfig(Section):
                     f"sampler {name!r} uses model=stale, which only exists for the demo model; "
                     "give a checkpoint directory instead"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _regimes_exist(self) -> Self:
+        for name, r in self.regimes.items():
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+                raise ValueError(f"regime name {name!r}: use lowercase letters, digits, '-' and '_'")
+            if r.sampler is not None and r.sampler not in self.rollouts.samplers:
+                raise ValueError(f"regimes.{name}.sampler {r.sampler!r} is not one of {list(self.rollouts.samplers)}")
+            for role in ("teacher", "reference"):
+                if getattr(r, role) == "stale" and self.model.path is not None:
+                    raise ValueError(f"regimes.{name}.{role}: stale only exists for the demo model")
         return self
 
 

@@ -42,7 +42,7 @@ Shape notation: B samples in the batch, L sequence positions (prompt, response a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -655,3 +655,82 @@ class RegimeMoments:
         hs = self._halves(halves)
         count = self.bound_count[hs].sum()
         return None if count == 0 else float(self.bound_sum[hs].sum() / count)
+
+
+def moment_mean_se(count: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Chan-merge moment rows into G = mean g, its standard error √(Σ(g − G)²/(N(N − 1))) and N.
+
+    Args:
+        count: shape (R,) samples per row (rows with 0 are skipped); mean, m2: shape (R, b) float64.
+
+    Returns:
+        G (b,), se (b,) float64 (NaN for N < 2) and N.
+    """
+    n, g, s = 0.0, np.zeros(mean.shape[1]), np.zeros(mean.shape[1])
+    for c, mu, q in zip(count, mean, m2, strict=True):
+        if c == 0:
+            continue
+        tot = n + c
+        d = mu - g
+        g = g + d * (c / tot)
+        s = s + q + d * d * (n * c / tot)
+        n = tot
+    se = np.sqrt(s / (n * (n - 1))) if n >= 2 else np.full_like(g, np.nan)
+    return g, se, n
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    ok = den > 0
+    return np.where(ok, num / np.where(ok, den, 1.0), np.nan)
+
+
+def regime_block_stats(
+    G: np.ndarray,
+    se: np.ndarray,
+    F: np.ndarray,
+    a2: float,
+    G_h: np.ndarray,
+    se_h: np.ndarray,
+    F_h: np.ndarray,
+    a2_h: np.ndarray,
+    z: float = 3.0,
+) -> dict[str, Any]:
+    """A regime's bound statistics on one block of b parameters (docs/regimes.md, "Statistics").
+
+    The bound is a·√F_i with a² = mean c²_n and F the policy's Fisher; outside ``rl`` on its own rollouts it
+    holds in expectation, so a violation counts against a sampling allowance: |G_i| > a√F_i + z·se_i.
+    The cross-fit takes G and a² from half h and F from half 1 − h.
+
+    Args:
+        G, se, F: shape (b,) float64: the regime's gradient, its standard error, the policy's F.
+        a2: the bound's a² (NaN: no bound, sft_sampled).
+        G_h, se_h, F_h: shape (2, b) float64, the same per prompt-group parity half.
+        a2_h: shape (2,) a² per half.
+        z: standard errors of the sampling allowance.
+
+    Returns:
+        ``bound``, ``rho``, ``crossfit_ratio`` (b,) arrays (cross-fit: G even, F odd) and counts
+        ``violations`` (|G| > bound·(1 + 1e-6)), ``violations_beyond`` (beyond the allowance),
+        ``crossfit_exceed`` and ``crossfit_exceed_beyond`` (2,) (G from half h), ``crossfit_defined`` (2,),
+        ``max_abs_rho`` (NaN when undefined).
+    """
+    bound = np.sqrt(a2 * F) if a2 == a2 else np.full_like(G, np.nan)
+    rho = _ratio(G, bound)
+    out: dict[str, Any] = {"bound": bound, "rho": rho}
+    absG = np.abs(G)
+    out["violations"] = int(np.count_nonzero(absG > bound * (1 + 1e-6)))
+    out["violations_beyond"] = int(np.count_nonzero(absG > bound + z * se))
+    ex, exb, defined, ratios = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64), []
+    for h in (0, 1):
+        b_cf = np.sqrt(a2_h[h] * F_h[1 - h]) if a2_h[h] == a2_h[h] else np.full_like(G, np.nan)
+        r = _ratio(np.abs(G_h[h]), b_cf)
+        ratios.append(r)
+        ok = r == r
+        defined[h] = int(np.count_nonzero(ok))
+        ex[h] = int(np.count_nonzero(r[ok] > 1))
+        exb[h] = int(np.count_nonzero(np.abs(G_h[h]) > b_cf + z * se_h[h]))
+    out["crossfit_ratio"] = ratios[0]
+    out["crossfit_exceed"], out["crossfit_exceed_beyond"], out["crossfit_defined"] = ex, exb, defined
+    finite = np.abs(rho[rho == rho])
+    out["max_abs_rho"] = float(finite.max()) if finite.size else float("nan")
+    return out

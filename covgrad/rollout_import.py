@@ -11,10 +11,14 @@ A record is one sampled response:
   the sampler's top-k. Engines often add the sampled token to the top-k, so k may vary by position;
   shorter positions are padded with their first id at log-prob ``-inf`` (zero mass);
 - optional ``group``: an int or str group label; without it, records with identical prompt tokens form
-  a group.
+  a group;
+- optional ``advantages`` (list of finite numbers, one per response token): per-token advantages A_t, as
+  TRL/verl/open-instruct dumps hold them (regime ``rl_token`` with ``advantages: imported``);
+- optional ``teacher_logprobs`` (list of float, one per response token): log q of each sampled token under
+  a teacher (regime ``distill_sampled`` with ``teacher_logprobs: true``).
 
-``group``, ``top_logprobs`` must be given by every record or by none. Token ids may be integral floats
-(Arrow cannot type the mixed ``[[ids], [logps]]`` lists). The arrays match those of
+``group``, ``top_logprobs``, ``advantages``, ``teacher_logprobs`` must be given by every record or by none.
+Token ids may be integral floats (Arrow cannot type the mixed ``[[ids], [logps]]`` lists). The arrays match those of
 :func:`covgrad.sampling.generate`, with the position axis T = the longest response.
 
 Shape notation: N records, L = max(prompt_len + response_len), T = max response_len, k top-k entries.
@@ -160,7 +164,9 @@ def records_to_rollouts(
         first appearance); ``sample_index`` (N,) int64 (rank within its group); ``sampler_logp`` (N, T)
         float32, 0 after the end; with ``top_logprobs``: ``mu_topk_ids`` (N, T, k) int32,
         ``mu_topk_logp`` (N, T, k) float32 and ``mu_tail`` (N, T) float32 = max(0, 1 − Σ exp(logp)),
-        all 0 after the end.
+        all 0 after the end; with ``advantages``: ``token_advantage`` (N, L) float64 and with
+        ``teacher_logprobs``: ``teacher_logprob`` (N, L) float32, token-aligned (entry t for token t of the
+        row, 0 outside the response).
 
     Raises:
         ValueError: one line naming the record (``where`` or its index) and the bad field or value.
@@ -173,6 +179,8 @@ def records_to_rollouts(
     group_keys: list[tuple] = []
     has_group: bool | None = None
     has_top: bool | None = None
+    per_token: dict[str, list[np.ndarray]] = {field: [] for field in PER_TOKEN}
+    has_token: dict[str, bool | None] = dict.fromkeys(PER_TOKEN)
     first_at = ""
     for i, item in enumerate(records):
         at, rec = item if isinstance(item, tuple) else (f"record {i}", item)
@@ -202,6 +210,10 @@ def records_to_rollouts(
             if not isinstance(top, list | tuple) or len(top) != len(response):
                 raise ValueError(f"{at}: 'top_logprobs' must be a list with one entry per response token")
             tops.append([_top_position(entry, at, j, vocab_size) for j, entry in enumerate(top)])
+        for field in PER_TOKEN:
+            has_token[field] = _all_or_none(field, field in rec, has_token[field], at, first_at)
+            if has_token[field]:
+                per_token[field].append(_per_token(rec[field], at, field, len(response)))
         has_group = _all_or_none("group", "group" in rec, has_group, at, first_at)
         if has_group:
             label = rec["group"]
@@ -256,7 +268,32 @@ def records_to_rollouts(
     }
     if has_top:
         out.update(_topk_arrays(tops, T))
+    for field, (name, dtype) in PER_TOKEN.items():
+        if has_token[field]:
+            arr = np.zeros((N, L), dtype=dtype)
+            for n, values in enumerate(per_token[field]):
+                arr[n, prompt_len[n] : prompt_len[n] + response_len[n]] = values
+            out[name] = arr
     return out
+
+
+PER_TOKEN = {"advantages": ("token_advantage", np.float64), "teacher_logprobs": ("teacher_logprob", np.float32)}
+"""Optional per-token record fields and the token-aligned (N, L) arrays they become."""
+
+
+def _per_token(value: Any, at: str, field: str, n: int) -> np.ndarray:
+    """Validate a per-token field of the record at ``at`` with one entry per response token (n)."""
+    if field == "teacher_logprobs":
+        values = _log_probs(value, at, field, allow_neg_inf=False).astype(np.float64)
+    else:
+        if not isinstance(value, list | tuple | np.ndarray) or not all(_is_number(x) for x in value):
+            raise ValueError(f"{at}: '{field}' must be a list of numbers; got {value!r:.80}")
+        values = np.asarray(value, dtype=np.float64)
+        if not np.isfinite(values).all():
+            raise ValueError(f"{at}: '{field}' has a non-finite value {values[~np.isfinite(values)][0]}")
+    if len(values) != n:
+        raise ValueError(f"{at}: '{field}' has {len(values)} entries for {n} response tokens")
+    return values
 
 
 def _topk_arrays(tops: list[list[tuple[np.ndarray, np.ndarray]]], T: int) -> dict[str, np.ndarray]:

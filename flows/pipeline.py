@@ -4,8 +4,7 @@
 (``tasks.specs.STAGES``) before anything runs, and ``run_stages`` calls each planned artifact's task with
 its spec and upstream refs: through Prefect with the artifact cache policy in the flow, as task bodies in tests.
 
-No ``from __future__ import annotations`` here: Prefect builds the parameter schema from the
-annotations at import time (DESIGN.md section 6).
+No ``from __future__ import annotations``: Prefect builds the parameter schema from the annotations (DESIGN.md §6).
 """
 
 import logging
@@ -19,6 +18,7 @@ from flows.deployment import run_config
 from flows.preflight import preflight
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
+from tasks import regime, regimes
 from tasks.base_model import base_model_task
 from tasks.common import StageResult, cache_options
 from tasks.masks import masks_task
@@ -47,6 +47,8 @@ TASKS = (
     tokens_task,
     update_check_task,
     trajectory_task,
+    regime.regime_task,
+    regimes.regimes_task,
     report_task,
 )  # one per stage; each task's name is its spec's STAGE
 

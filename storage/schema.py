@@ -54,6 +54,7 @@ UPDATE = "update.zarr"
 TRAJECTORY = "trajectory.zarr"
 OFFPOLICY = "offpolicy.zarr"
 OFFPOLICY_TABLE = "offpolicy"  # its tables: offpolicy.{json,csv,md}
+REGIMES = "regimes.zarr"
 
 PARAM_CHUNK = 65536  # elements per chunk along ``param`` (every (…, param) array of every store)
 WHOLE = None  # chunk rule: the whole extent of the dimension
@@ -214,6 +215,18 @@ ROLLOUTS_VARS = {
     **PROGRESS,
 }
 
+# per-token fields of imported rollouts (covgrad.rollout_import.PER_TOKEN), token-aligned like ``tokens``
+ROLLOUTS_VARS.update(
+    {
+        "token_advantage": Var(
+            ("sample", "token"), "float64", (ROWS, WHOLE), "imported per-token advantage", "A_t of token t", fill=0
+        ),
+        "teacher_logprob": Var(
+            ("sample", "token"), "float32", (ROWS, WHOLE), "imported teacher log-probability", "log q(y_t)", "nats"
+        ),
+    }
+)
+
 # scores.zarr — dims: row (2 per sample shard: shard i's samples of the prompt groups with parity h at row
 # 2i + h), param, sample, batch, shard, block. Checkpoint groups (ckpt/…, edges/…) hold the state arrays
 # and ``batches``.
@@ -246,6 +259,18 @@ SCORES_VARS = {
     **PROGRESS,
     **TENSOR_TABLE,
 }
+
+# a regime fold (tasks/regimes.py) is a scores store of g_n (mean_s = mean g, c_as = 0, A = 0) plus, dim
+# half = the prompt-group parity, the Σ of its bound scalar c²_n (covgrad.regimes) and the samples that had one
+SCORES_VARS.update(
+    {
+        f"bound_{what}": Var(("batch", "half"), "float64", (1, WHOLE), text, definition, units, fill=0)
+        for what, text, definition, units in (
+            ("sum", "sum of the regime's bound scalar", "sum over the batch's samples of c2_n, per half", "c2"),
+            ("count", "samples with a bound scalar", "per half; 0 for sft_sampled", "samples"),
+        )
+    }
+)
 
 # stats.zarr — dims: param, tensor.
 _PARAM_STAT = {
@@ -424,6 +449,20 @@ OFFPOLICY_VARS = {
     "finding": Var(("row",), "str", (WHOLE,), "degenerate condition", "why G has no finding, else empty"),
 }
 
+# regimes.zarr — dims: param, tensor; one array per regime and statistic (docs/regimes.md).
+_REGIME_STAT = {
+    "F": ("policy Fisher of the bounds", "mean(s^2) of the main scores' state", "score^2"),
+    "G_{regime}": ("regime gradient", "mean(g_n)", "grad"),
+    "se_{regime}": ("standard error of G", "sqrt(Var(g)/(N-1))", "grad"),
+    "bound_{regime}": ("regime bound", "a*sqrt(F), a^2 = mean c2_n, F of the main scores", "grad"),
+    "rho_{regime}": ("regime alignment", "G / bound (NaN where the bound is 0)", "1"),
+    "crossfit_ratio_{regime}": ("cross-fit ratio", "|G_h| / (a_h*sqrt(F_{1-h})), G from the even half", "1"),
+}
+REGIMES_VARS = {
+    **{n: Var(("param",), "float64", (PARAM,), *text) for n, text in _REGIME_STAT.items()},
+    **TENSOR_TABLE,
+}
+
 SCHEMAS: dict[str, dict[str, Var]] = {
     ROLLOUTS: ROLLOUTS_VARS,
     SCORES: SCORES_VARS,
@@ -433,6 +472,7 @@ SCHEMAS: dict[str, dict[str, Var]] = {
     UPDATE: UPDATE_VARS,
     TRAJECTORY: TRAJECTORY_VARS,
     OFFPOLICY: OFFPOLICY_VARS,
+    REGIMES: REGIMES_VARS,
 }
 
 

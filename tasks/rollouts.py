@@ -25,6 +25,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_
 from storage.models import load_models
 from storage.prompts import load_task, prompt_places
 from storage.readers import read_located_records
+from storage.regimes import create_imported_token_arrays
 from storage.rollouts import create_rollout_arrays, write_rollout_rows
 from storage.schema import ROLLOUTS as STORE
 from storage.schema import create
@@ -130,6 +131,7 @@ def _import(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: Ar
     ]
     g = store.open_group(ref, STORE, mode="a")
     create_rollout_arrays(g, N, width, T, V, N, s)
+    create_imported_token_arrays(g, data, N)
     create_progress(g, STORE, 1)
     rows = {k: v for k, v in data.items() if k != "reward"}
     for k in ("prompt_len", "response_len", "group", "prompt_index", "sample_index"):

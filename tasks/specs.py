@@ -34,6 +34,7 @@ from covgrad.config import (
     Device,
     Dtype,
     PipelineConfig,
+    RegimeSection,
     SamplerSection,
     StateDtype,
     TaskSection,
@@ -226,6 +227,41 @@ class TrajectorySpec(StageSpec):
     inputs: dict[str, str] = {}  # content digests of the task files it reads
 
 
+class RegimeSpec(StageSpec):
+    """regime: the per-sample gradients g_n of regime ``name`` (``settings``) over the rollouts of
+    ``sampler``, folded into scores-layout moment state (g_n in place of s_n, A = 0) with its bound scalars;
+    ``inputs``: content digests of the teacher and reference model directories it reads."""
+
+    STAGE: ClassVar[str] = "regime"
+    VERSION: ClassVar[str] = "1"
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset(
+        {"device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
+    )
+    name: str
+    settings: RegimeSection
+    sampler: str
+    policy: PolicySpec
+    params: list[str] | None
+    groups_per_batch: int
+    state_dtype: StateDtype
+    device: Device
+    self_check: bool
+    inputs: dict[str, str] = {}
+    checkpoint_batches: int
+    checkpoint_seconds: float
+
+
+class RegimeStatsSpec(StageSpec):
+    """regimes: per regime G, its bound a·√F with the main scores' F, ρ, violations, cross-fit and overlap
+    tables at ``qs``; and the cross-regime comparison of the regimes ``names`` (in that order)."""
+
+    STAGE: ClassVar[str] = "regimes"
+    VERSION: ClassVar[str] = "1"
+    names: list[str]
+    qs: list[float]
+    allowance_z: float = 3.0
+
+
 class ReportSpec(StageSpec):
     """report: the run ``name`` rendered from its artifacts and its config (JSON without ``root``, in
     ``covgrad.config.report_layout``)."""
@@ -282,6 +318,8 @@ class Plan(Mapping[str, Step]):
     tokens: Step | None
     update_check: Step | None
     trajectory: Step | None
+    regime: dict[Instance, Step]
+    regimes: Step | None
     report: Step
     main: Step  # not a stage: the main statistics (one of ``stats``), sampler-centred whenever μ ≠ p
 
@@ -462,8 +500,53 @@ def plan(cfg: PipelineConfig) -> Plan:
         trajectory = _step(store, Instance("trajectory"), spec, upstream)
     everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
     everything += [x for x in (tokens, update) if x is not None]
-    # the report renders no trajectory: a disabled section leaves the report's key as it was
-    exclude = {"root"} if cfg.trajectory.enabled else {"root", "trajectory"}
+    regime, regimes = plan_regimes(cfg, store, base, rollouts, scores[Instance("scores", *main.instance[1:])])
+    everything += [*regime.values(), *([regimes] if regimes is not None else [])]
+    # disabled sections the report does not render leave the report's key as it was
+    exclude = {"root"} | (set() if cfg.trajectory.enabled else {"trajectory"}) | (set() if cfg.regimes else {"regimes"})
     report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude=exclude)))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
-    return Plan(base, rollouts, scores, stats, offpolicy, masks, tokens, update, trajectory, report, main=main)
+    return Plan(
+        base, rollouts, scores, stats, offpolicy, masks, tokens, update, trajectory, regime, regimes, report, main=main
+    )
+
+
+def regime_inputs(r: RegimeSection) -> dict[str, str]:
+    """Content digests of the teacher and reference model directories a regime reads."""
+    return {
+        role: input_digest(path, model=True)
+        for role, path in (("teacher", r.teacher), ("reference", r.reference))
+        if path is not None and path not in ("policy", "stale")
+    }
+
+
+def plan_regimes(
+    cfg: PipelineConfig, store: ArtifactStore, base: Step, rollouts: dict[str, Step], main_scores: Step
+) -> tuple[dict[Instance, Step], Step | None]:
+    """The ``regime.<name>`` folds of ``cfg.regimes`` and their ``regimes`` statistics (None without regimes).
+    Instances name the regime in the sampler slot: ``regime.distill``."""
+    sc, m = cfg.scores, cfg.model
+    out: dict[Instance, Step] = {}
+    for name, r in cfg.regimes.items():
+        sampler = r.sampler or cfg.rollouts.analyse
+        spec = RegimeSpec(
+            name=name,
+            settings=r.model_copy(deep=True),
+            sampler=sampler,
+            policy=policy_spec(cfg),
+            params=m.params,
+            groups_per_batch=sc.groups_per_batch,
+            state_dtype=sc.state_dtype,
+            device=m.device,
+            self_check=m.self_check,
+            inputs=regime_inputs(r),
+            checkpoint_batches=sc.checkpoint_batches,
+            checkpoint_seconds=sc.checkpoint_seconds,
+        )
+        up = {"base_model": base, "rollouts": rollouts[sampler]}
+        out[Instance("regime", name)] = _step(store, Instance("regime", name), spec, up)
+    if not out:
+        return out, None
+    stats_spec = RegimeStatsSpec(names=list(cfg.regimes), qs=list(cfg.masks.qs))
+    up = {"scores": main_scores, **{str(i): s for i, s in out.items()}}
+    return out, _step(store, Instance("regimes"), stats_spec, up)

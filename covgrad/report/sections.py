@@ -31,6 +31,7 @@ from covgrad.report.plots import (
     plot_update_steps,
     plot_zero_mean,
 )
+from covgrad.report.regimes import regimes as regimes_section
 from covgrad.report.uncertainty import LEVEL, METHOD, group_bootstrap, interval, null_band
 
 STATS = "stats.zarr"
@@ -112,6 +113,7 @@ def render_report(run: RunSource, config: dict[str, Any], name: str, main: str) 
     top = [("h2", "Findings"), *(("p", w) for w in words)] if words else []
     report.blocks[:0] = top
     report.numbers["findings"] = words
+    regimes_section(report, run)
     return report
 
 

@@ -1,0 +1,111 @@
+"""The regime stores: a regime fold's bound scalars beside its scores-layout state, and the regimes store.
+
+A regime fold (``regime/<key>/scores.zarr``) is a :class:`storage.scores.ScoresStore` of the regime's g_n
+(``mean_s`` = mean g per row, ``advantage`` = 0) plus ``bound_sum, bound_count (batch, half)``: each batch's
+Σ of the bound scalar c²_n and its samples, per prompt-group parity, written before the batch's
+checkpoint (a resumed run rewrites the batches it refolds with the same numbers). The regimes store
+(``regimes/<key>/regimes.zarr``) holds per regime the (param,) arrays of ``storage.schema.REGIMES_VARS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from storage.schema import ROLLOUTS, SCORES, create
+
+BOUND = ("bound_sum", "bound_count")
+IMPORTED = {"advantages": "token_advantage", "teacher_logprobs": "teacher_logprob"}  # rollouts arrays
+
+
+def create_bound_arrays(g: Any, n_batches: int) -> None:
+    """Create ``bound_sum`` and ``bound_count`` (n_batches, 2) in the fold's scores group ``g`` (idempotent)."""
+    for name in BOUND:
+        create(g, SCORES, name, (n_batches, 2))
+
+
+def write_bound(g: Any, b: int, sums: np.ndarray, counts: np.ndarray) -> None:
+    """Batch ``b``'s (2,) bound sums and sample counts per half."""
+    g["bound_sum"][b] = sums
+    g["bound_count"][b] = counts
+
+
+def bound_a2(g: Any) -> tuple[float, list[float]]:
+    """a² = Σ c²_n / #samples over every batch and per half (NaN where no sample has a bound scalar)."""
+    s, n = g["bound_sum"][:].sum(0), g["bound_count"][:].sum(0)  # (2,)
+    per_half = [float(s[h] / n[h]) if n[h] > 0 else float("nan") for h in (0, 1)]
+    return (float(s.sum() / n.sum()) if n.sum() > 0 else float("nan")), per_half
+
+
+def state_rows(g: Any, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The moment-state rows of a scores group over parameters ``cols``: count (R,), mean (R, b) float64
+    (hi + lo for float32 state), m2 (R, b) float64 and each row's half (R,) (row 2i + h: half h)."""
+    count = g["count"][:]
+    mean = g["mean_s"][:, cols].astype(np.float64)
+    if "mean_s_lo" in g:
+        mean = mean + g["mean_s_lo"][:, cols].astype(np.float64)
+    return count, mean, g["m2_s"][:, cols].astype(np.float64), np.arange(len(count)) % 2
+
+
+def create_imported_token_arrays(g: Any, data: dict[str, np.ndarray], rows: int) -> None:
+    """Create the imported per-token arrays that ``data`` (records_to_rollouts' output) holds, in the
+    rollouts group ``g`` (their rows are written with the others)."""
+    for name in IMPORTED.values():
+        if name in data:
+            create(g, ROLLOUTS, name, data[name].shape, rows=rows)
+
+
+def _vocab_size(path: str) -> int | None:
+    """``vocab_size`` of a model directory's config.json (None when it does not say)."""
+    import json
+    from pathlib import Path
+
+    v = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    return int(v) if isinstance(v, int) else None
+
+
+def check_regime_inputs(cfg: Any) -> None:
+    """The preflight's regime checks of a ``PipelineConfig``, one-line errors: every teacher and reference
+    directory is a causal LM with the policy's vocabulary size, and every imported per-token field a regime
+    reads is in every record of its sampler's file with one entry per response token (``file:line``)."""
+    from storage.models import check_model_dir
+    from storage.readers import read_located_records
+
+    if cfg.model.path is not None:
+        policy_vocab = _vocab_size(cfg.model.path)
+    else:
+        from covgrad.problems import build_char_tokenizer
+
+        policy_vocab = len(build_char_tokenizer())
+    for name, r in cfg.regimes.items():
+        for role in ("teacher", "reference"):
+            path = getattr(r, role)
+            if path is None or path in ("policy", "stale"):
+                continue
+            check_model_dir(path, f"regimes.{name}.{role}")
+            v = _vocab_size(path)
+            if policy_vocab is not None and v is not None and v != policy_vocab:
+                raise ValueError(
+                    f"regimes.{name}.{role} {path!r} has vocabulary {v}, the policy {policy_vocab}: "
+                    "a teacher or reference must share the policy's vocabulary"
+                )
+        fields = [
+            f for f, on in (("advantages", r.advantages == "imported"), ("teacher_logprobs", r.teacher_logprobs)) if on
+        ]
+        if not fields:
+            continue
+        sampler = r.sampler or cfg.rollouts.analyse
+        source = cfg.rollouts.samplers[sampler].import_path
+        if source is None:
+            raise ValueError(
+                f"regimes.{name}: imported {fields[0]} need a sampler with import_path; {sampler!r} has none"
+            )
+        for at, rec in read_located_records(source):
+            for field in fields:
+                if field not in rec:
+                    raise ValueError(f"regimes.{name}: {at} has no '{field}' field (the regime reads it)")
+                n, got = len(rec.get("response_ids", [])), rec[field]
+                if not isinstance(got, list) or len(got) != n:
+                    size = len(got) if isinstance(got, list) else type(got).__name__
+                    raise ValueError(f"{at}: '{field}' has {size} entries for {n} response tokens")
