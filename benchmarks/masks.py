@@ -3,7 +3,7 @@
 Writes a stats store shaped like SmolLM2-135M with every parameter selected (tied embedding 49152 × 576
 and 30 Llama layers: P = 134,515,008 by default) holding heavy ties (a fifth of the embedding rows are
 exactly 0, the rest bf16-rounded) and NaN ρ where Fvar = 0, then runs the stage's computation
-(``tasks.masks._compute``) in a child process and prints its seconds and peak resident set (the
+(``tasks.masks.compute_masks``) in a child process and prints its seconds and peak resident set (the
 child's ru_maxrss). With ``--compare DIR`` it runs the same stage from another checkout too (e.g. the
 whole-array code before the block-wise one) and compares every output file byte for byte; Spearman in
 ``summary.json`` is compared as a number.
@@ -40,12 +40,12 @@ BLOCK = 1 << 22
 CHILD = """
 import sys, time
 from storage.artifacts import ArtifactStore
-from tasks.masks import _compute
+from tasks.masks import compute_masks
 from tasks.specs import MasksSpec
 store = ArtifactStore(sys.argv[1])
 spec = MasksSpec(qs=[float(q) for q in sys.argv[3:]])
 t0 = time.perf_counter()
-_compute(store, store.ref("masks", sys.argv[2]), spec, store.ref("stats", "synthetic"))
+compute_masks(store, store.ref("masks", sys.argv[2]), spec, store.ref("stats", "synthetic"))
 print(time.perf_counter() - t0)
 """
 

@@ -1,11 +1,7 @@
-"""The ``covgrad-pipeline`` flow: every stage of one analysis, each a cached artifact.
-
-``TASKS`` is the stage list; ``tasks.specs.plan`` fixes each artifact's spec, key and place in the order
-(``tasks.specs.STAGES``) before anything runs, and ``run_stages`` calls each planned artifact's task with
-its spec and upstream refs: through Prefect with the artifact cache policy in the flow, as task bodies in tests.
-
-No ``from __future__ import annotations``: Prefect builds the parameter schema from the annotations (DESIGN.md §6).
-"""
+"""The ``covgrad-pipeline`` flow: every stage of one analysis, each a cached artifact. ``TASKS`` is the stage list;
+``tasks.specs.plan`` fixes each artifact's spec, key and order before anything runs, and ``run_stages`` calls each
+planned artifact's task (through Prefect in the flow, as task bodies in tests). No ``from __future__ import
+annotations``: Prefect builds the parameter schema from the annotations (DESIGN.md §6)."""
 
 import logging
 from collections.abc import Callable
@@ -18,11 +14,12 @@ from flows.deployment import run_config
 from flows.preflight import preflight
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
-from tasks import regime, regimes
 from tasks.base_model import base_model_task
 from tasks.common import StageResult, cache_options
 from tasks.masks import masks_task
 from tasks.offpolicy import offpolicy_task
+from tasks.regime import regime_task
+from tasks.regimes import regimes_task
 from tasks.report import report_task
 from tasks.rollouts import rollouts_task
 from tasks.scores import scores_task
@@ -47,8 +44,8 @@ TASKS = (
     tokens_task,
     update_check_task,
     trajectory_task,
-    regime.regime_task,
-    regimes.regimes_task,
+    regime_task,
+    regimes_task,
     report_task,
 )  # one per stage; each task's name is its spec's STAGE
 

@@ -32,7 +32,8 @@ from tasks.common import StageResult, log, run_stage
 from tasks.specs import MasksSpec
 
 
-def _compute(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: ArtifactRef) -> dict[str, Any]:
+def compute_masks(store: ArtifactStore, ref: ArtifactRef, spec: MasksSpec, up: ArtifactRef) -> dict[str, Any]:
+    """Write the masks artifact ``ref`` from the stats artifact ``up``; return its provenance."""
     st = store.open_group(up, STATS, mode="r")
     finding = st.attrs.get("degenerate")
     if finding:
@@ -130,4 +131,4 @@ def _min_recall(rows: list[dict[str, Any]]) -> float:
 @task(name="masks")
 def masks_task(ref: ArtifactRef, spec: MasksSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
     """Top-q masks and overlap tables from the main stats artifact ``upstream["stats"]``."""
-    return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream["stats"]))
+    return run_stage(ref, spec, lambda store, r: compute_masks(store, r, spec, upstream["stats"]))

@@ -29,7 +29,7 @@ from covgrad.topk import (
 )
 from storage.artifacts import ArtifactStore
 from storage.schema import STATS
-from tasks.masks import _compute
+from tasks.masks import compute_masks
 from tasks.specs import MasksSpec
 
 
@@ -196,7 +196,7 @@ def test_masks_stage_blocks_and_chunks_against_references(tmp_path: Path) -> Non
     with mock.patch.object(schema_module, "PARAM_CHUNK", 64):
         for key, block in (("blocks", 320), ("odd", 129), ("one", 1 << 22)):
             with mock.patch.object(topk_module, "BLOCK", block):
-                _compute(store, store.ref("masks", key), spec, up)
+                compute_masks(store, store.ref("masks", key), spec, up)
     outputs = {key: artifact_files(Path(store.path(store.ref("masks", key)))) for key in ("blocks", "odd", "one")}
     assert outputs["blocks"] == outputs["one"] == outputs["odd"]
     st = store.open_group(up, STATS)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from covgrad.rollout_import import records_to_rollouts
-from tests.conftest import tiny_config
+from tests.helpers.pipeline import tiny_config
 
 
 def _rec(**extra):

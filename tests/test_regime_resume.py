@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_planned, tiny_config
+from tests.helpers.pipeline import REPO, run_planned, tiny_config
 
 OVERRIDES = {
     "tokens.enabled": False,

@@ -7,17 +7,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from covgrad.batch import group_batches
-from covgrad.config import PipelineConfig
 from covgrad.layout import select_parameters
 from storage.artifacts import ArtifactStore
 from storage.models import load_models
 from storage.regimes import bound_a2, state_rows
 from storage.rollouts import read_batch
 from storage.schema import REGIMES, ROLLOUTS, SCORES
-from tests.conftest import NO_OPTIONAL, REPO, run_planned, tiny_config
+from tests.helpers.pipeline import NO_OPTIONAL, run_planned, tiny_config
 
 REGIME_CFG = {
     "rl": {"kind": "rl"},
@@ -161,12 +159,18 @@ def test_regimes_stage_tables(run):
     assert {frozenset((p["a"], p["b"])) for p in pairs} == {frozenset((a, b)) for a in names for b in names if a != b}
 
 
-def test_keys_unchanged_without_regimes():
+def test_regimes_only_add_stages():
+    """A config with regimes plans every artifact of the same config without them under the same key (the report
+    aside, which renders them), plus the regime folds and their statistics."""
     from tasks.specs import plan
 
-    assert plan(tiny_config("runs")).run_key == "0d0e888e6ee281a3d332535e"
-    demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    assert plan(PipelineConfig.model_validate(demo)).run_key == "c30a2b444053ba3b0c81f7dd"
+    plain = plan(tiny_config("runs"))
+    with_regimes = plan(tiny_config("runs", regimes={"rl": {"kind": "rl"}}))
+    keys = {name: step.ref.key for name, step in with_regimes.items()}
+    assert {n: s.ref.key for n, s in plain.items() if n != "report"} == {
+        n: k for n, k in keys.items() if n in dict(plain.items()) and n != "report"
+    }
+    assert set(keys) - {n for n, _ in plain.items()} == {"regime.rl", "regimes"}
 
 
 def test_moment_mean_se_merges_rows_like_numpy():
