@@ -111,12 +111,9 @@ class ScoresJob:
         ):
             bar.update(nb - len(w.todo))
 
-            def checkpoint(folded: int, final: bool, batches: list[int]) -> None:
-                w.checkpoint(folded, final, batches)
-                bar.update(len(batches))
-
             def on_batch(b: int, out: torch.Tensor | None) -> None:
                 w.on_batch(b, out, None if self.mu is None else self.mu.kl)
+                bar.update(1)  # folded; stored at the next checkpoint
 
             fold_batches(
                 psg,
@@ -124,7 +121,7 @@ class ScoresJob:
                 w.todo,
                 self._read,
                 self._logit_grad,
-                checkpoint,
+                w.checkpoint,
                 done=w.done,
                 rows=rows,
                 on_batch=on_batch,
