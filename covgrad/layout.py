@@ -9,6 +9,7 @@ name ``named_parameters()`` gives it.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -137,3 +138,16 @@ def split_blocks(layout: ParamLayout, n_blocks: int) -> list[ParamLayout]:
             ParamLayout(tuple(TensorEntry(e.name, e.offset - base, e.numel, e.shape, e.dtype) for e in entries[a:b]))
         )
     return blocks
+
+
+def check_layout(layout: ParamLayout, stats_layout: ParamLayout, stage: str) -> None:
+    """ValueError naming the first differing tensor when the model's selected parameters (``layout``) are not
+    the stats store's flat axis (``stats_layout``), which ``stage`` steps against."""
+    mine = [(e.name, e.offset, e.numel, e.shape) for e in layout.entries]
+    theirs = [(e.name, e.offset, e.numel, e.shape) for e in stats_layout.entries]
+    for a, b in itertools.zip_longest(mine, theirs):
+        if a != b:
+            raise ValueError(
+                f"the policy's selected parameters do not match the stats store's tensor table (model {a} vs "
+                f"stats {b}); run {stage} with the model.params that produced the stats"
+            )

@@ -16,7 +16,6 @@ uninterrupted one. Hugging Face checkpoints of the analysed model are written at
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch
 from prefect import task
 
 from covgrad.batch import group_batches
-from covgrad.layout import ParamLayout, select_parameters
+from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.sampling import SamplerSpec
 from covgrad.trajectory import (
     BATCH_KEYS,
@@ -73,17 +72,6 @@ def checkpoint_steps(steps: int, ratio: float) -> list[int]:
     return sorted(out)
 
 
-def _check_layout(layout: ParamLayout, stats_layout: ParamLayout) -> None:
-    mine = [(e.name, e.offset, e.numel, e.shape) for e in layout.entries]
-    theirs = [(e.name, e.offset, e.numel, e.shape) for e in stats_layout.entries]
-    for a, b in itertools.zip_longest(mine, theirs):
-        if a != b:
-            raise ValueError(
-                f"the policy's selected parameters do not match the stats store's tensor table (model {a} vs "
-                f"stats {b}); run trajectory with the scores.params that produced the stats"
-            )
-
-
 def _source(store: ArtifactStore, spec: TrajectorySpec, up: dict[str, ArtifactRef], tokenizer: Any):
     """The data of every step: fresh on-policy rows, or the analysed rollouts' fixed minibatches."""
     s = spec.settings
@@ -125,7 +113,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     tokenizer = load_models(store, up["base_model"], "policy", spec.policy)[1]
     start = policy()
     layout = select_parameters(start, spec.params)
-    _check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]))
+    check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
     stats = StepZeroStats(F=st["F"][:], G=st["G"][:], rho=st["rho"][:], seed=s.seed)
     decay = s.weight_decay if s.optimizer == "adamw" else None
     opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)

@@ -27,7 +27,6 @@ grid.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 from prefect import task
 
 from covgrad.batch import group_batches
-from covgrad.layout import ParamLayout, select_parameters
+from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.tables import to_csv, to_markdown
 from covgrad.update import BATCH_KEYS, RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -59,18 +58,6 @@ MD_COLUMNS = (
     "bf16_bound_recall",
     "bf16_bound_precision",
 )
-
-
-def check_layout(layout: ParamLayout, stats_layout: ParamLayout) -> None:
-    """Raise ValueError when the model's selected parameters are not the stats store's flat axis."""
-    mine = [(e.name, e.offset, e.numel, e.shape) for e in layout.entries]
-    theirs = [(e.name, e.offset, e.numel, e.shape) for e in stats_layout.entries]
-    for a, b in itertools.zip_longest(mine, theirs):
-        if a != b:
-            raise ValueError(
-                f"the policy's selected parameters do not match the stats store's tensor table (model {a} vs "
-                f"stats {b}); run update_check with the model.params that produced the stats"
-            )
 
 
 def minibatches(ro: Any, groups_per_batch: int) -> list[dict[str, torch.Tensor]]:
@@ -131,7 +118,7 @@ def _compute(
         return load_models(store, up["base_model"], "policy", spec.policy)[0].float().eval()
 
     layout = select_parameters(load_policy(), spec.params)
-    check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]))
+    check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "update_check")
     # each (P,) float64 statistic is read when update_grid evaluates it and dropped after (8 bytes × P each)
     F, G, rho = (lambda name=name: torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
     scalars = st.attrs["scalars"]

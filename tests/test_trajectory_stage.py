@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
-import yaml
 
 from covgrad.ckpt_diff import diff_state_dicts
 from covgrad.layout import ParamLayout
@@ -21,8 +20,8 @@ from storage.checkpoints import load_state_dict
 from storage.schema import TRAJECTORY
 from tasks.specs import plan
 from tasks.trajectory import checkpoint_steps
+from tests.helpers.pipeline import REPO, run_planned, tiny_config
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
 OVERRIDES = {
     "tokens.enabled": False,
@@ -38,10 +37,11 @@ OVERRIDES = {
 CHILD = r"""
 import json, os, signal, sys
 import tasks.trajectory as module
-import tests.test_trajectory_stage as here
+import tests.conftest  # noqa: F401  (offline settings, one thread)
+from tests.helpers.pipeline import run_planned, tiny_config
 
 root, let_through, overrides = sys.argv[1:4]
-cfg = here.tiny_config(root, **json.loads(overrides))
+cfg = tiny_config(root, **json.loads(overrides))
 real_mark, calls = module.mark_batch_done, []
 
 def mark(group, b):
@@ -51,35 +51,8 @@ def mark(group, b):
     real_mark(group, b)
 
 module.mark_batch_done = mark
-here.run_planned(cfg, {"trajectory"})
+run_planned(cfg, {"trajectory"})
 """
-
-
-def tiny_config(root: str, **overrides: object):
-    """configs/tiny.yaml with ``root`` and dotted-key overrides."""
-    from covgrad.config import PipelineConfig, apply_overrides
-
-    data = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
-    dotted = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in overrides.items()]
-    items = [f"root={root}", *dotted]
-    return PipelineConfig.model_validate(apply_overrides(data, [i.removesuffix("\n...") for i in items]))
-
-
-def run_planned(cfg, names=None) -> dict:
-    """The task bodies of ``cfg``'s planned stages (no Prefect engine) in the flow's order, every stage or
-    the instances ``names``; instance -> StageResult."""
-    from flows.pipeline import run_stages
-
-    results = {}
-
-    def call(task, step):
-        name = str(step.instance)
-        if names is None or name in names:
-            results[name] = task.fn(step.ref, step.spec, step.upstream)
-        return results.get(name)
-
-    run_stages(plan(cfg), call)
-    return results
 
 
 def digests(artifact: Path) -> dict[str, str]:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from covgrad.layout import ParamLayout
+from covgrad.layout import ParamLayout, check_layout
 from storage.artifacts import ArtifactStore
 from tasks.specs import plan
-from tasks.update_check import STORE, check_layout
+from tasks.update_check import STORE
 from tests.helpers.pipeline import tiny_config
 from tests.helpers.stages import POLICY_ONLY, run_upto
 
@@ -136,6 +136,6 @@ def test_layout_mismatch_names_both_tables():
             {"name": "b.weight", "offset": 4, "numel": 2, "shape": [2], "dtype": "float32"},
         ]
     )
-    check_layout(mine, mine)
+    check_layout(mine, mine, "update_check")
     with pytest.raises(ValueError, match=r"model None vs stats \('b.weight'"):
-        check_layout(mine, theirs)
+        check_layout(mine, theirs, "update_check")
