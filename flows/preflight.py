@@ -49,7 +49,26 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
         where = prompt_places(cfg.task, len(problems))
         for name, s in generating.items():
             check_context(lengths, where, s.max_new_tokens, limit, f"rollouts.samplers.{name}")
+    if architecture and cfg.model.path is None and cfg.model.params is not None:
+        check_demo_selection(cfg)
     if architecture and (m := cfg.model).path is not None:  # unsupported modules fail in seconds, not after rollouts
         from covgrad.preflight import check_model
 
         check_model(m.path, m.params, m.trust_remote_code, m.self_check)
+
+
+def check_demo_selection(cfg: PipelineConfig) -> None:
+    """ValueError naming ``model.params`` when a pattern matches no parameter of the demo model (built on the meta
+    device, so before its training, not after it)."""
+    import torch
+
+    from covgrad.layout import select_parameters
+    from covgrad.models import build_demo_model
+    from covgrad.problems import build_char_tokenizer
+
+    with torch.device("meta"):
+        model = build_demo_model(cfg.model.demo, build_char_tokenizer())
+    try:
+        select_parameters(model, cfg.model.params)
+    except ValueError as err:
+        raise ValueError(f"model.params: {err}") from None

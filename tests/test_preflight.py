@@ -231,3 +231,15 @@ def test_pipeline_completes_every_stage_on_hybrid_and_moe(prefect_server, tmp_pa
     assert set(result["status"].values()) == {"computed"}
     store = ArtifactStore(cfg.root)
     assert all(store.is_complete(node.ref) for node in plan(cfg).values())
+
+
+def test_a_params_typo_on_the_demo_is_refused_before_training(tmp_path):
+    """The demo model is built on the meta device, so a pattern that matches nothing fails in preflight."""
+    from flows.preflight import preflight
+    from tests.helpers.pipeline import tiny_config
+
+    cfg = tiny_config(str(tmp_path / "root"), **{"model.params": ["model.layers.*.mlp.up_prj.weight"]})
+    with pytest.raises(ValueError, match=r"^model\.params: parameter pattern 'model\.layers\.\*\.mlp\.up_prj\.weight'"):
+        preflight(cfg)
+    preflight(tiny_config(str(tmp_path / "root"), **{"model.params": ["model.layers.*.mlp.up_proj.weight"]}))
+    assert not (tmp_path / "root").exists()
