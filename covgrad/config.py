@@ -512,7 +512,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+            raise ValueError(f"--set {key.strip()}: value {raw!r} is not valid YAML ({problem})") from exc
     return out
 
 

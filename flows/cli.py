@@ -9,6 +9,7 @@ run and every child process (e.g. the temporary Prefect server); a rerun resumes
 import argparse
 import contextlib
 import datetime as dt
+import errno
 import logging
 import os
 import signal
@@ -552,8 +553,22 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         return fail(exc, 2, entry)
+    except OSError as exc:  # an unwritable root or a full disk is expected; any other OSError is a bug
+        return fail(exc, 2 if exc.errno in _WRITE_ERRNOS else 1, entry)
     except Exception as exc:  # a bug: still one line, the traceback in the log
         return fail(exc, 1, entry)
+
+
+_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for a failed write: what failed, the path (when the system names it) and what to do."""
+    where = f" {exc.filename}" if exc.filename else " (the system named no file)"
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full writing{where}: {why}; free space there or pass --root on another disk"
+    return f"cannot write{where}: {why}; make the root writable or pass --root to a writable directory"
 
 
 def fail(exc: BaseException, status: int, stop_server: bool = True) -> int:
@@ -568,6 +583,8 @@ def fail(exc: BaseException, status: int, stop_server: bool = True) -> int:
         f.write("".join(traceback.format_exception(exc)))
     lines = format_validation_error(exc).strip().splitlines() if isinstance(exc, Exception) else []
     text = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
+        text = describe_os_error(exc)
     if isinstance(exc, KeyError) and not lines[1:]:
         text = f"missing key {text}"
     kind = "error" if status == 2 else f"internal error ({type(exc).__name__})"

@@ -435,13 +435,19 @@ class ArtifactStore:
 
     def write_atomic(self, target: str, text: str) -> None:
         """Write ``text`` to ``target`` atomically on local disks (temp file + rename); object stores put
-        whole objects."""
-        if self.local:
-            tmp = Path(target + ".partial")
-            tmp.write_text(text)
-            tmp.replace(target)
-        else:
-            self.fs.pipe_file(target, text.encode())
+        whole objects. An OSError that names no file (e.g. a full disk during the write) is raised again
+        naming ``target``."""
+        try:
+            if self.local:
+                tmp = Path(target + ".partial")
+                tmp.write_text(text)
+                tmp.replace(target)
+            else:
+                self.fs.pipe_file(target, text.encode())
+        except OSError as exc:
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, exc.strerror, target) from exc
 
     def read_json(self, ref: ArtifactRef, name: str) -> Any:
         with self.fs.open(self.path(ref, name), "r") as f:

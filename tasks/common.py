@@ -22,6 +22,7 @@ that is incomplete and whose writer lock nobody holds belongs to a dead run.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -95,18 +96,32 @@ def cache_key(ref: ArtifactRef) -> str:
     return f"covgrad-{ref.stage}-{ref.key}"
 
 
+def prefect_state_dir(base: Path) -> Path:
+    """Where Prefect's lock files and persisted results of the local root ``base`` go: the root itself
+    when this process may write it, else ``$COVGRAD_STATE_DIR`` or ``~/.cache/covgrad/{sha256 of the
+    root's path, 16 hex}``, so a read-only root whose artifacts are complete can still be read."""
+    if os.access(base, os.W_OK):
+        return base
+    explicit = os.environ.get("COVGRAD_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path.home() / ".cache" / "covgrad" / hashlib.sha256(str(base).encode()).hexdigest()[:16]
+
+
 def cache_options(store: ArtifactStore, ref: ArtifactRef) -> dict[str, Any]:
     """``task.with_options(**...)`` for one planned artifact: cache policy with locking, result storage
-    beside the artifacts on local roots, and a forced refresh when the artifact is not complete."""
+    beside the artifacts on local roots (``prefect_state_dir`` when the root is read-only), and a forced
+    refresh when the artifact is not complete."""
     complete = store.is_complete(ref)
     if store.local:
         base = Path(store.base)
         base.mkdir(parents=True, exist_ok=True)
-        locks = base / ".prefect-locks"
+        state = prefect_state_dir(base)
+        locks = state / ".prefect-locks"
         if not complete and not store.busy(ref):
             (locks / f"{cache_key(ref)}.lock").unlink(missing_ok=True)
         lock_manager: Any = FileSystemLockManager(lock_files_directory=locks)
-        storage: dict[str, Any] = {"result_storage": base / ".prefect-results"}
+        storage: dict[str, Any] = {"result_storage": state / ".prefect-results"}
     else:
         lock_manager, storage = MemoryLockManager(), {}
     policy = ArtifactCache().configure(isolation_level=IsolationLevel.SERIALIZABLE, lock_manager=lock_manager)

@@ -1,0 +1,154 @@
+"""The error contract for bad ``--set`` YAML, unwritable roots and full disks: exit 2, one ``covgrad: error:``
+line naming the cause and the key or path, nothing marked complete; and Prefect's lock files and results
+of a root this process cannot write kept in a writable state directory.
+
+The tests run as root, where ``chmod`` does not stop a write: an unwritable root is a path below a regular
+file (ENOTDIR) or, where the machine has one, below read-only ``/sys`` (EPERM/EROFS); a read-only root for
+``cache_options`` is simulated by ``os.access``; a full disk by a write raising ``OSError(ENOSPC)``.
+"""
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.pipeline import REPO
+
+
+def covgrad_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m flows.cli run ARGS`` from the repository, without PREFECT_API_URL."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
+    cmd = [sys.executable, "-m", "flows.cli", "run", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def error_line(stderr: str) -> str:
+    """The one ``covgrad:`` line of ``stderr``, asserted to be its last line (progress lines may precede it)."""
+    errors = [line for line in stderr.splitlines() if line.startswith("covgrad:")]
+    assert errors == [stderr.strip().splitlines()[-1]], stderr[-3000:]
+    assert errors[0].startswith("covgrad: error: "), errors[0]
+    assert "Traceback" not in stderr
+    return errors[0]
+
+
+def test_bad_yaml_in_set_is_a_value_error_naming_the_key():
+    from covgrad.config import apply_overrides
+
+    with pytest.raises(ValueError, match=r"--set masks\.qs: value '\[0\.1' is not valid YAML"):
+        apply_overrides({}, ["masks.qs=[0.1"])
+
+
+def test_write_errors_exit_2_in_one_line_naming_the_path(monkeypatch, capsys, tmp_path):
+    """``main`` turns a full disk or a refused write into exit 2 and one line with the path; any other
+    OSError stays an internal error (exit 1)."""
+    import flows.cli as cli
+
+    monkeypatch.setenv("COVGRAD_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(cli, "offline_env", lambda: None)
+    monkeypatch.setattr(cli, "_LOG_PATH", None)
+    target = "/data/root/scores/abc/state/c/0/0"
+    cases = [
+        (OSError(errno.ENOSPC, "No space left on device", target), 2, f"disk full writing {target}"),
+        (PermissionError(errno.EACCES, "Permission denied", "/data/root"), 2, "cannot write /data/root"),
+        (OSError(errno.EROFS, "Read-only file system", "/data/root"), 2, "pass --root to a writable directory"),
+        (OSError(errno.EIO, "Input/output error", target), 1, "internal error (OSError)"),
+    ]
+    for exc, status, text in cases:
+
+        def boom(args, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(cli, "cmd_run", boom)
+        assert cli.main(["run"]) == status
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and text in lines[0], lines
+
+
+def test_full_disk_while_completing_names_the_file_and_marks_nothing(monkeypatch, tmp_path):
+    """A write that fails with ENOSPC and no file name (as ``write`` does) is raised again naming the file
+    ``write_atomic`` was writing; the artifact stays incomplete."""
+    from storage.artifacts import MARKER, ArtifactStore
+
+    store = ArtifactStore(str(tmp_path / "root"))
+    ref = store.ref("stage", "k" * 24)
+    claim = store.begin(ref, {"x": 1}, resume=False)
+    (Path(store.path(ref)) / "data.txt").write_text("payload")
+
+    def full(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as info:
+        store.complete(ref, claim)
+    assert info.value.errno == errno.ENOSPC and info.value.filename.endswith("_MANIFEST.json")
+    monkeypatch.undo()
+    assert not (Path(store.path(ref)) / MARKER).exists()
+    assert not store.is_complete(ref)
+
+
+def test_unwritable_root_keeps_prefect_state_in_the_state_dir(monkeypatch, tmp_path):
+    """``cache_options`` on a root ``os.access`` calls unwritable puts Prefect's locks and results under
+    ``$COVGRAD_STATE_DIR`` and writes nothing under the root; a writable root keeps them beside the
+    artifacts. (Covers where the paths point, not a whole run on a read-only root.)"""
+    from storage.artifacts import ArtifactStore
+    from tasks.common import cache_options, prefect_state_dir
+
+    root = tmp_path / "root"
+    root.mkdir()
+    store = ArtifactStore(str(root))
+    ref = store.ref("stage", "k" * 24)
+    assert cache_options(store, ref)["result_storage"] == root / ".prefect-results"
+    state = tmp_path / "state"
+    monkeypatch.setenv("COVGRAD_STATE_DIR", str(state))
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == root else real(p, mode))
+    options = cache_options(store, ref)
+    assert options["result_storage"] == state / ".prefect-results"
+    assert options["cache_policy"].lock_manager.lock_files_directory == state / ".prefect-locks"
+    assert list(root.iterdir()) == []
+    monkeypatch.delenv("COVGRAD_STATE_DIR")
+    default = prefect_state_dir(root)
+    assert default.parent == Path.home() / ".cache" / "covgrad" and len(default.name) == 16
+
+
+@pytest.mark.slow
+def test_bad_yaml_in_set_exits_2_naming_the_key(tmp_path):
+    proc = covgrad_run(tmp_path, "--root", str(tmp_path / "root"), "--set", "masks.qs=[0.1")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("covgrad: error: --set masks.qs: value '[0.1' is not valid YAML"), lines[0]
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.slow
+def test_root_below_a_file_exits_2_naming_the_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    root = blocker / "root"
+    proc = covgrad_run(tmp_path, "--root", str(root))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = error_line(proc.stderr)
+    assert f"cannot write {root}: Not a directory" in line and "--root" in line, line
+    assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.slow
+def test_read_only_filesystem_root_exits_2_naming_the_path(tmp_path):
+    root = Path("/sys/covgrad-error-contract")
+    try:
+        root.mkdir()
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EROFS, errno.EACCES):
+            pytest.skip(f"/sys here fails with {exc}")
+    else:
+        root.rmdir()
+        pytest.skip("/sys is writable here")
+    proc = covgrad_run(tmp_path, "--root", str(root))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = error_line(proc.stderr)
+    assert f"cannot write {root}" in line and "make the root writable" in line, line
