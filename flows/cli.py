@@ -203,7 +203,10 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
     )
     print(f"results: {run_index_url(store, cfg.name)}")
     if report is not None and store.is_complete(report):
-        print(f"report:  {publish_report(store, report, cfg.name)} (tables: headline.md beside it)")
+        if store.local and not os.access(store.base, os.W_OK):  # a read-only root: the artifact's own copy
+            print(f"report:  {store.path(report, 'report.html')} (read-only root; tables: headline.md beside it)")
+        else:
+            print(f"report:  {publish_report(store, report, cfg.name)} (tables: headline.md beside it)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ checkpoints the ``covgrad-watch`` flow analysed under watch config ``name``.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from covgrad.config import PipelineConfig
@@ -24,10 +25,29 @@ def write_run_index(store: ArtifactStore, cfg: PipelineConfig, key: str, refs: d
         "artifacts": {n: {"stage": r.stage, "key": r.key} for n, r in refs.items()},
     }
 
+    if store.local and not os.access(f"{store.base}/runs", os.W_OK) and _indexed(store, (key, cfg.name), record):
+        return  # a read-only root whose index already says this: a fully cached run writes nothing
     text = json.dumps(record, indent=1, sort_keys=True)
     store.fs.makedirs(f"{store.base}/runs", exist_ok=True)
     for stem in (key, cfg.name):
         store.write_atomic(_index_path(store, stem), text)
+
+
+def _indexed(store: ArtifactStore, stems: tuple[str, ...], record: dict[str, Any]) -> bool:
+    """True when the run index of every stem exists, has ``record``'s config (but for ``root``: a copied
+    root is the same run) and lists each of its artifacts."""
+    config = {k: v for k, v in record["config"].items() if k != "root"}
+    for stem in stems:
+        try:
+            index = _read_index(store, _index_path(store, stem))
+        except (OSError, ValueError):
+            return False
+        listed, recorded = index["artifacts"], index.get("config")
+        if not isinstance(recorded, dict) or {k: v for k, v in recorded.items() if k != "root"} != config:
+            return False
+        if any(listed.get(n) != a for n, a in record["artifacts"].items()):
+            return False
+    return True
 
 
 def _index_path(store: ArtifactStore, run: str) -> str:

@@ -152,3 +152,52 @@ def test_read_only_filesystem_root_exits_2_naming_the_path(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = error_line(proc.stderr)
     assert f"cannot write {root}" in line and "make the root writable" in line, line
+
+
+READ_ONLY_RUN = """
+import os, sys
+root = sys.argv[1]
+real = os.access
+def access(path, mode, *args, **kwargs):
+    if mode & os.W_OK and os.path.abspath(path).startswith(root):
+        return False
+    return real(path, mode, *args, **kwargs)
+os.access = access
+sys.argv = ["covgrad", *sys.argv[2:]]
+from flows.cli import main
+sys.exit(main())
+"""
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and directory under ``root``: relative path → (mtime in ns, size)."""
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.slow
+def test_fully_cached_read_only_root_serves_its_results(tiny_run, tmp_path):
+    """``covgrad run`` on a copy of a finished tiny pipeline that ``os.access`` calls unwritable (chmod does
+    not stop root): exit 0, the cached summary printed, and not one file or directory under the root
+    created or touched (Prefect's state goes to ``$COVGRAD_STATE_DIR``). Covers the writes covgrad
+    decides by ``os.access``, not a kernel refusing a write."""
+    import shutil
+
+    from tests.helpers.faults import OVERRIDES
+
+    root = tmp_path / "root"
+    shutil.copytree(tiny_run[0], root)
+    before = tree(root)
+    sets = [a for k, v in OVERRIDES.items() for a in ("--set", f"{k}={str(v).lower()}")]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    state = tmp_path / "state"
+    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "COVGRAD_STATE_DIR": str(state)})
+    cmd = [sys.executable, "-c", READ_ONLY_RUN, str(root), "run", "--config", str(REPO / "configs" / "tiny.yaml")]
+    proc = subprocess.run(
+        [*cmd, "--root", str(root), *sets], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("covgrad:")], proc.stderr[-3000:]
+    assert " 0 stage(s) computed" in proc.stdout, proc.stdout
+    assert "(read-only root;" in proc.stdout, proc.stdout
+    assert tree(root) == before
+    assert (state / ".prefect-locks").exists() or (state / ".prefect-results").exists()
