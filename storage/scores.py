@@ -59,8 +59,14 @@ def column_split(a: int, b: int, chunk: int, P: int) -> tuple[slice, list[slice]
 
 
 def write_state(array: Any, rows: slice, cols: slice, values: np.ndarray) -> None:
-    """One block of a state array: ``array[rows, cols] = values`` (a seam for the kill-during-write test)."""
-    array[rows, cols] = values
+    """One block of a state array: ``array[rows, cols] = values`` (a seam for the kill-during-write test).
+    An OSError that names no file (a full disk) is raised again naming the array's store path."""
+    try:
+        array[rows, cols] = values
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(array.store_path)) from exc
 
 
 class ScoresStore:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.helpers.pipeline import REPO
@@ -201,3 +202,23 @@ def test_fully_cached_read_only_root_serves_its_results(tiny_run, tmp_path):
     assert "(read-only root;" in proc.stdout, proc.stdout
     assert tree(root) == before
     assert (state / ".prefect-locks").exists() or (state / ".prefect-results").exists()
+
+
+def test_full_disk_writing_scores_state_names_the_array(monkeypatch, tmp_path):
+    """ENOSPC with no file name from a zarr write of the scores state is raised again naming the array."""
+    import zarr
+    from zarr.storage import LocalStore
+
+    from storage.scores import write_state
+
+    group = zarr.open_group(LocalStore(str(tmp_path / "scores.zarr")), mode="w")
+    array = group.create_array("mean_s", shape=(2, 4), dtype="f4")
+
+    def full(self, selection, value):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(zarr.Array, "__setitem__", full)
+    with pytest.raises(OSError) as info:
+        write_state(array, slice(0, 2), slice(0, 4), np.zeros((2, 4), dtype="f4"))
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == f"file://{tmp_path / 'scores.zarr'}/mean_s"
