@@ -7,20 +7,10 @@ import torch
 import transformers as T
 from torch import nn
 
+from tests.helpers.families import LLAMA_LIKE
 from tests.helpers.persample import PAD, V
 
-COMMON = {
-    "vocab_size": V,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "pad_token_id": PAD,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+COMMON = LLAMA_LIKE  # the sizes of the dense family matrix
 
 LINEAR_ATTN = {
     "head_dim": 8,
