@@ -19,7 +19,6 @@ from covgrad.rollout_import import require_mu_source
 from storage.models import check_model_dir
 from storage.prompts import load_task, prompt_lengths, prompt_places
 from storage.readers import read_records
-from storage.regimes import check_regime_inputs
 
 
 def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
@@ -40,7 +39,10 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
             require_mu_source(f"rollouts.samplers.{name}", first, s.on_policy, s.mu_model)
         if s.mu_model is not None:
             check_model_dir(s.mu_model, f"rollouts.samplers.{name}.mu_model")
-    check_regime_inputs(cfg)
+    if cfg.regimes:  # storage.regimes imports torch (its store layout): only when there are regimes
+        from storage.regimes import check_regime_inputs
+
+        check_regime_inputs(cfg)
     problems, _ = load_task(cfg.task)
     generating = {name: s for name, s in cfg.rollouts.samplers.items() if s.import_path is None}
     counted = prompt_lengths(cfg.model.path, problems) if generating else None
