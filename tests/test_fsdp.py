@@ -1,0 +1,168 @@
+"""Scores under FSDP2 (covgrad.fsdp): R ranks of gloo processes on the CPU against the single-process fold.
+
+Every rank shards the model (fully_shard per decoder layer), computes the per-sample blocks from the
+all-gathered layers and folds only its own shard's columns; the ranks' states side by side must be the
+single-process state's bytes, and the kept per-sample rows every rank sees must equal the single-process rows.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from covgrad.accum import MomentAccumulator
+from covgrad.fsdp import RankColumns, ShardAccumulator, merge_states, shard_rows
+from covgrad.layout import select_parameters
+from covgrad.persample import PerSampleGrads, score_logit_grad
+from tests.helpers.families import FAMILIES
+from tests.helpers.persample import make_batch
+
+# (family, parameter selection): every parameter, and one typical selection (MLPs and norms of the layers)
+CASES = [
+    ("llama-untied", None),
+    ("llama-tied", None),
+    ("qwen3", None),
+    ("qwen3-moe", None),
+    ("llama-untied", ["model.layers.*.mlp.*", "model.layers.*.input_layernorm.weight"]),
+]
+
+
+def _batches() -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+    """Three left-padded batches of 4 with advantages and halves (the last one keeps its rows)."""
+    out = []
+    for seed in range(3):
+        batch = make_batch(seed, [3, 5, 2, 4], [6, 3, 8, 5])
+        gen = torch.Generator().manual_seed(100 + seed)
+        out.append((batch, torch.randn(4, generator=gen, dtype=torch.float64), torch.tensor([0, 1, 1, 0])))
+    return out
+
+
+def _fold(psg: PerSampleGrads, acc: object, P: int) -> torch.Tensor:
+    """Fold the batches into ``acc``; the last batch's per-sample rows (4, P)."""
+    rows = torch.empty(4, P)
+    for j, (batch, a, h) in enumerate(_batches()):
+        fn = lambda z, b=batch: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
+        out = rows if j == 2 else None
+        psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, acc, a, h, batch["position_ids"], out=out)
+    return rows
+
+
+def _model(family: str) -> torch.nn.Module:
+    return FAMILIES[family]().to(torch.float32)
+
+
+def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
+    from covgrad.fsdp import rank_scores
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
+    try:
+        for i, (family, params) in enumerate(CASES):
+            model = _model(family)
+            layout = select_parameters(model, params)
+            rs = rank_scores(model, layout, check=True)
+            rows = _fold(rs.psg, rs.shard, layout.P)
+            np.savez(Path(outdir) / f"{i}-{rank}.npz", rows=rows.numpy(), **rs.acc.rows())
+    finally:
+        dist.destroy_process_group()
+
+
+def _single(family: str, params: list[str] | None) -> tuple[dict[str, np.ndarray], np.ndarray, object]:
+    model = _model(family)
+    layout = select_parameters(model, params)
+    acc = MomentAccumulator(layout.P, "cpu")
+    rows = _fold(PerSampleGrads(model, layout, check=True), acc, layout.P)
+    return acc.rows(), rows.numpy(), layout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sharded_state_is_the_single_process_bytes(tmp_path: Path, ranks: int) -> None:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(ranks, init, str(tmp_path)), nprocs=ranks, join=True)
+    for i, (family, params) in enumerate(CASES):
+        want, want_rows, layout = _single(family, params)
+        parts = [dict(np.load(tmp_path / f"{i}-{r}.npz")) for r in range(ranks)]
+        columns = [RankColumns.of(layout, ranks, r) for r in range(ranks)]
+        for r, part in enumerate(parts):
+            np.testing.assert_array_equal(part.pop("rows"), want_rows, err_msg=f"{family} rank {r} rows")
+        got = merge_states(parts, columns, layout.P)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert got[name].dtype == want[name].dtype
+            assert got[name].tobytes() == want[name].tobytes(), f"{family} {params}: {name} differs"
+
+
+def test_rank_columns_tile_the_layout() -> None:
+    model = _model("llama-tied")
+    layout = select_parameters(model)
+    for ranks in (1, 2, 3, 5, 64):
+        cols = [RankColumns.of(layout, ranks, r) for r in range(ranks)]
+        index = np.concatenate([c.index() for c in cols])
+        assert np.array_equal(np.sort(index), np.arange(layout.P))
+        assert sum(c.P for c in cols) == layout.P
+    assert [shard_rows(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [shard_rows(2, 3, r) for r in range(3)] == [(0, 1), (1, 2), (2, 2)]  # torch.chunk: the last is empty
+    assert [c.shape[0] for c in torch.chunk(torch.empty(10), 4)] == [3, 3, 3, 1]
+
+
+def test_shard_accumulator_folds_only_its_columns() -> None:
+    """Two ShardAccumulators over the halves of a layout, fed the whole blocks, give the unsharded state."""
+    model = _model("llama-untied")
+    layout = select_parameters(model)
+    whole = MomentAccumulator(layout.P, "cpu")
+    _fold(PerSampleGrads(model, layout, check=False), whole, layout.P)
+    parts, columns = [], []
+    for r in range(2):
+        cols = RankColumns.of(layout, 2, r)
+        acc = MomentAccumulator(cols.P, "cpu", switch_P=layout.P)
+        _fold(PerSampleGrads(model, layout, check=False), ShardAccumulator(acc, cols, layout.P), layout.P)
+        parts.append(acc.rows())
+        columns.append(cols)
+    got, want = merge_states(parts, columns, layout.P), whole.rows()
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+    with pytest.raises(ValueError, match="cover"):
+        merge_states(parts[:1], columns[:1], layout.P)
+
+
+@pytest.mark.parametrize("fold_elements", [8, 12, 40, 1 << 17])
+def test_shard_accumulator_keeps_the_tiles(monkeypatch: pytest.MonkeyPatch, fold_elements: int) -> None:
+    """Random blocks folded through ShardAccumulators of 1..4 ranks, with column tiles of a few columns
+    (shard boundaries inside tiles, pieces across two cut tiles), equal the unsharded fold's bytes."""
+    import covgrad.accum as accum
+
+    monkeypatch.setitem(accum.FOLD_ELEMENTS, "cpu", fold_elements)
+    layout = select_parameters(torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Linear(9, 5, bias=False)))
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, layout.P, generator=gen), torch.randn(4, generator=gen)) for _ in range(3)]
+    half = torch.tensor([0, 1, 0, 1])
+
+    def run(acc: object) -> None:
+        for x, a in batches:
+            acc.begin_batch(a, half)
+            for e in layout.entries:  # whole tensors, and one in two calls (a row-chunked fold)
+                cut = e.numel // 2 if e.name.endswith("weight") else e.numel
+                acc.fold(e.offset, x[:, e.offset : e.offset + cut])
+                if cut < e.numel:
+                    acc.fold(e.offset + cut, x[:, e.offset + cut : e.offset + e.numel])
+            acc.end_batch()
+
+    whole = MomentAccumulator(layout.P, "cpu")
+    run(whole)
+    for ranks in (1, 2, 3, 4):
+        parts, columns = [], [RankColumns.of(layout, ranks, r) for r in range(ranks)]
+        for cols in columns:
+            acc = MomentAccumulator(cols.P, "cpu", switch_P=layout.P)
+            run(ShardAccumulator(acc, cols, layout.P))
+            parts.append(acc.rows())
+        got = merge_states(parts, columns, layout.P)
+        for name, want in whole.rows().items():
+            assert got[name].tobytes() == want.tobytes(), (ranks, name)
