@@ -224,39 +224,71 @@ def shard_model(model: nn.Module, mesh: Any = None, layers: list[nn.Module] | No
 
 
 class ShardedPerSampleGrads(PerSampleGrads):
-    """:class:`PerSampleGrads` of a model sharded by :func:`shard_model`.
+    """:class:`PerSampleGrads` of a model sharded by :func:`shard_model`, with the first call's trace taken
+    on the model before sharding (:meth:`PerSampleGrads._trace` backpropagates from modules inside the
+    layers, which FSDP2 does not all-gather for: its pre-backward hooks sit on the layers' outputs).
 
-    Built while every FSDP module is unsharded, so its parameter table holds FSDP2's unsharded parameters
-    (the tensors the forwards and backwards use; FSDP2 keeps the same objects across all-gathers, and frees
-    only their storage): the first call's trace then sees every use of a selected parameter as the
-    single-process trace does. The self-check's reference gradient is taken with respect to them.
+    Args:
+        traced: a :class:`PerSampleGrads` of the same model and layout, built and traced before
+            :func:`shard_model` (its bindings, moves and verified flattened modules are taken over: the
+            modules are the same objects after sharding).
+        modules: the FSDP modules :func:`shard_model` returned. They are all-gathered one at a time to
+            collect FSDP2's unsharded parameters (the tensors the forwards use; FSDP2 keeps the objects and
+            frees only their storage), which the self-check's reference gradient is taken with respect to.
     """
 
     def __init__(
         self,
         model: nn.Module,
         layout: ParamLayout,
+        traced: PerSampleGrads,
         modules: list[nn.Module],
         check: bool = True,
         chunk_bytes: int | None = None,
     ) -> None:
+        super().__init__(model, layout, check=check, chunk_bytes=chunk_bytes)
+        if not traced._verified:
+            raise ValueError("the trace before sharding needs a batch of at least 2 rows; pass one as example")
+        self._bindings = traced.bindings()
+        self._traced, self._verified = True, True
+        self._flat_ok, self._outer = set(traced._flat_ok), set(traced._outer)
+        unsharded: dict[str, Tensor] = {}
         for m in modules:
             m.unshard()
-        try:
-            super().__init__(model, layout, check=check, chunk_bytes=chunk_bytes)
-        finally:
-            for m in modules:
+            try:
+                unsharded.update((n, p) for n, p in model.named_parameters() if not hasattr(p, "to_local"))
+            finally:
                 m.reshard()
+        self._params = [unsharded[e.name] for e in layout.entries]
 
     def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> Any:
-        """The self-check's batched gradient, with the unsharded parameters thawed for its one backward."""
-        for p in self._params:
+        """The self-check's batched gradient, with the parameters thawed for its one backward (FSDP2 gives the
+        unsharded parameters the sharded ones' ``requires_grad`` when it all-gathers them)."""
+        params = [*self.model.parameters(), *self._params]
+        for p in params:
             p.requires_grad_(True)
         try:
             return super()._reference(inputs, dlogits_fn)
         finally:
-            for p in self._params:
+            for p in params:
                 p.requires_grad_(False)
+
+
+def trace_unsharded(model: nn.Module, layout: ParamLayout, example: dict[str, Tensor | None]) -> PerSampleGrads:
+    """The first call's trace (:meth:`PerSampleGrads._trace`) of ``model`` before sharding, on ``example``
+    (``input_ids``, ``attention_mask``, ``position_ids`` of a batch of at least 2 rows; the trace keeps its
+    first 2 rows and last 16 positions), with the parameters frozen as in the per-sample pass."""
+    psg = PerSampleGrads(model, layout, check=False)
+    inputs = psg._checked_inputs(example["input_ids"], example["attention_mask"], example.get("position_ids"))
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        psg._trace(inputs)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    return psg
 
 
 @dataclass
@@ -274,6 +306,7 @@ class RankScores:
 def rank_scores(
     model: nn.Module,
     layout: ParamLayout,
+    example: dict[str, Tensor | None],
     state_dtype: str = "float64",
     *,
     check: bool = True,
@@ -281,14 +314,16 @@ def rank_scores(
     compiled: bool | None = None,
     mesh: Any = None,
 ) -> RankScores:
-    """Shard ``model`` over the process group (:func:`shard_model`) and set up this rank's fold of
-    ``layout`` (built from the unsharded model: the names and global shapes) in ``state_dtype``.
+    """Trace ``model`` on the batch ``example`` (:func:`trace_unsharded`), shard it over the process group
+    (:func:`shard_model`) and set up this rank's fold of ``layout`` (built from the unsharded model: the
+    names and global shapes) in ``state_dtype``.
 
     Raises:
         ValueError: when the model's shards are not the dim-0 chunks :class:`RankColumns` expects (a
             sharding other than FSDP2's default).
     """
     rank, ranks = dist.get_rank(), dist.get_world_size()
+    traced = trace_unsharded(model, layout, example)
     modules = shard_model(model, mesh)
     columns = RankColumns.of(layout, ranks, rank)
     params = dict(model.named_parameters())
@@ -303,7 +338,7 @@ def rank_scores(
             )
     device = next(model.parameters()).device
     acc = MomentAccumulator(columns.P, device, state_dtype, compiled=compiled, switch_P=layout.P)
-    psg = ShardedPerSampleGrads(model, layout, modules, check=check, chunk_bytes=chunk_bytes)
+    psg = ShardedPerSampleGrads(model, layout, traced, modules, check=check, chunk_bytes=chunk_bytes)
     return RankScores(psg, acc, ShardAccumulator(acc, columns, layout.P), columns)
 
 

@@ -66,7 +66,7 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
         for i, (family, params) in enumerate(CASES):
             model = _model(family)
             layout = select_parameters(model, params)
-            rs = rank_scores(model, layout, check=True)
+            rs = rank_scores(model, layout, _batches()[0][0], check=True)
             rows = _fold(rs.psg, rs.shard, layout.P)
             np.savez(Path(outdir) / f"{i}-{rank}.npz", rows=rows.numpy(), **rs.acc.rows())
     finally:
