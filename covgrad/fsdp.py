@@ -141,7 +141,7 @@ class ShardAccumulator:
     def _fold_cut(self, tile: Tensor, a: int, b: int, at: int) -> None:
         """Fold a whole tile (B, w) of which the rank owns columns [a, b), stored at its local column ``at``."""
         acc, w = self.acc, tile.shape[1]
-        if self._scratch is None or self._scratch.P < w:
+        if self._scratch is None or w > self._scratch.P:
             self._scratch = MomentAccumulator(w, acc.device, acc.state_dtype, acc.H, switch_P=acc.switch_P)
         tmp = self._scratch
         tmp._compile_from, tmp.fold_path = acc._compile_from, acc.fold_path
@@ -209,7 +209,7 @@ def shard_model(model: nn.Module, mesh: Any = None, layers: list[nn.Module] | No
 
     if mesh is None:
         if not dist.is_initialized():
-            raise ValueError("shard_model needs an initialised process group; call torch.distributed.init_process_group")
+            raise ValueError("shard_model needs an initialised process group; call dist.init_process_group first")
         device = next(model.parameters()).device.type
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     for p in model.parameters():
