@@ -312,11 +312,13 @@ def rank_scores(
     check: bool = True,
     chunk_bytes: int | None = None,
     compiled: bool | None = None,
+    switch_P: int | None = None,
     mesh: Any = None,
 ) -> RankScores:
     """Trace ``model`` on the batch ``example`` (:func:`trace_unsharded`), shard it over the process group
     (:func:`shard_model`) and set up this rank's fold of ``layout`` (built from the unsharded model: the
-    names and global shapes) in ``state_dtype``.
+    names and global shapes; a parameter block of a selection passes the selection's P as ``switch_P``, as
+    :class:`MomentAccumulator` takes it) in ``state_dtype``.
 
     Raises:
         ValueError: when the model's shards are not the dim-0 chunks :class:`RankColumns` expects (a
@@ -337,7 +339,7 @@ def rank_scores(
                 f"{tuple(e.shape)}; shard_model must shard dim 0 with torch.chunk's split"
             )
     device = next(model.parameters()).device
-    acc = MomentAccumulator(columns.P, device, state_dtype, compiled=compiled, switch_P=layout.P)
+    acc = MomentAccumulator(columns.P, device, state_dtype, compiled=compiled, switch_P=switch_P or layout.P)
     psg = ShardedPerSampleGrads(model, layout, traced, modules, check=check, chunk_bytes=chunk_bytes)
     return RankScores(psg, acc, ShardAccumulator(acc, columns, layout.P), columns)
 

@@ -340,3 +340,19 @@ def _chunked(name: str, shape: LmShape) -> bool:
     """Whether the per-sample block of ``name`` is written and folded in row chunks (a Linear weight with one
     module: every projection, and the LM head unless it is tied)."""
     return name.endswith("_proj.weight") or (name == "lm_head.weight" and not shape.tied)
+
+
+def main() -> None:
+    """Print :func:`table` (``python -m covgrad.fsdp_plan --batch 2 --tokens 512``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Per-rank plans of the 70B shapes on 8 x 141 GB and 16 x 80 GB")
+    parser.add_argument("--batch", type=int, default=2, help="B, samples per batch")
+    parser.add_argument("--tokens", type=int, default=512, help="L, tokens per sample")
+    parser.add_argument("--state-dtype", default="float32", choices=["float32", "float64"])
+    args = parser.parse_args()
+    print("\n".join(table(FsdpWork(B=args.batch, L=args.tokens, N=4096, state_dtype=args.state_dtype))))
+
+
+if __name__ == "__main__":
+    main()

@@ -18,19 +18,27 @@ import torch.multiprocessing as mp
 
 from covgrad.accum import MomentAccumulator
 from covgrad.fsdp import RankColumns, ShardAccumulator, merge_states, shard_rows
-from covgrad.layout import select_parameters
+from covgrad.layout import select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families import FAMILIES
 from tests.helpers.persample import make_batch
 
-# (family, parameter selection): every parameter, and one typical selection (MLPs and norms of the layers)
+# (family, parameter selection, (K, k): block k of K of the selection): every parameter, a typical
+# selection (MLPs and norms of the layers), and a parameter block (the plan's rounds)
 CASES = [
-    ("llama-untied", None),
-    ("llama-tied", None),
-    ("qwen3", None),
-    ("qwen3-moe", None),
-    ("llama-untied", ["model.layers.*.mlp.*", "model.layers.*.input_layernorm.weight"]),
+    ("llama-untied", None, (1, 0)),
+    ("llama-tied", None, (1, 0)),
+    ("qwen3", None, (1, 0)),
+    ("qwen3-moe", None, (1, 0)),
+    ("llama-untied", ["model.layers.*.mlp.*", "model.layers.*.input_layernorm.weight"], (1, 0)),
+    ("qwen3", None, (3, 1)),
 ]
+
+
+def _layout(model: torch.nn.Module, params: list[str] | None, blocks: tuple[int, int]) -> tuple[object, int]:
+    """Block k of K of the selection, and the selection's P."""
+    whole = select_parameters(model, params)
+    return split_blocks(whole, blocks[0])[blocks[1]], whole.P
 
 
 def _batches() -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
@@ -63,20 +71,22 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
     try:
-        for i, (family, params) in enumerate(CASES):
+        for i, (family, params, blocks) in enumerate(CASES):
             model = _model(family)
-            layout = select_parameters(model, params)
-            rs = rank_scores(model, layout, _batches()[0][0], check=True)
+            layout, P = _layout(model, params, blocks)
+            rs = rank_scores(model, layout, _batches()[0][0], check=True, switch_P=P)
             rows = _fold(rs.psg, rs.shard, layout.P)
             np.savez(Path(outdir) / f"{i}-{rank}.npz", rows=rows.numpy(), **rs.acc.rows())
     finally:
         dist.destroy_process_group()
 
 
-def _single(family: str, params: list[str] | None) -> tuple[dict[str, np.ndarray], np.ndarray, object]:
+def _single(
+    family: str, params: list[str] | None, blocks: tuple[int, int]
+) -> tuple[dict[str, np.ndarray], np.ndarray, object]:
     model = _model(family)
-    layout = select_parameters(model, params)
-    acc = MomentAccumulator(layout.P, "cpu")
+    layout, P = _layout(model, params, blocks)
+    acc = MomentAccumulator(layout.P, "cpu", switch_P=P)
     rows = _fold(PerSampleGrads(model, layout, check=True), acc, layout.P)
     return acc.rows(), rows.numpy(), layout
 
@@ -87,8 +97,8 @@ def test_sharded_state_is_the_single_process_bytes(tmp_path: Path, ranks: int) -
     init = f"file://{tmp_path / 'rendezvous'}"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(ranks, init, str(tmp_path)), nprocs=ranks, join=True)
-    for i, (family, params) in enumerate(CASES):
-        want, want_rows, layout = _single(family, params)
+    for i, (family, params, blocks) in enumerate(CASES):
+        want, want_rows, layout = _single(family, params, blocks)
         parts = [dict(np.load(tmp_path / f"{i}-{r}.npz")) for r in range(ranks)]
         columns = [RankColumns.of(layout, ranks, r) for r in range(ranks)]
         for r, part in enumerate(parts):
@@ -133,8 +143,11 @@ def test_shard_accumulator_folds_only_its_columns() -> None:
         merge_states(parts[:1], columns[:1], layout.P)
 
 
+@pytest.mark.parametrize("state_dtype", ["float64", "float32"])
 @pytest.mark.parametrize("fold_elements", [8, 12, 40, 1 << 17])
-def test_shard_accumulator_keeps_the_tiles(monkeypatch: pytest.MonkeyPatch, fold_elements: int) -> None:
+def test_shard_accumulator_keeps_the_tiles(
+    monkeypatch: pytest.MonkeyPatch, fold_elements: int, state_dtype: str
+) -> None:
     """Random blocks folded through ShardAccumulators of 1..4 ranks, with column tiles of a few columns
     (shard boundaries inside tiles, pieces across two cut tiles), equal the unsharded fold's bytes."""
     import covgrad.accum as accum
@@ -155,12 +168,12 @@ def test_shard_accumulator_keeps_the_tiles(monkeypatch: pytest.MonkeyPatch, fold
                     acc.fold(e.offset + cut, x[:, e.offset + cut : e.offset + e.numel])
             acc.end_batch()
 
-    whole = MomentAccumulator(layout.P, "cpu")
+    whole = MomentAccumulator(layout.P, "cpu", state_dtype)
     run(whole)
     for ranks in (1, 2, 3, 4):
         parts, columns = [], [RankColumns.of(layout, ranks, r) for r in range(ranks)]
         for cols in columns:
-            acc = MomentAccumulator(cols.P, "cpu", switch_P=layout.P)
+            acc = MomentAccumulator(cols.P, "cpu", state_dtype, switch_P=layout.P)
             run(ShardAccumulator(acc, cols, layout.P))
             parts.append(acc.rows())
         got = merge_states(parts, columns, layout.P)
