@@ -384,3 +384,99 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
             raise ValueError(f"environment variables {missing} are unset; launch with torchrun --nproc-per-node R")
         dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     return dist.get_rank(), dist.get_world_size()
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a :func:`launch` group failed; the message is one line naming it and how."""
+
+
+def launch(ranks: int, fn: Callable[..., None], args: tuple, rendezvous: str | os.PathLike) -> None:
+    """Run ``fn(*args)`` in ``ranks`` processes on this machine that form a gloo process group (each reads
+    its rank from ``torch.distributed``), meeting at the file ``rendezvous`` (absent or stale: removed
+    first); wait until every rank returns.
+
+    Raises:
+        RankFailedError: one line naming the first rank that died or raised, with its signal, exit code or error
+            (the other ranks are terminated).
+    """
+    import torch.multiprocessing as mp
+
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1; got {ranks}")
+    path = os.fspath(rendezvous)
+    if os.path.exists(path):
+        os.remove(path)
+    try:
+        mp.spawn(_launched, args=(ranks, f"file://{path}", fn, args), nprocs=ranks, join=True)
+    except mp.ProcessExitedException as exc:
+        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+        raise RankFailedError(
+            f"rank {exc.error_index} of {ranks} {how}; rerun to resume from the checkpoints"
+        ) from None
+    except mp.ProcessRaisedException as exc:
+        last = [line for line in str(exc).strip().splitlines() if line.strip()][-1]
+        raise RankFailedError(f"rank {exc.error_index} of {ranks} failed: {last}") from None
+
+
+def _launched(rank: int, ranks: int, init: str, fn: Callable[..., None], args: tuple) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+class RankCheckpoints:
+    """Checkpoints of this rank's state under ``root/rank{r}/``: ``n{c}.npz`` holds the state of the first c
+    batches, written under a temporary name and renamed (so a file is complete or absent), and ``final.npz``
+    the state after the last batch. The ranks fold every batch together (FSDP2's all-gathers are
+    collective), so they checkpoint at the same batch counts and resume from the same one: an older
+    checkpoint is deleted only once every rank has written the newer one (a barrier), and
+    :meth:`restore` loads the newest count every rank holds.
+
+    Args:
+        root: the run's checkpoint folder (shared by the ranks).
+        acc: this rank's accumulator.
+    """
+
+    def __init__(self, root: str | os.PathLike, acc: MomentAccumulator) -> None:
+        self.dir = os.path.join(os.fspath(root), f"rank{dist.get_rank()}")
+        os.makedirs(self.dir, exist_ok=True)
+        self.acc = acc
+
+    def _counts(self) -> list[int]:
+        return sorted(int(n[1:-4]) for n in os.listdir(self.dir) if n.startswith("n") and n.endswith(".npz"))
+
+    def restore(self) -> int:
+        """Load the newest checkpoint that every rank holds into the accumulator; return its batch count
+        (0, and nothing loaded, when some rank has none)."""
+        mine = self._counts()
+        newest = torch.tensor([mine[-1] if mine else 0])
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+        common = int(newest)
+        if common > 0:
+            with np.load(os.path.join(self.dir, f"n{common}.npz")) as f:
+                self.acc.load({k: f[k] for k in f.files})
+        return common
+
+    def save(self, folded: int, final: bool) -> None:
+        """Write the state of ``folded`` batches (also as ``final.npz`` when ``final``); then, once every rank
+        has written it, delete this rank's older checkpoints."""
+        name = os.path.join(self.dir, f"n{folded}.npz")
+        tmp = name + ".tmp.npz"
+        np.savez(tmp, **self.acc.rows())
+        os.replace(tmp, name)
+        if final:
+            os.replace(name, os.path.join(self.dir, "final.npz"))
+        dist.barrier()
+        for c in self._counts():
+            if c < folded or final:
+                os.remove(os.path.join(self.dir, f"n{c}.npz"))
+
+    def final(self) -> dict[str, np.ndarray] | None:
+        """This rank's final state, or None before the last batch is checkpointed."""
+        path = os.path.join(self.dir, "final.npz")
+        if not os.path.exists(path):
+            return None
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}

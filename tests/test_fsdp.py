@@ -8,6 +8,7 @@ single-process state's bytes, and the kept per-sample rows every rank sees must 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from covgrad.accum import MomentAccumulator
+from covgrad.batch import RolloutBatch
+from covgrad.centering import policy_logit_grad
+from covgrad.fold import fold_batches
 from covgrad.fsdp import RankColumns, ShardAccumulator, merge_states, shard_rows
 from covgrad.layout import select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads, score_logit_grad
@@ -179,3 +183,93 @@ def test_shard_accumulator_keeps_the_tiles(
         got = merge_states(parts, columns, layout.P)
         for name, want in whole.rows().items():
             assert got[name].tobytes() == want.tobytes(), (ranks, name)
+
+
+def _rollout_batches(n: int) -> list[RolloutBatch]:
+    """``n`` left-padded batches of 4 as the scores fold reads them (group parity = the half)."""
+    out = []
+    for seed in range(n):
+        b = make_batch(seed, [3, 5, 2, 4], [6, 3, 8, 5])
+        gen = torch.Generator().manual_seed(100 + seed)
+        out.append(
+            RolloutBatch(
+                input_ids=b["input_ids"],
+                attention_mask=b["attention_mask"],
+                position_ids=b["position_ids"],
+                response_mask=b["target_mask"],
+                prompt_len=torch.tensor([3, 5, 2, 4]),
+                response_len=torch.tensor([6, 3, 8, 5]),
+                advantages=torch.randn(4, generator=gen, dtype=torch.float64),
+                group=torch.tensor([4 * seed, 4 * seed + 1, 4 * seed + 3, 4 * seed + 2]),
+            )
+        )
+    return out
+
+
+def _fold_resumable(root: str, kill: tuple[int, int] | None) -> None:
+    """One rank of a resumable sharded fold of 4 batches, checkpointed after every batch; ``kill`` =
+    (rank, batches): that rank SIGKILLs itself right after checkpointing that many batches."""
+    from covgrad.fsdp import RankCheckpoints, rank_scores
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    model = _model("llama-untied")
+    layout = select_parameters(model)
+    batches = _rollout_batches(4)
+    example = {"input_ids": batches[0].input_ids, "attention_mask": batches[0].attention_mask}
+    example["position_ids"] = batches[0].position_ids
+    rs = rank_scores(model, layout, example, check=False)
+    ck = RankCheckpoints(root, rs.acc)
+    done = ck.restore()
+    (Path(root) / f"start-{rank}-{done}").touch()
+
+    def checkpoint(folded: int, final: bool, since: list[int]) -> None:
+        ck.save(folded, final)
+        if kill == (rank, folded):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    todo = list(range(len(batches)))[done:]
+    fold_batches(
+        rs.psg, rs.shard, todo, batches.__getitem__, lambda b, x: policy_logit_grad(x, "cpu"), checkpoint, done=done
+    )
+
+
+@pytest.mark.slow
+def test_killed_rank_is_named_and_the_rerun_resumes_to_the_same_bytes(tmp_path: Path) -> None:
+    from covgrad.fsdp import RankFailedError, launch
+
+    root = str(tmp_path / "ckpt")
+    with pytest.raises(RankFailedError, match=r"^rank 1 of 2 was killed by SIGKILL; rerun") as info:
+        launch(2, _fold_resumable, (root, (1, 2)), tmp_path / "rendezvous")
+    assert "\n" not in str(info.value)
+    launch(2, _fold_resumable, (root, None), tmp_path / "rendezvous")
+    starts = sorted(p.name for p in Path(root).glob("start-*"))
+    assert starts == ["start-0-0", "start-0-2", "start-1-0", "start-1-2"]  # the rerun resumed at batch 2
+
+    model = _model("llama-untied")
+    layout = select_parameters(model)
+    acc = MomentAccumulator(layout.P, "cpu")
+    batches = _rollout_batches(4)
+    psg = PerSampleGrads(model, layout, check=False)
+    fold_batches(psg, acc, range(4), batches.__getitem__, lambda b, x: policy_logit_grad(x, "cpu"), lambda *a: None)
+    parts = []
+    for r in range(2):
+        with np.load(Path(root) / f"rank{r}" / "final.npz") as f:
+            parts.append({k: f[k] for k in f.files})
+        assert not list((Path(root) / f"rank{r}").glob("n*.npz"))  # only the final state is left
+    got = merge_states(parts, [RankColumns.of(layout, 2, r) for r in range(2)], layout.P)
+    for name, want in acc.rows().items():
+        assert got[name].tobytes() == want.tobytes(), name
+
+
+def _raises() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("bad input on this rank")
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_is_named_in_one_line(tmp_path: Path) -> None:
+    from covgrad.fsdp import RankFailedError, launch
+
+    with pytest.raises(RankFailedError, match=r"^rank 1 of 2 failed: ValueError: bad input on this rank$"):
+        launch(2, _raises, (), tmp_path / "rendezvous")
