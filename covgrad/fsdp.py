@@ -10,7 +10,8 @@ tensor, bit for bit the single-process block. Each rank then folds only the colu
 :class:`covgrad.accum.MomentAccumulator` (:class:`ShardAccumulator`), so the moment state is 1/R per rank
 too. The fold's arithmetic is column by column and its compiled switch depends on the whole selection's P
 (``switch_P``), so the ranks' states placed side by side (:func:`merge_states`) are the single-process
-state's bytes.
+state's bytes. :func:`launch` runs a function in R gloo processes and names a failed rank in one line;
+:class:`RankCheckpoints` checkpoints each rank's state so that a rerun resumes every rank at the same batch.
 
 Shape notation: H halves (rows of the state), B samples, P selected parameter elements, P_r rank r's share.
 """
