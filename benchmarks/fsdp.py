@@ -3,9 +3,10 @@
 Every configuration folds the same batches of ``benchmarks.scores``'s model (every parameter selected,
 float64 state, the eager fold) with ``PerSampleGrads.accumulate``; the time of a batch is the slowest
 rank's (a barrier ends each batch), the median over ``--batches`` batches after one warm-up batch. The
-machine's threads are split evenly among the ranks (``--threads``, default: all cores), so R ranks use the
-same cores as the single process: the ratio is the cost of sharding (all-gathers, every rank forming every
-per-sample block, the cut tiles' scratch folds) at equal hardware.
+single process runs ``--threads`` threads (default: all cores) and each of R ranks max(1, threads // R), so
+R ranks use the same cores as the single process while threads >= R: the ratio is then the cost of
+sharding (all-gathers, every rank forming every per-sample block, the cut tiles' scratch folds) at equal
+hardware.
 
     python -m benchmarks.fsdp                       # "large" CPU model, 1 process, 1 and 2 ranks
     python -m benchmarks.fsdp --model small --ranks 1 2 4
@@ -105,7 +106,10 @@ def main() -> None:
     B, prompt, response = MODELS[args.model][8:]
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
     print(f"\n## {args.model} model, B = {B}, L = {prompt + response}, every parameter, float64 state, eager fold")
-    print(f"{args.threads} threads in all; seconds per batch: median over {args.batches - 1} batches\n")
+    print(
+        f"{args.threads} threads in the single process, max(1, {args.threads} // R) per rank; seconds per batch: "
+        f"median over {args.batches - 1} batches\n"
+    )
     print("| configuration | s / batch | ratio to 1 process |\n|---|---|---|")
     base = statistics.median(single(args.model, args.batches, args.threads))
     print(f"| 1 process (no FSDP) | {base:.3f} | 1.00 |")
