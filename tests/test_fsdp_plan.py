@@ -75,6 +75,7 @@ def test_what_cannot_fit_says_why() -> None:
         fsdp_plan(tiny, tiny.layout(), WORK, 2, 10**9, blocks=99)
 
 
+@pytest.mark.slow
 def test_cli_plan_shape(capsys: pytest.CaptureFixture[str]) -> None:
     from flows.cli import main
 
