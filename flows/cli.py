@@ -218,6 +218,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flows.shards import plan_for_config
 
     cfg = load_config(args.config, list(args.set or []))
+    if args.shape is not None or args.ranks is not None:
+        return _plan_fsdp(args, cfg)
     cuda = torch.cuda.is_available()
     gpu = (cuda or args.device_memory is not None) and cfg.model.device != "cpu"
     device = args.device or ("cuda" if gpu else "cpu")
@@ -235,6 +237,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"prompt length: {prompt_tokens} tokens ({source})")
     print("\n".join(lines))
     print("\n".join(_run_lines(cfg, prompt_tokens)))
+    return 0 if chosen.fits else 1  # 1: the plan does not fit the devices
+
+
+def _plan_fsdp(args: argparse.Namespace, cfg: Any) -> int:
+    """The model-sharded scores plan (``covgrad.fsdp_plan``) of ``--shape`` on ``--ranks`` devices of
+    ``--device-memory`` GB, with the config's selection, batch, response length and state dtype."""
+    from covgrad.fsdp_plan import SHAPES, FsdpWork, fsdp_plan
+
+    if args.shape is None:
+        raise ValueError(f"--ranks plans a model-sharded run of a --shape; give --shape {' or '.join(SHAPES)}")
+    if args.device_memory is None:
+        raise ValueError("--shape plans for devices you name; give --device-memory GB (e.g. 141 or 80)")
+    ranks = args.ranks or 8
+    if ranks < 1:
+        raise ValueError(f"--ranks {ranks} must be at least 1")
+    shape = SHAPES[args.shape]
+    samplers = cfg.rollouts.samplers.values()
+    prompt = args.prompt_tokens or 128
+    work = FsdpWork(
+        B=cfg.scores.groups_per_batch * max(s.group_size for s in samplers),
+        L=prompt + max(s.max_new_tokens for s in samplers),
+        N=cfg.task.n_prompts * max(s.group_size for s in samplers),
+        state_dtype=cfg.scores.state_dtype,
+        device=args.device or "cuda",
+    )
+    layout = shape.layout(cfg.model.params)
+    chosen = fsdp_plan(shape, layout, work, ranks, int(args.device_memory * 1e9))
+    print(
+        f"model: {args.shape} shape ({shape.dtype_bytes * 8}-bit weights); batch: B = {work.B} samples of "
+        f"L = {work.L} tokens ({prompt} prompt{'' if args.prompt_tokens else ', assumed'} + responses); "
+        f"state {work.state_dtype}; attention {work.attention}"
+    )
+    print("\n".join(chosen.lines()))
+    if not chosen.fits:
+        print(chosen.reason())
     return 0 if chosen.fits else 1  # 1: the plan does not fit the devices
 
 
@@ -484,6 +521,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-memory", type=float, metavar="GB", help="memory per device in GB (1e9 bytes)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="unset: cuda if visible or --device-memory is set")
     p.add_argument("--prompt-tokens", type=int, help="prompt length for L (unset: the task's longest prompt, counted)")
+    p.add_argument(
+        "--shape",
+        choices=["llama-3-70b", "qwen2.5-72b"],
+        help="plan the model-sharded (FSDP) scores run of this model shape instead of the config's model",
+    )
+    p.add_argument("--ranks", type=int, help="with --shape: devices the model is sharded over (default 8)")
     p.set_defaults(fn=cmd_plan)
     root_help = "artifact root (local path or fsspec URL; env COVGRAD_ROOT)"
     p = sub.add_parser(

@@ -1,0 +1,483 @@
+"""Scores with the model sharded over R ranks (torch.distributed FSDP2, ``fully_shard``), state sharded with it.
+
+Each rank holds 1/R of every parameter: :func:`shard_model` applies ``fully_shard`` to every decoder layer
+and then to the root (embeddings, final norm, LM head), so a layer's parameters are all-gathered just before
+its forward and again before its backward, and freed after each. The per-sample rules of
+:mod:`covgrad.persample` run unchanged: during the backward they see the module's unsharded input and output
+gradient (the layer is all-gathered), so every rank computes the full per-sample block of every selected
+tensor, bit for bit the single-process block. Each rank then folds only the columns of its own FSDP shard
+(rows [r·c, (r + 1)·c) of dim 0, c = ⌈d₀/R⌉: ``torch.chunk``'s split, the one FSDP2 uses) into its own
+:class:`covgrad.accum.MomentAccumulator` (:class:`ShardAccumulator`), so the moment state is 1/R per rank
+too. The fold's arithmetic is column by column and its compiled switch depends on the whole selection's P
+(``switch_P``), so the ranks' states placed side by side (:func:`merge_states`) are the single-process
+state's bytes. :func:`launch` runs a function in R gloo processes and names a failed rank in one line;
+:class:`RankCheckpoints` checkpoints each rank's state so that a rerun resumes every rank at the same batch.
+
+Shape notation: H halves (rows of the state), B samples, P selected parameter elements, P_r rank r's share.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from covgrad.accum import MomentAccumulator
+from covgrad.layout import ParamLayout
+from covgrad.persample import PerSampleGrads
+
+
+def shard_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows [lo, hi) of a dim 0 of ``rows`` split over ``ranks`` as ``torch.chunk`` (and FSDP2)
+    split it: chunks of ⌈rows/ranks⌉, the last ones shorter or empty."""
+    c = -(-rows // ranks)
+    return min(rank * c, rows), min((rank + 1) * c, rows)
+
+
+@dataclass(frozen=True)
+class RankColumns:
+    """The columns of a layout's flat axis that rank ``rank`` of ``ranks`` owns: per selected tensor, the
+    elements of its dim-0 shard, one contiguous run each.
+
+    Attributes:
+        starts, stops: (runs,) global column bounds of the runs, ascending (empty shards have no run).
+        local: (runs,) where each run starts on the rank's own axis (its accumulator's columns).
+        P: the rank's column count P_r = Σ (stop − start).
+    """
+
+    rank: int
+    ranks: int
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+    local: tuple[int, ...]
+    P: int
+
+    @classmethod
+    def of(cls, layout: ParamLayout, ranks: int, rank: int) -> RankColumns:
+        """The columns of rank ``rank`` of ``ranks`` under dim-0 sharding of every tensor of ``layout``."""
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank} is not in [0, {ranks}); pass 0 <= rank < ranks")
+        starts, stops, local, at = [], [], [], 0
+        for e in layout.entries:
+            rows = e.shape[0] if e.shape else 1
+            row = e.numel // rows if rows else 0
+            lo, hi = shard_rows(rows, ranks, rank)
+            if hi > lo:
+                starts.append(e.offset + lo * row)
+                stops.append(e.offset + hi * row)
+                local.append(at)
+                at += (hi - lo) * row
+        return cls(rank, ranks, tuple(starts), tuple(stops), tuple(local), at)
+
+    def pieces(self, a: int, b: int) -> Iterator[tuple[int, int, int]]:
+        """The parts of global columns [a, b) this rank owns: (start − a, stop − a, local start) per run."""
+        i = max(0, bisect.bisect_right(self.starts, a) - 1)
+        while i < len(self.starts) and self.starts[i] < b:
+            lo, hi = max(a, self.starts[i]), min(b, self.stops[i])
+            if hi > lo:
+                yield lo - a, hi - a, self.local[i] + lo - self.starts[i]
+            i += 1
+
+    def index(self) -> np.ndarray:
+        """(P_r,) int64: the global column of each of the rank's columns."""
+        if not self.starts:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.arange(a, b) for a, b in zip(self.starts, self.stops, strict=True)])
+
+
+class ShardAccumulator:
+    """A :class:`MomentAccumulator` over a layout's whole flat axis that keeps only one rank's columns.
+
+    :meth:`PerSampleGrads.accumulate` folds every tensor's full block (B, n) at its global offset; this folds
+    the parts inside the rank's runs into ``acc`` (P = ``columns.P``) at their local columns and drops the rest.
+    A column's fold must see the same matrix products as in the unsharded fold, which runs one product per
+    column tile of the block (``acc``'s tile width, from the block's first column): a BLAS product rounds
+    the last columns of a call differently from the inner ones. So the rank's tiles that the tile grid keeps
+    whole are folded in place, in one call from a tile boundary; a tile that a shard boundary cuts is folded
+    whole into a scratch accumulator holding the rank's columns of it (the other columns' numbers are
+    discarded), and the rank's columns are copied back.
+
+    Args:
+        acc: the rank's accumulator, built with ``switch_P`` = the layout's P (the fold switches to its
+            compiled kernel at the same batch as the single-process run).
+        columns: the rank's columns.
+        P: the layout's P (the global axis ``fold`` offsets refer to).
+    """
+
+    def __init__(self, acc: MomentAccumulator, columns: RankColumns, P: int) -> None:
+        if acc.P != columns.P:
+            raise ValueError(f"accumulator has P={acc.P}; rank {columns.rank}'s columns need P={columns.P}")
+        self.acc, self.columns, self.P = acc, columns, P
+        self.device, self.H = acc.device, acc.H
+        self._batch: tuple[np.ndarray, np.ndarray] | None = None
+        self._scratch: MomentAccumulator | None = None
+
+    def begin_batch(self, advantages: Tensor | np.ndarray, half: Tensor | np.ndarray) -> None:
+        """Start a batch (see :meth:`MomentAccumulator.begin_batch`)."""
+        self.acc.begin_batch(advantages, half)
+        self._batch = (np.asarray(torch.as_tensor(advantages).cpu()), np.asarray(torch.as_tensor(half).cpu()))
+
+    def fold(self, offset: int, block: Tensor) -> None:
+        """Fold the rank's columns of a block (B, n) that sits at global columns [offset, offset + n)."""
+        B, n = block.shape[0], block[0].numel()
+        block = block.reshape(B, n)
+        step = max(1, self.acc._fold_elements // B)  # the unsharded fold's column tiles: [j, j + step)
+        for lo, hi, at in self.columns.pieces(offset, offset + n):
+            a = -(-lo // step) * step  # the whole tiles of [lo, hi): [a, b)
+            b = hi if hi == n else hi // step * step
+            if a < b:
+                self.acc.fold(at + a - lo, block[:, a:b])
+            for c0, c1 in ((lo, a), (b, hi)) if a <= b else ((lo, hi),):  # the cut tiles' parts, one tile each
+                if c1 > c0:
+                    t0 = c0 // step * step
+                    self._fold_cut(block[:, t0 : min(t0 + step, n)], c0 - t0, c1 - t0, at + c0 - lo)
+
+    def _fold_cut(self, tile: Tensor, a: int, b: int, at: int) -> None:
+        """Fold a whole tile (B, w) of which the rank owns columns [a, b), stored at its local column ``at``."""
+        acc, w = self.acc, tile.shape[1]
+        if self._scratch is None or w > self._scratch.P:
+            self._scratch = MomentAccumulator(w, acc.device, acc.state_dtype, acc.H, switch_P=acc.switch_P)
+        tmp = self._scratch
+        tmp._compile_from, tmp.fold_path = acc._compile_from, acc.fold_path
+        for name in ("count", "mean_a", "m2_a"):
+            getattr(tmp, name)[:] = getattr(acc, name)
+        pairs = [(tmp.mean, acc.mean), (tmp.m2, acc.m2), (tmp.c, acc.c)]
+        if acc.mean_lo is not None:
+            pairs.append((tmp.mean_lo, acc.mean_lo))
+        for mine, theirs in pairs:
+            mine[:, a:b] = theirs[:, at : at + b - a]
+        tmp.begin_batch(*self._batch)
+        try:
+            tmp.fold(0, tile)
+        finally:
+            tmp.abort_batch()
+        for mine, theirs in pairs:
+            theirs[:, at : at + b - a] = mine[:, a:b]
+        acc._compile_from, acc.fold_path = tmp._compile_from, tmp.fold_path
+
+    def end_batch(self) -> None:
+        """Commit the batch (see :meth:`MomentAccumulator.end_batch`)."""
+        self.acc.end_batch()
+        self._batch = None
+
+    def abort_batch(self) -> None:
+        """Forget a failed batch (see :meth:`MomentAccumulator.abort_batch`)."""
+        self.acc.abort_batch()
+        self._batch = None
+
+    def rows(self, cols: slice = slice(None)) -> dict[str, np.ndarray]:
+        """The rank's state (its local columns ``cols``), as :meth:`MomentAccumulator.rows`."""
+        return self.acc.rows(cols)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules that ``fully_shard`` wraps one by one: those of a class in the Hugging Face model's
+    ``_no_split_modules`` (its decoder layers), else the children of its longest ``nn.ModuleList``.
+
+    Raises:
+        ValueError: naming the model's class when it has neither.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(
+            f"{type(model).__name__} has no _no_split_modules and no ModuleList of layers to shard one by one; "
+            "pass its decoder layers to shard_model(layers=...)"
+        )
+    return list(max(lists, key=len))
+
+
+def shard_model(model: nn.Module, mesh: Any = None, layers: list[nn.Module] | None = None) -> list[nn.Module]:
+    """``fully_shard`` every decoder layer of ``model`` and then the model itself (in place) over ``mesh``
+    (default: the world of the initialised process group, on the model's device type); the parameters become
+    dim-0 sharded DTensors. Returns the FSDP modules, the root last.
+
+    The parameters are frozen first: the per-sample pass needs no batched weight gradient, and FSDP2's
+    unsharded parameters take their ``requires_grad`` from the sharded ones.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        if not dist.is_initialized():
+            raise ValueError("shard_model needs an initialised process group; call dist.init_process_group first")
+        device = next(model.parameters()).device.type
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrapped = []
+    for layer in layers if layers is not None else decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+        wrapped.append(layer)
+    fully_shard(model, mesh=mesh)
+    wrapped.append(model)
+    return wrapped
+
+
+class ShardedPerSampleGrads(PerSampleGrads):
+    """:class:`PerSampleGrads` of a model sharded by :func:`shard_model`, with the first call's trace taken
+    on the model before sharding (:meth:`PerSampleGrads._trace` backpropagates from modules inside the
+    layers, which FSDP2 does not all-gather for: its pre-backward hooks sit on the layers' outputs).
+
+    Args:
+        traced: a :class:`PerSampleGrads` of the same model and layout, built and traced before
+            :func:`shard_model` (its bindings, moves and verified flattened modules are taken over: the
+            modules are the same objects after sharding).
+        modules: the FSDP modules :func:`shard_model` returned. They are all-gathered one at a time to
+            collect FSDP2's unsharded parameters (the tensors the forwards use; FSDP2 keeps the objects and
+            frees only their storage), which the self-check's reference gradient is taken with respect to.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ParamLayout,
+        traced: PerSampleGrads,
+        modules: list[nn.Module],
+        check: bool = True,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        super().__init__(model, layout, check=check, chunk_bytes=chunk_bytes)
+        if not traced._verified:
+            raise ValueError("the trace before sharding needs a batch of at least 2 rows; pass one as example")
+        self._bindings = traced.bindings()
+        self._traced, self._verified = True, True
+        self._flat_ok, self._outer = set(traced._flat_ok), set(traced._outer)
+        unsharded: dict[str, Tensor] = {}
+        for m in modules:
+            m.unshard()
+            try:
+                unsharded.update((n, p) for n, p in model.named_parameters() if not hasattr(p, "to_local"))
+            finally:
+                m.reshard()
+        self._params = [unsharded[e.name] for e in layout.entries]
+
+    def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> Any:
+        """The self-check's batched gradient, with the parameters thawed for its one backward (FSDP2 gives the
+        unsharded parameters the sharded ones' ``requires_grad`` when it all-gathers them)."""
+        params = [*self.model.parameters(), *self._params]
+        for p in params:
+            p.requires_grad_(True)
+        try:
+            return super()._reference(inputs, dlogits_fn)
+        finally:
+            for p in params:
+                p.requires_grad_(False)
+
+
+def trace_unsharded(model: nn.Module, layout: ParamLayout, example: dict[str, Tensor | None]) -> PerSampleGrads:
+    """The first call's trace (:meth:`PerSampleGrads._trace`) of ``model`` before sharding, on ``example``
+    (``input_ids``, ``attention_mask``, ``position_ids`` of a batch of at least 2 rows; the trace keeps its
+    first 2 rows and last 16 positions), with the parameters frozen as in the per-sample pass."""
+    psg = PerSampleGrads(model, layout, check=False)
+    inputs = psg._checked_inputs(example["input_ids"], example["attention_mask"], example.get("position_ids"))
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        psg._trace(inputs)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    return psg
+
+
+@dataclass
+class RankScores:
+    """One rank's share of a sharded scores run: the sharded model's per-sample gradients (``psg``), the
+    rank's accumulator (``acc``, P_r columns) and the layout-wide view of it that ``psg`` folds into
+    (``shard``, pass it as the accumulator of :func:`covgrad.fold.fold_batches`)."""
+
+    psg: ShardedPerSampleGrads
+    acc: MomentAccumulator
+    shard: ShardAccumulator
+    columns: RankColumns
+
+
+def rank_scores(
+    model: nn.Module,
+    layout: ParamLayout,
+    example: dict[str, Tensor | None],
+    state_dtype: str = "float64",
+    *,
+    check: bool = True,
+    chunk_bytes: int | None = None,
+    compiled: bool | None = None,
+    switch_P: int | None = None,
+    mesh: Any = None,
+) -> RankScores:
+    """Trace ``model`` on the batch ``example`` (:func:`trace_unsharded`), shard it over the process group
+    (:func:`shard_model`) and set up this rank's fold of ``layout`` (built from the unsharded model: the
+    names and global shapes; a parameter block of a selection passes the selection's P as ``switch_P``, as
+    :class:`MomentAccumulator` takes it) in ``state_dtype``.
+
+    Raises:
+        ValueError: when the model's shards are not the dim-0 chunks :class:`RankColumns` expects (a
+            sharding other than FSDP2's default).
+    """
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    traced = trace_unsharded(model, layout, example)
+    modules = shard_model(model, mesh)
+    columns = RankColumns.of(layout, ranks, rank)
+    params = dict(model.named_parameters())
+    for e in layout.entries:
+        local = params[e.name].to_local() if hasattr(params[e.name], "to_local") else params[e.name]
+        rows = e.shape[0] if e.shape else 1
+        lo, hi = shard_rows(rows, ranks, rank)
+        if local.numel() != (hi - lo) * (e.numel // max(rows, 1)):
+            raise ValueError(
+                f"rank {rank}'s shard of {e.name!r} has {local.numel()} elements, not rows [{lo}, {hi}) of "
+                f"{tuple(e.shape)}; shard_model must shard dim 0 with torch.chunk's split"
+            )
+    device = next(model.parameters()).device
+    acc = MomentAccumulator(columns.P, device, state_dtype, compiled=compiled, switch_P=switch_P or layout.P)
+    psg = ShardedPerSampleGrads(model, layout, traced, modules, check=check, chunk_bytes=chunk_bytes)
+    return RankScores(psg, acc, ShardAccumulator(acc, columns, layout.P), columns)
+
+
+def merge_states(parts: list[dict[str, np.ndarray]], columns: list[RankColumns], P: int) -> dict[str, np.ndarray]:
+    """The layout-wide state from every rank's :meth:`MomentAccumulator.rows` (``parts``, rank order) and
+    their ``columns``: each rank's columns copied into place, the scalars (H,) from rank 0 (every rank
+    folds the same samples).
+
+    Raises:
+        ValueError: when the ranks' columns do not tile [0, P) or their scalars differ.
+    """
+    owned = np.zeros(P, dtype=np.int64)
+    for cols in columns:
+        owned[cols.index()] += 1
+    if P and (owned.min() != 1 or owned.max() != 1):
+        raise ValueError(f"the ranks' columns cover {int((owned > 0).sum())} of P={P} columns, some more than once")
+    first = parts[0]
+    out: dict[str, np.ndarray] = {}
+    for name, value in first.items():
+        if value.ndim == 1:
+            for r, part in enumerate(parts[1:], 1):
+                if not np.array_equal(part[name], value):
+                    raise ValueError(f"rank {r}'s {name} differs from rank 0's; the ranks folded different samples")
+            out[name] = value.copy()
+            continue
+        merged = np.empty((value.shape[0], P), dtype=value.dtype)
+        for part, cols in zip(parts, columns, strict=True):
+            for a, b, at in zip(cols.starts, cols.stops, cols.local, strict=True):
+                merged[:, a:b] = part[name][:, at : at + b - a]
+        out[name] = merged
+    return out
+
+
+def init_from_env(backend: str | None = None) -> tuple[int, int]:
+    """Join the process group that ``torchrun`` (or a caller setting ``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) describes, with ``backend`` (default: nccl with CUDA, else gloo);
+    returns (rank, world size)."""
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(f"environment variables {missing} are unset; launch with torchrun --nproc-per-node R")
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    return dist.get_rank(), dist.get_world_size()
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a :func:`launch` group failed; the message is one line naming it and how."""
+
+
+def launch(ranks: int, fn: Callable[..., None], args: tuple, rendezvous: str | os.PathLike) -> None:
+    """Run ``fn(*args)`` in ``ranks`` processes on this machine that form a gloo process group (each reads
+    its rank from ``torch.distributed``), meeting at the file ``rendezvous`` (absent or stale: removed
+    first); wait until every rank returns.
+
+    Raises:
+        RankFailedError: one line naming the first rank that died or raised, with its signal, exit code or error
+            (the other ranks are terminated).
+    """
+    import torch.multiprocessing as mp
+
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1; got {ranks}")
+    path = os.fspath(rendezvous)
+    if os.path.exists(path):
+        os.remove(path)
+    try:
+        mp.spawn(_launched, args=(ranks, f"file://{path}", fn, args), nprocs=ranks, join=True)
+    except mp.ProcessExitedException as exc:
+        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+        raise RankFailedError(
+            f"rank {exc.error_index} of {ranks} {how}; rerun to resume from the checkpoints"
+        ) from None
+    except mp.ProcessRaisedException as exc:
+        last = [line for line in str(exc).strip().splitlines() if line.strip()][-1]
+        raise RankFailedError(f"rank {exc.error_index} of {ranks} failed: {last}") from None
+
+
+def _launched(rank: int, ranks: int, init: str, fn: Callable[..., None], args: tuple) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+class RankCheckpoints:
+    """Checkpoints of this rank's state under ``root/rank{r}/``: ``n{c}.npz`` holds the state of the first c
+    batches, written under a temporary name and renamed (so a file is complete or absent), and ``final.npz``
+    the state after the last batch. The ranks fold every batch together (FSDP2's all-gathers are
+    collective), so they checkpoint at the same batch counts and resume from the same one: an older
+    checkpoint is deleted only once every rank has written the newer one (a barrier), and
+    :meth:`restore` loads the newest count every rank holds.
+
+    Args:
+        root: the run's checkpoint folder (shared by the ranks).
+        acc: this rank's accumulator.
+    """
+
+    def __init__(self, root: str | os.PathLike, acc: MomentAccumulator) -> None:
+        self.dir = os.path.join(os.fspath(root), f"rank{dist.get_rank()}")
+        os.makedirs(self.dir, exist_ok=True)
+        self.acc = acc
+
+    def _counts(self) -> list[int]:
+        return sorted(int(n[1:-4]) for n in os.listdir(self.dir) if n.startswith("n") and n.endswith(".npz"))
+
+    def restore(self) -> int:
+        """Load the newest checkpoint that every rank holds into the accumulator; return its batch count
+        (0, and nothing loaded, when some rank has none)."""
+        mine = self._counts()
+        newest = torch.tensor([mine[-1] if mine else 0])
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+        common = int(newest)
+        if common > 0:
+            with np.load(os.path.join(self.dir, f"n{common}.npz")) as f:
+                self.acc.load({k: f[k] for k in f.files})
+        return common
+
+    def save(self, folded: int, final: bool) -> None:
+        """Write the state of ``folded`` batches (also as ``final.npz`` when ``final``); then, once every rank
+        has written it, delete this rank's older checkpoints."""
+        name = os.path.join(self.dir, f"n{folded}.npz")
+        tmp = name + ".tmp.npz"
+        np.savez(tmp, **self.acc.rows())
+        os.replace(tmp, name)
+        if final:
+            os.replace(name, os.path.join(self.dir, "final.npz"))
+        dist.barrier()
+        for c in self._counts():
+            if c < folded or final:
+                os.remove(os.path.join(self.dir, f"n{c}.npz"))
+
+    def final(self) -> dict[str, np.ndarray] | None:
+        """This rank's final state, or None before the last batch is checkpointed."""
+        path = os.path.join(self.dir, "final.npz")
+        if not os.path.exists(path):
+            return None
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
