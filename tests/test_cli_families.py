@@ -40,7 +40,7 @@ def test_cli_run_completes_every_stage(tmp_path, family):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     nodes = plan(cfg)
