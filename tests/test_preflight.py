@@ -189,8 +189,8 @@ def test_parameter_used_outside_its_module_refused_without_self_check(tmp_path):
 
 
 def test_check_model_reports_the_generic_path(tmp_path):
-    summary = check_model(str(family_dir(tmp_path, "gemma3")), None)
-    assert summary.startswith("generic path: 1 of ") and "model.embed_tokens.weight" in summary
+    summary = check_model(str(family_dir(tmp_path, "gemma3")), None)  # the scaled embedding has a fast rule
+    assert summary.startswith("generic path: 0 of ") and "(none)" in summary, summary
 
 
 def arch_dir(path: Path, family: str) -> Path:

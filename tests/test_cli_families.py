@@ -1,0 +1,52 @@
+"""``covgrad run`` (the CLI, as a subprocess) completes every stage on saved tiny Qwen3.5, GPT-OSS and
+DeepSeek-V3 directories with every parameter selected: hybrid linear attention, attention sinks with
+biased fused experts, and a sigmoid group-top-k router with a correction bias."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers.pipeline import REPO
+from tests.test_preflight import ARCH_GENERIC, arch_dir, user_config
+
+pytestmark = pytest.mark.slow
+
+# Every stage, each with the least work: every parameter selected, one update-check cell, probe tokens.
+SMALL = {
+    "model.params": None,
+    "masks.qs": [0.1],
+    "tokens.modes": ["probe"],
+    "tokens.max_samples": 4,
+    "update_check.optimizers": ["sgd"],
+    "update_check.precisions": ["fp32"],
+    "update_check.steps": [1],
+}
+
+
+@pytest.mark.parametrize("family", list(ARCH_GENERIC))
+def test_cli_run_completes_every_stage(tmp_path, family):
+    from tasks.specs import plan
+
+    cfg = user_config(tmp_path, arch_dir(tmp_path / family, family), **SMALL)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    nodes = plan(cfg)
+    for name, node in nodes.items():  # one line per stage: "<instance> computed <key>  X s, peak Y GiB"
+        line = rf"{re.escape(name)} +computed +{node.ref.key}  [\d.]+ s, peak [\d.]+ GiB$"
+        assert re.search(line, out, flags=re.M), (name, out[-3000:])
+    assert f"{len(nodes)} stage(s) computed, 0 from cache" in proc.stdout, proc.stdout[-3000:]
+    report = Path(re.search(r"^report:\s+(\S+)", proc.stdout, flags=re.M).group(1))
+    assert report.is_file() and (report.parent / "headline.md").is_file()
