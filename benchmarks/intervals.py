@@ -94,7 +94,9 @@ def main() -> None:
         reps = {"spearman": boot["spearman"], "max_abs_rho": boot["max_abs_rho"]}
         reps |= {f"overlap_{q:g}": boot["overlap"][:, i] for i, q in enumerate(QS)}
         for k, t in true.items():
-            lo, hi = interval(est[k], reps[k], -1.0 if k == "spearman" else 0.0, 1.0)
+            corr = not k.startswith("overlap")  # Spearman and max |ρ|: on Fisher's z scale, as the report does
+            low = -1.0 if k == "spearman" else 0.0
+            lo, hi = interval(est[k], reps[k], low, 1.0, groups=boot["groups"], fisher_z=corr)
             covered[k] += lo <= at_n[k] <= hi
             covered_inf[k] += lo <= t <= hi
         S0 = rng.normal(size=S.shape) * sigma  # β = 0: the zero-mean null

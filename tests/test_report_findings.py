@@ -106,7 +106,7 @@ def test_bootstrap_interval_covers_a_rerun():
     for _ in range(20):
         S, A = draw()
         b = group_bootstrap(lambda a, c, S=S: S[:, a:c], A, np.repeat(np.arange(groups), g), P, [0.1], n_boot=100)
-        lo, hi = interval(stat(S, A), b["spearman"], -1.0, 1.0)
+        lo, hi = interval(stat(S, A), b["spearman"], -1.0, 1.0, groups=groups)
         covered += lo <= at_n <= hi
     assert covered >= 16
 
