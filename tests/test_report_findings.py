@@ -57,6 +57,15 @@ def test_findings_state_the_numbers_with_intervals_and_the_honest_baseline():
     assert "0.01: 0.6101 vs 0.04, 0.01" in lines[-1]  # per-tensor random first
 
 
+def test_findings_state_the_token_fisher_error_with_its_interval():
+    tok = {"main_mode": "probe", "N": 16, "relerr_probe_vs_seq": 0.553}
+    words = findings({**NUMBERS, "tokens": {**tok, "relerr_probe_vs_seq_lo": 0.12, "relerr_probe_vs_seq_hi": 0.99}})
+    want = "Token Fisher (probe, 16 samples): Σ f / N differs from F = mean(s²) by relative L2 0.553"
+    assert words[-1] == want + " (95% CI 0.12–0.99)."
+    words = findings({**NUMBERS, "tokens": {**tok, "relerr_probe_vs_seq_lo": None, "relerr_probe_vs_seq_hi": None}})
+    assert words[-1].endswith("by relative L2 0.553.")  # one batch: no interval
+
+
 def test_degenerate_run_keeps_its_wording():
     why = "no reward variance: G ≡ 0; overlap, ρ and the bound are undefined"
     words = findings({"task": TASK, "P": 10, "degenerate": why, "zero_mean_trace": 1.0})
