@@ -10,7 +10,7 @@ whether each interval covers each truth. The zero-mean null band is checked
 the same way on β = 0 (E[s] = 0): the trace statistic should fall inside its band in ~95% of trials.
 
 Run: ``python -m benchmarks.intervals`` (40 trials, about a minute on one core); ``--trials``, ``--P``,
-``--groups``, ``--group-size`` and ``--boot`` change the sizes.
+``--groups``, ``--group-size`` and ``--boot`` change the sizes, ``--seed`` the draws.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--boot", type=int, default=200)
     p.add_argument("--reference", type=int, default=200, help="fresh runs whose mean is the truth at this N")
+    p.add_argument("--seed", type=int, default=0, help="seed of the population, the runs and the bootstrap draws")
     args = p.parse_args()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     beta, sigma = population(args.P, rng)
     true = truth(beta, sigma, args.group_size)
     ref = [estimates(*sample(beta, sigma, args.groups, args.group_size, rng)[:2]) for _ in range(args.reference)]
@@ -94,7 +95,9 @@ def main() -> None:
         reps = {"spearman": boot["spearman"], "max_abs_rho": boot["max_abs_rho"]}
         reps |= {f"overlap_{q:g}": boot["overlap"][:, i] for i, q in enumerate(QS)}
         for k, t in true.items():
-            lo, hi = interval(est[k], reps[k], -1.0 if k == "spearman" else 0.0, 1.0)
+            corr = not k.startswith("overlap")  # Spearman and max |ρ|: on Fisher's z scale, as the report does
+            low = -1.0 if k == "spearman" else 0.0
+            lo, hi = interval(est[k], reps[k], low, 1.0, groups=boot["groups"], fisher_z=corr)
             covered[k] += lo <= at_n[k] <= hi
             covered_inf[k] += lo <= t <= hi
         S0 = rng.normal(size=S.shape) * sigma  # β = 0: the zero-mean null
@@ -104,7 +107,10 @@ def main() -> None:
         lo, hi = null_band(b0["dof_trace"])
         in_band += lo <= stat <= hi
     n = args.trials
-    print(f"P={args.P} groups={args.groups}x{args.group_size} boot={args.boot} trials={n}; at N {at_n}; N → ∞ {true}")
+    print(
+        f"P={args.P} groups={args.groups}x{args.group_size} boot={args.boot} trials={n} seed={args.seed}; "
+        f"at N {at_n}; N → ∞ {true}"
+    )
     for k, c in covered.items():
         inf = covered_inf[k]
         print(f"{k}: 95% interval covers its value at N in {c}/{n} = {c / n:.0%} (the N → ∞ value in {inf}/{n})")

@@ -16,7 +16,10 @@ the batched-cotangent path against it.
 Each batch hands out (param,) float64 batch sums, one per name of :func:`row_names`, as soon as each is
 computed; :func:`summarize` turns the stored sums of all batches into the (param,) Fisher estimates,
 the errors against F at three sample counts, Spearman's ρ, the agreement of the modes and the expected
-error of each halved mode, all over the parameter axis in column blocks.
+error of each halved mode, all over the parameter axis in column blocks. The errors against F get a 95%
+interval from a delete-one-batch jackknife (:func:`relerr_jackknife`): the batches' sums are
+independent blocks of samples, and the (batch × batch) Gram matrices of their sums, accumulated over
+the column blocks, give the error with any batch left out without a second pass over P.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from covgrad.config import TokensSection
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.numerics import dot64
 from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.quantiles import t975
 from covgrad.token_fisher import (
     TokenBackward,
     candidate_weights,
@@ -294,6 +298,57 @@ class StudyRecord:
     response_len: np.ndarray  # (N,) response tokens of each sample
 
 
+def relerr_jackknife(
+    gram_diff: np.ndarray, gram_ref: np.ndarray, counts: np.ndarray, estimate: float
+) -> tuple[float, float]:
+    """95% interval of the relative L2 error θ = ‖Σ_b d_b‖ / ‖Σ_b r_b‖ of a sum over g batches by the
+    delete-a-group jackknife (Busing, Meijer and van der Leeden 1999, for unequal batch sizes).
+
+    θ without batch j is √(wᵀ K_d w / wᵀ K_r w), w = 1 − e_j (the 1/n of both means cancels), so only
+    the Gram matrices of the batch sums are needed. With m_j samples in batch j, N in all and
+    h_j = N / m_j, the pseudo-values are h_j·θ − (h_j − 1)·θ_(−j) and the variance is
+    (1/g) Σ_j (pseudo_j − θ_J)² / (h_j − 1); the interval is ``estimate`` ± t_{g−1}·√variance,
+    the lower end clipped at 0.
+
+    Args:
+        gram_diff: (g, g) float64, K_d[b, c] = ⟨d_b, d_c⟩ of the batches' difference sums (estimate − F).
+        gram_ref: (g, g) float64, K_r[b, c] = ⟨r_b, r_c⟩ of the batches' reference sums (s²).
+        counts: (g,) samples of each batch.
+        estimate: the error as reported (the centre of the interval).
+
+    Returns:
+        (lo, hi); NaN with fewer than 2 batches or a zero reference without some batch.
+    """
+    g = len(counts)
+    if g < 2 or not math.isfinite(estimate):
+        return float("nan"), float("nan")
+    m = np.asarray(counts, dtype=np.float64)
+    n = m.sum()
+    ones = np.ones(g)
+    full = math.sqrt(max(ones @ gram_diff @ ones, 0.0) / (ones @ gram_ref @ ones))
+    loo = np.empty(g)
+    for j in range(g):
+        w = ones.copy()
+        w[j] = 0.0
+        ref = w @ gram_ref @ w
+        if not ref > 0:
+            return float("nan"), float("nan")
+        loo[j] = math.sqrt(max(w @ gram_diff @ w, 0.0) / ref)
+    h = n / m
+    pseudo = h * full - (h - 1) * loo
+    centre = g * full - float(((1 - m / n) * loo).sum())
+    var = float((((pseudo - centre) ** 2) / (h - 1)).sum()) / g
+    half = t975(g - 1) * math.sqrt(var)
+    return max(estimate - half, 0.0), estimate + half
+
+
+def _differences(gram_cum: np.ndarray) -> np.ndarray:
+    """(g, g) Gram matrix of the batch sums from the Gram matrix of their cumulative sums (first
+    differences along both axes)."""
+    D = np.eye(gram_cum.shape[0]) - np.eye(gram_cum.shape[0], k=-1)
+    return D @ gram_cum @ D.T
+
+
 class _Norms:
     """Squared Euclidean norms summed over column chunks: ``add(name, v)`` adds ‖v‖², ``rel(num, den)`` is
     √(num / den) (NaN when den is 0), the chunked form of :func:`rel_l2`."""
@@ -323,7 +378,8 @@ def summarize(
             axis is accumulated in this order, Spearman's ρ reads ``out`` back in blocks.
 
     Returns:
-        The scalars (cross-term ratio, errors against F at three N, Spearman against F, mode agreement,
+        The scalars (cross-term ratio, errors against F at three N with the 95% jackknife interval of the
+        error at N, ``relerr_{mode}_vs_seq_lo``/``_hi`` (:func:`relerr_jackknife`), Spearman against F, mode agreement,
         expected error of each halved mode, sum check, LM-head check, :func:`trace_entropy`) and the rows
         (mode, n, relerr_vs_seq) of the three-N table.
     """
@@ -336,6 +392,8 @@ def summarize(
         at[target] = (i, int(cum_n[i]))
     norms = _Norms()
     P = out["fisher_seq"].shape[0]
+    g = len(record.counts)
+    gram_cum = {key: np.zeros((g, g)) for key in ("seq", *(f"{m}{x}" for m in modes for x in ("", "_seq")))}
     for lo in range(0, P, step):
         cols = slice(lo, min(lo + step, P))
         cums = {name: np.cumsum(record.rows[name][:, cols], axis=0) for name in row_names(modes)}
@@ -345,6 +403,10 @@ def summarize(
                 cums[m] = (ka * cums[f"{m}_a"] + kb * cums[f"{m}_b"]) / (ka + kb)
                 if kb:
                     norms.add(f"gap_{m}", (cums[f"{m}_a"][-1] - cums[f"{m}_b"][-1]) / N)
+        gram_cum["seq"] += cums["seq_sq"] @ cums["seq_sq"].T
+        for mode in modes:  # Gram matrices of the cumulative sums, for the jackknife
+            gram_cum[mode] += cums[mode] @ cums[mode].T
+            gram_cum[f"{mode}_seq"] += cums[mode] @ cums["seq_sq"].T
         for target, (i, n) in at.items():
             F_seq = cums["seq_sq"][i] / n
             norms.add(f"seq@{target}", F_seq)
@@ -377,8 +439,13 @@ def summarize(
         "covered_mass_topk_mean": float(positions["covered_mass"][response].mean()) if "topk" in modes else None,
         "entropy_mean": float(positions["entropy"][response].mean()),
     }
+    gram_ref = _differences(gram_cum["seq"])
     for mode in modes:
         scalars[f"relerr_{mode}_vs_seq"] = norms.rel(f"{mode}-seq", "fisher_seq")
+        cross = gram_cum[f"{mode}_seq"]
+        gram_diff = _differences(gram_cum[mode] - cross - cross.T + gram_cum["seq"])
+        lo, hi = relerr_jackknife(gram_diff, gram_ref, record.counts, scalars[f"relerr_{mode}_vs_seq"])
+        scalars[f"relerr_{mode}_vs_seq_lo"], scalars[f"relerr_{mode}_vs_seq_hi"] = lo, hi
         fisher = as_values(out[f"fisher_{mode}"])
         scalars[f"spearman_{mode}_vs_seq"] = spearman_blocked(fisher, as_values(out["fisher_seq"]))
     for r in table:

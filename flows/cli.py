@@ -236,7 +236,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     lines, chosen = plan_for_config(cfg, workers, memory, device, prompt_tokens)
     print(f"prompt length: {prompt_tokens} tokens ({source})")
     print("\n".join(lines))
-    print("\n".join(_run_lines(cfg, prompt_tokens)))
+    print("\n".join(_run_lines(cfg, prompt_tokens, chosen, device)))
     return 0 if chosen.fits else 1  # 1: the plan does not fit the devices
 
 
@@ -287,11 +287,13 @@ def _prompt_tokens(cfg: Any) -> tuple[int, str]:
     return max(counted[0]), f"longest of the task's {len(counted[0])} prompts"
 
 
-def _run_lines(cfg: Any, prompt_tokens: int) -> list[str]:
-    """The whole run's other stages: disk and peak host memory each (``flows.runplan``), totals, time."""
+def _run_lines(cfg: Any, prompt_tokens: int, chosen: Any, device: str) -> list[str]:
+    """Every stage of the run in order, the scores stage from the shard plan ``chosen`` on ``device``:
+    disk and peak host memory each (``flows.runplan``), the total disk, and the time (unknown)."""
     from covgrad.layout import select_parameters
     from covgrad.shardplan import ModelShape
-    from flows.runplan import RunShape, human, stage_sizes
+    from covgrad.token_study import resolve_modes, row_names
+    from flows.runplan import RunShape, ScoresShape, human, stage_sizes
     from flows.shards import meta_model
     from storage.prompts import load_task
     from tasks.specs import plan
@@ -300,26 +302,45 @@ def _run_lines(cfg: Any, prompt_tokens: int) -> list[str]:
     shape = ModelShape.of(model)
     prompts = len(load_task(cfg.task)[0])
     samplers = cfg.rollouts.samplers
-    instances = list(plan(cfg))
+    steps = plan(cfg)
+    instances = list(steps)
+    samples = {n: prompts * s.group_size for n, s in samplers.items()}
+    T = max(s.max_new_tokens for s in samplers.values())
+    tok = cfg.tokens
+    modes = resolve_modes(tok.modes, T, shape.vocab, tok.exact_budget) if "tokens" in instances else []
     run = RunShape(
         P=select_parameters(model, cfg.model.params).P,
         n_params=shape.n_params,
         dtype_bytes=shape.dtype_bytes,
         vocab=shape.vocab,
-        samples={n: prompts * s.group_size for n, s in samplers.items()},
+        samples=samples,
         T={n: s.max_new_tokens for n, s in samplers.items()},
         mu={n: (s.store_mu, s.mu_topk) for n, s in samplers.items()},
-        L=prompt_tokens + max(s.max_new_tokens for s in samplers.values()),
+        L=prompt_tokens + T,
         stats_instances=sum(i.startswith("stats.") for i in instances),
         n_qs=len(cfg.masks.qs),
         tokens="tokens" in instances,
         update_check="update_check" in instances,
         demo=cfg.model.path is None,
+        tokens_samples=min(tok.max_samples, max(samples.values())),
+        tokens_modes=len(modes),
+        tokens_rows=len(row_names(modes)) if modes else 0,
     )
-    rows = stage_sizes(run)
-    out = ["other stages (disk, peak host memory; time: unknown, it depends on the device):"]
-    out += [f"  {r['stage']:13s} disk {human(int(r['disk'])):>10s}   peak {human(int(r['peak'])):>10s}" for r in rows]
-    out.append(f"  total disk of these stages: {human(sum(int(r['disk']) for r in rows))} (plus the scores artifacts)")
+    scores = ScoresShape(
+        job_bytes=chosen.need,
+        store_bytes=chosen.store_bytes,
+        artifacts=len(steps.scores),
+        device=device,
+        rows=any(n.rows for n in chosen.needs),
+    )
+    rows = stage_sizes(run, scores)
+    out = ["every stage (disk when complete, peak host memory; time: unknown, it depends on the device):"]
+    out += [
+        f"  {r['stage']:13s} disk {human(int(r['disk'])):>10s}   peak {human(int(r['peak'])):>10s}"
+        + (f"   ({r['note']})" if r["note"] else "")
+        for r in rows
+    ]
+    out.append(f"  total disk: {human(sum(int(r['disk']) for r in rows))}")
     return out
 
 

@@ -13,7 +13,9 @@ Dims: sample, position (response position), param, batch, tensor.
   checked);
 - ``fisher_{mode}`` (param,) = Σ f / N per mode and ``fisher_seq`` (param,) = mean(s²);
 - ``batch_done`` progress; attrs: ``scalars`` (:func:`covgrad.token_study.summarize`, set last by the
-  summary), ``errors_vs_seq`` (rows of the three-N table), the tensor table, sampler, modes and main mode.
+  summary; the errors against F with their jackknife intervals, ``relerr_{mode}_vs_seq_lo``/``_hi``,
+  which need the batch rows and so are computed before the rows are dropped), ``errors_vs_seq`` (rows
+  of the three-N table), the tensor table, sampler, modes and main mode.
 """
 
 from __future__ import annotations

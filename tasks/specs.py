@@ -186,7 +186,7 @@ class TokensSpec(StageSpec):
     ``sampler`` (``on_policy``: μ = p)."""
 
     STAGE: ClassVar[str] = "tokens"
-    VERSION: ClassVar[str] = "5"
+    VERSION: ClassVar[str] = "6"  # 6: jackknife interval of the errors against F in the scalars
     PLACEMENT: ClassVar[frozenset[str]] = frozenset({"device", "self_check"})
     settings: TokensSection
     params: list[str] | None
@@ -267,7 +267,7 @@ class ReportSpec(StageSpec):
     ``covgrad.config.report_layout``)."""
 
     STAGE: ClassVar[str] = "report"
-    VERSION: ClassVar[str] = "8"
+    VERSION: ClassVar[str] = "9"
     name: str
     config: dict[str, Any]
 

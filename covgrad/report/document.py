@@ -173,7 +173,8 @@ def findings(numbers: dict[str, Any]) -> list[str]:
     """The run's findings as sentences, from ``Report.numbers`` (the stores' values and intervals): the
     task, then either the degenerate condition or the overlap at the q nearest 1% against both
     baselines, Spearman, the bound in sample and in the cross-fit with max |ρ|, the zero-mean test
-    against its null band, and each off-policy finding."""
+    against its null band, the token Fisher's error against F with its interval, and each off-policy
+    finding."""
     out = []
     t = numbers.get("task", {})
     if t.get("N") is not None:
@@ -228,6 +229,14 @@ def findings(numbers: dict[str, Any]) -> list[str]:
         side = "inside" if inside else "outside"
         band_text = f"{band[0]:.3g}–{band[1]:.3g}"
         out.append(f"Zero-mean test: {label} = {v:.3g}, {side} the 95% null band {band_text}: {verdict}.")
+    tok = numbers.get("tokens") or {}
+    mode = tok.get("main_mode")
+    if mode and tok.get(f"relerr_{mode}_vs_seq") is not None:
+        ci = _ci((tok.get(f"relerr_{mode}_vs_seq_lo"), tok.get(f"relerr_{mode}_vs_seq_hi")), ".3g")
+        out.append(
+            f"Token Fisher ({mode}, {tok.get('N')} samples): Σ f / N differs from F = mean(s²) by relative L2 "
+            f"{tok[f'relerr_{mode}_vs_seq']:.3g}{ci}."
+        )
     return out + off_words
 
 

@@ -184,12 +184,14 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
         )
         out |= {"method": METHOD, "n_boot": boot["n_boot"]}
         if boot["n_boot"]:
-            est = report.numbers
-            out["max_abs_rho"] = interval(est["max_abs_rho"], boot["max_abs_rho"], 0.0, 1.0)
+            est, G = report.numbers, boot["groups"]
+            out["groups"] = G
+            out["max_abs_rho"] = interval(est["max_abs_rho"], boot["max_abs_rho"], 0.0, 1.0, groups=G, fisher_z=True)
             if "spearman_F_absG" in est:
-                out["spearman_F_absG"] = interval(est["spearman_F_absG"], boot["spearman"], -1.0, 1.0)
+                rank = est["spearman_F_absG"]
+                out["spearman_F_absG"] = interval(rank, boot["spearman"], -1.0, 1.0, groups=G, fisher_z=True)
             out["overlap"] = {
-                r["q"]: interval(r["overlap"], boot["overlap"][:, i], 0.0, 1.0) for i, r in enumerate(overlap)
+                r["q"]: interval(r["overlap"], boot["overlap"][:, i], 0.0, 1.0, groups=G) for i, r in enumerate(overlap)
             }
         dof = {"trace": boot["dof_trace"], "coord": boot["dof_coord"]}
     else:
@@ -218,7 +220,7 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
     report.blocks.append(("h2", "Uncertainty"))
     text = (
         f"Intervals: {out['method']}"
-        + (f", {out['n_boot']} replicates" if out.get("n_boot") else "")
+        + (f", {out['n_boot']} replicates of {out['groups']} groups" if out.get("n_boot") else "")
         + ". lo/hi of the overlap, Spearman and max |ρ| rows: where the statistic of a rerun with fresh seeds "
         "falls, 95% (finite-N bias not removed; see docs/reading.md). lo/hi of the zero_mean rows: the 95% null "
         "band, the range of the statistic when E[s] = 0 (χ²_d / d with d effective degrees of freedom"
@@ -367,8 +369,8 @@ def tokens(report: Report, run: RunSource) -> None:
     g = run.group("tokens", TOKENS)
     scalars = g.attrs.get("scalars", {})
     modes = list(g.attrs.get("modes", []))
-    per_mode = {"rel_L2_vs_F": "relerr_{}_vs_seq", "spearman_vs_F": "spearman_{}_vs_seq"}
-    per_mode["expected_relerr"] = "{}_expected_relerr"
+    per_mode = {"rel_L2_vs_F": "relerr_{}_vs_seq", "lo": "relerr_{}_vs_seq_lo", "hi": "relerr_{}_vs_seq_hi"}
+    per_mode |= {"spearman_vs_F": "spearman_{}_vs_seq", "expected_relerr": "{}_expected_relerr"}
     vs_f = [
         {"mode": m, "N": scalars.get("N"), **{col: scalars.get(key.format(m)) for col, key in per_mode.items()}}
         for m in modes
@@ -378,7 +380,14 @@ def tokens(report: Report, run: RunSource) -> None:
     errors = g.attrs.get("errors_vs_seq") or []
     shown |= {f"relerr_{r['mode']}_vs_seq_n{r['n']}" for r in errors}
     if vs_f:
-        report.blocks.append(("p", "Σ token Fisher / N against the sequence Fisher F = mean(s²), over parameters:"))
+        report.blocks.append(
+            (
+                "p",
+                "Σ token Fisher / N against the sequence Fisher F = mean(s²), over parameters; lo/hi: the 95% "
+                "interval of rel_L2_vs_F (delete-one-batch jackknife over the study's batches of samples, t "
+                "quantile; where a rerun with fresh seeds falls, finite-N bias not removed):",
+            )
+        )
         report.blocks.append(("table", [{k: float("nan") if v is None else v for k, v in r.items()} for r in vs_f]))
     rows = [
         {"quantity": k, "value": v} for k, v in scalars.items() if isinstance(v, int | float | str) and k not in shown

@@ -1,16 +1,23 @@
 """Uncertainty of the headline statistics: a prompt-group bootstrap and a χ² null band.
 
-**Intervals** (``group_bootstrap``): the prompt groups are resampled with replacement ``n_boot`` times
-(a group keeps all its samples and their stored advantages, so a group-relative advantage stays what
-the rollouts computed), and every replicate recomputes F, G, ρ from the per-sample score rows with
-the replicate's group counts as sample weights. The interval is θ̂ shifted by the replicates' centred
-quantiles, [θ̂ − (Q(0.975) − θ̄*), θ̂ + (θ̄* − Q(0.025))], clipped to the statistic's range: it says
-where the statistic of another run of the same configuration with fresh seeds falls (its mean over
-such runs, at the same N). It does not remove the finite-N bias of the statistic: noise in F and |G|
-lowers the overlap and Spearman and raises max |ρ| against their values at N → ∞, and the replicates
-(which add that noise a second time) measure the bias only in part. Only the per-sample score rows support it:
-the moment state is two parity halves, too few to resample, so a run that kept only moments has no
-intervals (``covgrad.report`` says so).
+**Intervals** (``group_bootstrap``, ``interval``): the G prompt groups are resampled with replacement
+``n_boot`` times (a group keeps all its samples and their stored advantages, so a group-relative
+advantage stays what the rollouts computed), and every replicate recomputes F, G, ρ from the per-sample
+score rows with the replicate's group counts as sample weights. The interval is θ̂ shifted by the
+replicates' centred quantiles (for the correlations, max |ρ| and Spearman, on Fisher's z = atanh
+scale, where their spread no longer shrinks as they approach 1, mapped back with tanh), each scaled by
+the few-groups factor c = √(G / (G − 1)) · t_{G−1} / z
+(t_{G−1} and z: the 0.975 quantiles of Student's t with G − 1 degrees of freedom and of the normal),
+[θ̂ − c·(Q(0.975) − θ̄*), θ̂ + c·(θ̄* − Q(0.025))], clipped to the statistic's range. The factor
+is what turns the bootstrap interval of a mean of G groups into the exact t interval (the bootstrap
+variance of a mean is (G − 1)/G times the unbiased one, and with G groups the standard error is itself
+estimated); the coverage it gives is measured by ``benchmarks/intervals.py`` (docs/reading.md). The
+interval says where the statistic of another run of the same
+configuration with fresh seeds falls (its mean over such runs, at the same N). It does not remove the
+finite-N bias of the statistic: noise in F and |G| lowers the overlap and Spearman and raises max |ρ|
+against their values at N → ∞, and the replicates (which add that noise a second time) measure the
+bias only in part. Only the per-sample score rows support it: the moment state is two parity halves,
+too few to resample, so a run that kept only moments has no intervals (``covgrad.report`` says so).
 
 **Null band** (``null_band``): under E[s] = 0 the zero-mean trace statistic N·‖m‖² / tr Σ is
 Σ_k λ_k χ²₁ / Σ_k λ_k over the eigenvalues λ of Σ = Var(s), with mean 1 and variance
@@ -29,11 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from covgrad.quantiles import LEVEL, Z975, t975
 from covgrad.topk import count_for_fraction, spearman
 
-Z975 = 1.959963984540054  # standard normal 0.975 quantile
-LEVEL = 0.95
-METHOD = "prompt-group bootstrap (centred percentile interval)"
+METHOD = "prompt-group bootstrap (centred percentile interval, Fisher z for correlations, few-groups t factor)"
 REPLICATE_BUDGET = 50_000_000  # n_boot × P entries held per replicate array (float32: 200 MB each)
 
 
@@ -49,14 +55,33 @@ def null_band(d: float) -> tuple[float, float]:
     return chi2_quantile(d, -Z975) / d, chi2_quantile(d, Z975) / d
 
 
-def interval(estimate: float, replicates: np.ndarray, lo: float, hi: float) -> tuple[float, float]:
-    """95% interval of ``estimate`` from (B,) bootstrap ``replicates`` (NaN ignored): ``estimate`` plus the
-    replicates' centred 2.5% and 97.5% quantiles, clipped to [lo, hi]; NaN when fewer than 2 replicates."""
+def few_groups_factor(groups: int) -> float:
+    """c = √(G / (G − 1)) · t_{G−1} / z: the factor on the bootstrap's centred quantiles with G ≥ 2
+    resampled groups."""
+    if groups < 2:
+        raise ValueError(f"bootstrap intervals need at least 2 prompt groups, got {groups}")
+    return math.sqrt(groups / (groups - 1)) * t975(groups - 1) / Z975
+
+
+def interval(
+    estimate: float, replicates: np.ndarray, lo: float, hi: float, *, groups: int, fisher_z: bool = False
+) -> tuple[float, float]:
+    """95% interval of ``estimate`` from (B,) bootstrap ``replicates`` (NaN ignored) of ``groups``
+    resampled groups: ``estimate`` minus the replicates' centred 97.5% and 2.5% quantiles scaled by
+    :func:`few_groups_factor`, clipped to [lo, hi]; NaN when fewer than 2 replicates. ``fisher_z``: for a
+    correlation (a value in [−1, 1]), the same on Fisher's z = atanh scale, mapped back with tanh."""
     r = replicates[np.isfinite(replicates)]
     if r.size < 2 or not math.isfinite(estimate):
         return math.nan, math.nan
-    q_lo, q_hi = np.quantile(r, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]) - r.mean()
-    return float(min(max(estimate - q_hi, lo), hi)), float(min(max(estimate - q_lo, lo), hi))
+    c = few_groups_factor(groups)
+    if fisher_z:
+        edge = 1.0 - 1e-12  # |ρ| = 1 exactly has no finite z
+        estimate, r = math.atanh(min(max(estimate, -edge), edge)), np.arctanh(np.clip(r, -edge, edge))
+    q_lo, q_hi = c * (np.quantile(r, [(1 - LEVEL) / 2, (1 + LEVEL) / 2]) - r.mean())
+    ends = (estimate - q_hi, estimate - q_lo)
+    if fisher_z:
+        ends = (math.tanh(ends[0]), math.tanh(ends[1]))
+    return float(min(max(ends[0], lo), hi)), float(min(max(ends[1], lo), hi))
 
 
 def replicates_for(P: int, n_boot: int) -> int:
@@ -100,7 +125,8 @@ def group_bootstrap(
         block: parameters per read.
 
     Returns:
-        ``n_boot`` (replicates used), ``overlap`` (B, len(qs)), ``spearman`` (B,), ``max_abs_rho`` (B,),
+        ``n_boot`` (replicates used), ``groups`` (G, the resampled units), ``overlap`` (B, len(qs)),
+        ``spearman`` (B,), ``max_abs_rho`` (B,),
         ``dof_trace`` and ``dof_coord`` (d of the null bands; NaN when undefined).
     """
     N = advantage.size
@@ -158,6 +184,7 @@ def group_bootstrap(
     tr_csq = float((gram_c * gram_c).sum()) / N**2
     return {
         "n_boot": B,
+        "groups": len(labels),
         "overlap": overlap,
         "spearman": rank,
         "max_abs_rho": max_rho,
