@@ -165,14 +165,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         from flows.preflight import preflight
-        from flows.runtime import check_prefect_runtime
+        from flows.runtime import check_prefect_runtime, server_start_error
 
         preflight(cfg, architecture=False)  # the flow repeats it whole: bad files fail before Prefect starts
         check_prefect_runtime()
         from flows.pipeline import covgrad_pipeline
 
         route_errors_to_log()
-        result = covgrad_pipeline(cfg)
+        try:
+            result = covgrad_pipeline(cfg)
+        except RuntimeError as exc:  # the temporary server's ports taken after the check
+            busy = server_start_error(exc)
+            if busy is None:
+                raise
+            raise busy from exc
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
