@@ -188,3 +188,25 @@ def test_ports_taken_after_the_check_exit_2_in_one_line(monkeypatch, capsys, tmp
         assert cli.main(argv) == status
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and text in lines[0], lines
+
+
+def test_the_check_restricts_the_temporary_server_to_the_free_ports(monkeypatch, tmp_path):
+    """Without an API URL, ``check_prefect_runtime`` leaves Prefect's temporary server only the free ports
+    of ``COVGRAD_SERVER_PORTS`` to pick from."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL, temporary_settings
+
+    from flows.runtime import check_prefect_runtime
+
+    monkeypatch.setattr(SubprocessASGIServer, "_port_range", SubprocessASGIServer._port_range)
+    ports, socks = _bound_ports(3)
+    socks[2].close()
+    monkeypatch.setenv("COVGRAD_SERVER_PORTS", f"{ports.start}-{ports.stop - 1}")
+    db = f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}"
+    try:
+        with temporary_settings({PREFECT_SERVER_DATABASE_CONNECTION_URL: db}, restore_defaults={PREFECT_API_URL}):
+            check_prefect_runtime()
+    finally:
+        for sock in socks[:2]:
+            sock.close()
+    assert SubprocessASGIServer._port_range == [ports.start + 2]
