@@ -234,3 +234,21 @@ def test_full_disk_in_the_row_writer_thread_names_the_array(monkeypatch, tmp_pat
     assert info.value.errno == errno.ENOSPC
     assert info.value.filename == f"file://{tmp_path / 'scores.zarr'}/scores"
     assert not writer.thread.is_alive()
+
+
+def test_a_full_disk_naming_no_file_is_named_by_the_artifact():
+    """``name_full_disk`` gives a nameless ENOSPC/EDQUOT the artifact's path and leaves every other error as
+    it was."""
+    from storage.integrity import name_full_disk
+
+    with pytest.raises(OSError) as info, name_full_disk("/root/stats/abc"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert (info.value.errno, info.value.filename) == (errno.ENOSPC, "/root/stats/abc")
+    for exc in (
+        OSError(errno.ENOSPC, "No space left on device", "/root/stats/abc/x.json"),
+        OSError(errno.EIO, "Input/output error"),
+        ValueError("bad"),
+    ):
+        with pytest.raises(type(exc)) as info, name_full_disk("/elsewhere"):
+            raise exc
+        assert info.value is exc

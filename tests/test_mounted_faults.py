@@ -76,6 +76,26 @@ def test_full_disk_in_the_scores_stage_exits_2_and_a_roomy_rerun_is_identical(ti
         assert artifacts(root) == artifacts(source)
 
 
+def test_full_disk_in_the_stats_stage_names_the_artifact(tiny_run, tmp_path):
+    """The finished tiny run's stages above stats copied to a new root whose ``stats/`` is a 256 KiB tmpfs
+    (one stats artifact is ~750 KB, written by dask threads that name no file): exit 2, one line naming
+    the stats artifact directory being written; no stats artifact marked complete."""
+    source, plan = tiny_run
+    root = tmp_path / "root"
+    above = stages_above(plan, "stats")
+    assert {"scores", "rollouts"} <= above and "stats" not in above
+    for stage in above:
+        shutil.copytree(source / stage, root / stage)
+    stats = root / "stats"
+    stats.mkdir()
+    with tmpfs(stats, "256k"):
+        proc = covgrad_run(tmp_path, root)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        line = error_line(proc.stderr)
+        assert re.search(rf"disk full writing {re.escape(str(stats))}/[0-9a-f]{{24}}: No space left", line), line
+        assert not list(stats.rglob("_COMPLETE.json"))
+
+
 def _free_ports(n: int) -> str:
     """``LO-HI`` of ``n`` consecutive local ports free now."""
     for start in range(42000, 60000, 89):
