@@ -160,3 +160,37 @@ def test_gc_during_a_live_scores_stage_keeps_it_and_the_run_completes(tiny_run, 
     for name, step in plan.items():
         ref = step.ref
         assert digests(root / ref.stage / ref.key) == digests(source / ref.stage / ref.key), name
+
+
+@pytest.mark.slow
+def test_a_truncated_run_index_is_one_warning_and_a_rerun_rewrites_it(tiny_run, tmp_path, caplog, capsys):
+    """``runs/tiny.json`` cut mid-write: ``ls`` and ``runs`` still list everything with one warning naming
+    the file, ``gc`` refuses in one line and deletes nothing, and the (fully cached) rerun rewrites it."""
+    import logging
+
+    from flows.cli import main
+    from storage.artifacts import ArtifactStore
+    from storage.runs import read_run_index
+    from tests.helpers.faults import OVERRIDES, run_chain, tree
+    from tests.helpers.pipeline import tiny_config
+
+    source, plan = tiny_run
+    root = tmp_path / "root"
+    shutil.copytree(source, root)
+    index = root / "runs" / "tiny.json"
+    index.write_text(index.read_text()[:40])
+    before = tree(root)
+    with caplog.at_level(logging.WARNING, logger="covgrad"):
+        assert main(["ls", "--root", str(root)]) == 0
+        assert main(["runs", "--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert plan["report"].ref.key in out and "tiny" in out
+    warned = [r.getMessage() for r in caplog.records if str(index) in r.getMessage()]
+    assert len(warned) == 1 and f"skipped: {index} is not valid JSON" in warned[0], warned
+    assert main(["gc", "--root", str(root), "--yes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"covgrad: error: {index} is not valid JSON" in err[0], err
+    assert tree(root) == before
+    status = run_chain(tiny_config(str(root), **OVERRIDES))
+    assert set(status.values()) == {"cached"}
+    assert read_run_index(ArtifactStore(str(root)), "tiny")["run"] == plan.run_key
