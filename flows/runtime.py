@@ -2,38 +2,69 @@
 an API server named by ``PREFECT_API_URL`` (from the environment or a Prefect profile) must answer, and
 without one the database of the temporary server (Prefect's SQLite file) must be readable and its port
 range (``COVGRAD_SERVER_PORTS``, default Prefect's 8000-8999 on 127.0.0.1) must hold a free port. Each
-failure is one line naming the setting or the file and the way around it."""
+failure is one line naming the setting or the file and the way around it. ``check_root`` refuses, before
+the server starts, a local artifact root that cannot be created or written and still has stages to
+compute (a fully cached read-only root passes: it is only read)."""
 
+import errno
 import os
 import socket
 import sqlite3
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 PORTS_ENV = "COVGRAD_SERVER_PORTS"
 DEFAULT_PORTS = range(8000, 9000)  # Prefect's own range for its temporary server
 _BUSY = "Unable to find an available port"  # how Prefect's temporary server says its range is full
 
 
-def check_prefect_runtime(timeout: float = 5.0) -> None:
+def check_prefect_runtime(timeout: float = 5.0) -> list[int] | None:
     """ValueError when the Prefect API this process would use cannot work (see the module docstring).
-    Without an API URL the temporary server is set to pick its port among the free ports of the range."""
+    Returns None with an API URL, else the free ports of the temporary server's range (for
+    :func:`use_server_ports`)."""
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
     url = settings.api.url
     if url:
         _check_api(str(url).rstrip("/"), api_url_source(), timeout)
-        return
+        return None
     connection = settings.server.database.connection_url
     value = connection.get_secret_value() if connection is not None else ""
     if value.startswith("sqlite"):
         _check_sqlite(Path(value.split(":///", 1)[1]), timeout)
-    free = free_ports(server_ports())
-    from prefect.server.api.server import SubprocessASGIServer
+    return free_ports(server_ports())
+
+
+def use_server_ports(free: list[int] | None) -> None:
+    """Let Prefect's temporary server pick its port among ``free`` (nothing to do with an API URL: None)."""
+    if free is None:
+        return
+    from prefect.server.api.server import SubprocessASGIServer  # a few seconds: fastapi, sqlalchemy
 
     SubprocessASGIServer._port_range = free
+
+
+def check_root(cfg: Any) -> None:
+    """OSError naming the root (exit 2 in ``covgrad``) when the local root of ``cfg`` cannot be created, or
+    cannot be written while some planned artifact is not complete yet."""
+    from storage.artifacts import ArtifactStore
+
+    store = ArtifactStore(cfg.root)
+    if not store.local:
+        return
+    base = Path(store.base)
+    base.mkdir(parents=True, exist_ok=True)  # an OSError here names the directory it could not create
+    if os.access(base, os.W_OK):
+        return
+    from tasks.specs import plan
+
+    if all(store.is_complete(step.ref) for step in plan(cfg).values()):
+        return
+    code = errno.EROFS if os.statvfs(base).f_flag & os.ST_RDONLY else errno.EACCES
+    raise OSError(code, f"{os.strerror(code)}, and stages are left to compute", str(base))
 
 
 def server_ports() -> range:

@@ -131,3 +131,18 @@ def test_fully_cached_root_on_a_read_only_mount_serves_its_results(tiny_run, tmp
         assert report and report[1].startswith(f"{root}/report/") and Path(report[1]).is_file(), proc.stdout
         assert tree(root) == before
     assert (state / ".prefect-locks").exists() or (state / ".prefect-results").exists()
+
+
+def test_an_empty_root_on_a_read_only_mount_exits_2_naming_it(tmp_path):
+    """A root with nothing cached on a read-only bind mount: exit 2, one line naming the path the run could
+    not write and the way around it (a writable root)."""
+    source, root = tmp_path / "empty", tmp_path / "read-only"
+    source.mkdir()
+    root.mkdir()
+    with read_only_bind(source, root):
+        proc = covgrad_run(tmp_path, root)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        line = error_line(proc.stderr)
+        assert re.search(rf"cannot write {re.escape(str(root))}\S*: Read-only file system", line), line
+        assert "pass --root to a writable directory" in line, line
+        assert list(root.iterdir()) == []
