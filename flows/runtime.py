@@ -48,23 +48,28 @@ def use_server_ports(free: list[int] | None) -> None:
 
 
 def check_root(cfg: Any) -> None:
-    """OSError naming the root (exit 2 in ``covgrad``) when the local root of ``cfg`` cannot be created, or
-    cannot be written while some planned artifact is not complete yet."""
+    """OSError naming the root (exit 2 in ``covgrad``) when the local root of ``cfg`` could not be created
+    (its nearest existing ancestor is a file or not writable), or exists unwritable while some planned
+    artifact is not complete yet. Creates nothing."""
     from storage.artifacts import ArtifactStore
 
     store = ArtifactStore(cfg.root)
     if not store.local:
         return
     base = Path(store.base)
-    base.mkdir(parents=True, exist_ok=True)  # an OSError here names the directory it could not create
-    if os.access(base, os.W_OK):
+    existing = next(p for p in (base, *base.parents) if p.exists())
+    if not existing.is_dir():
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(base))
+    if os.access(existing, os.W_OK):
         return
-    from tasks.specs import plan
+    if existing == base:
+        from tasks.specs import plan
 
-    if all(store.is_complete(step.ref) for step in plan(cfg).values()):
-        return
-    code = errno.EROFS if os.statvfs(base).f_flag & os.ST_RDONLY else errno.EACCES
-    raise OSError(code, f"{os.strerror(code)}, and stages are left to compute", str(base))
+        if all(store.is_complete(step.ref) for step in plan(cfg).values()):
+            return
+    code = errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY else errno.EACCES
+    left = ", and stages are left to compute" if existing == base else ""
+    raise OSError(code, f"{os.strerror(code)}{left}", str(base))
 
 
 def server_ports() -> range:

@@ -252,3 +252,28 @@ def test_a_full_disk_naming_no_file_is_named_by_the_artifact():
         with pytest.raises(type(exc)) as info, name_full_disk("/elsewhere"):
             raise exc
         assert info.value is exc
+
+
+def test_check_root_refuses_what_cannot_be_written_and_creates_nothing(monkeypatch, tmp_path):
+    """``check_root``: a root below a file is ENOTDIR naming it; a missing root below a directory it cannot
+    write and an existing unwritable root with stages left are refused naming the root; a writable or
+    missing-but-creatable root passes; nothing is created."""
+    from flows.runtime import check_root
+    from tests.helpers.pipeline import tiny_config
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OSError) as info:
+        check_root(tiny_config(str(blocker / "root")))
+    assert (info.value.errno, info.value.filename) == (errno.ENOTDIR, str(blocker / "root"))
+    check_root(tiny_config(str(tmp_path / "new" / "root")))
+    assert not (tmp_path / "new").exists()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
+    for root, said in ((locked / "root", "Permission denied"), (locked, "and stages are left to compute")):
+        with pytest.raises(OSError, match=said) as info:
+            check_root(tiny_config(str(root)))
+        assert info.value.errno == errno.EACCES and info.value.filename == str(root)
+    assert list(locked.iterdir()) == []
