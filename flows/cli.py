@@ -165,14 +165,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         from flows.preflight import preflight
-        from flows.runtime import check_prefect_runtime
+        from flows.runtime import check_prefect_runtime, check_root, server_start_error, use_server_ports
 
         preflight(cfg, architecture=False)  # the flow repeats it whole: bad files fail before Prefect starts
-        check_prefect_runtime()
+        free = check_prefect_runtime()
+        check_root(cfg)
+        use_server_ports(free)
         from flows.pipeline import covgrad_pipeline
 
         route_errors_to_log()
-        result = covgrad_pipeline(cfg)
+        try:
+            result = covgrad_pipeline(cfg)
+        except RuntimeError as exc:  # the temporary server's ports taken after the check
+            busy = server_start_error(exc)
+            if busy is None:
+                raise
+            raise busy from exc
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -6,12 +6,17 @@
 - ``VerifiedStore`` wraps the zarr store of a complete artifact: every key it reads that the manifest
   lists must exist and, when read whole, match the manifest's size and crc32c; otherwise it raises
   ``DamagedArtifactError`` in one line naming the artifact, the store, the array and the chunk.
+- ``name_full_disk`` names the artifact being written in a full-disk error the system raised without a
+  file name (zarr's chunk writes in dask or writer threads), so the user's one line says where.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import fsspec
@@ -25,6 +30,20 @@ from zarr.storage import WrapperStore
 class DamagedArtifactError(ValueError):
     """A complete artifact's file is missing, truncated or corrupted (an expected failure: rerun to
     recompute it, or ``covgrad verify`` to list all damage)."""
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@contextmanager
+def name_full_disk(where: str) -> Iterator[None]:
+    """Re-raise a full-disk OSError (ENOSPC, EDQUOT, EFBIG) that names no file as one naming ``where``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno not in _FULL:
+            raise
+        raise OSError(exc.errno, exc.strerror, where) from exc
 
 
 def crc32c(data: bytes) -> str:

@@ -8,6 +8,7 @@ checkpoints the ``covgrad-watch`` flow analysed under watch config ``name``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -69,6 +70,16 @@ def read_run_index(store: ArtifactStore, run: str) -> dict[str, Any]:
     return _read_index(store, path)
 
 
+_warned: set[str] = set()
+
+
+def _skip_damaged(err: ValueError) -> None:
+    """Warn once per process (logger ``covgrad``) about a run index a listing skips."""
+    if str(err) not in _warned:
+        _warned.add(str(err))
+        logging.getLogger("covgrad").warning("skipped: %s", err)
+
+
 def _read_index(store: ArtifactStore, path: str) -> dict[str, Any]:
     """The run index at ``path``; ValueError naming it when it is not a JSON object with ``artifacts``."""
     try:
@@ -117,12 +128,13 @@ def list_runs(store: ArtifactStore) -> list[dict[str, Any]]:
     """Every run under the root, newest first, one row per run key (the name alias is not a second
     run): ``name``, ``run`` (key), ``written``, ``stages`` (complete / all instances), ``headline`` (the
     report's overlap or degenerate finding, "" without a report) and ``report`` (the report artifact ref or
-    None). A file that is not a run index is skipped."""
+    None). A file that is not a run index is skipped with one warning naming it."""
     rows = []
     for path in store.fs.glob(f"{store.base}/runs/*.json"):
         try:
             index = _read_index(store, path)
-        except ValueError:
+        except ValueError as err:
+            _skip_damaged(err)
             continue
         if path.rsplit("/", 1)[-1].removesuffix(".json") != index.get("run"):
             continue  # the name alias of a run listed under its key
@@ -153,12 +165,14 @@ def _headline(store: ArtifactStore, ref: ArtifactRef) -> str:
 
 
 def runs_of(store: ArtifactStore) -> dict[tuple[str, str], list[str]]:
-    """(stage, key) -> the names of the runs whose index refers to that artifact (sorted)."""
+    """(stage, key) -> the names of the runs whose index refers to that artifact (sorted); a file that is
+    not a run index is skipped with one warning naming it."""
     out: dict[tuple[str, str], set[str]] = {}
     for path in store.fs.glob(f"{store.base}/runs/*.json"):
         try:
             index = _read_index(store, path)
-        except ValueError:
+        except ValueError as err:
+            _skip_damaged(err)
             continue
         for a in index["artifacts"].values():
             out.setdefault((a["stage"], a["key"]), set()).add(str(index.get("name") or index.get("run")))

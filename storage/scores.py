@@ -392,8 +392,13 @@ class RowWriter:
         self.jobs.task_done()
 
     def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"writing per-sample rows failed: {self.error}") from self.error
+        """Re-raise the thread's failure: an OSError (a full disk) as an OSError naming the array's store
+        path when the system named no file, anything else as a RuntimeError."""
+        err = self.error
+        if isinstance(err, OSError) and err.errno is not None:
+            raise OSError(err.errno, err.strerror, err.filename or str(self.array.store_path)) from err
+        if err is not None:
+            raise RuntimeError(f"writing per-sample rows failed: {err}") from err
 
     def flush(self) -> None:
         """Wait until every submitted batch is written; raise if a write failed."""

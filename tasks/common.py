@@ -44,6 +44,7 @@ from covgrad.devices import PeakRSS
 from covgrad.heap import release_free_memory
 from covgrad.progress import Progress
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.integrity import name_full_disk
 from tasks.specs import StageSpec
 
 
@@ -165,7 +166,7 @@ def run_stage(
         t0 = time.perf_counter()
         claim = store.begin(ref, spec.model_dump(mode="json"), resume=resumable)
         release_free_memory()  # pages earlier stages freed but the C heap kept: this stage's peak is its own
-        with PeakRSS() as rss:
+        with PeakRSS() as rss, name_full_disk(store.path(ref)):
             extra = compute(store, ref) or {}
         timing = {"seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": rss.peak}
         store.complete(ref, claim, {**timing, **extra})

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers.faults import error_line, tree
 from tests.helpers.pipeline import REPO
 
 
@@ -25,15 +26,6 @@ def covgrad_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
     cmd = [sys.executable, "-m", "flows.cli", "run", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-
-
-def error_line(stderr: str) -> str:
-    """The one ``covgrad:`` line of ``stderr``, asserted to be its last line (progress lines may precede it)."""
-    errors = [line for line in stderr.splitlines() if line.startswith("covgrad:")]
-    assert errors == [stderr.strip().splitlines()[-1]], stderr[-3000:]
-    assert errors[0].startswith("covgrad: error: "), errors[0]
-    assert "Traceback" not in stderr
-    return errors[0]
 
 
 def test_bad_yaml_in_set_is_a_value_error_naming_the_key():
@@ -170,11 +162,6 @@ sys.exit(main())
 """
 
 
-def tree(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file and directory under ``root``: relative path → (mtime in ns, size)."""
-    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(root.rglob("*"))}
-
-
 @pytest.mark.slow
 def test_fully_cached_read_only_root_serves_its_results(tiny_run, tmp_path):
     """``covgrad run`` on a copy of a finished tiny pipeline that ``os.access`` calls unwritable (chmod does
@@ -222,3 +209,71 @@ def test_full_disk_writing_scores_state_names_the_array(monkeypatch, tmp_path):
         write_state(array, slice(0, 2), slice(0, 4), np.zeros((2, 4), dtype="f4"))
     assert info.value.errno == errno.ENOSPC
     assert info.value.filename == f"file://{tmp_path / 'scores.zarr'}/mean_s"
+
+
+def test_full_disk_in_the_row_writer_thread_names_the_array(monkeypatch, tmp_path):
+    """ENOSPC with no file name in the per-sample row writer's thread is raised in the caller as an OSError
+    naming the rows array (an expected failure, exit 2), not a RuntimeError (exit 1)."""
+    import torch
+    import zarr
+    from zarr.storage import LocalStore
+
+    from storage.scores import RowWriter
+
+    group = zarr.open_group(LocalStore(str(tmp_path / "scores.zarr")), mode="w")
+    array = group.create_array("scores", shape=(4, 3), dtype="f4")
+
+    def full(self, selection, value):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(zarr.Array, "__setitem__", full)
+    writer = RowWriter(array, 4, 3, torch.device("cpu"))
+    writer.submit(0, 4, torch.zeros(4, 3))
+    with pytest.raises(OSError) as info:
+        writer.close()
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == f"file://{tmp_path / 'scores.zarr'}/scores"
+    assert not writer.thread.is_alive()
+
+
+def test_a_full_disk_naming_no_file_is_named_by_the_artifact():
+    """``name_full_disk`` gives a nameless ENOSPC/EDQUOT the artifact's path and leaves every other error as
+    it was."""
+    from storage.integrity import name_full_disk
+
+    with pytest.raises(OSError) as info, name_full_disk("/root/stats/abc"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert (info.value.errno, info.value.filename) == (errno.ENOSPC, "/root/stats/abc")
+    for exc in (
+        OSError(errno.ENOSPC, "No space left on device", "/root/stats/abc/x.json"),
+        OSError(errno.EIO, "Input/output error"),
+        ValueError("bad"),
+    ):
+        with pytest.raises(type(exc)) as info, name_full_disk("/elsewhere"):
+            raise exc
+        assert info.value is exc
+
+
+def test_check_root_refuses_what_cannot_be_written_and_creates_nothing(monkeypatch, tmp_path):
+    """``check_root``: a root below a file is ENOTDIR naming it; a missing root below a directory it cannot
+    write and an existing unwritable root with stages left are refused naming the root; a writable or
+    missing-but-creatable root passes; nothing is created."""
+    from flows.runtime import check_root
+    from tests.helpers.pipeline import tiny_config
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OSError) as info:
+        check_root(tiny_config(str(blocker / "root")))
+    assert (info.value.errno, info.value.filename) == (errno.ENOTDIR, str(blocker / "root"))
+    check_root(tiny_config(str(tmp_path / "new" / "root")))
+    assert not (tmp_path / "new").exists()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
+    for root, said in ((locked / "root", "Permission denied"), (locked, "and stages are left to compute")):
+        with pytest.raises(OSError, match=said) as info:
+            check_root(tiny_config(str(root)))
+        assert info.value.errno == errno.EACCES and info.value.filename == str(root)
+    assert list(locked.iterdir()) == []
