@@ -11,7 +11,15 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from covgrad.choices import (  # the schema's choices and the defaults engines share, without pydantic
     TOKENS_EXACT_BUDGET,
@@ -116,6 +124,9 @@ class TaskSection(Section):
         return self
 
 
+RolloutFormat = Literal["covgrad", "open_instruct", "trl", "verl"]  # covgrad.formats.READERS
+
+
 class SamplerSection(Section):
     """Who draws the responses and how: the policy, the demo's stale checkpoint, another model
     directory, or a file of rollouts imported from elsewhere (``import_path``). Imported rollouts need
@@ -144,6 +155,25 @@ class SamplerSection(Section):
     mu_model: str | None = Field(
         None, description="imported rollouts: the sampler's checkpoint directory, to recompute μ"
     )
+    format: RolloutFormat = Field(
+        "covgrad",
+        description="imported rollouts: the dump format of import_path (docs/formats.md): covgrad's JSONL, "
+        "open-instruct's RolloutRecord, TRL's generation rows or verl's DataProto rows",
+    )
+    reward_fields: list[str] | None = Field(
+        None, description="format trl: the reward columns whose weighted NaN-skipping sum is the reward"
+    )
+    reward_weights: list[float] | None = Field(None, description="format trl: weights of reward_fields (default 1)")
+    verify_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="imported rollouts: fraction of records re-scored by the policy (or mu_model) to check the "
+        "file's log-probs; per-record KL in the rollouts' attrs",
+    )
+    verify_max_kl: float = Field(
+        0.05, gt=0.0, description="verify_fraction: per-token k3-KL (nats) above which a record is an outlier"
+    )
 
     @model_validator(mode="after")
     def _import_options(self) -> Self:
@@ -151,7 +181,34 @@ class SamplerSection(Section):
             raise ValueError("on_policy and mu_model describe imported rollouts; set import_path or drop them")
         if self.on_policy and self.mu_model is not None:
             raise ValueError("on_policy: true says μ = p, so there is no μ to recompute; drop mu_model")
+        imported = {k: getattr(self, k) for k in IMPORT_DEFAULTS if getattr(self, k) != IMPORT_DEFAULTS[k]}
+        if imported and self.import_path is None:
+            raise ValueError(f"{sorted(imported)[0]} describes imported rollouts; set import_path or drop it")
+        if self.reward_fields is not None and self.format != "trl":
+            raise ValueError(f"reward_fields names TRL reward columns; drop it for format {self.format!r}")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fields or []):
+            raise ValueError("reward_weights needs one weight per entry of reward_fields")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_import_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The fields of :data:`IMPORT_DEFAULTS` are left out at their defaults, so a sampler that does not
+        use them serialises (and keys its artifacts) as before they existed."""
+        out = handler(self)
+        for name, default in IMPORT_DEFAULTS.items():
+            if name in out and out[name] == default:
+                del out[name]
+        return out
+
+
+IMPORT_DEFAULTS: dict[str, Any] = {
+    "format": "covgrad",
+    "reward_fields": None,
+    "reward_weights": None,
+    "verify_fraction": 0.0,
+    "verify_max_kl": 0.05,
+}
+"""The import settings a sampler's dump leaves out at these defaults (:class:`SamplerSection`)."""
 
 
 class RolloutsSection(Section):

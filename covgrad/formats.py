@@ -296,7 +296,7 @@ def convert(fmt: str, rec: Any, at: str, options: dict[str, Any] | None = None) 
     return READERS[fmt](rec, at, options or {})
 
 
-def _rename_fields(message: str, fmt: str) -> str:
+def rename_fields(message: str, fmt: str) -> str:
     """A records_to_rollouts message with covgrad's field names replaced by the stack's."""
     for ours, theirs in FIELD_NAMES[fmt].items():
         message = message.replace(f"'{ours}", f"'{theirs}")
@@ -359,8 +359,9 @@ def import_records(
     Returns:
         ``(arrays, extras, summary)``: ``arrays`` as ``records_to_rollouts`` returns them (N records, T the
         longest response); ``extras`` holds, when every record has them, ``policy_version`` (N,) int64,
-        ``advantage`` (N,) float64 and ``token_advantages`` (N, T) float32 (0 after each response's end);
-        ``summary`` from :func:`version_summary`.
+        ``advantage`` (N,) float64 and ``token_advantages`` (N, T) float64 (0 after each response's end);
+        ``summary`` from :func:`version_summary`, with ``where``: each record's location (``at``), and
+        ``sampling_index`` (N,) int: each record's entry of ``summary["sampling_params"]``.
 
     Raises:
         ValueError: one line naming the record (``where``) and the stack's field; also when only some
@@ -375,7 +376,7 @@ def import_records(
     try:
         arrays = records_to_rollouts(converted, vocab_size, max_len, tokenizer=tokenizer, pad_id=pad_id)
     except ValueError as err:
-        raise ValueError(_rename_fields(str(err), fmt)) from None
+        raise ValueError(rename_fields(str(err), fmt)) from None
     N, T = arrays["sampler_logp"].shape
     out_extras: dict[str, np.ndarray] = {}
     for key in ("policy_version", "advantage", "token_advantages"):
@@ -393,10 +394,13 @@ def import_records(
         elif key == "advantage":
             out_extras[key] = np.array([e[key] for e in extras], dtype=np.float64)
         else:
-            adv = np.zeros((N, T), dtype=np.float32)
+            adv = np.zeros((N, T), dtype=np.float64)
             for n, e in enumerate(extras):
                 adv[n, : len(e[key])] = e[key]
             out_extras[key] = adv
     versions = [e["policy_version"] for e in extras]
-    summary = version_summary(versions, [e["sampling_params"] for e in extras], fmt, source)
+    sampling = [e["sampling_params"] for e in extras]
+    summary = version_summary(versions, sampling, fmt, source)
+    summary["where"] = [at for at, _ in converted]
+    summary["sampling_index"] = [summary["sampling_params"].index(p) for p in sampling]
     return arrays, out_extras, summary

@@ -227,6 +227,44 @@ ROLLOUTS_VARS.update(
     }
 )
 
+# what a stack's dump (covgrad.formats) says about each imported record, written only when every record says it
+ROLLOUTS_VARS.update(
+    {
+        "policy_version": Var(
+            ("sample",), "int64", (ROWS,), "policy version", "training step / weight version that sampled it", fill=0
+        ),
+        "stack_advantage": Var(
+            ("sample",), "float64", (ROWS,), "the stack's advantage", "sequence advantage from the dump", fill=0
+        ),
+        "sampling_params_index": Var(
+            ("sample",),
+            "int32",
+            (ROWS,),
+            "sampling parameter set",
+            "entry of attrs import.sampling_params the record was sampled with (only when they mix)",
+            fill=0,
+        ),
+        "verify_kl": Var(
+            ("sample",),
+            "float64",
+            (ROWS,),
+            "re-scored KL per token",
+            "mean_t log mu_file - log p_rescored; NaN for records not re-scored",
+            "nats",
+            fill=np.nan,
+        ),
+        "verify_k3_kl": Var(
+            ("sample",),
+            "float64",
+            (ROWS,),
+            "re-scored k3-KL per token",
+            "mean_t rho - log rho - 1, rho = p_rescored / mu_file; NaN for records not re-scored",
+            "nats",
+            fill=np.nan,
+        ),
+    }
+)
+
 # scores.zarr — dims: row (2 per sample shard: shard i's samples of the prompt groups with parity h at row
 # 2i + h), param, sample, batch, shard, block. Checkpoint groups (ckpt/…, edges/…) hold the state arrays
 # and ``batches``.

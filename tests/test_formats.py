@@ -55,10 +55,10 @@ def test_sample_file_imports_like_covgrad_jsonl(fmt, reference):
 def test_covgrad_token_advantages_padded(reference):
     arrays, extras, _ = reference
     adv = extras["token_advantages"]
-    assert adv.shape == arrays["sampler_logp"].shape and adv.dtype == np.float32
+    assert adv.shape == arrays["sampler_logp"].shape and adv.dtype == np.float64
     live = np.arange(adv.shape[1])[None, :] < arrays["response_len"][:, None]
     assert (adv[~live] == 0).all()
-    np.testing.assert_array_equal(adv[live], np.repeat(extras["advantage"], arrays["response_len"]).astype(np.float32))
+    np.testing.assert_array_equal(adv[live], np.repeat(extras["advantage"], arrays["response_len"]))
 
 
 def test_one_version_has_no_message(tmp_path):
