@@ -25,6 +25,7 @@ from covgrad.models import context_length
 from covgrad.problems import response_texts, score_rewards
 from covgrad.rollout_import import record_mismatch, verification_warning
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
+from covgrad.support_mu import gradient_error_factor, tail_summary
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from storage.models import load_models
 from storage.prompts import load_task, prompt_places
@@ -236,6 +237,22 @@ def _extra_arrays(data: dict, extras: dict[str, np.ndarray], sampling_index: np.
     return out
 
 
+def _support_bound(g: Any, advantage: np.ndarray, sampler: str) -> dict[str, float]:
+    """The centering-error bound of μ known on a support (``covgrad.support_mu``): τ's summary and the factor
+    β of |Ĝ_i − G_i| ≤ β · max R_i, logged in one line."""
+    tail, rl = torch.from_numpy(g["mu_tail"][:]), torch.from_numpy(g["response_len"][:])
+    out = {**tail_summary(tail, rl), "gradient_error_factor": gradient_error_factor(tail, torch.from_numpy(advantage))}
+    log.info(
+        "rollouts.samplers.%s: μ is known on a support; the mass outside it is %.3g per position on average "
+        "(max %.3g), so the sampler-centred G is within %.3g × max R_i of its full-μ value (docs/formats.md)",
+        sampler,
+        out["support_tail_mean"],
+        out["support_tail_max"],
+        out["gradient_error_factor"],
+    )
+    return out
+
+
 @task(name="rollouts")
 def rollouts_task(ref: ArtifactRef, spec: RolloutsSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
     """Generate (or import) the rollouts of sampler ``spec.sampler``."""
@@ -248,6 +265,8 @@ def rollouts_task(ref: ArtifactRef, spec: RolloutsSpec, upstream: dict[str, Arti
         check_rewards(rewards)
         adv = compute_advantages(rewards, g["group"][:], spec.advantage)
         create(g, STORE, "advantage", adv.shape, rows=g["reward"].chunks[0])[:] = adv
+        if "mu_tail" in g:
+            g.attrs["support_mu"] = _support_bound(g, adv, spec.sampler)
         g.attrs.update(
             {
                 "sampler": spec.sampler,
