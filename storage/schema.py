@@ -484,6 +484,19 @@ OFFPOLICY_VARS = {
         ("row",), "float64", (WHOLE,), "cross-fit exceedances", "fraction of ratios > 1, F even groups, G odd", "1"
     ),
     "overlap_1pct": Var(("row",), "float64", (WHOLE,), "overlap at q = 0.01", "global top-1% by |G| and F", "1"),
+    **{
+        name: Var(("row",), "float64", (WHOLE,), long_name, definition, units)
+        for name, long_name, definition, units in (
+            ("rollout_probs_diff_mean", "mean probability gap", "mean_t |p(y_t) - mu(y_t)| (verl)", "1"),
+            ("rollout_probs_diff_max", "max probability gap", "max_t |p(y_t) - mu(y_t)| (verl)", "1"),
+            ("probs_pearson_corr", "Pearson correlation of probabilities", "corr(p(y_t), mu(y_t)) (verl)", "1"),
+            ("verl_kl", "KL per token (verl kl)", "mean_t log mu(y_t) - log p(y_t)", "nats"),
+            ("k3_kl", "k3-KL per token", "mean_t rho - log rho - 1, rho = p/mu (verl k3_kl)", "nats"),
+            ("chi2_token", "chi-square per token", "mean_t rho^2 - 1 (verl chi2_token)", "1"),
+            ("chi2_seq", "chi-square per sequence", "mean_n prod_t rho^2 - 1 (verl chi2_seq)", "1"),
+            ("ppl_ratio", "perplexity ratio", "mean_n ppl_policy / ppl_sampler (verl ppl_ratio)", "1"),
+        )
+    },
     "finding": Var(("row",), "str", (WHOLE,), "degenerate condition", "why G has no finding, else empty"),
 }
 
