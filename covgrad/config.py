@@ -161,18 +161,18 @@ class SamplerSection(Section):
         "open-instruct's RolloutRecord, TRL's generation rows or verl's DataProto rows",
     )
     reward_fields: list[str] | None = Field(
-        None, description="format trl: the reward columns whose weighted NaN-skipping sum is the reward"
+        None,
+        description="imported rollouts: the reward is the NaN-skipping sum of these record columns, each 'name' or "
+        "'name:weight' (TRL's one column per reward function and reward_weights); default: the format's reward",
     )
-    reward_weights: list[float] | None = Field(None, description="format trl: weights of reward_fields (default 1)")
-    verify_fraction: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="imported rollouts: fraction of records re-scored by the policy (or mu_model) to check the "
-        "file's log-probs; per-record KL in the rollouts' attrs",
+    verify_records: int = Field(
+        0,
+        ge=0,
+        description="imported rollouts: how many records (at most all, picked with seed) the policy (or mu_model) "
+        "re-scores to check the file's log-probs; per-record KL in the rollouts store",
     )
     verify_max_kl: float = Field(
-        0.05, gt=0.0, description="verify_fraction: per-token k3-KL (nats) above which a record is an outlier"
+        0.05, gt=0.0, description="verify_records: per-token k3-KL (nats) above which a record is an outlier"
     )
 
     @model_validator(mode="after")
@@ -184,10 +184,10 @@ class SamplerSection(Section):
         imported = {k: getattr(self, k) for k in IMPORT_DEFAULTS if getattr(self, k) != IMPORT_DEFAULTS[k]}
         if imported and self.import_path is None:
             raise ValueError(f"{sorted(imported)[0]} describes imported rollouts; set import_path or drop it")
-        if self.reward_fields is not None and self.format != "trl":
-            raise ValueError(f"reward_fields names TRL reward columns; drop it for format {self.format!r}")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_fields or []):
-            raise ValueError("reward_weights needs one weight per entry of reward_fields")
+        for entry in self.reward_fields or []:
+            name, _, weight = entry.partition(":")
+            if not name or (weight and not re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", weight)):
+                raise ValueError(f"reward_fields entry {entry!r}: write 'column' or 'column:weight' (a number)")
         return self
 
     @model_serializer(mode="wrap")
@@ -204,8 +204,7 @@ class SamplerSection(Section):
 IMPORT_DEFAULTS: dict[str, Any] = {
     "format": "covgrad",
     "reward_fields": None,
-    "reward_weights": None,
-    "verify_fraction": 0.0,
+    "verify_records": 0,
     "verify_max_kl": 0.05,
 }
 """The import settings a sampler's dump leaves out at these defaults (:class:`SamplerSection`)."""

@@ -26,7 +26,8 @@ Formats (field names from the stacks' sources; docs/formats.md has the tables):
   per reward function, ``advantage``). ``logprobs`` is per token either one float (the sampled token, as
   ``GRPOTrainer`` keeps it) or a rank-sorted list with ``logprob_token_ids`` (vLLM's top-N plus the sampled
   token): the second form also gives μ on that support. The reward is ``reward`` or, with
-  ``options["reward_fields"]`` (and ``reward_weights``), the weighted NaN-skipping sum TRL computes.
+  ``options["reward_fields"]`` (and ``reward_weights``), the weighted NaN-skipping sum TRL computes
+  (:func:`convert` applies those options to every format).
   Groups are the records of one ``step`` with the same prompt tokens.
 - ``verl``: one row of verl's rollout ``DataProto`` (tensor rows as lists: ``prompts`` left-padded,
   ``responses`` right-padded, ``attention_mask``, ``response_mask``, ``rollout_log_probs``, ``advantages``,
@@ -149,10 +150,10 @@ def open_instruct(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record
     return out, _extras(step, _sampling_params(rec, at, options), rec.get("advantage"), None, at)
 
 
-def _trl_reward(rec: Record, at: str, options: dict[str, Any]) -> float:
-    fields = options.get("reward_fields")
-    if fields is None:
-        return _require(rec, at, "reward")
+def column_reward(rec: Record, at: str, options: dict[str, Any]) -> float:
+    """The weighted NaN-skipping sum of the record's columns ``options["reward_fields"]`` with weights
+    ``options["reward_weights"]`` (default 1), as TRL sums its reward functions."""
+    fields = options["reward_fields"]
     weights = options.get("reward_weights") or [1.0] * len(fields)
     if len(weights) != len(fields):
         raise ValueError(f"reward_weights has {len(weights)} entries for {len(fields)} reward_fields")
@@ -207,7 +208,7 @@ def trl(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record, Record]:
     if bad:
         raise ValueError(f"{at}: 'logprobs[{bad[0]}]' is null (vLLM returned NaN); the token has no sampler log-prob")
     out["logprobs"] = sampled
-    out["reward"] = _trl_reward(rec, at, options)
+    out["reward"] = column_reward(rec, at, options) if options.get("reward_fields") else _require(rec, at, "reward")
     step = _int_field(rec, at, "step")
     if step is not None and isinstance(out["prompt_ids"], list):
         out["group"] = f"{step}/" + ",".join(str(t) for t in out["prompt_ids"])
@@ -293,7 +294,21 @@ def convert(fmt: str, rec: Any, at: str, options: dict[str, Any] | None = None) 
         raise ValueError(f"unknown rollout format {fmt!r}; choose one of {sorted(READERS)}")
     if not isinstance(rec, dict):
         raise ValueError(f"{at}: expected a JSON object; got {type(rec).__name__}")
-    return READERS[fmt](rec, at, options or {})
+    options = options or {}
+    out, extras = READERS[fmt](rec, at, options)
+    if options.get("reward_fields") and fmt != "trl":
+        out = {**out, "reward": column_reward(rec, at, options)}
+    return out, extras
+
+
+def parse_reward_fields(entries: list[str]) -> dict[str, list]:
+    """Reader options ``reward_fields`` and ``reward_weights`` from entries ``'column'`` or ``'column:weight'``."""
+    fields, weights = [], []
+    for entry in entries:
+        name, _, weight = entry.partition(":")
+        fields.append(name)
+        weights.append(float(weight) if weight else 1.0)
+    return {"reward_fields": fields, "reward_weights": weights}
 
 
 def rename_fields(message: str, fmt: str) -> str:
@@ -353,7 +368,7 @@ def import_records(
         located: ``(where, object)`` pairs, e.g. ``storage.readers.read_located_records(path)``.
         fmt: a key of :data:`READERS`.
         vocab_size, max_len, tokenizer, pad_id: as for ``records_to_rollouts``.
-        options: reader options (``sampling_params``; for ``trl`` ``reward_fields``, ``reward_weights``).
+        options: reader options (``sampling_params``; ``reward_fields``, ``reward_weights``).
         source: names the input in the summary message (e.g. the file path).
 
     Returns:

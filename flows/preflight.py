@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from covgrad.config import PipelineConfig
-from covgrad.formats import convert, rename_fields
+from covgrad.formats import convert, parse_reward_fields, rename_fields
 from covgrad.inputs import check_context
 from covgrad.rollout_import import records_to_rollouts, require_mu_source
 from storage.models import check_model_dir
@@ -94,7 +94,7 @@ def check_first_record(s: Any, vocab_size: int) -> dict:
     rollouts stage will (without the tokenizer: a text prompt is checked to be text), as covgrad's record.
     Raises ValueError: one line naming ``file:line`` and the stack's field."""
     at, rec = next(iter(read_located_records(s.import_path)))
-    options = {"reward_fields": s.reward_fields, "reward_weights": s.reward_weights} if s.reward_fields else {}
+    options = parse_reward_fields(s.reward_fields) if s.reward_fields else {}
     out, _ = convert(s.format, rec, at, options)
     probe = dict(out)
     if "prompt_ids" not in probe and isinstance(probe.get("prompt"), str):

@@ -19,7 +19,7 @@ from prefect import task
 
 from covgrad.centering import sampled_token_logp
 from covgrad.config import SamplerSection
-from covgrad.formats import import_records
+from covgrad.formats import import_records, parse_reward_fields
 from covgrad.inputs import check_context
 from covgrad.models import context_length
 from covgrad.problems import response_texts, score_rewards
@@ -105,22 +105,21 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: 
 
 def import_options(s: SamplerSection) -> dict[str, Any]:
     """The options of ``covgrad.formats.import_records`` for sampler section ``s``: its sampling settings
-    stand for those of records that carry none, and TRL's reward columns."""
+    stand for those of records that carry none; ``reward_fields`` name the reward columns."""
     options: dict[str, Any] = {"sampling_params": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}}
-    if s.reward_fields is not None:
-        options["reward_fields"] = s.reward_fields
-        options["reward_weights"] = s.reward_weights
+    if s.reward_fields:
+        options.update(parse_reward_fields(s.reward_fields))
     return options
 
 
 def _verify(
     store: ArtifactStore, base: ArtifactRef, spec: RolloutsSpec, policy: Any, data: dict, where: list[str]
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Re-score ``verify_fraction`` of the imported records (chosen with the sampler's seed) with the policy,
+    """Re-score ``verify_records`` of the imported records (chosen with the sampler's seed) with the policy,
     or with ``mu_model``, at the section's sampling settings; (N,) arrays ``verify_kl`` / ``verify_k3_kl``
     (NaN where not re-scored) and a summary for the attrs; one warning line for outliers."""
     s, N = spec.settings, len(data["prompt_len"])
-    n = max(1, round(s.verify_fraction * N))
+    n = min(s.verify_records, N)
     idx = np.sort(np.random.default_rng(s.seed).choice(N, size=n, replace=False))
     model, label = policy, "the policy"
     if s.mu_model is not None:
@@ -179,7 +178,7 @@ def _import(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: Ar
             "covgrad needs groups of equal size"
         )
     verified = None
-    if s.verify_fraction > 0:
+    if s.verify_records > 0:
         checks, verified = _verify(store, base, spec, policy, data, where)
         data.update(checks)
     N, width = data["tokens"].shape

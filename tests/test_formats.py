@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from covgrad.formats import READERS, convert, import_records
+from covgrad.formats import READERS, convert, import_records, parse_reward_fields
 from storage.readers import read_located_records
 
 DATA = Path(__file__).parent / "data" / "formats"
@@ -162,3 +162,11 @@ def test_non_integral_versions_are_named():
         rec["step"] = bad
         with pytest.raises(ValueError, match="r:1: 'step' must be an integer"):
             convert("open_instruct", rec, "r:1")
+
+
+def test_reward_fields_apply_to_every_format():
+    rec = json.loads((DATA / "open_instruct.jsonl").read_text().splitlines()[0])
+    rec.update(acc=0.5, fmt=float("nan"))
+    options = parse_reward_fields(["acc:4", "fmt"])
+    assert options == {"reward_fields": ["acc", "fmt"], "reward_weights": [4.0, 1.0]}
+    assert convert("open_instruct", rec, "r:1", options)[0]["reward"] == 2.0

@@ -97,22 +97,28 @@ def _rollouts(tmp, ckpt, path, root, **sampler):
 
 
 @pytest.mark.slow
-def test_verification_flags_records_from_another_checkpoint(planted, capfd):
+def test_verification_flags_records_from_another_checkpoint(planted, monkeypatch):
+    import tasks.rollouts
+
+    logged = []
+    monkeypatch.setattr(tasks.rollouts.log, "warning", lambda msg, *args: logged.append(msg % args))
     tmp, ckpt, path = planted
-    g = _rollouts(tmp, ckpt, path, "runs-all", verify_fraction=1.0)
+    g = _rollouts(tmp, ckpt, path, "runs-all", verify_records=100)
     k3 = g["verify_k3_kl"][:]
     planted_rows = np.array([n + 1 in PLANTED for n in range(len(k3))])  # groups are already in file order
     assert (k3[~planted_rows] < 1e-6).all() and (k3[planted_rows] > 0.05).all()
     info = g.attrs["import"]["verify"]
     assert info["records"] == len(k3) and info["model"] == "the policy"
     assert info["outliers"] == [f"{path}:{line}" for line in PLANTED]
-    warnings = [line for line in capfd.readouterr().err.splitlines() if "verified records" in line]
-    assert len(warnings) == 1 and "2 of 16 verified records" in warnings[0]
+    warnings = [m for m in logged if "verified records" in m]
+    assert warnings == [info["warning"]] and "\n" not in warnings[0]
+    assert "2 of 16 verified records have per-token k3-KL above 0.05 nats" in warnings[0]
+    assert f"(worst {path}:{PLANTED[int(np.argmax(k3[planted_rows]))]}:" in warnings[0]
 
 
 @pytest.mark.slow
-def test_verify_fraction_rescores_a_subset(planted):
+def test_verify_records_rescores_a_subset(planted):
     tmp, ckpt, path = planted
-    g = _rollouts(tmp, ckpt, path, "runs-half", verify_fraction=0.5)
+    g = _rollouts(tmp, ckpt, path, "runs-half", verify_records=8)
     kl = g["verify_kl"][:]
     assert np.isnan(kl).sum() == 8 and g.attrs["import"]["verify"]["records"] == 8

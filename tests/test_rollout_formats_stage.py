@@ -98,7 +98,7 @@ def test_covgrad_jsonl_store_holds_the_dump_extras(reference):
 def test_preflight_names_a_malformed_first_record(ckpt, tmp_path):
     from flows.preflight import preflight
 
-    tmp, path = ckpt
+    _, path = ckpt
     lines = (DATA / "verl.jsonl").read_text().splitlines()
     bad = tmp_path / "verl.jsonl"
     bad.write_text(lines[0].replace('"rollout_log_probs": [-2.24', '"rollout_log_probs": [2.24') + "\n")
@@ -115,6 +115,7 @@ def test_format_needs_an_import_path():
 
     with pytest.raises(ValueError, match="format describes imported rollouts"):
         SamplerSection(format="verl")
-    with pytest.raises(ValueError, match="reward_fields names TRL reward columns"):
-        SamplerSection(import_path="x.jsonl", format="verl", reward_fields=["acc"])
+    with pytest.raises(ValueError, match="reward_fields entry 'acc:x'"):
+        SamplerSection(import_path="x.jsonl", format="verl", reward_fields=["acc:x"])
+    assert SamplerSection(import_path="x.jsonl", reward_fields=["acc", "fmt:0.5"]).reward_fields == ["acc", "fmt:0.5"]
     assert "format" not in SamplerSection(import_path="x.jsonl").model_dump()
