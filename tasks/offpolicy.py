@@ -115,11 +115,11 @@ def sampler_rollouts(store: ArtifactStore, stats_ref: ArtifactRef) -> tuple[Arti
     return found["rollouts"], found["base_model"], PolicySpec(**scores["config"]["policy"])
 
 
-def policy_logp_of(store: ArtifactStore, rollouts: ArtifactRef, base: ArtifactRef, policy: PolicySpec):
+def policy_logp_of(store: ArtifactStore, rollouts: ArtifactRef, model: Any):
     """(sampler_logp, policy_logp, mask) (N, T) of a rollouts artifact: the stored log μ of the sampled tokens,
-    the policy's log p of them (one teacher-forced forward per batch, temperature 1), the scored positions."""
+    the policy ``model``'s log p of them (one teacher-forced forward per batch, temperature 1), the scored
+    positions."""
     ro = store.open_group(rollouts, ROLLOUTS, mode="r")
-    model = load_models(store, base, "policy", policy)[0]
     tokens, pl, rl = (torch.from_numpy(ro[k][:]) for k in ("tokens", "prompt_len", "response_len"))
     policy_logp = sampled_token_logp(model, tokens, pl, rl, SamplerSpec()).numpy()
     sampler_logp = ro["sampler_logp"][:].astype(np.float64)[:, : policy_logp.shape[1]]
@@ -132,10 +132,13 @@ def add_mismatch_columns(
 ) -> None:
     """Set :data:`MISMATCH_COLUMNS` of every row (in place), computed once per sampler."""
     per_sampler: dict[str, dict[str, float]] = {}
+    models: dict[tuple[str, PolicySpec], Any] = {}  # every sampler's scores share one policy: loaded once
     for sampler, centering in spec.stats:
         if sampler not in per_sampler:
-            ref = upstream[str(Instance("stats", sampler, centering))]
-            metrics = mismatch_metrics(*policy_logp_of(store, *sampler_rollouts(store, ref)))
+            rollouts, base, policy = sampler_rollouts(store, upstream[str(Instance("stats", sampler, centering))])
+            if (base.key, policy) not in models:
+                models[base.key, policy] = load_models(store, base, "policy", policy)[0]
+            metrics = mismatch_metrics(*policy_logp_of(store, rollouts, models[base.key, policy]))
             per_sampler[sampler] = {col: metrics[key] for col, key in MISMATCH_COLUMNS.items()}
     for r in rows:
         r.update(per_sampler[r["sampler"]])
