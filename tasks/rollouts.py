@@ -6,7 +6,10 @@ lengths and texts, ``group``, ``prompt_index`` and ``sample_index`` (coordinates
 reward, advantage and the sampler's token log-probs; optionally μ (``mu_logp`` over the vocabulary, or
 ``mu_topk_ids`` / ``mu_topk_logp`` / ``mu_tail``); and the ``batch_done`` progress array. Generation
 is resumable by batch of prompts; advantages are written once all rewards exist (``global_mean`` needs
-them all).
+them all). An import reads the sampler's ``format`` through ``covgrad.formats`` and adds what the dump
+says about each record (``policy_version``, ``stack_advantage``, ``token_advantage``,
+``sampling_params_index``, with ``verify_records`` the re-scored ``verify_kl`` / ``verify_k3_kl``; attrs
+``import``); a μ record on a support adds attrs ``support_mu``, the bound of its centering error.
 """
 
 from __future__ import annotations
