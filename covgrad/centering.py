@@ -144,3 +144,28 @@ def kl_sampler_policy(mu: Tensor, logits: Tensor, target_mask: Tensor) -> tuple[
     logp = torch.log_softmax(logits[:, :-1][scored].double(), dim=-1)
     kl = torch.where(m > 0, m * (m.clamp_min(1e-300).log() - logp), torch.zeros_like(m)).sum()
     return float(kl), int(scored.sum())
+
+
+def sampled_token_logp(
+    model: nn.Module, tokens: Tensor, prompt_len: Tensor, response_len: Tensor, spec: SamplerSpec, batch_size: int = 8
+) -> Tensor:
+    """log-probabilities (N, T) float64 that ``model`` (with the sampling settings ``spec``) gives the stored
+    response tokens, T = max response_len, 0 after each response's end; teacher-forced, ``batch_size`` rows
+    at a time (each batch holds one (batch_size, L, V) float32 tensor).
+
+    Args:
+        tokens: (N, L) int right-padded rows, prompt then response.
+        prompt_len, response_len: (N,) int.
+    """
+    N = tokens.shape[0]
+    T = int(response_len.max()) if N else 0
+    out = torch.zeros((N, T), dtype=torch.float64)
+    for lo in range(0, N, batch_size):
+        sl = slice(lo, lo + batch_size)
+        pl, rl = prompt_len[sl].long(), response_len[sl].long()
+        L = int((pl + rl).max())
+        log_mu = recompute_sampler_logp(model, tokens[sl, :L], pl, rl, spec)  # (b, L, V)
+        rows, cols = response_to_logit_index(pl, rl, T)
+        js = cols - pl[rows] + 1
+        out[lo + rows, js] = log_mu[rows, cols, tokens[sl][rows, cols + 1].long()].double()
+    return out

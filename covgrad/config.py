@@ -11,7 +11,15 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from covgrad.choices import (  # the schema's choices and the defaults engines share, without pydantic
     TOKENS_EXACT_BUDGET,
@@ -116,6 +124,9 @@ class TaskSection(Section):
         return self
 
 
+RolloutFormat = Literal["covgrad", "open_instruct", "trl", "verl"]  # covgrad.formats.READERS
+
+
 class SamplerSection(Section):
     """Who draws the responses and how: the policy, the demo's stale checkpoint, another model
     directory, or a file of rollouts imported from elsewhere (``import_path``). Imported rollouts need
@@ -144,6 +155,25 @@ class SamplerSection(Section):
     mu_model: str | None = Field(
         None, description="imported rollouts: the sampler's checkpoint directory, to recompute μ"
     )
+    format: RolloutFormat = Field(
+        "covgrad",
+        description="imported rollouts: the dump format of import_path (docs/formats.md): covgrad's JSONL, "
+        "open-instruct's RolloutRecord, TRL's generation rows or verl's DataProto rows",
+    )
+    reward_fields: list[str] | None = Field(
+        None,
+        description="imported rollouts: the reward is the NaN-skipping sum of these record columns, each 'name' or "
+        "'name:weight' (TRL's one column per reward function and reward_weights); default: the format's reward",
+    )
+    verify_records: int = Field(
+        0,
+        ge=0,
+        description="imported rollouts: how many records (at most all, picked with seed) the policy (or mu_model) "
+        "re-scores to check the file's log-probs; per-record KL in the rollouts store",
+    )
+    verify_max_kl: float = Field(
+        0.05, gt=0.0, description="verify_records: per-token k3-KL (nats) above which a record is an outlier"
+    )
 
     @model_validator(mode="after")
     def _import_options(self) -> Self:
@@ -151,7 +181,33 @@ class SamplerSection(Section):
             raise ValueError("on_policy and mu_model describe imported rollouts; set import_path or drop them")
         if self.on_policy and self.mu_model is not None:
             raise ValueError("on_policy: true says μ = p, so there is no μ to recompute; drop mu_model")
+        imported = {k: getattr(self, k) for k in IMPORT_DEFAULTS if getattr(self, k) != IMPORT_DEFAULTS[k]}
+        if imported and self.import_path is None:
+            raise ValueError(f"{sorted(imported)[0]} describes imported rollouts; set import_path or drop it")
+        for entry in self.reward_fields or []:
+            name, _, weight = entry.partition(":")
+            if not name or (weight and not re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", weight)):
+                raise ValueError(f"reward_fields entry {entry!r}: write 'column' or 'column:weight' (a number)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_import_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The fields of :data:`IMPORT_DEFAULTS` are left out at their defaults, so a sampler that does not
+        use them serialises (and keys its artifacts) as before they existed."""
+        out = handler(self)
+        for name, default in IMPORT_DEFAULTS.items():
+            if name in out and out[name] == default:
+                del out[name]
+        return out
+
+
+IMPORT_DEFAULTS: dict[str, Any] = {
+    "format": "covgrad",
+    "reward_fields": None,
+    "verify_records": 0,
+    "verify_max_kl": 0.05,
+}
+"""The import settings a sampler's dump leaves out at these defaults (:class:`SamplerSection`)."""
 
 
 class RolloutsSection(Section):

@@ -26,7 +26,8 @@ Formats (field names from the stacks' sources; docs/formats.md has the tables):
   per reward function, ``advantage``). ``logprobs`` is per token either one float (the sampled token, as
   ``GRPOTrainer`` keeps it) or a rank-sorted list with ``logprob_token_ids`` (vLLM's top-N plus the sampled
   token): the second form also gives μ on that support. The reward is ``reward`` or, with
-  ``options["reward_fields"]`` (and ``reward_weights``), the weighted NaN-skipping sum TRL computes.
+  ``options["reward_fields"]`` (and ``reward_weights``), the weighted NaN-skipping sum TRL computes
+  (:func:`convert` applies those options to every format).
   Groups are the records of one ``step`` with the same prompt tokens.
 - ``verl``: one row of verl's rollout ``DataProto`` (tensor rows as lists: ``prompts`` left-padded,
   ``responses`` right-padded, ``attention_mask``, ``response_mask``, ``rollout_log_probs``, ``advantages``,
@@ -149,10 +150,10 @@ def open_instruct(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record
     return out, _extras(step, _sampling_params(rec, at, options), rec.get("advantage"), None, at)
 
 
-def _trl_reward(rec: Record, at: str, options: dict[str, Any]) -> float:
-    fields = options.get("reward_fields")
-    if fields is None:
-        return _require(rec, at, "reward")
+def column_reward(rec: Record, at: str, options: dict[str, Any]) -> float:
+    """The weighted NaN-skipping sum of the record's columns ``options["reward_fields"]`` with weights
+    ``options["reward_weights"]`` (default 1), as TRL sums its reward functions."""
+    fields = options["reward_fields"]
     weights = options.get("reward_weights") or [1.0] * len(fields)
     if len(weights) != len(fields):
         raise ValueError(f"reward_weights has {len(weights)} entries for {len(fields)} reward_fields")
@@ -207,7 +208,7 @@ def trl(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record, Record]:
     if bad:
         raise ValueError(f"{at}: 'logprobs[{bad[0]}]' is null (vLLM returned NaN); the token has no sampler log-prob")
     out["logprobs"] = sampled
-    out["reward"] = _trl_reward(rec, at, options)
+    out["reward"] = column_reward(rec, at, options) if options.get("reward_fields") else _require(rec, at, "reward")
     step = _int_field(rec, at, "step")
     if step is not None and isinstance(out["prompt_ids"], list):
         out["group"] = f"{step}/" + ",".join(str(t) for t in out["prompt_ids"])
@@ -293,10 +294,24 @@ def convert(fmt: str, rec: Any, at: str, options: dict[str, Any] | None = None) 
         raise ValueError(f"unknown rollout format {fmt!r}; choose one of {sorted(READERS)}")
     if not isinstance(rec, dict):
         raise ValueError(f"{at}: expected a JSON object; got {type(rec).__name__}")
-    return READERS[fmt](rec, at, options or {})
+    options = options or {}
+    out, extras = READERS[fmt](rec, at, options)
+    if options.get("reward_fields") and fmt != "trl":
+        out = {**out, "reward": column_reward(rec, at, options)}
+    return out, extras
 
 
-def _rename_fields(message: str, fmt: str) -> str:
+def parse_reward_fields(entries: list[str]) -> dict[str, list]:
+    """Reader options ``reward_fields`` and ``reward_weights`` from entries ``'column'`` or ``'column:weight'``."""
+    fields, weights = [], []
+    for entry in entries:
+        name, _, weight = entry.partition(":")
+        fields.append(name)
+        weights.append(float(weight) if weight else 1.0)
+    return {"reward_fields": fields, "reward_weights": weights}
+
+
+def rename_fields(message: str, fmt: str) -> str:
     """A records_to_rollouts message with covgrad's field names replaced by the stack's."""
     for ours, theirs in FIELD_NAMES[fmt].items():
         message = message.replace(f"'{ours}", f"'{theirs}")
@@ -353,14 +368,15 @@ def import_records(
         located: ``(where, object)`` pairs, e.g. ``storage.readers.read_located_records(path)``.
         fmt: a key of :data:`READERS`.
         vocab_size, max_len, tokenizer, pad_id: as for ``records_to_rollouts``.
-        options: reader options (``sampling_params``; for ``trl`` ``reward_fields``, ``reward_weights``).
+        options: reader options (``sampling_params``; ``reward_fields``, ``reward_weights``).
         source: names the input in the summary message (e.g. the file path).
 
     Returns:
         ``(arrays, extras, summary)``: ``arrays`` as ``records_to_rollouts`` returns them (N records, T the
         longest response); ``extras`` holds, when every record has them, ``policy_version`` (N,) int64,
-        ``advantage`` (N,) float64 and ``token_advantages`` (N, T) float32 (0 after each response's end);
-        ``summary`` from :func:`version_summary`.
+        ``advantage`` (N,) float64 and ``token_advantages`` (N, T) float64 (0 after each response's end);
+        ``summary`` from :func:`version_summary`, with ``where``: each record's location (``at``), and
+        ``sampling_index`` (N,) int: each record's entry of ``summary["sampling_params"]``.
 
     Raises:
         ValueError: one line naming the record (``where``) and the stack's field; also when only some
@@ -375,7 +391,7 @@ def import_records(
     try:
         arrays = records_to_rollouts(converted, vocab_size, max_len, tokenizer=tokenizer, pad_id=pad_id)
     except ValueError as err:
-        raise ValueError(_rename_fields(str(err), fmt)) from None
+        raise ValueError(rename_fields(str(err), fmt)) from None
     N, T = arrays["sampler_logp"].shape
     out_extras: dict[str, np.ndarray] = {}
     for key in ("policy_version", "advantage", "token_advantages"):
@@ -393,10 +409,13 @@ def import_records(
         elif key == "advantage":
             out_extras[key] = np.array([e[key] for e in extras], dtype=np.float64)
         else:
-            adv = np.zeros((N, T), dtype=np.float32)
+            adv = np.zeros((N, T), dtype=np.float64)
             for n, e in enumerate(extras):
                 adv[n, : len(e[key])] = e[key]
             out_extras[key] = adv
     versions = [e["policy_version"] for e in extras]
-    summary = version_summary(versions, [e["sampling_params"] for e in extras], fmt, source)
+    sampling = [e["sampling_params"] for e in extras]
+    summary = version_summary(versions, sampling, fmt, source)
+    summary["where"] = [at for at, _ in converted]
+    summary["sampling_index"] = [summary["sampling_params"].index(p) for p in sampling]
     return arrays, out_extras, summary

@@ -329,3 +329,45 @@ def require_mu_source(what: str, first_record: dict, on_policy: bool, mu_model: 
         f"{what}.on_policy: true if they were sampled from the policy (temperature 1, untruncated), or name "
         f"the sampler's checkpoint in {what}.mu_model"
     )
+
+
+def record_mismatch(
+    file_logp: np.ndarray, rescored_logp: np.ndarray, response_len: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Per-record mismatch between the log-probs a file holds and the ones a model recomputes.
+
+    Args:
+        file_logp: (n, T) log μ(y_t) from the file (``sampler_logp``), nats, 0 after each response's end.
+        rescored_logp: (n, T) log-probs of the same tokens recomputed by a model, nats.
+        response_len: (n,) int ≥ 1.
+
+    Returns:
+        ``kl`` (n,) = mean over the record's tokens of file − rescored (verl's ``kl`` estimator, per record),
+        ``k3_kl`` (n,) = mean of ρ − log ρ − 1 with log ρ = rescored − file (non-negative, 0 iff equal),
+        ``max_abs_diff`` (n,) = max |file − rescored|; all float64, nats per token.
+    """
+    f, r = np.asarray(file_logp, dtype=np.float64), np.asarray(rescored_logp, dtype=np.float64)
+    live = np.arange(f.shape[1])[None, :] < np.asarray(response_len)[:, None]
+    log_rho = np.where(live, r - f, 0.0)
+    n = live.sum(1)
+    return {
+        "kl": (-log_rho).sum(1) / n,
+        "k3_kl": np.where(live, np.expm1(log_rho) - log_rho, 0.0).sum(1) / n,
+        "max_abs_diff": np.abs(log_rho).max(1),
+    }
+
+
+def verification_warning(what: str, where: list[str], k3_kl: np.ndarray, max_kl: float, model: str) -> str | None:
+    """One warning line when some verified records' per-token k3-KL exceeds ``max_kl`` (else None).
+
+    ``where`` names the verified records (``file:line``), ``k3_kl`` their values, ``model`` what re-scored them.
+    """
+    bad = np.flatnonzero(k3_kl > max_kl)
+    if not bad.size:
+        return None
+    worst = int(bad[np.argmax(k3_kl[bad])])
+    return (
+        f"{what}: {bad.size} of {len(where)} verified records have per-token k3-KL above {max_kl:g} nats between "
+        f"the file's log-probs and {model}'s (worst {where[worst]}: {k3_kl[worst]:.4g}); the dump's log-probs may "
+        "come from another checkpoint, other sampling settings or an unsynced engine"
+    )

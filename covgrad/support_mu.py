@@ -145,3 +145,18 @@ def tail_summary(tail: Tensor, response_len: Tensor) -> dict[str, float]:
         "support_tail_max": float(scored.max()) if scored.numel() else 0.0,
         "support_tail_seq_max": float(torch.where(live, tail.double(), 0.0).sum(1).max()),
     }
+
+
+def gradient_error_factor(tail: Tensor, advantage: Tensor) -> float:
+    """β = mean_n |A_n| Σ_t τ_{n,t}: the factor of the bound on the sampler-centred gradient G = mean_n A_n c_n,
+
+        |Ĝ_i − G_i| ≤ mean_n |A_n| Σ_t τ_{n,t} R_{n,t,i} ≤ β · max_{n,t} R_{n,t,i},
+
+    with R the outside-support sensitivity range of :func:`outside_range` (≤ 2 max_v |∂z_v/∂θ_i|; for an
+    LM-head weight (u, j), |h_{t,j}|).
+
+    Args:
+        tail: (N, T) τ per response position (0 after each response's end), e.g. the rollouts' ``mu_tail``.
+        advantage: (N,) A_n.
+    """
+    return float((advantage.double().abs() * tail.double().sum(1)).mean())

@@ -11,14 +11,17 @@ validators ran when it was built.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from covgrad.config import PipelineConfig
+from covgrad.formats import convert, parse_reward_fields, rename_fields
 from covgrad.inputs import check_context
-from covgrad.rollout_import import require_mu_source
+from covgrad.rollout_import import records_to_rollouts, require_mu_source
 from storage.models import check_model_dir
 from storage.prompts import load_task, prompt_lengths, prompt_places
-from storage.readers import read_records
+from storage.readers import read_located_records
 
 
 def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
@@ -35,7 +38,7 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
         if s.import_path is not None and not Path(s.import_path).is_file() and "://" not in s.import_path:
             raise FileNotFoundError(f"rollouts.samplers.{name}.import_path {s.import_path!r} does not exist")
         if s.import_path is not None:
-            first = next(iter(read_records(s.import_path)))
+            first = check_first_record(s, _vocab_size(cfg))
             require_mu_source(f"rollouts.samplers.{name}", first, s.on_policy, s.mu_model)
         if s.mu_model is not None:
             check_model_dir(s.mu_model, f"rollouts.samplers.{name}.mu_model")
@@ -74,3 +77,30 @@ def check_demo_selection(cfg: PipelineConfig) -> None:
         select_parameters(model, cfg.model.params)
     except ValueError as err:
         raise ValueError(f"model.params: {err}") from None
+
+
+def _vocab_size(cfg: PipelineConfig) -> int:
+    """The policy's vocabulary size from its config.json; unbounded (the stage checks ids) when it does not say
+    or for the demo, whose tokenizer is not built here (the preflight stays fast)."""
+    if cfg.model.path is not None:
+        v = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("vocab_size")
+        if isinstance(v, int):
+            return v
+    return 2**62
+
+
+def check_first_record(s: Any, vocab_size: int) -> dict:
+    """The first record of a sampler's ``import_path`` converted from its ``format`` and validated as the
+    rollouts stage will (without the tokenizer: a text prompt is checked to be text), as covgrad's record.
+    Raises ValueError: one line naming ``file:line`` and the stack's field."""
+    at, rec = next(iter(read_located_records(s.import_path)))
+    options = parse_reward_fields(s.reward_fields) if s.reward_fields else {}
+    out, _ = convert(s.format, rec, at, options)
+    probe = dict(out)
+    if "prompt_ids" not in probe and isinstance(probe.get("prompt"), str):
+        probe["prompt_ids"] = [0]
+    try:
+        records_to_rollouts([(at, probe)], vocab_size, None)
+    except ValueError as err:
+        raise ValueError(rename_fields(str(err), s.format)) from None
+    return out

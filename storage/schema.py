@@ -227,6 +227,44 @@ ROLLOUTS_VARS.update(
     }
 )
 
+# what a stack's dump (covgrad.formats) says about each imported record, written only when every record says it
+ROLLOUTS_VARS.update(
+    {
+        "policy_version": Var(
+            ("sample",), "int64", (ROWS,), "policy version", "training step / weight version that sampled it", fill=0
+        ),
+        "stack_advantage": Var(
+            ("sample",), "float64", (ROWS,), "the stack's advantage", "sequence advantage from the dump", fill=0
+        ),
+        "sampling_params_index": Var(
+            ("sample",),
+            "int32",
+            (ROWS,),
+            "sampling parameter set",
+            "entry of attrs import.sampling_params the record was sampled with (only when they mix)",
+            fill=0,
+        ),
+        "verify_kl": Var(
+            ("sample",),
+            "float64",
+            (ROWS,),
+            "re-scored KL per token",
+            "mean_t log mu_file - log p_rescored; NaN for records not re-scored",
+            "nats",
+            fill=np.nan,
+        ),
+        "verify_k3_kl": Var(
+            ("sample",),
+            "float64",
+            (ROWS,),
+            "re-scored k3-KL per token",
+            "mean_t rho - log rho - 1, rho = p_rescored / mu_file; NaN for records not re-scored",
+            "nats",
+            fill=np.nan,
+        ),
+    }
+)
+
 # scores.zarr — dims: row (2 per sample shard: shard i's samples of the prompt groups with parity h at row
 # 2i + h), param, sample, batch, shard, block. Checkpoint groups (ckpt/…, edges/…) hold the state arrays
 # and ``batches``.
@@ -446,6 +484,19 @@ OFFPOLICY_VARS = {
         ("row",), "float64", (WHOLE,), "cross-fit exceedances", "fraction of ratios > 1, F even groups, G odd", "1"
     ),
     "overlap_1pct": Var(("row",), "float64", (WHOLE,), "overlap at q = 0.01", "global top-1% by |G| and F", "1"),
+    **{
+        name: Var(("row",), "float64", (WHOLE,), long_name, definition, units)
+        for name, long_name, definition, units in (
+            ("rollout_probs_diff_mean", "mean probability gap", "mean_t |p(y_t) - mu(y_t)| (verl)", "1"),
+            ("rollout_probs_diff_max", "max probability gap", "max_t |p(y_t) - mu(y_t)| (verl)", "1"),
+            ("probs_pearson_corr", "Pearson correlation of probabilities", "corr(p(y_t), mu(y_t)) (verl)", "1"),
+            ("verl_kl", "KL per token (verl kl)", "mean_t log mu(y_t) - log p(y_t)", "nats"),
+            ("k3_kl", "k3-KL per token", "mean_t rho - log rho - 1, rho = p/mu (verl k3_kl)", "nats"),
+            ("chi2_token", "chi-square per token", "mean_t rho^2 - 1 (verl chi2_token)", "1"),
+            ("chi2_seq", "chi-square per sequence", "mean_n prod_t rho^2 - 1 (verl chi2_seq)", "1"),
+            ("ppl_ratio", "perplexity ratio", "mean_n ppl_policy / ppl_sampler (verl ppl_ratio)", "1"),
+        )
+    },
     "finding": Var(("row",), "str", (WHOLE,), "degenerate condition", "why G has no finding, else empty"),
 }
 

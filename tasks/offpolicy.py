@@ -12,6 +12,12 @@ condition, or empty) and
 over the whole parameter axis for a sampler with both centerings (NaN for the policy itself), read in
 blocks of ``block`` parameters with the sums of squares in float64, so memory holds two blocks, not P.
 
+and the sampler–policy mismatch in the names RL stacks log (``covgrad.mismatch``, verl's definitions) from the
+sampled tokens' log-probabilities under the sampler (the rollouts' ``sampler_logp``) and under the policy
+(recomputed teacher-forced by this stage, temperature 1): :data:`MISMATCH_COLUMNS`, the same on both rows of
+a sampler (a property of its rollouts; ≈ 0 for the policy itself, up to the float differences between
+generation and a teacher-forced forward).
+
 Store ``offpolicy.zarr`` (``storage.schema.OFFPOLICY_VARS``): one 1-D array per column along dim ``row``,
 ``sampler`` and ``centering`` as coordinates; the same rows as ``offpolicy.{json,csv,md}``.
 """
@@ -22,15 +28,20 @@ import json
 from typing import Any
 
 import numpy as np
+import torch
 from prefect import task
 
+from covgrad.centering import sampled_token_logp
+from covgrad.mismatch import mismatch_metrics
+from covgrad.sampling import SamplerSpec
 from covgrad.stats import BLOCK_CHUNKS, rel_diff
 from covgrad.tables import to_csv, to_markdown
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.models import load_models
 from storage.schema import OFFPOLICY as STORE
-from storage.schema import OFFPOLICY_TABLE, OFFPOLICY_VARS, STATS, param_chunk, write
+from storage.schema import OFFPOLICY_TABLE, OFFPOLICY_VARS, ROLLOUTS, STATS, param_chunk, write
 from tasks.common import StageResult, run_stage
-from tasks.specs import Instance, OffPolicySpec
+from tasks.specs import Instance, OffPolicySpec, PolicySpec
 
 
 def offpolicy_rows(
@@ -69,6 +80,71 @@ def offpolicy_rows(
     return rows
 
 
+MISMATCH_COLUMNS = {
+    "rollout_probs_diff_mean": "training/rollout_probs_diff_mean",
+    "rollout_probs_diff_max": "training/rollout_probs_diff_max",
+    "probs_pearson_corr": "training/rollout_actor_probs_pearson_corr",
+    "verl_kl": "rollout_corr/kl",
+    "k3_kl": "rollout_corr/k3_kl",
+    "chi2_token": "rollout_corr/chi2_token",
+    "chi2_seq": "rollout_corr/chi2_seq",
+    "ppl_ratio": "rollout_corr/ppl_ratio",
+}
+"""Off-policy table column -> the key of ``covgrad.mismatch.mismatch_metrics`` (verl's logged name)."""
+
+
+def _marker(store: ArtifactStore, stage: str, key: str) -> dict[str, Any]:
+    mark = store.marker(store.ref(stage, key))
+    if mark is None:
+        raise ValueError(f"offpolicy: the {stage} artifact {key} is missing or incomplete under {store.root}")
+    return mark
+
+
+def sampler_rollouts(store: ArtifactStore, stats_ref: ArtifactRef) -> tuple[ArtifactRef, ArtifactRef, PolicySpec]:
+    """The rollouts and base_model refs behind a stats artifact (through its scores artifact's completion
+    marker) and the scores' policy spec."""
+    scores = _marker(store, "scores", stats_ref.upstream[0])
+    found = {}
+    for key in scores["upstream"]:
+        for stage in ("rollouts", "base_model"):
+            if store.marker(store.ref(stage, key)) is not None:
+                found[stage] = store.ref(stage, key)
+    if set(found) != {"rollouts", "base_model"}:
+        key = stats_ref.upstream[0]
+        raise ValueError(f"offpolicy: the scores artifact {key} lists no complete rollouts and base_model artifact")
+    return found["rollouts"], found["base_model"], PolicySpec(**scores["config"]["policy"])
+
+
+def policy_logp_of(store: ArtifactStore, rollouts: ArtifactRef, model: Any):
+    """(sampler_logp, policy_logp, mask) (N, T) of a rollouts artifact: the stored log μ of the sampled tokens,
+    the policy ``model``'s log p of them (one teacher-forced forward per batch, temperature 1), the scored
+    positions."""
+    ro = store.open_group(rollouts, ROLLOUTS, mode="r")
+    tokens, pl, rl = (torch.from_numpy(ro[k][:]) for k in ("tokens", "prompt_len", "response_len"))
+    policy_logp = sampled_token_logp(model, tokens, pl, rl, SamplerSpec()).numpy()
+    sampler_logp = ro["sampler_logp"][:].astype(np.float64)[:, : policy_logp.shape[1]]
+    mask = np.arange(policy_logp.shape[1])[None, :] < rl.numpy()[:, None]
+    return sampler_logp, policy_logp, mask
+
+
+def add_mismatch_columns(
+    store: ArtifactStore, spec: OffPolicySpec, upstream: dict[str, ArtifactRef], rows: list[dict[str, Any]]
+) -> None:
+    """Set :data:`MISMATCH_COLUMNS` of every row (in place), computed once per sampler."""
+    per_sampler: dict[str, dict[str, float]] = {}
+    models: dict[tuple[str, PolicySpec], Any] = {}  # every sampler's scores share one policy: loaded once
+    for sampler, centering in spec.stats:
+        if sampler not in per_sampler:
+            rollouts, base, policy = sampler_rollouts(store, upstream[str(Instance("stats", sampler, centering))])
+            if (base.key, policy) not in models:
+                models[base.key, policy] = load_models(store, base, "policy", policy)[0]
+            metrics = mismatch_metrics(*policy_logp_of(store, rollouts, models[base.key, policy]))
+            per_sampler[sampler] = {col: metrics[key] for col, key in MISMATCH_COLUMNS.items()}
+    for r in rows:
+        r.update(per_sampler[r["sampler"]])
+        r["finding"] = r.pop("finding")  # the text column stays last
+
+
 def rel_diff_G(G_sampler: Any, G_policy: Any, block: int) -> float:
     """‖G_sampler − G_policy‖ / ‖G_sampler‖ of two (P,) arrays (zarr or numpy), read ``block`` at a time."""
     P = G_sampler.shape[0]
@@ -95,6 +171,7 @@ def offpolicy_task(ref: ArtifactRef, spec: OffPolicySpec, upstream: dict[str, Ar
     def compute(store: ArtifactStore, r: ArtifactRef) -> dict[str, Any]:
         P = int(store.open_group(next(iter(upstream.values())), STATS, mode="r").attrs["scalars"]["P"])
         rows = offpolicy_rows(store, spec, upstream, BLOCK_CHUNKS * param_chunk(P))  # the stats stage's blocks
+        add_mismatch_columns(store, spec, upstream, rows)
         write_offpolicy(store, r, rows)
         return {"rel_diff_G": {x["sampler"]: x["rel_diff_G"] for x in rows if x["centering"] == "sampler"}}
 

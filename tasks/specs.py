@@ -169,7 +169,7 @@ class OffPolicySpec(StageSpec):
     row each in that order, and each sampler's ‖G_sampler − G_policy‖ / ‖G_sampler‖ across its two centerings."""
 
     STAGE: ClassVar[str] = "offpolicy"
-    VERSION: ClassVar[str] = "1"
+    VERSION: ClassVar[str] = "2"  # 2: the verl-named mismatch columns
     stats: list[tuple[str, Centering]]  # (sampler, centering), sorted
 
 

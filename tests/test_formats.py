@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from covgrad.formats import READERS, convert, import_records
+from covgrad.formats import READERS, convert, import_records, parse_reward_fields
 from storage.readers import read_located_records
 
 DATA = Path(__file__).parent / "data" / "formats"
@@ -55,10 +55,10 @@ def test_sample_file_imports_like_covgrad_jsonl(fmt, reference):
 def test_covgrad_token_advantages_padded(reference):
     arrays, extras, _ = reference
     adv = extras["token_advantages"]
-    assert adv.shape == arrays["sampler_logp"].shape and adv.dtype == np.float32
+    assert adv.shape == arrays["sampler_logp"].shape and adv.dtype == np.float64
     live = np.arange(adv.shape[1])[None, :] < arrays["response_len"][:, None]
     assert (adv[~live] == 0).all()
-    np.testing.assert_array_equal(adv[live], np.repeat(extras["advantage"], arrays["response_len"]).astype(np.float32))
+    np.testing.assert_array_equal(adv[live], np.repeat(extras["advantage"], arrays["response_len"]))
 
 
 def test_one_version_has_no_message(tmp_path):
@@ -162,3 +162,11 @@ def test_non_integral_versions_are_named():
         rec["step"] = bad
         with pytest.raises(ValueError, match="r:1: 'step' must be an integer"):
             convert("open_instruct", rec, "r:1")
+
+
+def test_reward_fields_apply_to_every_format():
+    rec = json.loads((DATA / "open_instruct.jsonl").read_text().splitlines()[0])
+    rec.update(acc=0.5, fmt=float("nan"))
+    options = parse_reward_fields(["acc:4", "fmt"])
+    assert options == {"reward_fields": ["acc", "fmt"], "reward_weights": [4.0, 1.0]}
+    assert convert("open_instruct", rec, "r:1", options)[0]["reward"] == 2.0

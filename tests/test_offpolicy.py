@@ -124,7 +124,7 @@ def test_blocks_that_do_not_divide_P_give_the_same_table(stored, tiny_run):
         chunked = offpolicy_rows(store, p.offpolicy.spec, p.offpolicy.upstream, block)
         assert [r["rel_diff_G"] for r in chunked][1:] == pytest.approx([r["rel_diff_G"] for r in rows][1:], rel=1e-12)
         assert [{k: v for k, v in r.items() if k != "rel_diff_G"} for r in chunked] == [
-            {k: v for k, v in r.items() if k != "rel_diff_G"} for r in rows
+            {k: r[k] for k in c if k != "rel_diff_G"} for r, c in zip(rows, chunked, strict=True)
         ]
 
 
@@ -151,3 +151,58 @@ def test_store_csv_notebook_and_report_hold_the_same_rows(stored, tiny_run):
                 assert got == value and table[i][col] == str(value), col
     report = json.loads(store.fs.cat_file(store.path(p.report.ref, "report.json")))
     assert report["numbers"]["off_policy"] == [{k: finite(v) for k, v in r.items()} for r in rows]
+
+
+def numpy_mismatch(s: np.ndarray, p: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """verl's definitions written out in numpy: s = log μ, p = log p of the sampled tokens (N, T)."""
+    mu, pi = np.exp(s[mask]), np.exp(p[mask])
+    gap = np.abs(pi - mu)
+    cov = ((pi - pi.mean()) * (mu - mu.mean())).mean()
+    log_rho = np.where(mask, p - s, 0.0)
+    n_tok = mask.sum(1)
+    seq_log_ppl_diff = np.where(mask, s, 0).sum(1) / n_tok - np.where(mask, p, 0).sum(1) / n_tok
+    return {
+        "rollout_probs_diff_mean": gap.mean(),
+        "rollout_probs_diff_max": gap.max(),
+        "probs_pearson_corr": cov / (pi.std() * mu.std()),
+        "verl_kl": -log_rho[mask].mean(),
+        "k3_kl": (np.exp(log_rho[mask]) - log_rho[mask] - 1).mean(),
+        "chi2_token": np.exp(2 * log_rho[mask]).mean() - 1,
+        "chi2_seq": np.exp(2 * log_rho.sum(1)).mean() - 1,
+        "ppl_ratio": np.exp(seq_log_ppl_diff).mean(),
+    }
+
+
+def test_mismatch_columns_against_numpy(stored, tiny_run):
+    """The verl-named columns of each sampler (the same on both of its rows) against numpy on the rollouts'
+    sampler log-probs and the policy's log-probs from a plain forward of the demo policy; ≈ 0 for the policy."""
+    import torch
+
+    from storage.models import load_models
+    from storage.schema import ROLLOUTS
+    from tasks.offpolicy import MISMATCH_COLUMNS
+
+    rows, _, store = stored
+    _, p = tiny_run
+    model = load_models(store, p.base_model.ref, "policy", p.scores[next(iter(p.scores))].spec.policy)[0]
+    by = {(r["sampler"], r["centering"]): r for r in rows}
+    for sampler, step in p.rollouts.items():
+        ro = store.open_group(step.ref, ROLLOUTS, mode="r")
+        tokens, pl, rl = ro["tokens"][:], ro["prompt_len"][:], ro["response_len"][:]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.from_numpy(tokens).long()).logits.double(), -1).numpy()
+        T = int(rl.max())
+        mask = np.arange(T)[None, :] < rl[:, None]
+        policy = np.zeros((len(rl), T))
+        for n in range(len(rl)):
+            for j in range(rl[n]):
+                policy[n, j] = logp[n, pl[n] + j - 1, tokens[n, pl[n] + j]]
+        want = numpy_mismatch(ro["sampler_logp"][:, :T].astype(np.float64), policy, mask)
+        for (s, _), row in by.items():
+            if s == sampler:
+                for col in MISMATCH_COLUMNS:
+                    assert row[col] == pytest.approx(want[col], rel=1e-4, abs=1e-6), (sampler, col)
+    stale, on = by["stale", "sampler"], by["policy", "policy"]
+    assert stale["k3_kl"] > 1e-3 and stale["rollout_probs_diff_max"] > 1e-2
+    assert on["k3_kl"] < 1e-9 and on["rollout_probs_diff_max"] < 1e-5 and on["probs_pearson_corr"] > 1 - 1e-9
+    assert on["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
