@@ -311,19 +311,28 @@ def _call_arg(call: Call, i: int, name: str) -> Any:
     return call.args[i] if len(call.args) > i else call.kwargs[name]
 
 
-def _grouped_outer(sample: Tensor, left: Tensor, right: Tensor, B: int) -> Tensor:
-    """(B, a, b) float32: Σ over rows r with sample[r] = n of left_r right_rᵀ; left (m, a), right (m, b)."""
-    order = torch.argsort(sample, stable=True)
-    sample, left, right = sample[order], left[order], right[order]
-    counts = torch.bincount(sample, minlength=B)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(sample.numel(), device=sample.device) - starts[sample]
-    M = int(counts.max())
-    lp = left.new_zeros(B, M, left.shape[1])
-    rp = right.new_zeros(B, M, right.shape[1])
-    lp[sample, rank] = left
-    rp[sample, rank] = right
-    return torch.bmm(lp.transpose(1, 2), rp)
+class _Groups:
+    """Rows (m, ·) with a group id each (``group`` (m,) int64 in [0, n)), as zero-padded per-group blocks
+    (n, M, ·), M the largest group's size, rows in their order within a group; and back."""
+
+    def __init__(self, group: Tensor, n: int) -> None:
+        self.order = torch.argsort(group, stable=True)
+        self.group = group[self.order]
+        counts = torch.bincount(self.group, minlength=n)
+        self.rank = torch.arange(group.numel(), device=group.device) - (torch.cumsum(counts, 0) - counts)[self.group]
+        self.n, self.M = n, int(counts.max()) if group.numel() else 0
+
+    def pack(self, rows: Tensor) -> Tensor:
+        """(m, ·) → (n, M, ·)."""
+        out = rows.new_zeros(self.n, self.M, *rows.shape[1:])
+        out[self.group, self.rank] = rows[self.order]
+        return out
+
+    def unpack(self, blocks: Tensor) -> Tensor:
+        """(n, M, ·) → the (m, ·) rows in their original order."""
+        out = blocks.new_empty(self.order.numel(), *blocks.shape[2:])
+        out[self.order] = blocks[self.group, self.rank]
+        return out
 
 
 @full_call
@@ -333,7 +342,9 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
 
     Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ, ∂c_e = Σ w_{t,k} g_t, ∂G_e = Σ δ_t x_tᵀ and
     ∂b_e = Σ δ_t with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e
-    contribute. Computed in float32; the router weights w are constants here (the router has its own rule).
+    contribute. Computed in float32 with batched matmuls over zero-padded groups: the routed (token, k) pairs
+    by expert for the experts' forward and δ, by (expert, sample) for the per-sample outer products. The
+    router weights w are constants here (the router has its own rule).
     """
     B, H = g.shape[0], x.shape[-1]
     h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
@@ -345,34 +356,55 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
     s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
     s_gub = slot("gate_up_proj_bias") if bias else None
     s_db = slot("down_proj_bias") if bias else None
-    for s in (s_gu, s_d, s_gub, s_db):
-        if s is not None and s[1]:
-            s[0].zero_()
-    for e in range(module.num_experts):
-        tok, kpos = torch.where(index == e)
-        if tok.numel() == 0:
-            continue
-        xe, sample = h[tok], torch.div(tok, T, rounding_mode="floor")
-        W_gu, W_d = module.gate_up_proj[e].to(torch.float32), module.down_proj[e].to(torch.float32)
-        do = go[tok] * weights[tok, kpos, None]  # (m, H): gradient of the expert's output
-        with torch.enable_grad():
-            gu = xe @ W_gu if transposed else F.linear(xe, W_gu)
-            if bias:
-                gu = gu + module.gate_up_proj_bias[e].to(torch.float32)
-            gu = gu.detach().requires_grad_()
-            a = module._apply_gate(gu)  # (m, I)
-            if s_gu is not None or s_gub is not None:
-                (dgu,) = torch.autograd.grad(a, gu, do @ W_d.T if transposed else do @ W_d)
-        if s_d is not None:
-            s_d[0][:, e] += (
-                _grouped_outer(sample, a.detach(), do, B) if transposed else _grouped_outer(sample, do, a.detach(), B)
-            )
-        if s_gu is not None:
-            s_gu[0][:, e] += _grouped_outer(sample, xe, dgu, B) if transposed else _grouped_outer(sample, dgu, xe, B)
-        if s_db is not None:
-            s_db[0][:, e].index_add_(0, sample, do)
-        if s_gub is not None:
-            s_gub[0][:, e].index_add_(0, sample, dgu)
+    E = module.num_experts
+    K = index.shape[1]
+    expert = index.reshape(-1).long()  # (m,) the expert of each routed (token, k) pair, m = B·T·K
+    keep = (expert >= 0) & (expert < E)  # out-of-range ids (padding of a router) route nowhere
+    tok = torch.arange(B * T, device=h.device).repeat_interleave(K)[keep]
+    expert = expert[keep]
+    sample = torch.div(tok, T, rounding_mode="floor")
+    xe = h[tok]  # (m, H)
+    do = go[tok] * weights.reshape(-1)[keep, None]  # (m, H): gradient of each pair's expert output
+    W_gu, W_d = module.gate_up_proj.to(torch.float32), module.down_proj.to(torch.float32)
+    # the experts' forward and δ on the pairs grouped by expert: (E, M, ·) against each expert's weights
+    by_expert = _Groups(expert, E)
+    xg = by_expert.pack(xe)
+    with torch.enable_grad():
+        gu = torch.bmm(xg, W_gu) if transposed else torch.bmm(xg, W_gu.transpose(1, 2))  # (E, M, 2I)
+        if bias:
+            gu = gu + module.gate_up_proj_bias.to(torch.float32)[:, None]
+        gu = gu.detach().requires_grad_()
+        act = module._apply_gate(gu)  # (E, M, I)
+        dgu = None
+        if s_gu is not None or s_gub is not None:
+            dg = by_expert.pack(do)
+            da = torch.bmm(dg, W_d.transpose(1, 2)) if transposed else torch.bmm(dg, W_d)
+            (dgu,) = torch.autograd.grad(act, gu, da)
+    act_pairs = by_expert.unpack(act.detach())  # (m, I)
+    dgu_pairs = None if dgu is None else by_expert.unpack(dgu)  # (m, 2I)
+    group = expert * B + sample  # the per-sample outer products, grouped by (expert, sample)
+    by_pair = _Groups(group, E * B)
+
+    def write(s: tuple[Tensor, bool] | None, blocks: Tensor) -> None:
+        """s's (B, E, …) view = or += blocks (E·B, …) of every (expert, sample) group."""
+        if s is None:
+            return
+        blocks = blocks.reshape(E, B, *blocks.shape[1:]).transpose(0, 1)
+        if s[1]:
+            s[0].copy_(blocks)
+        else:
+            s[0].add_(blocks)
+
+    if s_d is not None:
+        dp, ap = by_pair.pack(do), by_pair.pack(act_pairs)
+        write(s_d, torch.bmm(ap.transpose(1, 2), dp) if transposed else torch.bmm(dp.transpose(1, 2), ap))
+    if s_gu is not None:
+        xp, gp = by_pair.pack(xe), by_pair.pack(dgu_pairs)
+        write(s_gu, torch.bmm(xp.transpose(1, 2), gp) if transposed else torch.bmm(gp.transpose(1, 2), xp))
+    if s_db is not None:
+        write(s_db, do.new_zeros(E * B, H).index_add_(0, group, do))
+    if s_gub is not None:
+        write(s_gub, dgu_pairs.new_zeros(E * B, dgu_pairs.shape[1]).index_add_(0, group, dgu_pairs))
 
 
 def float_outputs(output: Any) -> tuple[Tensor, ...]:
