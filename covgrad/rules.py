@@ -312,27 +312,43 @@ def _call_arg(call: Call, i: int, name: str) -> Any:
 
 
 class _Groups:
-    """Rows (m, ·) with a group id each (``group`` (m,) int64 in [0, n)), as zero-padded per-group blocks
-    (n, M, ·), M the largest group's size, rows in their order within a group; and back."""
+    """Rows (m, ·) sorted by a group id (``group`` (m,) int64 in [0, n), non-decreasing), and the segmented
+    products over them: torch's grouped GEMM where the device has it for float32, else batched matmuls over
+    zero-padded per-group blocks (n, M, ·), M the largest group's size."""
 
     def __init__(self, group: Tensor, n: int) -> None:
-        self.order = torch.argsort(group, stable=True)
-        self.group = group[self.order]
-        counts = torch.bincount(self.group, minlength=n)
-        self.rank = torch.arange(group.numel(), device=group.device) - (torch.cumsum(counts, 0) - counts)[self.group]
-        self.n, self.M = n, int(counts.max()) if group.numel() else 0
+        counts = torch.bincount(group, minlength=n)
+        self.group, self.n = group, n
+        self.offs = torch.cumsum(counts, 0).to(torch.int32)
+        self.rank = torch.arange(group.numel(), device=group.device) - (self.offs.long() - counts)[group]
+        self.M = int(counts.max()) if group.numel() else 0
 
-    def pack(self, rows: Tensor) -> Tensor:
-        """(m, ·) → (n, M, ·)."""
+    def _pack(self, rows: Tensor) -> Tensor:
         out = rows.new_zeros(self.n, self.M, *rows.shape[1:])
-        out[self.group, self.rank] = rows[self.order]
+        out[self.group, self.rank] = rows
         return out
 
-    def unpack(self, blocks: Tensor) -> Tensor:
-        """(n, M, ·) → the (m, ·) rows in their original order."""
-        out = blocks.new_empty(self.order.numel(), *blocks.shape[2:])
-        out[self.order] = blocks[self.group, self.rank]
-        return out
+    def times(self, rows: Tensor, weights: Tensor) -> Tensor:
+        """(m, k) rows, each times its group's matrix of ``weights`` (n, k, q): (m, q)."""
+        if _GROUPED_MM.get(rows.device.type, True):
+            try:
+                return torch._grouped_mm(rows, weights, offs=self.offs)
+            except (RuntimeError, AttributeError):
+                _GROUPED_MM[rows.device.type] = False
+        return torch.bmm(self._pack(rows), weights)[self.group, self.rank]
+
+    def outer_sums(self, left: Tensor, right: Tensor) -> Tensor:
+        """Per group Σ_r left_r right_rᵀ over its rows: left (m, p), right (m, q) → (n, p, q)."""
+        if _GROUPED_MM.get(left.device.type, True):
+            try:
+                return torch._grouped_mm(left.t(), right, offs=self.offs)
+            except (RuntimeError, AttributeError):
+                _GROUPED_MM[left.device.type] = False
+        return torch.bmm(self._pack(left).transpose(1, 2), self._pack(right))
+
+
+# Device types where torch._grouped_mm failed on float32 operands (False): _Groups pads instead there.
+_GROUPED_MM: dict[str, bool] = {}
 
 
 @full_call
@@ -342,9 +358,9 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
 
     Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ, ∂c_e = Σ w_{t,k} g_t, ∂G_e = Σ δ_t x_tᵀ and
     ∂b_e = Σ δ_t with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e
-    contribute. Computed in float32 with batched matmuls over zero-padded groups: the routed (token, k) pairs
-    by expert for the experts' forward and δ, by (expert, sample) for the per-sample outer products. The
-    router weights w are constants here (the router has its own rule).
+    contribute. Computed in float32 on the routed (token, k) pairs sorted by (expert, sample): the experts'
+    forward and δ as one segmented product per expert, the per-sample outer products as one per (expert,
+    sample) (:class:`_Groups`). The router weights w are constants here (the router has its own rule).
     """
     B, H = g.shape[0], x.shape[-1]
     h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
@@ -356,34 +372,29 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
     s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
     s_gub = slot("gate_up_proj_bias") if bias else None
     s_db = slot("down_proj_bias") if bias else None
-    E = module.num_experts
-    K = index.shape[1]
-    expert = index.reshape(-1).long()  # (m,) the expert of each routed (token, k) pair, m = B·T·K
-    keep = (expert >= 0) & (expert < E)  # out-of-range ids (padding of a router) route nowhere
-    tok = torch.arange(B * T, device=h.device).repeat_interleave(K)[keep]
-    expert = expert[keep]
+    E, K = module.num_experts, index.shape[1]
+    expert = index.reshape(-1).long()  # (B·T·K,) the expert of each routed (token, k) pair
+    pair = torch.nonzero((expert >= 0) & (expert < E))[:, 0]  # out-of-range ids (a router's padding) route nowhere
+    tok = torch.div(pair, K, rounding_mode="floor")
     sample = torch.div(tok, T, rounding_mode="floor")
+    group = expert[pair] * B + sample  # (m,) the (expert, sample) group of each pair
+    order = torch.argsort(group, stable=True)
+    pair, tok, group = pair[order], tok[order], group[order]
+    by_expert, by_pair = _Groups(torch.div(group, B, rounding_mode="floor"), E), _Groups(group, E * B)
     xe = h[tok]  # (m, H)
-    do = go[tok] * weights.reshape(-1)[keep, None]  # (m, H): gradient of each pair's expert output
+    do = go[tok] * weights.reshape(-1)[pair, None]  # (m, H): gradient of each pair's expert output
     W_gu, W_d = module.gate_up_proj.to(torch.float32), module.down_proj.to(torch.float32)
-    # the experts' forward and δ on the pairs grouped by expert: (E, M, ·) against each expert's weights
-    by_expert = _Groups(expert, E)
-    xg = by_expert.pack(xe)
     with torch.enable_grad():
-        gu = torch.bmm(xg, W_gu) if transposed else torch.bmm(xg, W_gu.transpose(1, 2))  # (E, M, 2I)
+        gu = by_expert.times(xe, W_gu if transposed else W_gu.transpose(1, 2))  # (m, 2I)
         if bias:
-            gu = gu + module.gate_up_proj_bias.to(torch.float32)[:, None]
+            gu = gu + module.gate_up_proj_bias.to(torch.float32)[by_expert.group]
         gu = gu.detach().requires_grad_()
-        act = module._apply_gate(gu)  # (E, M, I)
+        act = module._apply_gate(gu)  # (m, I)
         dgu = None
         if s_gu is not None or s_gub is not None:
-            dg = by_expert.pack(do)
-            da = torch.bmm(dg, W_d.transpose(1, 2)) if transposed else torch.bmm(dg, W_d)
+            da = by_expert.times(do, W_d.transpose(1, 2) if transposed else W_d)  # (m, I)
             (dgu,) = torch.autograd.grad(act, gu, da)
-    act_pairs = by_expert.unpack(act.detach())  # (m, I)
-    dgu_pairs = None if dgu is None else by_expert.unpack(dgu)  # (m, 2I)
-    group = expert * B + sample  # the per-sample outer products, grouped by (expert, sample)
-    by_pair = _Groups(group, E * B)
+    act = act.detach()
 
     def write(s: tuple[Tensor, bool] | None, blocks: Tensor) -> None:
         """s's (B, E, …) view = or += blocks (E·B, …) of every (expert, sample) group."""
@@ -396,15 +407,13 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
             s[0].add_(blocks)
 
     if s_d is not None:
-        dp, ap = by_pair.pack(do), by_pair.pack(act_pairs)
-        write(s_d, torch.bmm(ap.transpose(1, 2), dp) if transposed else torch.bmm(dp.transpose(1, 2), ap))
+        write(s_d, by_pair.outer_sums(act, do) if transposed else by_pair.outer_sums(do, act))
     if s_gu is not None:
-        xp, gp = by_pair.pack(xe), by_pair.pack(dgu_pairs)
-        write(s_gu, torch.bmm(xp.transpose(1, 2), gp) if transposed else torch.bmm(gp.transpose(1, 2), xp))
+        write(s_gu, by_pair.outer_sums(xe, dgu) if transposed else by_pair.outer_sums(dgu, xe))
     if s_db is not None:
         write(s_db, do.new_zeros(E * B, H).index_add_(0, group, do))
     if s_gub is not None:
-        write(s_gub, dgu_pairs.new_zeros(E * B, dgu_pairs.shape[1]).index_add_(0, group, dgu_pairs))
+        write(s_gub, dgu.new_zeros(E * B, dgu.shape[1]).index_add_(0, group, dgu))
 
 
 def float_outputs(output: Any) -> tuple[Tensor, ...]:
