@@ -25,7 +25,10 @@ as its last contribution of the backward has arrived (modules' forward calls are
 repeated modules are summed first) and drops it, so no B × P buffer exists. A Linear or Conv1D weight
 with one contribution is not even formed whole: its rule writes it in chunks of rows
 (:func:`default_chunk_bytes`) into one reused buffer, each folded while it is still in cache rather than read
-back from memory (``benchmarks/scores.py`` compares the two).
+back from memory (``benchmarks/scores.py`` compares the two). ``accumulate_many`` does the same for K
+objectives of one batch (the score and regimes' g, each a :class:`Cotangent` with its own accumulator): one
+forward, then one backward per logit-space cotangent through the same hooks, the graph kept until the last,
+each accumulator folded exactly as a separate ``accumulate`` would fold it.
 
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V
 vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layout.ParamLayout`).
