@@ -9,7 +9,8 @@ summed objective with every parameter requiring grad: the ordinary training grad
 per-sample reduction (``PerSampleGrads.accumulate`` into a float64 :class:`covgrad.accum.MomentAccumulator`,
 self-check off), in process CPU time by default (``--clock wall``: wall time; on a shared machine other
 jobs' load enters wall time, not the process's own CPU time); the median ratio is reported (goal ≤ 1.5 with
-everything selected).
+everything selected). ``--fold compiled`` (default): the compiled fold, which a run uses once samples × P
+reaches ``covgrad.accum._COMPILE_AFTER``; ``--fold eager``: the eager fold of a short run's batches.
 
 ``--suite norms``: the same Llama with its RMSNorms on the generic rule (torch.func vmap of each norm's own
 vector-Jacobian product, via a subclass whose forward is the same math written differently) against the
@@ -139,9 +140,10 @@ def run_arch(args: argparse.Namespace) -> None:
     target[:, L // 2 :] = 1.0
     fn = lambda z: score_logit_grad(z, ids, target)  # noqa: E731
     adv, half = np.linspace(-1.0, 1.0, B), np.arange(B) % 2
+    compiled = args.fold == "compiled"
     print(
         f"B={B}, L={L}, reps={args.reps}, threads={torch.get_num_threads()}, torch {torch.__version__}, "
-        f"clock={args.clock}"
+        f"clock={args.clock}, fold={args.fold}"
     )
     print(f"{'model':26s} {'P':>10s} {'generic P':>10s} {'floor s':>8s} {'scores s':>9s} {'ratio':>6s}")
     rows = [(name, fast) for name in ("qwen3.5-hybrid", "deepseek-v3-moe") for fast in (False, True)]
@@ -149,16 +151,18 @@ def run_arch(args: argparse.Namespace) -> None:
         model = arch_model(name)
         layout = select_parameters(model)
         psg = PerSampleGrads(model, layout, check=True)
-        acc = MomentAccumulator(layout.P, "cpu", "float64")
+        acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=compiled)
         psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
         generic = {e.name for _, rule, local in psg.bindings() if rule is generic_rule for e in local.values()}
         n_generic = sum(layout.entry(n).numel for n in generic)
         if fast_only:  # the same model with the generic-path parameters deselected: what their replays cost
             layout = select_parameters(model, [n for n in layout.names if n not in generic])
             psg = PerSampleGrads(model, layout, check=True)
-            acc = MomentAccumulator(layout.P, "cpu", "float64")
+            acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=compiled)
             psg.accumulate(ids, attn, fn, acc, adv, half, pos)
             name, n_generic = f"{name} -generic", 0
+        if compiled and acc.fold_path != "compiled":
+            print(f"  fold: {acc.fold_path}")
         batched_backward(model, ids, attn, pos, target)
         clock = time.process_time if args.clock == "cpu" else time.perf_counter
         floor, ours = [], []
@@ -229,6 +233,12 @@ def main() -> None:
         choices=("cpu", "wall"),
         default="cpu",
         help="arch suite: process CPU time (steady on a shared machine; both threads counted) or wall time",
+    )
+    parser.add_argument(
+        "--fold",
+        choices=("compiled", "eager"),
+        default="compiled",
+        help="arch suite: the accumulator's fold (compiled: a long run's; eager: a short run's first batches)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()

@@ -1,11 +1,19 @@
 """Scores plus one regime's g against the floor of two plain batched backwards, side by side in one process.
 
-Per repetition (interleaved, after one warm-up): "scores + regime" = the scores stage's streaming step
-(``PerSampleGrads.accumulate`` of the score into float64 moment state) then the regime fold's
-(``RegimeMoments.fold`` of the regime's g_n with its bound scalars); the floor = two batched forward +
-backward passes of the summed objectives (Σ_t log p(y_t), and the regime's own objective), every parameter
-requiring grad: what a trainer pays for the two gradients. The teacher's logits are computed once before
-timing (a teacher forward costs the same on both sides). Reported: median ratio over repetitions.
+Per repetition (interleaved, after one warm-up), each against the floor = two batched forward + backward
+passes of the summed objectives (Σ_t log p(y_t), and the regime's own objective), every parameter requiring
+grad: what a trainer pays for the two gradients.
+
+- "separate": the scores stage's streaming step (``PerSampleGrads.accumulate`` of the score into float64
+  moment state), then the regime fold's (``RegimeMoments.fold`` of the regime's g_n with its bound scalars):
+  two forwards, two per-sample backwards;
+- "fused": one multi-cotangent pass (``RegimeMoments.fold(..., also=[score])``, i.e.
+  ``PerSampleGrads.accumulate_many``): one forward, then one per-sample backward per cotangent, each folded
+  into its own accumulator (the same bytes as "separate", checked after the timing).
+
+The teacher's logits are computed once before timing (a teacher forward costs the same on both sides).
+Timed in process CPU time by default (``--clock wall``: wall time; on a shared machine other jobs' load
+enters wall time, not the process's own CPU time). Reported: median ratio over repetitions.
 
     python -m benchmarks.regimes                      # small and large CPU models, distill_reverse_kl
     python -m benchmarks.regimes --regime rl_token --model small
@@ -29,7 +37,7 @@ from torch import Tensor
 from benchmarks.scores import MODELS, build, make_batch, objective
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.persample import Cotangent, PerSampleGrads, score_logit_grad
 from covgrad.regimes import Regime, RegimeGrad, RegimeMoments
 
 
@@ -44,7 +52,7 @@ def regime_objective(kind: str, logits: Tensor, zq: Tensor, ids: Tensor, w: Tens
     return (ww * adv[:, 1:] * drawn).sum()  # rl_token with per-token advantages
 
 
-def run(name: str, kind: str, reps: int) -> float:
+def run(name: str, kind: str, reps: int, clock: str) -> dict[str, float]:
     device = torch.device("cpu")
     model = build(name, device)
     B, prompt, response = MODELS[name][8:11]
@@ -59,35 +67,51 @@ def run(name: str, kind: str, reps: int) -> float:
     adv = torch.randn(ids.shape, dtype=torch.float64) * (w != 0)
     half = np.arange(B) % 2
     psg = PerSampleGrads(model, layout, check=False)
-    acc = MomentAccumulator(layout.P, device, "float64", compiled=True)
-    moments = RegimeMoments(layout.P, device, compiled=True)
+    accs = {m: MomentAccumulator(layout.P, device, "float64", compiled=True) for m in ("separate", "fused")}
+    moments = {m: RegimeMoments(layout.P, device, compiled=True) for m in ("separate", "fused")}
     seq_adv = np.random.default_rng(0).standard_normal(B)
     regime = Regime(kind)
 
-    def ours() -> None:
-        psg.accumulate(ids, mask, lambda z: score_logit_grad(z, ids, w), acc, seq_adv, half, position_ids=pos)
+    def score(z: Tensor) -> Tensor:
+        return score_logit_grad(z, ids, w)
+
+    def regime_fn() -> RegimeGrad:
         if kind == "distill_reverse_kl":
-            fn = RegimeGrad(regime, ids, w, teacher_logits=zq)
-        else:
-            fn = RegimeGrad(regime, ids, w, advantages=adv)
-        moments.fold(psg, ids, mask, fn, half, pos)
+            return RegimeGrad(regime, ids, w, teacher_logits=zq)
+        return RegimeGrad(regime, ids, w, advantages=adv)
+
+    def separate() -> None:
+        psg.accumulate(ids, mask, score, accs["separate"], seq_adv, half, position_ids=pos)
+        moments["separate"].fold(psg, ids, mask, regime_fn(), half, pos)
+
+    def fused() -> None:
+        also = [Cotangent(score, accs["fused"], seq_adv, half)]
+        moments["fused"].fold(psg, ids, mask, regime_fn(), half, pos, also=also)
 
     def floor() -> None:
         torch.autograd.grad(objective(model(input_ids=ids).logits, ids, w), plist)
         torch.autograd.grad(regime_objective(kind, model(input_ids=ids).logits, zq, ids, w, adv), plist)
 
-    ours(), floor()  # warm-up (compiles the fold)
-    ratios = []
+    timer = time.process_time if clock == "cpu" else time.perf_counter
+    ours = {"separate": separate, "fused": fused}
+    for fn in (*ours.values(), floor):  # warm-up (compiles the fold)
+        fn()
+    ratios: dict[str, list[float]] = {m: [] for m in ours}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        ours()
-        t1 = time.perf_counter()
-        floor()
-        t2 = time.perf_counter()
-        ratios.append((t1 - t0) / (t2 - t1))
-    ratio = statistics.median(ratios)
-    print(f"| {name} | P = {layout.P} | B = {B}, L = {ids.shape[1]} | {kind} | {ratio:.3f} |")
-    return ratio
+        for m, fn in ours.items():
+            t0 = timer()
+            fn()
+            t1 = timer()
+            floor()
+            t2 = timer()
+            ratios[m].append((t1 - t0) / (t2 - t1))
+    for part in ("mean", "m2", "c"):  # the same state both ways, bit for bit
+        for a, b in ((accs["separate"], accs["fused"]), (moments["separate"].acc, moments["fused"].acc)):
+            assert torch.equal(getattr(a, part), getattr(b, part)), f"fused and separate {part} differ"
+    out = {m: statistics.median(r) for m, r in ratios.items()}
+    for m, ratio in out.items():
+        print(f"| {name} | P = {layout.P} | B = {B}, L = {ids.shape[1]} | {kind} | {m} | {ratio:.3f} |")
+    return out
 
 
 def main() -> None:
@@ -96,14 +120,18 @@ def main() -> None:
     ap.add_argument("--regime", default="distill_reverse_kl", choices=["distill_reverse_kl", "rl_token"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = platform.processor() or platform.machine()
-    print(f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
-    print("| model | params | batch | regime | (scores + regime) / (2 batched backwards) |\n|---|---|---|---|---|")
+    print(f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, clock={args.clock}")
+    print(
+        "| model | params | batch | regime | pass | (scores + regime) / (2 batched backwards) |\n"
+        "|---|---|---|---|---|---|"
+    )
     for name in args.model:
-        run(name, args.regime, args.reps)
+        run(name, args.regime, args.reps, args.clock)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ as its last contribution of the backward has arrived (modules' forward calls are
 repeated modules are summed first) and drops it, so no B × P buffer exists. A Linear or Conv1D weight
 with one contribution is not even formed whole: its rule writes it in chunks of rows
 (:func:`default_chunk_bytes`) into one reused buffer, each folded while it is still in cache rather than read
-back from memory (``benchmarks/scores.py`` compares the two).
+back from memory (``benchmarks/scores.py`` compares the two). ``accumulate_many`` does the same for K
+objectives of one batch (the score and regimes' g, each a :class:`Cotangent` with its own accumulator): one
+forward, then one backward per logit-space cotangent through the same hooks, the graph kept until the last,
+each accumulator folded exactly as a separate ``accumulate`` would fold it.
 
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V
 vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layout.ParamLayout`).
@@ -35,7 +38,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -139,6 +143,31 @@ def score_logit_grad(
 
 
 Binding = tuple[nn.Module, Rule, dict[str, TensorEntry]]
+
+
+@dataclass(frozen=True)
+class Cotangent:
+    """One objective of :meth:`PerSampleGrads.accumulate_many` and where its per-sample gradients go.
+
+    Attributes:
+        fn: maps the detached logits (B, L, V) to ∂objective/∂logits (B, L, V) (zero at unscored positions).
+        acc: the accumulator its blocks are folded into (its own: no two cotangents of a pass share one).
+        advantages: shape (B,), each sample's advantage in ``acc`` (zeros for a regime's g).
+        half: shape (B,) integers in [0, acc.H), each sample's accumulator row.
+        out: optional (B, P) float32 buffer that also receives its rows.
+        done: called once the pass has folded every cotangent (e.g. to record bound scalars ``fn`` set).
+    """
+
+    fn: Callable[[Tensor], Tensor]
+    acc: MomentAccumulator
+    advantages: Tensor | np.ndarray
+    half: Tensor | np.ndarray
+    out: Tensor | None = None
+    done: Callable[[], None] | None = None
+
+
+# One backward of PerSampleGrads._per_sample: logit-gradient function, rows buffer, accumulator, self-check.
+_Target = tuple[Callable[[Tensor], Tensor], Tensor | None, MomentAccumulator | None, "_Check | None"]
 
 
 def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
@@ -322,7 +351,7 @@ class PerSampleGrads:
         else:
             self._check_out(out, B, device)
         check = self._reference(inputs, dlogits_fn) if self.check else None
-        scores = self._per_sample(inputs, dlogits_fn, out)
+        scores = self._per_sample(inputs, [(dlogits_fn, out, None, None)])
         if check is not None:
             for e in self.layout.entries:
                 check.compare(e, _column_sums(scores[:, e.offset : e.offset + e.numel]))
@@ -360,24 +389,67 @@ class PerSampleGrads:
         Raises:
             ValueError: as :meth:`__call__`, or when ``acc`` does not match the layout or device.
         """
+        target = Cotangent(dlogits_fn, acc, advantages, half, out)
+        self.accumulate_many(input_ids, attention_mask, [target], position_ids)
+
+    def accumulate_many(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        cotangents: Sequence[Cotangent],
+        position_ids: Tensor | None = None,
+    ) -> None:
+        """The fused reduction of K objectives of one batch (the score and regimes' g) from one forward.
+
+        One forward with the hooks, then per cotangent k in order one backward of its logit gradient
+        (``cotangents[k].fn`` of the detached logits; the graph is kept until the last), during which every
+        tensor's per-sample block is folded into ``cotangents[k].acc`` exactly as :meth:`accumulate` folds
+        it: each accumulator receives the same blocks, bit for bit, as a separate :meth:`accumulate` of its
+        objective (the forward is the same computation, the backward and the rules the same operations),
+        and only the forward (and its hooks' saved inputs) is shared. With ``check``, each objective is
+        compared with its own batched gradient.
+
+        Args:
+            input_ids, attention_mask, position_ids: the batch, as :meth:`__call__`.
+            cotangents: the objectives, each with its own accumulator (distinct accumulators, on the
+                inputs' device with the layout's P).
+
+        Raises:
+            ValueError: as :meth:`accumulate`, for no cotangents, or when two share an accumulator.
+        """
         inputs = self._checked_inputs(input_ids, attention_mask, position_ids)
         B, device = input_ids.shape[0], input_ids.device
-        if acc.P != self.layout.P or acc.device != device:
-            raise ValueError(
-                f"accumulator has P={acc.P} on {acc.device}; this layout needs P={self.layout.P} on {device}"
-            )
-        if out is not None:
-            self._check_out(out, B, device)
-        check = self._reference(inputs, dlogits_fn) if self.check else None
-        acc.begin_batch(advantages, half)
+        if not cotangents:
+            raise ValueError("accumulate_many needs at least one cotangent")
+        if len({id(c.acc) for c in cotangents}) != len(cotangents):
+            raise ValueError("every cotangent of accumulate_many needs its own accumulator; two share one")
+        for c in cotangents:
+            if c.acc.P != self.layout.P or c.acc.device != device:
+                raise ValueError(
+                    f"accumulator has P={c.acc.P} on {c.acc.device}; this layout needs P={self.layout.P} on {device}"
+                )
+            if c.out is not None:
+                self._check_out(c.out, B, device)
+        checks = [self._reference(inputs, c.fn) if self.check else None for c in cotangents]
+        begun: list[MomentAccumulator] = []
         try:
-            self._per_sample(inputs, dlogits_fn, out, acc, check)
+            for c in cotangents:
+                c.acc.begin_batch(c.advantages, c.half)
+                begun.append(c.acc)
+            self._per_sample(inputs, [(c.fn, c.out, c.acc, check) for c, check in zip(cotangents, checks, strict=True)])
         except BaseException:
-            acc.abort_batch()
+            for acc in begun:
+                acc.abort_batch()
             raise
-        acc.end_batch()
-        if check is not None:
-            check.raise_first()
+        for c in cotangents:
+            c.acc.end_batch()
+        for c in cotangents:
+            if c.done is not None:
+                c.done()
+        for check in checks:
+            if check is not None:
+                check.raise_first()
+        if self.check:
             self.check = False
 
     def _checked_inputs(
@@ -407,16 +479,11 @@ class PerSampleGrads:
                 f"{out.dtype} {tuple(out.shape)} on {out.device}"
             )
 
-    def _per_sample(
-        self,
-        inputs: dict[str, Tensor | None],
-        dlogits_fn: Callable[[Tensor], Tensor],
-        out: Tensor | None,
-        acc: MomentAccumulator | None = None,
-        check: _Check | None = None,
-    ) -> Tensor | None:
+    def _per_sample(self, inputs: dict[str, Tensor | None], targets: list[_Target]) -> Tensor | None:
+        """One forward with the hooks, then one backward per target (logit-gradient function, rows, accumulator,
+        self-check), each writing its rows and folding its accumulator; returns the first target's rows."""
         B, L = inputs["input_ids"].shape
-        self._B, self._L, self._out, self._acc, self._check = B, L, out, acc, check
+        self._B, self._L = B, L
         flags = [(p, p.requires_grad) for p in self.model.parameters()]
         handles = []
         try:
@@ -429,16 +496,28 @@ class PerSampleGrads:
                 handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
             with torch.enable_grad():
                 logits = self.model(**inputs, use_cache=False).logits
-                if self._roots:
-                    dlogits = _checked_dlogits(dlogits_fn, logits)
-                    torch.autograd.grad(logits, self._roots, dlogits.to(logits.dtype), allow_unused=True)
-            self._flush_deferred(None)
-            for e in self.layout.entries:
-                if e.name not in self._written and out is not None:  # the parameter does not reach the logits
-                    out[:, e.offset : e.offset + e.numel].zero_()
-                if acc is not None and e.name not in self._folded:  # not reached, or a call without a backward
-                    self._fold(e)
-            return out
+                calls = dict(self._calls)  # module calls per tensor: the contributions each backward brings
+                for k, (dlogits_fn, out, acc, check) in enumerate(targets):
+                    self._out, self._acc, self._check = out, acc, check
+                    self._written, self._folded, self._blocks, self._deferred = set(), set(), {}, []
+                    self._pending = dict(calls)
+                    if self._roots:
+                        dlogits = _checked_dlogits(dlogits_fn, logits)
+                        torch.autograd.grad(
+                            logits,
+                            self._roots,
+                            dlogits.to(logits.dtype),
+                            allow_unused=True,
+                            retain_graph=k < len(targets) - 1,
+                        )
+                        del dlogits
+                    self._flush_deferred(None)
+                    for e in self.layout.entries:
+                        if e.name not in self._written and out is not None:  # the parameter does not reach the logits
+                            out[:, e.offset : e.offset + e.numel].zero_()
+                        if acc is not None and e.name not in self._folded:  # not reached, or a call without a backward
+                            self._fold(e)
+            return targets[0][1]
         finally:
             for h in handles:
                 h.remove()

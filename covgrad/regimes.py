@@ -51,7 +51,9 @@ from torch import Tensor
 from covgrad.accum import MomentAccumulator
 
 if TYPE_CHECKING:
-    from covgrad.persample import PerSampleGrads
+    from collections.abc import Sequence
+
+    from covgrad.persample import Cotangent, PerSampleGrads
 
 REGIMES = (
     "rl",
@@ -618,6 +620,7 @@ class RegimeMoments:
         position_ids: Tensor | None = None,
         *,
         out: Tensor | None = None,
+        also: Sequence[Cotangent] = (),
     ) -> None:
         """Fold one batch: g_n of ``fn``'s regime (one per-sample backward) and its bound scalars.
 
@@ -627,9 +630,28 @@ class RegimeMoments:
             fn: the batch's :class:`RegimeGrad`.
             half: shape (B,) integers in [0, H), each sample's half.
             out: optional (B, P) float32 buffer that also receives the g_n rows.
+            also: other objectives of the same batch folded in the same pass, before this one (the score's
+                :class:`covgrad.persample.Cotangent`, other regimes' :meth:`cotangent`): one forward for all,
+                each accumulator getting the same bytes as its own pass
+                (:meth:`PerSampleGrads.accumulate_many`).
         """
-        B = input_ids.shape[0]
-        psg.accumulate(input_ids, attention_mask, fn, self.acc, np.zeros(B), half, position_ids, out=out)
+        psg.accumulate_many(input_ids, attention_mask, [*also, self.cotangent(fn, half, out=out)], position_ids)
+
+    def cotangent(self, fn: RegimeGrad, half: Tensor | np.ndarray, *, out: Tensor | None = None) -> Cotangent:
+        """This regime's objective on one batch for :meth:`PerSampleGrads.accumulate_many`: g_n folded into
+        :attr:`acc` with zero advantages, and (once the pass is done) ``fn``'s bound scalars per half.
+
+        Args:
+            fn: the batch's :class:`RegimeGrad`; half: shape (B,) integers in [0, H), each sample's half.
+            out: optional (B, P) float32 buffer that also receives the g_n rows.
+        """
+        from covgrad.persample import Cotangent  # here: covgrad.persample imports transformers
+
+        B = fn.input_ids.shape[0]
+        return Cotangent(fn, self.acc, np.zeros(B), half, out, done=lambda: self._bounds(fn, half))
+
+    def _bounds(self, fn: RegimeGrad, half: Tensor | np.ndarray) -> None:
+        """Add a folded batch's bound scalars (``fn.bound_sq``, when the regime has them) to their halves."""
         if fn.bound_sq is not None:
             h = np.asarray(torch.as_tensor(half).cpu(), dtype=np.int64)
             np.add.at(self.bound_sum, h, fn.bound_sq.detach().cpu().numpy())

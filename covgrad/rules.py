@@ -341,19 +341,44 @@ def _call_arg(call: Call, i: int, name: str) -> Any:
     return call.args[i] if len(call.args) > i else call.kwargs[name]
 
 
-def _grouped_outer(sample: Tensor, left: Tensor, right: Tensor, B: int) -> Tensor:
-    """(B, a, b) float32: Σ over rows r with sample[r] = n of left_r right_rᵀ; left (m, a), right (m, b)."""
-    order = torch.argsort(sample, stable=True)
-    sample, left, right = sample[order], left[order], right[order]
-    counts = torch.bincount(sample, minlength=B)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(sample.numel(), device=sample.device) - starts[sample]
-    M = int(counts.max())
-    lp = left.new_zeros(B, M, left.shape[1])
-    rp = right.new_zeros(B, M, right.shape[1])
-    lp[sample, rank] = left
-    rp[sample, rank] = right
-    return torch.bmm(lp.transpose(1, 2), rp)
+class _Groups:
+    """Rows (m, ·) sorted by a group id (``group`` (m,) int64 in [0, n), non-decreasing), and the segmented
+    products over them: torch's grouped GEMM where the device has it for float32, else batched matmuls over
+    zero-padded per-group blocks (n, M, ·), M the largest group's size."""
+
+    def __init__(self, group: Tensor, n: int) -> None:
+        counts = torch.bincount(group, minlength=n)
+        self.group, self.n = group, n
+        self.offs = torch.cumsum(counts, 0).to(torch.int32)
+        self.rank = torch.arange(group.numel(), device=group.device) - (self.offs.long() - counts)[group]
+        self.M = int(counts.max()) if group.numel() else 0
+
+    def _pack(self, rows: Tensor) -> Tensor:
+        out = rows.new_zeros(self.n, self.M, *rows.shape[1:])
+        out[self.group, self.rank] = rows
+        return out
+
+    def times(self, rows: Tensor, weights: Tensor) -> Tensor:
+        """(m, k) rows, each times its group's matrix of ``weights`` (n, k, q): (m, q)."""
+        if _GROUPED_MM.get(rows.device.type, True):
+            try:
+                return torch._grouped_mm(rows, weights, offs=self.offs)
+            except (RuntimeError, AttributeError):
+                _GROUPED_MM[rows.device.type] = False
+        return torch.bmm(self._pack(rows), weights)[self.group, self.rank]
+
+    def outer_sums(self, left: Tensor, right: Tensor) -> Tensor:
+        """Per group Σ_r left_r right_rᵀ over its rows: left (m, p), right (m, q) → (n, p, q)."""
+        if _GROUPED_MM.get(left.device.type, True):
+            try:
+                return torch._grouped_mm(left.t(), right, offs=self.offs)
+            except (RuntimeError, AttributeError):
+                _GROUPED_MM[left.device.type] = False
+        return torch.bmm(self._pack(left).transpose(1, 2), self._pack(right))
+
+
+# Device types where torch._grouped_mm failed on float32 operands (False): _Groups pads instead there.
+_GROUPED_MM: dict[str, bool] = {}
 
 
 @full_call
@@ -363,7 +388,9 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
 
     Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ, ∂c_e = Σ w_{t,k} g_t, ∂G_e = Σ δ_t x_tᵀ and
     ∂b_e = Σ δ_t with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e
-    contribute. Computed in float32; the router weights w are constants here (the router has its own rule).
+    contribute. Computed in float32 on the routed (token, k) pairs sorted by (expert, sample): the experts'
+    forward and δ as one segmented product per expert, the per-sample outer products as one per (expert,
+    sample) (:class:`_Groups`). The router weights w are constants here (the router has its own rule).
     """
     B, H = g.shape[0], x.shape[-1]
     h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
@@ -375,34 +402,48 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
     s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
     s_gub = slot("gate_up_proj_bias") if bias else None
     s_db = slot("down_proj_bias") if bias else None
-    for s in (s_gu, s_d, s_gub, s_db):
-        if s is not None and s[1]:
-            s[0].zero_()
-    for e in range(module.num_experts):
-        tok, kpos = torch.where(index == e)
-        if tok.numel() == 0:
-            continue
-        xe, sample = h[tok], torch.div(tok, T, rounding_mode="floor")
-        W_gu, W_d = module.gate_up_proj[e].to(torch.float32), module.down_proj[e].to(torch.float32)
-        do = go[tok] * weights[tok, kpos, None]  # (m, H): gradient of the expert's output
-        with torch.enable_grad():
-            gu = xe @ W_gu if transposed else F.linear(xe, W_gu)
-            if bias:
-                gu = gu + module.gate_up_proj_bias[e].to(torch.float32)
-            gu = gu.detach().requires_grad_()
-            a = module._apply_gate(gu)  # (m, I)
-            if s_gu is not None or s_gub is not None:
-                (dgu,) = torch.autograd.grad(a, gu, do @ W_d.T if transposed else do @ W_d)
-        if s_d is not None:
-            s_d[0][:, e] += (
-                _grouped_outer(sample, a.detach(), do, B) if transposed else _grouped_outer(sample, do, a.detach(), B)
-            )
-        if s_gu is not None:
-            s_gu[0][:, e] += _grouped_outer(sample, xe, dgu, B) if transposed else _grouped_outer(sample, dgu, xe, B)
-        if s_db is not None:
-            s_db[0][:, e].index_add_(0, sample, do)
-        if s_gub is not None:
-            s_gub[0][:, e].index_add_(0, sample, dgu)
+    E, K = module.num_experts, index.shape[1]
+    expert = index.reshape(-1).long()  # (B·T·K,) the expert of each routed (token, k) pair
+    pair = torch.nonzero((expert >= 0) & (expert < E))[:, 0]  # out-of-range ids (a router's padding) route nowhere
+    tok = torch.div(pair, K, rounding_mode="floor")
+    sample = torch.div(tok, T, rounding_mode="floor")
+    group = expert[pair] * B + sample  # (m,) the (expert, sample) group of each pair
+    order = torch.argsort(group, stable=True)
+    pair, tok, group = pair[order], tok[order], group[order]
+    by_expert, by_pair = _Groups(torch.div(group, B, rounding_mode="floor"), E), _Groups(group, E * B)
+    xe = h[tok]  # (m, H)
+    do = go[tok] * weights.reshape(-1)[pair, None]  # (m, H): gradient of each pair's expert output
+    W_gu, W_d = module.gate_up_proj.to(torch.float32), module.down_proj.to(torch.float32)
+    with torch.enable_grad():
+        gu = by_expert.times(xe, W_gu if transposed else W_gu.transpose(1, 2))  # (m, 2I)
+        if bias:
+            gu = gu + module.gate_up_proj_bias.to(torch.float32)[by_expert.group]
+        gu = gu.detach().requires_grad_()
+        act = module._apply_gate(gu)  # (m, I)
+        dgu = None
+        if s_gu is not None or s_gub is not None:
+            da = by_expert.times(do, W_d.transpose(1, 2) if transposed else W_d)  # (m, I)
+            (dgu,) = torch.autograd.grad(act, gu, da)
+    act = act.detach()
+
+    def write(s: tuple[Tensor, bool] | None, blocks: Tensor) -> None:
+        """s's (B, E, …) view = or += blocks (E·B, …) of every (expert, sample) group."""
+        if s is None:
+            return
+        blocks = blocks.reshape(E, B, *blocks.shape[1:]).transpose(0, 1)
+        if s[1]:
+            s[0].copy_(blocks)
+        else:
+            s[0].add_(blocks)
+
+    if s_d is not None:
+        write(s_d, by_pair.outer_sums(act, do) if transposed else by_pair.outer_sums(do, act))
+    if s_gu is not None:
+        write(s_gu, by_pair.outer_sums(xe, dgu) if transposed else by_pair.outer_sums(dgu, xe))
+    if s_db is not None:
+        write(s_db, do.new_zeros(E * B, H).index_add_(0, group, do))
+    if s_gub is not None:
+        write(s_gub, dgu.new_zeros(E * B, dgu.shape[1]).index_add_(0, group, dgu))
 
 
 def float_outputs(output: Any) -> tuple[Tensor, ...]:
