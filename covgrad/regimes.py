@@ -41,6 +41,7 @@ Shape notation: B samples in the batch, L sequence positions (prompt, response a
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -49,6 +50,7 @@ import torch
 from torch import Tensor
 
 from covgrad.accum import MomentAccumulator
+from covgrad.config import template_fields
 
 if TYPE_CHECKING:
     from covgrad.persample import PerSampleGrads
@@ -734,3 +736,86 @@ def regime_block_stats(
     finite = np.abs(rho[rho == rho])
     out["max_abs_rho"] = float(finite.max()) if finite.size else float("nan")
     return out
+
+
+def fill_template(template: str, record: Mapping[str, Any]) -> str:
+    """The teacher prompt of one task record: ``template`` with each ``{field}`` replaced by ``str(record[field])``.
+
+    Raises:
+        ValueError: when the record lacks a field the template names (the message names it and the record's
+            fields), or on a template :func:`template_fields` refuses.
+    """
+    missing = [f for f in template_fields(template) if f not in record]
+    if missing:
+        raise ValueError(
+            f"the teacher prompt needs field {{{missing[0]}}}, which the task record lacks (it has {sorted(record)})"
+        )
+    return template.format_map({k: str(v) for k, v in record.items()})
+
+
+@dataclass(frozen=True)
+class PrefixedBatch:
+    """The teacher's rows for context distillation: each sample's teacher prompt, left-padded to one width,
+    then the sample's response tokens, right-padded.
+
+    Attributes:
+        input_ids: shape (B, Lq) int64; attention_mask: (B, Lq) int64, 1 on prompt and response tokens;
+        position_ids: (B, Lq) int64, 0 at each row's first prompt token;
+        start: the column of every row's first response token (the widest teacher prompt's length).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    start: int
+
+
+def prefixed_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> PrefixedBatch:
+    """Rows [pad …, teacher prompt b, response b, pad …]: prompts left-padded, so that every response starts at the
+    same column, responses right-padded (B = len(prompts); each teacher prompt non-empty)."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} teacher prompts for {len(responses)} responses")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("a teacher prompt is empty: its first response token would have no logit predicting it")
+    start = max(len(p) for p in prompts)
+    Lq = start + max((len(r) for r in responses), default=0)
+    ids = torch.full((len(prompts), Lq), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), Lq), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids[b, start - len(p) : start] = torch.as_tensor(list(p), dtype=torch.long)
+        ids[b, start : start + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        attn[b, start - len(p) : start + len(r)] = 1
+    return PrefixedBatch(ids, attn, (attn.cumsum(-1) - 1).clamp_min(0), start)
+
+
+def align_prefixed_logits(
+    teacher_logits: Tensor, start: int, prompt_len: Tensor, response_len: Tensor, L: int
+) -> Tensor:
+    """The teacher's logits of a :func:`prefixed_batch` moved to the policy rows' positions.
+
+    Policy row b holds its prompt in columns [0, pl_b) and its response in [pl_b, pl_b + rl_b); the logit that
+    predicts response token j sits at column pl_b − 1 + j there and at start − 1 + j in the teacher's row.
+
+    Args:
+        teacher_logits: shape (B, Lq, V) of the teacher on the prefixed rows.
+        start: the prefixed rows' first response column.
+        prompt_len, response_len: shape (B,) of the policy rows.
+        L: the policy rows' width.
+
+    Returns:
+        shape (B, L, V), aligned like the policy's logits (``logits[:, t]`` predicts token t + 1): the teacher's
+        logits at the positions that predict response tokens, zero elsewhere.
+    """
+    B, Lq, V = teacher_logits.shape
+    pl, rl = prompt_len.long().cpu(), response_len.long().cpu()
+    if int((pl + rl).max()) > L or start + int(rl.max()) > Lq or int(pl.min()) < 1:
+        raise ValueError(
+            f"rows of prompt lengths {pl.tolist()} and response lengths {rl.tolist()} do not fit L = {L}, Lq = {Lq}"
+        )
+    b = torch.repeat_interleave(torch.arange(B), rl)
+    j = torch.arange(int(rl.sum())) - torch.repeat_interleave(rl.cumsum(0) - rl, rl)
+    dst = b * L + pl[b] - 1 + j
+    src = b * Lq + start - 1 + j
+    out = torch.zeros(B * L, V, dtype=teacher_logits.dtype, device=teacher_logits.device)
+    out.index_copy_(0, dst.to(out.device), teacher_logits.reshape(B * Lq, V)[src.to(out.device)])
+    return out.view(B, L, V)
