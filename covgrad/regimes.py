@@ -755,51 +755,50 @@ def fill_template(template: str, record: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class PrefixedBatch:
-    """The teacher's rows for context distillation: each sample's teacher prompt, left-padded to one width,
-    then the sample's response tokens, right-padded.
+    """The teacher's rows for context distillation: each sample's teacher prompt, then the sample's response
+    tokens, right-padded (a padding query that sees no key gives NaN in eager attention, and 0·NaN would carry
+    it into the rows of a left-padded batch).
 
     Attributes:
         input_ids: shape (B, Lq) int64; attention_mask: (B, Lq) int64, 1 on prompt and response tokens;
-        position_ids: (B, Lq) int64, 0 at each row's first prompt token;
-        start: the column of every row's first response token (the widest teacher prompt's length).
+        position_ids: (B, Lq) int64, 0..Lq−1;
+        start: shape (B,) int64, the column of each row's first response token (its teacher prompt's length).
     """
 
     input_ids: Tensor
     attention_mask: Tensor
     position_ids: Tensor
-    start: int
+    start: Tensor
 
 
 def prefixed_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> PrefixedBatch:
-    """Rows [pad …, teacher prompt b, response b, pad …]: prompts left-padded, so that every response starts at the
-    same column, responses right-padded (B = len(prompts); each teacher prompt non-empty)."""
+    """Rows [teacher prompt b, response b, pad …] (B = len(prompts); each teacher prompt non-empty)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} teacher prompts for {len(responses)} responses")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("a teacher prompt is empty: its first response token would have no logit predicting it")
-    start = max(len(p) for p in prompts)
-    Lq = start + max((len(r) for r in responses), default=0)
+    Lq = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     ids = torch.full((len(prompts), Lq), pad_id, dtype=torch.long)
     attn = torch.zeros((len(prompts), Lq), dtype=torch.long)
     for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        ids[b, start - len(p) : start] = torch.as_tensor(list(p), dtype=torch.long)
-        ids[b, start : start + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-        attn[b, start - len(p) : start + len(r)] = 1
-    return PrefixedBatch(ids, attn, (attn.cumsum(-1) - 1).clamp_min(0), start)
+        ids[b, : len(p) + len(r)] = torch.as_tensor([*p, *r], dtype=torch.long)
+        attn[b, : len(p) + len(r)] = 1
+    start = torch.as_tensor([len(p) for p in prompts], dtype=torch.long)
+    return PrefixedBatch(ids, attn, torch.arange(Lq).expand_as(ids), start)
 
 
 def align_prefixed_logits(
-    teacher_logits: Tensor, start: int, prompt_len: Tensor, response_len: Tensor, L: int
+    teacher_logits: Tensor, teacher_start: Tensor, policy_start: Tensor, response_len: Tensor, L: int
 ) -> Tensor:
-    """The teacher's logits of a :func:`prefixed_batch` moved to the policy rows' positions.
+    """The teacher's logits on its own rows moved to the policy rows' positions (response tokens identical).
 
-    Policy row b holds its prompt in columns [0, pl_b) and its response in [pl_b, pl_b + rl_b); the logit that
-    predicts response token j sits at column pl_b − 1 + j there and at start − 1 + j in the teacher's row.
+    Row b's response occupies columns [s_b, s_b + rl_b) of the policy's row (s_b = ``policy_start``) and
+    [s′_b, s′_b + rl_b) of the teacher's (s′_b = ``teacher_start``); the logit that predicts response token j
+    sits at column s_b − 1 + j and s′_b − 1 + j. Either side may be left- or right-padded.
 
     Args:
-        teacher_logits: shape (B, Lq, V) of the teacher on the prefixed rows.
-        start: the prefixed rows' first response column.
-        prompt_len, response_len: shape (B,) of the policy rows.
+        teacher_logits: shape (B, Lq, V) of the teacher on its rows (:func:`prefixed_batch`).
+        teacher_start, policy_start, response_len: shape (B,) integers.
         L: the policy rows' width.
 
     Returns:
@@ -807,15 +806,16 @@ def align_prefixed_logits(
         logits at the positions that predict response tokens, zero elsewhere.
     """
     B, Lq, V = teacher_logits.shape
-    pl, rl = prompt_len.long().cpu(), response_len.long().cpu()
-    if int((pl + rl).max()) > L or start + int(rl.max()) > Lq or int(pl.min()) < 1:
+    sq, sp, rl = (torch.as_tensor(x).long().cpu() for x in (teacher_start, policy_start, response_len))
+    if int((sp + rl).max()) > L or int((sq + rl).max()) > Lq or int(torch.minimum(sp, sq).min()) < 1:
         raise ValueError(
-            f"rows of prompt lengths {pl.tolist()} and response lengths {rl.tolist()} do not fit L = {L}, Lq = {Lq}"
+            f"responses of lengths {rl.tolist()} at policy columns {sp.tolist()} and teacher columns {sq.tolist()} "
+            f"do not fit L = {L}, Lq = {Lq} (each start >= 1)"
         )
     b = torch.repeat_interleave(torch.arange(B), rl)
     j = torch.arange(int(rl.sum())) - torch.repeat_interleave(rl.cumsum(0) - rl, rl)
-    dst = b * L + pl[b] - 1 + j
-    src = b * Lq + start - 1 + j
+    dst = b * L + sp[b] - 1 + j
+    src = b * Lq + sq[b] - 1 + j
     out = torch.zeros(B * L, V, dtype=teacher_logits.dtype, device=teacher_logits.device)
     out.index_copy_(0, dst.to(out.device), teacher_logits.reshape(B * Lq, V)[src.to(out.device)])
     return out.view(B, L, V)
