@@ -34,7 +34,6 @@ log = logging.getLogger("covgrad")
 
 Run = Callable[[Task, Step], StageResult]
 
-
 TASKS = (
     base_model_task,
     teacher_task,

@@ -110,6 +110,18 @@ class BaseModelSpec(StageSpec):
     fingerprint: str | None
 
 
+class TeacherSpec(StageSpec):
+    """teacher: the demo policy of the base_model artifact trained on by SFT (``demo``'s optimiser settings on the
+    ``digits``-digit addition task) until its sampled accuracy reaches ``accuracy``."""
+
+    STAGE: ClassVar[str] = "teacher"
+    VERSION: ClassVar[str] = "1"
+    policy: PolicySpec
+    demo: DemoModel
+    digits: int
+    accuracy: float
+
+
 class RolloutsSpec(StageSpec):
     """rollouts: responses of sampler ``sampler`` (settings ``settings``) to the prompts of ``task``, rewards
     and ``advantage``-kind advantages."""
@@ -266,18 +278,6 @@ class RegimeSpec(StageSpec):
 
 NEW_REGIME_DEFAULTS = {"teacher_prompt": None, "responses": "sampler", "teacher_accuracy": 0.9}
 """RegimeSection fields that arrived after regime keys existed, with their defaults (left out of the key)."""
-
-
-class TeacherSpec(StageSpec):
-    """teacher: the demo policy of the base_model artifact trained on by SFT (``demo``'s optimiser settings on the
-    ``digits``-digit addition task) until its sampled accuracy reaches ``accuracy``."""
-
-    STAGE: ClassVar[str] = "teacher"
-    VERSION: ClassVar[str] = "1"
-    policy: PolicySpec
-    demo: DemoModel
-    digits: int
-    accuracy: float
 
 
 class RegimeStatsSpec(StageSpec):
