@@ -277,9 +277,13 @@ class RegimeJob:
                 every=spec.checkpoint_batches,
                 seconds=spec.checkpoint_seconds,
             )
-        if not self.out.finalize(self.layout, "policy", spec.sampler, str(self.device), spec.policy.dtype):
+        sampler = spec.sampler if self.samples is None else "teacher"
+        if not self.out.finalize(self.layout, "policy", sampler, str(self.device), spec.policy.dtype):
             return None
-        self.out.open().attrs.update({"regime": spec.name, "kind": self.regime.kind})
+        attrs = {"regime": spec.name, "kind": self.regime.kind}
+        if self.samples is not None:
+            attrs["teacher_mean_reward"] = self.teacher_reward
+        self.out.open().attrs.update(attrs)
         self.out.store.consolidate(self.out.ref, "scores.zarr")
         info = {"regime": spec.name, "kind": self.regime.kind, "n_samples": len(self.group), "n_params": P}
         if self.samples is not None:
