@@ -9,6 +9,7 @@ import json
 import re
 import string
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -353,6 +354,21 @@ def template_fields(template: str) -> list[str]:
             )
         names.append(field)
     return names
+
+
+def fill_template(template: str, record: Mapping[str, Any]) -> str:
+    """The teacher prompt of one task record: ``template`` with each ``{field}`` replaced by ``str(record[field])``.
+
+    Raises:
+        ValueError: when the record lacks a field the template names (the message names it and the record's
+            fields), or on a template :func:`template_fields` refuses.
+    """
+    missing = [f for f in template_fields(template) if f not in record]
+    if missing:
+        raise ValueError(
+            f"the teacher prompt needs field {{{missing[0]}}}, which the task record lacks (it has {sorted(record)})"
+        )
+    return template.format_map({k: str(v) for k, v in record.items()})
 
 
 RegimeKind = Literal[

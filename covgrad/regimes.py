@@ -41,7 +41,7 @@ Shape notation: B samples in the batch, L sequence positions (prompt, response a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -50,7 +50,6 @@ import torch
 from torch import Tensor
 
 from covgrad.accum import MomentAccumulator
-from covgrad.config import template_fields
 
 if TYPE_CHECKING:
     from covgrad.persample import PerSampleGrads
@@ -736,21 +735,6 @@ def regime_block_stats(
     finite = np.abs(rho[rho == rho])
     out["max_abs_rho"] = float(finite.max()) if finite.size else float("nan")
     return out
-
-
-def fill_template(template: str, record: Mapping[str, Any]) -> str:
-    """The teacher prompt of one task record: ``template`` with each ``{field}`` replaced by ``str(record[field])``.
-
-    Raises:
-        ValueError: when the record lacks a field the template names (the message names it and the record's
-            fields), or on a template :func:`template_fields` refuses.
-    """
-    missing = [f for f in template_fields(template) if f not in record]
-    if missing:
-        raise ValueError(
-            f"the teacher prompt needs field {{{missing[0]}}}, which the task record lacks (it has {sorted(record)})"
-        )
-    return template.format_map({k: str(v) for k, v in record.items()})
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ A regime fold (``regime/<key>/scores.zarr``) is a :class:`storage.scores.ScoresS
 Σ of the bound scalar c²_n and its samples, per prompt-group parity, written before the batch's
 checkpoint (a resumed run rewrites the batches it refolds with the same numbers). The regimes store
 (``regimes/<key>/regimes.zarr``) holds per regime the (param,) arrays of ``storage.schema.REGIMES_VARS``.
+The preflight's regime checks live here too; they import neither torch nor transformers (storage.schema
+imports torch, so the functions that write arrays import it when they run).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from storage.schema import ROLLOUTS, SCORES, create
-
 BOUND = ("bound_sum", "bound_count")
 IMPORTED = {"advantages": "token_advantage", "teacher_logprobs": "teacher_logprob"}  # rollouts arrays
 
 
 def create_bound_arrays(g: Any, n_batches: int) -> None:
     """Create ``bound_sum`` and ``bound_count`` (n_batches, 2) in the fold's scores group ``g`` (idempotent)."""
+    from storage.schema import SCORES, create
+
     for name in BOUND:
         create(g, SCORES, name, (n_batches, 2))
 
@@ -51,6 +53,8 @@ def state_rows(g: Any, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 def create_imported_token_arrays(g: Any, data: dict[str, np.ndarray], rows: int) -> None:
     """Create the imported per-token arrays that ``data`` (records_to_rollouts' output) holds, in the
     rollouts group ``g`` (their rows are written with the others)."""
+    from storage.schema import ROLLOUTS, create
+
     for name in IMPORTED.values():
         if name in data:
             create(g, ROLLOUTS, name, data[name].shape, rows=rows)
@@ -98,9 +102,9 @@ def check_regime_inputs(cfg: Any) -> None:
     if cfg.model.path is not None:
         policy_vocab = _vocab_size(cfg.model.path)
     else:
-        from covgrad.problems import build_char_tokenizer
+        from covgrad.problems import char_tokenizer
 
-        policy_vocab = len(build_char_tokenizer())
+        policy_vocab = char_tokenizer().get_vocab_size()
     for name, r in cfg.regimes.items():
         for role in ("teacher", "reference"):
             path = getattr(r, role)
@@ -151,7 +155,7 @@ def teacher_prompt_texts(template: str, t: Any, what: str) -> list[str]:
     """The teacher prompt of every prompt of task ``t``: ``template`` filled from its record
     (:func:`covgrad.regimes.fill_template`); ValueError naming ``what`` and the record's ``file:line`` when a
     record lacks a field the template names."""
-    from covgrad.regimes import fill_template
+    from covgrad.config import fill_template
     from storage.prompts import prompt_places
 
     records = task_records(t)

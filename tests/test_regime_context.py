@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from covgrad.config import template_fields
+from covgrad.config import fill_template, template_fields
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads
-from covgrad.regimes import Regime, RegimeGrad, align_prefixed_logits, fill_template, prefixed_batch
+from covgrad.regimes import Regime, RegimeGrad, align_prefixed_logits, prefixed_batch
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import max_rel_err
 
