@@ -38,6 +38,7 @@ from covgrad.config import (
     SamplerSection,
     StateDtype,
     TaskSection,
+    TeacherTraining,
     TokensSection,
     TrajectorySection,
     UpdateCheckSection,
@@ -111,15 +112,15 @@ class BaseModelSpec(StageSpec):
 
 
 class TeacherSpec(StageSpec):
-    """teacher: the demo policy of the base_model artifact trained on by SFT (``demo``'s optimiser settings on the
-    ``digits``-digit addition task) until its sampled accuracy reaches ``accuracy``."""
+    """teacher: the demo policy of the base_model artifact (``demo``) trained on by SFT on the ``digits``-digit
+    addition task as ``training`` says, until its sampled accuracy reaches ``training.accuracy``."""
 
     STAGE: ClassVar[str] = "teacher"
     VERSION: ClassVar[str] = "1"
     policy: PolicySpec
     demo: DemoModel
     digits: int
-    accuracy: float
+    training: TeacherTraining
 
 
 class RolloutsSpec(StageSpec):
@@ -276,7 +277,11 @@ class RegimeSpec(StageSpec):
         return out
 
 
-NEW_REGIME_DEFAULTS = {"teacher_prompt": None, "responses": "sampler", "teacher_accuracy": 0.9}
+NEW_REGIME_DEFAULTS = {
+    "teacher_prompt": None,
+    "responses": "sampler",
+    "trained_teacher": TeacherTraining().model_dump(mode="json"),
+}
 """RegimeSection fields that arrived after regime keys existed, with their defaults (left out of the key)."""
 
 
@@ -568,14 +573,14 @@ def regime_inputs(r: RegimeSection) -> dict[str, str]:
 
 def plan_teacher(cfg: PipelineConfig, store: ArtifactStore, base: Step) -> Step | None:
     """The demo's trained teacher, when a regime names ``teacher: trained`` (None otherwise)."""
-    accuracy = [r.teacher_accuracy for r in cfg.regimes.values() if r.teacher == "trained"]
-    if not accuracy:
+    trained = [r.trained_teacher for r in cfg.regimes.values() if r.teacher == "trained"]
+    if not trained:
         return None
     spec = TeacherSpec(
         policy=policy_spec(cfg),
         demo=cfg.model.demo.model_copy(deep=True),
         digits=cfg.task.digits,
-        accuracy=accuracy[0],
+        training=trained[0].model_copy(deep=True),
     )
     return _step(store, Instance("teacher"), spec, {"base_model": base})
 

@@ -18,7 +18,12 @@ from tests.helpers.pipeline import NO_OPTIONAL, run_planned, tiny_config
 TEMPLATE = "{answer}={prompt}"
 CFG = {
     "ctx": {"kind": "distill_reverse_kl", "teacher": "policy", "teacher_prompt": TEMPLATE},
-    "tsft": {"kind": "sft_drift", "teacher": "trained", "responses": "teacher", "teacher_accuracy": 0.85},
+    "tsft": {
+        "kind": "sft_drift",
+        "teacher": "trained",
+        "responses": "teacher",
+        "trained_teacher": {"accuracy": 0.85, "lr": 0.01, "batch_size": 32, "eval_every": 10},
+    },
 }
 POLICY = type("P", (), {"path": None, "dtype": "float32", "trust_remote_code": False})
 
@@ -141,5 +146,5 @@ def test_preflight_refuses_unfillable_and_too_long_teacher_prompts(tmp_path):
     assert "\n" not in msg and "regimes.d.teacher_prompt" in msg and "context of 64" in msg
     with pytest.raises(ValueError, match="teacher prompt template field"):
         tiny_config("runs", regimes={"d": {**CFG["ctx"], "teacher_prompt": "{0}"}})
-    with pytest.raises(ValueError, match="teacher_accuracy 0.5 must exceed"):
-        tiny_config("runs", regimes={"t": {**CFG["tsft"], "teacher_accuracy": 0.5}})
+    with pytest.raises(ValueError, match="trained_teacher.accuracy 0.5 must exceed"):
+        tiny_config("runs", regimes={"t": {**CFG["tsft"], "trained_teacher": {"accuracy": 0.5}}})
