@@ -148,3 +148,19 @@ def test_preflight_refuses_unfillable_and_too_long_teacher_prompts(tmp_path):
         tiny_config("runs", regimes={"d": {**CFG["ctx"], "teacher_prompt": "{0}"}})
     with pytest.raises(ValueError, match="trained_teacher.accuracy 0.5 must exceed"):
         tiny_config("runs", regimes={"t": {**CFG["tsft"], "trained_teacher": {"accuracy": 0.5}}})
+
+
+def test_the_demo_config_adds_only_its_regime_stages():
+    """configs/demo.yaml's regimes leave every other artifact key of the demo as it was (the report aside)."""
+    import yaml
+
+    from covgrad.config import PipelineConfig
+    from tasks.specs import plan
+    from tests.helpers.pipeline import REPO
+
+    demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    assert set(demo["regimes"]) == {"rl", "distill", "sft"}
+    without = {k: v for k, v in demo.items() if k != "regimes"}
+    p0, p1 = plan(PipelineConfig.model_validate(without)), plan(PipelineConfig.model_validate(demo))
+    assert {n: p0[n].ref.key for n in p0 if n != "report"} == {n: p1[n].ref.key for n in p0 if n != "report"}
+    assert set(p1) - set(p0) == {"regime.rl", "regime.distill", "regime.sft", "regimes"}
