@@ -164,3 +164,21 @@ def test_the_demo_config_adds_only_its_regime_stages():
     p0, p1 = plan(PipelineConfig.model_validate(without)), plan(PipelineConfig.model_validate(demo))
     assert {n: p0[n].ref.key for n in p0 if n != "report"} == {n: p1[n].ref.key for n in p0 if n != "report"}
     assert set(p1) - set(p0) == {"regime.rl", "regime.distill", "regime.sft", "regimes"}
+
+
+def test_each_new_regime_setting_changes_exactly_the_keys_that_read_it():
+    from tasks.specs import plan
+
+    p0 = plan(tiny_config("runs", regimes=CFG))
+    changes = [
+        ("ctx", "teacher_prompt", "{prompt}{answer}", {"regime.ctx"}),
+        ("ctx", "responses", "teacher", {"regime.ctx"}),
+        ("tsft", "responses", "sampler", {"regime.tsft"}),
+        ("tsft", "trained_teacher", {**CFG["tsft"]["trained_teacher"], "lr": 0.02}, {"teacher", "regime.tsft"}),
+    ]
+    for name, field, value, expected in changes:
+        cfg = {**CFG, name: {**CFG[name], field: value}}
+        if field == "responses" and value == "sampler":
+            cfg[name]["sampler"] = "policy"
+        p1 = plan(tiny_config("runs", regimes=cfg))
+        assert {n for n in p0 if p0[n].ref.key != p1[n].ref.key} == expected | {"regimes", "report"}, field
