@@ -7,7 +7,9 @@ setting. ``configs/demo.yaml`` holds the embedded defaults for the built-in demo
 
 import json
 import re
+import string
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -382,10 +384,64 @@ class TrajectorySection(Section):
         return v
 
 
+def template_fields(template: str) -> list[str]:
+    """The field names of a teacher-prompt template, in order of appearance.
+
+    The template is ``str.format`` text: ``{answer}`` is a field, ``{{`` and ``}}`` are literal braces. Only
+    plain names are fields; positional (``{}``), indexed, attribute, converted or formatted fields are refused.
+
+    Raises:
+        ValueError: one line naming the bad field or the unbalanced brace.
+    """
+    names = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(
+            f"teacher prompt template {template!r}: {exc} (write a literal brace as {{{{ or }}}})"
+        ) from None
+    for _, field, spec, conversion in parsed:
+        if field is None:
+            continue
+        if not field.isidentifier() or spec or conversion:
+            raise ValueError(
+                f"teacher prompt template field {{{field}{'!' + conversion if conversion else ''}"
+                f"{':' + spec if spec else ''}}} must be a plain name such as {{answer}} or {{prompt}}"
+            )
+        names.append(field)
+    return names
+
+
+def fill_template(template: str, record: Mapping[str, Any]) -> str:
+    """The teacher prompt of one task record: ``template`` with each ``{field}`` replaced by ``str(record[field])``.
+
+    Raises:
+        ValueError: when the record lacks a field the template names (the message names it and the record's
+            fields), or on a template :func:`template_fields` refuses.
+    """
+    missing = [f for f in template_fields(template) if f not in record]
+    if missing:
+        raise ValueError(
+            f"the teacher prompt needs field {{{missing[0]}}}, which the task record lacks (it has {sorted(record)})"
+        )
+    return template.format_map({k: str(v) for k, v in record.items()})
+
+
 RegimeKind = Literal[
     "rl", "rl_token", "distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift", "sft_sampled"
 ]  # covgrad.regimes.REGIMES
 TEACHER_KINDS = ("distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift")
+
+
+class TeacherTraining(Section):
+    """The demo's trained teacher: the policy trained on by SFT (AdamW) until its sampled accuracy reaches
+    ``accuracy``; the defaults reach 0.9 from the demo policy (docs/regimes.md)."""
+
+    accuracy: float = Field(0.9, gt=0.0, le=1.0, description="stop at the first evaluation at or above this accuracy")
+    lr: float = Field(1e-3, gt=0, le=1.0, description="AdamW learning rate")
+    batch_size: int = Field(128, ge=1, description="prompts per SFT step")
+    max_steps: int = Field(4000, ge=1, description="SFT step limit (an error when the accuracy is not reached)")
+    eval_every: int = Field(50, ge=1, description="SFT steps between accuracy evaluations")
 
 
 class RegimeSection(Section):
@@ -400,7 +456,9 @@ class RegimeSection(Section):
 
     kind: RegimeKind = Field("rl", description="the objective: one of covgrad.regimes.REGIMES")
     sampler: str | None = Field(None, description="whose rollouts (sft: the responses); unset: rollouts.analyse")
-    teacher: str | None = Field(None, description="distill/sft_drift: stale, policy or a model directory")
+    teacher: str | None = Field(
+        None, description="distill/sft_drift: stale, policy, trained (demo: the policy trained on) or a model directory"
+    )
     reference: str | None = Field(None, description="rl_token with kl_beta: stale, policy or a model directory")
     advantages: Literal["sequence", "imported", "none"] = Field(
         "sequence", description="rl/rl_token advantages: the rollouts' A, the imported per-token field, or none"
@@ -415,10 +473,31 @@ class RegimeSection(Section):
     )
     max_length: int | None = Field(None, ge=1, description="length_norm=constant: the constant")
     baseline: bool = Field(False, description="distill_sampled: subtract b_t = −KL(p_t‖q_t)")
+    teacher_prompt: str | None = Field(
+        None,
+        description="context distillation: the teacher reads this prompt instead of the policy's, then the same "
+        "response tokens; str.format text over the task record's fields ({prompt}, {answer}, and a JSONL "
+        "record's other fields), e.g. teacher: policy with the answer in its system prompt",
+    )
+    responses: Literal["sampler", "teacher"] = Field(
+        "sampler",
+        description="whose responses the regime folds over: the rollouts of `sampler`, or group_size fresh samples "
+        "per prompt drawn from the teacher (its prompt, its temperature, untruncated; sft on the teacher's samples)",
+    )
+    trained_teacher: TeacherTraining = Field(
+        default_factory=TeacherTraining,
+        description="teacher=trained (demo): how the teacher stage trains the demo policy on (shared by every regime)",
+    )
 
     @model_validator(mode="after")
     def _sources(self) -> Self:
         k = self.kind
+        if self.teacher_prompt is not None:
+            if self.teacher is None:
+                raise ValueError("teacher_prompt is the teacher's prompt: set teacher (policy: context distillation)")
+            template_fields(self.teacher_prompt)
+        if self.responses == "teacher" and self.teacher is None:
+            raise ValueError("responses: teacher samples the teacher: set teacher")
         if k in TEACHER_KINDS and self.teacher is None and not (k == "distill_sampled" and self.teacher_logprobs):
             raise ValueError(f"regime kind {k} needs a teacher (stale, policy or a model directory)")
         if k == "rl_token" and self.kl_beta > 0 and self.reference is None:
@@ -427,8 +506,10 @@ class RegimeSection(Section):
             raise ValueError("regime kind rl takes the sequence advantages; use rl_token for per-token ones")
         if self.length_norm == "constant" and self.max_length is None:
             raise ValueError("length_norm constant needs max_length")
-        if k.startswith("sft") and self.sampler is None:
-            raise ValueError(f"regime kind {k} needs responses: set sampler to the sampler that drew them")
+        if k.startswith("sft") and self.sampler is None and self.responses == "sampler":
+            raise ValueError(
+                f"regime kind {k} needs responses: set sampler to the sampler that drew them, or responses: teacher"
+            )
         if self.baseline and self.teacher is None:
             raise ValueError("baseline −KL(p_t‖q_t) needs a teacher model")
         return self
@@ -483,8 +564,18 @@ class PipelineConfig(Section):
             if r.sampler is not None and r.sampler not in self.rollouts.samplers:
                 raise ValueError(f"regimes.{name}.sampler {r.sampler!r} is not one of {list(self.rollouts.samplers)}")
             for role in ("teacher", "reference"):
-                if getattr(r, role) == "stale" and self.model.path is not None:
-                    raise ValueError(f"regimes.{name}.{role}: stale only exists for the demo model")
+                if getattr(r, role) in ("stale", "trained") and self.model.path is not None:
+                    raise ValueError(f"regimes.{name}.{role}: {getattr(r, role)} only exists for the demo model")
+            if r.reference == "trained":
+                raise ValueError(f"regimes.{name}.reference: trained is a teacher; give stale, policy or a directory")
+            if r.teacher == "trained" and r.trained_teacher.accuracy <= self.model.demo.target_accuracy[1]:
+                raise ValueError(
+                    f"regimes.{name}.trained_teacher.accuracy {r.trained_teacher.accuracy} must exceed the policy's "
+                    f"model.demo.target_accuracy high end {self.model.demo.target_accuracy[1]}"
+                )
+        trained = {r.trained_teacher.model_dump_json() for r in self.regimes.values() if r.teacher == "trained"}
+        if len(trained) > 1:
+            raise ValueError(f"regimes with teacher: trained must share one trained_teacher; got {sorted(trained)}")
         return self
 
 

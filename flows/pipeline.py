@@ -25,6 +25,7 @@ from tasks.rollouts import rollouts_task
 from tasks.scores import scores_task
 from tasks.specs import Plan, Step, plan
 from tasks.stats import stats_task
+from tasks.teacher import teacher_task
 from tasks.tokens import tokens_task
 from tasks.trajectory import trajectory_task
 from tasks.update_check import update_check_task
@@ -33,9 +34,9 @@ log = logging.getLogger("covgrad")
 
 Run = Callable[[Task, Step], StageResult]
 
-
 TASKS = (
     base_model_task,
+    teacher_task,
     rollouts_task,
     scores_task,
     stats_task,

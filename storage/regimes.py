@@ -5,6 +5,8 @@ A regime fold (``regime/<key>/scores.zarr``) is a :class:`storage.scores.ScoresS
 Σ of the bound scalar c²_n and its samples, per prompt-group parity, written before the batch's
 checkpoint (a resumed run rewrites the batches it refolds with the same numbers). The regimes store
 (``regimes/<key>/regimes.zarr``) holds per regime the (param,) arrays of ``storage.schema.REGIMES_VARS``.
+The preflight's regime checks live here too; they import neither torch nor transformers (storage.schema
+imports torch, so the functions that write arrays import it when they run).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from storage.schema import ROLLOUTS, SCORES, create
-
 BOUND = ("bound_sum", "bound_count")
 IMPORTED = {"advantages": "token_advantage", "teacher_logprobs": "teacher_logprob"}  # rollouts arrays
 
 
 def create_bound_arrays(g: Any, n_batches: int) -> None:
     """Create ``bound_sum`` and ``bound_count`` (n_batches, 2) in the fold's scores group ``g`` (idempotent)."""
+    from storage.schema import SCORES, create
+
     for name in BOUND:
         create(g, SCORES, name, (n_batches, 2))
 
@@ -51,6 +53,8 @@ def state_rows(g: Any, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 def create_imported_token_arrays(g: Any, data: dict[str, np.ndarray], rows: int) -> None:
     """Create the imported per-token arrays that ``data`` (records_to_rollouts' output) holds, in the
     rollouts group ``g`` (their rows are written with the others)."""
+    from storage.schema import ROLLOUTS, create
+
     for name in IMPORTED.values():
         if name in data:
             create(g, ROLLOUTS, name, data[name].shape, rows=rows)
@@ -65,9 +69,32 @@ def _vocab_size(path: str) -> int | None:
     return int(v) if isinstance(v, int) else None
 
 
+def check_teacher_prompts(cfg: Any, name: str, r: Any) -> None:
+    """A context-distillation regime's teacher prompts, one-line errors: the template fills from every task
+    record (``file:line`` of the first that lacks a field), and every teacher prompt with the sampler's
+    ``max_new_tokens`` fits the teacher's context (counted with its ``tokenizer.json`` when it has one)."""
+    from covgrad.inputs import check_context
+    from covgrad.problems import Problem
+    from storage.prompts import prompt_lengths, prompt_places
+
+    what = f"regimes.{name}.teacher_prompt"
+    texts = teacher_prompt_texts(r.teacher_prompt, cfg.task, what)
+    section = f"rollouts.samplers.{r.sampler or cfg.rollouts.analyse}"
+    sampler = cfg.rollouts.samplers[r.sampler or cfg.rollouts.analyse]
+    model = cfg.model.path if r.teacher in ("policy", "stale", "trained") else r.teacher
+    counted = prompt_lengths(model, [Problem(t, "") for t in texts])
+    if counted is not None:
+        lengths, limit = counted
+        try:
+            check_context(lengths, prompt_places(cfg.task, len(texts)), sampler.max_new_tokens, limit, section)
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
+
+
 def check_regime_inputs(cfg: Any) -> None:
     """The preflight's regime checks of a ``PipelineConfig``, one-line errors: every teacher and reference
-    directory is a causal LM with the policy's vocabulary size, and every imported per-token field a regime
+    directory is a causal LM with the policy's vocabulary size, every teacher prompt fills from the task and
+    fits the teacher's context (:func:`check_teacher_prompts`), and every imported per-token field a regime
     reads is in every record of its sampler's file with one entry per response token (``file:line``)."""
     from storage.models import check_model_dir
     from storage.readers import read_located_records
@@ -75,13 +102,13 @@ def check_regime_inputs(cfg: Any) -> None:
     if cfg.model.path is not None:
         policy_vocab = _vocab_size(cfg.model.path)
     else:
-        from covgrad.problems import build_char_tokenizer
+        from covgrad.problems import char_tokenizer
 
-        policy_vocab = len(build_char_tokenizer())
+        policy_vocab = char_tokenizer().get_vocab_size()
     for name, r in cfg.regimes.items():
         for role in ("teacher", "reference"):
             path = getattr(r, role)
-            if path is None or path in ("policy", "stale"):
+            if path is None or path in ("policy", "stale", "trained"):
                 continue
             check_model_dir(path, f"regimes.{name}.{role}")
             v = _vocab_size(path)
@@ -90,6 +117,8 @@ def check_regime_inputs(cfg: Any) -> None:
                     f"regimes.{name}.{role} {path!r} has vocabulary {v}, the policy {policy_vocab}: "
                     "a teacher or reference must share the policy's vocabulary"
                 )
+        if r.teacher_prompt is not None:
+            check_teacher_prompts(cfg, name, r)
         fields = [
             f for f, on in (("advantages", r.advantages == "imported"), ("teacher_logprobs", r.teacher_logprobs)) if on
         ]
@@ -109,3 +138,32 @@ def check_regime_inputs(cfg: Any) -> None:
                 if not isinstance(got, list) or len(got) != n:
                     size = len(got) if isinstance(got, list) else type(got).__name__
                     raise ValueError(f"{at}: '{field}' has {size} entries for {n} response tokens")
+
+
+def task_records(t: Any) -> list[dict[str, Any]]:
+    """The records of task section ``t`` whose fields a teacher-prompt template reads: ``prompt`` and ``answer``
+    of the built-in task, every field of a JSONL task's lines (the first ``n_prompts``)."""
+    from storage.prompts import load_task
+    from storage.readers import read_prompt_file
+
+    if t.kind == "jsonl":
+        return read_prompt_file(t.path)[: t.n_prompts]
+    return [{"prompt": p.prompt, "answer": p.answer} for p in load_task(t)[0]]
+
+
+def teacher_prompt_texts(template: str, t: Any, what: str) -> list[str]:
+    """The teacher prompt of every prompt of task ``t``: ``template`` filled from its record
+    (:func:`covgrad.regimes.fill_template`); ValueError naming ``what`` and the record's ``file:line`` when a
+    record lacks a field the template names."""
+    from covgrad.config import fill_template
+    from storage.prompts import prompt_places
+
+    records = task_records(t)
+    where = prompt_places(t, len(records))
+    out = []
+    for rec, at in zip(records, where, strict=True):
+        try:
+            out.append(fill_template(template, rec))
+        except ValueError as err:
+            raise ValueError(f"{what}: {at}: {err}") from None
+    return out

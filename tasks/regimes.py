@@ -112,6 +112,7 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
                 "abs_rho_median": q50,
                 "abs_rho_q90": q90,
                 "abs_rho_q99": q99,
+                "responses_mean_reward": fold.attrs.get("teacher_mean_reward"),
             }
         )
         for row in overlap_table(Values(lambda a, b: F_arr[a:b], P), _abs(g[f"G_{name}"]), layout, qs):

@@ -38,6 +38,7 @@ from covgrad.config import (
     SamplerSection,
     StateDtype,
     TaskSection,
+    TeacherTraining,
     TokensSection,
     TrajectorySection,
     UpdateCheckSection,
@@ -108,6 +109,18 @@ class BaseModelSpec(StageSpec):
     demo: DemoModel | None
     digits: int | None
     fingerprint: str | None
+
+
+class TeacherSpec(StageSpec):
+    """teacher: the demo policy of the base_model artifact (``demo``) trained on by SFT on the ``digits``-digit
+    addition task as ``training`` says, until its sampled accuracy reaches ``training.accuracy``."""
+
+    STAGE: ClassVar[str] = "teacher"
+    VERSION: ClassVar[str] = "1"
+    policy: PolicySpec
+    demo: DemoModel
+    digits: int
+    training: TeacherTraining
 
 
 class RolloutsSpec(StageSpec):
@@ -249,6 +262,27 @@ class RegimeSpec(StageSpec):
     inputs: dict[str, str] = {}
     checkpoint_batches: int
     checkpoint_seconds: float
+    task: TaskSection | None = None  # the prompts of teacher_prompt and responses: teacher (their rewards)
+
+    def hashed(self) -> dict[str, Any]:
+        """As :meth:`StageSpec.hashed`, without the settings added for context distillation and the teacher's
+        samples while they hold their defaults and without ``task`` while it is None: a regime that uses none of
+        them keeps its key."""
+        out = super().hashed()
+        for name, default in NEW_REGIME_DEFAULTS.items():
+            if out["settings"].get(name) == default:
+                del out["settings"][name]
+        if out.get("task") is None:
+            out.pop("task", None)
+        return out
+
+
+NEW_REGIME_DEFAULTS = {
+    "teacher_prompt": None,
+    "responses": "sampler",
+    "trained_teacher": TeacherTraining().model_dump(mode="json"),
+}
+"""RegimeSection fields that arrived after regime keys existed, with their defaults (left out of the key)."""
 
 
 class RegimeStatsSpec(StageSpec):
@@ -310,6 +344,7 @@ class Plan(Mapping[str, Step]):
     step by instance name in that order (per-sampler stages sampler by sampler, disabled stages left out)."""
 
     base_model: Step
+    teacher: Step | None
     rollouts: dict[str, Step]
     scores: dict[Instance, Step]
     stats: dict[Instance, Step]
@@ -500,14 +535,30 @@ def plan(cfg: PipelineConfig) -> Plan:
         trajectory = _step(store, Instance("trajectory"), spec, upstream)
     everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
     everything += [x for x in (tokens, update) if x is not None]
-    regime, regimes = plan_regimes(cfg, store, base, rollouts, scores[Instance("scores", *main.instance[1:])])
+    teacher = plan_teacher(cfg, store, base)
+    main_scores = scores[Instance("scores", *main.instance[1:])]
+    regime, regimes = plan_regimes(cfg, store, base, teacher, rollouts, main_scores)
+    everything += [x for x in (teacher,) if x is not None]
     everything += [*regime.values(), *([regimes] if regimes is not None else [])]
     # disabled sections the report does not render leave the report's key as it was
     exclude = {"root"} | (set() if cfg.trajectory.enabled else {"trajectory"}) | (set() if cfg.regimes else {"regimes"})
     report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude=exclude)))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
     return Plan(
-        base, rollouts, scores, stats, offpolicy, masks, tokens, update, trajectory, regime, regimes, report, main=main
+        base,
+        teacher,
+        rollouts,
+        scores,
+        stats,
+        offpolicy,
+        masks,
+        tokens,
+        update,
+        trajectory,
+        regime,
+        regimes,
+        report,
+        main=main,
     )
 
 
@@ -516,12 +567,37 @@ def regime_inputs(r: RegimeSection) -> dict[str, str]:
     return {
         role: input_digest(path, model=True)
         for role, path in (("teacher", r.teacher), ("reference", r.reference))
-        if path is not None and path not in ("policy", "stale")
+        if path is not None and path not in ("policy", "stale", "trained")
     }
 
 
+def plan_teacher(cfg: PipelineConfig, store: ArtifactStore, base: Step) -> Step | None:
+    """The demo's trained teacher, when a regime names ``teacher: trained`` (None otherwise)."""
+    trained = [r.trained_teacher for r in cfg.regimes.values() if r.teacher == "trained"]
+    if not trained:
+        return None
+    spec = TeacherSpec(
+        policy=policy_spec(cfg),
+        demo=cfg.model.demo.model_copy(deep=True),
+        digits=cfg.task.digits,
+        training=trained[0].model_copy(deep=True),
+    )
+    return _step(store, Instance("teacher"), spec, {"base_model": base})
+
+
+def regime_task_section(cfg: PipelineConfig, r: RegimeSection) -> TaskSection | None:
+    """The task a regime reads itself: its prompts for ``teacher_prompt``, its prompts and reward for
+    ``responses: teacher``; None otherwise."""
+    return cfg.task.model_copy(deep=True) if r.teacher_prompt is not None or r.responses == "teacher" else None
+
+
 def plan_regimes(
-    cfg: PipelineConfig, store: ArtifactStore, base: Step, rollouts: dict[str, Step], main_scores: Step
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    base: Step,
+    teacher: Step | None,
+    rollouts: dict[str, Step],
+    main_scores: Step,
 ) -> tuple[dict[Instance, Step], Step | None]:
     """The ``regime.<name>`` folds of ``cfg.regimes`` and their ``regimes`` statistics (None without regimes).
     Instances name the regime in the sampler slot: ``regime.distill``."""
@@ -539,11 +615,15 @@ def plan_regimes(
             state_dtype=sc.state_dtype,
             device=m.device,
             self_check=m.self_check,
-            inputs=regime_inputs(r),
+            inputs={**regime_inputs(r), **(task_inputs(cfg.task) if (task := regime_task_section(cfg, r)) else {})},
             checkpoint_batches=sc.checkpoint_batches,
             checkpoint_seconds=sc.checkpoint_seconds,
+            task=task,
         )
         up = {"base_model": base, "rollouts": rollouts[sampler]}
+        if r.teacher == "trained":
+            assert teacher is not None
+            up["teacher"] = teacher
         out[Instance("regime", name)] = _step(store, Instance("regime", name), spec, up)
     if not out:
         return out, None

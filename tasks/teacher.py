@@ -1,0 +1,76 @@
+"""teacher stage: the demo's trained teacher, the base_model artifact's policy trained on by SFT.
+
+The policy is trained further by ``covgrad.sft.train_sft`` (AdamW at ``trained_teacher.lr``, batches of
+``trained_teacher.batch_size`` from a seed stream of its own) until its sampled accuracy on the base_model
+stage's evaluation prompts reaches ``trained_teacher.accuracy``; the result is saved as ``teacher/`` (model
+and tokenizer) with ``teacher.json`` (accuracy history). The base_model artifact and its key stay what they are.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from prefect import task
+
+from covgrad.problems import addition_problems
+from covgrad.sft import train_sft
+from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.models import load_models
+from tasks.base_model import answer_tokens
+from tasks.common import StageResult, log, progress_bar, run_stage
+from tasks.specs import TeacherSpec
+
+
+def _train(store: ArtifactStore, ref: ArtifactRef, spec: TeacherSpec, base: ArtifactRef) -> dict[str, Any]:
+    demo, digits, t = spec.demo, spec.digits, spec.training
+    model, tokenizer = load_models(store, base, "policy", spec.policy)
+    # train_sft keeps the last checkpoint at or below stale_max_accuracy and stops inside target_accuracy:
+    # every evaluation below the target is "stale", the first one at or above it ends the training
+    settings = demo.model_copy(
+        update={
+            "lr": t.lr,
+            "batch_size": t.batch_size,
+            "max_steps": t.max_steps,
+            "eval_every": t.eval_every,
+            "target_accuracy": (t.accuracy, 1.0),
+            "stale_max_accuracy": max(0.0, t.accuracy - 1e-9),
+        }
+    )
+    eval_problems = addition_problems(demo.eval_prompts, digits, seed=demo.seed + 1_000_003)
+
+    def train_problems(step: int) -> list:
+        return addition_problems(t.batch_size, digits, seed=zlib.crc32(f"teacher:{demo.seed}:{step}".encode()))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the base_model stage: one thread trains a 1e5-parameter model fastest
+    with progress_bar(f"teacher SFT (stops at accuracy {t.accuracy})", t.max_steps, "step") as bar:
+
+        def report(step: int, acc: float) -> None:
+            log.info("teacher: step %d sampled accuracy %.3f", step, acc)
+            if step > bar.done:
+                bar.update(step - bar.done)
+
+        try:
+            result = train_sft(model, tokenizer, settings, train_problems, eval_problems, answer_tokens(digits), report)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"the demo teacher did not reach regimes.*.trained_teacher.accuracy {t.accuracy} within "
+                f"trained_teacher.max_steps {t.max_steps} ({err}); raise max_steps or lower the accuracy"
+            ) from None
+        finally:
+            torch.set_num_threads(threads)
+    model.load_state_dict(result.policy_state)
+    with store.local_dir(ref, "teacher", write=True) as d:
+        model.save_pretrained(d, safe_serialization=True)
+        tokenizer.save_pretrained(d)
+    info = {"teacher_accuracy": result.policy_accuracy, "steps": result.steps, "history": result.history}
+    store.write_json(ref, "teacher.json", info)
+    return {"teacher_accuracy": result.policy_accuracy, "steps": result.steps}
+
+
+@task(name="teacher")
+def teacher_task(ref: ArtifactRef, spec: TeacherSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """Train the demo's teacher from the base_model artifact's policy."""
+    return run_stage(ref, spec, lambda store, r: _train(store, r, spec, upstream["base_model"]))
