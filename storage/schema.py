@@ -358,6 +358,7 @@ TOKENS_VARS = {
 # update.zarr — dims: cell (one per optimizer, precision, lr and steps), tensor. Columns of
 # ``covgrad.update.update_grid``; {metric} is bf16 (changed in bf16 / the weights' dtype) or abs (|Δ| > 1e-5).
 UPDATE_VARS = {
+    "regime": _cell("str", "regime whose loss the cell stepped (only with configured regimes)"),
     "optimizer": _cell("str", "optimizer", labels=("cell",)),
     "precision": _cell("str", "precision of weights and update", labels=("cell",)),
     "lr": _cell("float64", "learning rate", labels=("cell",)),

@@ -1,11 +1,15 @@
-"""trajectory stage: K optimizer steps of the rl regime from the policy, checked against step-0 predictions.
+"""trajectory stage: K optimizer steps of one regime from the policy, checked against step-0 predictions.
 
 The stepping, the per-step records and the predictors are ``covgrad.trajectory`` (``run_trajectory``); the
-files are ``storage/trajectory.py``'s. Data: ``trajectory.data = "on_policy"`` draws fresh samples from
-the current policy every step (the analysed sampler's temperature, truncation, group size and length),
-rewards them with the task's reward and gives them group advantages (``rollouts.advantage``);
-``"fixed"`` steps on the analysed rollouts' minibatches of ``scores.groups_per_batch`` prompt groups, the
-update check's data. Predictors: F, G, ρ of the main statistics (the start policy's step 0).
+files are ``storage/trajectory.py``'s. Loss: rl's REINFORCE loss (``trajectory.regime = "rl"``) or the
+loss of the configured regime ``trajectory.regime`` (``covgrad.trajectory.StepLoss``: per-token rl with its
+KL penalty to the reference, distillation towards its fixed teacher, SFT). Data: ``trajectory.data =
+"on_policy"`` draws fresh samples from the current policy every step (the analysed sampler's temperature,
+truncation, group size and length), rewards them with the task's reward and gives them group advantages
+(``rollouts.advantage``); ``"fixed"`` steps on minibatches of ``scores.groups_per_batch`` prompt groups of
+fixed rollouts: the analysed ones, or the regime's sampler's (the sft regimes always step on fixed data).
+Predictors: F of the main statistics (the start policy's step 0); G and ρ of the main statistics for rl,
+of the regime's own statistics (the ``regimes`` stage) otherwise.
 
 Resumable by step: each step's packed changed set and record are written, then its progress mark; every
 ``state_every`` steps (and at the last) the resume state (weights, optimizer state, tracker state, step,
@@ -23,7 +27,9 @@ import torch
 from prefect import task
 
 from covgrad.batch import group_batches
+from covgrad.config import RegimeSection
 from covgrad.layout import ParamLayout, check_layout, select_parameters
+from covgrad.regimes import Regime
 from covgrad.sampling import SamplerSpec
 from covgrad.trajectory import (
     BATCH_KEYS,
@@ -31,6 +37,7 @@ from covgrad.trajectory import (
     FixedBatches,
     OnPolicy,
     OptimizerSpec,
+    StepLoss,
     Stepper,
     StepZeroStats,
     bf16_rounded,
@@ -43,8 +50,9 @@ from covgrad.trajectory import (
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.models import load_models
 from storage.prompts import load_task
+from storage.regimes import IMPORTED
 from storage.rollouts import read_batch
-from storage.schema import ROLLOUTS, STATS
+from storage.schema import REGIMES, ROLLOUTS, STATS
 from storage.schema import TRAJECTORY as STORE
 from storage.trajectory import (
     checkpoint_name,
@@ -57,7 +65,7 @@ from storage.trajectory import (
     write_step,
 )
 from tasks.common import StageResult, log, progress_bar, run_stage
-from tasks.specs import TrajectorySpec
+from tasks.specs import PolicySpec, TrajectorySpec
 
 
 def checkpoint_steps(steps: int, ratio: float) -> list[int]:
@@ -72,16 +80,85 @@ def checkpoint_steps(steps: int, ratio: float) -> list[int]:
     return sorted(out)
 
 
-def _source(store: ArtifactStore, spec: TrajectorySpec, up: dict[str, ArtifactRef], tokenizer: Any):
-    """The data of every step: fresh on-policy rows, or the analysed rollouts' fixed minibatches."""
-    s = spec.settings
-    if s.data == "fixed":
+FIXED_KINDS = ("sft_drift", "sft_sampled")  # regimes whose data are fixed responses, never fresh samples
+
+
+def regime_of(r: RegimeSection) -> Regime:
+    """The :class:`covgrad.regimes.Regime` of a configured regime."""
+    return Regime(
+        kind=r.kind,
+        temperature=r.temperature,
+        teacher_temperature=r.teacher_temperature,
+        kl_beta=r.kl_beta,
+        kl_reward_to_go=r.kl_reward_to_go,
+        length_norm=r.length_norm,
+        max_length=r.max_length,
+        baseline=r.baseline,
+    )
+
+
+def step_loss(
+    store: ArtifactStore, base: ArtifactRef, policy: PolicySpec, name: str, r: RegimeSection | None
+) -> StepLoss:
+    """The loss regime ``name`` steps (None: rl), its teacher and reference loaded as fixed float32 models
+    (``policy``: the start policy; ``stale``; a model directory); ValueError for another vocabulary."""
+    if r is None:
+        return StepLoss()
+    if r.teacher_logprobs:
+        raise ValueError(
+            f"regime {name}: teacher_logprobs imports the teacher's log-probs of fixed samples; a step needs the "
+            "teacher model (set teacher to a model directory, stale or policy)"
+        )
+
+    def fixed(which: str | None, role: str) -> torch.nn.Module | None:
+        if which is None:
+            return None
+        model = load_models(store, base, which, policy)[0].float().eval()
+        V = int(model.get_output_embeddings().weight.shape[0])
+        own = load_models(store, base, "policy", policy)[0]
+        if int(own.get_output_embeddings().weight.shape[0]) != V:
+            raise ValueError(f"regime {name}: the {role} {which!r} has vocabulary {V}, unlike the policy")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    return StepLoss(
+        regime_of(r),
+        teacher=fixed(r.teacher, "teacher"),
+        reference=fixed(r.reference if r.kl_beta else None, "reference"),
+        use_advantages=r.advantages != "none",
+    )
+
+
+def fixed_batches(ro: Any, groups_per_batch: int, r: RegimeSection | None) -> list[dict[str, torch.Tensor]]:
+    """The rollouts ``ro`` as minibatches of whole prompt groups: (n, L_b) rows trimmed of trailing padding,
+    with the imported per-token ``token_advantages`` (n, L) at the store's width when regime ``r`` reads them."""
+    imported = r is not None and r.kind == "rl_token" and r.advantages == "imported"
+    if imported and IMPORTED["advantages"] not in ro:
+        raise ValueError("regime rl_token with advantages=imported: these rollouts hold no imported advantages field")
+    batches = []
+    for lo, hi in group_batches(ro["group"][:], groups_per_batch):
+        b = read_batch(ro, lo, hi, trim=not imported)
+        batch = {k: getattr(b, k) for k in BATCH_KEYS}
+        if imported:
+            batch["token_advantages"] = torch.from_numpy(ro[IMPORTED["advantages"]][lo:hi].astype(np.float64))
+        batches.append(batch)
+    return batches
+
+
+def _source(
+    store: ArtifactStore, spec: TrajectorySpec, up: dict[str, ArtifactRef], tokenizer: Any, loss: StepLoss
+) -> FixedBatches | OnPolicy:
+    """The data of every step: fresh on-policy rows, or fixed minibatches of the upstream rollouts."""
+    s, r = spec.settings, spec.regime
+    if s.data == "fixed" or (r is not None and r.kind in FIXED_KINDS):
         ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-        batches = []
-        for lo, hi in group_batches(ro["group"][:], spec.groups_per_batch):
-            b = read_batch(ro, lo, hi)
-            batches.append({k: getattr(b, k) for k in BATCH_KEYS})
-        return FixedBatches(batches, fresh_minibatches=True)
+        return FixedBatches(fixed_batches(ro, spec.groups_per_batch, r), True, loss.needs)
+    if r is not None and r.advantages == "imported":
+        raise ValueError(
+            f"trajectory: regime {s.regime} uses imported per-token advantages, which fresh samples lack; "
+            "set trajectory.data=fixed"
+        )
     problems, reward_fn = load_task(spec.task)
     sampler = spec.sampler
     return OnPolicy(
@@ -114,13 +191,19 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     start = policy()
     layout = select_parameters(start, spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
-    stats = StepZeroStats(F=st["F"][:], G=st["G"][:], rho=st["rho"][:], seed=s.seed)
+    if spec.regime is None:
+        stats = StepZeroStats(F=st["F"][:], G=st["G"][:], rho=st["rho"][:], seed=s.seed)
+    else:
+        rg = store.open_group(up["regimes"], REGIMES, mode="r")
+        stats = StepZeroStats(F=st["F"][:], G=rg[f"G_{s.regime}"][:], rho=rg[f"rho_{s.regime}"][:], seed=s.seed)
     decay = s.weight_decay if s.optimizer == "adamw" else None
     opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
-    stepper = Stepper(bf16_rounded(start, layout), opt, s.precision)
-    tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats)
+    loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime)
+    stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss)
+    bound = spec.regime is None or spec.regime.kind != "sft_sampled"
+    tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats, bound)
     reference = bf16_rounded(policy()).to(stored_dtype(s.precision))
-    source = _source(store, spec, up, tokenizer)
+    source = _source(store, spec, up, tokenizer, loss)
 
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, s.steps, layout.P)
@@ -146,6 +229,11 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     finish_store(g, records, layout)
     last = records[-1]
     summary = {
+        "regime": s.regime,
+        "kind": "rl" if spec.regime is None else spec.regime.kind,
+        "optimizer": s.optimizer,
+        "precision": s.precision,
+        "lr": s.lr,
         "P": layout.P,
         "steps": s.steps,
         "frac_changed_step_mean": float(np.mean([r["n_changed_step"] for r in records]) / layout.P),
@@ -171,5 +259,5 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
 
 @task(name="trajectory")
 def trajectory_task(ref: ArtifactRef, spec: TrajectorySpec, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """K optimizer steps from the policy, each step's changed set against the step-0 predictors."""
+    """K optimizer steps of one regime from the policy, each step's changed set against the step-0 predictors."""
     return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream), resumable=True)
