@@ -323,6 +323,11 @@ class TrajectorySection(Section):
     state_every: int = Field(1, ge=1, description="steps between stored resume states")
     seed: int = Field(0, description="seed of the samples, the prompt order and the random predictors")
     regime: str = Field("rl", description="rl, or the name of an entry of regimes whose loss the steps follow")
+    checkpoints: str | None = Field(
+        None,
+        description="analyse an external run instead of stepping: a manifest.json or a folder of step-numbered "
+        "checkpoints (the first one is model.path)",
+    )
     grid: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="named cells overriding these fields, one trajectory each; none by default"
     )

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -762,6 +762,18 @@ def run_trajectory(
         stepper.update()
         if tracker is not None:
             rec.update(tracker.record(stepper.flat(layout), grad, rec["lr"], rec["adv_rms"]))
+        yield rec
+
+
+def checkpoint_records(series: Iterable[tuple[int, torch.Tensor]], tracker: ChangeTracker) -> Iterator[dict]:
+    """The records of an external run from its checkpoints after the first: ``series`` yields (trainer step,
+    (P,) selected weights in the checkpoint's stored dtype) in step order, starting after the tracker's
+    start. Each record is :meth:`ChangeTracker.record` (no rule predictors: the steps' gradients are
+    unknown) with ``step`` the trainer's step and ``lr``, ``loss``, ``adv_rms``, ``reward``, ``kl`` NaN."""
+    nan = float("nan")
+    for step, flat in series:
+        rec = {"step": int(step), "lr": nan, "loss": nan, "adv_rms": nan, "reward": nan, "kl": nan}
+        rec.update(tracker.record(flat, None, nan, nan))
         yield rec
 
 

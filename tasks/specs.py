@@ -19,7 +19,9 @@ indexes and notebooks use. The artifact directory is ``{root}/{stage}/{key}``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -45,6 +47,7 @@ from covgrad.config import (
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, stage_key
 from storage.digests import input_digest
+from storage.trajectory import checkpoint_series
 
 Centering = Literal["policy", "sampler"]
 
@@ -281,6 +284,8 @@ class TrajectorySpec(StageSpec):
         it had before trajectories stepped other regimes)."""
         out = super().hashed()
         del out["settings"]["grid"]
+        if out["settings"]["checkpoints"] is None:
+            del out["settings"]["checkpoints"]
         if self.regime is None:
             del out["settings"]["regime"], out["regime"], out["data_sampler"]
         return out
@@ -557,6 +562,17 @@ def plan_update_check(
     return _step(store, Instance("update_check"), spec, upstream)
 
 
+def series_digest(path: str) -> str:
+    """The digest of an external run's checkpoint series: its steps and each checkpoint's content digest
+    (``"invalid"`` when ``path`` is no series: the stage names the problem)."""
+    try:
+        series = checkpoint_series(path)
+    except ValueError:
+        return "invalid"
+    listing = json.dumps([[t, input_digest(d, model=True)] for t, d in series])
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 def plan_trajectories(
     cfg: PipelineConfig,
     store: ArtifactStore,
@@ -582,7 +598,11 @@ def plan_trajectories(
             task=cfg.task.model_copy(deep=True),
             advantage=cfg.rollouts.advantage,
             policy=policy_spec(cfg),
-            inputs={**task_inputs(cfg.task), **({} if r is None else regime_inputs(r))},
+            inputs={
+                **task_inputs(cfg.task),
+                **({} if r is None else regime_inputs(r)),
+                **({} if t.checkpoints is None else {"checkpoints": series_digest(t.checkpoints)}),
+            },
             regime=None if r is None else r.model_copy(deep=True),
             data_sampler=None if r is None else data_sampler,
         )

@@ -28,7 +28,7 @@ from prefect import task
 
 from covgrad.batch import group_batches
 from covgrad.config import RegimeSection
-from covgrad.layout import ParamLayout, check_layout, select_parameters
+from covgrad.layout import ParamLayout, check_layout, parameters_flat, select_parameters
 from covgrad.regimes import Regime
 from covgrad.sampling import SamplerSpec
 from covgrad.trajectory import (
@@ -41,6 +41,7 @@ from covgrad.trajectory import (
     Stepper,
     StepZeroStats,
     bf16_rounded,
+    checkpoint_records,
     load_trajectory_state,
     run_trajectory,
     stored_dtype,
@@ -56,6 +57,7 @@ from storage.schema import REGIMES, ROLLOUTS, STATS
 from storage.schema import TRAJECTORY as STORE
 from storage.trajectory import (
     checkpoint_name,
+    checkpoint_series,
     create_changed,
     drop_state,
     finish_store,
@@ -198,6 +200,8 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
         stats = StepZeroStats(F=st["F"][:], G=rg[f"G_{s.regime}"][:], rho=rg[f"rho_{s.regime}"][:], seed=s.seed)
     decay = s.weight_decay if s.optimizer == "adamw" else None
     opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
+    if s.checkpoints is not None:
+        return _external(store, ref, spec, up, layout, stats, opt, start)
     loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime)
     stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss)
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
@@ -254,6 +258,63 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
         summary["frac_changed_step_mean"],
         summary["frac_changed_cum_final"],
     )
+    return summary
+
+
+def _external(
+    store: ArtifactStore,
+    ref: ArtifactRef,
+    spec: TrajectorySpec,
+    up: dict[str, ArtifactRef],
+    layout: ParamLayout,
+    stats: StepZeroStats,
+    opt: OptimizerSpec,
+    policy: torch.nn.Module,
+) -> dict:
+    """The trajectory analysis of an external run: the checkpoints of ``trajectory.checkpoints`` in step
+    order (``storage.trajectory.checkpoint_series``), the first of which must be the policy (its main
+    statistics are the step-0 predictors); row i of the store is the change from checkpoint i − 1 to i,
+    ``step`` the trainer's step. Recomputed whole on a rerun (no training state to resume)."""
+    s = spec.settings
+    assert s.checkpoints is not None
+    series = checkpoint_series(s.checkpoints)
+    K = len(series) - 1
+
+    def flat(directory: str) -> torch.Tensor:
+        model = load_models(store, up["base_model"], directory, spec.policy)[0]
+        return parameters_flat(model, layout)
+
+    start = flat(series[0][1])
+    if not torch.equal(start, parameters_flat(policy, layout).to(start.dtype)):
+        raise ValueError(
+            f"trajectory.checkpoints: the first checkpoint {series[0][1]} is not model.path; set model.path to it "
+            "so the step-0 statistics are the first checkpoint's"
+        )
+    tracker = ChangeTracker(layout, start, opt, stats)
+    g = store.open_group(ref, STORE, mode="a")
+    create_changed(g, K, layout.P)
+    create_progress(g, STORE, K)
+    with progress_bar(f"trajectory {ref.key[:8]}", K, unit="checkpoint") as bar:
+        later = ((t, flat(d)) for t, d in series[1:])
+        for i, rec in enumerate(checkpoint_records(later, tracker), start=1):
+            write_step(store, ref, g, i, rec.pop("changed"), rec)
+            mark_batch_done(g, i - 1)
+            bar.update(1)
+    records = read_records(store, ref, K)
+    finish_store(g, records, layout)
+    summary = {
+        "external": s.checkpoints,
+        "trainer_steps": [t for t, _ in series],
+        "P": layout.P,
+        "steps": K,
+        "frac_changed_step_mean": float(np.mean([r["n_changed_step"] for r in records]) / layout.P),
+        "frac_changed_cum_final": records[-1]["n_changed_cum"] / layout.P,
+    }
+    store.write_json(ref, "summary.json", summary)
+    g.attrs.update({"tensors": layout.to_records(), "summary": summary})
+    store.consolidate(ref, STORE)
+    cum = summary["frac_changed_cum_final"]
+    log.info("trajectory %s: external run of %d checkpoints, cumulative %.4f", ref.key, K + 1, cum)
     return summary
 
 
