@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from storage.artifacts import ArtifactStore
+from storage.notebook import open_run
+from storage.runs import write_run_index
 from storage.schema import TRAJECTORY, UPDATE
 from tasks.specs import plan
 from tests.helpers.pipeline import run_planned, tiny_config
@@ -58,7 +61,32 @@ def test_regime_cells_and_the_regime_update_check(tmp_path):
     ds = xr.open_zarr(tmp_path / "update_check" / p["update_check"].ref.key / UPDATE)
     assert sorted(set(ds.regime.values.tolist())) == ["rl", "sft", "sharpen"]
 
-    plain = tiny_config(str(tmp_path), **{k: v for k, v in OVERRIDES.items() if k not in ("regimes", "trajectory.grid")})
+    # the notebook: per-step sets and metrics by step; the report's trajectories section
+    write_run_index(ArtifactStore(cfg.root), cfg, p.run_key, {n: r.ref for n, r in results.items()})
+    trajs = open_run(str(tmp_path), cfg.name).trajectories()
+    assert sorted(trajs) == sorted(GRID)
+    ds = trajs["sft-sgd-fp32"]
+    raw = xr.open_zarr(tmp_path / "trajectory" / p["trajectory.sft-sgd-fp32"].ref.key / TRAJECTORY)
+    P = sum(t["numel"] for t in ds.attrs["tensors"])
+    sets = ds.covgrad.changed_sets()
+    assert sets.shape == (3, P) and sets.sel(step=2).values.tolist() == (
+        np.unpackbits(raw.changed.values[1], count=P).astype(bool).tolist()
+    )
+    assert int(sets.sel(step=2).sum()) == int(ds.sel(step=2).n_changed_step)
+    name = ds.attrs["tensors"][-1]["name"]
+    entry = ds.attrs["tensors"][-1]
+    one = ds.covgrad.changed_sets(name)
+    assert one.shape == (3, *entry["shape"])
+    assert one.values.reshape(3, -1).tolist() == sets.values[:, entry["offset"] :].tolist()
+    report = tmp_path / "report" / p["report"].ref.key
+    text = (report / "report.md").read_text()
+    assert "## Trajectories" in text and "trajectory_predictors.png" in text
+    assert {"trajectory_changed.png", "trajectory_predictors.png", "trajectory_persistence.png"} <= {
+        f.name for f in report.rglob("*.png")
+    }
+
+    without = {k: v for k, v in OVERRIDES.items() if k not in ("regimes", "trajectory.grid")}
+    plain = tiny_config(str(tmp_path), **without)
     ref = plan(plain)["update_check"].ref
     run_planned(plain, {"update_check"})
     alone = json.loads((tmp_path / "update_check" / ref.key / "grid.json").read_text())
