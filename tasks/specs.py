@@ -47,7 +47,6 @@ from covgrad.config import (
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, stage_key
 from storage.digests import input_digest
-from storage.trajectory import checkpoint_series
 
 Centering = Literal["policy", "sampler"]
 
@@ -565,6 +564,8 @@ def plan_update_check(
 def series_digest(path: str) -> str:
     """The digest of an external run's checkpoint series: its steps and each checkpoint's content digest
     (``"invalid"`` when ``path`` is no series: the stage names the problem)."""
+    from storage.trajectory import checkpoint_series  # torch: imported only for an external run
+
     try:
         series = checkpoint_series(path)
     except ValueError:

@@ -26,13 +26,9 @@ import numpy as np
 import torch
 from prefect import task
 
-from covgrad.batch import group_batches
-from covgrad.config import RegimeSection
 from covgrad.layout import ParamLayout, check_layout, parameters_flat, select_parameters
-from covgrad.regimes import Regime
 from covgrad.sampling import SamplerSpec
 from covgrad.trajectory import (
-    BATCH_KEYS,
     ChangeTracker,
     FixedBatches,
     OnPolicy,
@@ -51,23 +47,24 @@ from covgrad.trajectory import (
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.models import load_models
 from storage.prompts import load_task
-from storage.regimes import IMPORTED
-from storage.rollouts import read_batch
 from storage.schema import REGIMES, ROLLOUTS, STATS
 from storage.schema import TRAJECTORY as STORE
 from storage.trajectory import (
+    FIXED_KINDS,
     checkpoint_name,
     checkpoint_series,
     create_changed,
     drop_state,
     finish_store,
+    fixed_batches,
     read_records,
     read_state,
+    step_loss,
     write_state,
     write_step,
 )
 from tasks.common import StageResult, log, progress_bar, run_stage
-from tasks.specs import PolicySpec, TrajectorySpec
+from tasks.specs import TrajectorySpec
 
 
 def checkpoint_steps(steps: int, ratio: float) -> list[int]:
@@ -80,72 +77,6 @@ def checkpoint_steps(steps: int, ratio: float) -> list[int]:
         out.add(int(ratio**i))
         i += 1
     return sorted(out)
-
-
-FIXED_KINDS = ("sft_drift", "sft_sampled")  # regimes whose data are fixed responses, never fresh samples
-
-
-def regime_of(r: RegimeSection) -> Regime:
-    """The :class:`covgrad.regimes.Regime` of a configured regime."""
-    return Regime(
-        kind=r.kind,
-        temperature=r.temperature,
-        teacher_temperature=r.teacher_temperature,
-        kl_beta=r.kl_beta,
-        kl_reward_to_go=r.kl_reward_to_go,
-        length_norm=r.length_norm,
-        max_length=r.max_length,
-        baseline=r.baseline,
-    )
-
-
-def step_loss(
-    store: ArtifactStore, base: ArtifactRef, policy: PolicySpec, name: str, r: RegimeSection | None
-) -> StepLoss:
-    """The loss regime ``name`` steps (None: rl), its teacher and reference loaded as fixed float32 models
-    (``policy``: the start policy; ``stale``; a model directory); ValueError for another vocabulary."""
-    if r is None:
-        return StepLoss()
-    if r.teacher_logprobs:
-        raise ValueError(
-            f"regime {name}: teacher_logprobs imports the teacher's log-probs of fixed samples; a step needs the "
-            "teacher model (set teacher to a model directory, stale or policy)"
-        )
-
-    def fixed(which: str | None, role: str) -> torch.nn.Module | None:
-        if which is None:
-            return None
-        model = load_models(store, base, which, policy)[0].float().eval()
-        V = int(model.get_output_embeddings().weight.shape[0])
-        own = load_models(store, base, "policy", policy)[0]
-        if int(own.get_output_embeddings().weight.shape[0]) != V:
-            raise ValueError(f"regime {name}: the {role} {which!r} has vocabulary {V}, unlike the policy")
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return model
-
-    return StepLoss(
-        regime_of(r),
-        teacher=fixed(r.teacher, "teacher"),
-        reference=fixed(r.reference if r.kl_beta else None, "reference"),
-        use_advantages=r.advantages != "none",
-    )
-
-
-def fixed_batches(ro: Any, groups_per_batch: int, r: RegimeSection | None) -> list[dict[str, torch.Tensor]]:
-    """The rollouts ``ro`` as minibatches of whole prompt groups: (n, L_b) rows trimmed of trailing padding,
-    with the imported per-token ``token_advantages`` (n, L) at the store's width when regime ``r`` reads them."""
-    imported = r is not None and r.kind == "rl_token" and r.advantages == "imported"
-    if imported and IMPORTED["advantages"] not in ro:
-        raise ValueError("regime rl_token with advantages=imported: these rollouts hold no imported advantages field")
-    batches = []
-    for lo, hi in group_batches(ro["group"][:], groups_per_batch):
-        b = read_batch(ro, lo, hi, trim=not imported)
-        batch = {k: getattr(b, k) for k in BATCH_KEYS}
-        if imported:
-            batch["token_advantages"] = torch.from_numpy(ro[IMPORTED["advantages"]][lo:hi].astype(np.float64))
-        batches.append(batch)
-    return batches
 
 
 def _source(

@@ -43,9 +43,9 @@ from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
+from storage.trajectory import fixed_batches, step_loss
 from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import UpdateCheckSpec
-from tasks.trajectory import fixed_batches, step_loss
 
 MD_COLUMNS = (
     "optimizer",

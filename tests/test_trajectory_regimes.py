@@ -25,7 +25,7 @@ from covgrad.trajectory import (
     stored_dtype,
 )
 from covgrad.update import run_update_cell
-from tests.test_trajectory import LRS, hand_rows, on_policy, rollouts, tiny_llama
+from tests.helpers.trajectory import LRS, hand_rows, on_policy, rollouts, tiny_llama
 
 TEACHER_TAU = 0.5
 
