@@ -281,8 +281,11 @@ class StepLoss:
                 full, ids, mask, zq, None, r.temperature, r.teacher_temperature, baseline=r.baseline
             )
             return adv if b is None else adv - b
-        src = batch.get("token_advantages", batch["advantages"])
-        adv = token_advantages(src, mask) if self.use_advantages else torch.zeros(mask.shape, dtype=torch.float64)
+        if self.use_advantages:
+            src = batch["token_advantages"] if "token_advantages" in batch else batch["advantages"]
+            adv = token_advantages(src, mask)
+        else:
+            adv = torch.zeros(mask.shape, dtype=torch.float64)
         if r.kl_beta:
             ref = _fixed_logits(self.reference, ids, batch["attention_mask"])
             adv = adv + kl_penalty(full, ref, ids, mask, r.kl_beta, r.temperature, r.kl_reward_to_go)
