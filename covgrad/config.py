@@ -355,7 +355,12 @@ class UpdateCheckSection(Section):
 
 
 class TrajectorySection(Section):
-    """K optimizer steps of the rl regime from the policy, each step's changed set against step-0 predictors."""
+    """K optimizer steps of one regime from the policy, each step's changed set against step-0 predictors.
+
+    ``regime``: ``rl`` (the rollouts' advantages, predictors from the main statistics) or the name of an
+    entry of ``regimes`` (its objective, teacher and temperatures; predictors G and ρ from its statistics;
+    the sft kinds step on its sampler's rollouts). ``grid``: named cells, each overriding fields of this
+    section (e.g. ``{regime: sft, optimizer: sgd, lr: 0.01}``); with cells, one trajectory runs per cell."""
 
     enabled: bool = Field(False, description="run the trajectory stage")
     data: Literal["on_policy", "fixed"] = Field(
@@ -375,6 +380,36 @@ class TrajectorySection(Section):
     )
     state_every: int = Field(1, ge=1, description="steps between stored resume states")
     seed: int = Field(0, description="seed of the samples, the prompt order and the random predictors")
+    regime: str = Field("rl", description="rl, or the name of an entry of regimes whose loss the steps follow")
+    checkpoints: str | None = Field(
+        None,
+        description="analyse an external run instead of stepping: a manifest.json or a folder of step-numbered "
+        "checkpoints (the first one is model.path)",
+    )
+    grid: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="named cells overriding these fields, one trajectory each; none by default"
+    )
+
+    @field_validator("grid")
+    @classmethod
+    def _cells(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        fixed = {"enabled", "grid"}
+        for name, cell in v.items():
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+                raise ValueError(f"trajectory.grid cell name {name!r}: use lowercase letters, digits, '-' and '_'")
+            bad = sorted(set(cell) - (set(cls.model_fields) - fixed))
+            if bad:
+                raise ValueError(f"trajectory.grid.{name} sets {bad}: a cell overrides other trajectory fields")
+            TrajectorySection.model_validate({**cell, "grid": {}})
+        return v
+
+    def cells(self) -> dict[str | None, "TrajectorySection"]:
+        """The trajectories this section runs: its grid's cells by name (each the section with the cell's
+        overrides, no grid), or only itself (name None) without a grid."""
+        if not self.grid:
+            return {None: self}
+        base = self.model_dump(exclude={"grid"})
+        return {name: TrajectorySection.model_validate({**base, **cell}) for name, cell in self.grid.items()}
 
     @field_validator("checkpoint_ratio")
     @classmethod
@@ -554,6 +589,14 @@ class PipelineConfig(Section):
                     f"sampler {name!r} uses model=stale, which only exists for the demo model; "
                     "give a checkpoint directory instead"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _trajectory_regimes_exist(self) -> Self:
+        for cell, t in self.trajectory.cells().items():
+            if t.regime != "rl" and t.regime not in self.regimes:
+                at = "trajectory" if cell is None else f"trajectory.grid.{cell}"
+                raise ValueError(f"{at}.regime {t.regime!r} is not rl or one of regimes {list(self.regimes)}")
         return self
 
     @model_validator(mode="after")

@@ -1,14 +1,16 @@
-"""Optimizer trajectories: K steps of the rl regime from a policy, and which parameters each step changes.
+"""Optimizer trajectories: K steps of one regime from a policy, and which parameters each step changes.
 
 One code path steps an optimizer: :class:`Stepper` holds the model in one precision regime and one
-optimizer, and takes a step on a batch of rows with the REINFORCE loss ``-mean_n(A_n · log p(y_n))``.
-The batches come from a data source: :class:`FixedBatches` (the update check's fixed rollouts) or
-:class:`OnPolicy` (fresh samples from the current policy every step, rewarded and given group
-advantages as the rollouts stage does). :func:`run_trajectory` steps K times and yields one compact
-record per step from :class:`ChangeTracker`: the step's changed set in the stored dtype (exact
-inequality, bit-packed), counts at |Δ| thresholds, sign flips, reward, loss, the per-token KL to the
-start, and how well step-0 predictors (top-k by F, |G|, |ρ|, smallest |w|, random, per-tensor random,
-the absorption rules) match the per-step and cumulative changed sets, globally and within |w| deciles.
+optimizer, and takes a step on a batch of rows with its regime's loss (:class:`StepLoss`: rl's
+REINFORCE loss ``-mean_n(A_n · log p(y_n))``, per-token rl, distillation towards a fixed teacher in
+sampled-token or full-distribution form, SFT). The batches come from a data source:
+:class:`FixedBatches` (the update check's fixed rollouts, SFT data) or :class:`OnPolicy` (fresh samples
+from the current policy every step, rewarded and given group advantages as the rollouts stage does).
+:func:`run_trajectory` steps K times and yields one compact record per step from
+:class:`ChangeTracker`: the step's changed set in the stored dtype (exact inequality, bit-packed),
+counts at |Δ| thresholds, sign flips, reward, loss, the per-token KL to the start, and how well
+step-0 predictors (top-k by F, |G|, |ρ|, smallest |w|, random, per-tensor random, the absorption
+rules) match the per-step and cumulative changed sets, globally and within |w| deciles.
 
 Precision regimes: ``bf16`` parameters, gradients and optimizer state in bf16; ``fp32_master`` forward
 and backward on a bf16 copy, gradients cast to float32, the optimizer steps float32 master weights and
@@ -29,8 +31,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +40,16 @@ from torch import nn
 
 from covgrad.layout import ParamLayout
 from covgrad.problems import Problem, RewardFn, response_texts, score_rewards
+from covgrad.regimes import (
+    Regime,
+    advantage_sq_sums,
+    chi2_sums,
+    distill_sampled_advantages,
+    kl_penalty,
+    length_normalise,
+    reverse_kl_var_sums,
+    token_advantages,
+)
 from covgrad.sampling import AdvantageKind, SamplerSpec, check_rewards, compute_advantages, generate
 from covgrad.topk import top_k_masks
 
@@ -153,6 +165,139 @@ def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, keep: torch.Tensor) -> 
     return float(kl[keep].sum() / n) if n else float("nan")
 
 
+STEP_REGIMES = (
+    "rl",
+    "rl_token",
+    "distill_sampled",
+    "distill_reverse_kl",
+    "distill_forward_kl",
+    "sft_drift",
+    "sft_sampled",
+)  # covgrad.regimes.REGIMES: every regime steps its own loss
+TEACHER_REGIMES = ("distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift")
+
+
+@dataclass
+class StepLoss:
+    """The loss a step minimises: ``-mean_n J_n``, J_n the objective of one response in ``regime``
+    (``covgrad.regimes``; its gradient with respect to the logits is ``-c_n / N``, c_n the regime's
+    cotangent, so a step follows the regime's G):
+
+    - ``rl``: ``-mean_n(A_n · log p(y_n))`` with the batch's sequence ``advantages`` (N,);
+    - ``rl_token``, ``distill_sampled``: ``-mean_n Σ_t sg(A_t − b_t) · log p(y_t)``, the per-token
+      coefficients of ``covgrad.regimes`` (the sequence advantage broadcast over tokens, the batch's
+      token-aligned ``token_advantages`` (N, L) when present, the KL penalty to ``reference`` with
+      ``kl_beta``, the length normalisation; for distillation A_t = log q(y_t) − log p(y_t) with q the
+      ``teacher``, and with ``baseline`` b_t = −KL(p_t‖q_t));
+    - ``distill_reverse_kl``: ``mean_n Σ_t KL(p_t‖q_t)`` (full distribution);
+    - ``distill_forward_kl``, ``sft_drift``: ``-mean_n Σ_t Σ_v q_v log p_v`` (KL(q_t‖p_t) up to q's entropy;
+      q the teacher, or for ``sft_drift`` the known data distribution μ given as the teacher);
+    - ``sft_sampled``: ``-mean_n log p(y_n)`` (plain SFT on the batch's responses).
+
+    p = softmax(z/τ), q = softmax(z_q/τ_q) with τ, τ_q the regime's temperatures; every log-softmax in
+    float32. ``teacher`` and ``reference`` are fixed models (never stepped), run without gradients on the
+    step's rows.
+    """
+
+    regime: Regime = field(default_factory=lambda: Regime("rl"))
+    teacher: nn.Module | None = None
+    reference: nn.Module | None = None
+    use_advantages: bool = True  # rl_token: False steps on the KL penalty alone (A_t = 0)
+
+    def __post_init__(self) -> None:
+        kind = self.regime.kind
+        if kind in TEACHER_REGIMES and self.teacher is None:
+            raise ValueError(f"regime {kind!r} steps towards a teacher: pass teacher=<model>")
+        if kind == "rl_token" and self.regime.kl_beta and self.reference is None:
+            raise ValueError("regime 'rl_token' with kl_beta > 0 needs reference=<model> for its KL penalty")
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The batch keys this loss reads."""
+        rows = ("input_ids", "attention_mask", "response_mask")
+        return (*rows, "advantages") if self.regime.kind == "rl" or self._token_adv else rows
+
+    @property
+    def _token_adv(self) -> bool:
+        return self.regime.kind == "rl_token" and self.use_advantages
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> dict:
+        """Forward ``model`` on the batch and build the loss: ``loss`` (0-dim float32, differentiable),
+        ``logp`` (N, L-1, V) float32 log-softmax at τ = 1 and ``keep`` (N, L-1) bool response positions,
+        and ``bound_a`` (float): the regime's bound scalar a = √(mean_n c²_n) on these rows
+        (√mean A² for rl; NaN for sft_sampled, which has none)."""
+        ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        _check_rows(ids, attn, resp)
+        r = self.regime
+        logits = model(input_ids=ids, attention_mask=attn).logits  # (N, L, V)
+        z = logits[:, :-1].float()
+        logp = torch.log_softmax(z, dim=-1)  # (N, L-1, V); position t predicts t+1
+        keep = resp[:, 1:].bool()
+        lp = logp if r.temperature == 1 else torch.log_softmax(z / r.temperature, dim=-1)
+        token_logp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (N, L-1)
+        zero = torch.zeros_like(token_logp)
+        out: dict = {"logp": logp, "keep": keep}
+        if r.kind == "rl":
+            seq = torch.where(keep, token_logp, zero).sum(-1)
+            A = batch["advantages"]
+            out["loss"] = -(A.float() * seq).mean()
+            out["bound_a"] = float((A.double() ** 2).mean().sqrt())
+            return out
+        if r.kind == "sft_sampled":
+            out["loss"] = -torch.where(keep, token_logp, zero).sum(-1).mean()
+            out["bound_a"] = float("nan")
+            return out
+        full = logits.detach().float()  # (N, L, V) aligned as covgrad.regimes expects
+        mask = resp.to(torch.float64)
+        zq = None if self.teacher is None else _fixed_logits(self.teacher, ids, attn)
+        if r.kind in ("rl_token", "distill_sampled"):
+            coef = self._coefficients(full, zq, batch)  # (N, L) token-aligned float64
+            c = coef[:, 1:].float()
+            out["loss"] = -torch.where(keep, c * token_logp, zero).sum(-1).mean()
+            out["bound_a"] = float(advantage_sq_sums(coef, mask).mean().sqrt())
+            return out
+        assert zq is not None
+        logq = torch.log_softmax(zq[:, :-1] / r.teacher_temperature, dim=-1)  # (N, L-1, V)
+        if r.kind == "distill_reverse_kl":
+            kl = (lp.exp() * (lp - logq)).sum(-1)  # (N, L-1)
+            out["loss"] = torch.where(keep, kl, zero).sum(-1).mean()
+            a2 = reverse_kl_var_sums(full, zq, mask, r.temperature, r.teacher_temperature)
+        else:
+            cross = (logq.exp() * lp).sum(-1)  # Σ_v q_v log p_v, (N, L-1)
+            out["loss"] = -torch.where(keep, cross, zero).sum(-1).mean()
+            q = torch.softmax(zq / r.teacher_temperature, dim=-1)
+            a2 = chi2_sums(full, q, mask, r.temperature)
+        out["bound_a"] = float(a2.mean().sqrt())
+        return out
+
+    def _coefficients(
+        self, full: torch.Tensor, zq: torch.Tensor | None, batch: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The detached per-token coefficients A_t − b_t, token-aligned (N, L) float64."""
+        r, ids, resp = self.regime, batch["input_ids"], batch["response_mask"]
+        mask = resp.to(torch.float64)
+        if r.kind == "distill_sampled":
+            adv, b = distill_sampled_advantages(
+                full, ids, mask, zq, None, r.temperature, r.teacher_temperature, baseline=r.baseline
+            )
+            return adv if b is None else adv - b
+        if self.use_advantages:
+            src = batch["token_advantages"] if "token_advantages" in batch else batch["advantages"]
+            adv = token_advantages(src, mask)
+        else:
+            adv = torch.zeros(mask.shape, dtype=torch.float64)
+        if r.kl_beta:
+            ref = _fixed_logits(self.reference, ids, batch["attention_mask"])
+            adv = adv + kl_penalty(full, ref, ids, mask, r.kl_beta, r.temperature, r.kl_reward_to_go)
+        return length_normalise(adv, mask, r.length_norm, r.max_length)
+
+
+def _fixed_logits(model: nn.Module, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Logits (N, L, V) float32 of a fixed (teacher or reference) model, without gradients."""
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=attn).logits.float()
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """torch.optim SGD (no momentum), Adam or AdamW with a linear warmup of the learning rate.
@@ -220,9 +365,12 @@ class Stepper:
     taken over (cast in place for ``bf16``). :attr:`model` is the analysed model.
     """
 
-    def __init__(self, model: nn.Module, optimizer: OptimizerSpec, precision: str) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: OptimizerSpec, precision: str, loss: StepLoss | None = None
+    ) -> None:
         _check_precision(precision)
         self.spec, self.precision, self.step = optimizer, precision, 0
+        self.loss = StepLoss() if loss is None else loss
         self.master = model.to(torch.bfloat16) if precision == "bf16" else model
         self.model = copy.deepcopy(self.master).to(torch.bfloat16) if precision == "fp32_master" else self.master
         self._pairs = [
@@ -233,15 +381,15 @@ class Stepper:
         self.opt = optimizer.build([pm for pm, _ in self._pairs])
 
     def backward(self, batch: Mapping[str, torch.Tensor], keep_logp: bool = False) -> dict:
-        """Gradients of ``-mean_n(A_n · log p(y_n))`` on the analysed model; returns ``loss`` (float) and,
-        with ``keep_logp``, the detached ``logp`` (N, L-1, V) and ``keep`` (N, L-1) of the forward."""
+        """Gradients of the regime's loss (:class:`StepLoss`) on the analysed model; returns ``loss`` and
+        ``bound_a`` (floats) and, with ``keep_logp``, the detached ``logp`` (N, L-1, V) and ``keep`` (N, L-1)
+        of the forward."""
         self.model.zero_grad(set_to_none=True)
-        seq, logp, keep = _log_probs(self.model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
-        loss = -(batch["advantages"].float() * seq).mean()
-        loss.backward()
-        out: dict = {"loss": float(loss.detach())}
+        fwd = self.loss(self.model, batch)
+        fwd["loss"].backward()
+        out: dict = {"loss": float(fwd["loss"].detach()), "bound_a": fwd["bound_a"]}
         if keep_logp:
-            out.update(logp=logp.detach(), keep=keep)
+            out.update(logp=fwd["logp"].detach(), keep=fwd["keep"])
         return out
 
     def update(self) -> None:
@@ -289,17 +437,23 @@ class Stepper:
 
 
 class FixedBatches:
-    """The update check's data: step t (from 1) uses ``batches[(t - 1) % len]`` when ``fresh_minibatches``,
-    else ``batches[0]``; each batch has ``input_ids``, ``attention_mask``, ``response_mask`` (N, L) and
-    ``advantages`` (N,)."""
+    """Fixed data (the update check's rollouts, SFT responses): step t (from 1) uses
+    ``batches[(t - 1) % len]`` when ``fresh_minibatches``, else ``batches[0]``; each batch has the keys
+    ``needs`` (:attr:`StepLoss.needs`): ``input_ids``, ``attention_mask``, ``response_mask`` (N, L) and,
+    for the rl regimes, ``advantages`` (N,)."""
 
-    def __init__(self, batches: Sequence[Mapping[str, torch.Tensor]], fresh_minibatches: bool = True) -> None:
+    def __init__(
+        self,
+        batches: Sequence[Mapping[str, torch.Tensor]],
+        fresh_minibatches: bool = True,
+        needs: Sequence[str] = BATCH_KEYS,
+    ) -> None:
         if not batches:
             raise ValueError("batches is empty; pass at least one batch of rollouts")
         for i, batch in enumerate(batches):
-            missing = [key for key in BATCH_KEYS if key not in batch]
+            missing = [key for key in needs if key not in batch]
             if missing:
-                raise ValueError(f"batch {i} lacks {missing}; each batch needs {list(BATCH_KEYS)}")
+                raise ValueError(f"batch {i} lacks {missing}; each batch needs {list(needs)}")
         self.batches, self.fresh = list(batches), fresh_minibatches
 
     def batch(self, step: int, model: nn.Module) -> Mapping[str, torch.Tensor]:
@@ -433,11 +587,17 @@ class ChangeTracker:
 
     ``start``: (P,) the analysed model's selected values at step 0, stored dtype. ``stats``: step-0 F, G, ρ
     for the F / |G| / |ρ| predictors and the bound rule (None: those are left out). ``optimizer``: which
-    absorption rule applies.
+    absorption rule applies. ``bound``: whether the regime has a bound (False for ``sft_sampled``: no
+    bound rule).
     """
 
     def __init__(
-        self, layout: ParamLayout, start: torch.Tensor, optimizer: OptimizerSpec, stats: StepZeroStats | None = None
+        self,
+        layout: ParamLayout,
+        start: torch.Tensor,
+        optimizer: OptimizerSpec,
+        stats: StepZeroStats | None = None,
+        bound: bool = True,
     ) -> None:
         if start.shape != (layout.P,):
             raise ValueError(f"start has shape {tuple(start.shape)}, expected ({layout.P},)")
@@ -448,7 +608,7 @@ class ChangeTracker:
         self.steps = 0  # steps recorded
         seed = 0 if stats is None else stats.seed
         self.values = _ranked_values(stats, start, seed)
-        self.rules = ("absorb", "bound") if optimizer.name == "sgd" and stats is not None else ("absorb",)
+        self.rules = ("absorb", "bound") if optimizer.name == "sgd" and stats is not None and bound else ("absorb",)
         self.union = {r: torch.zeros(layout.P, dtype=torch.bool) for r in self.rules}
         order = np.argsort(start.float().abs().numpy(), kind="stable")
         self.decile = np.empty(layout.P, dtype=np.int8)
@@ -575,7 +735,8 @@ def run_trajectory(
     reference: nn.Module | None = None,
 ) -> Iterator[dict]:
     """Step from ``stepper.step`` up to ``steps``, yielding after each step its record: ``step``, ``lr``,
-    ``loss``, ``adv_rms`` (sqrt(mean A²)), ``reward`` (mean, NaN for fixed data), ``kl`` (per token to
+    ``loss``, ``adv_rms`` (the regime's bound scalar a on the step's rows, :class:`StepLoss`: sqrt(mean A²)
+    for rl), ``reward`` (mean, NaN for fixed data), ``kl`` (per token to
     ``reference``, the start model; NaN without one) and, with ``tracker``, its :meth:`ChangeTracker.record`.
 
     The stepper's and tracker's state after a yield is the state to store (:func:`trajectory_state`).
@@ -592,12 +753,11 @@ def run_trajectory(
                 rows = (batch["input_ids"], batch["attention_mask"], batch["response_mask"])
                 ref_logp = _log_probs(reference, *rows)[1]
             kl = token_kl(out["logp"], ref_logp, out["keep"])
-        A = batch["advantages"].double()
         rec = {
             "step": t,
             "lr": stepper.spec.lr_at(t),
             "loss": out["loss"],
-            "adv_rms": float((A**2).mean().sqrt()),
+            "adv_rms": out["bound_a"],
             "reward": float(batch["reward"].double().mean()) if "reward" in batch else float("nan"),
             "kl": kl,
         }
@@ -605,6 +765,18 @@ def run_trajectory(
         stepper.update()
         if tracker is not None:
             rec.update(tracker.record(stepper.flat(layout), grad, rec["lr"], rec["adv_rms"]))
+        yield rec
+
+
+def checkpoint_records(series: Iterable[tuple[int, torch.Tensor]], tracker: ChangeTracker) -> Iterator[dict]:
+    """The records of an external run from its checkpoints after the first: ``series`` yields (trainer step,
+    (P,) selected weights in the checkpoint's stored dtype) in step order, starting after the tracker's
+    start. Each record is :meth:`ChangeTracker.record` (no rule predictors: the steps' gradients are
+    unknown) with ``step`` the trainer's step and ``lr``, ``loss``, ``adv_rms``, ``reward``, ``kl`` NaN."""
+    nan = float("nan")
+    for step, flat in series:
+        rec = {"step": int(step), "lr": nan, "loss": nan, "adv_rms": nan, "reward": nan, "kl": nan}
+        rec.update(tracker.record(flat, None, nan, nan))
         yield rec
 
 

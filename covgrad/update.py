@@ -31,7 +31,16 @@ from torch import nn
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, parameters_flat
 from covgrad.topk import top_k_masks
-from covgrad.trajectory import ADAM_EPS, OPTIMIZERS, PRECISIONS, FixedBatches, OptimizerSpec, Stepper, bf16_rounded
+from covgrad.trajectory import (
+    ADAM_EPS,
+    OPTIMIZERS,
+    PRECISIONS,
+    FixedBatches,
+    OptimizerSpec,
+    StepLoss,
+    Stepper,
+    bf16_rounded,
+)
 from covgrad.trajectory import BATCH_KEYS as BATCH_KEYS
 from covgrad.trajectory import bf16_half_spacing as bf16_half_spacing
 from covgrad.trajectory import sequence_logp as sequence_logp
@@ -119,8 +128,10 @@ def run_update_cell(
     lr: float,
     steps: int,
     fresh_minibatches: bool,
+    loss: StepLoss | None = None,
 ) -> dict:
-    """Train a fresh model for ``steps`` REINFORCE steps and report which selected parameters changed.
+    """Train a fresh model for ``steps`` steps of ``loss`` (None: the rl REINFORCE loss) and report which
+    selected parameters changed.
 
     ``model_fn`` builds the model (deterministically); its weights are rounded to bf16 to make the start.
     ``batches``: dicts with ``input_ids``, ``attention_mask``, ``response_mask`` (N, L) and
@@ -135,7 +146,7 @@ def run_update_cell(
     (bf16(end) != bf16(start)) and ``changed_abs`` (|end - start| > 1e-5 in float32), (P,) bool, and
     ``per_tensor``: one dict per layout entry with name, numel, changed_bf16, changed_abs counts.
     """
-    snapshots = _train(model_fn, layout, batches, optimizer, precision, lr, (steps,), fresh_minibatches)
+    snapshots = _train(model_fn, layout, batches, optimizer, precision, lr, (steps,), fresh_minibatches, loss)
     start = parameters_flat(next(snapshots)[1], layout).float()
     end = parameters_flat(next(snapshots)[1], layout).float()
     return {"start": start, "end": end, **changed_sets(layout, start, end)}
@@ -173,13 +184,15 @@ def update_grid(
     steps: Sequence[int] = (1, 4, 16),
     fresh_minibatches: bool = True,
     seed: int = 0,
+    loss: StepLoss | None = None,
 ) -> list[dict]:
     """Run every (optimizer, precision, lr) cell once for max(steps) steps, snapshotting at each of ``steps``.
 
     ``F``, ``G``, ``rho``: (P,) statistics from the stats stage (F = mean(s²), G = mean(A·s), ρ), each a
     tensor or a function that loads it; ``adv_rms``: sqrt(mean A²) of the samples they came from. Adam and
     AdamW use ``adam_lrs``; SGD uses ``sgd_lrs`` or, when None, ``matched_sgd_lr`` of each Adam lr (a
-    comparable changed fraction).
+    comparable changed fraction). ``loss``: the regime's loss every cell steps (None: rl's REINFORCE loss);
+    for another regime, G and ρ are that regime's and ``adv_rms`` its bound scalar a (NaN: no bound rule).
 
     Memory (P = 134.5M in float32 is 0.54 GB per (P,) float32 vector): every cell trains first, keeping
     only its changed sets, bit-packed (P/8 bytes each); the predictors are evaluated after, one at a time
@@ -204,7 +217,7 @@ def update_grid(
     changed: list[dict[str, np.ndarray]] = []  # per row: metric -> packed (P,) changed mask
     for optimizer, precision in itertools.product(optimizers, precisions):
         for lr in sgd_lrs if optimizer == "sgd" else adam_lrs:
-            snapshots = _train(model_fn, layout, batches, optimizer, precision, lr, steps, fresh_minibatches)
+            snapshots = _train(model_fn, layout, batches, optimizer, precision, lr, steps, fresh_minibatches, loss)
             if not _equal_on_layout(next(snapshots)[1], layout, start):
                 raise ValueError("update_grid: model_fn built different weights on two calls; seed it inside model_fn")
             for n_steps, work in snapshots:
@@ -221,7 +234,7 @@ def update_grid(
                     k = int(masks[metric].sum())
                     row[f"n_changed_{metric}"] = k
                     row[f"frac_changed_{metric}"] = k / layout.P
-                    names = (*RANKED_PREDICTORS, *(RULES if optimizer == "sgd" else RULES[:1]))
+                    names = (*RANKED_PREDICTORS, *(RULES if optimizer == "sgd" and adv_rms == adv_rms else RULES[:1]))
                     row.update({f"{metric}_{name}_{stat}": None for name in names for stat in SET_STATS})
                 rows.append(row)
                 changed.append({m: np.packbits(masks[m].numpy()) for m in METRICS})
@@ -294,7 +307,7 @@ def _score_rules(
     for rule, name, stat in (("absorb", "G", G), ("bound", "F", F)):
         values = _stat(name, stat, P)
         for row, packed in zip(rows, changed, strict=True):
-            if rule == "bound" and row["optimizer"] != "sgd":
+            if rule == "bound" and (row["optimizer"] != "sgd" or adv_rms != adv_rms):
                 continue
             args = (adv_rms, row["optimizer"], row["lr"], row["steps"])
             chunks = (slice(lo, lo + CHUNK) for lo in range(0, P, CHUNK))
@@ -336,8 +349,9 @@ def _train(
     lr: float,
     snapshots: Sequence[int],
     fresh_minibatches: bool,
+    loss: StepLoss | None = None,
 ) -> Iterator[tuple[int, nn.Module]]:
-    """One run of max(snapshots) steps on fixed batches (``covgrad.trajectory.Stepper`` with
+    """One run of max(snapshots) steps of ``loss`` on fixed batches (``covgrad.trajectory.Stepper`` with
     ``FixedBatches``): yields (0, model) at the start, then (n, model) after each snapshot step n, in
     order; the model is the analysed one (its parameters change once the generator resumes)."""
     _check_optimizer(optimizer)
@@ -347,8 +361,9 @@ def _train(
         raise ValueError(f"learning rate {lr!r} must be positive")
     if not snapshots or min(snapshots) < 1:
         raise ValueError(f"step counts must be positive integers, got {list(snapshots)}")
-    source = FixedBatches(batches, fresh_minibatches)
-    stepper = Stepper(_bf16_rounded_model(model_fn, layout), OptimizerSpec(optimizer, lr), precision)
+    loss = StepLoss() if loss is None else loss
+    source = FixedBatches(batches, fresh_minibatches, loss.needs)
+    stepper = Stepper(_bf16_rounded_model(model_fn, layout), OptimizerSpec(optimizer, lr), precision, loss)
     yield 0, stepper.model
     for step in range(1, max(snapshots) + 1):
         stepper.backward(source.batch(step, stepper.model))

@@ -13,6 +13,14 @@ and returns a :class:`RunData`, a read-only mapping from instance name (``stats.
 
 The ``offpolicy`` Dataset's ``row`` dimension is indexed by (sampler, centering), so
 ``ds.sel(sampler="stale", centering="sampler")`` selects one row.
+
+Trajectories (``trajectory`` or ``trajectory.<cell>``) are indexed by ``step``: every per-step metric
+opens by step (``ds.sel(step=50).cum_F_precision``), and the bit-packed changed sets unpack lazily::
+
+    run = open_run("runs", "trajectories")
+    ds = run.trajectories()["rl-adam-bf16"]
+    ds.covgrad.changed_sets()                       # (step, param) bool, dask
+    ds.covgrad.changed_sets("model.norm.weight")    # (step, dim_0) of one tensor
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import xarray as xr
 
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -87,6 +96,11 @@ class RunData(Mapping[str, xr.Dataset]):
         rows = self.store.read_json(self.refs["offpolicy"], "offpolicy.json")
         return pd.DataFrame(rows).set_index(["sampler", "centering"])
 
+    def trajectories(self) -> dict[str, xr.Dataset]:
+        """The run's trajectory Datasets by cell name (``trajectory`` for a run without a grid), in plan order."""
+        names = [n for n in self if n == "trajectory" or n.startswith("trajectory.")]
+        return {n.removeprefix("trajectory.") if n != "trajectory" else n: self[n] for n in names}
+
     def __repr__(self) -> str:
         return f"RunData(run={self.run!r}, name={self.name!r}, instances={list(self)}, missing={self.missing})"
 
@@ -119,6 +133,34 @@ class CovgradAccessor:
     def names(self) -> list[str]:
         """Parameter tensor names in flat-axis order."""
         return [t["name"] for t in self.layout]
+
+    def changed_sets(self, tensor: str | None = None) -> xr.DataArray:
+        """A trajectory's per-step changed sets unpacked from ``changed`` (step, param_byte): a lazy
+        (step, param) bool DataArray (``np.unpackbits``, big-endian bit order, the trailing pad bits cut),
+        or with ``tensor`` the (step, dim_0, ...) sets of that tensor."""
+        import dask.array as da
+
+        if "changed" not in self._ds or self._ds["changed"].dims != ("step", "param_byte"):
+            raise ValueError("this Dataset has no packed 'changed' sets; open a trajectory store")
+        P = sum(int(t["numel"]) for t in self.layout)
+        packed = self._ds["changed"].data
+        if not isinstance(packed, da.Array):
+            packed = da.from_array(packed, chunks=(1, -1))
+        bits = packed.map_blocks(
+            lambda b: np.unpackbits(b, axis=-1).view(np.bool_),
+            dtype=bool,
+            chunks=(packed.chunks[0], tuple(8 * c for c in packed.chunks[1])),
+        )[:, :P]
+        coords = {"step": self._ds["step"]} if "step" in self._ds.coords else {}
+        sets = xr.DataArray(bits, dims=("step", PARAM_DIM), coords=coords, name="changed")
+        if tensor is None:
+            return sets
+        entry = next((t for t in self.layout if t["name"] == tensor), None)
+        if entry is None:
+            raise KeyError(f"tensor {tensor!r} is not in this store; known: {self.names}")
+        lo, shape = int(entry["offset"]), tuple(entry["shape"])
+        data = sets.data[:, lo : lo + int(entry["numel"])].reshape((sets.shape[0], *shape))
+        return xr.DataArray(data, dims=("step", *(f"dim_{i}" for i in range(len(shape)))), coords=coords)
 
     def tensor(self, name: str) -> xr.Dataset:
         """Every ``param``-dimension variable restricted to tensor ``name`` and reshaped to its shape.

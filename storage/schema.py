@@ -396,6 +396,7 @@ TOKENS_VARS = {
 # update.zarr — dims: cell (one per optimizer, precision, lr and steps), tensor. Columns of
 # ``covgrad.update.update_grid``; {metric} is bf16 (changed in bf16 / the weights' dtype) or abs (|Δ| > 1e-5).
 UPDATE_VARS = {
+    "regime": _cell("str", "regime whose loss the cell stepped (only with configured regimes)"),
     "optimizer": _cell("str", "optimizer", labels=("cell",)),
     "precision": _cell("str", "precision of weights and update", labels=("cell",)),
     "lr": _cell("float64", "learning rate", labels=("cell",)),
@@ -433,8 +434,8 @@ TRAJECTORY_VARS = {
     ),
     "step": _per_step("int64", "optimizer step", "from 1", labels=("step",)),
     "lr": _per_step("float64", "learning rate of the step"),
-    "loss": _per_step("float64", "REINFORCE loss before the step", "-mean(A * log p(y))"),
-    "adv_rms": _per_step("float64", "rms advantage of the step's samples", "sqrt(mean A^2)"),
+    "loss": _per_step("float64", "the regime's loss before the step", "covgrad.trajectory.StepLoss"),
+    "adv_rms": _per_step("float64", "the regime's bound scalar a on the step's samples", "rl: sqrt(mean A^2)"),
     "reward": _per_step("float64", "mean reward of the step's samples", "NaN on fixed data"),
     "kl": _per_step("float64", "KL to the start per token", "mean over response tokens of KL(p_t || p_0,t)", "nats"),
     "jaccard_prev": _per_step("float64", "Jaccard of this and the previous step's changed sets", "NaN at step 1", "1"),

@@ -16,19 +16,134 @@ Layout of ``{root}/trajectory/{key}/``:
 from __future__ import annotations
 
 import io
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from covgrad.batch import group_batches
+from covgrad.config import RegimeSection
 from covgrad.layout import ParamLayout
+from covgrad.regimes import Regime
+from covgrad.trajectory import BATCH_KEYS, StepLoss
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.models import ModelSource, load_models
+from storage.regimes import IMPORTED
+from storage.rollouts import read_batch
 from storage.schema import TRAJECTORY as STORE
 from storage.schema import annotate, create, write
 
 STATE_DIR = "state"
 RECORDS_DIR = "records"
 CHECKPOINTS_DIR = "checkpoints"
+
+
+MANIFEST = "manifest.json"  # covgrad.integrations.trl writes it beside its checkpoints
+
+
+def checkpoint_series(path: str) -> list[tuple[int, str]]:
+    """(step, directory) of a series of Hugging Face checkpoints written by any trainer, ordered by step.
+
+    ``path`` is a ``manifest.json`` (``{"checkpoints": [{"step": t, "path": dir}, ...]}``, paths relative to
+    the manifest's folder: ``covgrad.integrations.trl.CovgradRecorder`` writes one), a folder holding one,
+    or a folder of checkpoint subfolders whose names end in their step (``step_000128``, ``checkpoint-128``,
+    ``global_step128``) and that hold a ``config.json``. At least two checkpoints, distinct steps.
+    """
+    p = Path(path)
+    manifest = p if p.is_file() else p / MANIFEST
+    if manifest.is_file():
+        try:
+            entries = json.loads(manifest.read_text())["checkpoints"]
+            series = [(int(e["step"]), str((manifest.parent / e["path"]).resolve())) for e in entries]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{manifest}: not a checkpoint manifest ({err}); need checkpoints: [...]") from None
+    elif p.is_dir():
+        series = []
+        for d in p.iterdir():
+            m = re.search(r"(\d+)$", d.name)
+            if m and d.is_dir() and (d / "config.json").is_file():
+                series.append((int(m.group(1)), str(d.resolve())))
+    else:
+        raise ValueError(f"trajectory.checkpoints {path!r} is neither a manifest nor a folder of checkpoints")
+    series.sort()
+    steps = [t for t, _ in series]
+    if len(series) < 2:
+        raise ValueError(f"trajectory.checkpoints {path!r} holds {len(series)} checkpoint(s); a series needs >= 2")
+    if len(set(steps)) != len(steps):
+        raise ValueError(f"trajectory.checkpoints {path!r}: two checkpoints share a step ({steps})")
+    for _, d in series:
+        if not (Path(d) / "config.json").is_file():
+            raise ValueError(f"trajectory.checkpoints: {d} is not a Hugging Face checkpoint (no config.json)")
+    return series
+
+
+FIXED_KINDS = ("sft_drift", "sft_sampled")  # regimes whose data are fixed responses, never fresh samples
+
+
+def regime_of(r: RegimeSection) -> Regime:
+    """The :class:`covgrad.regimes.Regime` of a configured regime."""
+    return Regime(
+        kind=r.kind,
+        temperature=r.temperature,
+        teacher_temperature=r.teacher_temperature,
+        kl_beta=r.kl_beta,
+        kl_reward_to_go=r.kl_reward_to_go,
+        length_norm=r.length_norm,
+        max_length=r.max_length,
+        baseline=r.baseline,
+    )
+
+
+def step_loss(
+    store: ArtifactStore, base: ArtifactRef, policy: ModelSource, name: str, r: RegimeSection | None
+) -> StepLoss:
+    """The loss regime ``name`` steps (None: rl), its teacher and reference loaded as fixed float32 models
+    (``policy``: the start policy; ``stale``; a model directory); ValueError for another vocabulary."""
+    if r is None:
+        return StepLoss()
+    if r.teacher_logprobs:
+        raise ValueError(
+            f"regime {name}: teacher_logprobs imports the teacher's log-probs of fixed samples; a step needs the "
+            "teacher model (set teacher to a model directory, stale or policy)"
+        )
+
+    def fixed(which: str | None, role: str) -> torch.nn.Module | None:
+        if which is None:
+            return None
+        model = load_models(store, base, which, policy)[0].float().eval()
+        V = int(model.get_output_embeddings().weight.shape[0])
+        own = load_models(store, base, "policy", policy)[0]
+        if int(own.get_output_embeddings().weight.shape[0]) != V:
+            raise ValueError(f"regime {name}: the {role} {which!r} has vocabulary {V}, unlike the policy")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    return StepLoss(
+        regime_of(r),
+        teacher=fixed(r.teacher, "teacher"),
+        reference=fixed(r.reference if r.kl_beta else None, "reference"),
+        use_advantages=r.advantages != "none",
+    )
+
+
+def fixed_batches(ro: Any, groups_per_batch: int, r: RegimeSection | None) -> list[dict[str, torch.Tensor]]:
+    """The rollouts ``ro`` as minibatches of whole prompt groups: (n, L_b) rows trimmed of trailing padding,
+    with the imported per-token ``token_advantages`` (n, L) at the store's width when regime ``r`` reads them."""
+    imported = r is not None and r.kind == "rl_token" and r.advantages == "imported"
+    if imported and IMPORTED["advantages"] not in ro:
+        raise ValueError("regime rl_token with advantages=imported: these rollouts hold no imported advantages field")
+    batches = []
+    for lo, hi in group_batches(ro["group"][:], groups_per_batch):
+        b = read_batch(ro, lo, hi, trim=not imported)
+        batch = {k: getattr(b, k) for k in BATCH_KEYS}
+        if imported:
+            batch["token_advantages"] = torch.from_numpy(ro[IMPORTED["advantages"]][lo:hi].astype(np.float64))
+        batches.append(batch)
+    return batches
 
 
 def record_name(step: int) -> str:

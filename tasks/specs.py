@@ -19,7 +19,9 @@ indexes and notebooks use. The artifact directory is ``{root}/{stage}/{key}``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -210,36 +212,6 @@ class TokensSpec(StageSpec):
     self_check: bool
 
 
-class UpdateCheckSpec(StageSpec):
-    """update_check: optimizer steps (``settings``) on minibatches of ``groups_per_batch`` prompt groups,
-    over the parameters ``params``."""
-
-    STAGE: ClassVar[str] = "update_check"
-    VERSION: ClassVar[str] = "2"
-    settings: UpdateCheckSection
-    params: list[str] | None
-    groups_per_batch: int
-    policy: PolicySpec
-
-
-class TrajectorySpec(StageSpec):
-    """trajectory: ``settings.steps`` optimizer steps of the rl regime from the policy over the parameters
-    ``params``, on fresh samples of the analysed sampler's ``sampler`` settings rewarded by ``task`` with
-    ``advantage`` advantages (or on minibatches of ``groups_per_batch`` prompt groups of the analysed
-    rollouts: ``settings.data = "fixed"``)."""
-
-    STAGE: ClassVar[str] = "trajectory"
-    VERSION: ClassVar[str] = "1"
-    settings: TrajectorySection
-    params: list[str] | None
-    groups_per_batch: int
-    sampler: SamplerSection
-    task: TaskSection
-    advantage: Advantage
-    policy: PolicySpec
-    inputs: dict[str, str] = {}  # content digests of the task files it reads
-
-
 class RegimeSpec(StageSpec):
     """regime: the per-sample gradients g_n of regime ``name`` (``settings``) over the rollouts of
     ``sampler``, folded into scores-layout moment state (g_n in place of s_n, A = 0) with its bound scalars;
@@ -294,6 +266,62 @@ class RegimeStatsSpec(StageSpec):
     names: list[str]
     qs: list[float]
     allowance_z: float = 3.0
+
+
+class UpdateCheckSpec(StageSpec):
+    """update_check: optimizer steps (``settings``) on minibatches of ``groups_per_batch`` prompt groups,
+    over the parameters ``params``: the rl loss on the analysed rollouts, and each regime of ``regimes``
+    (the configured ones, by name) stepping its own loss on its sampler's rollouts."""
+
+    STAGE: ClassVar[str] = "update_check"
+    VERSION: ClassVar[str] = "2"
+    settings: UpdateCheckSection
+    params: list[str] | None
+    groups_per_batch: int
+    policy: PolicySpec
+    analysed: str | None = None  # the analysed sampler, whose rollouts the rl cells step on (with regimes)
+    regimes: dict[str, RegimeSection] = {}
+    inputs: dict[str, str] = {}  # content digests of the regimes' teacher and reference directories
+
+    def hashed(self) -> dict[str, Any]:
+        """As :meth:`StageSpec.hashed`, without the regime fields when no regime is configured (the key
+        of a run without regimes is the one it had before the update check stepped regimes)."""
+        out = super().hashed()
+        if not self.regimes:
+            del out["regimes"], out["analysed"]
+        return out
+
+
+class TrajectorySpec(StageSpec):
+    """trajectory: ``settings.steps`` optimizer steps of one regime from the policy over the parameters
+    ``params``: rl (``regime`` None) or the configured regime ``settings.regime`` (``regime``: its
+    settings; ``data_sampler``: whose rollouts its fixed data are), on fresh samples of the analysed
+    sampler's ``sampler`` settings rewarded by ``task`` with ``advantage`` advantages, or on minibatches of
+    ``groups_per_batch`` prompt groups of fixed rollouts (``settings.data = "fixed"``, the sft regimes)."""
+
+    STAGE: ClassVar[str] = "trajectory"
+    VERSION: ClassVar[str] = "1"
+    settings: TrajectorySection
+    params: list[str] | None
+    groups_per_batch: int
+    sampler: SamplerSection
+    task: TaskSection
+    advantage: Advantage
+    policy: PolicySpec
+    inputs: dict[str, str] = {}  # content digests of the task files and teacher directories it reads
+    regime: RegimeSection | None = None
+    data_sampler: str | None = None
+
+    def hashed(self) -> dict[str, Any]:
+        """As :meth:`StageSpec.hashed`, without the regime fields of an rl trajectory (its key is the one
+        it had before trajectories stepped other regimes)."""
+        out = super().hashed()
+        del out["settings"]["grid"]
+        if out["settings"]["checkpoints"] is None:
+            del out["settings"]["checkpoints"]
+        if self.regime is None:
+            del out["settings"]["regime"], out["regime"], out["data_sampler"]
+        return out
 
 
 class ReportSpec(StageSpec):
@@ -351,10 +379,10 @@ class Plan(Mapping[str, Step]):
     offpolicy: Step
     masks: Step
     tokens: Step | None
-    update_check: Step | None
-    trajectory: Step | None
     regime: dict[Instance, Step]
     regimes: Step | None
+    update_check: Step | None
+    trajectory: dict[Instance, Step]
     report: Step
     main: Step  # not a stage: the main statistics (one of ``stats``), sampler-centred whenever μ ≠ p
 
@@ -510,36 +538,16 @@ def plan(cfg: PipelineConfig) -> Plan:
             self_check=m.self_check,
         )
         tokens = _step(store, Instance("tokens"), spec, {"base_model": base, "rollouts": rollouts[analysed]})
-    if cfg.update_check.enabled:
-        spec = UpdateCheckSpec(
-            settings=cfg.update_check.model_copy(deep=True),
-            params=m.params,
-            groups_per_batch=sc.groups_per_batch,
-            policy=policy,
-        )
-        upstream = {"base_model": base, "rollouts": rollouts[analysed], "stats": main}
-        update = _step(store, Instance("update_check"), spec, upstream)
-    trajectory = None
-    if cfg.trajectory.enabled:
-        spec = TrajectorySpec(
-            settings=cfg.trajectory.model_copy(deep=True),
-            params=m.params,
-            groups_per_batch=sc.groups_per_batch,
-            sampler=s.model_copy(deep=True),
-            task=cfg.task.model_copy(deep=True),
-            advantage=cfg.rollouts.advantage,
-            policy=policy,
-            inputs=task_inputs(cfg.task),
-        )
-        upstream = {"base_model": base, "rollouts": rollouts[analysed], "stats": main}
-        trajectory = _step(store, Instance("trajectory"), spec, upstream)
-    everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
-    everything += [x for x in (tokens, update) if x is not None]
     teacher = plan_teacher(cfg, store, base)
     main_scores = scores[Instance("scores", *main.instance[1:])]
     regime, regimes = plan_regimes(cfg, store, base, teacher, rollouts, main_scores)
+    if cfg.update_check.enabled:
+        update = plan_update_check(cfg, store, base, rollouts, main, regimes)
+    trajectory = plan_trajectories(cfg, store, base, rollouts, main, regimes)
+    everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
+    everything += [x for x in (tokens, update) if x is not None]
     everything += [x for x in (teacher,) if x is not None]
-    everything += [*regime.values(), *([regimes] if regimes is not None else [])]
+    everything += [*regime.values(), *([regimes] if regimes is not None else []), *trajectory.values()]
     # disabled sections the report does not render leave the report's key as it was
     exclude = {"root"} | (set() if cfg.trajectory.enabled else {"trajectory"}) | (set() if cfg.regimes else {"regimes"})
     report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude=exclude)))
@@ -553,13 +561,97 @@ def plan(cfg: PipelineConfig) -> Plan:
         offpolicy,
         masks,
         tokens,
-        update,
-        trajectory,
         regime,
         regimes,
-        report,
+        update_check=update,
+        trajectory=trajectory,
+        report=report,
         main=main,
     )
+
+
+def plan_update_check(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    base: Step,
+    rollouts: dict[str, Step],
+    main: Step,
+    regimes: Step | None,
+) -> Step:
+    """The update check: rl cells on the analysed rollouts with the main statistics and, with regimes,
+    each regime's cells on its sampler's rollouts (upstream ``rollouts.<sampler>``) with the ``regimes``
+    statistics."""
+    analysed = cfg.rollouts.analyse
+    spec = UpdateCheckSpec(
+        settings=cfg.update_check.model_copy(deep=True),
+        params=cfg.model.params,
+        groups_per_batch=cfg.scores.groups_per_batch,
+        policy=policy_spec(cfg),
+        analysed=analysed,
+        regimes={n: r.model_copy(deep=True) for n, r in cfg.regimes.items()},
+        inputs={f"{n}.{k}": v for n, r in cfg.regimes.items() for k, v in regime_inputs(r).items()},
+    )
+    upstream = {"base_model": base, "rollouts": rollouts[analysed], "stats": main}
+    if regimes is not None:
+        upstream["regimes"] = regimes
+        for r in cfg.regimes.values():
+            sampler = r.sampler or analysed
+            upstream.setdefault(f"rollouts.{sampler}", rollouts[sampler])
+    return _step(store, Instance("update_check"), spec, upstream)
+
+
+def series_digest(path: str) -> str:
+    """The digest of an external run's checkpoint series: its steps and each checkpoint's content digest
+    (``"invalid"`` when ``path`` is no series: the stage names the problem)."""
+    from storage.trajectory import checkpoint_series  # torch: imported only for an external run
+
+    try:
+        series = checkpoint_series(path)
+    except ValueError:
+        return "invalid"
+    listing = json.dumps([[t, input_digest(d, model=True)] for t, d in series])
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def plan_trajectories(
+    cfg: PipelineConfig,
+    store: ArtifactStore,
+    base: Step,
+    rollouts: dict[str, Step],
+    main: Step,
+    regimes: Step | None,
+) -> dict[Instance, Step]:
+    """One trajectory per cell of ``trajectory.grid`` (``trajectory.<cell>``), or the one ``trajectory``;
+    none when the stage is disabled. A cell of a configured regime reads the ``regimes`` statistics."""
+    out: dict[Instance, Step] = {}
+    if not cfg.trajectory.enabled:
+        return out
+    analysed = cfg.rollouts.analyse
+    for cell, t in cfg.trajectory.cells().items():
+        r = cfg.regimes.get(t.regime) if t.regime != "rl" or "rl" in cfg.regimes else None
+        data_sampler = analysed if r is None else (r.sampler or analysed)
+        spec = TrajectorySpec(
+            settings=t.model_copy(deep=True, update={"grid": {}}),
+            params=cfg.model.params,
+            groups_per_batch=cfg.scores.groups_per_batch,
+            sampler=cfg.rollouts.samplers[analysed].model_copy(deep=True),
+            task=cfg.task.model_copy(deep=True),
+            advantage=cfg.rollouts.advantage,
+            policy=policy_spec(cfg),
+            inputs={
+                **task_inputs(cfg.task),
+                **({} if r is None else regime_inputs(r)),
+                **({} if t.checkpoints is None else {"checkpoints": series_digest(t.checkpoints)}),
+            },
+            regime=None if r is None else r.model_copy(deep=True),
+            data_sampler=None if r is None else data_sampler,
+        )
+        upstream = {"base_model": base, "rollouts": rollouts[data_sampler], "stats": main}
+        if r is not None:
+            assert regimes is not None
+            upstream["regimes"] = regimes
+        out[Instance("trajectory", cell)] = _step(store, Instance("trajectory", cell), spec, upstream)
+    return out
 
 
 def regime_inputs(r: RegimeSection) -> dict[str, str]:

@@ -1,11 +1,15 @@
-"""trajectory stage: K optimizer steps of the rl regime from the policy, checked against step-0 predictions.
+"""trajectory stage: K optimizer steps of one regime from the policy, checked against step-0 predictions.
 
 The stepping, the per-step records and the predictors are ``covgrad.trajectory`` (``run_trajectory``); the
-files are ``storage/trajectory.py``'s. Data: ``trajectory.data = "on_policy"`` draws fresh samples from
-the current policy every step (the analysed sampler's temperature, truncation, group size and length),
-rewards them with the task's reward and gives them group advantages (``rollouts.advantage``);
-``"fixed"`` steps on the analysed rollouts' minibatches of ``scores.groups_per_batch`` prompt groups, the
-update check's data. Predictors: F, G, ρ of the main statistics (the start policy's step 0).
+files are ``storage/trajectory.py``'s. Loss: rl's REINFORCE loss (``trajectory.regime = "rl"``) or the
+loss of the configured regime ``trajectory.regime`` (``covgrad.trajectory.StepLoss``: per-token rl with its
+KL penalty to the reference, distillation towards its fixed teacher, SFT). Data: ``trajectory.data =
+"on_policy"`` draws fresh samples from the current policy every step (the analysed sampler's temperature,
+truncation, group size and length), rewards them with the task's reward and gives them group advantages
+(``rollouts.advantage``); ``"fixed"`` steps on minibatches of ``scores.groups_per_batch`` prompt groups of
+fixed rollouts: the analysed ones, or the regime's sampler's (the sft regimes always step on fixed data).
+Predictors: F of the main statistics (the start policy's step 0); G and ρ of the main statistics for rl,
+of the regime's own statistics (the ``regimes`` stage) otherwise.
 
 Resumable by step: each step's packed changed set and record are written, then its progress mark; every
 ``state_every`` steps (and at the last) the resume state (weights, optimizer state, tracker state, step,
@@ -22,18 +26,18 @@ import numpy as np
 import torch
 from prefect import task
 
-from covgrad.batch import group_batches
-from covgrad.layout import ParamLayout, check_layout, select_parameters
+from covgrad.layout import ParamLayout, check_layout, parameters_flat, select_parameters
 from covgrad.sampling import SamplerSpec
 from covgrad.trajectory import (
-    BATCH_KEYS,
     ChangeTracker,
     FixedBatches,
     OnPolicy,
     OptimizerSpec,
+    StepLoss,
     Stepper,
     StepZeroStats,
     bf16_rounded,
+    checkpoint_records,
     load_trajectory_state,
     run_trajectory,
     stored_dtype,
@@ -43,16 +47,19 @@ from covgrad.trajectory import (
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.models import load_models
 from storage.prompts import load_task
-from storage.rollouts import read_batch
-from storage.schema import ROLLOUTS, STATS
+from storage.schema import REGIMES, ROLLOUTS, STATS
 from storage.schema import TRAJECTORY as STORE
 from storage.trajectory import (
+    FIXED_KINDS,
     checkpoint_name,
+    checkpoint_series,
     create_changed,
     drop_state,
     finish_store,
+    fixed_batches,
     read_records,
     read_state,
+    step_loss,
     write_state,
     write_step,
 )
@@ -72,16 +79,19 @@ def checkpoint_steps(steps: int, ratio: float) -> list[int]:
     return sorted(out)
 
 
-def _source(store: ArtifactStore, spec: TrajectorySpec, up: dict[str, ArtifactRef], tokenizer: Any):
-    """The data of every step: fresh on-policy rows, or the analysed rollouts' fixed minibatches."""
-    s = spec.settings
-    if s.data == "fixed":
+def _source(
+    store: ArtifactStore, spec: TrajectorySpec, up: dict[str, ArtifactRef], tokenizer: Any, loss: StepLoss
+) -> FixedBatches | OnPolicy:
+    """The data of every step: fresh on-policy rows, or fixed minibatches of the upstream rollouts."""
+    s, r = spec.settings, spec.regime
+    if s.data == "fixed" or (r is not None and r.kind in FIXED_KINDS):
         ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-        batches = []
-        for lo, hi in group_batches(ro["group"][:], spec.groups_per_batch):
-            b = read_batch(ro, lo, hi)
-            batches.append({k: getattr(b, k) for k in BATCH_KEYS})
-        return FixedBatches(batches, fresh_minibatches=True)
+        return FixedBatches(fixed_batches(ro, spec.groups_per_batch, r), True, loss.needs)
+    if r is not None and r.advantages == "imported":
+        raise ValueError(
+            f"trajectory: regime {s.regime} uses imported per-token advantages, which fresh samples lack; "
+            "set trajectory.data=fixed"
+        )
     problems, reward_fn = load_task(spec.task)
     sampler = spec.sampler
     return OnPolicy(
@@ -114,13 +124,21 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     start = policy()
     layout = select_parameters(start, spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
-    stats = StepZeroStats(F=st["F"][:], G=st["G"][:], rho=st["rho"][:], seed=s.seed)
+    if spec.regime is None:
+        stats = StepZeroStats(F=st["F"][:], G=st["G"][:], rho=st["rho"][:], seed=s.seed)
+    else:
+        rg = store.open_group(up["regimes"], REGIMES, mode="r")
+        stats = StepZeroStats(F=st["F"][:], G=rg[f"G_{s.regime}"][:], rho=rg[f"rho_{s.regime}"][:], seed=s.seed)
     decay = s.weight_decay if s.optimizer == "adamw" else None
     opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
-    stepper = Stepper(bf16_rounded(start, layout), opt, s.precision)
-    tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats)
+    if s.checkpoints is not None:
+        return _external(store, ref, spec, up, layout, stats, opt, start)
+    loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime)
+    stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss)
+    bound = spec.regime is None or spec.regime.kind != "sft_sampled"
+    tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats, bound)
     reference = bf16_rounded(policy()).to(stored_dtype(s.precision))
-    source = _source(store, spec, up, tokenizer)
+    source = _source(store, spec, up, tokenizer, loss)
 
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, s.steps, layout.P)
@@ -146,6 +164,11 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     finish_store(g, records, layout)
     last = records[-1]
     summary = {
+        "regime": s.regime,
+        "kind": "rl" if spec.regime is None else spec.regime.kind,
+        "optimizer": s.optimizer,
+        "precision": s.precision,
+        "lr": s.lr,
         "P": layout.P,
         "steps": s.steps,
         "frac_changed_step_mean": float(np.mean([r["n_changed_step"] for r in records]) / layout.P),
@@ -169,7 +192,64 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     return summary
 
 
+def _external(
+    store: ArtifactStore,
+    ref: ArtifactRef,
+    spec: TrajectorySpec,
+    up: dict[str, ArtifactRef],
+    layout: ParamLayout,
+    stats: StepZeroStats,
+    opt: OptimizerSpec,
+    policy: torch.nn.Module,
+) -> dict:
+    """The trajectory analysis of an external run: the checkpoints of ``trajectory.checkpoints`` in step
+    order (``storage.trajectory.checkpoint_series``), the first of which must be the policy (its main
+    statistics are the step-0 predictors); row i of the store is the change from checkpoint i − 1 to i,
+    ``step`` the trainer's step. Recomputed whole on a rerun (no training state to resume)."""
+    s = spec.settings
+    assert s.checkpoints is not None
+    series = checkpoint_series(s.checkpoints)
+    K = len(series) - 1
+
+    def flat(directory: str) -> torch.Tensor:
+        model = load_models(store, up["base_model"], directory, spec.policy)[0]
+        return parameters_flat(model, layout)
+
+    start = flat(series[0][1])
+    if not torch.equal(start, parameters_flat(policy, layout).to(start.dtype)):
+        raise ValueError(
+            f"trajectory.checkpoints: the first checkpoint {series[0][1]} is not model.path; set model.path to it "
+            "so the step-0 statistics are the first checkpoint's"
+        )
+    tracker = ChangeTracker(layout, start, opt, stats)
+    g = store.open_group(ref, STORE, mode="a")
+    create_changed(g, K, layout.P)
+    create_progress(g, STORE, K)
+    with progress_bar(f"trajectory {ref.key[:8]}", K, unit="checkpoint") as bar:
+        later = ((t, flat(d)) for t, d in series[1:])
+        for i, rec in enumerate(checkpoint_records(later, tracker), start=1):
+            write_step(store, ref, g, i, rec.pop("changed"), rec)
+            mark_batch_done(g, i - 1)
+            bar.update(1)
+    records = read_records(store, ref, K)
+    finish_store(g, records, layout)
+    summary = {
+        "external": s.checkpoints,
+        "trainer_steps": [t for t, _ in series],
+        "P": layout.P,
+        "steps": K,
+        "frac_changed_step_mean": float(np.mean([r["n_changed_step"] for r in records]) / layout.P),
+        "frac_changed_cum_final": records[-1]["n_changed_cum"] / layout.P,
+    }
+    store.write_json(ref, "summary.json", summary)
+    g.attrs.update({"tensors": layout.to_records(), "summary": summary})
+    store.consolidate(ref, STORE)
+    cum = summary["frac_changed_cum_final"]
+    log.info("trajectory %s: external run of %d checkpoints, cumulative %.4f", ref.key, K + 1, cum)
+    return summary
+
+
 @task(name="trajectory")
 def trajectory_task(ref: ArtifactRef, spec: TrajectorySpec, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """K optimizer steps from the policy, each step's changed set against the step-0 predictors."""
+    """K optimizer steps of one regime from the policy, each step's changed set against the step-0 predictors."""
     return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream), resumable=True)

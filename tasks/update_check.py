@@ -36,12 +36,14 @@ from prefect import task
 from covgrad.batch import group_batches
 from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.tables import to_csv, to_markdown
+from covgrad.trajectory import StepLoss
 from covgrad.update import BATCH_KEYS, RANKED_PREDICTORS, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from storage.rollouts import read_batch
-from storage.schema import ROLLOUTS, STATS, annotate, write
+from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
+from storage.trajectory import fixed_batches, step_loss
 from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import UpdateCheckSpec
 
@@ -78,7 +80,8 @@ def summarize(rows: list[dict[str, Any]], one_batch: bool) -> dict[str, Any]:
         ranked = {p: r[f"bf16_{p}_jaccard"] for p in RANKED_PREDICTORS if p != "random"}
         finite = {p: v for p, v in ranked.items() if not math.isnan(v)}
         best = max(finite, key=lambda p: finite[p]) if finite else None
-        cell = {
+        cell = {"regime": r["regime"]} if "regime" in r else {}
+        cell |= {
             "optimizer": r["optimizer"],
             "precision": r["precision"],
             "lr": r["lr"],
@@ -127,8 +130,11 @@ def _compute(
     uc = spec.settings
     n_lrs = {"adam": len(uc.adam_lrs), "sgd": len(uc.sgd_lrs or uc.adam_lrs)}
     cells = sum(n_lrs.get(o, len(uc.adam_lrs)) for o in uc.optimizers) * len(uc.precisions)
-    with progress_bar("update_check", cells, "cell") as bar:
+    with progress_bar("update_check", cells * (1 + len(spec.regimes)), "cell") as bar:
         rows = _grid(load_policy, bar, layout, batches, F, G, rho, adv_rms, uc)
+        if spec.regimes:
+            rows = [{"regime": "rl", **r} for r in rows]
+            rows += _regime_rows(store, spec, up, load_policy, bar, layout, F, st.attrs["centering"])
     columns = list(dict.fromkeys(col for r in rows for col in r))  # SGD rows add the bound rule's columns
     rows = [{col: r.get(col, float("nan")) for col in columns} for r in rows]
     summary = summarize(rows, len(batches) == 1)
@@ -136,7 +142,8 @@ def _compute(
     summary.update({"centering": st.attrs["centering"], "adv_rms": adv_rms})
     store.write_text(ref, "grid.csv", to_csv(rows))
     store.write_json(ref, "grid.json", rows)
-    store.write_text(ref, "grid.md", to_markdown([{col: r[col] for col in MD_COLUMNS} for r in rows]))
+    md = (("regime",) if spec.regimes else ()) + MD_COLUMNS
+    store.write_text(ref, "grid.md", to_markdown([{col: r[col] for col in md} for r in rows]))
     store.write_json(ref, "summary.json", summary)
     g = store.open_group(ref, STORE, mode="w")
     for col in rows[0]:
@@ -147,8 +154,47 @@ def _compute(
     return {"cells": len(rows), "one_minibatch_holds_all_samples": summary["one_minibatch_holds_all_samples"]}
 
 
+def _regime_rows(
+    store: ArtifactStore,
+    spec: UpdateCheckSpec,
+    up: dict[str, ArtifactRef],
+    load_policy: Any,
+    bar: Any,
+    layout: ParamLayout,
+    F: Any,
+    centering: str,
+) -> list[dict[str, Any]]:
+    """The grid of every configured regime, each stepping its own loss (``tasks.trajectory.step_loss``) on
+    minibatches of its sampler's rollouts, against its G and ρ (the ``regimes`` statistics), the policy's F
+    and its bound scalar a = √a² (rl: the main √mean A²; no bound rule for sft_sampled)."""
+    rg = store.open_group(up["regimes"], REGIMES, mode="r")
+    table = {r["regime"]: r for r in store.read_json(up["regimes"], "regimes.json")}
+    rows: list[dict[str, Any]] = []
+    for name, r in spec.regimes.items():
+        sampler = r.sampler or spec.analysed
+        ro = store.open_group(up["rollouts" if sampler == spec.analysed else f"rollouts.{sampler}"], ROLLOUTS, mode="r")
+        loss = step_loss(store, up["base_model"], spec.policy, name, r)
+        a2 = table[name].get("a2")
+        a = float("nan") if a2 is None or a2 != a2 else math.sqrt(a2)
+        G, rho = (lambda v=f"{stat}_{name}": torch.from_numpy(rg[v][:]) for stat in ("G", "rho"))
+        batches = fixed_batches(ro, spec.groups_per_batch, r)
+        cells = _grid(load_policy, bar, layout, batches, F, G, rho, a, spec.settings, loss)
+        rows += [{"regime": name, **c} for c in cells]
+        log.info("update_check: regime %s (%s, centering %s): %d cells", name, r.kind, centering, len(cells))
+    return rows
+
+
 def _grid(
-    load_policy: Any, bar: Any, layout: ParamLayout, batches: Any, F: Any, G: Any, rho: Any, adv_rms: float, uc: Any
+    load_policy: Any,
+    bar: Any,
+    layout: ParamLayout,
+    batches: Any,
+    F: Any,
+    G: Any,
+    rho: Any,
+    adv_rms: float,
+    uc: Any,
+    loss: StepLoss | None = None,
 ) -> list[dict[str, Any]]:
     """``update_grid`` of the settings ``uc``, counting a finished cell on ``bar`` each time the next cell
     loads its fresh policy (``update_grid`` loads one for the common start, then one per cell)."""
@@ -176,6 +222,7 @@ def _grid(
         steps=uc.steps,
         fresh_minibatches=uc.fresh_minibatches,
         seed=uc.seed,
+        loss=loss,
     )
 
 

@@ -110,7 +110,8 @@ def bases(tmp_path_factory):
     demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     demo["root"] = str(tmp / "root")
     demo["trajectory"] = {"enabled": True}  # a disabled stage's leaves are in no planned spec
-    demo.pop("regimes")  # regime leaves and their keys: tests/test_regime_inputs.py, tests/test_regime_context_stage.py
+    # a regime whose every leaf can change, and a name trajectory.regime can take
+    demo["regimes"] = {"stale": {"kind": "distill_sampled", "teacher": "stale", "max_length": 4, "kl_beta": 0.5}}
     user = {
         "root": str(tmp / "root"),
         "model": {"path": dirs[0]},

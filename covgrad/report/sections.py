@@ -32,6 +32,7 @@ from covgrad.report.plots import (
     plot_zero_mean,
 )
 from covgrad.report.regimes import regimes as regimes_section
+from covgrad.report.trajectory import trajectories as trajectories_section
 from covgrad.report.uncertainty import LEVEL, METHOD, group_bootstrap, interval, null_band
 
 STATS = "stats.zarr"
@@ -114,6 +115,7 @@ def render_report(run: RunSource, config: dict[str, Any], name: str, main: str) 
     report.blocks[:0] = top
     report.numbers["findings"] = words
     regimes_section(report, run)
+    trajectories_section(report, run)
     return report
 
 

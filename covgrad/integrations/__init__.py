@@ -1,0 +1,1 @@
+"""Integrations with training stacks (optional extras): ``covgrad.integrations.trl``."""

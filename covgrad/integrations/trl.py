@@ -1,0 +1,202 @@
+"""A TRL ``GRPOTrainer`` callback that records what covgrad needs to analyse the run: every generation's
+rollouts as covgrad's rollout JSONL and Hugging Face checkpoints at chosen steps (optional extra ``trl``).
+
+Use::
+
+    recorder = CovgradRecorder("run/covgrad", checkpoint_steps=[0, 1, 2, 4, 8])
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=..., callbacks=[recorder])
+    recorder.attach(trainer)
+    trainer.train()
+
+Files under ``out_dir``:
+
+- ``rollouts.jsonl``: one record per completion, covgrad's own format (``docs/formats.md``): ``prompt_ids``
+  (the prompt without its left padding), ``response_ids`` (the completion up to and including its EOS, as
+  TRL's ``completion_mask`` marks it), ``logprobs`` (the sampler's log-probability of each response token:
+  TRL's ``sampling_per_token_logps`` when it has them (vLLM), else recomputed from the model that generated,
+  at the generation's temperature / top-k / top-p, ``covgrad.sampling.sampler_log_probs``), ``reward`` (the
+  weighted sum over reward functions that TRL logs; reward functions returning None count 0), ``group``
+  (``"{generation}-{prompt}"``: the completions of one prompt in one generation batch), ``advantage`` (TRL's
+  sequence advantage) and ``advantages`` (it, once per response token), ``policy_version`` (the optimizer
+  steps taken before the generation) and ``sampling_params``.
+- ``checkpoints/step_{t:06d}``: ``save_pretrained`` of the model and its tokenizer after t optimizer steps
+  (t = 0: before the first step), for the steps in ``checkpoint_steps`` (every step when None);
+- ``manifest.json``: ``{"checkpoints": [{"step": t, "path": "checkpoints/step_..."}, ...], "rollouts":
+  "rollouts.jsonl", "trl_version": ..., "sampling_params": ...}``, rewritten after every checkpoint.
+
+``storage.trajectory.checkpoint_series`` reads the manifest; the rollouts import as any covgrad JSONL
+(``rollouts.samplers.<name>.import_path``). One process only (no distributed gather of the records).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from covgrad.sampling import SamplerSpec, sampler_log_probs
+
+MANIFEST = "manifest.json"
+ROLLOUTS = "rollouts.jsonl"
+
+
+def _sampling(args: Any) -> dict[str, Any]:
+    """The sampling parameters of TRL's generation; ValueError for the ones covgrad cannot reproduce."""
+    top_k = int(args.top_k or 0)
+    params = {"temperature": float(args.temperature), "top_p": float(args.top_p), "top_k": top_k}
+    unsupported = {
+        "min_p": args.min_p,
+        "repetition_penalty": None if args.repetition_penalty == 1.0 else args.repetition_penalty,
+        "generation_kwargs": args.generation_kwargs or None,
+    }
+    bad = {k: v for k, v in unsupported.items() if v is not None}
+    if bad:
+        raise ValueError(
+            f"CovgradRecorder: the sampler's log-probs cannot be recomputed with {bad}; "
+            "use temperature, top_p and top_k only"
+        )
+    return params
+
+
+class CovgradRecorder(TrainerCallback):
+    """Records a ``GRPOTrainer`` run for covgrad (see the module docstring).
+
+    Args:
+        out_dir: where the rollouts, checkpoints and manifest go (created).
+        checkpoint_steps: the optimizer steps after which a checkpoint is saved (0: the start); None: all.
+    """
+
+    def __init__(self, out_dir: str | Path, checkpoint_steps: Iterable[int] | None = None) -> None:
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.steps = None if checkpoint_steps is None else {int(s) for s in checkpoint_steps}
+        self.checkpoints: list[dict[str, Any]] = []
+        self.generations = 0
+        self.trainer: Any = None
+        self.sampling: dict[str, Any] = {}
+        self._rewards: torch.Tensor | None = None
+        (self.out / ROLLOUTS).write_text("")
+
+    def attach(self, trainer: Any) -> CovgradRecorder:
+        """Wrap ``trainer``'s generation and reward computation so every generation batch is recorded."""
+        if getattr(trainer.accelerator, "num_processes", 1) != 1:
+            raise ValueError("CovgradRecorder records one process; run the trainer on one process")
+        self.trainer, self.sampling = trainer, _sampling(trainer.args)
+        rewards_fn, generate_fn = trainer._calculate_rewards, trainer._generate_and_score_completions
+
+        def calculate_rewards(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = rewards_fn(*args, **kwargs)
+            self._rewards = out.detach().clone()
+            return out
+
+        def generate_and_score(inputs: Any) -> dict[str, Any]:
+            out = generate_fn(inputs)
+            if trainer.model.training:  # evaluation generations are not the run's samples
+                self._record(out)
+            return out
+
+        trainer._calculate_rewards = calculate_rewards
+        trainer._generate_and_score_completions = generate_and_score
+        return self
+
+    def _record(self, out: dict[str, Any]) -> None:
+        """Append one generation batch's records to the rollouts file."""
+        trainer = self.trainer
+        if self._rewards is None:
+            raise RuntimeError("CovgradRecorder: the generation computed no rewards")
+        weights = trainer.reward_weights.to(self._rewards.device)
+        rewards = (self._rewards * weights[None]).nansum(1).double().cpu()  # (N,)
+        prompt_ids, prompt_mask = out["prompt_ids"].cpu(), out["prompt_mask"].cpu().bool()
+        comp_ids, comp_mask = out["completion_ids"].cpu(), out["completion_mask"].cpu().bool()
+        advantages = out["advantages"].detach().double().cpu()
+        prompts = [p[m].tolist() for p, m in zip(prompt_ids, prompt_mask, strict=True)]
+        responses = [c[m].tolist() for c, m in zip(comp_ids, comp_mask, strict=True)]
+        if "sampling_per_token_logps" in out:
+            lp = out["sampling_per_token_logps"].detach().float().cpu()
+            logprobs = [row[m].tolist() for row, m in zip(lp, comp_mask, strict=True)]
+        else:
+            logprobs = self._sampler_logprobs(prompts, responses)
+        G = int(trainer.num_generations)
+        step = int(trainer.state.global_step)
+        with (self.out / ROLLOUTS).open("a") as f:
+            for n, (p, r, lp_n) in enumerate(zip(prompts, responses, logprobs, strict=True)):
+                if not r:
+                    raise ValueError(f"CovgradRecorder: completion {n} of generation {self.generations} is empty")
+                a = float(advantages[n])
+                rec = {
+                    "prompt_ids": p,
+                    "response_ids": r,
+                    "logprobs": lp_n,
+                    "reward": float(rewards[n]),
+                    "group": f"{self.generations}-{n // G}",
+                    "advantage": a,
+                    "advantages": [a] * len(r),
+                    "policy_version": step,
+                    "sampling_params": self.sampling,
+                }
+                f.write(json.dumps(rec) + "\n")
+        self.generations += 1
+        self._rewards = None
+
+    @torch.no_grad()
+    def _sampler_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """log μ(y_t) of every response token under the model that just generated, at the generation's
+        sampling parameters: rows prompt + response, right-padded, positions from 0 (covgrad's layout)."""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        spec = SamplerSpec(
+            temperature=self.sampling["temperature"], top_p=self.sampling["top_p"], top_k=self.sampling["top_k"]
+        )
+        rows = [p + r for p, r in zip(prompts, responses, strict=True)]
+        L = max(len(x) for x in rows)
+        device = next(model.parameters()).device
+        ids = torch.zeros(len(rows), L, dtype=torch.long)
+        attn = torch.zeros(len(rows), L, dtype=torch.long)
+        for i, x in enumerate(rows):
+            ids[i, : len(x)] = torch.tensor(x)
+            attn[i, : len(x)] = 1
+        was_training = model.training
+        model.eval()
+        try:
+            logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits.float().cpu()
+        finally:
+            model.train(was_training)
+        out = []
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            z = logits[i, len(p) - 1 : len(p) + len(r) - 1]  # (T, V): position t predicts token t + 1
+            logmu = sampler_log_probs(z, spec)
+            out.append(logmu.gather(-1, torch.tensor(r)[:, None]).squeeze(-1).tolist())
+        return out
+
+    def _save(self, step: int, model: Any, tokenizer: Any) -> None:
+        if self.steps is not None and step not in self.steps:
+            return
+        if any(c["step"] == step for c in self.checkpoints):
+            return
+        rel = f"checkpoints/step_{step:06d}"
+        model = self.trainer.accelerator.unwrap_model(model) if self.trainer is not None else model
+        model.save_pretrained(self.out / rel)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(self.out / rel)
+        self.checkpoints.append({"step": step, "path": rel})
+        manifest = {
+            "checkpoints": sorted(self.checkpoints, key=lambda c: c["step"]),
+            "rollouts": ROLLOUTS,
+            "trl_version": importlib.metadata.version("trl"),
+            "sampling_params": self.sampling,
+        }
+        (self.out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Checkpoint the start (step 0)."""
+        if self.trainer is None:
+            raise RuntimeError("CovgradRecorder: call recorder.attach(trainer) before trainer.train()")
+        self._save(int(state.global_step), kwargs["model"], kwargs.get("processing_class"))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Checkpoint after optimizer step ``state.global_step`` when it is one of the chosen steps."""
+        self._save(int(state.global_step), kwargs["model"], kwargs.get("processing_class"))
