@@ -26,8 +26,9 @@ install: $(STAMP)
 demo: install
 	$(BIN)/covgrad run
 
+# Everything, on two pytest-xdist workers (one per core of the CI machine); the slowest tests listed at the end.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 # The fast tier on two worker processes (pytest-xdist): each has its own session fixtures.
 test-fast: install

@@ -155,3 +155,8 @@ def response_texts(
         tokenizer.decode(list(row[int(p) : int(p) + int(r)]), skip_special_tokens=True)
         for row, p, r in zip(tokens, prompt_len, response_len, strict=True)
     ]
+
+
+def answer_tokens(digits: int) -> int:
+    """Response budget of the addition task: up to digits + 1 sum digits, then EOS."""
+    return digits + 2

@@ -9,17 +9,12 @@ import torch
 from prefect import task
 
 from covgrad.models import build_demo_model
-from covgrad.problems import addition_problems, build_char_tokenizer
+from covgrad.problems import addition_problems, answer_tokens, build_char_tokenizer
 from covgrad.sft import train_sft
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer
 from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import BaseModelSpec
-
-
-def answer_tokens(digits: int) -> int:
-    """Response budget of the addition task: up to digits + 1 sum digits, then EOS."""
-    return digits + 2
 
 
 def _train_demo(store: ArtifactStore, ref: ArtifactRef, spec: BaseModelSpec) -> dict[str, Any]:

@@ -14,11 +14,10 @@ from typing import Any
 import torch
 from prefect import task
 
-from covgrad.problems import addition_problems
+from covgrad.problems import addition_problems, answer_tokens
 from covgrad.sft import train_sft
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
-from tasks.base_model import answer_tokens
 from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import TeacherSpec
 

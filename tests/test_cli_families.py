@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.arch_dirs import ARCH_GENERIC, arch_dir, family_config
 from tests.helpers.pipeline import REPO
-from tests.test_preflight import ARCH_GENERIC, arch_dir, user_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ SMALL = {
 def test_cli_run_completes_every_stage(tmp_path, family):
     from tasks.specs import plan
 
-    cfg = user_config(tmp_path, arch_dir(tmp_path / family, family), **SMALL)
+    cfg = family_config(tmp_path, arch_dir(tmp_path / family, family), **SMALL)
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}

@@ -11,6 +11,7 @@ import torch
 import transformers as T
 
 from covgrad.preflight import check_model
+from tests.helpers.arch_dirs import ARCH_GENERIC, arch_dir, family_config
 from tests.helpers.pipeline import tiny_config
 
 FAMILIES = {
@@ -95,30 +96,13 @@ def test_check_model_names_parameter_and_module_type(tmp_path):
     check_model(path, ["model.layers.*"], trust_remote_code=True)  # deselected: fine
 
 
-def user_config(root: Path, model: Path, **overrides: object):
-    task = root / "task.jsonl"
-    task.write_text(
-        "".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in [(1, 2), (3, 4)])
-    )
-    return tiny_config(
-        str(root / "runs"),
-        **{
-            "name": "family",
-            "model.path": str(model),
-            "task": {"kind": "jsonl", "path": str(task), "reward": "covgrad.problems:addition_reward", "n_prompts": 2},
-            "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 8}},
-            **overrides,
-        },
-    )
-
-
 @pytest.mark.slow
 def test_pipeline_refuses_unsupported_module_before_rollouts(prefect_server, tmp_path):
     from flows.pipeline import covgrad_pipeline
     from storage.artifacts import ArtifactStore
     from tasks.specs import plan
 
-    cfg = user_config(tmp_path, bad_dir(tmp_path / "bad"), **{"model.trust_remote_code": True})
+    cfg = family_config(tmp_path, bad_dir(tmp_path / "bad"), **{"model.trust_remote_code": True})
     with pytest.raises(ValueError, match=r"'model\.norm\.weight'.*WrappedNorm"):
         covgrad_pipeline(cfg)
     store = ArtifactStore(cfg.root)
@@ -133,7 +117,7 @@ def test_pipeline_completes_every_stage(prefect_server, tmp_path, family):
     from storage.artifacts import ArtifactStore
     from tasks.specs import plan
 
-    cfg = user_config(tmp_path, family_dir(tmp_path / family, family))
+    cfg = family_config(tmp_path, family_dir(tmp_path / family, family))
     result = covgrad_pipeline(cfg)
     assert set(result["status"].values()) == {"computed"}
     store = ArtifactStore(cfg.root)
@@ -193,26 +177,6 @@ def test_check_model_reports_the_generic_path(tmp_path):
     assert summary.startswith("generic path: 0 of ") and "(none)" in summary, summary
 
 
-def arch_dir(path: Path, family: str) -> Path:
-    """A tiny ``family`` model of tests.test_families_hybrid_ssm_moe with the character tokenizer, saved."""
-    from covgrad.problems import build_char_tokenizer
-    from tests.helpers.families_hybrid import family_model
-
-    tok = build_char_tokenizer()
-    model = family_model(family, vocab_size=len(tok))
-    model.config._attn_implementation = "eager"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-ARCH_GENERIC = {
-    "qwen3.5": "model.layers.N.linear_attn.dt_bias",
-    "gpt-oss": "model.layers.N.self_attn.sinks",
-    "deepseek-v3": "model.layers.N.mlp.gate.weight",
-}
-
-
 @pytest.mark.parametrize("family", list(ARCH_GENERIC))
 def test_check_model_accepts_hybrid_and_moe_directories(tmp_path, family):
     summary = check_model(str(arch_dir(tmp_path, family)), None, self_check=False)
@@ -226,7 +190,7 @@ def test_pipeline_completes_every_stage_on_hybrid_and_moe(prefect_server, tmp_pa
     from storage.artifacts import ArtifactStore
     from tasks.specs import plan
 
-    cfg = user_config(tmp_path, arch_dir(tmp_path / family, family))
+    cfg = family_config(tmp_path, arch_dir(tmp_path / family, family))
     result = covgrad_pipeline(cfg)
     assert set(result["status"].values()) == {"computed"}
     store = ArtifactStore(cfg.root)
@@ -236,7 +200,6 @@ def test_pipeline_completes_every_stage_on_hybrid_and_moe(prefect_server, tmp_pa
 def test_a_params_typo_on_the_demo_is_refused_before_training(tmp_path):
     """The demo model is built on the meta device, so a pattern that matches nothing fails in preflight."""
     from flows.preflight import preflight
-    from tests.helpers.pipeline import tiny_config
 
     cfg = tiny_config(str(tmp_path / "root"), **{"model.params": ["model.layers.*.mlp.up_prj.weight"]})
     with pytest.raises(ValueError, match=r"^model\.params: parameter pattern 'model\.layers\.\*\.mlp\.up_prj\.weight'"):

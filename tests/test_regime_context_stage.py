@@ -120,8 +120,10 @@ def test_context_distillation_and_the_teacher_only_add_stages():
 
     plain = plan(tiny_config("runs", regimes={"rl": {"kind": "rl"}}))
     more = plan(tiny_config("runs", regimes={"rl": {"kind": "rl"}, **CFG}))
-    assert {n: plain[n].ref.key for n in plain if n not in ("regimes", "report")} == {
-        n: more[n].ref.key for n in plain if n not in ("regimes", "report")
+    # the update check steps each regime's loss: it reads the regimes statistics, so its key moves with them
+    readers = ("regimes", "update_check", "report")
+    assert {n: plain[n].ref.key for n in plain if n not in readers} == {
+        n: more[n].ref.key for n in plain if n not in readers
     }
     assert set(more) - set(plain) == {"teacher", "regime.ctx", "regime.tsft"}
     other = plan(tiny_config("runs", regimes={"ctx": {**CFG["ctx"], "teacher_prompt": "{prompt}{answer}"}}))
@@ -151,7 +153,8 @@ def test_preflight_refuses_unfillable_and_too_long_teacher_prompts(tmp_path):
 
 
 def test_the_demo_config_adds_only_its_regime_stages():
-    """configs/demo.yaml's regimes leave every other artifact key of the demo as it was (the report aside)."""
+    """configs/demo.yaml's regimes leave every other artifact key of the demo as it was, except the two stages
+    that read the regimes statistics: the update check (it steps each regime's loss) and the report."""
     import yaml
 
     from covgrad.config import PipelineConfig
@@ -162,7 +165,8 @@ def test_the_demo_config_adds_only_its_regime_stages():
     assert set(demo["regimes"]) == {"rl", "distill", "sft"}
     without = {k: v for k, v in demo.items() if k != "regimes"}
     p0, p1 = plan(PipelineConfig.model_validate(without)), plan(PipelineConfig.model_validate(demo))
-    assert {n: p0[n].ref.key for n in p0 if n != "report"} == {n: p1[n].ref.key for n in p0 if n != "report"}
+    readers = ("update_check", "report")
+    assert {n: p0[n].ref.key for n in p0 if n not in readers} == {n: p1[n].ref.key for n in p0 if n not in readers}
     assert set(p1) - set(p0) == {"regime.rl", "regime.distill", "regime.sft", "regimes"}
 
 
@@ -181,4 +185,5 @@ def test_each_new_regime_setting_changes_exactly_the_keys_that_read_it():
         if field == "responses" and value == "sampler":
             cfg[name]["sampler"] = "policy"
         p1 = plan(tiny_config("runs", regimes=cfg))
-        assert {n for n in p0 if p0[n].ref.key != p1[n].ref.key} == expected | {"regimes", "report"}, field
+        readers = {"regimes", "update_check", "report"}  # the update check steps each regime's loss
+        assert {n for n in p0 if p0[n].ref.key != p1[n].ref.key} == expected | readers, field

@@ -98,7 +98,8 @@ def test_a_regime_setting_changes_exactly_its_fold_the_regimes_stage_and_the_rep
     base = {"d": {"kind": "distill_reverse_kl", "teacher": "stale"}, "r": {"kind": "rl"}}
     p0 = plan(tiny_config("runs", regimes=base))
     p1 = plan(tiny_config("runs", regimes={**base, "d": {**base["d"], "teacher_temperature": 0.5}}))
-    assert {n for n in p0 if p0[n].ref.key != p1[n].ref.key} == {"regime.d", "regimes", "report"}
+    # the update check steps each regime's loss and reads the regimes statistics
+    assert {n for n in p0 if p0[n].ref.key != p1[n].ref.key} == {"regime.d", "regimes", "update_check", "report"}
     p2 = plan(tiny_config("runs", regimes=base, **{"scores.checkpoint_batches": 7}))
     assert {n for n in p0 if p0[n].ref.key != p2[n].ref.key} == {"report"}  # placement: no key below the report
     assert list(plan(tiny_config("runs"))) == [n for n in p0 if not n.startswith("regime")]
