@@ -54,6 +54,7 @@ from covgrad.accum import MomentAccumulator
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from covgrad.config import RegimeSection
     from covgrad.persample import Cotangent, PerSampleGrads
 
 REGIMES = (
@@ -825,3 +826,17 @@ def align_prefixed_logits(
     out = torch.zeros(B * L, V, dtype=teacher_logits.dtype, device=teacher_logits.device)
     out.index_copy_(0, dst.to(out.device), teacher_logits.reshape(B * Lq, V)[src.to(out.device)])
     return out.view(B, L, V)
+
+
+def regime_of(r: RegimeSection) -> Regime:
+    """The :class:`covgrad.regimes.Regime` of a configured regime."""
+    return Regime(
+        kind=r.kind,
+        temperature=r.temperature,
+        teacher_temperature=r.teacher_temperature,
+        kl_beta=r.kl_beta,
+        kl_reward_to_go=r.kl_reward_to_go,
+        length_norm=r.length_norm,
+        max_length=r.max_length,
+        baseline=r.baseline,
+    )

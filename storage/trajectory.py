@@ -27,7 +27,7 @@ import torch
 from covgrad.batch import group_batches
 from covgrad.config import RegimeSection
 from covgrad.layout import ParamLayout
-from covgrad.regimes import Regime
+from covgrad.regimes import regime_of
 from covgrad.trajectory import BATCH_KEYS, StepLoss
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import ModelSource, load_models
@@ -81,20 +81,6 @@ def checkpoint_series(path: str) -> list[tuple[int, str]]:
 
 
 FIXED_KINDS = ("sft_drift", "sft_sampled")  # regimes whose data are fixed responses, never fresh samples
-
-
-def regime_of(r: RegimeSection) -> Regime:
-    """The :class:`covgrad.regimes.Regime` of a configured regime."""
-    return Regime(
-        kind=r.kind,
-        temperature=r.temperature,
-        teacher_temperature=r.teacher_temperature,
-        kl_beta=r.kl_beta,
-        kl_reward_to_go=r.kl_reward_to_go,
-        length_norm=r.length_norm,
-        max_length=r.max_length,
-        baseline=r.baseline,
-    )
 
 
 def step_loss(

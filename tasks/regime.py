@@ -30,7 +30,7 @@ from covgrad.layout import select_parameters
 from covgrad.models import context_length
 from covgrad.persample import PerSampleGrads
 from covgrad.problems import response_texts, score_rewards
-from covgrad.regimes import Regime, RegimeGrad, align_prefixed_logits, prefixed_batch
+from covgrad.regimes import RegimeGrad, align_prefixed_logits, prefixed_batch, regime_of
 from covgrad.sampling import SamplerSpec, generate
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer, load_models
@@ -43,26 +43,11 @@ from tasks.common import StageResult, progress_bar, run_stage
 from tasks.specs import RegimeSpec
 
 
-def regime_of(spec: RegimeSpec) -> Regime:
-    """The :class:`covgrad.regimes.Regime` of a regime spec's settings."""
-    r = spec.settings
-    return Regime(
-        kind=r.kind,
-        temperature=r.temperature,
-        teacher_temperature=r.teacher_temperature,
-        kl_beta=r.kl_beta,
-        kl_reward_to_go=r.kl_reward_to_go,
-        length_norm=r.length_norm,
-        max_length=r.max_length,
-        baseline=r.baseline,
-    )
-
-
 class RegimeJob:
     """One regime fold: the policy, teacher and reference models, the rollouts' batches and the store."""
 
     def __init__(self, store: ArtifactStore, ref: ArtifactRef, spec: RegimeSpec, up: dict[str, ArtifactRef]) -> None:
-        self.spec, self.regime = spec, regime_of(spec)
+        self.spec, self.regime = spec, regime_of(spec.settings)
         self.ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
         self.device = pick_device(spec.device)
         model, self.tokenizer = load_models(store, up["base_model"], "policy", spec.policy)
