@@ -835,3 +835,15 @@ def _check_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_
         raise ValueError("response_mask marks position 0, which no logit predicts; rows start with the prompt")
     if bool((response & ~attention_mask.bool()).any()):
         raise ValueError("response_mask marks padding (attention_mask == 0); mark only real response tokens")
+
+
+def checkpoint_steps(steps: int, ratio: float) -> list[int]:
+    """The steps that get a Hugging Face checkpoint: floor(ratio**i) for i = 0, 1, … up to ``steps``, and
+    ``steps`` itself (ratio 2: 1, 2, 4, 8, …, K); none for ratio 0."""
+    if ratio == 0:
+        return []
+    out, i = {steps}, 0
+    while ratio**i <= steps:
+        out.add(int(ratio**i))
+        i += 1
+    return sorted(out)

@@ -22,7 +22,9 @@ Rows are right-padded (prompt, response, pad); logit position t predicts token t
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -385,3 +387,33 @@ def _bf16_start(model_fn: Callable[[], nn.Module], layout: ParamLayout) -> torch
 def _check_optimizer(optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} is not one of {OPTIMIZERS}")
+
+
+def summarize(rows: list[dict[str, Any]], one_batch: bool) -> dict[str, Any]:
+    """The update check's summary of its grid ``rows``, per cell at one step: changed fraction (bf16 metric),
+    best ranked predictor against random, rule recall."""
+    cells = []
+    for r in rows:
+        if r["steps"] != 1:
+            continue
+        ranked = {p: r[f"bf16_{p}_jaccard"] for p in RANKED_PREDICTORS if p != "random"}
+        finite = {p: v for p, v in ranked.items() if not math.isnan(v)}
+        best = max(finite, key=lambda p: finite[p]) if finite else None
+        cell = {"regime": r["regime"]} if "regime" in r else {}
+        cell |= {
+            "optimizer": r["optimizer"],
+            "precision": r["precision"],
+            "lr": r["lr"],
+            "frac_changed_bf16": r["frac_changed_bf16"],
+            "frac_changed_abs": r["frac_changed_abs"],
+            "best_predictor": best,
+            "best_jaccard": finite[best] if best else float("nan"),
+            "random_jaccard": r["bf16_random_jaccard"],
+            "absorb_recall": r["bf16_absorb_recall"],
+            "absorb_precision": r["bf16_absorb_precision"],
+        }
+        if r["optimizer"] == "sgd":
+            cell["bound_recall"] = r["bf16_bound_recall"]
+            cell["bound_precision"] = r["bf16_bound_precision"]
+        cells.append(cell)
+    return {"one_minibatch_holds_all_samples": one_batch, "cells_at_one_step": cells}

@@ -28,13 +28,15 @@ from covgrad.batch import group_batches
 from covgrad.config import RegimeSection
 from covgrad.layout import ParamLayout
 from covgrad.regimes import regime_of
-from covgrad.trajectory import BATCH_KEYS, StepLoss
+from covgrad.sampling import SamplerSpec
+from covgrad.trajectory import BATCH_KEYS, FixedBatches, OnPolicy, StepLoss, text_rewards
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import ModelSource, load_models
+from storage.prompts import load_task
 from storage.regimes import IMPORTED
 from storage.rollouts import read_batch
+from storage.schema import ROLLOUTS, annotate, create, write
 from storage.schema import TRAJECTORY as STORE
-from storage.schema import annotate, create, write
 
 STATE_DIR = "state"
 RECORDS_DIR = "records"
@@ -224,3 +226,40 @@ def _dtype(values: list) -> type:
 def _plain(record: dict) -> dict:
     """A record as JSON values: arrays to lists, numpy scalars to Python numbers."""
     return {k: v.tolist() if isinstance(v, np.ndarray | np.generic) else v for k, v in record.items()}
+
+
+def step_source(
+    store: ArtifactStore, spec: Any, up: dict[str, ArtifactRef], tokenizer: Any, loss: StepLoss
+) -> FixedBatches | OnPolicy:
+    """The data of every step of trajectory spec ``spec`` (a ``tasks.specs.TrajectorySpec``): fresh on-policy
+    rows, or fixed minibatches of the upstream rollouts."""
+    s, r = spec.settings, spec.regime
+    if s.data == "fixed" or (r is not None and r.kind in FIXED_KINDS):
+        ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
+        return FixedBatches(fixed_batches(ro, spec.groups_per_batch, r), True, loss.needs)
+    if r is not None and r.advantages == "imported":
+        raise ValueError(
+            f"trajectory: regime {s.regime} uses imported per-token advantages, which fresh samples lack; "
+            "set trajectory.data=fixed"
+        )
+    problems, reward_fn = load_task(spec.task)
+    sampler = spec.sampler
+    return OnPolicy(
+        prompts=[tokenizer(p.prompt)["input_ids"] for p in problems],
+        rewards=text_rewards(tokenizer, problems, reward_fn),
+        group_size=sampler.group_size,
+        sampler=SamplerSpec.of(sampler),
+        prompts_per_step=s.prompts_per_step,
+        seed=s.seed,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        advantage=spec.advantage,
+        batch_size=sampler.batch_size,
+    )
+
+
+def write_summary(store: ArtifactStore, ref: ArtifactRef, g: Any, layout: ParamLayout, summary: dict) -> None:
+    """A finished trajectory's ``summary.json``, its store's attrs (tensors and summary), consolidated."""
+    store.write_json(ref, "summary.json", summary)
+    g.attrs.update({"tensors": layout.to_records(), "summary": summary})
+    store.consolidate(ref, STORE)

@@ -20,92 +20,44 @@ uninterrupted one. Hugging Face checkpoints of the analysed model are written at
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from prefect import task
 
 from covgrad.layout import ParamLayout, check_layout, parameters_flat, select_parameters
-from covgrad.sampling import SamplerSpec
 from covgrad.trajectory import (
     ChangeTracker,
-    FixedBatches,
-    OnPolicy,
     OptimizerSpec,
-    StepLoss,
     Stepper,
     StepZeroStats,
     bf16_rounded,
     checkpoint_records,
+    checkpoint_steps,
     load_trajectory_state,
     run_trajectory,
     stored_dtype,
-    text_rewards,
     trajectory_state,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.models import load_models
-from storage.prompts import load_task
-from storage.schema import REGIMES, ROLLOUTS, STATS
+from storage.schema import REGIMES, STATS
 from storage.schema import TRAJECTORY as STORE
 from storage.trajectory import (
-    FIXED_KINDS,
     checkpoint_name,
     checkpoint_series,
     create_changed,
     drop_state,
     finish_store,
-    fixed_batches,
     read_records,
     read_state,
     step_loss,
+    step_source,
     write_state,
     write_step,
+    write_summary,
 )
 from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import TrajectorySpec
-
-
-def checkpoint_steps(steps: int, ratio: float) -> list[int]:
-    """The steps that get a Hugging Face checkpoint: floor(ratio**i) for i = 0, 1, … up to ``steps``, and
-    ``steps`` itself (ratio 2: 1, 2, 4, 8, …, K); none for ratio 0."""
-    if ratio == 0:
-        return []
-    out, i = {steps}, 0
-    while ratio**i <= steps:
-        out.add(int(ratio**i))
-        i += 1
-    return sorted(out)
-
-
-def _source(
-    store: ArtifactStore, spec: TrajectorySpec, up: dict[str, ArtifactRef], tokenizer: Any, loss: StepLoss
-) -> FixedBatches | OnPolicy:
-    """The data of every step: fresh on-policy rows, or fixed minibatches of the upstream rollouts."""
-    s, r = spec.settings, spec.regime
-    if s.data == "fixed" or (r is not None and r.kind in FIXED_KINDS):
-        ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-        return FixedBatches(fixed_batches(ro, spec.groups_per_batch, r), True, loss.needs)
-    if r is not None and r.advantages == "imported":
-        raise ValueError(
-            f"trajectory: regime {s.regime} uses imported per-token advantages, which fresh samples lack; "
-            "set trajectory.data=fixed"
-        )
-    problems, reward_fn = load_task(spec.task)
-    sampler = spec.sampler
-    return OnPolicy(
-        prompts=[tokenizer(p.prompt)["input_ids"] for p in problems],
-        rewards=text_rewards(tokenizer, problems, reward_fn),
-        group_size=sampler.group_size,
-        sampler=SamplerSpec.of(sampler),
-        prompts_per_step=s.prompts_per_step,
-        seed=s.seed,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        advantage=spec.advantage,
-        batch_size=sampler.batch_size,
-    )
 
 
 def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: dict[str, ArtifactRef]) -> dict:
@@ -124,11 +76,9 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     start = policy()
     layout = select_parameters(start, spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
-    if spec.regime is None:
-        stats = StepZeroStats(F=st["F"][:], G=st["G"][:], rho=st["rho"][:], seed=s.seed)
-    else:
-        rg = store.open_group(up["regimes"], REGIMES, mode="r")
-        stats = StepZeroStats(F=st["F"][:], G=rg[f"G_{s.regime}"][:], rho=rg[f"rho_{s.regime}"][:], seed=s.seed)
+    rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
+    own = "" if spec.regime is None else f"_{s.regime}"  # a regime's G and ρ are in the regimes statistics
+    stats = StepZeroStats(F=st["F"][:], G=rg[f"G{own}"][:], rho=rg[f"rho{own}"][:], seed=s.seed)
     decay = s.weight_decay if s.optimizer == "adamw" else None
     opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
     if s.checkpoints is not None:
@@ -138,7 +88,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
     tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats, bound)
     reference = bf16_rounded(policy()).to(stored_dtype(s.precision))
-    source = _source(store, spec, up, tokenizer, loss)
+    source = step_source(store, spec, up, tokenizer, loss)
 
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, s.steps, layout.P)
@@ -178,17 +128,10 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
         "kl_last": last["kl"],
         "checkpoints": sorted(saved),
     }
-    store.write_json(ref, "summary.json", summary)
-    g.attrs.update({"tensors": layout.to_records(), "summary": summary})
-    store.consolidate(ref, STORE)
+    write_summary(store, ref, g, layout, summary)
     drop_state(store, ref)
-    log.info(
-        "trajectory %s: %d steps, per-step changed %.4f, cumulative %.4f",
-        ref.key,
-        s.steps,
-        summary["frac_changed_step_mean"],
-        summary["frac_changed_cum_final"],
-    )
+    step, cum = summary["frac_changed_step_mean"], summary["frac_changed_cum_final"]
+    log.info("trajectory %s: %d steps, per-step changed %.4f, cumulative %.4f", ref.key, s.steps, step, cum)
     return summary
 
 
@@ -241,9 +184,7 @@ def _external(
         "frac_changed_step_mean": float(np.mean([r["n_changed_step"] for r in records]) / layout.P),
         "frac_changed_cum_final": records[-1]["n_changed_cum"] / layout.P,
     }
-    store.write_json(ref, "summary.json", summary)
-    g.attrs.update({"tensors": layout.to_records(), "summary": summary})
-    store.consolidate(ref, STORE)
+    write_summary(store, ref, g, layout, summary)
     cum = summary["frac_changed_cum_final"]
     log.info("trajectory %s: external run of %d checkpoints, cumulative %.4f", ref.key, K + 1, cum)
     return summary

@@ -33,14 +33,12 @@ from typing import Any
 import torch
 from prefect import task
 
-from covgrad.batch import group_batches
 from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.tables import to_csv, to_markdown
 from covgrad.trajectory import StepLoss
-from covgrad.update import BATCH_KEYS, RANKED_PREDICTORS, update_grid
+from covgrad.update import RANKED_PREDICTORS, summarize, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
-from storage.rollouts import read_batch
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
 from storage.trajectory import fixed_batches, step_loss
@@ -60,44 +58,6 @@ MD_COLUMNS = (
     "bf16_bound_recall",
     "bf16_bound_precision",
 )
-
-
-def minibatches(ro: Any, groups_per_batch: int) -> list[dict[str, torch.Tensor]]:
-    """The rollouts as minibatches of whole prompt groups: (n, L_b) rows trimmed of trailing padding."""
-    out = []
-    for lo, hi in group_batches(ro["group"][:], groups_per_batch):
-        batch = read_batch(ro, lo, hi)
-        out.append({k: getattr(batch, k) for k in BATCH_KEYS})
-    return out
-
-
-def summarize(rows: list[dict[str, Any]], one_batch: bool) -> dict[str, Any]:
-    """Per cell at one step: changed fraction (bf16 metric), best ranked predictor vs random, rule recall."""
-    cells = []
-    for r in rows:
-        if r["steps"] != 1:
-            continue
-        ranked = {p: r[f"bf16_{p}_jaccard"] for p in RANKED_PREDICTORS if p != "random"}
-        finite = {p: v for p, v in ranked.items() if not math.isnan(v)}
-        best = max(finite, key=lambda p: finite[p]) if finite else None
-        cell = {"regime": r["regime"]} if "regime" in r else {}
-        cell |= {
-            "optimizer": r["optimizer"],
-            "precision": r["precision"],
-            "lr": r["lr"],
-            "frac_changed_bf16": r["frac_changed_bf16"],
-            "frac_changed_abs": r["frac_changed_abs"],
-            "best_predictor": best,
-            "best_jaccard": finite[best] if best else float("nan"),
-            "random_jaccard": r["bf16_random_jaccard"],
-            "absorb_recall": r["bf16_absorb_recall"],
-            "absorb_precision": r["bf16_absorb_precision"],
-        }
-        if r["optimizer"] == "sgd":
-            cell["bound_recall"] = r["bf16_bound_recall"]
-            cell["bound_precision"] = r["bf16_bound_precision"]
-        cells.append(cell)
-    return {"one_minibatch_holds_all_samples": one_batch, "cells_at_one_step": cells}
 
 
 def _compute(
@@ -126,7 +86,7 @@ def _compute(
     F, G, rho = (lambda name=name: torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
     scalars = st.attrs["scalars"]
     adv_rms = float(scalars["adv_rms"])  # √mean(A²), covgrad.stats.adv_rms
-    batches = minibatches(ro, spec.groups_per_batch)
+    batches = fixed_batches(ro, spec.groups_per_batch, None)
     uc = spec.settings
     n_lrs = {"adam": len(uc.adam_lrs), "sgd": len(uc.sgd_lrs or uc.adam_lrs)}
     cells = sum(n_lrs.get(o, len(uc.adam_lrs)) for o in uc.optimizers) * len(uc.precisions)

@@ -85,7 +85,7 @@ def test_context_distillation_fold_is_the_naive_loop_with_the_prefixed_teacher(r
 
 @pytest.mark.slow
 def test_sft_on_the_trained_teachers_samples_is_the_naive_loop(run):
-    from tasks.regime import RegimeJob
+    from storage.regime_fold import RegimeJob
 
     cfg, results = run
     store = ArtifactStore(cfg.root)

@@ -16,10 +16,10 @@ import xarray as xr
 
 from covgrad.ckpt_diff import diff_state_dicts
 from covgrad.layout import ParamLayout
+from covgrad.trajectory import checkpoint_steps
 from storage.checkpoints import load_state_dict
 from storage.schema import TRAJECTORY
 from tasks.specs import plan
-from tasks.trajectory import checkpoint_steps
 from tests.helpers.pipeline import REPO, run_planned, tiny_config
 
 STEPS = 6
