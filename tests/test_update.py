@@ -22,6 +22,7 @@ from covgrad.update import (
     update_grid,
 )
 from tests.helpers.models import tiny_llama as build_llama
+from tests.helpers.trajectory import rollouts
 
 VOCAB = 16
 
@@ -30,31 +31,6 @@ def tiny_llama() -> LlamaForCausalLM:
     return build_llama(
         VOCAB, hidden=16, intermediate=32, heads=2, kv_heads=1, max_positions=32, attn_implementation="eager"
     ).train()
-
-
-def rollouts(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
-    """Right-padded rows (prompt, response, pad) with random tokens and group-centred advantages."""
-    g = torch.Generator().manual_seed(seed)
-    prompt_len = torch.randint(1, 4, (n,), generator=g)
-    response_len = torch.randint(2, 6, (n,), generator=g)
-    L = int((prompt_len + response_len).max()) + 1
-    input_ids = torch.zeros(n, L, dtype=torch.long)
-    attention_mask = torch.zeros(n, L, dtype=torch.long)
-    response_mask = torch.zeros(n, L, dtype=torch.bool)
-    for i in range(n):
-        end = int(prompt_len[i] + response_len[i])
-        input_ids[i, :end] = torch.randint(1, VOCAB, (end,), generator=g)
-        attention_mask[i, :end] = 1
-        response_mask[i, int(prompt_len[i]) : end] = True
-    rewards = torch.randn(n, generator=g)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-        "advantages": rewards - rewards.mean(),
-        "prompt_len": prompt_len,
-        "response_len": response_len,
-    }
 
 
 @pytest.fixture(scope="module")

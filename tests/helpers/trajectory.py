@@ -31,7 +31,8 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def rollouts(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
-    """Fixed right-padded rows (prompt, response, pad) with random tokens and centred advantages."""
+    """Fixed right-padded rows (prompt, response, pad) with random tokens and centred advantages; their prompt
+    and response lengths (n,)."""
     g = torch.Generator().manual_seed(seed)
     prompt_len = torch.randint(1, 4, (n,), generator=g)
     response_len = torch.randint(2, 6, (n,), generator=g)
@@ -50,6 +51,8 @@ def rollouts(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
         "attention_mask": attention_mask,
         "response_mask": response_mask,
         "advantages": rewards - rewards.mean(),
+        "prompt_len": prompt_len,
+        "response_len": response_len,
     }
 
 
