@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from covgrad.accum import MomentAccumulator
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
+from covgrad.optaps import OpTaps
 from covgrad.rules import Call, Rule, Slot, float_outputs, generic_rule, rule_for
 
 # Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: about the
@@ -261,6 +262,9 @@ class PerSampleGrads:
         chunk_bytes: bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused
             reduction (None: :func:`default_chunk_bytes` of the device; 0: fold whole blocks). Chunks
             change the GEMM shapes, so the fp32 products may differ in their last bits from whole blocks.
+        op_taps: give the parameters of generic-rule bindings their per-sample gradients at the ops that use
+            them (:mod:`covgrad.optaps`), falling back to the module replay where that is not shown exact;
+            False: always the module replay (:func:`covgrad.rules.generic_rule`).
 
     Raises:
         ValueError: when a selected parameter is not in the model, or has no per-sample rule (one message
@@ -270,7 +274,12 @@ class PerSampleGrads:
     """
 
     def __init__(
-        self, model: nn.Module, layout: ParamLayout, check: bool = True, chunk_bytes: int | None = None
+        self,
+        model: nn.Module,
+        layout: ParamLayout,
+        check: bool = True,
+        chunk_bytes: int | None = None,
+        op_taps: bool = True,
     ) -> None:
         params = dict(model.named_parameters())
         self.model = model
@@ -308,11 +317,23 @@ class PerSampleGrads:
         # every forward and backward, when the activations peak.
         self._pool: list[Tensor] = []
         self._roots: list[Tensor] = []
+        self._taps = OpTaps(self) if op_taps else None
 
     def bindings(self) -> list[Binding]:
         """The modules hooked, with their rules and selected parameters (after the first call's trace, which
         may move a parameter to the module whose forward uses it)."""
         return list(self._bindings)
+
+    def generic_paths(self) -> dict[str, str]:
+        """Each generic-rule parameter (layout name) and how its per-sample gradient is taken: "op" (at the
+        ops that use it, :mod:`covgrad.optaps`) or "replay" (the module's forward per sample); after a call,
+        which may move a module to the replay."""
+        return {
+            e.name: "replay" if self._taps is None else self._taps.path(module)
+            for module, rule, local in self._bindings
+            if rule is generic_rule
+            for e in local.values()
+        }
 
     def __call__(
         self,
@@ -493,7 +514,10 @@ class PerSampleGrads:
             if not self._traced or (B >= 2 and not self._verified):
                 self._trace(inputs)
             for module, rule, local in self._bindings:
-                handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
+                if rule is generic_rule and self._taps is not None:
+                    handles += self._taps.hooks(module, local)
+                else:
+                    handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
             with torch.enable_grad():
                 logits = self.model(**inputs, use_cache=False).logits
                 calls = dict(self._calls)  # module calls per tensor: the contributions each backward brings
@@ -519,6 +543,8 @@ class PerSampleGrads:
                             self._fold(e)
             return targets[0][1]
         finally:
+            if self._taps is not None:
+                self._taps.reset()
             for h in handles:
                 h.remove()
             for p, flag in flags:
@@ -553,6 +579,12 @@ class PerSampleGrads:
             block = buf[:need].view(self._B, entry.numel)
             self._blocks[entry.name] = block
         return block
+
+    def _tap_view(self, entry: TensorEntry) -> tuple[Tensor, bool]:
+        """``entry``'s (B, *shape) block for an op-level contribution and whether it is the first (write)."""
+        first = entry.name not in self._written
+        self._written.add(entry.name)
+        return self._block(entry).view(self._B, *entry.shape), first
 
     def _fold(self, entry: TensorEntry) -> None:
         """Fold ``entry``'s finished block into the accumulator and release it."""
