@@ -3,7 +3,8 @@
 ``--suite arch`` (default): a Qwen3.5-shaped hybrid (three Gated DeltaNet layers to one full-attention
 layer; dt_bias, A_log, the short conv and the gated norm on the generic path) and a DeepSeek-V3-style MoE
 (MLA attention, sigmoid router with group top-k and a correction bias, shared expert, first layer dense),
-every parameter selected, and again without the generic-path parameters (what their replays cost). Each
+every parameter selected (the generic-path parameters by the op-level path of :mod:`covgrad.optaps`, and
+again by the module replay), and again without the generic-path parameters (what their path costs). Each
 repetition times, interleaved after one warm-up, the floor (one forward and one batched backward of the
 summed objective with every parameter requiring grad: the ordinary training gradient) and the fused
 per-sample reduction (``PerSampleGrads.accumulate`` into a float64 :class:`covgrad.accum.MomentAccumulator`,
@@ -27,6 +28,7 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -129,6 +131,23 @@ def batched_backward(model: nn.Module, ids: Tensor, attn: Tensor, pos: Tensor, t
     logits.backward(score_logit_grad(logits.detach(), ids, target).to(logits.dtype))
 
 
+class _Timer:
+    """Process CPU time spent inside wrapped callables, by label; a nested call's time counts in both."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock, self.spent = clock, {}
+
+    def wrap(self, label: str, fn: Callable) -> Callable:
+        def timed(*args: object, **kwargs: object) -> object:
+            t = self.clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[label] = self.spent.get(label, 0.0) + self.clock() - t
+
+        return timed
+
+
 def run_arch(args: argparse.Namespace) -> None:
     B, L = args.batch, args.length
     gen = torch.Generator().manual_seed(1)
@@ -141,45 +160,66 @@ def run_arch(args: argparse.Namespace) -> None:
     fn = lambda z: score_logit_grad(z, ids, target)  # noqa: E731
     adv, half = np.linspace(-1.0, 1.0, B), np.arange(B) % 2
     compiled = args.fold == "compiled"
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(
         f"B={B}, L={L}, reps={args.reps}, threads={torch.get_num_threads()}, torch {torch.__version__}, "
         f"clock={args.clock}, fold={args.fold}"
     )
-    print(f"{'model':26s} {'P':>10s} {'generic P':>10s} {'floor s':>8s} {'scores s':>9s} {'ratio':>6s}")
-    rows = [(name, fast) for name in ("qwen3.5-hybrid", "deepseek-v3-moe") for fast in (False, True)]
-    for name, fast_only in rows:
+    # per model: every parameter with the op-level path (covgrad.optaps), with the module replay, and without
+    # the generic-path parameters; all of one model's rows timed interleaved, repetition by repetition
+    variants = (("", True, True), (" replay", True, False), (" -generic", False, True))
+    print(
+        f"{'model':26s} {'P':>10s} {'generic P':>10s} {'floor s':>8s} {'scores s':>9s} {'ratio':>6s} "
+        f"{'rules s':>8s} {'fold s':>7s} {'rest s':>7s}"
+    )
+    for name in ("qwen3.5-hybrid", "deepseek-v3-moe"):
         model = arch_model(name)
-        layout = select_parameters(model)
-        psg = PerSampleGrads(model, layout, check=True)
-        acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=compiled)
-        psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
-        generic = {e.name for _, rule, local in psg.bindings() if rule is generic_rule for e in local.values()}
-        n_generic = sum(layout.entry(n).numel for n in generic)
-        if fast_only:  # the same model with the generic-path parameters deselected: what their replays cost
-            layout = select_parameters(model, [n for n in layout.names if n not in generic])
-            psg = PerSampleGrads(model, layout, check=True)
+        runs = []
+        for suffix, with_generic, taps in variants:
+            layout = select_parameters(model)
+            psg = PerSampleGrads(model, layout, check=True, op_taps=taps)
             acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=compiled)
-            psg.accumulate(ids, attn, fn, acc, adv, half, pos)
-            name, n_generic = f"{name} -generic", 0
-        if compiled and acc.fold_path != "compiled":
-            print(f"  fold: {acc.fold_path}")
+            psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
+            generic = set(psg.generic_paths())
+            n_generic = sum(layout.entry(n).numel for n in generic)
+            if not with_generic:  # the generic-path parameters deselected: what their per-sample path costs
+                layout = select_parameters(model, [n for n in layout.names if n not in generic])
+                psg = PerSampleGrads(model, layout, check=True, op_taps=taps)
+                acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=compiled)
+                psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+                n_generic = 0
+            paths = sorted(set(psg.generic_paths().values()))
+            label = f"{name}{suffix}" + (f" ({'/'.join(paths)})" if paths and with_generic else "")
+            if compiled and acc.fold_path != "compiled":
+                print(f"  fold: {acc.fold_path}")
+            timer = _Timer(clock)
+            acc.fold = timer.wrap("fold", acc.fold)
+            psg._run_rule = timer.wrap("rules", psg._run_rule)
+            runs.append((label, layout.P, n_generic, psg, acc, timer, [], []))
         batched_backward(model, ids, attn, pos, target)
-        clock = time.process_time if args.clock == "cpu" else time.perf_counter
-        floor, ours = [], []
         for _ in range(args.reps):
-            t = clock()
-            batched_backward(model, ids, attn, pos, target)
-            floor.append(clock() - t)
-            model.zero_grad(set_to_none=True)
-            t = clock()
-            psg.accumulate(ids, attn, fn, acc, adv, half, pos)
-            ours.append(clock() - t)
-        ratio = statistics.median([o / f for o, f in zip(ours, floor, strict=True)])
-        print(
-            f"{name:26s} {layout.P:10,d} {n_generic:10,d} {statistics.median(floor):8.3f} "
-            f"{statistics.median(ours):9.3f} {ratio:6.2f}"
-        )
-    print("ratio: median per-repetition scores / floor (goal <= 1.5); -generic: generic-path parameters deselected")
+            for _, _, _, psg, acc, _timer, floor, ours in runs:
+                t = clock()
+                batched_backward(model, ids, attn, pos, target)
+                floor.append(clock() - t)
+                model.zero_grad(set_to_none=True)
+                t = clock()
+                psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+                ours.append(clock() - t)
+        for label, P, n_generic, _, _, timer, floor, ours in runs:
+            ratio = statistics.median([o / f for o, f in zip(ours, floor, strict=True)])
+            fold = timer.spent.get("fold", 0.0) / args.reps
+            rules = timer.spent.get("rules", 0.0) / args.reps - fold  # folds run inside the rules' calls
+            rest = statistics.mean(ours) - rules - fold
+            print(
+                f"{label:26s} {P:10,d} {n_generic:10,d} {statistics.median(floor):8.3f} "
+                f"{statistics.median(ours):9.3f} {ratio:6.2f} {rules:8.3f} {fold:7.3f} {rest:7.3f}"
+            )
+    print(
+        "ratio: median per-repetition scores / floor (goal <= 1.5); replay: generic-path parameters by the module "
+        "replay; -generic: generic-path parameters deselected; rules / fold / rest: mean CPU s per step in the "
+        "per-sample rules (op taps included), in the accumulator's fold, and in the rest (forward, backward)"
+    )
 
 
 def run_norms(args: argparse.Namespace) -> None:

@@ -1,0 +1,134 @@
+"""The op-level path of generic-rule parameters (covgrad.optaps) against the naive per-sequence loop: the Gated
+DeltaNet pattern (a functional depthwise conv on a child's weight, softplus(a + dt_bias), -exp(A_log) · …) planted
+in a tiny Llama takes the op path and is exact; a use whose data input does not split by sample falls back to the
+module replay, still exact; a use that mixes samples fails the separability check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from covgrad.layout import select_parameters
+from covgrad.optaps import _DERIVED, _SPLIT, OpTaps, _Derived, _Record, _Use
+from covgrad.persample import PerSampleGrads, score_logit_grad
+from tests.helpers.families import perturb
+from tests.helpers.models import tiny_llama
+from tests.helpers.persample import BATCH, PAD, V, make_batch, max_rel_err, naive_scores
+
+H = 32
+
+
+class GatedConvMixer(nn.Module):
+    """The Gated DeltaNet's small parameters around a wrapped MLP: the Conv1d child's weight handed to
+    F.conv1d by this forward (the child never runs), dt_bias inside softplus, A_log exponentiated first."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.conv = nn.Conv1d(H, H, 4, groups=H, bias=False, padding=3)
+        self.proj_a = nn.Linear(H, 4, bias=False)
+        self.dt_bias = nn.Parameter(torch.randn(4))
+        self.A_log = nn.Parameter(torch.randn(4) * 0.5)
+
+    def forward(self, x):
+        L = x.shape[1]
+        y = F.conv1d(x.transpose(1, 2), self.conv.weight.squeeze(1).unsqueeze(1), None, padding=3, groups=H)
+        y = F.silu(y[..., :L]).transpose(1, 2)  # (B, L, H)
+        g = -self.A_log.float().exp() * F.softplus(self.proj_a(x).float() + self.dt_bias)  # (B, L, 4)
+        gate = torch.sigmoid(g).repeat_interleave(H // 4, dim=-1)
+        return self.mlp(x + y * gate)
+
+
+class TimeMajorGain(nn.Module):
+    """A gain applied to a time-major (L, B, H) view: its data input's leading dimension is not the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(H))
+
+    def forward(self, x):
+        return (x.transpose(0, 1) * self.weight).transpose(0, 1)
+
+
+def planted(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = tiny_llama(V, intermediate=48, pad_token_id=PAD)
+    for layer in model.model.layers:
+        if kind == "mixer":
+            layer.mlp = GatedConvMixer(layer.mlp)
+        else:
+            layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, TimeMajorGain())
+    return perturb(model)
+
+
+def scores(model: nn.Module, batch: dict, **kw: object) -> tuple[PerSampleGrads, torch.Tensor]:
+    psg = PerSampleGrads(model, select_parameters(model), **kw)
+    ids = batch["input_ids"]
+    rows = psg(
+        ids, batch["attention_mask"], lambda z: score_logit_grad(z, ids, batch["target_mask"]), batch["position_ids"]
+    )
+    return psg, rows
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_mixer_parameters_take_the_op_path_exactly(check):
+    model = planted("mixer")
+    layout = select_parameters(model)
+    batch = make_batch(41, **BATCH)
+    psg, rows = scores(model, batch, check=check)
+    paths = psg.generic_paths()
+    small = {n for n in layout.names if n.endswith(("dt_bias", "A_log", "conv.weight"))}
+    assert small and all(paths[n] == "op" for n in small), paths
+    err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)
+    _, replayed = scores(model, batch, check=False, op_taps=False)
+    err, where = max_rel_err(layout, rows, replayed)
+    assert err < 1e-5, (err, where)
+
+
+def test_fused_reduction_with_op_taps_matches_its_rows():
+    from covgrad.accum import MomentAccumulator
+
+    model = planted("mixer")
+    layout = select_parameters(model)
+    batch = make_batch(42, **BATCH)
+    ids = batch["input_ids"]
+    fn = lambda z: score_logit_grad(z, ids, batch["target_mask"])  # noqa: E731
+    adv, half = torch.tensor([0.5, -1.0, 2.0, 0.25]).numpy(), torch.tensor([0, 1, 0, 1]).numpy()
+    psg = PerSampleGrads(model, layout, check=False)
+    acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=False)
+    psg.accumulate(ids, batch["attention_mask"], fn, acc, adv, half, batch["position_ids"])
+    assert all(p == "op" for p in psg.generic_paths().values())
+    rows = naive_scores(model, layout, batch).double()
+    for h in (0, 1):
+        sel = torch.from_numpy(half == h)
+        assert torch.allclose(acc.mean[h], rows[sel].mean(0), rtol=1e-5, atol=1e-7)
+        m2 = ((rows[sel] - rows[sel].mean(0)) ** 2).sum(0)
+        assert torch.allclose(acc.m2[h], m2, rtol=1e-4, atol=1e-8)
+
+
+def test_use_that_does_not_split_by_sample_falls_back_to_the_replay_exactly():
+    model = planted("time-major")
+    layout = select_parameters(model)
+    batch = make_batch(43, **BATCH)
+    psg, rows = scores(model, batch, check=False)
+    gains = [n for n in layout.names if n.endswith("post_attention_layernorm.1.weight")]
+    assert gains and all(psg.generic_paths()[n] == "replay" for n in gains)
+    assert any("does not split by sample" in why for why in psg._taps.replay.values())
+    err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)
+
+
+def test_separability_check_catches_an_op_that_mixes_samples():
+    """An op run per sample must reproduce the batched rows: one that reverses the batch does not."""
+    taps = OpTaps(owner=None)  # the check itself reads nothing of the owner
+    x, w = torch.randn(4, 5, 3), torch.randn(3)
+    d = _Derived(w, w.detach().requires_grad_(), frozenset({"w"}), _Record(nn.Linear(1, 1), {}, 4, 0, {}))
+    for func, mixes in ((torch.mul, False), (lambda a, b: a.flip(0) * b, True)):
+        leaves, spec = tree_flatten(((x, w), {}))
+        use = _Use(func, spec, leaves, [_SPLIT, _DERIVED], [d], frozenset({"w"}))
+        why = taps._separable(use, func(x, w), 4)
+        assert bool(why) == mixes, why
