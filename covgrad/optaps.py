@@ -106,6 +106,7 @@ class _Record:
     B: int
     flat: int  # the call's flattened rows B·k (0: leading dimension B)
     params: dict[int, str]  # id(parameter) → local name
+    inputs: list[Tensor] = field(default_factory=list)  # the call's (B, …) tensor arguments in the graph
     shadows: dict[str, Tensor] = field(default_factory=dict)
     uses: list[_Use] = field(default_factory=list)
     reason: str = ""  # why the op-level capture does not hold for this call ("" while it does)
@@ -189,7 +190,8 @@ class OpTaps:
                 return None
             flat = lead
         params = {id(module.get_parameter(pn)): pn for pn in local}
-        return _Record(module, local, B, flat, params)
+        inputs = [t for t in _tensors(args, kwargs) if t.dim() and t.shape[0] == B and t.requires_grad]
+        return _Record(module, local, B, flat, params, inputs)
 
     def _push(self, record: _Record, args: tuple, kwargs: dict) -> None:
         for t in _tensors(args, kwargs):  # the call's arguments are data
@@ -294,7 +296,7 @@ class OpTaps:
         derived = [self._as_derived(t, record_of) for t in leaves if _is_derived(t, self._derived, record_of)]
         records = {id(d.record): d.record for d in derived}
         record = derived[0].record
-        modes, kept = [], []
+        modes, kept, inner = [], [], []
         for t in leaves:
             if _is_derived(t, self._derived, record_of):
                 modes.append(_DERIVED)
@@ -302,6 +304,8 @@ class OpTaps:
             elif isinstance(t, Tensor) and (t.requires_grad or id(t) in self._data):
                 modes.append(self._split_mode(record, t))
                 kept.append(t.detach())
+                if modes[-1] == _FLAT and t.shape[0] != record.flat:
+                    inner.append(t)  # flattened inside the forward: its rows are checked below
             else:
                 modes.append(_SHARED)
                 kept.append(t)
@@ -323,7 +327,8 @@ class OpTaps:
         use = _Use(func, spec, kept, modes, derived, frozenset(n for d in derived for n in d.names))
         sig = (id(record.module), len(record.uses), _name(func), tuple(modes), _shapes(kept))
         if sig not in self.verified:
-            why = self._separable(use, out, record.B)
+            why = next((w for t in inner if (w := self._rows_apart(record, t))), "")
+            why = why or self._separable(use, out, record.B)
             if why:
                 record.reason = f"{_name(func)} {why}"
                 return out
@@ -340,11 +345,41 @@ class OpTaps:
         lead = t.shape[0] if t.dim() else None
         if lead == record.B:
             return _SPLIT
-        if record.flat and lead == record.flat:
-            return _FLAT
         if lead is None or lead == 1:
             return _SHARED
+        if lead % record.B == 0:  # (B·k, …): the module's verified flattened rows, or checked (_rows_apart)
+            return _FLAT
         return None
+
+    def _rows_apart(self, record: _Record, t: Tensor) -> str:
+        """ "" when row block n of a tensor flattened inside the forward, ``t`` (B·k, …), depends on sample n's
+        rows of the call's inputs alone (for the first and last sample, by autograd on the forward's graph)."""
+        B = record.B
+        if B == 1:
+            return ""
+        if not t.requires_grad or not record.inputs:
+            return "has flattened (B·k, …) rows that cannot be traced to the samples"
+        gen = torch.Generator().manual_seed(0)
+        rows = t.reshape(B, -1, *t.shape[1:])
+        for n in (0, B - 1):
+            weights = torch.randn(rows[n].shape, generator=gen, dtype=torch.float64).to(t.device)
+            probe = (rows[n].double() * weights).sum()
+            self.owner._probing = True  # the hooks on the way stand aside
+            try:
+                grads = torch.autograd.grad(probe, record.inputs, retain_graph=True, allow_unused=True)
+            finally:
+                self.owner._probing = False
+            own = False
+            for gr in grads:
+                if gr is None:
+                    continue
+                gr = gr.nan_to_num(0.0, 0.0, 0.0)
+                if bool((torch.cat([gr[:n], gr[n + 1 :]]) != 0).any()):
+                    return "has flattened (B·k, …) rows that are not sample by sample"
+                own = own or bool((gr[n] != 0).any())
+            if not own:
+                return "has flattened (B·k, …) rows that cannot be traced to the samples"
+        return ""
 
     def _separable(self, use: _Use, out: Tensor, B: int) -> str:
         """ "" when the op run per sample (vmap) gives the batched output's rows, else why not."""
@@ -436,7 +471,7 @@ def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
 def _apply(owner: PerSampleGrads, record: _Record, use: _Use, g: Tensor) -> None:
     """Per-sample gradients of the use's parameters from its output gradient ``g``, into their blocks."""
     B = record.B
-    gs = g.reshape(B, -1, *g.shape[1:]) if record.flat and g.shape[0] == record.flat else g
+    gs = g if g.shape[0] == B else g.reshape(B, -1, *g.shape[1:])
     dvals = [d.real for d in use.derived]
 
     def one(dv: list[Tensor], mine: list[Tensor], cot: Tensor) -> list[Tensor]:

@@ -299,6 +299,7 @@ class PerSampleGrads:
         self._B = 0
         self._L = 0
         self._replaying = False  # a rule re-runs a module's forward: the hooks of its submodules stand aside
+        self._probing = False  # covgrad.optaps checks rows by autograd mid-forward: the backward hooks stand aside
         self._out: Tensor | None = None
         self._acc: MomentAccumulator | None = None
         self._check: _Check | None = None
@@ -732,6 +733,8 @@ class PerSampleGrads:
                 call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where, m)
 
             def run(g: Tensor | tuple[Tensor, ...]) -> None:
+                if self._probing:
+                    return
                 g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
                 if needs_call:
                     self._run_rule(lambda: self._replay(rule, module, x, g, slot, call), local)

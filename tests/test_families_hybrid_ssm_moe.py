@@ -286,7 +286,7 @@ def test_forward_that_cannot_run_per_sample_refused_naming_the_module():
 
 def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_path():
     """Experts with biases and transposed weights (GPT-OSS) get the fused-experts rule; a mixer's own small
-    parameters and its short conv (Qwen3.5's Gated DeltaNet) share one generic replay of the mixer."""
+    parameters and its short conv (Qwen3.5's Gated DeltaNet) share one generic-rule binding of the mixer."""
     from covgrad.rules import _experts_rule, generic_rule, rule_for
 
     oss = FAMILIES["gpt-oss"]()
@@ -307,6 +307,9 @@ def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_pat
     replays = [set(local) for m, rule, local in psg.bindings() if m is mixer]
     assert replays == [{"dt_bias", "A_log", "conv1d.weight"}]
     assert all(rule is generic_rule for m, rule, _ in psg.bindings() if m is mixer)
+    # taken at the ops that use them (covgrad.optaps), not by replaying the mixer
+    paths = psg.generic_paths()
+    assert {paths[f"model.layers.0.linear_attn.{n}"] for n in ("dt_bias", "A_log", "conv1d.weight")} == {"op"}
 
 
 @pytest.mark.parametrize("name", ["qwen3.5", "lfm2", "gpt-oss", "deepseek-v3", "mamba2"])
