@@ -195,29 +195,32 @@ def run_arch(args: argparse.Namespace) -> None:
             timer = _Timer(clock)
             acc.fold = timer.wrap("fold", acc.fold)
             psg._run_rule = timer.wrap("rules", psg._run_rule)
-            runs.append((label, layout.P, n_generic, psg, acc, timer, [], []))
+            runs.append((label, layout.P, n_generic, psg, acc, timer, [], [], []))
         batched_backward(model, ids, attn, pos, target)
         for _ in range(args.reps):
-            for _, _, _, psg, acc, _timer, floor, ours in runs:
+            for _, _, _, psg, acc, timer, floor, ours, parts in runs:
                 t = clock()
                 batched_backward(model, ids, attn, pos, target)
                 floor.append(clock() - t)
                 model.zero_grad(set_to_none=True)
+                timer.spent = {}
                 t = clock()
                 psg.accumulate(ids, attn, fn, acc, adv, half, pos)
                 ours.append(clock() - t)
-        for label, P, n_generic, _, _, timer, floor, ours in runs:
+                fold = timer.spent.get("fold", 0.0)
+                parts.append((timer.spent.get("rules", 0.0) - fold, fold))  # folds run inside the rules' calls
+        for label, P, n_generic, _, _, _, floor, ours, parts in runs:
             ratio = statistics.median([o / f for o, f in zip(ours, floor, strict=True)])
-            fold = timer.spent.get("fold", 0.0) / args.reps
-            rules = timer.spent.get("rules", 0.0) / args.reps - fold  # folds run inside the rules' calls
-            rest = statistics.mean(ours) - rules - fold
+            rules = statistics.median(r for r, _ in parts)
+            fold = statistics.median(f for _, f in parts)
+            rest = statistics.median(o - r - f for o, (r, f) in zip(ours, parts, strict=True))
             print(
                 f"{label:26s} {P:10,d} {n_generic:10,d} {statistics.median(floor):8.3f} "
                 f"{statistics.median(ours):9.3f} {ratio:6.2f} {rules:8.3f} {fold:7.3f} {rest:7.3f}"
             )
     print(
         "ratio: median per-repetition scores / floor (goal <= 1.5); replay: generic-path parameters by the module "
-        "replay; -generic: generic-path parameters deselected; rules / fold / rest: mean CPU s per step in the "
+        "replay; -generic: generic-path parameters deselected; rules / fold / rest: median CPU s per step in the "
         "per-sample rules (op taps included), in the accumulator's fold, and in the rest (forward, backward)"
     )
 

@@ -318,6 +318,9 @@ class OpTaps:
             return out
         if record.reason or not isinstance(out, Tensor) or not out.is_floating_point():
             return out  # a failed record takes the replay; a non-float output carries no gradient
+        if not torch.is_grad_enabled():  # inside an autograd.Function's forward or no_grad: no hook would fire
+            record.reason = f"{_name(func)} runs where autograd does not record it"
+            return out
         if any(m is None for m in modes):
             record.reason = f"{_name(func)} has a data input that does not split by sample"
             return out

@@ -127,7 +127,12 @@ def generic_summary(psg: PerSampleGrads, layout: ParamLayout) -> str:
     numel = sum(layout.entry(n).numel for n in generic)
     share = 100.0 * numel / max(layout.P, 1)
     listed = ", ".join(sorted(kinds))
-    return (
-        f"generic path: {len(generic)} of {len(layout.names)} tensors, {share:.2g}% of P ({listed or 'none'}); "
-        "each replays its module's forward per sample"
+    paths = {index.sub(".N.", n): path for n, path in psg.generic_paths().items()}
+    replayed = sorted(k for k, path in paths.items() if path == "replay")
+    how = (
+        "each at the ops that use it (no module replay)"
+        if not replayed
+        else f"{len(replayed)} of them by a per-sample replay of their module's forward ({', '.join(replayed)}), "
+        "the others at the ops that use them"
     )
+    return f"generic path: {len(generic)} of {len(layout.names)} tensors, {share:.2g}% of P ({listed or 'none'}); {how}"
