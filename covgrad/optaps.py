@@ -481,8 +481,10 @@ def _apply(owner: PerSampleGrads, record: _Record, use: _Use, g: Tensor) -> None
         out, vjp = torch.func.vjp(lambda d: _run(use, d, mine, B), dv)
         return vjp(cot.reshape(out.shape))[0]
 
-    with torch.enable_grad():
-        cots = torch.func.vmap(one, in_dims=(None, 0, 0))(dvals, _per_sample(use, B), gs)
+    cots = _elementwise_cots(use, g, B)
+    if cots is None:
+        with torch.enable_grad():
+            cots = torch.func.vmap(one, in_dims=(None, 0, 0))(dvals, _per_sample(use, B), gs)
     grads: dict[str, Tensor] = {}
     for d, cot in zip(use.derived, cots, strict=True):
         names = sorted(d.names)
@@ -500,6 +502,38 @@ def _apply(owner: PerSampleGrads, record: _Record, use: _Use, g: Tensor) -> None
             s[0].copy_(grad.reshape(s[0].shape))
         else:
             s[0].add_(grad.reshape(s[0].shape).to(s[0].dtype))
+
+
+# Elementwise ops whose vjp with respect to one operand has a closed form: g (add) or g ⊙ other (mul).
+_ADD = frozenset({"add", "__add__", "__radd__"})
+_MUL = frozenset({"mul", "__mul__", "__rmul__"})
+
+
+def _elementwise_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
+    """The per-sample cotangent (B, *d.shape) of the derived operand of ``data + d`` or ``data * d`` (either
+    order, broadcasting), summed over the dimensions it was broadcast along; None for any other op (vmap)."""
+    name = getattr(use.func, "__name__", "")
+    if (name not in _ADD and name not in _MUL) or len(use.leaves) != 2 or use.spec.child(1).num_leaves:
+        return None
+    found = [i for i, m in enumerate(use.modes) if m == _DERIVED]
+    if len(found) != 1 or use.modes[1 - found[0]] not in (_SPLIT, _FLAT):
+        return None
+    i_d = found[0]
+    d, data = use.derived[0].real, use.leaves[1 - i_d]
+    out_n = (1 if g.shape[0] == B else g.shape[0] // B, *g.shape[1:])  # one sample's output shape
+    data_n = (1 if use.modes[1 - i_d] == _SPLIT else data.shape[0] // B, *data.shape[1:])
+    if len(data_n) != len(out_n) or d.dim() > len(out_n):
+        return None
+    prod = g.reshape(B, *out_n)
+    if name in _MUL:
+        prod = prod * data.reshape(B, *data_n)
+    lead = len(out_n) - d.dim()
+    if lead:
+        prod = prod.sum(tuple(range(1, lead + 1)))
+    dims = tuple(1 + i for i, n in enumerate(d.shape) if n == 1 and prod.shape[1 + i] != 1)
+    if dims:
+        prod = prod.sum(dims, keepdim=True)
+    return [prod.to(d.dtype)]
 
 
 def _batched_grad(out: Tensor, leaves: list[Tensor], cot: Tensor) -> list[Tensor | None]:
