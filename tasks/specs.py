@@ -145,7 +145,7 @@ class ScoresSpec(StageSpec):
     per-sample rows kept when N·P·4 bytes fit ``byte_budget``."""
 
     STAGE: ClassVar[str] = "scores"
-    VERSION: ClassVar[str] = "5"  # 5: Linear/Conv1D weights folded in row chunks (other GEMM shapes: last bits)
+    VERSION: ClassVar[str] = "6"  # 6: generic-path parameters at the ops that use them (covgrad.optaps: last bits)
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
         {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
     )
