@@ -17,13 +17,16 @@ enters wall time, not the process's own CPU time). Reported: median ratio over r
 
     python -m benchmarks.regimes                      # small and large CPU models, distill_reverse_kl
     python -m benchmarks.regimes --regime rl_token --model small
+    python -m benchmarks.regimes --model small --reps 0 --profile 10   # cProfile of 10 fused steps
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import platform
+import pstats
 import statistics
 import time
 
@@ -52,7 +55,7 @@ def regime_objective(kind: str, logits: Tensor, zq: Tensor, ids: Tensor, w: Tens
     return (ww * adv[:, 1:] * drawn).sum()  # rl_token with per-token advantages
 
 
-def run(name: str, kind: str, reps: int, clock: str) -> dict[str, float]:
+def run(name: str, kind: str, reps: int, clock: str, profile: int = 0) -> dict[str, float]:
     device = torch.device("cpu")
     model = build(name, device)
     B, prompt, response = MODELS[name][8:11]
@@ -105,10 +108,16 @@ def run(name: str, kind: str, reps: int, clock: str) -> dict[str, float]:
             floor()
             t2 = timer()
             ratios[m].append((t1 - t0) / (t2 - t1))
+    if profile:  # where a fused step's time goes, by function (self time)
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [fused() for _ in range(profile)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        for _ in range(profile):  # the same batches both ways again, for the check below
+            separate()
     for part in ("mean", "m2", "c"):  # the same state both ways, bit for bit
         for a, b in ((accs["separate"], accs["fused"]), (moments["separate"].acc, moments["fused"].acc)):
             assert torch.equal(getattr(a, part), getattr(b, part)), f"fused and separate {part} differ"
-    out = {m: statistics.median(r) for m, r in ratios.items()}
+    out = {m: statistics.median(r) if r else float("nan") for m, r in ratios.items()}
     for m, ratio in out.items():
         print(f"| {name} | P = {layout.P} | B = {B}, L = {ids.shape[1]} | {kind} | {m} | {ratio:.3f} |")
     return out
@@ -121,6 +130,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
+    ap.add_argument("--profile", type=int, default=0, help="also print a cProfile of this many fused steps")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -131,7 +141,7 @@ def main() -> None:
         "|---|---|---|---|---|---|"
     )
     for name in args.model:
-        run(name, args.regime, args.reps, args.clock)
+        run(name, args.regime, args.reps, args.clock, args.profile)
 
 
 if __name__ == "__main__":

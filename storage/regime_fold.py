@@ -14,7 +14,9 @@ run (seeded like the sampler's rollouts) and scored after the policy's prompts. 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -24,11 +26,10 @@ from covgrad.accum import MomentAccumulator
 from covgrad.batch import RolloutBatch, group_batches
 from covgrad.config import SamplerSection
 from covgrad.devices import check_state_fits, pick_device
-from covgrad.fold import fold_batches
 from covgrad.inputs import check_context
 from covgrad.layout import select_parameters
 from covgrad.models import context_length
-from covgrad.persample import PerSampleGrads
+from covgrad.persample import Cotangent, PerSampleGrads
 from covgrad.problems import response_texts, score_rewards
 from covgrad.regimes import RegimeGrad, align_prefixed_logits, prefixed_batch, regime_of
 from covgrad.sampling import SamplerSpec, generate
@@ -45,13 +46,25 @@ class RegimeJob:
     """One regime fold of regime spec ``spec`` (a ``tasks.specs.RegimeSpec``): the policy, teacher and reference
     models, the rollouts' batches and the store."""
 
-    def __init__(self, store: ArtifactStore, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> None:
-        self.spec, self.regime = spec, regime_of(spec.settings)
-        self.ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-        self.device = pick_device(spec.device)
-        model, self.tokenizer = load_models(store, up["base_model"], "policy", spec.policy)
-        self.model = model.to(self.device).eval()
-        self.layout = select_parameters(self.model, spec.params)
+    def __init__(
+        self,
+        store: ArtifactStore,
+        ref: ArtifactRef,
+        spec: Any,
+        up: dict[str, ArtifactRef],
+        lead: RegimeJob | None = None,
+    ) -> None:
+        self.spec, self.regime, self.ref = spec, regime_of(spec.settings), ref
+        if lead is None:  # its own policy, rollouts and loaded models
+            self.ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
+            self.device = pick_device(spec.device)
+            model, self.tokenizer = load_models(store, up["base_model"], "policy", spec.policy)
+            self.model = model.to(self.device).eval()
+            self.layout = select_parameters(self.model, spec.params)
+            self.loaded: dict[str, Any] = {}
+        else:  # a member of ``lead``'s pass: the same policy, rollouts and batches
+            self.ro, self.device, self.tokenizer = lead.ro, lead.device, lead.tokenizer
+            self.model, self.layout, self.loaded = lead.model, lead.layout, lead.loaded
         r, V = spec.settings, self._vocab(self.model)
         self.teacher = self._model(store, up, r.teacher, V, "teacher")
         self.reference = self._model(store, up, r.reference if r.kl_beta else None, V, "reference")
@@ -69,7 +82,6 @@ class RegimeJob:
                 raise ValueError(f"regime {spec.name}: the rollouts of {spec.sampler!r} hold no imported {field} field")
         N, nb, P = len(self.group), len(self.batches), self.layout.P
         self.out = ScoresStore(store, ref, N, nb, B, 1, [P], spec.state_dtype, keep_rows=False)
-        self.last: tuple[RegimeGrad, np.ndarray] | None = None
 
     @staticmethod
     def _vocab(model: Any) -> int:
@@ -81,6 +93,8 @@ class RegimeJob:
             return None
         if which == "policy":
             model = self.model
+        elif which in self.loaded:  # loaded by another fold of the same pass
+            model = self.loaded[which]
         elif which == "trained":
             with store.local_dir(up["teacher"], "teacher", write=False) as d:
                 model = load_model_and_tokenizer(d, self.spec.policy.dtype, self.spec.policy.trust_remote_code)[0]
@@ -90,7 +104,10 @@ class RegimeJob:
             raise ValueError(
                 f"regime {self.spec.name}: the {role} {which!r} has vocabulary {self._vocab(model)}, the policy {V}"
             )
-        return model.to(self.device).eval()
+        model = model.to(self.device).eval()
+        if which != "policy":
+            self.loaded[which] = model
+        return model
 
     def _teacher_prompts(self) -> list[list[int]]:
         """The token ids of the teacher's prompt for every prompt of the task (context distillation), each
@@ -220,48 +237,15 @@ class RegimeJob:
             teacher_logprobs=self._imported("teacher_logprobs", lo, hi) if r.teacher_logprobs else None,
             ref_logits=None if self.reference is None else self._logits(self.reference, batch),
         )
-        self.last = (fn, (batch.group % 2).numpy())
         return fn
 
-    def run(self, progress: Callable[[str, int], Any]) -> dict[str, Any] | None:
-        """Fold every batch (resuming from the newest complete checkpoint), reporting to ``progress(label,
-        total)`` (a context manager with ``update(n)``); finalize; the provenance."""
-        spec, P, nb = self.spec, self.layout.P, len(self.batches)
+    def _prepare(self) -> None:
         self.out.prepare(np.zeros_like(self.adv), self.group, kl=False)
-        create_bound_arrays(self.out.open(), nb)
-        check_state_fits(self.device, P, spec.state_dtype, f"regime {spec.name}")
-        acc = MomentAccumulator(P, self.device, spec.state_dtype)
-        psg = PerSampleGrads(self.model, self.layout, check=spec.self_check)
-        with (
-            self.out.job((0, 0), acc, list(range(nb)), self.batches) as w,
-            progress(f"regime {spec.name}", nb) as bar,
-        ):
-            bar.update(nb - len(w.todo))
+        create_bound_arrays(self.out.open(), len(self.batches))
 
-            def on_batch(b: int, _: torch.Tensor | None) -> None:
-                fn, half = self.last
-                sums, counts = np.zeros(2), np.zeros(2)
-                if fn.bound_sq is not None:
-                    np.add.at(sums, half, fn.bound_sq.detach().cpu().numpy())
-                    np.add.at(counts, half, 1.0)
-                write_bound(w.g, b, sums, counts)
-
-            def checkpoint(folded: int, final: bool, batches: list[int]) -> None:
-                w.checkpoint(folded, final, batches)
-                bar.update(len(batches))
-
-            fold_batches(
-                psg,
-                acc,
-                w.todo,
-                self._read,
-                self._logit_grad,
-                checkpoint,
-                done=w.done,
-                on_batch=on_batch,
-                every=spec.checkpoint_batches,
-                seconds=spec.checkpoint_seconds,
-            )
+    def _finish(self) -> dict[str, Any] | None:
+        """Finalize the store once every batch is folded; the provenance (None while batches are pending)."""
+        spec = self.spec
         sampler = spec.sampler if self.samples is None else "teacher"
         if not self.out.finalize(self.layout, "policy", sampler, str(self.device), spec.policy.dtype):
             return None
@@ -270,7 +254,76 @@ class RegimeJob:
             attrs["teacher_mean_reward"] = self.teacher_reward
         self.out.open().attrs.update(attrs)
         self.out.store.consolidate(self.out.ref, "scores.zarr")
-        info = {"regime": spec.name, "kind": self.regime.kind, "n_samples": len(self.group), "n_params": P}
+        info = {"regime": spec.name, "kind": self.regime.kind, "n_samples": len(self.group), "n_params": self.layout.P}
         if self.samples is not None:
             info["teacher_mean_reward"] = self.teacher_reward
         return info
+
+    def run(
+        self, progress: Callable[[str, int], Any], members: Sequence[RegimeJob] = ()
+    ) -> list[dict[str, Any] | None]:
+        """Fold every batch (resuming from the newest complete checkpoint), reporting to ``progress(label,
+        total)`` (a context manager with ``update(n)``); finalize; the provenance of this fold, then of each of
+        ``members``: other folds of the same batches (made with ``lead=self``), folded in the same pass
+        (:func:`fold_pass`) and finalized too (the caller writes their completion markers)."""
+        jobs = [self, *members]
+        if any(m.batches != self.batches or m.samples is not None for m in members):
+            raise ValueError(f"regime {self.spec.name}: a pass folds the same rollouts' batches in every regime")
+        for job in jobs:
+            job._prepare()
+        P = self.layout.P
+        check_state_fits(self.device, P * len(jobs), self.spec.state_dtype, f"regime {self.spec.name}")
+        psg = PerSampleGrads(self.model, self.layout, check=self.spec.self_check)
+        label = "regime " + " + ".join(j.spec.name for j in jobs)
+        with ExitStack() as stack:
+            accs = [MomentAccumulator(P, self.device, j.spec.state_dtype) for j in jobs]
+            writers = [
+                stack.enter_context(j.out.job((0, 0), a, list(range(len(j.batches))), j.batches))
+                for j, a in zip(jobs, accs, strict=True)
+            ]
+            bar = stack.enter_context(progress(label, len(self.batches)))
+            bar.update(len(self.batches) - max(len(w.todo) for w in writers))
+            fold_pass(self, psg, list(zip(jobs, accs, writers, strict=True)), bar)
+        return [j._finish() for j in jobs]
+
+
+def fold_pass(
+    lead: RegimeJob, psg: PerSampleGrads, folds: list[tuple[RegimeJob, MomentAccumulator, Any]], bar: Any
+) -> None:
+    """Fold the remaining batches of every (job, accumulator, writer) of ``folds`` in one pass: per batch one
+    policy forward and one per-sample backward per regime that still needs the batch
+    (:meth:`PerSampleGrads.accumulate_many`, the same bytes per accumulator as its own pass), then each
+    fold's bound scalars and, at its cadence, its checkpoint. Folds resumed from different checkpoints (a
+    kill between two of them) each fold exactly the batches after their own."""
+    spec = lead.spec
+    order = max((w.todo for _, _, w in folds), key=len)
+    since: list[list[int]] = [[] for _ in folds]
+    folded = [w.done for _, _, w in folds]
+    saved = [time.monotonic()] * len(folds)
+    for b in order:
+        batch, dev = lead._read(b), lead.device
+        active = [k for k, (_, _, w) in enumerate(folds) if b in w.todo]
+        fns = {k: folds[k][0]._logit_grad(b, batch) for k in active}
+        half = (batch.group % 2).numpy()
+        cotangents = [Cotangent(fns[k], folds[k][1], batch.advantages, half) for k in active]
+        psg.accumulate_many(
+            batch.input_ids.to(dev), batch.attention_mask.to(dev), cotangents, batch.position_ids.to(dev)
+        )
+        for k in active:
+            w = folds[k][2]
+            sums, counts = np.zeros(2), np.zeros(2)
+            if fns[k].bound_sq is not None:
+                np.add.at(sums, half, fns[k].bound_sq.detach().cpu().numpy())
+                np.add.at(counts, half, 1.0)
+            write_bound(w.g, b, sums, counts)
+            since[k].append(b)
+            folded[k] += 1
+            final = b == w.todo[-1]
+            if (
+                final
+                or len(since[k]) >= spec.checkpoint_batches
+                or time.monotonic() - saved[k] >= spec.checkpoint_seconds
+            ):
+                w.checkpoint(folded[k], final, since[k])
+                since[k], saved[k] = [], time.monotonic()
+        bar.update(1)

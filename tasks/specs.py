@@ -212,15 +212,27 @@ class TokensSpec(StageSpec):
     self_check: bool
 
 
+class PassMember(Spec):
+    """Another regime fold that reads the same batches (:func:`regime_pass_group`): its name, artifact, spec
+    (as JSON) and upstream refs, so that one pass over the batches folds it too."""
+
+    name: str
+    ref: ArtifactRef
+    spec: dict[str, Any]
+    upstream: dict[str, ArtifactRef]
+
+
 class RegimeSpec(StageSpec):
     """regime: the per-sample gradients g_n of regime ``name`` (``settings``) over the rollouts of
     ``sampler``, folded into scores-layout moment state (g_n in place of s_n, A = 0) with its bound scalars;
-    ``inputs``: content digests of the teacher and reference model directories it reads."""
+    ``inputs``: content digests of the teacher and reference model directories it reads; ``pass_with``: the
+    other folds of its pass group, which the same pass folds while their artifacts are incomplete (placement:
+    each artifact's bytes are those of its own pass)."""
 
     STAGE: ClassVar[str] = "regime"
     VERSION: ClassVar[str] = "1"
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
-        {"device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
+        {"device", "self_check", "checkpoint_batches", "checkpoint_seconds", "pass_with"}
     )
     name: str
     settings: RegimeSection
@@ -235,6 +247,7 @@ class RegimeSpec(StageSpec):
     checkpoint_batches: int
     checkpoint_seconds: float
     task: TaskSection | None = None  # the prompts of teacher_prompt and responses: teacher (their rewards)
+    pass_with: list[PassMember] = []
 
     def hashed(self) -> dict[str, Any]:
         """As :meth:`StageSpec.hashed`, without the settings added for context distillation and the teacher's
@@ -683,6 +696,14 @@ def regime_task_section(cfg: PipelineConfig, r: RegimeSection) -> TaskSection | 
     return cfg.task.model_copy(deep=True) if r.teacher_prompt is not None or r.responses == "teacher" else None
 
 
+def regime_pass_group(spec: RegimeSpec) -> tuple[str, ...]:
+    """The pass a regime fold shares: folds over the same sampler's rollouts share one (one forward per batch,
+    one backward per regime); a fold over the teacher's own samples (``responses: teacher``) has its own."""
+    if spec.settings.responses == "teacher":
+        return ("teacher", spec.name)
+    return ("sampler", spec.sampler)
+
+
 def plan_regimes(
     cfg: PipelineConfig,
     store: ArtifactStore,
@@ -717,6 +738,19 @@ def plan_regimes(
             assert teacher is not None
             up["teacher"] = teacher
         out[Instance("regime", name)] = _step(store, Instance("regime", name), spec, up)
+    groups: dict[tuple[str, ...], list[Instance]] = {}
+    for i, s in out.items():
+        groups.setdefault(regime_pass_group(s.spec), []).append(i)
+    alone = dict(out)
+    for members in groups.values():
+        for i in members:
+            others = [
+                PassMember(name=str(o.sampler), ref=s.ref, spec=s.spec.model_dump(mode="json"), upstream=s.upstream)
+                for o in members
+                if o != i and (s := alone[o])
+            ]
+            s = alone[i]
+            out[i] = Step(s.instance, s.spec.model_copy(update={"pass_with": others}), s.ref, s.upstream)
     if not out:
         return out, None
     stats_spec = RegimeStatsSpec(names=list(cfg.regimes), qs=list(cfg.masks.qs))

@@ -1,5 +1,6 @@
 """A regime fold killed between checkpoints resumes byte-identical to an uninterrupted run (its moment state,
-checkpoint progress and bound arrays), like a scores artifact (tests/test_resume.py)."""
+checkpoint progress and bound arrays), like a scores artifact (tests/test_resume.py); so does a pass of two
+folds killed after the first fold's checkpoint and before the second's (they resume from different batches)."""
 
 import hashlib
 import json
@@ -20,6 +21,7 @@ OVERRIDES = {
     "scores.checkpoint_batches": 3,
     "regimes": {"distill": {"kind": "distill_reverse_kl", "teacher": "stale"}},
 }
+PAIR = {**OVERRIDES, "regimes": {**OVERRIDES["regimes"], "rl": {"kind": "rl"}}}  # one pass, distill leads
 INSTANCE = "regime.distill"
 
 CHILD = r"""
@@ -27,7 +29,7 @@ import json, os, signal, sys
 import storage.scores as module
 import tests.conftest as conftest
 
-root, kill_after, overrides = sys.argv[1:4]
+root, kill_after, overrides = sys.argv[1:4]  # kill at mark call kill_after (the first checkpoint's second)
 cfg = conftest.tiny_config(root, **json.loads(overrides))
 real_mark, calls = module.mark_batch_done, []
 
@@ -51,19 +53,19 @@ def _digests(store: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_after", [1, 4])
-def test_regime_fold_killed_then_resumed_is_byte_identical(tmp_path, kill_after):
+@pytest.mark.parametrize(("kill_after", "overrides"), [(1, OVERRIDES), (4, OVERRIDES), (1, PAIR)])
+def test_regime_fold_killed_then_resumed_is_byte_identical(tmp_path, kill_after, overrides):
     from tasks.specs import plan
 
     ref_root, root = tmp_path / "ref", tmp_path / "killed"
-    cfg = tiny_config(str(ref_root), **OVERRIDES)
+    cfg = tiny_config(str(ref_root), **overrides)
     run_planned(cfg)
-    killed = tiny_config(str(root), **OVERRIDES)
+    killed = tiny_config(str(root), **overrides)
     upstream = {n for n in plan(killed) if n.startswith(("base_model", "rollouts"))}
     run_planned(killed, upstream)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(root), str(kill_after), json.dumps(OVERRIDES)],
+        [sys.executable, "-c", CHILD, str(root), str(kill_after), json.dumps(overrides)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -71,10 +73,13 @@ def test_regime_fold_killed_then_resumed_is_byte_identical(tmp_path, kill_after)
         timeout=300,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
-    step = plan(killed)[INSTANCE]
-    art = root / step.ref.stage / step.ref.key
-    assert not (art / "_COMPLETE.json").exists()
-    assert run_planned(killed, {INSTANCE})[INSTANCE].computed
-    want = plan(cfg)[INSTANCE].ref
-    assert step.ref.key == want.key
-    assert _digests(art / "scores.zarr") == _digests(ref_root / want.stage / want.key / "scores.zarr")
+    names = [f"regime.{n}" for n in overrides["regimes"]]
+    for name in names:
+        step = plan(killed)[name]
+        assert not (root / step.ref.stage / step.ref.key / "_COMPLETE.json").exists(), name
+    assert run_planned(killed, set(names))[INSTANCE].computed
+    for name in names:
+        step, want = plan(killed)[name], plan(cfg)[name].ref
+        assert step.ref.key == want.key
+        art = root / step.ref.stage / step.ref.key
+        assert _digests(art / "scores.zarr") == _digests(ref_root / want.stage / want.key / "scores.zarr"), name
