@@ -51,7 +51,6 @@ from covgrad.regimes import (
     token_advantages,
 )
 from covgrad.sampling import AdvantageKind, SamplerSpec, check_rewards, compute_advantages, generate
-from covgrad.topk import top_k_masks
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 PRECISIONS = ("bf16", "fp32_master", "fp32")
@@ -582,6 +581,30 @@ def _ranked_values(stats: StepZeroStats | None, start: torch.Tensor, seed: int) 
     return out
 
 
+def stable_ranks(values: np.ndarray, largest: bool = True) -> np.ndarray:
+    """(n,) rank of every value in the order of ``covgrad.topk.top_k_masks``: largest (or smallest) first,
+    ties by the lowest index, NaN ranked worst (tied with −inf for the largest, +inf for the smallest), −0
+    tied with +0; so ``ranks < k`` is exactly ``top_k_masks(values, [k], largest)``. int32 below 2**31
+    values, else int64. ``values``: (n,) float32 or float64."""
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    key = np.where(np.isnan(v), np.inf, -v if largest else v)
+    order = np.argsort(key, kind="stable")
+    ranks = np.empty(v.shape[0], dtype=np.int32 if v.shape[0] < 2**31 else np.int64)
+    ranks[order] = np.arange(v.shape[0], dtype=ranks.dtype)
+    return ranks
+
+
+def _metrics(n_pred: int, n_true: int, n_both: int) -> dict[str, float]:
+    """:func:`set_metrics` from the counts |pred|, |true| and |pred ∩ true|."""
+    n_union = n_pred + n_true - n_both
+    return {
+        "precision": n_both / n_pred if n_pred else float("nan"),
+        "recall": n_both / n_true if n_true else float("nan"),
+        "jaccard": n_both / n_union if n_union else float("nan"),
+        "size": n_pred,
+    }
+
+
 class ChangeTracker:
     """The per-step record of a trajectory (see :meth:`record`).
 
@@ -589,6 +612,11 @@ class ChangeTracker:
     for the F / |G| / |ρ| predictors and the bound rule (None: those are left out). ``optimizer``: which
     absorption rule applies. ``bound``: whether the regime has a bound (False for ``sft_sampled``: no
     bound rule).
+
+    The ranked predictors are fixed for the whole run, so they are ranked once (:func:`stable_ranks`,
+    globally, within each tensor for per-tensor random, within each |w_0| decile): a top-k set is then
+    ``ranks < k``. Memory: 4 bytes per parameter for each of the 5 global, 1 per-tensor and 4 decile rank
+    arrays (40 B per parameter) plus F in float64 for the SGD bound rule.
     """
 
     def __init__(
@@ -607,12 +635,28 @@ class ChangeTracker:
         self.last = torch.zeros(layout.P, dtype=torch.bool)  # the previous step's changed set
         self.steps = 0  # steps recorded
         seed = 0 if stats is None else stats.seed
-        self.values = _ranked_values(stats, start, seed)
+        values = _ranked_values(stats, start, seed)
         self.rules = ("absorb", "bound") if optimizer.name == "sgd" and stats is not None and bound else ("absorb",)
         self.union = {r: torch.zeros(layout.P, dtype=torch.bool) for r in self.rules}
+        self.F = (
+            None if "bound" not in self.rules else torch.from_numpy(np.asarray(stats.F, dtype=np.float64).reshape(-1))
+        )
+        self.ranks = {n: stable_ranks(*values[n]) for n in RANKED if n in values}
+        self.offsets = np.asarray([e.offset for e in layout.entries], dtype=np.int64)
+        self.numels = np.asarray([e.numel for e in layout.entries], dtype=np.int64)
+        self.tensor_ranks = np.empty(layout.P, dtype=self.ranks["random"].dtype)
+        for e in layout.entries:
+            cols = slice(e.offset, e.offset + e.numel)
+            self.tensor_ranks[cols] = stable_ranks(values["random"][0][cols])
         order = np.argsort(start.float().abs().numpy(), kind="stable")
-        self.decile = np.empty(layout.P, dtype=np.int8)
-        self.decile[order] = np.arange(layout.P) * N_DECILES // layout.P
+        decile = np.empty(layout.P, dtype=np.int8)
+        decile[order] = np.arange(layout.P) * N_DECILES // layout.P
+        self.decile_idx = [np.flatnonzero(decile == d) for d in range(N_DECILES)]
+        self.decile_ranks = {
+            n: [stable_ranks(values[n][0][idx], values[n][1]) for idx in self.decile_idx]
+            for n in DECILE_PREDICTORS
+            if n in values
+        }
 
     def state_dict(self) -> dict:
         """Plain dict of tensors and ints (steps, start, prev, counts, last set, rule unions)."""
@@ -641,9 +685,8 @@ class ChangeTracker:
         step = lr * g if self.spec.name == "sgd" else lr * g / (g + ADAM_EPS)
         masks = {"absorb": step >= h}
         if "bound" in self.rules:
-            assert self.stats is not None
-            F = torch.from_numpy(np.asarray(self.stats.F, dtype=np.float64).reshape(-1))
-            masks["bound"] = lr * adv_rms * F.clamp(min=0).sqrt() >= h
+            assert self.F is not None
+            masks["bound"] = lr * adv_rms * self.F.clamp(min=0).sqrt() >= h
         return masks
 
     def record(self, now: torch.Tensor, grad: torch.Tensor | None, lr: float, adv_rms: float) -> dict:
@@ -663,14 +706,15 @@ class ChangeTracker:
         rules = self.rule_masks(self.prev, grad, lr, adv_rms) if grad is not None else {}
         sets = {"step": now != self.prev, "cum": now != self.start}
         rec: dict = {"changed": np.packbits(sets["step"].numpy())}
+        now32 = now.float()
         for scope, base in (("step", self.prev), ("cum", self.start)):
-            delta = (now.float() - base.float()).abs()
-            rec[f"n_changed_{scope}"] = int(sets[scope].sum())
+            base32 = base.float()
+            delta = (now32 - base32).abs()
+            true = sets[scope].numpy()
+            rec[f"n_changed_{scope}"] = int(np.count_nonzero(true))
             rec[f"n_above_{scope}"] = np.asarray([int((delta > t).sum()) for t in THRESHOLDS], dtype=np.int64)
-            rec[f"sign_flips_{scope}"] = int((torch.sign(now.float()) != torch.sign(base.float())).sum())
-            rec[f"per_tensor_{scope}"] = np.asarray(
-                [int(sets[scope][e.offset : e.offset + e.numel].sum()) for e in self.layout.entries], dtype=np.int64
-            )
+            rec[f"sign_flips_{scope}"] = int((torch.sign(now32) != torch.sign(base32)).sum())
+            rec[f"per_tensor_{scope}"] = self._per_tensor(true)
         rec["jaccard_prev"] = set_metrics(sets["step"], self.last)["jaccard"] if self.steps else float("nan")
         self.steps += 1
         self.counts += sets["step"].to(torch.int32)
@@ -678,52 +722,48 @@ class ChangeTracker:
         for r, m in rules.items():
             self.union[r] |= m
         for scope in SCOPES:
-            true = sets[scope]
-            for name, pred in self._ranked(true):
-                rec.update({f"{scope}_{name}_{k}": v for k, v in set_metrics(pred, true).items()})
+            true = sets[scope].numpy()
+            n_true = rec[f"n_changed_{scope}"]
+            for name, n_both in self._ranked(true, n_true):
+                rec.update({f"{scope}_{name}_{k}": v for k, v in _metrics(n_true, n_true, n_both).items()})
             for r in rules:
-                pred = rules[r] if scope == "step" else self.union[r]
-                rec.update({f"{scope}_{r}_{k}": v for k, v in set_metrics(pred, true).items()})
+                pred = (rules[r] if scope == "step" else self.union[r]).numpy()
+                n_both = int(np.count_nonzero(pred & true))
+                rec.update(
+                    {f"{scope}_{r}_{k}": v for k, v in _metrics(int(np.count_nonzero(pred)), n_true, n_both).items()}
+                )
             rec.update(self._deciles(scope, true))
         self.prev, self.last = now.clone(), sets["step"]
         return rec
 
-    def _ranked(self, true: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, (P,) bool) of every ranked predictor at k = |true| (tensor_random: per tensor k_e)."""
-        k = int(true.sum())
+    def _per_tensor(self, true: np.ndarray) -> np.ndarray:
+        """(E,) int64 changed count of each layout tensor."""
+        cum = np.concatenate([[0], np.cumsum(true, dtype=np.int64)])
+        return cum[self.offsets + self.numels] - cum[self.offsets]
+
+    def _ranked(self, true: np.ndarray, k: int) -> Iterator[tuple[str, int]]:
+        """(name, |pred ∩ true|) of every ranked predictor at k = |true| (tensor_random: per tensor k_e, so
+        its size is k too)."""
         for name in RANKED:
             if name == "tensor_random":
-                yield name, self._tensor_random(true)
-            elif name in self.values:
-                values, largest = self.values[name]
-                yield name, torch.from_numpy(next(top_k_masks(values, [k], largest)))
+                k_e = np.repeat(self._per_tensor(true), self.numels)  # (P,) each coordinate's tensor count
+                yield name, int(np.count_nonzero(true & (self.tensor_ranks < k_e)))
+            elif name in self.ranks:
+                yield name, int(np.count_nonzero(self.ranks[name][true] < k))
 
-    def _tensor_random(self, true: torch.Tensor) -> torch.Tensor:
-        """Each tensor's changed count k_e placed at its k_e largest seeded random values."""
-        values = self.values["random"][0]
-        mask = np.zeros(self.layout.P, dtype=bool)
-        for e in self.layout.entries:
-            cols = slice(e.offset, e.offset + e.numel)
-            mask[cols] = next(top_k_masks(values[cols], [int(true[cols].sum())]))
-        return torch.from_numpy(mask)
-
-    def _deciles(self, scope: str, true: torch.Tensor) -> dict[str, np.ndarray]:
+    def _deciles(self, scope: str, true: np.ndarray) -> dict[str, np.ndarray]:
         """``decile_{scope}_{predictor}_{stat}`` (N_DECILES,) float64: the ranked predictor within each |w|
         decile at k = the decile's changed count, against the decile's changed set."""
-        names = [n for n in DECILE_PREDICTORS if n in self.values]
-        tables = {n: np.full((len(SET_STATS), N_DECILES), np.nan) for n in names}
-        t = true.numpy()
-        for d in range(N_DECILES):
-            idx = np.flatnonzero(self.decile == d)
+        tables = {n: np.full((len(SET_STATS), N_DECILES), np.nan) for n in self.decile_ranks}
+        for d, idx in enumerate(self.decile_idx):
             if not idx.size:
                 continue
-            true_d = torch.from_numpy(t[idx])
-            k = int(true_d.sum())
-            for name in names:
-                values, largest = self.values[name]
-                pred = torch.from_numpy(next(top_k_masks(values[idx], [k], largest)))
-                tables[name][:, d] = [set_metrics(pred, true_d)[s] for s in SET_STATS]
-        return {f"decile_{scope}_{n}_{s}": tables[n][i] for n in names for i, s in enumerate(SET_STATS)}
+            true_d = true[idx]
+            k = int(np.count_nonzero(true_d))
+            for name, ranks in self.decile_ranks.items():
+                m = _metrics(k, k, int(np.count_nonzero(ranks[d][true_d] < k)))
+                tables[name][:, d] = [m[s] for s in SET_STATS]
+        return {f"decile_{scope}_{n}_{s}": tables[n][i] for n in self.decile_ranks for i, s in enumerate(SET_STATS)}
 
 
 def run_trajectory(

@@ -154,7 +154,8 @@ def test_preflight_refuses_unfillable_and_too_long_teacher_prompts(tmp_path):
 
 def test_the_demo_config_adds_only_its_regime_stages():
     """configs/demo.yaml's regimes leave every other artifact key of the demo as it was, except the two stages
-    that read the regimes statistics: the update check (it steps each regime's loss) and the report."""
+    that read the regimes statistics: the update check (it steps each regime's loss), the trajectory (its
+    regime ``rl`` is then the regimes entry ``rl``, whose G and ρ are its predictors) and the report."""
     import yaml
 
     from covgrad.config import PipelineConfig
@@ -165,7 +166,7 @@ def test_the_demo_config_adds_only_its_regime_stages():
     assert set(demo["regimes"]) == {"rl", "distill", "sft"}
     without = {k: v for k, v in demo.items() if k != "regimes"}
     p0, p1 = plan(PipelineConfig.model_validate(without)), plan(PipelineConfig.model_validate(demo))
-    readers = ("update_check", "report")
+    readers = ("update_check", "trajectory", "report")
     assert {n: p0[n].ref.key for n in p0 if n not in readers} == {n: p1[n].ref.key for n in p0 if n not in readers}
     assert set(p1) - set(p0) == {"regime.rl", "regime.distill", "regime.sft", "regimes"}
 

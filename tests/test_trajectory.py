@@ -12,6 +12,7 @@ import torch
 
 from covgrad.ckpt_diff import diff_state_dicts
 from covgrad.layout import select_parameters
+from covgrad.topk import top_k_masks
 from covgrad.trajectory import (
     ADAM_EPS,
     DECILE_PREDICTORS,
@@ -30,6 +31,7 @@ from covgrad.trajectory import (
     load_trajectory_state,
     persistence,
     run_trajectory,
+    stable_ranks,
     stored_dtype,
     trajectory_state,
 )
@@ -282,6 +284,23 @@ def test_predictor_metrics_equal_a_numpy_brute_force(layout, precision, name):
     for k in (1, 2, 3):
         assert summary[f"frac_ge_{k}"] == (counts >= k).mean()
     assert summary["frac_cum"] == sets["cum"].mean()
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_stable_ranks_give_the_top_k_masks(largest):
+    """ranks < k equals covgrad.topk.top_k_masks for every k, on values with ties, ±0, ±inf and NaN."""
+    rng = np.random.default_rng(3)
+    v = rng.integers(-4, 5, 400).astype(np.float64) / 2
+    v[rng.choice(400, 30, replace=False)] = np.nan
+    v[rng.choice(400, 10, replace=False)] = -0.0
+    v[:3], v[-3:] = np.inf, -np.inf
+    ranks = stable_ranks(v, largest)
+    assert sorted(ranks.tolist()) == list(range(400))
+    ks = list(range(0, 401, 7)) + [400]
+    for k, mask in zip(ks, top_k_masks(v, ks, largest), strict=True):
+        assert np.array_equal(ranks < k, mask), k
+    f32 = rng.random(300, dtype=np.float32)
+    assert np.array_equal(stable_ranks(f32) < 50, next(top_k_masks(f32, [50])))
 
 
 def test_update_check_is_the_fixed_data_case(layout):
