@@ -627,6 +627,12 @@ def writes_weight_in_row_chunks(module: nn.Module) -> bool:
     return _EXACT.get(type(module), (None,))[0] in (_linear_rule, _conv1d_rule)
 
 
+def writes_row_parts(module: nn.Module) -> bool:
+    """Whether the module's rule writes only the rows of a row-cut block (marked by :func:`row_parts`)."""
+    found = rule_for(module)
+    return not isinstance(found, str) and getattr(found[0], "row_parts", False)
+
+
 def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
     """The module's rule and the parameter names it covers, or the reason it has none.
 
