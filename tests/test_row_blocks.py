@@ -6,16 +6,28 @@ float64 GEMMs run over other column tiles where a block boundary cuts a tensor, 
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import transformers as T
 
+from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, TensorEntry, select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads
+from covgrad.shardplan import ModelShape, Workload, make_plan
+from storage.artifacts import ArtifactStore
+from storage.scores import load_moments
+from tasks.specs import plan
 from tests.helpers.families import FAMILIES, build
 from tests.helpers.moments import assert_close, fused
 from tests.helpers.persample import BATCH, hook_scores, make_batch
+from tests.helpers.pipeline import run_planned
+from tests.helpers.user import user_config, write_checkpoint
+
+SCORES = "scores.policy.policy"
 
 BUILDERS = {
     "llama-untied": FAMILIES["llama-untied"],
@@ -133,3 +145,69 @@ def test_self_check_of_a_row_cut_block_compares_its_rows():
             lambda z: torch.ones_like(z),
             position_ids=batch["position_ids"],
         )
+
+
+def _configured(cfg: PipelineConfig, root: Path, **scores: object) -> PipelineConfig:
+    data = cfg.model_dump(mode="json")
+    data["root"] = str(root)
+    data["scores"].update(scores)
+    return PipelineConfig.model_validate(data)
+
+
+@pytest.mark.slow
+def test_the_scores_stage_of_row_cut_blocks_is_one_artifact(tmp_path, monkeypatch):
+    """scores.cut_tensors with 5 blocks (every block boundary inside a tensor, state chunks of 512 columns, so
+    that edges are assembled) against one block: the same tensor table and per-batch bookkeeping, the state
+    within 1e-12, the key apart (cut) and the stats readers' view the same."""
+    import storage.schema
+
+    monkeypatch.setattr(storage.schema, "PARAM_CHUNK", 512)
+    cfg = user_config(tmp_path / "root", write_checkpoint(tmp_path / "ckpt"), tmp_path / "task.jsonl")
+    cfg = _configured(cfg, tmp_path / "root", groups_per_batch=1, checkpoint_batches=1, byte_budget=0)
+    run_planned(cfg, {"base_model", "rollouts.policy"})
+    groups = {}
+    for name, scores in {"one": {"shards": [1, 1]}, "cut": {"shards": [1, 5], "cut_tensors": True}}.items():
+        shutil.copytree(tmp_path / "root", tmp_path / name)
+        c = _configured(cfg, tmp_path / name, **scores)
+        run_planned(c, {SCORES})
+        ref = plan(c)[SCORES].ref
+        groups[name] = (ref.key, ArtifactStore(c.root).open_group(ref, "scores.zarr", mode="r"))
+    (key1, one), (key5, cut) = groups["one"], groups["cut"]
+    assert key1 != key5 and cut.attrs["shards"] == [1, 5]
+    layout = ParamLayout.from_records(one.attrs["tensors"])
+    starts = cut.attrs["block_starts"]
+    inside = [s for s in starts[1:-1] if s not in {e.offset for e in layout.entries}]
+    assert len(inside) == 4  # every boundary cuts a tensor
+    assert cut.attrs["tensors"] == one.attrs["tensors"]
+    for name in ("count", "mean_a", "m2_a", "advantage", "group", "batch_done"):
+        assert one[name][...].tobytes() == cut[name][...].tobytes(), name
+    want = {name: one[name][...] for name in ("mean_s", "m2_s", "c_as")}
+    assert_close({name: cut[name][...] for name in want}, want, 1e-12)
+    for name, arr in cut.arrays():  # the edge chunks were assembled: every chunk is on disk
+        assert arr.nchunks_initialized == arr.nchunks, name
+    m_one, m_cut = load_moments(one, halves=False)[0], load_moments(cut, halves=False)[0]
+    assert np.allclose(np.asarray(m_cut.m2_s), np.asarray(m_one.m2_s), rtol=1e-12, atol=0)
+
+
+def test_plan_of_gemma3_270m_fits_6_gb_only_with_row_cut_blocks():
+    """Gemma 3 270M's shape on the meta device, every parameter, B = 4 at L = 36, float32 state, on a CPU of
+    6 GB: whole-tensor blocks cannot fit (the tied embedding is one block), "auto" row-cut blocks do, each
+    job with the first batch's self-check counted."""
+    config = T.Gemma3TextConfig(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = T.Gemma3ForCausalLM(config)
+    layout, shape = select_parameters(model), ModelShape.of(model)
+    assert layout.P == 268_098_176 and shape.tied_embedding == "model.embed_tokens.weight"
+    assert "model.embed_tokens.weight" in shape.row_parts
+    work = Workload(B=4, L=36, N=64, n_batches=16, state_dtype="float32", device="cpu", byte_budget=0,
+                    equal_batches=True)  # fmt: skip
+    with pytest.raises(ValueError, match="scores.cut_tensors=true"):
+        make_plan(layout, shape, work, (1, "auto"), workers=1, device_bytes=6 * 10**9)
+    chosen = make_plan(layout, shape, work, (1, "auto"), workers=1, device_bytes=6 * 10**9, cut=True)
+    assert chosen.fits and chosen.blocks > 1
+    assert all(n.check > 2 * 167_772_160 * 4 for n in chosen.needs[:1])  # the embedding's two gradients
+    fewer = make_plan(layout, shape, work, (1, chosen.blocks - 1), workers=1, device_bytes=6 * 10**9, cut=True)
+    assert not fewer.fits
