@@ -262,6 +262,12 @@ class ScoresSection(Section):
         'tensors and never change a byte: "auto" blocks are the fewest whose job fits one device (`covgrad plan` '
         'prints them). "auto" alone is [1, "auto"]. Resuming an unfinished partition with another is an error',
     )
+    cut_tensors: bool = Field(
+        False,
+        description="parameter blocks may cut a tensor at row boundaries (dim 0), balanced by parameter count, so that "
+        "a tensor larger than the device allows (a 262k-vocabulary embedding) is spread over several jobs; part of the "
+        "key when true (the fold's float64 sums of a cut tensor run over other column tiles: last bits, within 1e-12)",
+    )
 
     @model_validator(mode="before")
     @classmethod

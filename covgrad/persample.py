@@ -72,6 +72,9 @@ _POOL_MAX_BYTES = 256 << 20
 # left padding).
 _TRACE_POSITIONS = 16
 
+# Columns per step of the self-check's comparison of one tensor (float64 temporaries of this many elements).
+_CHECK_COLUMNS = 1 << 22
+
 # Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
 # because the batched reference gradient itself is accumulated in bf16/fp16.
 _CHECK_RTOL = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
@@ -312,6 +315,9 @@ class PerSampleGrads:
         # tensors they write (a tied embedding's LM-head product waits for the embedding's rows).
         self._deferred: list[tuple[Callable[[], None], tuple[str, ...]]] = []
         self._blocks: dict[str, Tensor] = {}  # in-flight per-sample blocks (fused reduction without rows)
+        # Whole-tensor (B, *shape) buffers of the row-cut tensors whose rule writes whole tensors only (not
+        # marked by covgrad.rules.row_parts): the block takes its rows from it once its contributions are in.
+        self._whole: dict[str, Tensor] = {}
         # Flat float32 buffers of finished blocks, reused by the next ones: fresh large host allocations
         # page-fault on first touch (about as slow as the products themselves on a CPU). Buffers above
         # _POOL_MAX_BYTES (a tied embedding's block) are freed instead: kept, they would sit idle through
@@ -525,6 +531,7 @@ class PerSampleGrads:
                 for k, (dlogits_fn, out, acc, check) in enumerate(targets):
                     self._out, self._acc, self._check = out, acc, check
                     self._written, self._folded, self._blocks, self._deferred = set(), set(), {}, []
+                    self._whole = {}
                     self._pending = dict(calls)
                     if self._roots:
                         dlogits = _checked_dlogits(dlogits_fn, logits)
@@ -538,6 +545,8 @@ class PerSampleGrads:
                         del dlogits
                     self._flush_deferred(None)
                     for e in self.layout.entries:
+                        if out is not None and e.name in self._whole:
+                            self._take_rows(e)
                         if e.name not in self._written and out is not None:  # the parameter does not reach the logits
                             out[:, e.offset : e.offset + e.numel].zero_()
                         if acc is not None and e.name not in self._folded:  # not reached, or a call without a backward
@@ -552,7 +561,7 @@ class PerSampleGrads:
                 p.requires_grad_(flag)
             self._out, self._acc, self._check, self._roots = None, None, None, []
             self._written, self._folded, self._pending, self._blocks = set(), set(), {}, {}
-            self._calls = {}
+            self._calls, self._whole = {}, {}
             self._deferred = []
 
     def _block(self, entry: TensorEntry) -> Tensor:
@@ -590,7 +599,9 @@ class PerSampleGrads:
     def _fold(self, entry: TensorEntry) -> None:
         """Fold ``entry``'s finished block into the accumulator and release it."""
         block = self._block(entry)
-        if entry.name not in self._written:
+        if entry.name in self._whole:
+            self._take_rows(entry)
+        elif entry.name not in self._written:
             block.zero_()
         self._acc.fold(entry.offset, block)
         if self._check is not None:
@@ -600,6 +611,22 @@ class PerSampleGrads:
             if buf.numel() * buf.element_size() <= _POOL_MAX_BYTES:
                 self._pool.append(buf)
         self._folded.add(entry.name)
+
+    def _whole_view(self, entry: TensorEntry) -> Tensor:
+        """The (B, *full shape) float32 buffer of a row-cut tensor whose rule writes whole tensors."""
+        buf = self._whole.get(entry.name)
+        if buf is None:
+            buf = torch.empty(self._B, *entry.full_shape, dtype=torch.float32, device=self._device())
+            self._whole[entry.name] = buf
+        return buf
+
+    def _take_rows(self, entry: TensorEntry) -> None:
+        """Copy the entry's rows of its whole-tensor buffer into its block and drop the buffer."""
+        r0, r1 = entry.rows
+        self._block(entry).view(self._B, *entry.shape).copy_(self._whole.pop(entry.name)[:, r0:r1])
+
+    def _device(self) -> torch.device:
+        return self._acc.device if self._acc is not None else self._out.device
 
     def _row_chunks(self, entry: TensorEntry, n_rows: int) -> Iterator[tuple[int, int, Tensor]] | None:
         """Chunks of ``entry``'s block for its rule to write, each folded when the next is asked for (see
@@ -612,26 +639,31 @@ class PerSampleGrads:
         if limit <= 0:
             return None
         self._written.add(entry.name)
-        B, row = self._B, entry.numel // n_rows
+        B, row = self._B, entry.row_size
         per = max(1, limit // (B * row * 4))  # rows per chunk
-        need = B * min(per, n_rows) * row
+        need = B * min(per, entry.full_shape[0]) * row
         if self._chunk is None or self._chunk.numel() < need or self._chunk.device != device:
             self._chunk = torch.empty(need, dtype=torch.float32, device=device)
-        return self._fold_chunks(entry, n_rows, per, row)
+        return self._fold_chunks(entry, per, row)
 
-    def _fold_chunks(self, entry: TensorEntry, n_rows: int, per: int, row: int) -> Iterator[tuple[int, int, Tensor]]:
-        """Yield views of ``per`` rows (``row`` elements each) of the chunk buffer; fold each one into the
-        accumulator at its columns once the rule has written it (and sum it for the self-check)."""
+    def _fold_chunks(self, entry: TensorEntry, per: int, row: int) -> Iterator[tuple[int, int, Tensor]]:
+        """Yield views of ``per`` rows (``row`` elements each) of the chunk buffer, on the whole tensor's grid
+        of chunks; fold the entry's rows of each (all of them, or a row-cut tensor's rows only: its first and
+        last chunks are computed whole, so every product is the one without the cut) into the accumulator
+        once the rule has written it (and sum them for the self-check)."""
         B, check = self._B, self._check
         sums = torch.empty(entry.numel, dtype=torch.float64, device=self._acc.device) if check is not None else None
-        for r0 in range(0, n_rows, per):
-            r1 = min(n_rows, r0 + per)
+        first, end = entry.rows
+        for r0 in range(first - first % per, end, per):
+            r1 = min(entry.full_shape[0], r0 + per)
             chunk = self._chunk[: B * (r1 - r0) * row]
             yield r0, r1, chunk.view(B, r1 - r0, *entry.shape[1:])
-            cols = chunk.view(B, (r1 - r0) * row)
-            self._acc.fold(entry.offset + r0 * row, cols)
+            a, b = max(r0, first), min(end, r1)
+            cols = chunk.view(B, (r1 - r0) * row)[:, (a - r0) * row : (b - r0) * row]
+            at = (a - first) * row
+            self._acc.fold(entry.offset + at, cols)
             if sums is not None:
-                sums[r0 * row : r1 * row] = _column_sums(cols)
+                sums[at : at + cols.shape[1]] = _column_sums(cols)
         if check is not None:
             check.compare(entry, sums)
         self._folded.add(entry.name)
@@ -674,12 +706,16 @@ class PerSampleGrads:
     def _forward_hook(self, B: int, rule: Rule, local: dict[str, TensorEntry]) -> Callable:
         """Forward hook: save the input, make the output a graph root if needed, hook its gradient."""
 
+        parts = getattr(rule, "row_parts", False)
+
         def view(name: str) -> tuple[Tensor, bool] | None:
             entry = local.get(name)
             if entry is None:
                 return None
             first = entry.name not in self._written
             self._written.add(entry.name)
+            if entry.is_part and not parts:
+                return self._whole_view(entry), first
             return self._block(entry).view(B, *entry.shape), first
 
         slot = _FoldingSlot(self, view, local)
@@ -989,6 +1025,10 @@ class _FoldingSlot(Slot):
         entry = self._local.get(name)
         return None if entry is None else self._owner._row_chunks(entry, n_rows)
 
+    def first_row(self, name: str) -> int:
+        entry = self._local.get(name)
+        return 0 if entry is None else entry.row0
+
 
 class _Check:
     """The self-check of one batch: Σ_n s_n of every selected tensor against the batched gradient.
@@ -1012,11 +1052,19 @@ class _Check:
         self.rtol = 1e-4
 
     def compare(self, entry: TensorEntry, summed: Tensor) -> None:
-        """Check one tensor's summed per-sample gradient (numel,) float64 and drop its reference."""
+        """Check one tensor's summed per-sample gradient (numel,) float64 (of a row-cut tensor: the entry's
+        rows) and drop its reference; in column chunks, so no float64 copy of the reference is made whole."""
         dtype, g = self.refs.pop(entry.name)
-        ref = torch.zeros_like(summed) if g is None else g.detach().reshape(-1).to(torch.float64)
-        err = float((summed - ref).norm())
-        scale = max(float(ref.norm()), float(summed.norm()), self.floor)
+        ref = None if g is None else g.detach().reshape(entry.full_shape[0] if entry.shape else 1, -1)
+        if ref is not None:
+            ref = ref[entry.rows[0] : entry.rows[1]].reshape(-1)
+        sq = torch.zeros(3, dtype=torch.float64)  # ‖summed − ref‖², ‖ref‖², ‖summed‖²
+        for j in range(0, summed.numel(), _CHECK_COLUMNS):
+            s = summed[j : j + _CHECK_COLUMNS]
+            r = torch.zeros_like(s) if ref is None else ref[j : j + _CHECK_COLUMNS].to(torch.float64)
+            sq += torch.stack([(s - r).square().sum(), r.square().sum(), s.square().sum()]).cpu()
+        err, ref_norm, sum_norm = (float(v) for v in sq.sqrt())
+        scale = max(ref_norm, sum_norm, self.floor)
         rtol = _CHECK_RTOL.get(dtype, 1e-4)
         if err > rtol * scale:
             self.errors.append((entry.name, err / scale))

@@ -80,8 +80,21 @@ class Slot:
         """
         return None
 
+    def first_row(self, name: str) -> int:
+        """The first row (along dim 0) of the parameter that the views of a rule marked by :func:`row_parts`
+        hold: a row-cut parameter block's views hold rows ``first_row … first_row + view.shape[1]`` only
+        (and ``rows`` yields absolute rows inside them). 0 here: whole tensors."""
+        return 0
+
 
 Rule = Callable[[nn.Module, Tensor, Tensor, Slot], None]
+
+
+def row_parts(rule: Callable[..., None]) -> Callable[..., None]:
+    """Mark a rule that writes only the rows ``slot.first_row(name) …`` of its views' leading dimension (a
+    row-cut parameter block); other rules are handed whole-tensor views and the block keeps its rows."""
+    rule.row_parts = True  # type: ignore[attr-defined]
+    return rule
 
 
 @dataclass(frozen=True)
@@ -158,6 +171,29 @@ def _bmm_into(view: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
         view.baddbmm_(a, b)
 
 
+# Fewest rows of a product computed for a row-cut view (:func:`_rows_into`): CPU GEMMs of under 4 rows run another
+# kernel than wider ones, with other last bits.
+_MIN_PART_ROWS = 16
+
+
+def _rows_into(view: Tensor, a: Tensor, b: Tensor, first: bool, r0: int) -> None:
+    """view (B, m, n) = or += rows r0 … r0 + m of a @ b, a (B, M, k) (a row-cut view; m = M: the whole product).
+    A part of fewer than ``_MIN_PART_ROWS`` rows is computed inside a window of that many rows around it, so
+    that its products are bit for bit those of the whole product (the GEMM kernel depends on the row count)."""
+    m, M = view.shape[1], a.shape[1]
+    lo = max(0, min(r0, M - _MIN_PART_ROWS))
+    hi = max(r0 + m, min(M, lo + _MIN_PART_ROWS))
+    if (lo, hi) == (r0, r0 + m):
+        _bmm_into(view, a[:, r0 : r0 + m], b, first)
+        return
+    window = view.new_zeros(view.shape[0], hi - lo, view.shape[2])
+    part = window[:, r0 - lo : r0 - lo + m]
+    if not first:
+        part.copy_(view)
+    _bmm_into(window, a[:, lo:hi], b, first)
+    view.copy_(part)
+
+
 def _sum_into(view: Tensor, x: Tensor, first: bool) -> None:
     """view (B, n) = or += x.sum over positions; x (B, T', n)."""
     if first:
@@ -166,6 +202,7 @@ def _sum_into(view: Tensor, x: Tensor, first: bool) -> None:
         view.add_(x.sum(dim=1))
 
 
+@row_parts
 def _linear_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """y = x Wᵀ + b: per-sample ∂W = Σ_t g_t x_tᵀ (B, out, in), ∂b = Σ_t g_t."""
     B = g.shape[0]
@@ -175,11 +212,12 @@ def _linear_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
         for r0, r1, view in chunks:
             _bmm_into(view, g[:, :, r0:r1].transpose(1, 2), x, True)
     elif (s := slot("weight")) is not None:
-        _bmm_into(s[0], g.transpose(1, 2), _flat(x, B, module.in_features), s[1])
+        _rows_into(s[0], g.transpose(1, 2), _flat(x, B, module.in_features), s[1], slot.first_row("weight"))
     if (s := slot("bias")) is not None:
         _sum_into(s[0], g, s[1])
 
 
+@row_parts
 def _conv1d_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """GPT-2 Conv1D, y = x W + b with W (in, out): per-sample ∂W = Σ_t x_t g_tᵀ (B, in, out)."""
     B = g.shape[0]
@@ -189,13 +227,15 @@ def _conv1d_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
         for r0, r1, view in chunks:
             _bmm_into(view, x[:, :, r0:r1].transpose(1, 2), g, True)
     elif (s := slot("weight")) is not None:
-        _bmm_into(s[0], _flat(x, B, module.nx).transpose(1, 2), g, s[1])
+        _rows_into(s[0], _flat(x, B, module.nx).transpose(1, 2), g, s[1], slot.first_row("weight"))
     if (s := slot("bias")) is not None:
         _sum_into(s[0], g, s[1])
 
 
+@row_parts
 def _embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
-    """Row y of the table gets Σ_{t: id_t = y} g_t per sample; the padding row gets nothing."""
+    """Row y of the table gets Σ_{t: id_t = y} g_t per sample; the padding row gets nothing. A view of rows
+    r0 … r1 only (a row-cut block) gets the positions whose id lies there (the others add exact zeros)."""
     B, H = g.shape[0], module.embedding_dim
     ids = x.reshape(B, -1)  # (B, T')
     g = _flat(g, B, H)
@@ -204,9 +244,14 @@ def _embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None
     view, first = slot("weight")
     if first:
         view.zero_()
+    r0 = slot.first_row("weight")
+    if r0 or view.shape[1] != module.num_embeddings:
+        inside = (ids >= r0) & (ids < r0 + view.shape[1])
+        ids, g = torch.where(inside, ids - r0, 0), torch.where(inside[..., None], g, 0.0)
     view.scatter_add_(1, ids[..., None].expand(-1, -1, H), g)  # view (B, V, H)
 
 
+@row_parts
 def _scaled_embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """Gemma's scaled embedding, y = W[id]·s with s = embed_scale cast to the weight's dtype: the plain
     embedding rule on g·s (the product autograd forms), row y of every sample's block Σ_{t: id_t = y} g_t·s."""
@@ -580,6 +625,12 @@ _EXACT: dict[type, tuple[Rule, frozenset[str]]] = {
 def writes_weight_in_row_chunks(module: nn.Module) -> bool:
     """Whether the module's rule asks ``slot.rows`` for its weight (Linear, Falcon's Linear, GPT-2 Conv1D)."""
     return _EXACT.get(type(module), (None,))[0] in (_linear_rule, _conv1d_rule)
+
+
+def writes_row_parts(module: nn.Module) -> bool:
+    """Whether the module's rule writes only the rows of a row-cut block (marked by :func:`row_parts`)."""
+    found = rule_for(module)
+    return not isinstance(found, str) and getattr(found[0], "row_parts", False)
 
 
 def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:

@@ -7,12 +7,17 @@ The memory model is the README's ("Memory and state dtype"), per worker running 
     activations  layers × B·L·((8·H + 4·I)·dtype + heads·L·(dtype + 4))  (saved for one backward:
                  norms, q/k/v/o and MLP inputs and outputs, the eager attention probabilities)
     logits       B·L·V·(dtype + 8)  (logits, their float32 gradient and softmax)
-    in flight    B·4·numel of the block's largest tensor, where a Linear/Conv1D weight with one module counts
+    in flight    B·4·numel of the block's largest tensor (of a row-cut tensor: its rows, or the whole tensor
+                 where its rule writes whole tensors), where a Linear/Conv1D weight with one module counts
                  one row chunk (``covgrad.persample.default_chunk_bytes``, at least one row) instead of its whole
                  block (a tied embedding's block: B·4·(embedding + the largest other tensor), an upper bound)
     workspace    min(2^26 on cuda or 2^17 on cpu, B·largest) × (1 + 3·2/B) × state element bytes
     state        (48 float64 | 32 float32) × P_k   (2 halves × mean, M2, co-moment [, mean low part])
     rows         B·P_k·4 when per-sample rows are kept (one block only)
+    self-check   first batch only (``model.self_check``): the batched reference gradient of every tensor the
+                 block touches, whole (dtype bytes each; a tied embedding twice: autograd sums its two
+                 contributions), the largest tensor's (numel,) float64 sum of per-sample gradients and the
+                 comparison's float64 column temporaries, and the trace (two samples × 16 positions of logits)
 
 A job fits a device when the total is at most ``HEADROOM`` of its memory (the rest: CUDA context,
 allocator fragmentation). Store bytes: the final state of every sample shard, (48 | 32)·P each, plus one
@@ -24,6 +29,7 @@ size, P selected parameter elements, P_k those of block k, N samples.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -31,9 +37,12 @@ from torch import nn
 from covgrad.accum import FOLD_ELEMENTS, state_bytes_per_param
 from covgrad.layout import ParamLayout, split_blocks
 from covgrad.persample import default_chunk_bytes
-from covgrad.rules import writes_weight_in_row_chunks
+from covgrad.rules import writes_row_parts, writes_weight_in_row_chunks
 
 HEADROOM = 0.9
+
+# The most row-cut blocks "auto" tries.
+_MAX_AUTO_CUT = 256
 
 
 def keeps_rows(N: int, P: int, byte_budget: int, blocks: int, equal_batches: bool) -> bool:
@@ -56,6 +65,7 @@ class ModelShape:
     vocab: int
     tied_embedding: str | None  # the layout name of a tied input embedding / LM head, else None
     chunked: frozenset[str]  # weights whose per-sample blocks are written and folded in row chunks
+    row_parts: frozenset[str] = frozenset()  # tensors whose rules write only a row-cut block's rows
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
@@ -75,6 +85,11 @@ class ModelShape:
             for n, p in model.named_parameters()
             if n.endswith("weight") and len(owners[id(p)]) == 1 and writes_weight_in_row_chunks(owners[id(p)][0])
         )
+        row_parts = frozenset(
+            n
+            for n, p in model.named_parameters()
+            if n.endswith("weight") and all(writes_row_parts(m) for m in owners[id(p)])
+        )
         return cls(
             n_params=sum(p.numel() for p in params),
             dtype_bytes=params[0].element_size(),
@@ -85,6 +100,7 @@ class ModelShape:
             vocab=c.vocab_size,
             tied_embedding=name,
             chunked=chunked,
+            row_parts=row_parts,
         )
 
 
@@ -100,6 +116,7 @@ class Workload:
     device: str  # "cuda" | "cpu"
     byte_budget: int  # scores.byte_budget: the most bytes of per-sample rows (N, P) float32 to keep
     equal_batches: bool  # every batch but the last holds B samples
+    self_check: bool = True  # model.self_check: the first batch also holds the reference gradient
 
 
 @dataclass(frozen=True)
@@ -113,10 +130,11 @@ class BlockNeed:
     workspace: int
     state: int
     rows: int
+    check: int = 0  # the first batch's self-check and trace, on top of the rest
 
     @property
     def total(self) -> int:
-        return self.fixed + self.in_flight + self.workspace + self.state + self.rows
+        return self.fixed + self.in_flight + self.workspace + self.state + self.rows + self.check
 
 
 @dataclass(frozen=True)
@@ -150,7 +168,8 @@ class ShardPlan:
             f"per-worker device memory: {gb(self.need)} GB needed of {gb(self.device_bytes)} GB "
             f"({'fits' if self.fits else 'does NOT fit'}, {HEADROOM:.0%} usable)",
             f"  largest job: weights+activations+logits {gb(big.fixed)}, block in flight {gb(big.in_flight)}, "
-            f"fold workspace {gb(big.workspace)}, state {gb(big.state)}, per-sample rows {gb(big.rows)} GB",
+            f"fold workspace {gb(big.workspace)}, state {gb(big.state)}, per-sample rows {gb(big.rows)}, "
+            f"first batch's self-check and trace {gb(big.check)} GB",
             "  block  tensors  parameters  state GB  total GB",
         ]
         for k, n in enumerate(self.needs):
@@ -165,18 +184,25 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f}"
 
 
-def block_needs(layout: ParamLayout, shape: ModelShape, work: Workload, n_blocks: int) -> tuple[BlockNeed, ...]:
-    """Device bytes of a job of each of the ``n_blocks`` blocks of :func:`covgrad.layout.split_blocks`."""
+def block_needs(
+    layout: ParamLayout, shape: ModelShape, work: Workload, n_blocks: int, cut: bool = False
+) -> tuple[BlockNeed, ...]:
+    """Device bytes of a job of each of the ``n_blocks`` blocks of :func:`covgrad.layout.split_blocks`
+    (``cut``: blocks that cut tensors at rows)."""
     B, L, d = work.B, work.L, shape.dtype_bytes
     act = shape.layers * B * L * ((8 * shape.hidden + 4 * shape.intermediate) * d + shape.heads * L * (d + 4))
     fixed = shape.n_params * d + act + B * L * shape.vocab * (d + 8)
     elem = 8 if work.state_dtype == "float64" else 4
     needs = []
     chunk = default_chunk_bytes(work.device) // (4 * B)  # elements of a sample's chunk
-    for block in split_blocks(layout, n_blocks):
+    for block in split_blocks(layout, n_blocks, cut=cut):
         sizes = sorted((e.numel for e in block.entries), reverse=True)
-        made = [  # elements per sample of each tensor's block at once
-            min(e.numel, max(chunk, e.numel // e.shape[0])) if e.name in shape.chunked else e.numel
+        made = [  # elements per sample of each tensor's block at once (a part: its rows, or the whole tensor)
+            min(e.numel, max(chunk, e.row_size))
+            if e.name in shape.chunked
+            else e.numel
+            if not e.is_part or e.name in shape.row_parts
+            else e.numel // e.shape[0] * e.full_shape[0]
             for e in block.entries
         ]
         in_flight = max(made)
@@ -185,6 +211,13 @@ def block_needs(layout: ParamLayout, shape: ModelShape, work: Workload, n_blocks
             in_flight = tied + max((s for s in made if s != tied), default=0)
         columns = min(FOLD_ELEMENTS[work.device], B * sizes[0])
         rows = B * block.P * 4 if keeps_rows(work.N, layout.P, work.byte_budget, n_blocks, work.equal_batches) else 0
+        check = 0
+        if work.self_check:
+            whole = [math.prod(e.full_shape) for e in block.entries]
+            tied = block.entry(shape.tied_embedding).numel if shape.tied_embedding in block.names else 0
+            full_tied = whole[block.names.index(shape.tied_embedding)] if tied else 0
+            check = (sum(whole) + full_tied) * d + sizes[0] * 8 + 2 * 8 * min(sizes[0], 1 << 22)
+            check += 2 * min(L, 16) * shape.vocab * (d + 8)
         needs.append(
             BlockNeed(
                 tensors=len(block.entries),
@@ -194,6 +227,7 @@ def block_needs(layout: ParamLayout, shape: ModelShape, work: Workload, n_blocks
                 workspace=int(columns * (1 + 6 / B) * elem),
                 state=state_bytes_per_param(work.state_dtype) * block.P,
                 rows=rows,
+                check=check,
             )
         )
     return tuple(needs)
@@ -206,27 +240,35 @@ def make_plan(
     shards: tuple[int, int | str],
     workers: int,
     device_bytes: int,
+    cut: bool = False,
 ) -> ShardPlan:
     """The plan for ``shards`` = (sample shards, parameter blocks); blocks ``"auto"``: the fewest whose
-    jobs fit a device.
+    jobs fit a device. ``cut`` (``scores.cut_tensors``): blocks cut tensors at rows, balanced by parameter
+    count, so "auto" may spread one tensor over several blocks.
 
-    Raises ValueError naming the values when ``"auto"`` finds no fitting split (one tensor too large).
+    Raises ValueError naming the values when ``"auto"`` finds no fitting split (one tensor, or with ``cut``
+    the fixed part of a job, too large).
     """
     if workers < 1 or device_bytes <= 0:
         raise ValueError(f"workers ({workers}) and device memory ({device_bytes} bytes) must be positive")
     samples, blocks = shards
     if blocks != "auto":
-        needs = block_needs(layout, shape, work, blocks)
+        needs = block_needs(layout, shape, work, blocks, cut)
         return _plan(layout, work, samples, blocks, needs, workers, device_bytes)
-    for k in range(1, len(layout.entries) + 1):
-        needs = block_needs(layout, shape, work, k)
+    most = min(_MAX_AUTO_CUT, layout.P) if cut else len(layout.entries)
+    for k in range(1, most + 1):
+        needs = block_needs(layout, shape, work, k, cut)
         if max(n.total for n in needs) <= HEADROOM * device_bytes:
             return _plan(layout, work, samples, k, needs, workers, device_bytes)
+        if cut and min(n.total - n.state - n.in_flight - n.workspace for n in needs) > HEADROOM * device_bytes:
+            break  # what every job holds whatever its block (weights, activations, logits) does not fit
     need = max(n.total for n in needs)
     smaller = "scores.state_dtype=float32, " if work.state_dtype == "float64" else ""
+    what = f"{k} row-cut blocks" if cut else "one tensor per block"
+    hint = "" if cut else "scores.cut_tensors=true, "
     raise ValueError(
-        f"scores.shards=[{samples}, auto]: even one tensor per block needs {gb(need)} GB per worker, more than "
-        f"{HEADROOM:.0%} of {gb(device_bytes)} GB; use {smaller}fewer parameters (model.params) or a smaller "
+        f"scores.shards=[{samples}, auto]: even {what} needs {gb(need)} GB per worker, more than "
+        f"{HEADROOM:.0%} of {gb(device_bytes)} GB; use {hint}{smaller}fewer parameters (model.params) or a smaller "
         "batch (scores.groups_per_batch)"
     )
 

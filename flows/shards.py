@@ -92,9 +92,10 @@ def plan_for_config(
         device=device,
         byte_budget=cfg.scores.byte_budget,
         equal_batches=True,  # every prompt group of one sampler has its group_size
+        self_check=cfg.model.self_check,
     )
     shape = ModelShape.of(model)
-    chosen = make_plan(layout, shape, work, cfg.scores.shards, workers, device_bytes)
+    chosen = make_plan(layout, shape, work, cfg.scores.shards, workers, device_bytes, cut=cfg.scores.cut_tensors)
     instances = [str(i) for i in plan(cfg).scores]
     lines = [
         f"model: {cfg.model.path or 'demo'} ({shape.n_params:.4g} parameters, {cfg.model.dtype}); "

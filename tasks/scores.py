@@ -61,7 +61,7 @@ class ScoresJob:
         if shards is None and spec.blocks == "auto":
             shards = resolve_shards(self, workers)
         self.S, self.K = shards or (spec.sample_shards, spec.blocks)
-        self.blocks = split_blocks(self.layout, self.K)
+        self.blocks = split_blocks(self.layout, self.K, cut=spec.cut_tensors)
         keep = keeps_rows(self.N, self.P, spec.byte_budget, self.K, self.equal)
         sizes = [blk.P for blk in self.blocks]
         self.out = ScoresStore(store, ref, self.N, len(self.batches), self.B, self.S, sizes, spec.state_dtype, keep)
@@ -152,9 +152,11 @@ def resolve_shards(job: ScoresJob, workers: int) -> tuple[int, int]:
         device=job.device.type,
         byte_budget=spec.byte_budget,
         equal_batches=job.equal,
+        self_check=spec.self_check,
     )
     shards = (spec.sample_shards, spec.blocks)
-    chosen = make_plan(job.layout, ModelShape.of(job.model), work, shards, workers, device_memory(job.device))
+    model = ModelShape.of(job.model)
+    chosen = make_plan(job.layout, model, work, shards, workers, device_memory(job.device), cut=spec.cut_tensors)
     return chosen.samples, chosen.blocks
 
 

@@ -165,6 +165,13 @@ class ScoresSpec(StageSpec):
     inputs: dict[str, str] = {}  # content digests of the sampler's model and μ files it reads
     checkpoint_batches: int
     checkpoint_seconds: float
+    cut_tensors: bool = False  # blocks cut tensors at rows: hashed only when true (uncut keys stay as they were)
+
+    def hashed(self) -> dict[str, Any]:
+        out = super().hashed()
+        if not out["cut_tensors"]:
+            del out["cut_tensors"]
+        return out
 
 
 class StatsSpec(StageSpec):
@@ -526,6 +533,7 @@ def plan(cfg: PipelineConfig) -> Plan:
                 checkpoint_batches=sc.checkpoint_batches,
                 checkpoint_seconds=sc.checkpoint_seconds,
                 inputs=sampler_inputs(s, mu=True) if c == "sampler" else {},
+                cut_tensors=sc.cut_tensors,
             )
             upstream = {"base_model": base, "rollouts": rollouts[name]}
             scores[Instance("scores", name, c)] = _step(store, Instance("scores", name, c), score_spec, upstream)
@@ -563,7 +571,10 @@ def plan(cfg: PipelineConfig) -> Plan:
     everything += [*regime.values(), *([regimes] if regimes is not None else []), *trajectory.values()]
     # disabled sections the report does not render leave the report's key as it was
     exclude = {"root"} | (set() if cfg.trajectory.enabled else {"trajectory"}) | (set() if cfg.regimes else {"regimes"})
-    report_spec = ReportSpec(name=cfg.name, config=report_layout(cfg.model_dump(mode="json", exclude=exclude)))
+    dumped = cfg.model_dump(mode="json", exclude=exclude)
+    if not dumped["scores"]["cut_tensors"]:  # uncut blocks leave the report's key as it was
+        del dumped["scores"]["cut_tensors"]
+    report_spec = ReportSpec(name=cfg.name, config=report_layout(dumped))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
     return Plan(
         base,
