@@ -498,9 +498,14 @@ def cmd_diff(args: argparse.Namespace) -> int:
     before, after = load_state_dict(args.before), load_state_dict(args.after)
     masks = layout = None
     if args.masks:
+        from storage.identity import artifact_location, check_computed_on
         from storage.masks import load_masks
 
         masks, layout = load_masks(args.masks, args.q)
+        what = f"the masks {args.masks} were not computed on BEFORE {args.before}"
+        fix = "pass as BEFORE the checkpoint the masks' run analysed, or compute masks for BEFORE"
+        if check_computed_on(*artifact_location(args.masks), before, what, fix) is None:
+            print(f"covgrad diff: {args.masks} records no model identity; BEFORE is not checked", file=sys.stderr)
     result = diff_state_dicts(before, after, atol=args.atol, masks=masks, layout=layout)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
