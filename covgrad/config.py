@@ -200,8 +200,8 @@ class SamplerSection(Section):
 
     @model_serializer(mode="wrap")
     def _without_import_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The fields of :data:`IMPORT_DEFAULTS` and :data:`SAMPLER_DEFAULTS` are left out at their defaults, so a sampler that does not
-        use them serialises (and keys its artifacts) as before they existed."""
+        """The fields of :data:`IMPORT_DEFAULTS` and :data:`SAMPLER_DEFAULTS` are left out at their defaults,
+        so a sampler that does not use them serialises (and keys its artifacts) as before they existed."""
         out = handler(self)
         for name, default in {**IMPORT_DEFAULTS, **SAMPLER_DEFAULTS}.items():
             if name in out and out[name] == default:

@@ -48,7 +48,8 @@ def test_diff_bad_input(tmp_path, capsys):
 @pytest.mark.slow
 def test_diff_with_the_masks_a_pipeline_wrote(tiny_run, capsys):
     """``covgrad diff --masks`` on the tiny pipeline's own masks artifact: the policy (whose statistics the
-    masks are) against its stale checkpoint, every mask's precision and recall against a brute-force numpy count over the flat axis."""
+    masks are) against its stale checkpoint, every mask's precision and recall against a brute-force numpy
+    count over the flat axis."""
     import numpy as np
     import zarr
 

@@ -106,7 +106,9 @@ def test_scores_record_the_identity_and_diff_refuses_other_weights(tiny_run, cap
     assert main(["diff", f"{base}/stale", f"{base}/policy", "--masks", masks, "--q", "0.1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    first = next(iter(policy))  # the first tensor already differs between the two checkpoints
+    stale = load_state_dict(f"{base}/stale")
+    records = store.open_group(p["scores.policy.policy"].ref, "scores.zarr").attrs[IDENTITY_ATTR]
+    first = next(r["name"] for r in records["tensors"] if reference_digest(stale[r["name"]]) != r["digest"])
     assert f"were not computed on BEFORE {base}/stale" in err[0] and f"tensor {first!r} differs" in err[0]
     assert "compute masks for BEFORE" in err[0]
 
@@ -127,3 +129,40 @@ def test_check_computed_on_follows_the_upstream_of_any_artifact(tiny_run):
     with pytest.raises(ValueError, match=r"^w \(model identity of scores \w+\): tensor '.+' differs .*; f$"):
         check_computed_on(store, stats.key, load_state_dict(f"{base}/stale"), "w", "f")
     assert check_computed_on(store, "0" * 24, {}, "w", "f") is None  # not in the store
+
+
+@pytest.mark.slow
+def test_the_external_trajectory_refuses_statistics_of_other_weights(tmp_path):
+    """An external run whose first checkpoint is model.path passes with its own step-0 statistics; given the
+    statistics of a checkpoint that differs in one float32 ulp of one tensor, it is refused naming that tensor."""
+    from covgrad.problems import build_char_tokenizer
+    from storage.models import load_model
+    from tasks.specs import plan
+    from tasks.trajectory import trajectory_task
+    from tests.helpers.pipeline import run_planned
+    from tests.helpers.user import user_config, write_checkpoint
+
+    a = write_checkpoint(tmp_path / "a")
+    model = load_model(a)
+    bump(model.get_parameter(UP), 7)
+    model.save_pretrained(tmp_path / "b")
+    build_char_tokenizer().save_pretrained(tmp_path / "b")
+    series = tmp_path / "series"
+    shutil.copytree(a, series / "step_000000")
+    shutil.copytree(tmp_path / "b", series / "step_000001")
+    task = tmp_path / "task.jsonl"
+    external = {"trajectory.enabled": True, "trajectory.checkpoints": str(series)}
+    cfg_a = user_config(tmp_path / "runs", a, task, **external)
+    cfg_b = user_config(tmp_path / "runs", tmp_path / "b", task)
+    p_a, p_b = plan(cfg_a), plan(cfg_b)
+    before = {n for n in p_a if n not in ("trajectory", "report")}
+    run_planned(cfg_a, before)
+    run_planned(cfg_b, {n for n in p_b if p_b[n].ref.stage in ("base_model", "rollouts", "scores", "stats")})
+    step = p_a["trajectory"]
+    other = {**step.upstream, "stats": p_b["stats.policy.policy"].ref}
+    with pytest.raises(ValueError) as err:
+        trajectory_task.fn(step.ref, step.spec, other)
+    msg = str(err.value)
+    assert "the step-0 statistics were not computed on the first checkpoint" in msg and "\n" not in msg
+    assert f"tensor {UP!r} differs" in msg and "set model.path to it" in msg
+    assert trajectory_task.fn(step.ref, step.spec, step.upstream).computed

@@ -12,7 +12,7 @@ import pytest
 
 from covgrad.stats import rel_diff
 from storage.artifacts import ArtifactStore
-from tasks.offpolicy import offpolicy_rows, rel_diff_G
+from tasks.offpolicy import COMPARED, offpolicy_rows, rel_diff_G
 
 
 def numpy_rel_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -98,6 +98,10 @@ def test_rows_equal_numpy_on_the_stats_stores(stored):
     assert by["stale", "sampler"]["rel_diff_G"] == pytest.approx(want, rel=1e-12)
     assert by["stale", "policy"]["rel_diff_G"] == by["stale", "sampler"]["rel_diff_G"]
     assert math.isnan(by["policy", "policy"]["rel_diff_G"])
+    worst = max(numpy_rel_diff(groups["stale", "sampler"][n][:], groups["stale", "policy"][n][:]) for n in COMPARED)
+    assert worst >= want and by["stale", "sampler"]["rel_diff_stats"] == pytest.approx(worst, rel=1e-12)
+    assert by["stale", "policy"]["rel_diff_stats"] == by["stale", "sampler"]["rel_diff_stats"]
+    assert math.isnan(by["policy", "policy"]["rel_diff_stats"])
     columns = {
         "zero_mean_trace": "zero_mean_trace",
         "zero_mean_coord": "zero_mean_coord",
@@ -122,9 +126,11 @@ def test_blocks_that_do_not_divide_P_give_the_same_table(stored, tiny_run):
     for block in (1000, P // 3 + 1):  # many blocks and a short last one; three blocks
         assert P % block and P // block >= 2, (P, block)
         chunked = offpolicy_rows(store, p.offpolicy.spec, p.offpolicy.upstream, block)
-        assert [r["rel_diff_G"] for r in chunked][1:] == pytest.approx([r["rel_diff_G"] for r in rows][1:], rel=1e-12)
-        assert [{k: v for k, v in r.items() if k != "rel_diff_G"} for r in chunked] == [
-            {k: r[k] for k in c if k != "rel_diff_G"} for r, c in zip(rows, chunked, strict=True)
+        for col in ("rel_diff_G", "rel_diff_stats"):
+            assert [r[col] for r in chunked][1:] == pytest.approx([r[col] for r in rows][1:], rel=1e-12)
+        blockwise = ("rel_diff_G", "rel_diff_stats")
+        assert [{k: v for k, v in r.items() if k not in blockwise} for r in chunked] == [
+            {k: r[k] for k in c if k not in blockwise} for r, c in zip(rows, chunked, strict=True)
         ]
 
 

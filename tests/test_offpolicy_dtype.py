@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from covgrad.mismatch import mismatch_metrics
+from covgrad.report.sections import null_line, null_tests
 from storage.artifacts import ArtifactStore
 from storage.models import load_models
 from tasks.specs import PolicySpec, centerings, plan
@@ -107,3 +108,20 @@ def test_half_precision_copies_differ_from_the_policy(dtype_run, name, dtype):
         assert r["k3_kl"] == pytest.approx(want["rollout_corr/k3_kl"], rel=1e-3, abs=1e-9)
         assert r["rollout_probs_diff_max"] == pytest.approx(want["training/rollout_probs_diff_max"], rel=1e-3)
         assert r["k3_kl"] > 1e-8
+
+
+def test_the_report_states_the_null_test_of_the_fp32_copy(dtype_run):
+    """The report's null-test line: only the fp32 copy is a null (μ ≡ p to float rounding); its numbers are the
+    table's, and ``rel_diff_stats`` is numpy's largest relative difference over m, F, Fvar, G, Cov."""
+    _, store, refs = dtype_run
+    rows = json.loads(store.fs.cat_file(store.path(refs["offpolicy"], "offpolicy.json")))
+    (null,) = null_tests(rows)
+    assert null["sampler"] == "fp32" and null["k3_kl"] < 1e-9
+    s = store.open_group(refs["stats.fp32.sampler"], "stats.zarr", mode="r")
+    p = store.open_group(refs["stats.fp32.policy"], "stats.zarr", mode="r")
+    worst = max(np.linalg.norm(s[n][:] - p[n][:]) / np.linalg.norm(s[n][:]) for n in ("m", "F", "Fvar", "G", "Cov"))
+    assert null["rel_diff_stats"] == pytest.approx(worst, rel=1e-9) and worst < 1e-5
+    assert null["zero_mean_trace_sampler"] == s.attrs["scalars"]["zero_mean_trace"]
+    assert null["zero_mean_trace_policy"] == p.attrs["scalars"]["zero_mean_trace"]
+    line = null_line(null)
+    assert line.startswith("Null test, sampler fp32 (μ ≡ p: k3-KL") and f"{worst:.2g} relative" in line
