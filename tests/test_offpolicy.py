@@ -212,3 +212,22 @@ def test_mismatch_columns_against_numpy(stored, tiny_run):
     assert stale["k3_kl"] > 1e-3 and stale["rollout_probs_diff_max"] > 1e-2
     assert on["k3_kl"] < 1e-9 and on["rollout_probs_diff_max"] < 1e-5 and on["probs_pearson_corr"] > 1 - 1e-9
     assert on["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_sweep_plot_draws_every_sampler_including_the_null():
+    """A PNG for rows with an on-policy row (rel_diff_G NaN), a null (k3-KL 0, drawn at the floor) and a
+    mismatched sampler."""
+    from covgrad.report.plots import plot_mismatch_sweep
+
+    rows = [
+        {"sampler": s, "centering": c, "k3_kl": k3, "zero_mean_trace": z, "rel_diff_G": d}
+        for s, c, k3, z, d in (
+            ("policy", "policy", 1e-14, 1.1, math.nan),
+            ("fp32", "policy", 0.0, 1.0, 2e-7),
+            ("fp32", "sampler", 0.0, 1.0, 2e-7),
+            ("t05", "policy", 0.1, 8.0, 0.2),
+            ("t05", "sampler", 0.1, 1.2, 0.2),
+        )
+    ]
+    png = plot_mismatch_sweep(rows, "test")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
