@@ -620,7 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("before", help="checkpoint before (model directory or state-dict file)")
     p.add_argument("after", help="checkpoint after")
     p.add_argument("--atol", type=float, default=1e-5, help="|Δ| above which a parameter counts as changed")
-    p.add_argument("--masks", help="a masks artifact directory to compare the changed set with")
+    p.add_argument(
+        "--masks", help="a masks artifact directory to compare the changed set with (computed on BEFORE, else refused)"
+    )
     p.add_argument("--q", type=float, default=0.01, help="top-q fraction of the masks to compare")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(fn=cmd_diff)
