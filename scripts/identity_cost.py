@@ -21,6 +21,4 @@ for dtype in ("float32", "bfloat16"):
             t = time.perf_counter()
             m(input_ids=ids)
             f.append(time.perf_counter() - t)
-    print(
-        f"{dtype}: {b / 1e6:.0f} MB, identity {min(h):.2f} s, forward {min(f):.2f} s, ratio {min(h) / min(f):.2f}"
-    )
+    print(f"{dtype}: {b / 1e6:.0f} MB, identity {min(h):.2f} s, forward {min(f):.2f} s, ratio {min(h) / min(f):.2f}")
