@@ -127,6 +127,7 @@ class TaskSection(Section):
 
 
 RolloutFormat = Literal["covgrad", "open_instruct", "trl", "verl"]  # covgrad.formats.READERS
+SamplerDtype = Literal["float32", "bfloat16", "float16"]  # a sampler's own copy of its model
 
 
 class SamplerSection(Section):
@@ -137,6 +138,11 @@ class SamplerSection(Section):
     directory, μ recomputed with this section's temperature/top_p/top_k), or top_logprobs in the file."""
 
     model: str = Field("policy", description="who samples: policy, stale (demo only) or a model directory")
+    dtype: SamplerDtype | None = Field(
+        None,
+        description="the dtype of the sampler's own copy of its model (and of mu_model), as an inference engine "
+        "holds it (bf16, fp16); unset: model.dtype, the same weights as the policy",
+    )
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus truncation; 1 = none")
     top_k: int = Field(0, ge=0, description="top-k truncation; 0 = none")
@@ -194,10 +200,10 @@ class SamplerSection(Section):
 
     @model_serializer(mode="wrap")
     def _without_import_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The fields of :data:`IMPORT_DEFAULTS` are left out at their defaults, so a sampler that does not
-        use them serialises (and keys its artifacts) as before they existed."""
+        """The fields of :data:`IMPORT_DEFAULTS` and :data:`SAMPLER_DEFAULTS` are left out at their defaults,
+        so a sampler that does not use them serialises (and keys its artifacts) as before they existed."""
         out = handler(self)
-        for name, default in IMPORT_DEFAULTS.items():
+        for name, default in {**IMPORT_DEFAULTS, **SAMPLER_DEFAULTS}.items():
             if name in out and out[name] == default:
                 del out[name]
         return out
@@ -210,6 +216,9 @@ IMPORT_DEFAULTS: dict[str, Any] = {
     "verify_max_kl": 0.05,
 }
 """The import settings a sampler's dump leaves out at these defaults (:class:`SamplerSection`)."""
+
+SAMPLER_DEFAULTS: dict[str, Any] = {"dtype": None}
+"""Sampler settings left out of the serialised section at these defaults, so keys stay what they were."""
 
 
 class RolloutsSection(Section):

@@ -498,9 +498,14 @@ def cmd_diff(args: argparse.Namespace) -> int:
     before, after = load_state_dict(args.before), load_state_dict(args.after)
     masks = layout = None
     if args.masks:
+        from storage.identity import artifact_location, check_computed_on
         from storage.masks import load_masks
 
         masks, layout = load_masks(args.masks, args.q)
+        what = f"the masks {args.masks} were not computed on BEFORE {args.before}"
+        fix = "pass as BEFORE the checkpoint the masks' run analysed, or compute masks for BEFORE"
+        if check_computed_on(*artifact_location(args.masks), before, what, fix) is None:
+            print(f"covgrad diff: {args.masks} records no model identity; BEFORE is not checked", file=sys.stderr)
     result = diff_state_dicts(before, after, atol=args.atol, masks=masks, layout=layout)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
@@ -615,7 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("before", help="checkpoint before (model directory or state-dict file)")
     p.add_argument("after", help="checkpoint after")
     p.add_argument("--atol", type=float, default=1e-5, help="|Δ| above which a parameter counts as changed")
-    p.add_argument("--masks", help="a masks artifact directory to compare the changed set with")
+    p.add_argument(
+        "--masks", help="a masks artifact directory to compare the changed set with (computed on BEFORE, else refused)"
+    )
     p.add_argument("--q", type=float, default=0.01, help="top-q fraction of the masks to compare")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(fn=cmd_diff)

@@ -18,12 +18,20 @@ from covgrad.problems import response_texts
 from covgrad.rollout_import import record_mismatch, verification_warning
 from covgrad.sampling import SamplerSpec
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
-from storage.models import load_models
+from storage.models import ModelSource, load_models
 from storage.readers import read_located_records
 from storage.regimes import create_imported_token_arrays
 from storage.rollouts import create_rollout_arrays, write_rollout_rows
 from storage.schema import ROLLOUTS as STORE
 from storage.schema import create
+
+
+def sampler_source(policy: ModelSource, s: SamplerSection) -> ModelSource:
+    """How sampler ``s`` loads its model (``model``, or ``mu_model``): as the policy says, in the sampler's own
+    ``dtype`` when it sets one (an engine's bf16 / fp16 copy of the weights)."""
+    if s.dtype is None:
+        return policy
+    return policy.model_copy(update={"dtype": s.dtype})  # type: ignore[attr-defined]
 
 
 def import_options(s: SamplerSection) -> dict[str, Any]:
@@ -46,7 +54,7 @@ def verify_import(
     idx = np.sort(np.random.default_rng(s.seed).choice(N, size=n, replace=False))
     model, label = policy, "the policy"
     if s.mu_model is not None:
-        model, label = load_models(store, base, s.mu_model, spec.policy)[0], s.mu_model
+        model, label = load_models(store, base, s.mu_model, sampler_source(spec.policy, s))[0], s.mu_model
     tokens, pl, rl = (torch.from_numpy(data[k][idx]) for k in ("tokens", "prompt_len", "response_len"))
     rescored = sampled_token_logp(model, tokens, pl, rl, SamplerSpec.of(s)).numpy()
     T = rescored.shape[1]

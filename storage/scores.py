@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import dask.array as da
@@ -247,10 +247,19 @@ class ScoresStore:
                         for name in self.state_names:
                             g[name][2 * i : 2 * i + 2, cols] = g[f"edges/shard{i}/block{k}/{name}"][:, dst]
 
-    def finalize(self, layout: ParamLayout, centering: str, sampler: str, device: str, dtype: str) -> bool:
+    def finalize(
+        self,
+        layout: ParamLayout,
+        centering: str,
+        sampler: str,
+        device: str,
+        dtype: str,
+        extra: Callable[[], dict[str, Any]] | None = None,
+    ) -> bool:
         """Once every job is done: assemble the block edges, mark the batches (several blocks), write the
-        attrs (the run's ``centering``, ``sampler``, ``device`` and model ``dtype``) and consolidated
-        metadata; False (and nothing written) while jobs or batches are pending."""
+        attrs (the run's ``centering``, ``sampler``, ``device`` and model ``dtype``, and what ``extra()``
+        returns, e.g. the model identity) and consolidated metadata; False (and nothing written) while jobs or
+        batches are pending."""
         g = self.open()
         if bool((g["shard_batches"][:] < 0).any()):
             return False
@@ -275,6 +284,8 @@ class ScoresStore:
                 "dtype": dtype,
             }
         )
+        if extra is not None:
+            g.attrs.update(extra())
         if "kl_sum" in g:
             kl = float(g["kl_sum"][:].sum() / max(g["kl_tokens"][:].sum(), 1.0))
             g.attrs["kl_sampler_policy_per_token"] = kl

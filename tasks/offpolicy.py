@@ -10,7 +10,9 @@ condition, or empty) and
     rel_diff_G = ‖G_sampler − G_policy‖₂ / ‖G_sampler‖₂
 
 over the whole parameter axis for a sampler with both centerings (NaN for the policy itself), read in
-blocks of ``block`` parameters with the sums of squares in float64, so memory holds two blocks, not P.
+blocks of ``block`` parameters with the sums of squares in float64, so memory holds two blocks, not P;
+``rel_diff_stats``, the largest such difference over m, F, Fvar, G and Cov (the null test's number: ≈ 0
+when μ ≡ p),
 
 and the sampler–policy mismatch in the names RL stacks log (``covgrad.mismatch``, verl's definitions) from the
 sampled tokens' log-probabilities under the sampler (the rollouts' ``sampler_logp``) and under the policy
@@ -63,6 +65,7 @@ def offpolicy_rows(
                 "zero_mean_trace": float(s["zero_mean_trace"]),
                 "zero_mean_coord": float(s["zero_mean_coord"]),
                 "rel_diff_G": float("nan"),
+                "rel_diff_stats": float("nan"),
                 "kl_per_token": float(s.get("kl_sampler_policy_per_token", float("nan"))),
                 "max_abs_rho": float(s["max_abs_rho"]),
                 "bound_violations": int(s["bound_violations"]),
@@ -76,8 +79,14 @@ def offpolicy_rows(
         r["kl_per_token"] = kl.get(r["sampler"], 0.0)  # a property of the rollouts; 0 on-policy (μ = p)
         pair = (groups.get((r["sampler"], "sampler")), groups.get((r["sampler"], "policy")))
         if None not in pair:
-            r["rel_diff_G"] = rel_diff_G(pair[0]["G"], pair[1]["G"], block)
+            diffs = {name: rel_diff_G(pair[0][name], pair[1][name], block) for name in COMPARED}
+            r["rel_diff_G"], r["rel_diff_stats"] = diffs["G"], float(np.max(list(diffs.values())))
     return rows
+
+
+COMPARED = ("m", "F", "Fvar", "G", "Cov")
+"""The statistics whose largest relative difference between a sampler's two centerings is ``rel_diff_stats``
+(≈ 0 in the null test, μ ≡ p)."""
 
 
 MISMATCH_COLUMNS = {

@@ -26,7 +26,7 @@ from covgrad.problems import response_texts, score_rewards
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
 from covgrad.support_mu import gradient_error_factor, tail_summary
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
-from storage.imports import import_rollouts
+from storage.imports import import_rollouts, sampler_source
 from storage.models import load_models
 from storage.prompts import load_task, prompt_places
 from storage.rollouts import create_rollout_arrays, write_rollout_rows
@@ -49,7 +49,8 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: 
     s, name = spec.settings, spec.sampler
     problems, reward_fn = load_task(spec.task)
     policy, tokenizer = load_models(store, base, "policy", spec.policy)
-    sampler = policy if s.model == "policy" else load_models(store, base, s.model, spec.policy)[0]
+    own = s.model != "policy" or s.dtype is not None  # a sampler model of its own (another dtype: a copy)
+    sampler = load_models(store, base, s.model, sampler_source(spec.policy, s))[0] if own else policy
     V = policy.get_input_embeddings().num_embeddings
     if sampler.get_input_embeddings().num_embeddings != V:
         raise ValueError(f"sampler model {s.model!r} has a different vocabulary size than the policy ({V})")

@@ -17,12 +17,15 @@ from covgrad.batch import RolloutBatch, group_batches
 from covgrad.centering import LogitGrad, SamplerCentering, policy_logit_grad
 from covgrad.devices import check_state_fits, device_memory, pick_device
 from covgrad.fold import fold_batches
+from covgrad.identity import model_identity
 from covgrad.layout import select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads
 from covgrad.rollout_import import require_mu_source
 from covgrad.sampling import SamplerSpec
 from covgrad.shardplan import ModelShape, Workload, keeps_rows, make_plan
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.identity import IDENTITY_ATTR
+from storage.imports import sampler_source
 from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS
@@ -73,7 +76,7 @@ class ScoresJob:
         if not mu_recorded(self.ro):
             if s.import_path is not None:  # the store holds no top-k record: the preflight's check, again
                 require_mu_source(f"rollouts.samplers.{self.spec.sampler}", {}, s.on_policy, s.mu_model)
-            model = load_models(store, base, s.mu_model or s.model, self.spec.policy)[0]
+            model = load_models(store, base, s.mu_model or s.model, sampler_source(self.spec.policy, s))[0]
         return SamplerCentering(SamplerSpec.of(s), model)
 
     def prepare(self) -> None:
@@ -129,11 +132,16 @@ class ScoresJob:
                 seconds=spec.checkpoint_seconds,
             )
 
+    def _identity(self) -> dict[str, Any]:
+        return {IDENTITY_ATTR: model_identity(self.model.named_parameters())}  # the weights on the device
+
     def finalize(self) -> dict[str, Any] | None:
-        """Write attrs and consolidated metadata when every batch is done; return the provenance
-        (None while batches are pending)."""
+        """Write attrs (with the model identity of the weights scored, ``storage.identity``) and consolidated
+        metadata when every batch is done; return the provenance (None while batches are pending)."""
         spec = self.spec
-        if not self.out.finalize(self.layout, spec.centering, spec.sampler, str(self.device), spec.policy.dtype):
+        if not self.out.finalize(
+            self.layout, spec.centering, spec.sampler, str(self.device), spec.policy.dtype, self._identity
+        ):
             return None
         shards = [self.S, self.K]
         return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.out.keep_rows, "shards": shards}

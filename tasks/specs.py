@@ -191,7 +191,7 @@ class OffPolicySpec(StageSpec):
     row each in that order, and each sampler's ‖G_sampler − G_policy‖ / ‖G_sampler‖ across its two centerings."""
 
     STAGE: ClassVar[str] = "offpolicy"
-    VERSION: ClassVar[str] = "2"  # 2: the verl-named mismatch columns
+    VERSION: ClassVar[str] = "3"  # 2: the verl-named mismatch columns; 3: rel_diff_stats
     stats: list[tuple[str, Centering]]  # (sampler, centering), sorted
 
 
@@ -355,11 +355,11 @@ class ReportSpec(StageSpec):
 
 
 def on_policy(s: SamplerSection) -> bool:
-    """True when the sampler is the policy itself, untruncated at temperature 1 (μ = p); imported
-    rollouts say so with ``on_policy: true``."""
+    """True when the sampler is the policy itself (not a copy in a ``dtype`` of its own), untruncated at
+    temperature 1 (μ = p); imported rollouts say so with ``on_policy: true``."""
     if s.import_path is not None:
         return s.on_policy
-    return s.model == "policy" and s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == 0
+    return s.model == "policy" and s.dtype is None and s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == 0
 
 
 def centerings(s: SamplerSection) -> list[Centering]:

@@ -39,6 +39,7 @@ from covgrad.trajectory import (
     trajectory_state,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
+from storage.identity import check_computed_on
 from storage.models import load_models
 from storage.schema import REGIMES, STATS
 from storage.schema import TRAJECTORY as STORE
@@ -158,12 +159,13 @@ def _external(
         model = load_models(store, up["base_model"], directory, spec.policy)[0]
         return parameters_flat(model, layout)
 
-    start = flat(series[0][1])
+    first = load_models(store, up["base_model"], series[0][1], spec.policy)[0]
+    start = parameters_flat(first, layout)
+    fix = "set model.path to it so the step-0 statistics are the first checkpoint's"
     if not torch.equal(start, parameters_flat(policy, layout).to(start.dtype)):
-        raise ValueError(
-            f"trajectory.checkpoints: the first checkpoint {series[0][1]} is not model.path; set model.path to it "
-            "so the step-0 statistics are the first checkpoint's"
-        )
+        raise ValueError(f"trajectory.checkpoints: the first checkpoint {series[0][1]} is not model.path; {fix}")
+    what = f"trajectory.checkpoints: the step-0 statistics were not computed on the first checkpoint {series[0][1]}"
+    check_computed_on(store, up["stats"].key, dict(first.named_parameters()), what, fix)
     tracker = ChangeTracker(layout, start, opt, stats)
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, K, layout.P)

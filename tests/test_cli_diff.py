@@ -47,8 +47,9 @@ def test_diff_bad_input(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_diff_with_the_masks_a_pipeline_wrote(tiny_run, capsys):
-    """``covgrad diff --masks`` on the tiny pipeline's own masks artifact: the policy against its stale
-    checkpoint, every mask's precision and recall against a brute-force numpy count over the flat axis."""
+    """``covgrad diff --masks`` on the tiny pipeline's own masks artifact: the policy (whose statistics the
+    masks are) against its stale checkpoint, every mask's precision and recall against a brute-force numpy
+    count over the flat axis."""
     import numpy as np
     import zarr
 
@@ -60,7 +61,7 @@ def test_diff_with_the_masks_a_pipeline_wrote(tiny_run, capsys):
     store = ArtifactStore(str(root))
     masks_dir = store.path(p["masks"].ref)
     base = store.path(p["base_model"].ref)
-    before, after = f"{base}/stale", f"{base}/policy"
+    before, after = f"{base}/policy", f"{base}/stale"  # the masks' statistics are the policy's: it is BEFORE
     capsys.readouterr()
     assert main(["diff", before, after, "--masks", masks_dir, "--q", "0.1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from covgrad.report.sections import null_line, null_tests
 from covgrad.sampling import SamplerSpec, generate, recompute_sampler_logp
 from storage.artifacts import ArtifactStore
 from storage.models import load_model_and_tokenizer
@@ -91,3 +92,8 @@ def test_offpolicy_table_shows_no_mismatch(null_run):
     rows = json.loads(store.fs.cat_file(store.path(refs["offpolicy"], "offpolicy.json")))
     for r in rows:
         assert r["rel_diff_G"] < 1e-6 and r["k3_kl"] < 1e-9 and r["rollout_probs_diff_max"] < 1e-5, r
+        assert r["rel_diff_stats"] < 1e-6, r
+    nulls = null_tests(rows)  # the report's null-test lines: both imports
+    assert sorted(n["sampler"] for n in nulls) == ["engine", "rescored"]
+    for n in nulls:
+        assert 0.2 < n["zero_mean_trace_sampler"] < 3.0 and "Null test, sampler" in null_line(n)

@@ -12,7 +12,7 @@ import pytest
 
 from covgrad.stats import rel_diff
 from storage.artifacts import ArtifactStore
-from tasks.offpolicy import offpolicy_rows, rel_diff_G
+from tasks.offpolicy import COMPARED, offpolicy_rows, rel_diff_G
 
 
 def numpy_rel_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -98,6 +98,10 @@ def test_rows_equal_numpy_on_the_stats_stores(stored):
     assert by["stale", "sampler"]["rel_diff_G"] == pytest.approx(want, rel=1e-12)
     assert by["stale", "policy"]["rel_diff_G"] == by["stale", "sampler"]["rel_diff_G"]
     assert math.isnan(by["policy", "policy"]["rel_diff_G"])
+    worst = max(numpy_rel_diff(groups["stale", "sampler"][n][:], groups["stale", "policy"][n][:]) for n in COMPARED)
+    assert worst >= want and by["stale", "sampler"]["rel_diff_stats"] == pytest.approx(worst, rel=1e-12)
+    assert by["stale", "policy"]["rel_diff_stats"] == by["stale", "sampler"]["rel_diff_stats"]
+    assert math.isnan(by["policy", "policy"]["rel_diff_stats"])
     columns = {
         "zero_mean_trace": "zero_mean_trace",
         "zero_mean_coord": "zero_mean_coord",
@@ -122,9 +126,11 @@ def test_blocks_that_do_not_divide_P_give_the_same_table(stored, tiny_run):
     for block in (1000, P // 3 + 1):  # many blocks and a short last one; three blocks
         assert P % block and P // block >= 2, (P, block)
         chunked = offpolicy_rows(store, p.offpolicy.spec, p.offpolicy.upstream, block)
-        assert [r["rel_diff_G"] for r in chunked][1:] == pytest.approx([r["rel_diff_G"] for r in rows][1:], rel=1e-12)
-        assert [{k: v for k, v in r.items() if k != "rel_diff_G"} for r in chunked] == [
-            {k: r[k] for k in c if k != "rel_diff_G"} for r, c in zip(rows, chunked, strict=True)
+        for col in ("rel_diff_G", "rel_diff_stats"):
+            assert [r[col] for r in chunked][1:] == pytest.approx([r[col] for r in rows][1:], rel=1e-12)
+        blockwise = ("rel_diff_G", "rel_diff_stats")
+        assert [{k: v for k, v in r.items() if k not in blockwise} for r in chunked] == [
+            {k: r[k] for k in c if k not in blockwise} for r, c in zip(rows, chunked, strict=True)
         ]
 
 
@@ -206,3 +212,22 @@ def test_mismatch_columns_against_numpy(stored, tiny_run):
     assert stale["k3_kl"] > 1e-3 and stale["rollout_probs_diff_max"] > 1e-2
     assert on["k3_kl"] < 1e-9 and on["rollout_probs_diff_max"] < 1e-5 and on["probs_pearson_corr"] > 1 - 1e-9
     assert on["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_sweep_plot_draws_every_sampler_including_the_null():
+    """A PNG for rows with an on-policy row (rel_diff_G NaN), a null (k3-KL 0, drawn at the floor) and a
+    mismatched sampler."""
+    from covgrad.report.plots import plot_mismatch_sweep
+
+    rows = [
+        {"sampler": s, "centering": c, "k3_kl": k3, "zero_mean_trace": z, "rel_diff_G": d}
+        for s, c, k3, z, d in (
+            ("policy", "policy", 1e-14, 1.1, math.nan),
+            ("fp32", "policy", 0.0, 1.0, 2e-7),
+            ("fp32", "sampler", 0.0, 1.0, 2e-7),
+            ("t05", "policy", 0.1, 8.0, 0.2),
+            ("t05", "sampler", 0.1, 1.2, 0.2),
+        )
+    ]
+    png = plot_mismatch_sweep(rows, "test")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -56,6 +56,7 @@ GLOSSARY: dict[str, str] = {
     # off-policy
     "kl_per_token": "mean over response tokens of KL(μ ‖ p) in nats (0 when the sampler is the policy)",
     "rel_diff_G": "‖G_sampler − G_policy‖ / ‖G_sampler‖ between one sampler's two centerings",
+    "rel_diff_stats": "the largest such relative difference over m, F, Fvar, G and Cov (≈ 0 when μ ≡ p)",
     "overlap_1pct": "global overlap at q = 1/100",
     # tokens
     "mode": "token Fisher estimator: exact, topk (top-k vocabulary), mc (Monte Carlo tokens), probe (random probes)",

@@ -180,6 +180,38 @@ def plot_zero_mean(rows: list[dict[str, Any]]) -> bytes:
     return _png(fig)
 
 
+def plot_mismatch_sweep(rows: list[dict[str, Any]], title: str) -> bytes:
+    """A mismatch sweep (off-policy table rows, both centerings of each sampler): the zero-mean statistic
+    N·‖m‖²/tr Var(s) against k3-KL per token under each centering, and rel_diff_G against k3-KL. k3-KL below
+    1e-8 (a sampler that is the policy to float rounding) is drawn at 1e-8."""
+    floor = 1e-8
+    fig = Figure(figsize=(11, 4.5))
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for centering, marker in (("policy", "o"), ("sampler", "x")):
+        sel = [r for r in rows if r["centering"] == centering]
+        k3 = [max(float(r["k3_kl"]), floor) for r in sel]
+        left.scatter(k3, [r["zero_mean_trace"] for r in sel], marker=marker, label=f"{centering}-centred")
+        if centering == "policy":
+            for r, x in zip(sel, k3, strict=True):
+                left.annotate(
+                    r["sampler"], (x, r["zero_mean_trace"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+                )
+    left.axhline(1.0, color="k", ls=":", label="≈ 1 when E[s] = 0")
+    off = [r for r in rows if r["centering"] == "sampler" and np.isfinite(r["rel_diff_G"])]
+    right.scatter([max(float(r["k3_kl"]), floor) for r in off], [max(float(r["rel_diff_G"]), floor) for r in off])
+    for r in off:
+        right.annotate(r["sampler"], (max(float(r["k3_kl"]), floor), max(float(r["rel_diff_G"]), floor)), fontsize=7)
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("k3-KL per token (nats; sampler vs policy)")
+    left.set_ylabel("zero-mean statistic N·‖m‖² / tr Var(s)")
+    left.legend(fontsize=8)
+    right.set_ylabel("rel_diff_G = ‖G_sampler − G_policy‖ / ‖G_sampler‖")
+    fig.suptitle(title)
+    return _png(fig)
+
+
 def plot_token_trace(entropy: np.ndarray, trace: np.ndarray, mode: str) -> bytes:
     """Per-position token Fisher trace against the policy's entropy at that position (both (n,); only
     positions with a positive trace are drawn, on a log axis)."""

@@ -352,8 +352,46 @@ def off_policy(report: Report, run: RunSource) -> None:
         )
     )
     report.blocks.append(("table", rows))
+    nulls = null_tests(rows)
+    report.numbers["null_test"] = [{k: finite(v) for k, v in n.items()} for n in nulls]
+    report.blocks.extend(("p", null_line(n)) for n in nulls)
     report.plots["zero_mean.png"] = plot_zero_mean(rows)
     report.blocks.append(("img", "zero_mean.png", "Zero-mean statistics under policy and sampler centering"))
+
+
+NULL_K3_KL = 1e-9
+"""k3-KL per token (nats) below which a sampler's μ is the policy's p to float rounding: the null test."""
+
+
+def null_tests(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The zero-mismatch null tests of an off-policy table: one per sampler with both centerings whose
+    k3-KL is below :data:`NULL_K3_KL` (an fp32 copy of the policy, rollouts imported with μ ≡ p): its k3-KL,
+    the zero-mean statistic under each centering and ``rel_diff_stats``."""
+    by = {(r["sampler"], r["centering"]): r for r in rows}
+    out = []
+    for (sampler, centering), r in by.items():
+        policy = by.get((sampler, "policy"))
+        if centering == "sampler" and policy is not None and float(r["k3_kl"]) < NULL_K3_KL:
+            out.append(
+                {
+                    "sampler": sampler,
+                    "k3_kl": float(r["k3_kl"]),
+                    "zero_mean_trace_sampler": float(r["zero_mean_trace"]),
+                    "zero_mean_trace_policy": float(policy["zero_mean_trace"]),
+                    "rel_diff_stats": float(r.get("rel_diff_stats", float("nan"))),
+                }
+            )
+    return out
+
+
+def null_line(n: dict[str, Any]) -> str:
+    """One sentence of the report for a null test of :func:`null_tests`."""
+    return (
+        f"Null test, sampler {n['sampler']} (μ ≡ p: k3-KL {n['k3_kl']:.2g} per token): zero-mean statistic "
+        f"N·|m|²/tr Var(s) {n['zero_mean_trace_sampler']:.3g} sampler-centred, {n['zero_mean_trace_policy']:.3g} "
+        "policy-centred (≈ 1 when E[s] = 0); sampler- vs policy-centred m, F, Fvar, G, Cov differ by at most "
+        f"{n['rel_diff_stats']:.2g} relative (L2)."
+    )
 
 
 def tokens(report: Report, run: RunSource) -> None:
