@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 from covgrad.config import (
     Advantage,
@@ -147,7 +147,7 @@ class ScoresSpec(StageSpec):
     STAGE: ClassVar[str] = "scores"
     VERSION: ClassVar[str] = "5"  # 5: Linear/Conv1D weights folded in row chunks (other GEMM shapes: last bits)
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
-        {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
+        {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds", "launcher", "ranks"}
     )
     sampler: str
     centering: Centering
@@ -165,6 +165,19 @@ class ScoresSpec(StageSpec):
     inputs: dict[str, str] = {}  # content digests of the sampler's model and μ files it reads
     checkpoint_batches: int
     checkpoint_seconds: float
+    # the model sharded over ranks (storage.scores_ranks); absent from the dump when in-process
+    launcher: Literal["in-process", "local"] = "in-process"
+    ranks: int = 1
+
+    @model_serializer(mode="wrap")
+    def _in_process_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump without ``launcher`` and ``ranks`` when in-process: the spec recorded in claims and
+        markers of in-process runs stays what it was before the fields existed."""
+        out = handler(self)
+        if self.launcher == "in-process":
+            out.pop("launcher", None)
+            out.pop("ranks", None)
+        return out
 
 
 class StatsSpec(StageSpec):
@@ -513,6 +526,8 @@ def plan(cfg: PipelineConfig) -> Plan:
                 checkpoint_batches=sc.checkpoint_batches,
                 checkpoint_seconds=sc.checkpoint_seconds,
                 inputs=sampler_inputs(s, mu=True) if c == "sampler" else {},
+                launcher=sc.placement[0],
+                ranks=sc.placement[1],
             )
             upstream = {"base_model": base, "rollouts": rollouts[name]}
             scores[Instance("scores", name, c)] = _step(store, Instance("scores", name, c), score_spec, upstream)
