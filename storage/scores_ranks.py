@@ -308,11 +308,15 @@ def run_ranks(make_job: Callable[..., Job], args: tuple, ranks: int) -> dict[str
     Raises:
         covgrad.fsdp.RankFailedError: one line naming the first rank that failed (its checkpoints stay; a
             rerun resumes every rank from the newest one they all hold).
-        ValueError: when the job has more than one parameter block.
+        ValueError: when the job has more than one parameter block or its device is not the CPU.
     """
     job = make_job(*args)
     if job.K != 1:
         raise ValueError(f"scores.ranks={ranks} needs one parameter block, not {job.K}; set scores.shards=[{job.S}, 1]")
+    if job.device.type != "cpu":
+        raise ValueError(
+            f"scores.ranks={ranks} starts gloo ranks on the CPU, not on {job.device}; set model.device=cpu"
+        )
     job.prepare()
     prepare_ranks(job.out, ranks)
     job.model = None  # the ranks load their own; this process keeps the layout and the store
