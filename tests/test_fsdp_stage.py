@@ -107,9 +107,7 @@ def test_rank_columns_written_through_chunks_and_edges_are_the_merged_state(tmp_
 
 def _arrays(store: ArtifactStore, ref) -> dict[str, np.ndarray]:
     g = store.open_group(ref, "scores.zarr", mode="r")
-    out = {}
-    g.visititems(lambda name, a: out.__setitem__(name, a[:]) if isinstance(a, zarr.Array) else None)
-    return out
+    return {name: a[:] for name, a in g.members(max_depth=None) if isinstance(a, zarr.Array)}
 
 
 def _assert_same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
