@@ -35,6 +35,8 @@ from covgrad.choices import (  # the schema's choices and the defaults engines s
     TokenMode,
 )
 
+Launcher = Literal["auto", "in-process", "local"]  # how a scores job's ranks start (scores.launcher)
+
 MOVED = {
     "scores.params": "model.params",
     "scores.device": "model.device",
@@ -277,6 +279,17 @@ class ScoresSection(Section):
         "a tensor larger than the device allows (a 262k-vocabulary embedding) is spread over several jobs; part of the "
         "key when true (the fold's float64 sums of a cut tensor run over other column tiles: last bits, within 1e-12)",
     )
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="processes the model is sharded over (FSDP2, one shard of every parameter and of its state each; "
+        "never changes a byte). More than 1 needs one parameter block",
+    )
+    launcher: Launcher = Field(
+        "auto",
+        description="how the ranks start: in-process (no sharding, ranks 1), local (torch.multiprocessing processes "
+        "on this machine, gloo), auto (in-process for ranks 1, else local)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -300,6 +313,27 @@ class ScoresSection(Section):
                     f'scores.shards {list(v)} needs a sample-shard count >= 1 and a block count >= 1 or "auto"'
                 )
         return v
+
+    @model_validator(mode="after")
+    def _ranks(self) -> Self:
+        if self.ranks > 1 and self.launcher == "in-process":
+            raise ValueError(
+                f"scores.ranks={self.ranks} with scores.launcher=in-process: the in-process launcher runs one rank; "
+                "set scores.launcher=local (or auto)"
+            )
+        if self.ranks > 1 and self.shards[1] != 1:
+            raise ValueError(
+                f"scores.ranks={self.ranks} with scores.shards={list(self.shards)}: the ranks shard the parameters "
+                f"themselves; set scores.shards=[{self.shards[0]}, 1]"
+            )
+        return self
+
+    @property
+    def placement(self) -> tuple[str, int]:
+        """The resolved (launcher, ranks): ``auto`` is in-process for one rank, local for more."""
+        if self.launcher == "auto":
+            return ("in-process" if self.ranks == 1 else "local"), self.ranks
+        return self.launcher, self.ranks
 
 
 class MasksSection(Section):

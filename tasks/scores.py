@@ -30,6 +30,7 @@ from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS
 from storage.scores import ScoresStore, mu_recorded, read_mu
+from storage.scores_ranks import run_ranks
 from tasks.common import StageResult, progress_bar, run_stage
 from tasks.specs import ScoresSpec
 
@@ -168,9 +169,16 @@ def resolve_shards(job: ScoresJob, workers: int) -> tuple[int, int]:
     return chosen.samples, chosen.blocks
 
 
+def _job(root: str, ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]) -> ScoresJob:
+    """The job of a launched rank (a module-level function of plain values: it pickles)."""
+    return ScoresJob(ArtifactStore(root), ref, spec, up)
+
+
 def _compute(
     store: ArtifactStore, ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]
 ) -> dict[str, Any] | None:
+    if spec.launcher != "in-process":  # the model sharded over spec.ranks processes
+        return run_ranks(_job, (store.root, ref, spec, up), spec.ranks)
     job = ScoresJob(store, ref, spec, up)
     job.prepare()
     for j in job.jobs():  # the partition of the spec's shards, one job after another in this process

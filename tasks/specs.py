@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 from covgrad.config import (
     Advantage,
@@ -147,7 +147,7 @@ class ScoresSpec(StageSpec):
     STAGE: ClassVar[str] = "scores"
     VERSION: ClassVar[str] = "6"  # 6: generic-path parameters at the ops that use them (covgrad.optaps: last bits)
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
-        {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds"}
+        {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds", "launcher", "ranks"}
     )
     sampler: str
     centering: Centering
@@ -166,11 +166,24 @@ class ScoresSpec(StageSpec):
     checkpoint_batches: int
     checkpoint_seconds: float
     cut_tensors: bool = False  # blocks cut tensors at rows: hashed only when true (uncut keys stay as they were)
+    # the model sharded over ranks (storage.scores_ranks); absent from the dump when in-process
+    launcher: Literal["in-process", "local"] = "in-process"
+    ranks: int = 1
 
     def hashed(self) -> dict[str, Any]:
         out = super().hashed()
         if not out["cut_tensors"]:
             del out["cut_tensors"]
+        return out
+
+    @model_serializer(mode="wrap")
+    def _in_process_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump without ``launcher`` and ``ranks`` when in-process: the spec recorded in claims and
+        markers of in-process runs stays what it was before the fields existed."""
+        out = handler(self)
+        if self.launcher == "in-process":
+            out.pop("launcher", None)
+            out.pop("ranks", None)
         return out
 
 
@@ -534,6 +547,8 @@ def plan(cfg: PipelineConfig) -> Plan:
                 checkpoint_seconds=sc.checkpoint_seconds,
                 inputs=sampler_inputs(s, mu=True) if c == "sampler" else {},
                 cut_tensors=sc.cut_tensors,
+                launcher=sc.placement[0],
+                ranks=sc.placement[1],
             )
             upstream = {"base_model": base, "rollouts": rollouts[name]}
             scores[Instance("scores", name, c)] = _step(store, Instance("scores", name, c), score_spec, upstream)

@@ -1,0 +1,35 @@
+"""A scores job for launched ranks that records where each rank resumed and can SIGKILL one rank right after a
+checkpoint (the seams are patched inside the rank process, which imports this module when it unpickles it)."""
+
+import os
+import signal
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def recording_job(root: str, ref, spec, up, log: str, kill: tuple[int, int] | None):
+    """``tasks.scores.ScoresJob`` of the artifact; in a rank, ``restore_rank`` appends "rank count" to ``log``, and
+    with ``kill`` = (rank, c) that rank SIGKILLs itself right after writing its checkpoint of c batches."""
+    from storage import scores_ranks
+    from storage.artifacts import ArtifactStore
+    from tasks.scores import ScoresJob
+
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        save, restore = scores_ranks.RankStore.save, scores_ranks.restore_rank
+
+        def killing_save(self, g, i, c, acc):
+            save(self, g, i, c, acc)
+            if kill == (rank, c):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def recorded_restore(store, g, i, acc):
+            c = restore(store, g, i, acc)
+            with Path(log).open("a") as f:
+                f.write(f"{rank} {c}\n")
+            return c
+
+        scores_ranks.RankStore.save = killing_save
+        scores_ranks.restore_rank = recorded_restore
+    return ScoresJob(ArtifactStore(root), ref, spec, up)

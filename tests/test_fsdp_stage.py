@@ -1,0 +1,152 @@
+"""The scores stage with the model sharded over ranks (scores.ranks, storage/scores_ranks.py): the placement
+fields leave in-process specs and keys as they were; the ranks' columns placed through the store's chunks and
+edge arrays are the merged state; a 2-rank artifact holds the in-process arrays; a SIGKILLed rank is named in
+one line and the rerun resumes every rank from their common checkpoint to the same arrays."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+import zarr
+from pydantic import ValidationError
+
+from covgrad.accum import MomentAccumulator
+from covgrad.config import PipelineConfig
+from covgrad.fsdp import RankColumns, RankFailedError, merge_states
+from covgrad.layout import select_parameters
+from storage.artifacts import ArtifactStore
+from storage.scores import ScoresStore
+from storage.scores_ranks import RankStore, assemble_edges, final_pieces, prepare_ranks, run_ranks
+from tasks.specs import plan
+from tests.helpers.fsdp_ranks import recording_job
+from tests.helpers.pipeline import NO_OPTIONAL, REPO, run_planned, tiny_config
+
+SCORES = "scores.policy.policy"
+
+
+def _demo(**scores: object) -> PipelineConfig:
+    data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    data["root"] = "unused-root"
+    data.setdefault("scores", {}).update(scores)
+    return PipelineConfig.model_validate(data)
+
+
+def test_in_process_specs_and_keys_are_what_they_were():
+    """The demo's scores key before the fields existed; ranks change no key and appear only in sharded dumps."""
+    before = plan(_demo())
+    assert before[SCORES].ref.key == "bac6d479e71181a0935f31c0"  # the key of the demo before scores.ranks
+    assert "ranks" not in before[SCORES].spec.model_dump() and "launcher" not in before[SCORES].spec.model_dump()
+    after = plan(_demo(ranks=2))
+    assert [n for n in before if before[n].ref.key != after[n].ref.key] == ["report"]
+    assert after[SCORES].spec.model_dump()["launcher"] == "local" and after[SCORES].spec.ranks == 2
+
+
+@pytest.mark.parametrize(
+    ("scores", "message"),
+    [
+        ({"ranks": 2, "launcher": "in-process"}, "scores.ranks=2 with scores.launcher=in-process"),
+        ({"ranks": 2, "shards": [1, 2]}, r"scores.ranks=2 with scores.shards=\[1, 2\]"),
+        ({"ranks": 0}, "ranks"),
+    ],
+)
+def test_bad_rank_settings_are_refused(scores, message):
+    with pytest.raises(ValidationError, match=message):
+        _demo(**scores)
+
+
+def _layout():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(301, 1201), torch.nn.Linear(1201, 3), torch.nn.Embedding(97, 5))
+    return select_parameters(model, None)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_rank_columns_written_through_chunks_and_edges_are_the_merged_state(tmp_path: Path, ranks: int):
+    """Random states of every rank written as the ranks write them (chunks inside a rank's runs in place, the
+    shared ones through its edge arrays, assembled after) equal the ranks' states side by side."""
+    layout = _layout()
+    P = layout.P
+    store = ArtifactStore(str(tmp_path))
+    ref = store.ref("scores", "k")
+    scores = ScoresStore(store, ref, 8, 2, 4, 1, [P], "float64", keep_rows=False)
+    assert 2 * scores.chunk_p < P  # inner chunks and edges both occur
+    scores.prepare(np.zeros(8), np.arange(8) // 4, kl=False)
+    prepare_ranks(scores, ranks)
+    g = scores.open()
+    parts, columns = [], []
+    gen, kinds = np.random.default_rng(ranks), set()
+    for r in range(ranks):
+        cols = RankColumns.of(layout, ranks, r)
+        pieces = final_pieces(cols, scores.chunk_p, P)
+        assert sum(p[0].stop - p[0].start for p in pieces) == cols.P
+        c = scores.chunk_p
+        inner = [p[2] for p in pieces if not p[3]]
+        assert all(x.start % c == 0 and (x.stop % c == 0 or x.stop == P) for x in inner)
+        kinds |= {p[3] for p in pieces}
+        acc = MomentAccumulator(cols.P, torch.device("cpu"), "float64")
+        state = {n: gen.standard_normal(2) for n in ("count", "mean_a", "m2_a")}
+        state |= {n: gen.standard_normal((2, cols.P)) for n in ("mean_s", "m2_s", "c_as")}
+        state["count"] = np.array([3.0, 5.0])
+        if r:
+            state |= {n: parts[0][n] for n in ("count", "mean_a", "m2_a")}
+        acc.load(state)
+        RankStore(scores, cols).write_final(g, 0, acc)
+        parts.append(acc.rows())
+        columns.append(cols)
+    assert kinds == {False, True}  # chunks written in place and through edges
+    assemble_edges(scores, layout, ranks)
+    merged = merge_states(parts, columns, P)
+    g = scores.open()
+    for name, value in merged.items():
+        assert np.array_equal(g[name][:], value), name
+    assert "edges" not in g and not [k for k in g["ckpt/shard0"].group_keys() if k.startswith("rank")]
+
+
+def _arrays(store: ArtifactStore, ref) -> dict[str, np.ndarray]:
+    g = store.open_group(ref, "scores.zarr", mode="r")
+    return {name: a[:] for name, a in g.members(max_depth=None) if isinstance(a, zarr.Array)}
+
+
+def _assert_same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+
+
+@pytest.mark.slow
+def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_path: Path):
+    """Every scores artifact of the tiny pipeline (policy and sampler centering, kept rows, KL) computed by the
+    scores task with scores.ranks=2 (gloo, CPU) holds the in-process artifact's arrays, bit for bit."""
+    shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
+    cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2})
+    names = {n for n, s in plan(cfg).items() if s.ref.stage == "scores"}
+    results = run_planned(cfg, names | {n for n, s in plan(cfg).items() if s.ref.stage in ("base_model", "rollouts")})
+    assert all(results[n].computed for n in names)
+    before, after = ArtifactStore(str(tiny_run[0])), ArtifactStore(cfg.root)
+    for n in names:
+        assert results[n].ref.key == tiny_run[1][n].ref.key
+        _assert_same_arrays(_arrays(before, tiny_run[1][n].ref), _arrays(after, results[n].ref))
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(tiny_run, tmp_path: Path):
+    """Rank 1 of 2 SIGKILLs itself after its checkpoint of 2 batches: the run fails in one line naming it; the
+    rerun resumes both ranks at batch 2 and ends with the in-process arrays."""
+    shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
+    cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.checkpoint_batches": 1})
+    node = plan(cfg)[SCORES]
+    store = ArtifactStore(cfg.root)
+    log = tmp_path / "restores.log"
+    args = (cfg.root, node.ref, node.spec, node.upstream, str(log))
+    store.begin(node.ref, node.spec.model_dump(mode="json"), resume=True)
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(recording_job, (*args, (1, 2)), 2)
+    assert str(info.value) == "rank 1 of 2 was killed by SIGKILL; rerun to resume from the checkpoints"
+    assert sorted(log.read_text().splitlines()) == ["0 0", "1 0"]
+    log.write_text("")
+    assert run_ranks(recording_job, (*args, None), 2) is not None
+    assert sorted(log.read_text().splitlines()) == ["0 2", "1 2"]
+    _assert_same_arrays(_arrays(ArtifactStore(str(tiny_run[0])), tiny_run[1][SCORES].ref), _arrays(store, node.ref))
