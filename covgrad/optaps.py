@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -45,8 +45,26 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from covgrad.layout import TensorEntry
 from covgrad.rules import float_outputs, generic_rule
 
-if TYPE_CHECKING:
-    from covgrad.persample import PerSampleGrads
+
+class Owner(Protocol):
+    """What the taps read of their :class:`covgrad.persample.PerSampleGrads` (typed here, not imported: the
+    engine imports this module)."""
+
+    _B: int
+    _calls: Any
+    _flat_ok: Any
+    _outer: Any
+    _pending: Any
+    _probing: bool
+    _replaying: bool
+    _roots: Any
+
+    def _forward_hook(self, B: int, rule: Callable[..., None], local: Any) -> Callable[..., Any]: ...
+
+    def _run_rule(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _tap_view(self, *args: Any, **kwargs: Any) -> Any: ...
+
 
 # Tensor methods that read metadata, not values (an attribute getter, ``__get__``, is handled by its result).
 _METADATA = frozenset(
@@ -120,7 +138,7 @@ class OpTaps:
             per-sample blocks and their folding) the taps use.
     """
 
-    def __init__(self, owner: PerSampleGrads) -> None:
+    def __init__(self, owner: Owner) -> None:
         self.owner = owner
         self.replay: dict[int, str] = {}  # id(module) → why it falls back to the module replay
         self.verified: set[tuple] = set()  # signatures of uses shown sample-separable
@@ -471,7 +489,7 @@ def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
     return use.func(*a, **k)
 
 
-def _apply(owner: PerSampleGrads, record: _Record, use: _Use, g: Tensor) -> None:
+def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
     """Per-sample gradients of the use's parameters from its output gradient ``g``, into their blocks."""
     B = record.B
     gs = g if g.shape[0] == B else g.reshape(B, -1, *g.shape[1:])
