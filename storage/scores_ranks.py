@@ -319,6 +319,7 @@ def run_ranks(make_job: Callable[..., Job], args: tuple, ranks: int) -> dict[str
         )
     job.prepare()
     prepare_ranks(job.out, ranks)
+    job._identity()  # recorded before the model is dropped
     job.model = None  # the ranks load their own; this process keeps the layout and the store
     with tempfile.TemporaryDirectory(prefix="covgrad-ranks-") as tmp:
         launch(ranks, _rank_main, (make_job, args), Path(tmp) / "rendezvous")

@@ -52,6 +52,7 @@ class ScoresJob:
         workers: int = 1,
     ) -> None:
         self.spec = spec
+        self._weights: dict[str, Any] | None = None
         self.ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
         self.model, _ = load_models(store, up["base_model"], "policy", spec.policy)
         self.device = pick_device(spec.device)
@@ -134,7 +135,10 @@ class ScoresJob:
             )
 
     def _identity(self) -> dict[str, Any]:
-        return {IDENTITY_ATTR: model_identity(self.model.named_parameters())}  # the weights on the device
+        """The weights' identity on the device, computed once (kept when the model is dropped for ranks)."""
+        if self._weights is None:
+            self._weights = {IDENTITY_ATTR: model_identity(self.model.named_parameters())}
+        return self._weights
 
     def finalize(self) -> dict[str, Any] | None:
         """Write attrs (with the model identity of the weights scored, ``storage.identity``) and consolidated
