@@ -117,16 +117,7 @@ def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
         raise ValueError(f"set_metrics needs bool masks, got {pred.dtype} and {true.dtype}")
     if pred.shape != true.shape:
         raise ValueError(f"set_metrics: mask shapes differ, pred {tuple(pred.shape)} vs true {tuple(true.shape)}")
-    n_pred = int(pred.sum())
-    n_true = int(true.sum())
-    n_both = int((pred & true).sum())
-    n_union = n_pred + n_true - n_both
-    return {
-        "precision": n_both / n_pred if n_pred else float("nan"),
-        "recall": n_both / n_true if n_true else float("nan"),
-        "jaccard": n_both / n_union if n_union else float("nan"),
-        "size": n_pred,
-    }
+    return _metrics(int(pred.sum()), int(true.sum()), int((pred & true).sum()))
 
 
 def sequence_logp(
