@@ -487,9 +487,11 @@ class _Totals:
         varies = Fvar > 0
         self.any_score = self.any_score or bool((np.asarray(stats["F"]) > 0).any())
         self.bound_violations += int(stats["bound_violations"])
-        self.m2_sum += float((m * m).sum())
-        self.fvar_sum += float(Fvar.sum())
-        self.coord_sum += float((m[varies] ** 2 / Fvar[varies]).sum())
+        # exactly rounded sums: numpy's pairwise sum depends on the array's memory alignment, which differs
+        # between a block computed here and one unpickled from a dask worker
+        self.m2_sum += math.fsum(m * m)
+        self.fvar_sum += math.fsum(Fvar)
+        self.coord_sum += math.fsum(m[varies] ** 2 / Fvar[varies])
         self.coord_n += int(varies.sum())
         finite = np.abs(rho[np.isfinite(rho)])
         self.max_rho = max(self.max_rho, float(finite.max()) if finite.size else -1.0)
