@@ -186,11 +186,13 @@ def test_check_model_accepts_hybrid_and_moe_directories(tmp_path, family):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(ARCH_GENERIC))
 def test_pipeline_completes_every_stage_on_hybrid_and_moe(prefect_server, tmp_path, family):
+    """Every parameter selected: the generic-path ones (ARCH_GENERIC) are scored too."""
     from flows.pipeline import covgrad_pipeline
     from storage.artifacts import ArtifactStore
     from tasks.specs import plan
+    from tests.test_cli_families import SMALL
 
-    cfg = family_config(tmp_path, arch_dir(tmp_path / family, family))
+    cfg = family_config(tmp_path, arch_dir(tmp_path / family, family), **SMALL)
     result = covgrad_pipeline(cfg)
     assert set(result["status"].values()) == {"computed"}
     store = ArtifactStore(cfg.root)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -192,6 +193,19 @@ def test_docs_commands_name_real_subcommands_flags_keys_targets_and_paths(doc: P
     assert not found, "\n".join(found)
 
 
+# Prints {module: its --help text} for the modules named in argv, all in one interpreter (one torch import).
+HELPS = r"""
+import contextlib, io, json, runpy, sys
+helps = {}
+for module in sys.argv[1:]:
+    out, sys.argv = io.StringIO(), [module, "--help"]
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    helps[module] = out.getvalue()
+print(json.dumps(helps))
+"""
+
+
 @pytest.mark.slow
 def test_benchmark_commands_use_real_flags():
     """``python -m benchmarks.<name> --flag`` lines: the benchmark imports, and its ``--help`` lists each flag."""
@@ -199,15 +213,14 @@ def test_benchmark_commands_use_real_flags():
     runs = [a for a in argvs if program(a) in PYTHONS and a[1:2] == ["-m"] and a[2].startswith("benchmarks.")]
     assert runs
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    helps: dict[str, str] = {}
+    modules = sorted({argv[2] for argv in runs})
+    cmd = [sys.executable, "-c", HELPS, *modules]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    helps = json.loads(done.stdout.splitlines()[-1])
     for argv in runs:
         module = argv[2]
-        if module not in helps:
-            done = subprocess.run(
-                [sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-            )
-            assert done.returncode == 0, done.stderr
-            helps[module] = done.stdout
+        assert "usage:" in helps[module], f"python -m {module} --help printed no usage: {helps[module]!r}"
         flags = set(re.findall(r"(?<![\w-])--[\w-]+", helps[module]))
         unknown = [w.partition("=")[0] for w in argv[3:] if w.startswith("--") and w.partition("=")[0] not in flags]
         assert not unknown, f"python -m {module}: {unknown} not in its --help"
