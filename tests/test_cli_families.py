@@ -13,21 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.arch_dirs import arch_dir, family_config
+from tests.helpers.arch_dirs import SMALL, arch_dir, family_config
 from tests.helpers.pipeline import REPO
 
 pytestmark = pytest.mark.slow
-
-# Every stage, each with the least work: every parameter selected, one update-check cell, probe tokens.
-SMALL = {
-    "model.params": None,
-    "masks.qs": [0.1],
-    "tokens.modes": ["probe"],
-    "tokens.max_samples": 4,
-    "update_check.optimizers": ["sgd"],
-    "update_check.precisions": ["fp32"],
-    "update_check.steps": [1],
-}
 
 
 @pytest.mark.parametrize("family", ["qwen3.5"])

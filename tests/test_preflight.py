@@ -11,7 +11,7 @@ import torch
 import transformers as T
 
 from covgrad.preflight import check_model
-from tests.helpers.arch_dirs import ARCH_GENERIC, arch_dir, family_config
+from tests.helpers.arch_dirs import ARCH_GENERIC, SMALL, arch_dir, family_config
 from tests.helpers.pipeline import tiny_config
 
 FAMILIES = {
@@ -190,7 +190,6 @@ def test_pipeline_completes_every_stage_on_hybrid_and_moe(prefect_server, tmp_pa
     from flows.pipeline import covgrad_pipeline
     from storage.artifacts import ArtifactStore
     from tasks.specs import plan
-    from tests.test_cli_families import SMALL
 
     cfg = family_config(tmp_path, arch_dir(tmp_path / family, family), **SMALL)
     result = covgrad_pipeline(cfg)

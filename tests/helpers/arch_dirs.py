@@ -41,6 +41,17 @@ def arch_dir(path: Path, family: str) -> Path:
     return path
 
 
+# Every stage, each with the least work: every parameter selected, one update-check cell, probe tokens.
+SMALL = {
+    "model.params": None,
+    "masks.qs": [0.1],
+    "tokens.modes": ["probe"],
+    "tokens.max_samples": 4,
+    "update_check.optimizers": ["sgd"],
+    "update_check.precisions": ["fp32"],
+    "update_check.steps": [1],
+}
+
 ARCH_GENERIC = {
     "qwen3.5": "model.layers.N.linear_attn.dt_bias",
     "gpt-oss": "model.layers.N.self_attn.sinks",
