@@ -35,7 +35,7 @@ import dask.array as da
 import numpy as np
 
 from covgrad.layout import ParamLayout
-from covgrad.numerics import dot64
+from covgrad.numerics import dot64, sum64
 from covgrad.topk import overlap_table
 
 Array = Any  # numpy.ndarray or dask.array.Array
@@ -487,11 +487,9 @@ class _Totals:
         varies = Fvar > 0
         self.any_score = self.any_score or bool((np.asarray(stats["F"]) > 0).any())
         self.bound_violations += int(stats["bound_violations"])
-        # exactly rounded sums: numpy's pairwise sum depends on the array's memory alignment, which differs
-        # between a block computed here and one unpickled from a dask worker
-        self.m2_sum += math.fsum(m * m)
-        self.fvar_sum += math.fsum(Fvar)
-        self.coord_sum += math.fsum(m[varies] ** 2 / Fvar[varies])
+        self.m2_sum += sum64(m * m)
+        self.fvar_sum += sum64(Fvar)
+        self.coord_sum += sum64(m[varies] ** 2 / Fvar[varies])
         self.coord_n += int(varies.sum())
         finite = np.abs(rho[np.isfinite(rho)])
         self.max_rho = max(self.max_rho, float(finite.max()) if finite.size else -1.0)
