@@ -1,5 +1,6 @@
 """A scores job for launched ranks that records where each rank resumed and can SIGKILL one rank right after a
-checkpoint (the seams are patched inside the rank process, which imports this module when it unpickles it)."""
+checkpoint that every rank holds (the seams are patched inside the rank process, which imports this module when it
+unpickles it)."""
 
 import os
 import signal
@@ -10,7 +11,9 @@ import torch.distributed as dist
 
 def recording_job(root: str, ref, spec, up, log: str, kill: tuple[int, int] | None):
     """``tasks.scores.ScoresJob`` of the artifact; in a rank, ``restore_rank`` appends "rank count" to ``log``, and
-    with ``kill`` = (rank, c) that rank SIGKILLs itself right after writing its checkpoint of c batches."""
+    with ``kill`` = (rank, c) that rank SIGKILLs itself once every rank has written its checkpoint of c batches (it
+    joins the barrier that follows the other ranks' saves first, so whether the others' writes finish before the
+    parent terminates them is not a race)."""
     from storage import scores_ranks
     from storage.artifacts import ArtifactStore
     from tasks.scores import ScoresJob
@@ -22,6 +25,7 @@ def recording_job(root: str, ref, spec, up, log: str, kill: tuple[int, int] | No
         def killing_save(self, g, i, c, acc):
             save(self, g, i, c, acc)
             if kill == (rank, c):
+                dist.barrier()
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def recorded_restore(store, g, i, acc):
