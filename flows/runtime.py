@@ -49,8 +49,10 @@ def use_server_ports(free: list[int] | None) -> None:
 
 def check_root(cfg: Any) -> None:
     """OSError naming the root (exit 2 in ``covgrad``) when the local root of ``cfg`` could not be created
-    (its nearest existing ancestor is a file or not writable), or exists unwritable while some planned
-    artifact is not complete yet. Creates nothing."""
+    (its nearest existing ancestor is a file, not writable, or refuses a directory: ``os.access`` grants root
+    every write, also on a read-only or pseudo filesystem such as /sys, so a missing root is probed by creating
+    its first missing directory and removing it), or exists unwritable while some planned artifact is not
+    complete yet. Leaves nothing behind."""
     from storage.artifacts import ArtifactStore
 
     store = ArtifactStore(cfg.root)
@@ -61,6 +63,8 @@ def check_root(cfg: Any) -> None:
     if not existing.is_dir():
         raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(base))
     if os.access(existing, os.W_OK):
+        if existing != base:
+            _probe_mkdir(base.relative_to(existing).parts[0], existing, base)
         return
     if existing == base:
         from tasks.specs import plan
@@ -70,6 +74,17 @@ def check_root(cfg: Any) -> None:
     code = errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY else errno.EACCES
     left = ", and stages are left to compute" if existing == base else ""
     raise OSError(code, f"{os.strerror(code)}{left}", str(base))
+
+
+def _probe_mkdir(name: str, parent: Path, root: Path) -> None:
+    """Create and remove ``parent/name``; OSError naming ``root`` with the refusal's errno."""
+    probe = parent / name
+    try:
+        probe.mkdir()
+    except OSError as exc:
+        code = exc.errno or errno.EACCES
+        raise OSError(code, os.strerror(code), str(root)) from exc
+    probe.rmdir()
 
 
 def server_ports() -> range:

@@ -1,6 +1,7 @@
 """Shared fixtures: offline settings before anything imports prefect or transformers, one thread,
 a tiny pipeline configuration, one tiny pipeline run per session (``tiny_run``: computed once, read or
-copied by the stage, fault, report and CLI tests) and an opt-in Prefect test server.
+copied by the stage, fault, report and CLI tests) and an opt-in Prefect test server (``prefect_server``; its
+URL for CLI subprocesses: ``cli_api``).
 
 Tiers: ``make test-fast`` (``-m "not slow and not integration"``, two xdist workers), ``make test`` (everything)."""
 
@@ -41,3 +42,14 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def cli_api(prefect_server) -> str:
+    """PREFECT_API_URL of the session's test server, for ``covgrad run`` subprocesses whose subject is not
+    Prefect's temporary server: such a run then starts no server process and imports no server code (about
+    12 of a cached tiny run's 30 CPU seconds). The temporary server keeps its own tests (signals, orphans,
+    ports, read-only state, the cached run's output)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return str(PREFECT_API_URL.value())

@@ -84,7 +84,7 @@ def test_top_k_mass_above_one_is_refused_naming_the_position():
 
 
 @pytest.mark.slow
-def test_a_huge_reward_ends_the_run_with_one_line_and_exit_2(tmp_path):
+def test_a_huge_reward_ends_the_run_with_one_line_and_exit_2(tmp_path, cli_api):
     """Reward 1e308 for every response: the rollouts stage refuses it and nothing is marked complete."""
     from tests.helpers.user import write_checkpoint
 
@@ -105,7 +105,7 @@ def test_a_huge_reward_ends_the_run_with_one_line_and_exit_2(tmp_path):
     cmd += ["--root", str(tmp_path / "root"), *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]
     pythonpath = os.pathsep.join([str(REPO), str(tmp_path)])
     env = {**os.environ, "PYTHONPATH": pythonpath, "COVGRAD_LOG_DIR": str(tmp_path / "logs")}
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = cli_api
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("covgrad: error")]

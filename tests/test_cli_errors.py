@@ -3,8 +3,10 @@ expected failure (config typo in well under 2 s, NaN reward named by file:line),
 during scores leaving no child process behind, the rerun (on a loaded machine, with the temporary
 Prefect server) resuming to byte-identical data.
 
-Each ``covgrad run`` is a subprocess without PREFECT_API_URL, so it starts its own temporary server.
-The runs start from a copy of a finished tiny pipeline, so only the stages under test compute.
+Each ``covgrad run`` is a subprocess; those about the output, signals and children run without
+PREFECT_API_URL, so they start their own temporary server; the NaN-reward and degenerate runs use the
+session's test server (``cli_api``). The runs start from a copy of a finished tiny pipeline, so only the
+stages under test compute.
 """
 
 import json
@@ -28,8 +30,12 @@ pytestmark = pytest.mark.slow
 SETS = [a for k, v in OVERRIDES.items() for a in ("--set", f"{k}={str(v).lower()}")]
 
 
-def covgrad(root: Path, *extra: str, **popen: object) -> subprocess.Popen:
+def covgrad(root: Path, *extra: str, api: str | None = None, **popen: object) -> subprocess.Popen:
+    """``covgrad run`` of the tiny config on ``root`` against the Prefect API ``api`` (None: its own temporary
+    server)."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    if api is not None:
+        env["PREFECT_API_URL"] = api
     env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(root.parent / "logs")})
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO / "configs" / "tiny.yaml")]
     return subprocess.Popen(
@@ -108,14 +114,14 @@ def test_prompt_over_the_context_is_one_line_in_under_two_seconds(tmp_path):
     assert not (tmp_path / "root").exists()
 
 
-def test_nan_reward_is_one_line_naming_the_task_file_line(reference, tmp_path):
+def test_nan_reward_is_one_line_naming_the_task_file_line(reference, cli_api, tmp_path):
     root = tmp_path / "root"
     shutil.copytree(reference[0], root)
     task = tmp_path / "task.jsonl"
     task.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n' for a, b in [(1, 2), (2, 2), (3, 4)]))
     reward = "task.reward=tests.helpers.user:nan_on_seven"
     jsonl = ["task.kind=jsonl", f"task.path={task}", reward, "task.n_prompts=3"]
-    proc = covgrad(root, *(a for s in jsonl for a in ("--set", s)))
+    proc = covgrad(root, *(a for s in jsonl for a in ("--set", s)), api=cli_api)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err[-3000:]
     assert "Traceback" not in err
@@ -129,13 +135,14 @@ def test_nan_reward_is_one_line_naming_the_task_file_line(reference, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("signum", "loaded"), [(signal.SIGTERM, True), (signal.SIGINT, False)], ids=["SIGTERM-rerun-under-load", "SIGINT"]
+    ("signum", "rerun"), [(signal.SIGTERM, True), (signal.SIGINT, False)], ids=["SIGTERM-rerun-under-load", "SIGINT"]
 )
-def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(reference, tmp_path, signum, loaded):
+def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(reference, tmp_path, signum, rerun):
     """The signal lands once scores has claimed its artifact (the temporary Prefect server is up): covgrad
-    stops it and exits 128 + signum, no process it started is left (checked by PID), the scores artifact
-    is not marked complete, and a rerun (after SIGTERM under load: a burner spinning on each of the two
-    cores for the whole rerun, server start included) resumes it to the uninterrupted run's bytes."""
+    stops it and exits 128 + signum, no process it started is left (checked by PID) and the scores artifact
+    is not marked complete. After SIGTERM a rerun under load (a burner spinning on each of the two cores for
+    the whole rerun, server start included) resumes it to the uninterrupted run's bytes; the SIGINT case
+    stops there (both signals take the same handler; the rerun after it is the SIGTERM case's)."""
     ref_root, nodes = reference
     root = tmp_path / "root"
     shutil.copytree(ref_root, root)
@@ -157,8 +164,10 @@ def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(refe
     left = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"child processes left running: {left}"
     assert not (root / ref.stage / ref.key / "_COMPLETE.json").exists()
+    if not rerun:
+        return
 
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if loaded else 0)]
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         rerun = covgrad(root)
         out, err = rerun.communicate(timeout=600)
@@ -175,7 +184,7 @@ def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(refe
     assert digests(art) == digests(ref_root / ref.stage / ref.key)
 
 
-def test_degenerate_run_exits_zero_and_says_so(tmp_path):
+def test_degenerate_run_exits_zero_and_says_so(tmp_path, cli_api):
     """``covgrad run`` with every reward equal (the analysed sampler) and a one-record import beside it:
     exit 0, the printed summary and the headline state both conditions in words and give no overlap, ρ
     or Spearman numbers."""
@@ -197,7 +206,7 @@ def test_degenerate_run_exits_zero_and_says_so(tmp_path):
     )
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env = {**os.environ, "PREFECT_API_URL": cli_api}
     env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs")})
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

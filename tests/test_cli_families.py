@@ -20,13 +20,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("family", ["qwen3.5"])
-def test_cli_run_completes_every_stage(tmp_path, family):
+def test_cli_run_completes_every_stage(tmp_path, cli_api, family):
     from tasks.specs import plan
 
     cfg = family_config(tmp_path, arch_dir(tmp_path / family, family), **SMALL)
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env = {**os.environ, "PREFECT_API_URL": cli_api}
     env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)

@@ -256,8 +256,9 @@ def test_a_full_disk_naming_no_file_is_named_by_the_artifact():
 
 def test_check_root_refuses_what_cannot_be_written_and_creates_nothing(monkeypatch, tmp_path):
     """``check_root``: a root below a file is ENOTDIR naming it; a missing root below a directory it cannot
-    write and an existing unwritable root with stages left are refused naming the root; a writable or
-    missing-but-creatable root passes; nothing is created."""
+    write or whose directory cannot be made (probed: ``os.access`` says yes to root) and an existing unwritable
+    root with stages left are refused naming the root; a writable or missing-but-creatable root passes; nothing
+    is left behind."""
     from flows.runtime import check_root
     from tests.helpers.pipeline import tiny_config
 
@@ -277,3 +278,17 @@ def test_check_root_refuses_what_cannot_be_written_and_creates_nothing(monkeypat
             check_root(tiny_config(str(root)))
         assert info.value.errno == errno.EACCES and info.value.filename == str(root)
     assert list(locked.iterdir()) == []
+    refusing = tmp_path / "refusing"
+    refusing.mkdir()
+    made = Path.mkdir
+
+    def mkdir(self: Path, *args: object, **kwargs: object) -> None:
+        if self.parent == refusing:
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM), str(self))
+        made(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(OSError, match="Operation not permitted") as info:
+        check_root(tiny_config(str(refusing / "a" / "root")))
+    assert info.value.errno == errno.EPERM and info.value.filename == str(refusing / "a" / "root")
+    assert list(refusing.iterdir()) == []

@@ -133,8 +133,8 @@ def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_pat
 
 @pytest.mark.slow
 def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(tiny_run, tmp_path: Path):
-    """Rank 1 of 2 SIGKILLs itself once both ranks hold their checkpoints of 2 batches: the run fails in one line naming it; the
-    rerun resumes both ranks at batch 2 and ends with the in-process arrays."""
+    """Rank 1 of 2 SIGKILLs itself once both ranks hold their checkpoints of 2 batches: the run fails in one
+    line naming it; the rerun resumes both ranks at batch 2 and ends with the in-process arrays."""
     shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
     cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.checkpoint_batches": 1})
     node = plan(cfg)[SCORES]

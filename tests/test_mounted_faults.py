@@ -19,10 +19,12 @@ from tests.helpers.pipeline import REPO
 pytestmark = pytest.mark.slow
 
 
-def covgrad_run(tmp_path: Path, root: Path, **env_extra: str) -> subprocess.CompletedProcess:
-    """``python -m flows.cli run`` of the tiny config (the fault overrides) on ``root``, without the caller's
-    Prefect API."""
+def covgrad_run(tmp_path: Path, root: Path, api: str | None = None, **env_extra: str) -> subprocess.CompletedProcess:
+    """``python -m flows.cli run`` of the tiny config (the fault overrides) on ``root``, against the Prefect
+    API ``api`` (None: its own temporary server)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "COVGRAD_SERVER_PORTS")}
+    if api is not None:
+        env["PREFECT_API_URL"] = api
     env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
     env.update(env_extra)
     sets = [a for k, v in OVERRIDES.items() for a in ("--set", f"{k}={str(v).lower()}")]
@@ -47,7 +49,7 @@ def artifacts(root: Path) -> dict[str, dict[str, bytes]]:
     }
 
 
-def test_full_disk_in_the_scores_stage_exits_2_and_a_roomy_rerun_is_identical(tiny_run, tmp_path):
+def test_full_disk_in_the_scores_stage_exits_2_and_a_roomy_rerun_is_identical(tiny_run, cli_api, tmp_path):
     """The finished tiny run's stages above scores copied to a new root whose ``scores/`` is a 512 KiB tmpfs
     (one scores artifact is ~1.7 MB): ``covgrad run`` exits 2 with one line naming the scores array it was
     writing, and nothing is marked complete (no stage at or below scores, none in the run index). Grown to 64 MiB in
@@ -61,7 +63,7 @@ def test_full_disk_in_the_scores_stage_exits_2_and_a_roomy_rerun_is_identical(ti
     scores = root / "scores"
     scores.mkdir()
     with tmpfs(scores, "512k"):
-        proc = covgrad_run(tmp_path, root)
+        proc = covgrad_run(tmp_path, root, cli_api)
         assert proc.returncode == 2, proc.stderr[-3000:]
         line = error_line(proc.stderr)
         assert re.search(rf"disk full writing (file://)?{re.escape(str(scores))}/[0-9a-f]{{24}}/", line), line
@@ -70,13 +72,13 @@ def test_full_disk_in_the_scores_stage_exits_2_and_a_roomy_rerun_is_identical(ti
         listed = json.loads((root / "runs" / "tiny.json").read_text())["artifacts"].values()
         assert {a["stage"] for a in listed} <= above, listed
         resize_tmpfs(scores, "64m")
-        proc = covgrad_run(tmp_path, root)
+        proc = covgrad_run(tmp_path, root, cli_api)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "report:  " in proc.stdout, proc.stdout
         assert artifacts(root) == artifacts(source)
 
 
-def test_full_disk_in_the_stats_stage_names_the_artifact(tiny_run, tmp_path):
+def test_full_disk_in_the_stats_stage_names_the_artifact(tiny_run, cli_api, tmp_path):
     """The finished tiny run's stages above stats copied to a new root whose ``stats/`` is a 256 KiB tmpfs
     (one stats artifact is ~750 KB, written by dask threads that name no file): exit 2, one line naming
     the stats artifact directory being written; no stats artifact marked complete."""
@@ -89,7 +91,7 @@ def test_full_disk_in_the_stats_stage_names_the_artifact(tiny_run, tmp_path):
     stats = root / "stats"
     stats.mkdir()
     with tmpfs(stats, "256k"):
-        proc = covgrad_run(tmp_path, root)
+        proc = covgrad_run(tmp_path, root, cli_api)
         assert proc.returncode == 2, proc.stderr[-3000:]
         line = error_line(proc.stderr)
         assert re.search(rf"disk full writing {re.escape(str(stats))}/[0-9a-f]{{24}}: No space left", line), line

@@ -12,8 +12,8 @@ from tests.helpers.pipeline import REPO
 
 
 @pytest.mark.slow
-def test_covgrad_run_into_a_file_writes_progress_lines_with_eta(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "COVGRAD_PROGRESS")}
+def test_covgrad_run_into_a_file_writes_progress_lines_with_eta(tmp_path, cli_api):
+    env = {k: v for k, v in os.environ.items() if k != "COVGRAD_PROGRESS"} | {"PREFECT_API_URL": cli_api}
     # a line at every unit: each stage's loop reports as it would every 30 s on a long run
     env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "COVGRAD_PROGRESS_SECONDS": "0"})
     log = tmp_path / "log"
