@@ -401,8 +401,8 @@ def launch(ranks: int, fn: Callable[..., None], args: tuple, rendezvous: str | o
     its rank from ``torch.distributed``), meeting at the file ``rendezvous`` (absent or stale: removed
     first); wait until every rank returns. The ranks are forked from this process's fork server
     (``multiprocessing`` "forkserver", started at the first launch with :data:`RANK_PRELOAD` imported): each
-    is a fork of that server, with this process's ``sys.path`` and the environment this process had when the
-    server started.
+    is a fork of that server, with this process's ``sys.path`` and ``os.environ`` as they are at the launch
+    (settings the preloaded modules read at import are the ones of the server's start).
 
     Raises:
         RankFailedError: one line naming the first rank that died or raised, with its signal, exit code or error
@@ -418,7 +418,11 @@ def launch(ranks: int, fn: Callable[..., None], args: tuple, rendezvous: str | o
     mp.set_forkserver_preload(RANK_PRELOAD)  # no effect once this process's fork server runs
     try:
         mp.start_processes(
-            _launched, args=(ranks, f"file://{path}", fn, args), nprocs=ranks, join=True, start_method="forkserver"
+            _launched,
+            args=(ranks, f"file://{path}", dict(os.environ), fn, args),
+            nprocs=ranks,
+            join=True,
+            start_method="forkserver",
         )
     except mp.ProcessExitedException as exc:
         how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
@@ -430,7 +434,9 @@ def launch(ranks: int, fn: Callable[..., None], args: tuple, rendezvous: str | o
         raise RankFailedError(f"rank {exc.error_index} of {ranks} failed: {last}") from None
 
 
-def _launched(rank: int, ranks: int, init: str, fn: Callable[..., None], args: tuple) -> None:
+def _launched(rank: int, ranks: int, init: str, env: dict[str, str], fn: Callable[..., None], args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
     try:
         fn(*args)
