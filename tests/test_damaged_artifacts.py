@@ -318,27 +318,15 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
     assert len(rows) == 2 and all("| nan | " + said in row for row in rows), rows
 
 
-CHAIN = r"""
-import json, sys
-import tests.conftest as conftest
-from tests.helpers.faults import OVERRIDES, run_chain
-print(json.dumps(run_chain(conftest.tiny_config(sys.argv[1], **OVERRIDES))))
-"""
-
-
 @pytest.mark.slow
 def test_sigkills_at_random_moments_then_rerun_is_byte_identical(reference, tmp_path):
     """SIGKILL a run of rollouts → scores → stats → masks → report at seeded random moments, resume
     after each kill, then finish: every artifact's data equals the uninterrupted run's (8 kills; the
     seed is printed, so a failure can be replayed)."""
-    import os
     import random
-    import signal
-    import subprocess
-    import sys
     import time
 
-    from tests.helpers.pipeline import REPO
+    from tests.helpers import forked
 
     ref_root, nodes, want_headline = reference
     root = tmp_path / "root"
@@ -349,13 +337,10 @@ def test_sigkills_at_random_moments_then_rerun_is_byte_identical(reference, tmp_
             shutil.rmtree(root / node.ref.stage / node.ref.key)
     seed = random.randrange(2**32)
     rng = random.Random(seed)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     claims = []
     for _ in range(8):
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHAIN, str(root)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
         started, deadline = time.time(), time.monotonic() + 120
+        child = forked.start(forked.chain, str(root))  # a child process
 
         def claimed(since: float = started) -> list[str]:  # stages begun since (a resume rewrites the claim)
             return [p.parent.parent.name for p in root.glob("*/*/_STARTED.json") if p.stat().st_mtime >= since]
@@ -364,8 +349,8 @@ def test_sigkills_at_random_moments_then_rerun_is_byte_identical(reference, tmp_
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 2.0))
         claims += claimed()
-        child.send_signal(signal.SIGKILL)
-        child.communicate(timeout=60)
+        with child:
+            child.kill()
     run_chain(cfg)
     assert headline(root, nodes) == want_headline, f"seed {seed}"
     for name, node in nodes.items():

@@ -2,19 +2,17 @@
 with its new prompts, a regime's teacher or reference directory changed in place changes that regime's key, and
 ``covgrad gc --yes`` while a scores stage is being written keeps it and the run completes byte-identical."""
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import zarr
 
+from tests.helpers import forked
 from tests.helpers.faults import digests
-from tests.helpers.pipeline import REPO, run_planned, status_of
+from tests.helpers.pipeline import run_planned, status_of
 from tests.helpers.user import user_config, write_checkpoint
 
 
@@ -92,30 +90,6 @@ def test_a_teacher_or_reference_directory_changed_in_place_changes_its_regime_ke
     assert {n for n in before if after_teacher[n] != after[n]} == {"regime.k", "regimes", "report"}
 
 
-PAUSED_CHAIN = """
-import json, os, sys, time
-from pathlib import Path
-root, ready, go = sys.argv[1:4]
-from flows.cli import offline_env
-offline_env()
-import torch
-torch.set_num_threads(1)
-import storage.scores as scores
-real = scores.write_state
-def paused(*args, **kwargs):
-    if not os.path.exists(ready):
-        Path(ready).write_text(str(os.getpid()))
-        deadline = time.monotonic() + 300
-        while not os.path.exists(go) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    return real(*args, **kwargs)
-scores.write_state = paused
-from tests.helpers.faults import OVERRIDES, run_chain
-from tests.helpers.pipeline import tiny_config
-print(json.dumps(run_chain(tiny_config(root, **OVERRIDES))))
-"""
-
-
 @pytest.mark.slow
 def test_gc_during_a_live_scores_stage_keeps_it_and_the_run_completes(tiny_run, tmp_path, capsys):
     """The tiny chain on a root holding the finished run's stages above scores and its run index, paused in
@@ -129,20 +103,12 @@ def test_gc_during_a_live_scores_stage_keeps_it_and_the_run_completes(tiny_run, 
     for stage in ("base_model", "rollouts", "runs"):
         shutil.copytree(source / stage, root / stage)
     ready, go = tmp_path / "ready", tmp_path / "go"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    chain = subprocess.Popen(
-        [sys.executable, "-c", PAUSED_CHAIN, str(root), str(ready), str(go)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    chain = forked.start(forked.paused_chain, str(root), str(ready), str(go))  # a child process
     try:
         deadline = time.monotonic() + 300
         while not ready.exists() and chain.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert ready.exists(), chain.stderr.read() if chain.poll() is not None else "the chain never wrote scores"
+        assert ready.exists(), chain.output() if chain.poll() is not None else "the chain never wrote scores"
         live = [d for d in (root / "scores").iterdir() if not (d / "_COMPLETE.json").exists()]
         assert len(live) == 1
         capsys.readouterr()
@@ -153,9 +119,9 @@ def test_gc_during_a_live_scores_stage_keeps_it_and_the_run_completes(tiny_run, 
         assert live[0].is_dir()
     finally:
         go.write_text("")
-        stdout, stderr = chain.communicate(timeout=600)
-    assert chain.returncode == 0, stderr[-3000:]
-    status = json.loads(stdout.strip().splitlines()[-1])
+        chain.wait(timeout=600)
+    with chain:
+        status = chain.result()
     assert status["scores.policy.policy"] == "computed" and status["rollouts.policy"] == "cached", status
     for name, step in plan.items():
         ref = step.ref

@@ -4,15 +4,13 @@ folds killed after the first fold's checkpoint and before the second's (they res
 
 import hashlib
 import json
-import os
-import signal
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.pipeline import REPO, run_planned, tiny_config
+from tests.helpers import forked
+from tests.helpers.pipeline import run_planned, tiny_config
 
 OVERRIDES = {
     "tokens.enabled": False,
@@ -24,25 +22,6 @@ OVERRIDES = {
 PAIR = {**OVERRIDES, "regimes": {**OVERRIDES["regimes"], "rl": {"kind": "rl"}}}  # one pass, distill leads
 INSTANCE = "regime.distill"
 
-CHILD = r"""
-import json, os, signal, sys
-import storage.scores as module
-import tests.conftest as conftest
-
-root, kill_after, overrides = sys.argv[1:4]  # kill at mark call kill_after (the first checkpoint's second)
-cfg = conftest.tiny_config(root, **json.loads(overrides))
-real_mark, calls = module.mark_batch_done, []
-
-def mark(group, b):
-    if len(calls) == int(kill_after):
-        os.kill(os.getpid(), signal.SIGKILL)
-    calls.append(b)
-    real_mark(group, b)
-
-module.mark_batch_done = mark
-conftest.run_planned(cfg, {"regime.distill"})
-"""
-
 
 def _digests(store: Path) -> dict[str, str]:
     return {
@@ -52,27 +31,43 @@ def _digests(store: Path) -> dict[str, str]:
     }
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """overrides -> the config of an uninterrupted tiny pipeline with them; each distinct overrides is computed
+    once per module."""
+    computed: dict[str, object] = {}
+
+    def config(overrides: dict):
+        key = json.dumps(overrides, sort_keys=True)
+        if key not in computed:
+            cfg = tiny_config(str(tmp_path_factory.mktemp("reference")), **overrides)
+            run_planned(cfg)
+            computed[key] = cfg
+        return computed[key]
+
+    return config
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("kill_after", "overrides"), [(1, OVERRIDES), (4, OVERRIDES), (1, PAIR)])
-def test_regime_fold_killed_then_resumed_is_byte_identical(tmp_path, kill_after, overrides):
+def test_regime_fold_killed_then_resumed_is_byte_identical(reference, tmp_path, kill_after, overrides):
+    """On a root holding the uninterrupted run's base model and rollouts, a child process runs the regime
+    pass and SIGKILLs itself at the batch mark that follows ``kill_after`` marks; no fold is complete, the
+    rerun computes the pass and every fold's scores store equals the uninterrupted run's byte for byte."""
     from tasks.specs import plan
 
-    ref_root, root = tmp_path / "ref", tmp_path / "killed"
-    cfg = tiny_config(str(ref_root), **overrides)
-    run_planned(cfg)
+    cfg = reference(overrides)
+    ref_root = Path(cfg.root)
+    root = tmp_path / "killed"
     killed = tiny_config(str(root), **overrides)
-    upstream = {n for n in plan(killed) if n.startswith(("base_model", "rollouts"))}
-    run_planned(killed, upstream)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(root), str(kill_after), json.dumps(overrides)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    for name in plan(killed):  # the uninterrupted run's base model and rollouts
+        if name.startswith(("base_model", "rollouts")):
+            ref = plan(cfg)[name].ref
+            shutil.copytree(ref_root / ref.stage / ref.key, root / ref.stage / ref.key)
+    with forked.start(
+        forked.seamed_run, str(root), overrides, {INSTANCE}, "storage.scores", kill_at_mark=kill_after
+    ) as child:
+        assert child.wait() == forked.KILLED, child.output()
     names = [f"regime.{n}" for n in overrides["regimes"]]
     for name in names:
         step = plan(killed)[name]

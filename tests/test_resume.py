@@ -2,17 +2,13 @@
 directly: no Prefect server. One tiny pipeline is computed once per module (the reference root);
 each test works on a copy of it (local path or ``memory://``).
 
-Killed runs and concurrent runs happen in subprocesses that execute ``CHILD`` below.
+Killed runs and concurrent runs happen in child processes running ``tests.helpers.forked.seamed_run``,
+which wraps the stage's writes (``WRITERS``).
 """
 
 import hashlib
-import json
-import os
 import random
 import shutil
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +16,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from tests.helpers.pipeline import REPO, below, run_planned, status_of, tiny_config
+from tests.helpers import forked
+from tests.helpers.pipeline import below, run_planned, status_of, tiny_config
 
 # Many small batches, so a kill can land in the middle: 8 score batches and 8 rollout batches; the
 # scores state is checkpointed every 3 batches (after batches 3, 6 and the final 8).
@@ -34,53 +31,6 @@ OVERRIDES = {
 
 # The module whose ``mark_batch_done`` (and, for scores, ``write_state``) a stage's writes go through.
 WRITERS = {"scores": "storage.scores", "rollouts": "tasks.rollouts"}
-
-# argv: root, instance, mode ("kill" | "kill-write" | "race"), arg (kill: batch marks to let through;
-# kill-write: state block writes to let through; race: directory for the ready/go files), overrides
-# JSON. Prints {"computed": ...} as its last line.
-CHILD = r"""
-import importlib, json, os, signal, sys, time
-from pathlib import Path
-import tests.conftest as conftest
-from tasks.specs import plan
-
-root, instance, mode, arg, overrides = sys.argv[1:6]
-WRITERS = __WRITERS__
-cfg = conftest.tiny_config(root, **json.loads(overrides))
-nodes = plan(cfg)
-node = nodes[instance]
-module = importlib.import_module(WRITERS[node.ref.stage])
-real_mark = module.mark_batch_done
-calls = []
-
-def mark(group, b):
-    if mode == "kill" and len(calls) == int(arg):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "race":
-        time.sleep(0.2)
-    calls.append(b)
-    real_mark(group, b)
-
-module.mark_batch_done = mark
-if mode == "kill-write":
-    real_write, writes = module.write_state, []
-
-    def write(*args):
-        if len(writes) == int(arg):
-            os.kill(os.getpid(), signal.SIGKILL)
-        writes.append(1)
-        real_write(*args)
-
-    module.write_state = write
-if mode == "race":
-    sync = Path(arg)
-    (sync / f"ready-{os.getpid()}").touch()
-    while not (sync / "go").exists():
-        time.sleep(0.02)
-result = conftest.run_planned(cfg, {instance})[instance]
-print(json.dumps({"computed": result.computed, "batches": len(calls)}))
-""".replace("__WRITERS__", repr(WRITERS))
-
 
 STATE_ARRAYS = {"count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as", "shard_batches", "ckpt"}
 
@@ -128,16 +78,11 @@ def artifact_dir(root: Path, nodes, instance: str) -> Path:
     return root / nodes[instance].ref.stage / nodes[instance].ref.key
 
 
-def spawn(root: Path, instance: str, mode: str, arg: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(root), instance, mode, arg, json.dumps(OVERRIDES)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def spawn(root: Path, instance: str, **seams) -> forked.Child:
+    """A child process computing ``instance`` on a copy's ``root`` with its stage's writes wrapped by ``seams``
+    (``forked.seamed_run``'s keywords)."""
+    module = WRITERS[instance.split(".")[0]]
+    return forked.start(forked.seamed_run, str(root), OVERRIDES, {instance}, module, **seams)
 
 
 @pytest.mark.slow
@@ -194,9 +139,9 @@ def test_stale_upstream_is_not_resumed(reference, tmp_path):
     assert None not in claim["upstream_stamps"].values()
 
 
-def resume_after_kill(reference, tmp_path, instance, mode, arg, monkeypatch) -> tuple[list[int], Path]:
-    """Kill a child computing ``instance`` (``mode``, ``arg``), leave a torn ``*.partial`` file, resume in
-    this process; return the batches the resumed run marked done and the artifact directory."""
+def resume_after_kill(reference, tmp_path, instance, seams: dict, monkeypatch) -> tuple[list[int], Path]:
+    """A child computing ``instance`` SIGKILLs itself at the seam ``seams`` names; leave a torn ``*.partial``
+    file, resume in this process; return the batches the resumed run marked done and the artifact directory."""
     import importlib
 
     from tasks.specs import plan
@@ -204,9 +149,8 @@ def resume_after_kill(reference, tmp_path, instance, mode, arg, monkeypatch) -> 
     _, _, nodes = reference
     root = tmp_path / "root"
     cfg = copy_root(reference, root, drop=(instance,))
-    child = spawn(root, instance, mode, str(arg))
-    _, err = child.communicate(timeout=300)
-    assert child.returncode == -signal.SIGKILL, f"{mode} {arg}: child did not die by SIGKILL:\n{err[-2000:]}"
+    with spawn(root, instance, **seams) as child:
+        assert child.wait() == forked.KILLED, f"{seams}: child did not die by SIGKILL:\n{child.output(2000)}"
     art = artifact_dir(root, nodes, instance)
     assert not (art / "_COMPLETE.json").exists()
     store_name = "scores.zarr" if instance.startswith("scores") else "rollouts.zarr"
@@ -239,7 +183,7 @@ def test_sigkill_at_random_batch_then_resume_is_byte_identical(reference, tmp_pa
     marks come after each complete checkpoint): the resumed run redoes exactly the unmarked batches."""
     seed = random.randrange(2**32)
     kill_after = random.Random(seed).randrange(1, 7)
-    marked, art = resume_after_kill(reference, tmp_path, instance, "kill", kill_after, monkeypatch)
+    marked, art = resume_after_kill(reference, tmp_path, instance, {"kill_at_mark": kill_after}, monkeypatch)
     if instance.startswith("scores"):
         # marks come in checkpoint groups [0, 1, 2], [3, 4, 5], [6, 7]; the kill lands inside a group whose
         # checkpoint is complete, so the resumed run finishes that group's marks and recomputes the rest.
@@ -255,7 +199,7 @@ def test_sigkill_while_writing_a_checkpoint_then_resume_is_byte_identical(refere
     """Killed in the middle of writing the state (first checkpoint, or the second after a complete first):
     the torn checkpoint is discarded and the batches after the last complete one are recomputed."""
     instance = "scores.policy.policy"
-    marked, art = resume_after_kill(reference, tmp_path, instance, "kill-write", writes, monkeypatch)
+    marked, art = resume_after_kill(reference, tmp_path, instance, {"kill_at_write": writes}, monkeypatch)
     blocks = 3  # state arrays per checkpoint (one block each in the tiny model)
     first_incomplete = 3 * (writes // blocks)  # batches of the last complete checkpoint
     assert sorted(marked) == list(range(first_incomplete, 8)), marked
@@ -286,18 +230,19 @@ def test_two_concurrent_writers_compute_once(reference, tmp_path):
     copy_root(reference, root, drop=(instance,))
     sync = tmp_path / "sync"
     sync.mkdir()
-    children = [spawn(root, instance, "race", str(sync)) for _ in range(2)]
-    deadline = time.monotonic() + 300
-    while len(list(sync.glob("ready-*"))) < 2:
-        assert time.monotonic() < deadline and all(c.poll() is None for c in children), "children did not start"
-        time.sleep(0.05)
-    (sync / "go").touch()
-    outs = []
-    for c in children:
-        out, err = c.communicate(timeout=300)
-        assert c.returncode == 0, err[-2000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    assert sorted(o["computed"] for o in outs) == [False, True]
+    children = [spawn(root, instance, mark_delay=0.2, sync=str(sync)) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(sync.glob("ready-*"))) < 2:
+            ok = time.monotonic() < deadline and all(c.poll() is None for c in children)
+            assert ok, "children did not start:\n" + "\n".join(c.output(2000) for c in children)
+            time.sleep(0.05)
+        (sync / "go").touch()
+        outs = [c.result() for c in children]
+    finally:
+        for c in children:
+            c.close()
+    assert sorted(o["computed"][instance] for o in outs) == [False, True]
     assert sorted(o["batches"] for o in outs) == [0, 8]
     art = artifact_dir(root, nodes, instance)
     assert (art / "_COMPLETE.json").exists() and not (art / "_STARTED.json").exists()

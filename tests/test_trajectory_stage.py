@@ -6,8 +6,6 @@ import hashlib
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,8 @@ from covgrad.trajectory import checkpoint_steps
 from storage.checkpoints import load_state_dict
 from storage.schema import TRAJECTORY
 from tasks.specs import plan
-from tests.helpers.pipeline import REPO, run_planned, tiny_config
+from tests.helpers import forked
+from tests.helpers.pipeline import run_planned, tiny_config
 
 STEPS = 6
 OVERRIDES = {
@@ -32,27 +31,6 @@ OVERRIDES = {
     "trajectory.lr": 1e-3,
     "trajectory.prompts_per_step": 2,
 }
-
-# argv: root, marks to let through, overrides JSON. SIGKILLs itself at the next progress mark.
-CHILD = r"""
-import json, os, signal, sys
-import tasks.trajectory as module
-import tests.conftest  # noqa: F401  (offline settings, one thread)
-from tests.helpers.pipeline import run_planned, tiny_config
-
-root, let_through, overrides = sys.argv[1:4]
-cfg = tiny_config(root, **json.loads(overrides))
-real_mark, calls = module.mark_batch_done, []
-
-def mark(group, b):
-    if len(calls) == int(let_through):
-        os.kill(os.getpid(), signal.SIGKILL)
-    calls.append(b)
-    real_mark(group, b)
-
-module.mark_batch_done = mark
-run_planned(cfg, {"trajectory"})
-"""
 
 
 def digests(artifact: Path) -> dict[str, str]:
@@ -103,13 +81,11 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(reference, tmp_path):
     shutil.copytree(root, copy, ignore=shutil.ignore_patterns(".locks"))
     shutil.rmtree(copy / ref.stage / ref.key)
     let_through = random.Random(0).randrange(1, STEPS)
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(copy), str(let_through), json.dumps(OVERRIDES)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert child.returncode == -9, child.stderr[-2000:]
+    # a child process SIGKILLs itself at its progress mark after ``let_through`` marks
+    with forked.start(
+        forked.seamed_run, str(copy), OVERRIDES, {"trajectory"}, "tasks.trajectory", kill_at_mark=let_through
+    ) as child:
+        assert child.wait() == forked.KILLED, child.output()
     partial = copy / ref.stage / ref.key
     assert not (partial / "_COMPLETE.json").exists()
     result = run_planned(tiny_config(str(copy), **OVERRIDES), {"trajectory"})["trajectory"]
