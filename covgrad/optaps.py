@@ -66,8 +66,9 @@ class Owner(Protocol):
     def _tap_view(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-# Tensor methods that read metadata, not values (an attribute getter, ``__get__``, is handled by its result).
-_METADATA = frozenset(
+# Tensor methods that read metadata, not values (an attribute getter, ``__get__``, is handled by its result;
+# covgrad.persample's use recorder adds it).
+METADATA_READS = frozenset(
     {
         "size",
         "dim",
@@ -239,7 +240,7 @@ class OpTaps:
     def on_call(self, func: Callable, args: tuple, kwargs: dict) -> object:
         """Run one torch function call of a tapped forward (see the module docstring)."""
         name = getattr(func, "__name__", "")
-        if name in _METADATA:
+        if name in METADATA_READS:
             return func(*args, **kwargs)
         record_of = {}
         derived, data = False, False

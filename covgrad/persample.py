@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from covgrad.accum import MomentAccumulator
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.optaps import OpTaps
+from covgrad.optaps import METADATA_READS, OpTaps
 from covgrad.rules import Call, Rule, Slot, float_outputs, generic_rule, rule_for
 
 # Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: about the
@@ -1084,23 +1084,7 @@ class _Check:
 
 
 # Tensor methods and attribute getters (``.dtype``, ``.shape``: ``__get__``) that read metadata, not values.
-_METADATA = frozenset(
-    {
-        "__get__",
-        "size",
-        "dim",
-        "numel",
-        "nelement",
-        "stride",
-        "element_size",
-        "is_floating_point",
-        "is_complex",
-        "is_contiguous",
-        "data_ptr",
-        "__len__",
-        "get_device",
-    }
-)
+_METADATA = METADATA_READS | {"__get__"}
 
 
 class _ParamUses(TorchFunctionMode):
