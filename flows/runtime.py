@@ -64,7 +64,7 @@ def check_root(cfg: Any) -> None:
         raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(base))
     if os.access(existing, os.W_OK):
         if existing != base:
-            _probe_mkdir(base.relative_to(existing).parts[0], existing, base)
+            _probe_mkdir(existing, base)
         return
     if existing == base:
         from tasks.specs import plan
@@ -76,9 +76,10 @@ def check_root(cfg: Any) -> None:
     raise OSError(code, f"{os.strerror(code)}{left}", str(base))
 
 
-def _probe_mkdir(name: str, parent: Path, root: Path) -> None:
-    """Create and remove ``parent/name``; OSError naming ``root`` with the refusal's errno."""
-    probe = parent / name
+def _probe_mkdir(existing: Path, root: Path) -> None:
+    """Create and remove the first directory of the missing ``root`` below its ancestor ``existing``; OSError
+    naming ``root`` with the refusal's errno."""
+    probe = existing / root.relative_to(existing).parts[0]
     try:
         probe.mkdir()
     except OSError as exc:
