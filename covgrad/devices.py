@@ -3,7 +3,10 @@ the peak resident memory of this process."""
 
 from __future__ import annotations
 
+import functools
+import re
 import threading
+from pathlib import Path
 
 import psutil
 import torch
@@ -18,6 +21,25 @@ def pick_device(choice: str) -> torch.device:
             raise ValueError("model.device=cuda but no CUDA device is visible; use auto or cpu")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+@functools.cache
+def l2_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
+    """Bytes of the first CPU core's level-2 cache (data or unified), from Linux sysfs' ``index*/{level,
+    type,size}`` files under ``caches``; None where they are absent or unreadable (not Linux, a container
+    hiding them)."""
+    for index in sorted(caches.glob("index*")):
+        try:
+            level, kind, size = ((index / f).read_text().strip() for f in ("level", "type", "size"))
+        except OSError:
+            continue
+        found = re.fullmatch(r"(\d+)([KMG]?)", size)
+        if level == "2" and kind in ("Data", "Unified") and found:
+            return int(found[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[found[2]]
+    return None
 
 
 def device_memory(device: torch.device) -> int:

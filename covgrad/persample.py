@@ -48,21 +48,31 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from covgrad.accum import MomentAccumulator
+from covgrad.devices import l2_cache_bytes
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.optaps import METADATA_READS, OpTaps
 from covgrad.rules import Call, Rule, Slot, float_outputs, generic_rule, rule_for
 
-# Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: about the
-# L2 cache, so the fold reads the chunk while it is still there (benchmarks/scores.py, docs/measurements.md).
-# Accelerators: large GEMMs; the chunk only bounds the block in flight.
-_CHUNK_BYTES = {"cpu": 2 << 20}
+# Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: four times
+# the core's L2 cache (2 MiB on a 512 KiB-L2 AMD EPYC, 8 MiB on a 2 MiB-L2 Xeon), within [1, 64] MiB, so the
+# fold reads each chunk while it is still cached and the GEMMs stay large (benchmarks/scores.py,
+# docs/measurements.md). Accelerators: large GEMMs; the chunk only bounds the block in flight.
+_CPU_CHUNK_PER_L2 = 4
+_CPU_CHUNK_RANGE = (1 << 20, 64 << 20)
+_CPU_CHUNK_UNKNOWN_L2 = 2 << 20
 _CHUNK_BYTES_DEFAULT = 256 << 20
 
 
 def default_chunk_bytes(device_type: str) -> int:
     """Bytes of one row chunk of a weight's per-sample block on a device of this type ("cpu", "cuda")."""
-    return _CHUNK_BYTES.get(device_type, _CHUNK_BYTES_DEFAULT)
+    if device_type != "cpu":
+        return _CHUNK_BYTES_DEFAULT
+    l2 = l2_cache_bytes()
+    if l2 is None:
+        return _CPU_CHUNK_UNKNOWN_L2
+    lo, hi = _CPU_CHUNK_RANGE
+    return min(hi, max(lo, _CPU_CHUNK_PER_L2 * l2))
 
 
 # Largest per-sample block buffer kept for reuse (every decoder-layer block of a ~1B model fits).
