@@ -558,7 +558,10 @@ class RegimeSection(Section):
     ``teacher_logprobs`` field instead of a teacher model."""
 
     kind: RegimeKind = Field("rl", description="the objective: one of covgrad.regimes.REGIMES")
-    sampler: str | None = Field(None, description="whose rollouts (sft: the responses); unset: rollouts.analyse")
+    sampler: str | None = Field(
+        None,
+        description="whose rollouts (sft: the responses, e.g. a format: responses dataset); unset: rollouts.analyse",
+    )
     teacher: str | None = Field(
         None, description="distill/sft_drift: stale, policy, trained (demo: the policy trained on) or a model directory"
     )
