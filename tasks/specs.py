@@ -513,7 +513,9 @@ def task_inputs(t: TaskSection) -> dict[str, str]:
 
 
 def plan(cfg: PipelineConfig) -> Plan:
-    """Every artifact of ``cfg``'s pipeline run: specs built from the config, keys chained in DAG order."""
+    """Every artifact of ``cfg``'s pipeline run: specs built from the config, keys chained in DAG order. A dataset
+    of responses without rewards (``storage.readers.unrewarded``) gets rollouts and no scores or stats;
+    ValueError (``covgrad.inputs.check_unrewarded``) when the config needs its rewards."""
     store = ArtifactStore(cfg.root)
     policy = policy_spec(cfg)
     sc, m = cfg.scores, cfg.model
