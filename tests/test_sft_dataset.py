@@ -18,6 +18,7 @@ from storage.artifacts import ArtifactStore
 from storage.models import load_models
 from storage.prompts import load_task
 from storage.schema import REGIMES, ROLLOUTS
+from tasks.offpolicy import policy_logp_of
 from tasks.specs import plan
 from tests.helpers.pipeline import run_planned, tiny_config
 
@@ -163,6 +164,8 @@ def test_a_rewarded_dataset_runs_the_rl_analysis_and_a_bad_line_completes_nothin
     assert math.isnan(table["data", "policy"]["kl_per_token"]) and table["policy", "policy"]["k3_kl"] >= 0
     ro = store.open_group(results["rollouts.data"].ref, ROLLOUTS, mode="r")
     assert ro.attrs["mu_known"] is False and "rewards" not in ro.attrs and ro.attrs["mean_reward"] == 0.5
+    with pytest.raises(ValueError, match=r"^offpolicy: the rollouts of sampler 'data' are a dataset .* μ is unknown"):
+        policy_logp_of(store, results["rollouts.data"].ref, None)  # a reader that needs μ refuses it
 
     path = cfg.rollouts.samplers["data"].import_path
     lines = Path(path).read_text().splitlines()
