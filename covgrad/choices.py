@@ -10,6 +10,7 @@ StateDtype = Literal["float64", "float32"]  # moment state of the scores stage
 Advantage = Literal["group_mean", "group_zscore", "global_mean", "none"]  # advantage A from rewards r
 MuStore = Literal["none", "full", "topk"]  # how much of the sampler's distribution μ the rollouts keep
 TokenMode = Literal["exact", "topk", "mc", "probe", "probe_seq"]  # token-Fisher estimators
+MU_UNKNOWN_FORMATS = frozenset({"responses"})  # import formats of datasets whose data distribution μ is unknown
 Blocks = int | Literal["auto"]  # parameter blocks of the scores stage: a count, or the fewest that fit
 
 TOKENS_EXACT_BUDGET = 65536  # largest T·V cotangent rows per sample for which the exact token Fisher runs

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from covgrad.choices import (  # the schema's choices and the defaults engines share, without pydantic
+    MU_UNKNOWN_FORMATS,
     TOKENS_EXACT_BUDGET,
     TOKENS_ROW_BYTES,
     Advantage,
@@ -128,7 +129,7 @@ class TaskSection(Section):
         return self
 
 
-RolloutFormat = Literal["covgrad", "open_instruct", "trl", "verl"]  # covgrad.formats.READERS
+RolloutFormat = Literal["covgrad", "open_instruct", "trl", "verl", "responses"]  # covgrad.formats.READERS
 SamplerDtype = Literal["float32", "bfloat16", "float16"]  # a sampler's own copy of its model
 
 
@@ -137,7 +138,9 @@ class SamplerSection(Section):
     directory, or a file of rollouts imported from elsewhere (``import_path``). Imported rollouts need
     a source for the sampler's μ: ``on_policy: true`` when they were sampled from the policy itself at
     temperature 1, untruncated (μ = p: policy centering only), ``mu_model`` (the sampler's checkpoint
-    directory, μ recomputed with this section's temperature/top_p/top_k), or top_logprobs in the file."""
+    directory, μ recomputed with this section's temperature/top_p/top_k), or top_logprobs in the file.
+    A dataset of responses (``format: responses``) has μ unknown: no sampler centering, and without rewards
+    no scores of its own; it is the data of ``sft_sampled`` / ``sft_drift`` regimes (docs/regimes.md, R4)."""
 
     model: str = Field("policy", description="who samples: policy, stale (demo only) or a model directory")
     dtype: SamplerDtype | None = Field(
@@ -157,7 +160,9 @@ class SamplerSection(Section):
     )
     mu_topk: int = Field(8, ge=1, description="store_mu=topk: entries of μ kept per position")
     import_path: str | None = Field(
-        None, description="a JSONL file of rollouts sampled elsewhere, used instead of sampling"
+        None,
+        description="a JSONL (or parquet) file of rollouts sampled elsewhere, or of a dataset's responses (format "
+        "responses), used instead of sampling",
     )
     on_policy: bool = Field(
         False, description="imported rollouts were sampled from the policy at temperature 1, untruncated"
@@ -168,7 +173,8 @@ class SamplerSection(Section):
     format: RolloutFormat = Field(
         "covgrad",
         description="imported rollouts: the dump format of import_path (docs/formats.md): covgrad's JSONL, "
-        "open-instruct's RolloutRecord, TRL's generation rows or verl's DataProto rows",
+        "open-instruct's RolloutRecord, TRL's generation rows, verl's DataProto rows, or responses: a plain SFT "
+        "dataset (prompt, response, optional eos, reward, group; no log-probs, μ unknown)",
     )
     reward_fields: list[str] | None = Field(
         None,
@@ -191,6 +197,13 @@ class SamplerSection(Section):
             raise ValueError("on_policy and mu_model describe imported rollouts; set import_path or drop them")
         if self.on_policy and self.mu_model is not None:
             raise ValueError("on_policy: true says μ = p, so there is no μ to recompute; drop mu_model")
+        if not self.mu_known:
+            for key in ("on_policy", "mu_model", "verify_records"):
+                if getattr(self, key):
+                    raise ValueError(
+                        f"format {self.format} is a dataset whose μ is unknown, so {key} does not apply; drop it, "
+                        "or import sampled rollouts with their log-probs as format covgrad"
+                    )
         imported = {k: getattr(self, k) for k in IMPORT_DEFAULTS if getattr(self, k) != IMPORT_DEFAULTS[k]}
         if imported and self.import_path is None:
             raise ValueError(f"{sorted(imported)[0]} describes imported rollouts; set import_path or drop it")
@@ -199,6 +212,12 @@ class SamplerSection(Section):
             if not name or (weight and not re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", weight)):
                 raise ValueError(f"reward_fields entry {entry!r}: write 'column' or 'column:weight' (a number)")
         return self
+
+    @property
+    def mu_known(self) -> bool:
+        """False for a dataset of responses (``format`` in ``covgrad.choices.MU_UNKNOWN_FORMATS``): the data
+        distribution μ is unknown, so there is no sampler μ (no log-probs, no sampler centering)."""
+        return self.format not in MU_UNKNOWN_FORMATS
 
     @model_serializer(mode="wrap")
     def _without_import_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -539,7 +558,10 @@ class RegimeSection(Section):
     ``teacher_logprobs`` field instead of a teacher model."""
 
     kind: RegimeKind = Field("rl", description="the objective: one of covgrad.regimes.REGIMES")
-    sampler: str | None = Field(None, description="whose rollouts (sft: the responses); unset: rollouts.analyse")
+    sampler: str | None = Field(
+        None,
+        description="whose rollouts (sft: the responses, e.g. a format: responses dataset); unset: rollouts.analyse",
+    )
     teacher: str | None = Field(
         None, description="distill/sft_drift: stale, policy, trained (demo: the policy trained on) or a model directory"
     )

@@ -38,6 +38,10 @@ Formats (field names from the stacks' sources; docs/formats.md has the tables):
   are rejected: covgrad scores every response token.
 - ``covgrad``: covgrad's own record; optional ``policy_version``, ``sampling_params``, ``advantage``,
   ``token_advantages`` go to ``extras``.
+- ``responses``: a plain SFT dataset, one response per line: ``prompt`` (text) or ``prompt_ids``,
+  ``response`` (text) or ``response_ids``, optional ``eos`` (true: append the tokenizer's EOS), ``reward``
+  and ``group``. It has no log-probs: the data distribution μ is unknown (``covgrad.choices.MU_UNKNOWN_FORMATS``;
+  ``records_to_rollouts(..., mu_known=False)``).
 
 :func:`import_records` converts a whole file, validates through ``records_to_rollouts`` (its messages
 name the stack's own field) and summarises the policy versions and sampling parameters.
@@ -54,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from covgrad.choices import MU_UNKNOWN_FORMATS
 from covgrad.rollout_import import TextEncoder, records_to_rollouts
 
 Record = dict[str, Any]
@@ -267,11 +272,35 @@ def verl(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record, Record]
     return out, _extras(version, _sampling_params(rec, at, options), None, token_adv, at)
 
 
-READERS: dict[str, Reader] = {"covgrad": covgrad, "open_instruct": open_instruct, "trl": trl, "verl": verl}
+DATASET_FIELDS = ("prompt", "prompt_ids", "response", "response_ids", "eos", "reward", "group")
+"""The fields of a ``responses`` record that the importer reads; any other field is ignored."""
+
+
+def responses(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record, Record]:
+    """A plain SFT dataset record (prompt, response, optional eos, reward and group); ValueError for
+    sampler log-probs, which a dataset of unknown μ cannot have."""
+    for field in ("logprobs", "top_logprobs"):
+        if field in rec:
+            raise ValueError(
+                f"{at}: format responses has no sampler '{field}' (its μ is unknown); import sampled rollouts "
+                "with their log-probs as format covgrad"
+            )
+    out = {k: rec[k] for k in DATASET_FIELDS if k in rec}
+    return out, _extras(None, {}, None, None, at)  # a dataset has no sampler, so no sampling parameters
+
+
+READERS: dict[str, Reader] = {
+    "covgrad": covgrad,
+    "open_instruct": open_instruct,
+    "trl": trl,
+    "verl": verl,
+    "responses": responses,
+}
 
 # covgrad field -> the stack's field, for messages from records_to_rollouts
 FIELD_NAMES: dict[str, dict[str, str]] = {
     "covgrad": {},
+    "responses": {},
     "open_instruct": {"prompt_ids": "prompt_tokens", "response_ids": "response_tokens", "group": "prompt_idx"},
     "trl": {"response_ids": "completion_ids", "top_logprobs": "logprob_token_ids/logprobs", "group": "step"},
     "verl": {
@@ -282,6 +311,13 @@ FIELD_NAMES: dict[str, dict[str, str]] = {
         "group": "uid",
     },
 }
+
+
+def without_rewards(fmt: str, record: Record, options: dict[str, Any]) -> bool:
+    """Whether a dump of format ``fmt`` whose first record is ``record`` has no rewards: a dataset of
+    responses (``covgrad.choices.MU_UNKNOWN_FORMATS``) whose records carry no ``reward`` and no reward
+    columns ``options["reward_fields"]`` (every record has a reward or none, so the first one tells)."""
+    return fmt in MU_UNKNOWN_FORMATS and "reward" not in record and not options.get("reward_fields")
 
 
 def convert(fmt: str, rec: Any, at: str, options: dict[str, Any] | None = None) -> tuple[Record, Record]:
@@ -361,13 +397,15 @@ def import_records(
     pad_id: int = 0,
     options: dict[str, Any] | None = None,
     source: str = "rollouts",
+    eos_id: int | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
     """Convert and validate a stack's dump: the arrays of ``records_to_rollouts``, the extras, a summary.
 
     Args:
         located: ``(where, object)`` pairs, e.g. ``storage.readers.read_located_records(path)``.
         fmt: a key of :data:`READERS`.
-        vocab_size, max_len, tokenizer, pad_id: as for ``records_to_rollouts``.
+        vocab_size, max_len, tokenizer, pad_id, eos_id: as for ``records_to_rollouts`` (which gets
+            ``mu_known=False`` for a format of ``MU_UNKNOWN_FORMATS``).
         options: reader options (``sampling_params``; ``reward_fields``, ``reward_weights``).
         source: names the input in the summary message (e.g. the file path).
 
@@ -389,7 +427,15 @@ def import_records(
         converted.append((at, out))
         extras.append(extra)
     try:
-        arrays = records_to_rollouts(converted, vocab_size, max_len, tokenizer=tokenizer, pad_id=pad_id)
+        arrays = records_to_rollouts(
+            converted,
+            vocab_size,
+            max_len,
+            tokenizer=tokenizer,
+            pad_id=pad_id,
+            mu_known=fmt not in MU_UNKNOWN_FORMATS,
+            eos_id=eos_id,
+        )
     except ValueError as err:
         raise ValueError(rename_fields(str(err), fmt)) from None
     N, T = arrays["sampler_logp"].shape

@@ -1,4 +1,5 @@
-"""Pure checks of a run's inputs, made before any stage: do the prompts fit the policy's context.
+"""Pure checks of a run's inputs, made before any stage: do the prompts fit the policy's context, and is a
+dataset without rewards used only where rewards are not needed.
 
 No file is read here (``storage.prompts`` reads the task, the tokenizer and the model config) and
 nothing heavy is imported, so the preflight (``flows.preflight``) stays well under 2 s; the rollouts
@@ -45,3 +46,36 @@ def check_context(lengths: Sequence[int], where: Sequence[str], max_new_tokens: 
         f"{lengths[i] + max_new_tokens} > the model's context of {limit} positions{more}; shorten the prompt "
         f"or lower max_new_tokens"
     )
+
+
+DATASET_KINDS = ("sft_sampled", "sft_drift")
+"""The regime kinds that fold over a dataset of responses without rewards (they read no advantages)."""
+
+
+def check_unrewarded(cfg: Any, unrewarded: Mapping[str, str]) -> None:
+    """ValueError (one line, naming the key) when a ``PipelineConfig`` needs the rewards of a sampler that has
+    none: ``rollouts.analyse`` naming it (the rl analysis, masks, tokens, update check and trajectory read the
+    analysed rollouts' advantages), or a regime of a kind outside :data:`DATASET_KINDS` folding over it.
+    Every trajectory and update-check cell steps on the analysed sampler or on a regime's, so these two
+    refusals cover them.
+
+    Args:
+        cfg: the run's ``PipelineConfig``.
+        unrewarded: sampler name -> where its first record is (``file:line``), for each dataset sampler
+            without rewards.
+    """
+    why = "is a dataset of responses without rewards ({} has no 'reward')"
+    analysed = cfg.rollouts.analyse
+    if analysed in unrewarded:
+        raise ValueError(
+            f"rollouts.analyse: sampler {analysed!r} {why.format(unrewarded[analysed])}, so its rl analysis "
+            "(advantages, scores, stats, masks) is undefined; analyse a sampler with rewards and fold the dataset "
+            "in an sft_sampled regime"
+        )
+    for name, r in cfg.regimes.items():
+        sampler = r.sampler or analysed
+        if sampler in unrewarded and r.kind not in DATASET_KINDS:
+            raise ValueError(
+                f"regimes.{name}.sampler: sampler {sampler!r} {why.format(unrewarded[sampler])}; regime kind "
+                f"{r.kind} needs rewarded rollouts, only {' and '.join(DATASET_KINDS)} fold over a dataset"
+            )

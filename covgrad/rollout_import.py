@@ -21,6 +21,13 @@ A record is one sampled response:
 Token ids may be integral floats (Arrow cannot type the mixed ``[[ids], [logps]]`` lists). The arrays match those of
 :func:`covgrad.sampling.generate`, with the position axis T = the longest response.
 
+A record of a *dataset* (``mu_known=False``: SFT responses from an unknown distribution μ) differs:
+
+- no ``logprobs`` or ``top_logprobs``: μ is unknown, and ``sampler_logp`` is NaN;
+- ``response_ids`` or ``response`` (text; encoded with ``add_special_tokens=False``), optional ``eos: true``
+  to append the tokenizer's EOS;
+- ``reward`` is optional, in every record or in none; without it ``reward`` is NaN (no rewards).
+
 Shape notation: N records, L = max(prompt_len + response_len), T = max response_len, k top-k entries.
 """
 
@@ -35,9 +42,9 @@ import numpy as np
 
 
 class TextEncoder(Protocol):
-    """Anything with ``encode(text) -> list[int]`` (a Hugging Face tokenizer works)."""
+    """Anything with ``encode(text, add_special_tokens=...) -> list[int]`` (a Hugging Face tokenizer works)."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
 def _token_ids(value: Any, at: str, field: str, vocab_size: int) -> np.ndarray:
@@ -131,6 +138,33 @@ def _prompt(rec: dict, at: str, vocab_size: int, tokenizer: TextEncoder | None) 
     return ids
 
 
+def _response(rec: dict, at: str, vocab_size: int, tokenizer: TextEncoder | None, eos_id: int | None) -> np.ndarray:
+    """A dataset record's response tokens: ``response_ids`` or text ``response`` (encoded without special
+    tokens), then the EOS id when ``eos`` is true; int64 (n,), n ≥ 1."""
+    if "response_ids" in rec:
+        ids = _token_ids(rec["response_ids"], at, "response_ids", vocab_size)
+        field = "response_ids"
+    elif "response" in rec:
+        if tokenizer is None:
+            raise ValueError(f"{at}: has text 'response' but no tokenizer was given; pass one or use response_ids")
+        if not isinstance(rec["response"], str):
+            raise ValueError(f"{at}: 'response' must be a string; got {type(rec['response']).__name__}")
+        encoded = list(tokenizer.encode(rec["response"], add_special_tokens=False))
+        ids, field = _token_ids(encoded, at, "response (tokenized)", vocab_size), "response"
+    else:
+        raise ValueError(f"{at}: missing field 'response_ids' (or text 'response' with a tokenizer)")
+    eos = rec.get("eos", False)
+    if not isinstance(eos, bool):
+        raise ValueError(f"{at}: 'eos' must be true or false; got {eos!r}")
+    if eos:
+        if eos_id is None:
+            raise ValueError(f"{at}: 'eos' is true but the tokenizer has no EOS token")
+        ids = np.append(ids, np.int64(eos_id))
+    if len(ids) == 0:
+        raise ValueError(f"{at}: '{field}' is empty; a response needs at least one token")
+    return ids
+
+
 def _all_or_none(field: str, present: bool, first: bool | None, at: str, first_at: str) -> bool:
     """Whether `field` is in use; raise when the record at ``at`` disagrees with the first one."""
     if first is not None and present != first:
@@ -145,6 +179,8 @@ def records_to_rollouts(
     max_len: int | None,
     tokenizer: TextEncoder | None = None,
     pad_id: int = 0,
+    mu_known: bool = True,
+    eos_id: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Validate imported rollout records and build the arrays of :func:`covgrad.sampling.generate`.
 
@@ -154,16 +190,19 @@ def records_to_rollouts(
             ``record i``, 0-based).
         vocab_size: V; every token id must be in [0, V).
         max_len: largest allowed prompt + response length, or None for no limit.
-        tokenizer: encodes text ``prompt`` fields; needed only for them.
+        tokenizer: encodes text ``prompt`` (and, in a dataset, ``response``) fields; needed only for them.
         pad_id: fill value for token rows.
+        mu_known: False for a dataset of responses (module docstring): no log-probs, optional rewards.
+        eos_id: the id a dataset record's ``eos: true`` appends.
 
     Returns:
         ``tokens`` (N, L) int32 right-padded with ``pad_id``; ``prompt_len``, ``response_len`` (N,)
-        int64; ``response_mask`` (N, L) bool; ``reward`` (N,) float64; ``group`` (N,) int64 (dense
-        labels in order of first appearance); ``prompt_index`` (N,) int64 (distinct prompts in order of
-        first appearance); ``sample_index`` (N,) int64 (rank within its group); ``sampler_logp`` (N, T)
-        float32, 0 after the end; with ``top_logprobs``: ``mu_topk_ids`` (N, T, k) int32,
-        ``mu_topk_logp`` (N, T, k) float32 and ``mu_tail`` (N, T) float32 = max(0, 1 − Σ exp(logp)),
+        int64; ``response_mask`` (N, L) bool; ``reward`` (N,) float64 (NaN for a dataset without rewards);
+        ``group`` (N,) int64 (dense labels in order of first appearance); ``prompt_index`` (N,) int64
+        (distinct prompts in order of first appearance); ``sample_index`` (N,) int64 (rank within its
+        group); ``sampler_logp`` (N, T) float32, 0 after the end (NaN when ``mu_known`` is False); with
+        ``top_logprobs``: ``mu_topk_ids`` (N, T, k) int32, ``mu_topk_logp`` (N, T, k) float32 and
+        ``mu_tail`` (N, T) float32 = max(0, 1 − Σ exp(logp)),
         all 0 after the end; with ``advantages``: ``token_advantage`` (N, L) float64 and with
         ``teacher_logprobs``: ``teacher_logprob`` (N, L) float32, token-aligned (entry t for token t of the
         row, 0 outside the response).
@@ -179,6 +218,7 @@ def records_to_rollouts(
     group_keys: list[tuple] = []
     has_group: bool | None = None
     has_top: bool | None = None
+    has_reward: bool | None = None
     per_token: dict[str, list[np.ndarray]] = {field: [] for field in PER_TOKEN}
     has_token: dict[str, bool | None] = dict.fromkeys(PER_TOKEN)
     first_at = ""
@@ -188,22 +228,28 @@ def records_to_rollouts(
         if not isinstance(rec, dict):
             raise ValueError(f"{at}: expected a dict; got {type(rec).__name__}")
         prompt = _prompt(rec, at, vocab_size, tokenizer)
-        for field in ("response_ids", "reward", "logprobs"):
-            if field not in rec:
-                raise ValueError(f"{at}: missing field '{field}'")
-        response = _token_ids(rec["response_ids"], at, "response_ids", vocab_size)
-        if len(response) == 0:
-            raise ValueError(f"{at}: 'response_ids' is empty; a response needs at least one token")
+        if mu_known:
+            for field in ("response_ids", "reward", "logprobs"):
+                if field not in rec:
+                    raise ValueError(f"{at}: missing field '{field}'")
+            response = _token_ids(rec["response_ids"], at, "response_ids", vocab_size)
+            if len(response) == 0:
+                raise ValueError(f"{at}: 'response_ids' is empty; a response needs at least one token")
+        else:
+            response = _response(rec, at, vocab_size, tokenizer, eos_id)
         if max_len is not None and len(prompt) + len(response) > max_len:
             raise ValueError(
                 f"{at}: prompt + response is {len(prompt)} + {len(response)} tokens, over max_len={max_len}"
             )
-        reward = rec["reward"]
-        if not _is_number(reward) or not math.isfinite(reward):
+        has_reward = _all_or_none("reward", "reward" in rec, has_reward, at, first_at)
+        reward = rec["reward"] if has_reward else math.nan
+        if has_reward and (not _is_number(reward) or not math.isfinite(reward)):
             raise ValueError(f"{at}: 'reward' must be a finite number; got {reward!r}")
-        logp = _log_probs(rec["logprobs"], at, "logprobs", allow_neg_inf=False)
-        if len(logp) != len(response):
-            raise ValueError(f"{at}: 'logprobs' has {len(logp)} entries for {len(response)} response tokens")
+        if mu_known:
+            logp = _log_probs(rec["logprobs"], at, "logprobs", allow_neg_inf=False)
+            if len(logp) != len(response):
+                raise ValueError(f"{at}: 'logprobs' has {len(logp)} entries for {len(response)} response tokens")
+            logps.append(logp)
         has_top = _all_or_none("top_logprobs", "top_logprobs" in rec, has_top, at, first_at)
         if has_top:
             top = rec["top_logprobs"]
@@ -225,7 +271,6 @@ def records_to_rollouts(
         prompts.append(prompt)
         responses.append(response)
         rewards.append(float(reward))
-        logps.append(logp)
     if not prompts:
         raise ValueError("no records to import; the input is empty")
 
@@ -235,13 +280,14 @@ def records_to_rollouts(
     L, T = int((prompt_len + response_len).max()), int(response_len.max())
     tokens = np.full((N, L), pad_id, dtype=np.int32)
     response_mask = np.zeros((N, L), dtype=bool)
-    sampler_logp = np.zeros((N, T), dtype=np.float32)
+    sampler_logp = np.zeros((N, T), dtype=np.float32) if mu_known else np.full((N, T), np.nan, dtype=np.float32)
     for n in range(N):
         lp, lr = prompt_len[n], response_len[n]
         tokens[n, :lp] = prompts[n]
         tokens[n, lp : lp + lr] = responses[n]
         response_mask[n, lp : lp + lr] = True
-        sampler_logp[n, :lr] = logps[n]
+        if mu_known:
+            sampler_logp[n, :lr] = logps[n]
 
     group_ids: dict[tuple, int] = {}
     prompt_ids: dict[tuple, int] = {}

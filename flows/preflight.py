@@ -17,18 +17,20 @@ from typing import Any
 
 from covgrad.config import PipelineConfig
 from covgrad.formats import convert, parse_reward_fields, rename_fields
-from covgrad.inputs import check_context
+from covgrad.inputs import check_context, check_unrewarded
 from covgrad.rollout_import import records_to_rollouts, require_mu_source
 from storage.models import check_model_dir
 from storage.prompts import load_task, prompt_lengths, prompt_places
-from storage.readers import read_located_records
+from storage.readers import read_located_records, unrewarded
 
 
 def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
     """Validate everything ``cfg`` points at, in this order: model directories, imported rollouts and
-    their μ source, the task file and its reward, that the prompts fit the policy's context with every
-    generating sampler's ``max_new_tokens``, and (``architecture``, a user model) that per-sample scores
-    support every selected parameter (``covgrad.preflight.check_model``: seconds, imports torch).
+    their μ source (none for a dataset of responses), that a dataset without rewards is not analysed and is
+    folded only by sft regimes (``covgrad.inputs.check_unrewarded``), the regimes' inputs, the task file and
+    its reward, that the prompts fit the policy's context with every generating sampler's
+    ``max_new_tokens``, and (``architecture``, a user model) that per-sample scores support every selected
+    parameter (``covgrad.preflight.check_model``: seconds, imports torch).
     Raises ValueError or FileNotFoundError with a one-line message naming the bad value."""
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path, "model.path")
@@ -39,9 +41,11 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
             raise FileNotFoundError(f"rollouts.samplers.{name}.import_path {s.import_path!r} does not exist")
         if s.import_path is not None:
             first = check_first_record(s, _vocab_size(cfg))
-            require_mu_source(f"rollouts.samplers.{name}", first, s.on_policy, s.mu_model)
+            if s.mu_known:
+                require_mu_source(f"rollouts.samplers.{name}", first, s.on_policy, s.mu_model)
         if s.mu_model is not None:
             check_model_dir(s.mu_model, f"rollouts.samplers.{name}.mu_model")
+    check_unrewarded(cfg, unrewarded(cfg))
     if cfg.regimes:  # storage.regimes imports torch (its store layout): only when there are regimes
         from storage.regimes import check_regime_inputs
 
@@ -89,9 +93,19 @@ def _vocab_size(cfg: PipelineConfig) -> int:
     return 2**62
 
 
+class _TextProbe:
+    """Stands in for the tokenizer in :func:`check_first_record`: one token (id 0) per character, so that an
+    empty response text fails here as it will in the stage."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        del add_special_tokens
+        return [0] * len(text)
+
+
 def check_first_record(s: Any, vocab_size: int) -> dict:
     """The first record of a sampler's ``import_path`` converted from its ``format`` and validated as the
-    rollouts stage will (without the tokenizer: a text prompt is checked to be text), as covgrad's record.
+    rollouts stage will (without the tokenizer: a text prompt is checked to be text, a text response to be
+    non-empty text), as covgrad's record.
     Raises ValueError: one line naming ``file:line`` and the stack's field."""
     at, rec = next(iter(read_located_records(s.import_path)))
     options = parse_reward_fields(s.reward_fields) if s.reward_fields else {}
@@ -100,7 +114,7 @@ def check_first_record(s: Any, vocab_size: int) -> dict:
     if "prompt_ids" not in probe and isinstance(probe.get("prompt"), str):
         probe["prompt_ids"] = [0]
     try:
-        records_to_rollouts([(at, probe)], vocab_size, None)
+        records_to_rollouts([(at, probe)], vocab_size, None, _TextProbe(), mu_known=s.mu_known, eos_id=0)
     except ValueError as err:
         raise ValueError(rename_fields(str(err), s.format)) from None
     return out

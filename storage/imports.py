@@ -96,6 +96,7 @@ def import_rollouts(
         pad_id=tokenizer.pad_token_id,
         options=import_options(s),
         source=s.import_path,
+        eos_id=tokenizer.eos_token_id,
     )
     where, sampling_index = summary.pop("where"), np.asarray(summary.pop("sampling_index"), dtype=np.int32)
     if summary["message"]:

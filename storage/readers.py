@@ -15,6 +15,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from covgrad.formats import parse_reward_fields, without_rewards
+
 _PARQUET_BATCH_ROWS = 1024  # rows decoded at a time; bounds memory for large files
 
 
@@ -93,6 +95,30 @@ def read_located_records(path_or_url: str) -> Iterator[tuple[str, dict[str, Any]
     if path_or_url.rstrip("/").endswith(".parquet"):
         return ((f"{path_or_url} row {r}", rec) for r, rec in enumerate(records))
     return ((f"{path_or_url}:{lineno}", obj) for lineno, obj in _jsonl_objects(path_or_url))
+
+
+def first_record(path_or_url: str) -> tuple[str, dict[str, Any]] | None:
+    """The first record of a rollouts file with where it is (:func:`read_located_records`), or None when
+    nothing is at the path (the preflight names it). ValueError for an unreadable or empty file."""
+    try:
+        return next(iter(read_located_records(path_or_url)))
+    except FileNotFoundError:
+        return None
+
+
+def unrewarded(cfg: Any) -> dict[str, str]:
+    """The samplers of a ``PipelineConfig`` that are datasets of responses without rewards
+    (``covgrad.formats.without_rewards`` of their first record), each with where that record is; such a
+    sampler has rollouts but no scores or stats (no rl analysis of it exists)."""
+    out = {}
+    for name, s in cfg.rollouts.samplers.items():
+        if s.import_path is None or s.mu_known:
+            continue
+        first = first_record(s.import_path)
+        options = parse_reward_fields(s.reward_fields) if s.reward_fields else {}
+        if first is not None and without_rewards(s.format, first[1], options):
+            out[name] = first[0]
+    return out
 
 
 def read_prompt_file(path: str) -> list[dict[str, Any]]:

@@ -43,6 +43,28 @@ BASE_ARRAYS = (
 )
 
 
+def dataset_attrs(mu_known: bool, rewarded: bool) -> dict[str, bool]:
+    """The attrs that mark a dataset of responses: ``mu_known: false`` (μ unknown, ``sampler_logp`` NaN) and
+    ``rewards: false`` (``reward`` and ``advantage`` NaN); sampled rollouts get neither (their attrs stay as
+    they were)."""
+    return {k: False for k, v in (("mu_known", mu_known), ("rewards", rewarded)) if not v}
+
+
+def mu_known(ro: Any) -> bool:
+    """False when the open rollouts group ``ro`` is a dataset whose μ is unknown (:func:`dataset_attrs`)."""
+    return bool(ro.attrs.get("mu_known", True))
+
+
+def require_mu(ro: Any, what: str) -> None:
+    """ValueError naming ``what`` (the reader) when the open rollouts group ``ro`` is a dataset whose μ is
+    unknown (:func:`mu_known`), so that it has no sampler log-probs or sampler centering."""
+    if not mu_known(ro):
+        raise ValueError(
+            f"{what}: the rollouts of sampler {ro.attrs['sampler']!r} are a dataset of responses whose μ is unknown "
+            "(format responses), so they have no sampler log-probs and no sampler centering"
+        )
+
+
 def create_rollout_arrays(g: Any, N: int, width: int, T: int, V: int, rows: int, s: SamplerSection) -> None:
     """Create the arrays of a rollouts store of N samples: token rows of ``width``, T response positions, V
     vocabulary entries, chunks of ``rows`` samples, and the μ arrays ``s.store_mu`` asks for."""

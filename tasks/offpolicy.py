@@ -18,7 +18,7 @@ and the sampler–policy mismatch in the names RL stacks log (``covgrad.mismatch
 sampled tokens' log-probabilities under the sampler (the rollouts' ``sampler_logp``) and under the policy
 (recomputed teacher-forced by this stage, temperature 1): :data:`MISMATCH_COLUMNS`, the same on both rows of
 a sampler (a property of its rollouts; ≈ 0 for the policy itself, up to the float differences between
-generation and a teacher-forced forward).
+generation and a teacher-forced forward; NaN for a dataset of responses, whose μ is unknown).
 
 Store ``offpolicy.zarr`` (``storage.schema.OFFPOLICY_VARS``): one 1-D array per column along dim ``row``,
 ``sampler`` and ``centering`` as coordinates; the same rows as ``offpolicy.{json,csv,md}``.
@@ -40,6 +40,7 @@ from covgrad.stats import BLOCK_CHUNKS, rel_diff
 from covgrad.tables import to_csv, to_markdown
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
+from storage.rollouts import mu_known, require_mu
 from storage.schema import OFFPOLICY as STORE
 from storage.schema import OFFPOLICY_TABLE, OFFPOLICY_VARS, ROLLOUTS, STATS, param_chunk, write
 from tasks.common import StageResult, run_stage
@@ -129,6 +130,7 @@ def policy_logp_of(store: ArtifactStore, rollouts: ArtifactRef, model: Any):
     the policy ``model``'s log p of them (one teacher-forced forward per batch, temperature 1), the scored
     positions."""
     ro = store.open_group(rollouts, ROLLOUTS, mode="r")
+    require_mu(ro, "offpolicy")
     tokens, pl, rl = (torch.from_numpy(ro[k][:]) for k in ("tokens", "prompt_len", "response_len"))
     policy_logp = sampled_token_logp(model, tokens, pl, rl, SamplerSpec()).numpy()
     sampler_logp = ro["sampler_logp"][:].astype(np.float64)[:, : policy_logp.shape[1]]
@@ -139,12 +141,16 @@ def policy_logp_of(store: ArtifactStore, rollouts: ArtifactRef, model: Any):
 def add_mismatch_columns(
     store: ArtifactStore, spec: OffPolicySpec, upstream: dict[str, ArtifactRef], rows: list[dict[str, Any]]
 ) -> None:
-    """Set :data:`MISMATCH_COLUMNS` of every row (in place), computed once per sampler."""
+    """Set :data:`MISMATCH_COLUMNS` of every row (in place), computed once per sampler; NaN, and NaN
+    ``kl_per_token``, for a dataset of responses (μ unknown)."""
     per_sampler: dict[str, dict[str, float]] = {}
     models: dict[tuple[str, PolicySpec], Any] = {}  # every sampler's scores share one policy: loaded once
     for sampler, centering in spec.stats:
         if sampler not in per_sampler:
             rollouts, base, policy = sampler_rollouts(store, upstream[str(Instance("stats", sampler, centering))])
+            if not mu_known(store.open_group(rollouts, ROLLOUTS, mode="r")):  # a dataset: μ unknown, so no KL
+                per_sampler[sampler] = dict.fromkeys([*MISMATCH_COLUMNS, "kl_per_token"], float("nan"))
+                continue
             if (base.key, policy) not in models:
                 models[base.key, policy] = load_models(store, base, "policy", policy)[0]
             metrics = mismatch_metrics(*policy_logp_of(store, rollouts, models[base.key, policy]))

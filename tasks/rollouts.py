@@ -9,7 +9,9 @@ is resumable by batch of prompts; advantages are written once all rewards exist 
 them all). An import reads the sampler's ``format`` through ``covgrad.formats`` and adds what the dump
 says about each record (``policy_version``, ``stack_advantage``, ``token_advantage``,
 ``sampling_params_index``, with ``verify_records`` the re-scored ``verify_kl`` / ``verify_k3_kl``; attrs
-``import``); a μ record on a support adds attrs ``support_mu``, the bound of its centering error.
+``import``); a μ record on a support adds attrs ``support_mu``, the bound of its centering error. A dataset of
+responses (``format: responses``) records ``mu_known: false`` (its ``sampler_logp`` is NaN) and, without rewards,
+``rewards: false`` (``reward`` and ``advantage`` NaN, ``mean_reward`` null).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_
 from storage.imports import import_rollouts, sampler_source
 from storage.models import load_models
 from storage.prompts import load_task, prompt_places
-from storage.rollouts import create_rollout_arrays, write_rollout_rows
+from storage.rollouts import create_rollout_arrays, dataset_attrs, write_rollout_rows
 from storage.schema import ROLLOUTS as STORE
 from storage.schema import create
 from tasks.common import StageResult, log, progress_bar, run_stage
@@ -131,11 +133,16 @@ def rollouts_task(ref: ArtifactRef, spec: RolloutsSpec, upstream: dict[str, Arti
             else _generate(store, r, spec, base)
         )
         rewards = g["reward"][:]
-        check_rewards(rewards)
-        adv = compute_advantages(rewards, g["group"][:], spec.advantage)
+        rewarded = s.mu_known or not np.isnan(rewards).all()  # a dataset without rewards imports NaN
+        if rewarded:
+            check_rewards(rewards)
+            adv = compute_advantages(rewards, g["group"][:], spec.advantage)
+        else:  # no rewards, so no advantages: NaN, never invented
+            adv = np.full(len(rewards), np.nan)
         create(g, STORE, "advantage", adv.shape, rows=g["reward"].chunks[0])[:] = adv
         if "mu_tail" in g:
             g.attrs["support_mu"] = _support_bound(g, adv, spec.sampler)
+        mean_reward = float(np.mean(rewards)) if rewarded else None
         g.attrs.update(
             {
                 "sampler": spec.sampler,
@@ -144,10 +151,11 @@ def rollouts_task(ref: ArtifactRef, spec: RolloutsSpec, upstream: dict[str, Arti
                 "eos_id": eos,
                 "pad_id": pad,
                 "n_samples": len(rewards),
-                "mean_reward": float(np.mean(rewards)),
+                "mean_reward": mean_reward,
+                **dataset_attrs(s.mu_known, rewarded),
             }
         )
         store.consolidate(r, STORE)
-        return {"n_samples": len(rewards), "mean_reward": float(np.mean(rewards))}
+        return {"n_samples": len(rewards), "mean_reward": mean_reward}
 
     return run_stage(ref, spec, compute, resumable=True)

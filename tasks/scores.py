@@ -27,7 +27,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.identity import IDENTITY_ATTR
 from storage.imports import sampler_source
 from storage.models import load_models
-from storage.rollouts import read_batch
+from storage.rollouts import read_batch, require_mu
 from storage.schema import ROLLOUTS
 from storage.scores import ScoresStore, mu_recorded, read_mu
 from storage.scores_ranks import run_ranks
@@ -75,6 +75,7 @@ class ScoresJob:
     def _sampler_centering(self, store: ArtifactStore, base: ArtifactRef) -> SamplerCentering:
         """μ of the rollouts' record, or of the sampler model (loaded here) when they hold none."""
         s, model = self.spec.settings, None
+        require_mu(self.ro, f"scores.{self.spec.sampler}.sampler")
         if not mu_recorded(self.ro):
             if s.import_path is not None:  # the store holds no top-k record: the preflight's check, again
                 require_mu_source(f"rollouts.samplers.{self.spec.sampler}", {}, s.on_policy, s.mu_model)

@@ -46,8 +46,10 @@ from covgrad.config import (
     UpdateCheckSection,
     report_layout,
 )
+from covgrad.inputs import check_unrewarded
 from storage.artifacts import ArtifactRef, ArtifactStore, stage_key
 from storage.digests import input_digest
+from storage.readers import unrewarded
 
 Centering = Literal["policy", "sampler"]
 
@@ -376,8 +378,9 @@ def on_policy(s: SamplerSection) -> bool:
 
 
 def centerings(s: SamplerSection) -> list[Centering]:
-    """Score centerings computed for a sampler: both when μ ≠ p (the off-policy comparison)."""
-    return ["policy"] if on_policy(s) else ["policy", "sampler"]
+    """Score centerings computed for a sampler: both when μ ≠ p (the off-policy comparison) and μ is known;
+    a dataset of responses (μ unknown) has policy centering only."""
+    return ["policy"] if on_policy(s) or not s.mu_known else ["policy", "sampler"]
 
 
 def main_stats(cfg: PipelineConfig) -> Instance:
@@ -510,7 +513,9 @@ def task_inputs(t: TaskSection) -> dict[str, str]:
 
 
 def plan(cfg: PipelineConfig) -> Plan:
-    """Every artifact of ``cfg``'s pipeline run: specs built from the config, keys chained in DAG order."""
+    """Every artifact of ``cfg``'s pipeline run: specs built from the config, keys chained in DAG order. A dataset
+    of responses without rewards (``storage.readers.unrewarded``) gets rollouts and no scores or stats;
+    ValueError (``covgrad.inputs.check_unrewarded``) when the config needs its rewards."""
     store = ArtifactStore(cfg.root)
     policy = policy_spec(cfg)
     sc, m = cfg.scores, cfg.model
@@ -518,6 +523,8 @@ def plan(cfg: PipelineConfig) -> Plan:
     rollouts: dict[str, Step] = {}
     scores: dict[Instance, Step] = {}
     stats: dict[Instance, Step] = {}
+    no_rewards = unrewarded(cfg)
+    check_unrewarded(cfg, no_rewards)
     for name, s in cfg.rollouts.samplers.items():
         settings = s.model_copy(deep=True)
         spec = RolloutsSpec(
@@ -529,7 +536,7 @@ def plan(cfg: PipelineConfig) -> Plan:
             inputs={**task_inputs(cfg.task), **sampler_inputs(s, mu=False)},
         )
         rollouts[name] = _step(store, Instance("rollouts", name), spec, {"base_model": base})
-        for c in centerings(s):
+        for c in [] if name in no_rewards else centerings(s):
             score_spec = ScoresSpec(
                 sampler=name,
                 centering=c,

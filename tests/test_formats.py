@@ -125,7 +125,7 @@ def test_unknown_format_and_non_object():
         convert("slime", {}, "x:1")
     with pytest.raises(ValueError, match="x:1: expected a JSON object; got list"):
         convert("verl", [1], "x:1")
-    assert sorted(READERS) == ["covgrad", "open_instruct", "trl", "verl"]
+    assert sorted(READERS) == ["covgrad", "open_instruct", "responses", "trl", "verl"]
 
 
 def test_trl_flat_logprobs_and_reward_weights():
