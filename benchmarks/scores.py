@@ -22,6 +22,7 @@ The bf16/fp16 per-sample products use ``torch.bmm(..., out_dtype=torch.float32)`
 CPU kernels lack that overload, so there they run as fp32 GEMMs on upcast operands (printed per run).
 
     python -m benchmarks.scores --device cpu                     # small and large CPU models, ~2 min
+    python -m benchmarks.scores --device cpu --model large --chunk-kib 0 2048 --stream-n   # chunk sizes
     python -m benchmarks.scores --device cuda --model llama-134m llama-0.85b
     python -m benchmarks.scores --device cuda --model qwen2.5-7b --params "model.layers.1[4-9].mlp.*" \
         "model.layers.2[0-7].mlp.*"    # all 7.6e9 parameters need 366 GB of float64 state (README)
@@ -33,7 +34,7 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -46,7 +47,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.persample import PerSampleGrads, default_chunk_bytes, score_logit_grad
 
 # name: (family, vocab, hidden, intermediate, layers, heads, kv heads, dtype, batch, prompt, response)
 MODELS = {
@@ -105,10 +106,17 @@ def objective(logits: Tensor, ids: Tensor, w: Tensor) -> Tensor:
 
 
 def methods(
-    model: nn.Module, layout: ParamLayout, ids: Tensor, w: Tensor, sub: int, accs: dict[str, MomentAccumulator]
+    model: nn.Module,
+    layout: ParamLayout,
+    ids: Tensor,
+    w: Tensor,
+    sub: int,
+    accs: dict[str, MomentAccumulator],
+    chunks: Sequence[int] = (),
 ) -> dict[str, tuple]:
     """name -> (fn, samples it covers); fns return their product (summed gradient, rows, or None). The
-    streaming steps put their accumulators (one per state dtype) into ``accs`` on their first call."""
+    streaming steps put their accumulators (one per state dtype) into ``accs`` on their first call;
+    ``chunks``: row-chunk sizes (bytes) of extra float64 streaming steps beside the device's default."""
     names = layout.names
     params = dict(model.named_parameters())
     plist = [params[n] for n in names]
@@ -153,6 +161,9 @@ def methods(
         "covgrad streaming step, float32 state": (lambda: streaming("float32"), B),
         "covgrad streaming step, whole blocks": (lambda: streaming("float64", whole), B),
     }
+    for size in chunks:
+        engine = PerSampleGrads(model, layout, check=False, chunk_bytes=size)
+        out[f"covgrad streaming step, {size >> 10} KiB chunks"] = (lambda e=engine: streaming("float64", e), B)
     if _rows_limit(device) > B * layout.P * 4:
         buffer = torch.empty(B, layout.P, device=device)
         out["covgrad rows (B x P)"] = (lambda: psg(ids, mask, fn, position_ids=pos, out=buffer), B)
@@ -203,7 +214,13 @@ def _try(fn: Callable[[], object]) -> object | str:
 
 
 def run_model(
-    name: str, device: torch.device, reps: int, sub: int, batch: int | None, params: list[str] | None
+    name: str,
+    device: torch.device,
+    reps: int,
+    sub: int,
+    batch: int | None,
+    params: list[str] | None,
+    chunks: Sequence[int] = (),
 ) -> None:
     model = build(name, device)
     layout = select_parameters(model, params)
@@ -212,7 +229,7 @@ def run_model(
     sub = min(sub, B) if device.type == "cuda" else B
     ids, w = make_batch(vocab, B, prompt, response, seed=1, device=device)
     accs: dict[str, MomentAccumulator] = {}
-    fns = methods(model, layout, ids, w, sub, accs)
+    fns = methods(model, layout, ids, w, sub, accs, chunks)
     products = {}
     for m, (fn, _) in fns.items():  # warm-up; covgrad's first call self-checks
         got = _try(fn)
@@ -247,7 +264,8 @@ def run_model(
     )
     print(
         f"\n## {name} on {device.type}: {layout.P:,} params, {str(dtype).removeprefix('torch.')}, B={B}, prompt "
-        f"{prompt} + response {response} tokens, {reps} reps; {products_note}; float64 accumulators "
+        f"{prompt} + response {response} tokens, {reps} reps; {products_note}; row chunks "
+        f"{default_chunk_bytes(device.type) >> 10} KiB; float64 accumulators "
         f"{2 * 3 * 8 * layout.P / 2**20:.0f} MiB; B x P float32 rows would be {B * layout.P * 4 / 2**20:.0f} MiB; "
         + "; ".join(f"{dt} state: {acc.fold_path} fold" for dt, acc in accs.items())
     )
@@ -297,7 +315,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up")
     parser.add_argument("--params", nargs="+", default=None, help="glob patterns of the selected parameters")
     parser.add_argument("--sub", type=int, default=4, help="cuda: samples for vmap and the naive loop")
-    parser.add_argument("--stream-n", type=int, nargs="+", default=[256, 4096], help="samples streamed (cpu)")
+    parser.add_argument("--stream-n", type=int, nargs="*", default=[256, 4096], help="samples streamed (cpu)")
+    parser.add_argument(
+        "--chunk-kib", type=int, nargs="*", default=[], help="extra streaming steps with these row chunks (KiB)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -307,8 +328,8 @@ def main() -> None:
     names = args.model or (["small", "large"] if device.type == "cpu" else ["llama-134m", "llama-0.85b"])
     print(f"torch {torch.__version__} on {device.type}" + (", 1 thread" if device.type == "cpu" else ""))
     for name in names:
-        run_model(name, device, args.reps, args.sub, args.batch, args.params)
-    if device.type == "cpu":
+        run_model(name, device, args.reps, args.sub, args.batch, args.params, [k << 10 for k in args.chunk_kib])
+    if device.type == "cpu" and args.stream_n:
         run_streaming("small", device, args.stream_n)
 
 
