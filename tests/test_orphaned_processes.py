@@ -46,3 +46,33 @@ def test_sigkill_of_covgrad_run_leaves_no_server(tmp_path):
     run.wait(10)
     _, alive = psutil.wait_procs(descendants, timeout=5)
     assert not alive, f"still running 5 s after SIGKILL: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
+
+
+PARENT = r"""
+import os, signal, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from flows.reaper import start_reaper
+start_reaper(interval=60)  # one record of the run's descendants, now, before it has any
+sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+spawn = f"import subprocess; print(subprocess.Popen({sleeper!r}, start_new_session=True).pid)"
+# a child that starts a grandchild in its own session and exits at once: the grandchild is re-parented to init
+with open(sys.argv[2], "w") as out:
+    subprocess.run([sys.executable, "-c", spawn], stdout=out, check=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_re_parented_grandchild_of_a_killed_run_is_stopped(tmp_path):
+    """The watchdog stops what the run started even when it left the run's tree between two records (a double
+    fork, no record after it): it carries the run's token in its environment."""
+    pid_file = tmp_path / "grandchild.pid"
+    with open(tmp_path / "stderr", "w") as err:  # not a pipe: the grandchild would hold it open
+        out = subprocess.run([sys.executable, "-c", PARENT, str(REPO), str(pid_file)], stderr=err, timeout=60)
+    assert out.returncode == -signal.SIGKILL, (tmp_path / "stderr").read_text()[-2000:]
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        if time.monotonic() > deadline:
+            psutil.Process(pid).kill()
+            raise AssertionError(f"the re-parented grandchild {pid} outlived the killed run")
+        time.sleep(0.1)
