@@ -760,6 +760,51 @@ def regime_block_stats(
     return out
 
 
+FULL_DISTRIBUTION_KINDS = ("distill_reverse_kl", "distill_forward_kl", "sft_drift")
+"""Regimes whose per-position gradient is a covariance over the vocabulary, Cov_{v~p_t}(c_t, J_t): their bound
+holds in-sample exactly with the token Fisher Σ_t f_t at the rows' own prefixes (:func:`head_token_fisher`)."""
+
+
+def head_token_fisher(
+    hidden: Tensor, logits: Tensor, response_mask: Tensor, half: Tensor, temperature: float, halves: int = 2
+) -> Tensor:
+    """Σ over each half's samples and scored positions of the token Fisher f_t of an untied LM head weight W,
+    z = W h: f_{t,(u,j)} = p_u (1 − p_u) h_j² / τ² with p = softmax(z_t / τ) (the score's J_t is ∂(z_t/τ)/∂W).
+
+    By Cauchy–Schwarz over (sample, position), a full-distribution regime's gradient (a weighted sum over
+    positions of Cov_{p_t}(c_t, J_t)) then satisfies |G_i| ≤ √(mean_n Σ_t w_t² Var_{p_t}(c_t)) · √(F_tok_i)
+    with F_tok = this sum / N, in-sample and exactly, at whatever prefixes the rows hold (the policy's, or
+    μ's for SFT on a teacher's samples).
+
+    Args:
+        hidden: (B, L, H) the head's input; logits: (B, L, V) its output (``covgrad.token_fisher.head_forward``).
+        response_mask: (B, L) token-aligned weights (entry 0 is 0); logit row t is scored when entry t + 1 is
+            non-zero (unweighted: the weights go with the regime's bound scalar).
+        half: (B,) int prompt-group parity of each sample, in [0, halves).
+        temperature: the policy's τ.
+
+    Returns:
+        (halves, V·H) float64 sums, in the head weight's row-major layout.
+    """
+    B, L, V = logits.shape
+    if hidden.shape[:2] != (B, L) or response_mask.shape != (B, L) or tuple(half.shape) != (B,):
+        raise ValueError(
+            f"need hidden (B, L, H), logits (B, L, V), response_mask (B, L), half (B,); got {tuple(hidden.shape)}, "
+            f"{tuple(logits.shape)}, {tuple(response_mask.shape)}, {tuple(half.shape)}"
+        )
+    out = torch.zeros(halves, V * hidden.shape[-1], dtype=torch.float64, device=logits.device)
+    rows = _Rows.of(response_mask)
+    for n in range(B):  # one sample's (T_n, V) float64 block at a time
+        flat = rows.flat[rows.sample == n].to(logits.device)
+        if flat.numel() == 0:
+            continue
+        t = flat - n * L
+        p = torch.softmax(logits[n, t].to(torch.float64) / temperature, -1)
+        a = p * (1 - p) / temperature**2  # (T_n, V)
+        out[int(half[n])] += (a.T @ hidden[n, t].to(torch.float64).square()).reshape(-1)
+    return out
+
+
 @dataclass(frozen=True)
 class PrefixedBatch:
     """The teacher's rows for context distillation: each sample's teacher prompt, then the sample's response

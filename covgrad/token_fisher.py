@@ -740,3 +740,34 @@ def cross_term_ratio(seq_scores: torch.Tensor, token_scores_sq_sum: torch.Tensor
         raise ValueError("mean(s²) is zero for every parameter; the ratio is undefined (are the scores all zero?)")
     cross = s2 - token_scores_sq_sum.double().mean(0)  # (P,)
     return float(torch.linalg.vector_norm(cross) / denom)
+
+
+def head_forward(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None
+) -> tuple[str, Tensor, Tensor] | None:
+    """One no-grad forward of the batch that also keeps the LM head's input, when the head's token Fisher has
+    the closed form of :func:`lm_head_token_fisher`: an untied ``nn.Linear`` called once whose output is the
+    logits the model returns (no soft-capping or scaling after it).
+
+    Returns:
+        (the head weight's parameter name, hidden (B, L, H), logits (B, L, V)), or None when the head is tied
+        to the input embedding, is not an ``nn.Linear``, runs more or less than once, or its output is not the
+        logits.
+    """
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    if not isinstance(head, nn.Linear) or (embed is not None and head.weight is embed.weight):
+        return None
+    name = next((n for n, p in model.named_parameters() if p is head.weight), None)
+    seen: list[tuple[Tensor, Tensor]] = []
+    handle = head.register_forward_hook(lambda _m, args, out: seen.append((args[0].detach(), out)))
+    try:
+        with torch.no_grad():
+            logits = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).logits
+    finally:
+        handle.remove()
+    if name is None or len(seen) != 1 or seen[0][1] is not logits:
+        return None
+    return name, seen[0][0], logits.detach()

@@ -31,12 +31,20 @@ from covgrad.layout import select_parameters
 from covgrad.models import context_length
 from covgrad.persample import Cotangent, PerSampleGrads
 from covgrad.problems import response_texts, score_rewards
-from covgrad.regimes import RegimeGrad, align_prefixed_logits, prefixed_batch, regime_of
+from covgrad.regimes import (
+    FULL_DISTRIBUTION_KINDS,
+    RegimeGrad,
+    align_prefixed_logits,
+    head_token_fisher,
+    prefixed_batch,
+    regime_of,
+)
 from covgrad.sampling import SamplerSpec, generate
+from covgrad.token_fisher import head_forward
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer, load_models
 from storage.prompts import load_task, prompt_places
-from storage.regimes import IMPORTED, create_bound_arrays, teacher_prompt_texts, write_bound
+from storage.regimes import IMPORTED, create_bound_arrays, teacher_prompt_texts, write_bound, write_head_fisher
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS
 from storage.scores import ScoresStore
@@ -250,6 +258,8 @@ class RegimeJob:
         if not self.out.finalize(self.layout, "policy", sampler, str(self.device), spec.policy.dtype):
             return None
         attrs = {"regime": spec.name, "kind": self.regime.kind}
+        if self.regime.kind in FULL_DISTRIBUTION_KINDS:
+            self._head_fisher()
         if self.samples is not None:
             attrs["teacher_mean_reward"] = self.teacher_reward
         self.out.open().attrs.update(attrs)
@@ -258,6 +268,25 @@ class RegimeJob:
         if self.samples is not None:
             info["teacher_mean_reward"] = self.teacher_reward
         return info
+
+    def _head_fisher(self) -> None:
+        """The LM head's token Fisher at this fold's rows (one policy forward per batch), summed per half into
+        the store (``storage.regimes.write_head_fisher``), when the head is selected and in closed form."""
+        sums, counts, found = None, np.zeros(2), None
+        for b in range(len(self.batches)):
+            batch, dev = self._read(b), self.device
+            io = head_forward(
+                self.model, batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.position_ids.to(dev)
+            )
+            if io is None or io[0] not in self.layout.names:
+                return
+            found, hidden, logits = io
+            half = batch.group % 2
+            part = head_token_fisher(hidden, logits, batch.response_mask.to(dev), half, self.regime.temperature)
+            sums = part if sums is None else sums + part
+            np.add.at(counts, half.numpy(), 1.0)
+        if found is not None and sums is not None:
+            write_head_fisher(self.out.open(), self.layout.entry(found), sums.cpu().numpy(), counts)
 
     def run(
         self, progress: Callable[[str, int], Any], members: Sequence[RegimeJob] = ()

@@ -33,6 +33,41 @@ def write_bound(g: Any, b: int, sums: np.ndarray, counts: np.ndarray) -> None:
     g["bound_count"][b] = counts
 
 
+HEAD_FISHER = "head_token_fisher"
+
+
+def write_head_fisher(g: Any, entry: Any, sums: np.ndarray, counts: np.ndarray) -> None:
+    """The LM head's token-Fisher sums (2, numel) per half (``covgrad.regimes.head_token_fisher``) of a
+    full-distribution regime's fold, with attrs naming the tensor, its place on the param axis and the
+    samples per half."""
+    from storage.schema import SCORES, create
+
+    create(g, SCORES, HEAD_FISHER, sums.shape, overwrite=True)[:] = sums
+    g.attrs[HEAD_FISHER] = {
+        "tensor": entry.name,
+        "offset": int(entry.offset),
+        "numel": int(entry.numel),
+        "count": [float(c) for c in counts],
+    }
+
+
+def head_fisher(g: Any, cols: slice) -> tuple[slice, np.ndarray, np.ndarray] | None:
+    """Where the fold ``g``'s head token Fisher meets the param columns ``cols``: (the slice of ``cols``'
+    block it covers, its mean F_tok there (b,), per half (2, b)); None when the fold has none or it misses
+    ``cols``."""
+    info = g.attrs.get(HEAD_FISHER)
+    if info is None:
+        return None
+    lo, hi = max(cols.start, info["offset"]), min(cols.stop, info["offset"] + info["numel"])
+    if lo >= hi:
+        return None
+    sums = g[HEAD_FISHER][:, lo - info["offset"] : hi - info["offset"]]
+    n = np.asarray(info["count"], dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_half = sums / n[:, None]
+    return slice(lo - cols.start, hi - cols.start), sums.sum(0) / n.sum(), per_half
+
+
 def bound_a2(g: Any) -> tuple[float, list[float]]:
     """a² = Σ c²_n / #samples over every batch and per half (NaN where no sample has a bound scalar)."""
     s, n = g["bound_sum"][:].sum(0), g["bound_count"][:].sum(0)  # (2,)

@@ -309,6 +309,17 @@ SCORES_VARS.update(
         )
     }
 )
+# a full-distribution regime's fold with an untied, selected LM head in closed form (covgrad.regimes)
+SCORES_VARS["head_token_fisher"] = Var(
+    ("half", "head_param"),
+    "float64",
+    (WHOLE, PARAM),
+    "LM head token Fisher",
+    "sum over the half's samples and scored positions of p_u(1 - p_u) h_j^2 / tau^2",
+    "score^2",
+    fill=0,
+    compressed=False,
+)
 
 # stats.zarr — dims: param, tensor.
 _PARAM_STAT = {
@@ -514,7 +525,12 @@ _REGIME_STAT = {
     "F": ("policy Fisher of the bounds", "mean(s^2) of the main scores' state", "score^2"),
     "G_{regime}": ("regime gradient", "mean(g_n)", "grad"),
     "se_{regime}": ("standard error of G", "sqrt(Var(g)/(N-1))", "grad"),
-    "bound_{regime}": ("regime bound", "a*sqrt(F), a^2 = mean c2_n, F of the main scores", "grad"),
+    "bound_{regime}": (
+        "regime bound",
+        "a*sqrt(F), a^2 = mean c2_n, F of the main scores (an untied LM head of a full-distribution regime: its "
+        "token Fisher at the regime's rows)",
+        "grad",
+    ),
     "rho_{regime}": ("regime alignment", "G / bound (NaN where the bound is 0)", "1"),
     "crossfit_ratio_{regime}": ("cross-fit ratio", "|G_h| / (a_h*sqrt(F_{1-h})), G from the even half", "1"),
 }

@@ -21,7 +21,7 @@ from covgrad.stats import OVERLAP_Q
 from covgrad.tables import to_csv, to_markdown
 from covgrad.topk import TopSets, Values, overlap_table
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.regimes import bound_a2, state_rows
+from storage.regimes import HEAD_FISHER, bound_a2, head_fisher, state_rows
 from storage.schema import REGIMES, SCORES, annotate, create, param_chunk
 from tasks.common import StageResult, run_stage
 from tasks.specs import RegimeStatsSpec
@@ -37,6 +37,19 @@ def _halves(count: np.ndarray, mean: np.ndarray, m2: np.ndarray, half: np.ndarra
 def _fisher(g: np.ndarray, se: np.ndarray, n: float) -> np.ndarray:
     """The uncentred mean(s²) from the mean and its standard error: Σ(s − m)²/N + m²."""
     return se * se * (n - 1) + g * g
+
+
+def _bound_fisher(fold: Any, cols: slice, F: np.ndarray, F_h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The F of a regime's bound on the block ``cols``: the policy's F (and per half F_h), but on an LM head
+    whose token Fisher the fold holds (a full-distribution regime, ``storage.regimes.head_fisher``) that token
+    Fisher at the fold's own rows, with which the bound holds in-sample exactly."""
+    found = head_fisher(fold, cols)
+    if found is None:
+        return F, F_h
+    at, tok, tok_h = found
+    F, F_h = F.copy(), F_h.copy()
+    F[at], F_h[:, at] = tok, tok_h
+    return F, F_h
 
 
 def _abs(arr: Any) -> Values:
@@ -73,7 +86,10 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
             (G, se, n), *halves = _halves(*state_rows(fold, cols))
             N[name] = n
             G_h, se_h = np.stack([h[0] for h in halves]), np.stack([h[1] for h in halves])
-            out = regime_block_stats(G, se, F, a2[name][0], G_h, se_h, F_h, np.asarray(a2[name][1]), spec.allowance_z)
+            F_r, F_rh = _bound_fisher(fold, cols, F, F_h)
+            out = regime_block_stats(
+                G, se, F_r, a2[name][0], G_h, se_h, F_rh, np.asarray(a2[name][1]), spec.allowance_z
+            )
             for stat, values in (("G", G), ("se", se), ("bound", out["bound"]), ("rho", out["rho"])):
                 arrays[stat, name][cols] = values
             arrays["crossfit_ratio", name][cols] = out["crossfit_ratio"]
@@ -113,6 +129,7 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
                 "abs_rho_q90": q90,
                 "abs_rho_q99": q99,
                 "responses_mean_reward": fold.attrs.get("teacher_mean_reward"),
+                "bound_token_fisher": (fold.attrs.get(HEAD_FISHER) or {}).get("tensor"),
             }
         )
         for row in overlap_table(Values(lambda a, b: F_arr[a:b], P), _abs(g[f"G_{name}"]), layout, qs):

@@ -252,7 +252,7 @@ class RegimeSpec(StageSpec):
     each artifact's bytes are those of its own pass)."""
 
     STAGE: ClassVar[str] = "regime"
-    VERSION: ClassVar[str] = "1"
+    VERSION: ClassVar[str] = "2"  # 2: the LM head token Fisher of full-distribution regimes
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
         {"device", "self_check", "checkpoint_batches", "checkpoint_seconds", "pass_with"}
     )
@@ -297,7 +297,7 @@ class RegimeStatsSpec(StageSpec):
     tables at ``qs``; and the cross-regime comparison of the regimes ``names`` (in that order)."""
 
     STAGE: ClassVar[str] = "regimes"
-    VERSION: ClassVar[str] = "1"
+    VERSION: ClassVar[str] = "2"  # 2: bounds on the LM head by its token Fisher at the regime's rows
     names: list[str]
     qs: list[float]
     allowance_z: float = 3.0

@@ -212,3 +212,31 @@ def test_the_report_has_the_regimes_section(run):
     store = ArtifactStore(cfg.root)
     text = store.fs.cat_file(f"{store.path(results['report'].ref)}/report.md").decode()
     assert "## Regimes" in text and "| distill | distill_reverse_kl |" in text
+
+
+def test_full_distribution_regimes_bound_the_head_by_its_token_fisher(run):
+    """distill and sft fold the untied LM head's token Fisher at their rows; the regimes stage bounds the head's
+    columns by it (bound = a·√F_tok there, no violation), the other columns and the sampled regimes by F."""
+    cfg, results = run
+    store = ArtifactStore(cfg.root)
+    ref = results["regimes"].ref
+    rows = {r["regime"]: r for r in store.read_json(ref, "regimes.json")}
+    g = store.open_group(ref, REGIMES, mode="r")
+    F = g["F"][:]
+    for name, r in {**REGIME_CFG, **IMPORTED_CFG}.items():
+        fold = store.open_group(results[f"regime.{name}"].ref, SCORES, mode="r")
+        bound, a2 = g[f"bound_{name}"][:], bound_a2(fold)[0]
+        info = fold.attrs.get("head_token_fisher")
+        if r["kind"] not in ("distill_reverse_kl", "distill_forward_kl", "sft_drift"):
+            assert info is None and rows[name]["bound_token_fisher"] is None, name
+            np.testing.assert_allclose(bound, np.sqrt(a2 * F), rtol=1e-12, atol=0)
+            continue
+        assert info["tensor"] == "lm_head.weight" and rows[name]["bound_token_fisher"] == "lm_head.weight"
+        head = slice(info["offset"], info["offset"] + info["numel"])
+        F_tok = fold["head_token_fisher"][:].sum(0) / sum(info["count"])
+        np.testing.assert_allclose(bound[head], np.sqrt(a2 * F_tok), rtol=1e-12, atol=0)
+        rest = np.ones(F.shape, bool)
+        rest[head] = False
+        np.testing.assert_allclose(bound[rest], np.sqrt(a2 * F[rest]), rtol=1e-12, atol=0)
+        G = g[f"G_{name}"][:]
+        assert (np.abs(G[head]) <= bound[head] * (1 + 1e-6)).all(), name

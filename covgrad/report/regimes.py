@@ -20,6 +20,7 @@ SUMMARY = (
     "max_abs_rho",
     "abs_rho_median",
     "abs_rho_q99",
+    "bound_token_fisher",
 )
 
 
@@ -45,8 +46,10 @@ def regimes(report: Report, run: Any) -> None:
     report.blocks.append(
         (
             "p",
-            "Each regime's G = mean g_n, its bound a·√F (F the policy's Fisher), ρ = G / bound, and the "
-            "coordinates over the bound, in-sample and beyond a 3-standard-error sampling allowance.",
+            "Each regime's G = mean g_n, its bound a·√F (F the policy's Fisher; on the tensor named in "
+            "bound_token_fisher, its token Fisher at the regime's rows, with which the bound holds in-sample), "
+            "ρ = G / bound, and the coordinates over the bound, in-sample and beyond a 3-standard-error sampling "
+            "allowance.",
         )
     )
     report.blocks.append(("table", [{k: r.get(k) for k in SUMMARY} for r in rows]))
