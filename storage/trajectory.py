@@ -31,7 +31,7 @@ from covgrad.regimes import regime_of
 from covgrad.sampling import SamplerSpec
 from covgrad.trajectory import BATCH_KEYS, FixedBatches, OnPolicy, StepLoss, text_rewards
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.models import ModelSource, load_models
+from storage.models import ModelSource, load_model_and_tokenizer, load_models
 from storage.prompts import load_task
 from storage.regimes import IMPORTED
 from storage.rollouts import read_batch
@@ -86,10 +86,16 @@ FIXED_KINDS = ("sft_drift", "sft_sampled")  # regimes whose data are fixed respo
 
 
 def step_loss(
-    store: ArtifactStore, base: ArtifactRef, policy: ModelSource, name: str, r: RegimeSection | None
+    store: ArtifactStore,
+    base: ArtifactRef,
+    policy: ModelSource,
+    name: str,
+    r: RegimeSection | None,
+    teacher: ArtifactRef | None = None,
 ) -> StepLoss:
     """The loss regime ``name`` steps (None: rl), its teacher and reference loaded as fixed float32 models
-    (``policy``: the start policy; ``stale``; a model directory); ValueError for another vocabulary."""
+    (``policy``: the start policy; ``stale``; ``trained``: the teacher stage's artifact ``teacher``; a model
+    directory); ValueError for another vocabulary."""
     if r is None:
         return StepLoss()
     if r.teacher_logprobs:
@@ -101,7 +107,13 @@ def step_loss(
     def fixed(which: str | None, role: str) -> torch.nn.Module | None:
         if which is None:
             return None
-        model = load_models(store, base, which, policy)[0].float().eval()
+        if which == "trained":
+            if teacher is None:
+                raise ValueError(f"regime {name}: teacher trained needs the teacher stage's artifact upstream")
+            with store.local_dir(teacher, "teacher", write=False) as d:
+                model = load_model_and_tokenizer(d, policy.dtype, policy.trust_remote_code)[0].float().eval()
+        else:
+            model = load_models(store, base, which, policy)[0].float().eval()
         V = int(model.get_output_embeddings().weight.shape[0])
         own = load_models(store, base, "policy", policy)[0]
         if int(own.get_output_embeddings().weight.shape[0]) != V:

@@ -585,8 +585,8 @@ def plan(cfg: PipelineConfig) -> Plan:
     main_scores = scores[Instance("scores", *main.instance[1:])]
     regime, regimes = plan_regimes(cfg, store, base, teacher, rollouts, main_scores)
     if cfg.update_check.enabled:
-        update = plan_update_check(cfg, store, base, rollouts, main, regimes)
-    trajectory = plan_trajectories(cfg, store, base, rollouts, main, regimes)
+        update = plan_update_check(cfg, store, base, rollouts, main, regimes, teacher)
+    trajectory = plan_trajectories(cfg, store, base, rollouts, main, regimes, teacher)
     everything = [base, *rollouts.values(), *scores.values(), *stats.values(), offpolicy, masks]
     everything += [x for x in (tokens, update) if x is not None]
     everything += [x for x in (teacher,) if x is not None]
@@ -623,10 +623,11 @@ def plan_update_check(
     rollouts: dict[str, Step],
     main: Step,
     regimes: Step | None,
+    teacher: Step | None = None,
 ) -> Step:
     """The update check: rl cells on the analysed rollouts with the main statistics and, with regimes,
     each regime's cells on its sampler's rollouts (upstream ``rollouts.<sampler>``) with the ``regimes``
-    statistics."""
+    statistics (and the ``teacher`` stage when a regime steps towards ``teacher: trained``)."""
     analysed = cfg.rollouts.analyse
     spec = UpdateCheckSpec(
         settings=cfg.update_check.model_copy(deep=True),
@@ -643,6 +644,8 @@ def plan_update_check(
         for r in cfg.regimes.values():
             sampler = r.sampler or analysed
             upstream.setdefault(f"rollouts.{sampler}", rollouts[sampler])
+        if teacher is not None and any(r.teacher == "trained" for r in cfg.regimes.values()):
+            upstream["teacher"] = teacher
     return _step(store, Instance("update_check"), spec, upstream)
 
 
@@ -666,9 +669,11 @@ def plan_trajectories(
     rollouts: dict[str, Step],
     main: Step,
     regimes: Step | None,
+    teacher: Step | None = None,
 ) -> dict[Instance, Step]:
     """One trajectory per cell of ``trajectory.grid`` (``trajectory.<cell>``), or the one ``trajectory``;
-    none when the stage is disabled. A cell of a configured regime reads the ``regimes`` statistics."""
+    none when the stage is disabled. A cell of a configured regime reads the ``regimes`` statistics (and the
+    ``teacher`` stage when the regime's teacher is ``trained``)."""
     out: dict[Instance, Step] = {}
     if not cfg.trajectory.enabled:
         return out
@@ -696,6 +701,8 @@ def plan_trajectories(
         if r is not None:
             assert regimes is not None
             upstream["regimes"] = regimes
+            if r.teacher == "trained" and teacher is not None:
+                upstream["teacher"] = teacher
         out[Instance("trajectory", cell)] = _step(store, Instance("trajectory", cell), spec, upstream)
     return out
 

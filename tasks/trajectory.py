@@ -84,7 +84,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
     if s.checkpoints is not None:
         return _external(store, ref, spec, up, layout, stats, opt, start)
-    loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime)
+    loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"))
     stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss)
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
     tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats, bound)

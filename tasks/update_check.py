@@ -133,7 +133,7 @@ def _regime_rows(
     for name, r in spec.regimes.items():
         sampler = r.sampler or spec.analysed
         ro = store.open_group(up["rollouts" if sampler == spec.analysed else f"rollouts.{sampler}"], ROLLOUTS, mode="r")
-        loss = step_loss(store, up["base_model"], spec.policy, name, r)
+        loss = step_loss(store, up["base_model"], spec.policy, name, r, up.get("teacher"))
         a2 = table[name].get("a2")
         a = float("nan") if a2 is None or a2 != a2 else math.sqrt(a2)
         G, rho = (lambda v=f"{stat}_{name}": torch.from_numpy(rg[v][:]) for stat in ("G", "rho"))

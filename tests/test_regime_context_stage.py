@@ -188,3 +188,22 @@ def test_each_new_regime_setting_changes_exactly_the_keys_that_read_it():
         p1 = plan(tiny_config("runs", regimes=cfg))
         readers = {"regimes", "update_check", "report"}  # the update check steps each regime's loss
         assert {n for n in p0 if p0[n].ref.key != p1[n].ref.key} == expected | readers, field
+
+
+@pytest.mark.slow
+def test_update_check_and_trajectory_step_towards_the_trained_teacher(run):
+    """A regime with ``teacher: trained`` is stepped by the update check and a trajectory: both read the teacher
+    stage's artifact (upstream ``teacher``), not a model directory named "trained"."""
+    from tasks.specs import plan
+
+    cfg, _ = run
+    trajectory = {"enabled": True, "steps": 2, "regime": "tsft", "state_every": 1, "checkpoint_ratio": 0}
+    cfg2 = tiny_config(cfg.root, **{"tokens.enabled": False}, regimes=CFG, trajectory=trajectory)
+    steps = plan(cfg2)
+    for name in ("update_check", "trajectory"):
+        assert steps[name].upstream["teacher"].key == steps["teacher"].ref.key, name
+    results = run_planned(cfg2)
+    store = ArtifactStore(cfg.root)
+    rows = store.read_json(results["update_check"].ref, "grid.json")
+    assert {r["regime"] for r in rows} == {"rl", "ctx", "tsft"}
+    assert store.read_json(results["trajectory"].ref, "summary.json")["regime"] == "tsft"
