@@ -155,7 +155,8 @@ def test_preflight_refuses_unfillable_and_too_long_teacher_prompts(tmp_path):
 def test_the_demo_config_adds_only_its_regime_stages():
     """configs/demo.yaml's regimes leave every other artifact key of the demo as it was, except the two stages
     that read the regimes statistics: the update check (it steps each regime's loss), the trajectory (its
-    regime ``rl`` is then the regimes entry ``rl``, whose G and ρ are its predictors) and the report."""
+    regime ``rl`` is then the regimes entry ``rl``, whose G and ρ are its predictors) and the report; its
+    distill and sft regimes add the trained teacher's stage."""
     import yaml
 
     from covgrad.config import PipelineConfig
@@ -168,7 +169,7 @@ def test_the_demo_config_adds_only_its_regime_stages():
     p0, p1 = plan(PipelineConfig.model_validate(without)), plan(PipelineConfig.model_validate(demo))
     readers = ("update_check", "trajectory", "report")
     assert {n: p0[n].ref.key for n in p0 if n not in readers} == {n: p1[n].ref.key for n in p0 if n not in readers}
-    assert set(p1) - set(p0) == {"regime.rl", "regime.distill", "regime.sft", "regimes"}
+    assert set(p1) - set(p0) == {"regime.rl", "regime.distill", "regime.sft", "regimes", "teacher"}
 
 
 def test_each_new_regime_setting_changes_exactly_the_keys_that_read_it():
