@@ -36,7 +36,7 @@ import numpy as np
 
 from covgrad.layout import ParamLayout
 from covgrad.numerics import dot64, sum64
-from covgrad.topk import overlap_table
+from covgrad.topk import Values, overlap_table
 
 Array = Any  # numpy.ndarray or dask.array.Array
 
@@ -588,7 +588,8 @@ def blocked_stats(
     # 5. The findings, and the overlap of the top sets by |G| and by F when G is defined
 
     finding = degenerate(N, totals.any_score, float(first.get("std_A", nan)))
-    overlap = [] if finding else overlap_table(out["F"][:], np.abs(out["G"][:]), layout, [OVERLAP_Q])
+    abs_G = Values(lambda a, b: np.abs(np.asarray(out["G"][a:b])), P)  # read in blocks: never (P,) in memory
+    overlap = [] if finding else overlap_table(out["F"], abs_G, layout, [OVERLAP_Q])
     # 6. The scalars
     if first:
         scalars: dict[str, Any] = {k: np.asarray(first[k]).item() for k in ("N", "mean_A", "std_A", "rho_undefined")}

@@ -247,8 +247,8 @@ def top_k_masks(values: np.ndarray, ks: Sequence[int], largest: bool = True) -> 
     with +inf for the smallest), so every mask holds exactly k values.
 
     The mask of k equals the first k of the stable sort (numpy ``argsort(kind="stable")`` of −values for
-    the largest, of values for the smallest, NaN replaced by the worst infinity). Memory: one float64
-    copy of ``values``, the search's blocks (see find_cuts) and one mask.
+    the largest, of values for the smallest, NaN replaced by the worst infinity). Memory: the search's
+    blocks (see find_cuts) and one mask; ``values`` is read block by block, never copied whole.
 
     Args:
         values: shape (P,), float32 or float64.
@@ -263,11 +263,16 @@ def top_k_masks(values: np.ndarray, ks: Sequence[int], largest: bool = True) -> 
     bad = [k for k in ks if not 0 <= k <= P]
     if bad:
         raise ValueError(f"top_k_masks: k = {bad[0]} is outside [0, {P}]")
-    ranked = np.array(values, dtype=np.float64)  # (P,) a copy: larger is better
-    if not largest:
-        np.negative(ranked, out=ranked)
-    ranked[np.isnan(ranked)] = -np.inf
-    vals = as_values(ranked)
+
+    def ranked(a: int, b: int) -> np.ndarray:
+        """values[a:b] as float64, larger is better, NaN → −inf: shape (b − a,), a fresh block."""
+        v = np.array(values[a:b], dtype=np.float64)
+        if not largest:
+            np.negative(v, out=v)
+        v[np.isnan(v)] = -np.inf
+        return v
+
+    vals = Values(ranked, P)
     for cut in find_cuts(vals, ks):
         mask, taken = np.empty(P, dtype=bool), 0
         for start, v in vals.blocks():

@@ -247,6 +247,22 @@ def update_grid(
     return rows
 
 
+def rl_minibatches(batches: Sequence[Mapping[str, torch.Tensor]]) -> tuple[list[Mapping[str, torch.Tensor]], list[int]]:
+    """The minibatches the rl cells step: those whose ``advantages`` are not all zero, and the indices of
+    the others (the rl loss ``-mean_n(A_n · log p(y_n))`` of a minibatch with A ≡ 0 has gradient exactly 0,
+    so a step on it is no update, as DAPO's dynamic sampling drops prompt groups with equal rewards).
+
+    Returns:
+        (kept minibatches in their order, dropped indices); every minibatch when all have A ≡ 0 (the stats
+        stage reports that run as degenerate).
+    """
+    dropped = [i for i, b in enumerate(batches) if not bool(torch.as_tensor(b["advantages"]).ne(0).any())]
+    if len(dropped) == len(batches):
+        return list(batches), []
+    skip = set(dropped)
+    return [b for i, b in enumerate(batches) if i not in skip], dropped
+
+
 def _stat(name: str, stat: Stat, P: int) -> torch.Tensor:
     """The (P,) statistic ``stat`` (loaded when it is a function)."""
     values = stat() if callable(stat) else stat
@@ -285,7 +301,9 @@ def _score_ranked(
         elif name == "F":
             values, largest = _stat("F", F, P), True
         else:
-            values, largest = _stat(name[3:], G if name == "absG" else rho, P).abs(), True
+            stat = G if name == "absG" else rho
+            values, largest = _stat(name[3:], stat, P), True
+            values = values.abs_() if callable(stat) else values.abs()  # a loaded statistic is ours to overwrite
         yield from (torch.from_numpy(m) for m in top_k_masks(values.numpy(), ks, largest))
 
     for name in RANKED_PREDICTORS:

@@ -309,7 +309,7 @@ class UpdateCheckSpec(StageSpec):
     (the configured ones, by name) stepping its own loss on its sampler's rollouts."""
 
     STAGE: ClassVar[str] = "update_check"
-    VERSION: ClassVar[str] = "2"
+    VERSION: ClassVar[str] = "3"  # 3: the rl cells skip minibatches with A ≡ 0
     settings: UpdateCheckSection
     params: list[str] | None
     groups_per_batch: int

@@ -6,9 +6,11 @@ weights rounded to bf16, so every cell starts at the same bf16 point) for max(st
 the top sets by F, |G|, |ρ|, random and small |w| and with the bf16 absorption and bound rules
 (``covgrad.update.update_grid``). F, G and ρ come from the main stats artifact over the same flat
 parameter axis. A minibatch is ``scores.groups_per_batch`` whole prompt groups of the analysed
-rollouts (the scores stage's batches); ``fresh_minibatches`` cycles through them, otherwise every step
-reuses the first. The statistics describe all N samples, so the SGD bound rule is exact (recall 1 at
-one fp32 step) only when one minibatch holds every sample; ``summary.json`` records whether it does.
+rollouts (the scores stage's batches); the rl cells skip the minibatches whose advantages are all 0
+(``covgrad.update.rl_minibatches``: no rl gradient; a warning counts them); ``fresh_minibatches`` cycles
+through the others, otherwise every step reuses the first. The statistics describe all N samples, so the
+SGD bound rule is exact (recall 1 at one fp32 step) only when one minibatch holds every sample;
+``summary.json`` records whether it does.
 An empty ``update_check.sgd_lrs`` uses, for each Adam lr, the SGD lr whose absorption rule predicts as
 many changed parameters.
 
@@ -36,7 +38,7 @@ from prefect import task
 from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.tables import to_csv, to_markdown
 from covgrad.trajectory import StepLoss
-from covgrad.update import RANKED_PREDICTORS, summarize, update_grid
+from covgrad.update import RANKED_PREDICTORS, rl_minibatches, summarize, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
@@ -86,7 +88,17 @@ def _compute(
     F, G, rho = (lambda name=name: torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
     scalars = st.attrs["scalars"]
     adv_rms = float(scalars["adv_rms"])  # √mean(A²), covgrad.stats.adv_rms
-    batches = fixed_batches(ro, spec.groups_per_batch, None)
+    batches, no_gradient = rl_minibatches(fixed_batches(ro, spec.groups_per_batch, None))
+    if no_gradient:
+        log.warning(
+            "update_check %s: %d of %d minibatches have advantage 0 for every sample (no rl gradient: minibatches "
+            "%s); the rl cells step the other %d",
+            ref.key,
+            len(no_gradient),
+            len(no_gradient) + len(batches),
+            no_gradient[:8],
+            len(batches),
+        )
     uc = spec.settings
     n_lrs = {"adam": len(uc.adam_lrs), "sgd": len(uc.sgd_lrs or uc.adam_lrs)}
     cells = sum(n_lrs.get(o, len(uc.adam_lrs)) for o in uc.optimizers) * len(uc.precisions)
@@ -97,8 +109,9 @@ def _compute(
             rows += _regime_rows(store, spec, up, load_policy, bar, layout, F, st.attrs["centering"])
     columns = list(dict.fromkeys(col for r in rows for col in r))  # SGD rows add the bound rule's columns
     rows = [{col: r.get(col, float("nan")) for col in columns} for r in rows]
-    summary = summarize(rows, len(batches) == 1)
+    summary = summarize(rows, len(batches) == 1 and not no_gradient)
     summary.update({"P": layout.P, "N": int(ro["tokens"].shape[0]), "minibatches": len(batches)})
+    summary["minibatches_without_rl_gradient"] = len(no_gradient)
     summary.update({"centering": st.attrs["centering"], "adv_rms": adv_rms})
     store.write_text(ref, "grid.csv", to_csv(rows))
     store.write_json(ref, "grid.json", rows)

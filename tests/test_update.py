@@ -15,6 +15,7 @@ from covgrad.update import (
     changed_sets,
     mask_from_order,
     matched_sgd_lr,
+    rl_minibatches,
     rule_masks,
     run_update_cell,
     sequence_logp,
@@ -188,6 +189,18 @@ def test_minibatch_choice(layout, batches):
 
     torch.testing.assert_close(end(batches, False), end(batches[:1], True), rtol=0, atol=0)
     assert not torch.equal(end(batches, True), end(batches[:1], True))
+
+
+def test_rl_minibatches_skip_those_with_no_rl_gradient(layout, batches):
+    """A minibatch with A ≡ 0 moves no parameter under SGD (its rl gradient is exactly 0); rl_minibatches
+    drops it and keeps the others in order, and keeps every minibatch when none has a gradient."""
+    silent = {**batches[0], "advantages": torch.zeros_like(batches[0]["advantages"])}
+    moved = run_update_cell(tiny_llama, layout, [silent], "sgd", "fp32", 0.01, 1, False)
+    assert not moved["changed_abs"].any() and torch.equal(moved["start"], moved["end"])
+    kept, dropped = rl_minibatches([silent, batches[0], silent, batches[1]])
+    assert dropped == [0, 2] and len(kept) == 2 and kept[0] is batches[0] and kept[1] is batches[1]
+    kept, dropped = rl_minibatches([silent, silent])
+    assert dropped == [] and len(kept) == 2
 
 
 def all_finite_bf16_bits() -> np.ndarray:
