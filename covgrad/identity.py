@@ -49,6 +49,16 @@ def model_identity(named: Iterable[tuple[str, Tensor]]) -> dict[str, Any]:
     return {"algorithm": ALGORITHM, "tensors": tensors}
 
 
+def same_weights(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two identities record the same tensors: the same names, dtypes, shapes and digests, in order
+    (the same weights held in the same dtype, bit for bit)."""
+    if a.get("algorithm") != ALGORITHM or b.get("algorithm") != ALGORITHM:
+        raise ValueError(
+            f"model identity algorithms {a.get('algorithm')!r}, {b.get('algorithm')!r}: need {ALGORITHM!r}"
+        )
+    return a["tensors"] == b["tensors"]
+
+
 def first_difference(identity: Mapping[str, Any], state: Mapping[str, Tensor]) -> str | None:
     """None when ``state`` (name -> tensor, any dtype) holds every tensor of ``identity`` with its shape and,
     cast to its recorded dtype, its digest; else a phrase naming the first recorded tensor that differs and how.

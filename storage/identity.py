@@ -2,9 +2,11 @@
 (stats, masks, a trajectory's step-0 predictors) finds the identity of the weights it was computed from.
 
 The scores stage writes the identity as the attribute :data:`IDENTITY_ATTR` of ``scores.zarr``, with the other
-attributes it writes when it completes. Artifacts below a scores artifact reach it through their completion
-markers' ``upstream`` keys. Scores artifacts completed before identities were recorded hold none: their
-statistics cannot be checked, and :func:`check_computed_on` says so instead of refusing.
+attributes it writes when it completes; the rollouts stage writes its sampler's as
+:data:`SAMPLER_IDENTITY_ATTR` of ``rollouts.zarr`` (:func:`sampler_weights` compares the two). Artifacts below
+a scores artifact reach it through their completion markers' ``upstream`` keys. Scores artifacts completed
+before identities were recorded hold none: their statistics cannot be checked, and :func:`check_computed_on`
+says so instead of refusing.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from typing import Any
 
 from torch import Tensor
 
-from covgrad.identity import check_identity
+from covgrad.identity import check_identity, same_weights
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.schema import SCORES
+from storage.schema import ROLLOUTS, SCORES
 
 IDENTITY_ATTR = "model_identity"
+SAMPLER_IDENTITY_ATTR = "sampler_identity"
+"""Attribute of a generated ``rollouts.zarr``: the identity of the sampler's weights as it generated (its own
+dtype). Imported rollouts and datasets have none (the engine's weights are not at hand)."""
 
 
 def upstream_scores(store: ArtifactStore, key: str) -> list[ArtifactRef]:
@@ -63,6 +68,17 @@ def check_computed_on(
     ref, identity = found
     check_identity(identity, state, f"{what} (model identity of scores {ref.key})", fix)
     return ref
+
+
+def sampler_weights(store: ArtifactStore, rollouts: ArtifactRef, scores: ArtifactRef) -> str:
+    """``policy`` when the sampler of ``rollouts`` generated with the very weights (names, dtypes, bytes) that
+    ``scores`` scored as the policy, ``other`` when they differ, ``unknown`` when either recorded no identity
+    (imported rollouts, a dataset, artifacts completed before identities were recorded)."""
+    sampler = store.open_group(rollouts, ROLLOUTS, mode="r").attrs.get(SAMPLER_IDENTITY_ATTR)
+    policy = store.open_group(scores, SCORES, mode="r").attrs.get(IDENTITY_ATTR)
+    if sampler is None or policy is None:
+        return "unknown"
+    return "policy" if same_weights(sampler, policy) else "other"
 
 
 def artifact_location(artifact_dir: str) -> tuple[ArtifactStore, str]:

@@ -504,6 +504,13 @@ OFFPOLICY_VARS = {
         ("row",), "float64", (WHOLE,), "cross-fit exceedances", "fraction of ratios > 1, F even groups, G odd", "1"
     ),
     "overlap_1pct": Var(("row",), "float64", (WHOLE,), "overlap at q = 0.01", "global top-1% by |G| and F", "1"),
+    "sampler_weights": Var(
+        ("row",),
+        "str",
+        (WHOLE,),
+        "sampler weights",
+        "policy: bitwise the scored policy's (model identities equal); other; unknown: no identity recorded",
+    ),
     **{
         name: Var(("row",), "float64", (WHOLE,), long_name, definition, units)
         for name, long_name, definition, units in (

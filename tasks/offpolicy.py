@@ -4,8 +4,9 @@ A sampler that is not the policy has scores under two centerings, ``policy`` (�
 (centered by the sampler's own μ), and so two stats artifacts. Each row holds one stats artifact's
 zero-mean statistics, max |ρ|, bound violations, cross-fit exceedances and overlap at q = 1% (copied
 from its scalars), ``kl_per_token`` = mean KL(μ ‖ p) per response token (recorded by the sampler-centered
-scores, so both rows of a sampler show it; 0 for a sampler with μ = p), ``finding`` (the degenerate
-condition, or empty) and
+scores, so both rows of a sampler show it; 0 for a sampler with μ = p), ``sampler_weights`` (``policy`` when
+the sampler generated with bitwise the scored policy's weights, by their model identities; ``other``;
+``unknown`` without a recorded identity), ``finding`` (the degenerate condition, or empty) and
 
     rel_diff_G = ‖G_sampler − G_policy‖₂ / ‖G_sampler‖₂
 
@@ -39,6 +40,7 @@ from covgrad.sampling import SamplerSpec
 from covgrad.stats import BLOCK_CHUNKS, rel_diff
 from covgrad.tables import to_csv, to_markdown
 from storage.artifacts import ArtifactRef, ArtifactStore
+from storage.identity import sampler_weights
 from storage.models import load_models
 from storage.rollouts import mu_known, require_mu
 from storage.schema import OFFPOLICY as STORE
@@ -112,7 +114,7 @@ def _marker(store: ArtifactStore, stage: str, key: str) -> dict[str, Any]:
 
 def sampler_rollouts(store: ArtifactStore, stats_ref: ArtifactRef) -> tuple[ArtifactRef, ArtifactRef, PolicySpec]:
     """The rollouts and base_model refs behind a stats artifact (through its scores artifact's completion
-    marker) and the scores' policy spec."""
+    marker, ``stats_ref.upstream[0]``) and the scores' policy spec."""
     scores = _marker(store, "scores", stats_ref.upstream[0])
     found = {}
     for key in scores["upstream"]:
@@ -141,20 +143,23 @@ def policy_logp_of(store: ArtifactStore, rollouts: ArtifactRef, model: Any):
 def add_mismatch_columns(
     store: ArtifactStore, spec: OffPolicySpec, upstream: dict[str, ArtifactRef], rows: list[dict[str, Any]]
 ) -> None:
-    """Set :data:`MISMATCH_COLUMNS` of every row (in place), computed once per sampler; NaN, and NaN
-    ``kl_per_token``, for a dataset of responses (μ unknown)."""
-    per_sampler: dict[str, dict[str, float]] = {}
+    """Set :data:`MISMATCH_COLUMNS` and ``sampler_weights`` (``storage.identity.sampler_weights``) of every row
+    (in place), computed once per sampler; NaN mismatch, and NaN ``kl_per_token``, for a dataset of responses
+    (μ unknown)."""
+    per_sampler: dict[str, dict[str, Any]] = {}
     models: dict[tuple[str, PolicySpec], Any] = {}  # every sampler's scores share one policy: loaded once
     for sampler, centering in spec.stats:
         if sampler not in per_sampler:
-            rollouts, base, policy = sampler_rollouts(store, upstream[str(Instance("stats", sampler, centering))])
+            stats_ref = upstream[str(Instance("stats", sampler, centering))]
+            rollouts, base, policy = sampler_rollouts(store, stats_ref)
+            weights = {"sampler_weights": sampler_weights(store, rollouts, store.ref("scores", stats_ref.upstream[0]))}
             if not mu_known(store.open_group(rollouts, ROLLOUTS, mode="r")):  # a dataset: μ unknown, so no KL
-                per_sampler[sampler] = dict.fromkeys([*MISMATCH_COLUMNS, "kl_per_token"], float("nan"))
+                per_sampler[sampler] = {**weights, **dict.fromkeys([*MISMATCH_COLUMNS, "kl_per_token"], float("nan"))}
                 continue
             if (base.key, policy) not in models:
                 models[base.key, policy] = load_models(store, base, "policy", policy)[0]
             metrics = mismatch_metrics(*policy_logp_of(store, rollouts, models[base.key, policy]))
-            per_sampler[sampler] = {col: metrics[key] for col, key in MISMATCH_COLUMNS.items()}
+            per_sampler[sampler] = {**weights, **{col: metrics[key] for col, key in MISMATCH_COLUMNS.items()}}
     for r in rows:
         r.update(per_sampler[r["sampler"]])
         r["finding"] = r.pop("finding")  # the text column stays last

@@ -11,7 +11,8 @@ says about each record (``policy_version``, ``stack_advantage``, ``token_advanta
 ``sampling_params_index``, with ``verify_records`` the re-scored ``verify_kl`` / ``verify_k3_kl``; attrs
 ``import``); a μ record on a support adds attrs ``support_mu``, the bound of its centering error. A dataset of
 responses (``format: responses``) records ``mu_known: false`` (its ``sampler_logp`` is NaN) and, without rewards,
-``rewards: false`` (``reward`` and ``advantage`` NaN, ``mean_reward`` null).
+``rewards: false`` (``reward`` and ``advantage`` NaN, ``mean_reward`` null). Generated rollouts record the
+identity of the sampler's weights (attrs ``sampler_identity``, ``storage.identity``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import numpy as np
 import torch
 from prefect import task
 
+from covgrad.identity import model_identity
 from covgrad.inputs import check_context
 from covgrad.models import context_length
 from covgrad.problems import response_texts, score_rewards
 from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
 from covgrad.support_mu import gradient_error_factor, tail_summary
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from storage.identity import SAMPLER_IDENTITY_ATTR
 from storage.imports import import_rollouts, sampler_source
 from storage.models import load_models
 from storage.prompts import load_task, prompt_places
@@ -68,6 +71,7 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: 
     N, width = len(prompts) * G, max(len(p) for p in prompts) + T
     g = store.open_group(ref, STORE, mode="a")
     create_rollout_arrays(g, N, width, T, V, per_batch * G, s)
+    g.attrs[SAMPLER_IDENTITY_ATTR] = model_identity(sampler.named_parameters())
     create_progress(g, STORE, n_batches)
     sampling = SamplerSpec.of(s)
     todo = pending_batches(g)

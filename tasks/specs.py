@@ -206,7 +206,7 @@ class OffPolicySpec(StageSpec):
     row each in that order, and each sampler's ‖G_sampler − G_policy‖ / ‖G_sampler‖ across its two centerings."""
 
     STAGE: ClassVar[str] = "offpolicy"
-    VERSION: ClassVar[str] = "3"  # 2: the verl-named mismatch columns; 3: rel_diff_stats
+    VERSION: ClassVar[str] = "4"  # 2: the verl-named mismatch columns; 3: rel_diff_stats; 4: sampler_weights
     stats: list[tuple[str, Centering]]  # (sampler, centering), sorted
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from covgrad.identity import ALGORITHM, first_difference, model_identity, tensor_digest
+from covgrad.identity import ALGORITHM, first_difference, model_identity, same_weights, tensor_digest
 from flows.cli import main
 from storage.artifacts import ArtifactStore
 from storage.checkpoints import load_state_dict
-from storage.identity import IDENTITY_ATTR, check_computed_on, recorded_identity
+from storage.identity import IDENTITY_ATTR, SAMPLER_IDENTITY_ATTR, check_computed_on, recorded_identity, sampler_weights
 from tests.helpers.models import tiny_llama
 
 UP = "model.layers.0.mlp.up_proj.weight"
@@ -116,6 +116,44 @@ def test_scores_record_the_identity_and_diff_refuses_other_weights(tiny_run, cap
     shutil.copytree(masks, copied)
     assert main(["diff", f"{base}/stale", f"{base}/policy", "--masks", str(copied), "--q", "0.1"]) == 0
     assert "records no model identity; BEFORE is not checked" in capsys.readouterr().err
+
+
+def test_same_weights_needs_every_name_dtype_and_bit():
+    model = tiny_llama(16, hidden=8, intermediate=16, heads=2, kv_heads=1, max_positions=16)
+    ident = model_identity(model.named_parameters())
+    assert same_weights(ident, model_identity(model.named_parameters()))
+    assert not same_weights(ident, model_identity((n, t.to(torch.bfloat16)) for n, t in model.named_parameters()))
+    bump(model.get_parameter(UP), 3)
+    assert not same_weights(ident, model_identity(model.named_parameters()))
+    with pytest.raises(ValueError, match="algorithm"):
+        same_weights(ident, {**ident, "algorithm": "md5"})
+
+
+def test_rollouts_record_the_sampler_and_offpolicy_says_whose_weights(tiny_run):
+    """The policy's rollouts record the scored policy's weights bit for bit, the stale sampler's its own
+    checkpoint's; the off-policy table's ``sampler_weights`` says ``policy`` and ``other``."""
+    root, p = tiny_run
+    store = ArtifactStore(str(root))
+    base = store.path(p["base_model"].ref)
+    recorded = {
+        name: store.open_group(p[f"rollouts.{name}"].ref, "rollouts.zarr", mode="r").attrs[SAMPLER_IDENTITY_ATTR]
+        for name in ("policy", "stale")
+    }
+    stale = load_state_dict(f"{base}/stale")
+    assert first_difference(recorded["stale"], stale) is None
+    assert {r["name"]: r["digest"] for r in recorded["stale"]["tensors"]} == {
+        r["name"]: reference_digest(stale[r["name"]]) for r in recorded["stale"]["tensors"]
+    }
+    scored = store.open_group(p["scores.policy.policy"].ref, "scores.zarr", mode="r").attrs[IDENTITY_ATTR]
+    assert recorded["policy"] == scored
+    scores = p["scores.stale.sampler"].ref
+    assert sampler_weights(store, p["rollouts.stale"].ref, scores) == "other"
+    rows = json.loads(store.fs.cat_file(store.path(p.offpolicy.ref, "offpolicy.json")))
+    assert {(r["sampler"], r["centering"]): r["sampler_weights"] for r in rows} == {
+        ("policy", "policy"): "policy",
+        ("stale", "policy"): "other",
+        ("stale", "sampler"): "other",
+    }
 
 
 @pytest.mark.slow

@@ -97,3 +97,4 @@ def test_offpolicy_table_shows_no_mismatch(null_run):
     assert sorted(n["sampler"] for n in nulls) == ["engine", "rescored"]
     for n in nulls:
         assert 0.2 < n["zero_mean_trace_sampler"] < 3.0 and "Null test, sampler" in null_line(n)
+        assert n["sampler_weights"] == "unknown" and "weights" not in null_line(n)  # imported: no identity

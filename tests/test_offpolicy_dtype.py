@@ -125,3 +125,6 @@ def test_the_report_states_the_null_test_of_the_fp32_copy(dtype_run):
     assert null["zero_mean_trace_policy"] == p.attrs["scalars"]["zero_mean_trace"]
     line = null_line(null)
     assert line.startswith("Null test, sampler fp32 (μ ≡ p: k3-KL") and f"{worst:.2g} relative" in line
+    assert null["sampler_weights"] == "policy" and "bitwise the policy's weights" in line  # equal identities
+    weights = {r["sampler"]: r["sampler_weights"] for r in rows}
+    assert {w for name, w in weights.items() if name not in ("policy", "fp32")} == {"other"}, weights

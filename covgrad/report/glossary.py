@@ -55,6 +55,8 @@ GLOSSARY: dict[str, str] = {
     "per_tensor_random": "overlap expected when each tensor keeps its share of both top sets but positions are random",
     # off-policy
     "kl_per_token": "mean over response tokens of KL(μ ‖ p) in nats (0 when the sampler is the policy)",
+    "sampler_weights": "policy: the sampler generated with bitwise the scored policy's weights (equal model "
+    "identities); other; unknown: imported rollouts or a dataset, with no identity",
     "rel_diff_G": "‖G_sampler − G_policy‖ / ‖G_sampler‖ between one sampler's two centerings",
     "rel_diff_stats": "the largest such relative difference over m, F, Fvar, G and Cov (≈ 0 when μ ≡ p)",
     "overlap_1pct": "global overlap at q = 1/100",

@@ -366,7 +366,7 @@ NULL_K3_KL = 1e-9
 def null_tests(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The zero-mismatch null tests of an off-policy table: one per sampler with both centerings whose
     k3-KL is below :data:`NULL_K3_KL` (an fp32 copy of the policy, rollouts imported with μ ≡ p): its k3-KL,
-    the zero-mean statistic under each centering and ``rel_diff_stats``."""
+    the zero-mean statistic under each centering, ``rel_diff_stats`` and ``sampler_weights``."""
     by = {(r["sampler"], r["centering"]): r for r in rows}
     out = []
     for (sampler, centering), r in by.items():
@@ -379,6 +379,7 @@ def null_tests(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "zero_mean_trace_sampler": float(r["zero_mean_trace"]),
                     "zero_mean_trace_policy": float(policy["zero_mean_trace"]),
                     "rel_diff_stats": float(r.get("rel_diff_stats", float("nan"))),
+                    "sampler_weights": str(r.get("sampler_weights", "unknown")),
                 }
             )
     return out
@@ -386,8 +387,10 @@ def null_tests(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def null_line(n: dict[str, Any]) -> str:
     """One sentence of the report for a null test of :func:`null_tests`."""
+    weights = {"policy": "; bitwise the policy's weights", "other": "; not the policy's weights, bit for bit"}
     return (
-        f"Null test, sampler {n['sampler']} (μ ≡ p: k3-KL {n['k3_kl']:.2g} per token): zero-mean statistic "
+        f"Null test, sampler {n['sampler']} (μ ≡ p: k3-KL {n['k3_kl']:.2g} per token"
+        f"{weights.get(n.get('sampler_weights', 'unknown'), '')}): zero-mean statistic "
         f"N·|m|²/tr Var(s) {n['zero_mean_trace_sampler']:.3g} sampler-centred, {n['zero_mean_trace_policy']:.3g} "
         "policy-centred (≈ 1 when E[s] = 0); sampler- vs policy-centred m, F, Fvar, G, Cov differ by at most "
         f"{n['rel_diff_stats']:.2g} relative (L2)."
