@@ -64,6 +64,7 @@ from covgrad.rules import FLATTENING_PARENTS, Rule, Slot
 MODES: tuple[str, ...] = get_args(Mode)
 DEFAULT_EXACT_BUDGET: int = TOKENS_EXACT_BUDGET  # most T·V rows "exact" accepts
 DEFAULT_ROW_BYTES: int = TOKENS_ROW_BYTES  # memory aimed at per block of rows
+SQUARE_CHUNK: int = 1 << 22  # elements of squared gradients per matrix product of TokenBackward.square_sums_
 
 
 def exact_rows(T: int, V: int) -> int:
@@ -175,6 +176,13 @@ class TokenBackward:
                 p.requires_grad_(flag)
         self.logits = logits
         self._outputs = outputs
+        last: dict[str, tuple[int, TensorEntry]] = {}
+        for i, (_, _, local, _) in enumerate(self._calls):
+            for entry in local.values():
+                last[entry.name] = (i, entry)
+        self._last_use: dict[int, list[TensorEntry]] = {}  # call index -> entries no later call writes
+        for i, entry in last.values():
+            self._last_use.setdefault(i, []).append(entry)
         # Closed form for the LM head weight: untied nn.Linear, selected, called once, output = logits.
         self.head_entry: TensorEntry | None = None
         self.hidden: Tensor | None = None
@@ -213,26 +221,49 @@ class TokenBackward:
         Returns:
             shape (R, B, P) float32; [r, n] is ∇θ of row r's objective restricted to sample n.
         """
-        blocks = self.grad_blocks(cot, head)
-        return torch.cat(blocks, dim=1).view(cot.shape[0], self.B, self.layout.P)
+        R = cot.shape[0]
+        if self._repeat is not None:
+            return self._repeated(cot).view(R, self.B, self.layout.P)
+        out = torch.zeros(R * self.B, self.layout.P, dtype=torch.float32, device=self.logits.device)
+        self._apply_rules(cot, head, lambda e: out[:, e.offset : e.offset + e.numel], accumulate=True)
+        return out.view(R, self.B, self.layout.P)
 
-    def grad_blocks(self, cot: Tensor, head: bool = True) -> list[Tensor]:
-        """``grads`` as one contiguous (R·B, numel) float32 block per layout entry, in layout order (no copy:
-        the rules write each block in place, which a strided column slice of an (R·B, P) matrix would not allow).
+    def square_sums_(self, cot: Tensor, w: Tensor, fisher: Tensor, head: bool = True) -> Tensor:
+        """``fisher`` (n, P) float64 += Σ_{r,b} w[r, b, i] g[r, b]² for each weighting i, where g = ``grads(cot)``;
+        returns the squared norms ‖g[r, b]‖² (R, B) float64.
+
+        Holds one tensor's (R·B, numel) float32 block at a time (a tensor several modules use, e.g. tied
+        embeddings, until its last module's rule has run), never the (R·B, P) gradients: per block the
+        weighted sum over the R·B rows is a float32 matrix product, in column chunks, added to the float64
+        ``fisher`` (its rounding is ~1e-7 relative). ``w``: (R, B, n) float64.
         """
-        RB = cot.shape[0] * self.B
+        R, B, n = w.shape
+        RB = R * B
+        wf = w.reshape(RB, n).to(torch.float32)
+        norms = torch.zeros(RB, dtype=torch.float64, device=w.device)
+        chunk = max(1, SQUARE_CHUNK // RB)
+
+        def consume(e: TensorEntry, blk: Tensor) -> None:
+            sq = blk.square_()  # (R·B, numel)
+            for lo in range(0, e.numel, chunk):
+                hi = min(lo + chunk, e.numel)
+                fisher[:, e.offset + lo : e.offset + hi].add_((sq[:, lo:hi].t() @ wf).t())
+            norms.add_(sq.sum(-1))
+
         if self._repeat is not None:
             out = self._repeated(cot)
-            return [out[:, e.offset : e.offset + e.numel].contiguous() for e in self.layout.entries]
-        flat = torch.empty(RB * self.layout.P, dtype=torch.float32, device=self.logits.device)
-        blocks = {
-            e.name: flat[RB * e.offset : RB * (e.offset + e.numel)].view(RB, e.numel) for e in self.layout.entries
-        }
-        written = self._apply_rules(cot, head, lambda e: blocks[e.name])
-        for e in self.layout.entries:
-            if e.name not in written:
-                blocks[e.name].zero_()
-        return list(blocks.values())
+            for e in self.layout.entries:
+                consume(e, out[:, e.offset : e.offset + e.numel])
+            return norms.view(R, B)
+        bufs: dict[str, Tensor] = {}
+
+        def block_of(e: TensorEntry) -> Tensor:
+            if e.name not in bufs:
+                bufs[e.name] = torch.empty(RB, e.numel, dtype=torch.float32, device=self.logits.device)
+            return bufs[e.name]
+
+        self._apply_rules(cot, head, block_of, finished=lambda e: consume(e, bufs.pop(e.name)))
+        return norms.view(R, B)
 
     def add_grads_(self, out: Tensor, cot: Tensor) -> Tensor:
         """``out += grads(cot)`` in place, for ``out`` (R·B, P) float32 rows (row r·B + n: row r, sample n),
@@ -258,10 +289,16 @@ class TokenBackward:
             raise ValueError(f"cot must have shape (R, *{tuple(self.logits.shape)}); got {tuple(cot.shape)}")
 
     def _apply_rules(
-        self, cot: Tensor, head: bool, block_of: Callable[[TensorEntry], Tensor], accumulate: bool = False
+        self,
+        cot: Tensor,
+        head: bool,
+        block_of: Callable[[TensorEntry], Tensor],
+        accumulate: bool = False,
+        finished: Callable[[TensorEntry], None] | None = None,
     ) -> set[str]:
         """One (batched) backward of ``cot`` (R, B, L, V) and every hooked module's rule, writing entry e's
-        (R·B, numel) rows into ``block_of(e)`` (added to it when ``accumulate``); returns the names written."""
+        (R·B, numel) rows into ``block_of(e)`` (added to it when ``accumulate``); returns the names written.
+        ``finished(e)`` is called once e's last module has run, for each entry written."""
         self._check_cot(cot)
         R = cot.shape[0]
         RB = R * self.B
@@ -271,7 +308,7 @@ class TokenBackward:
             gs = torch.autograd.grad(
                 self.logits, self._outputs, cot[0].to(self.logits.dtype), retain_graph=True, allow_unused=True
             )
-            gs = tuple(None if g is None else g[None] for g in gs)
+            gs = [None if g is None else g[None] for g in gs]
         else:
             gs = torch.autograd.grad(
                 self.logits,
@@ -281,8 +318,11 @@ class TokenBackward:
                 allow_unused=True,
                 is_grads_batched=True,
             )
-        for (module, rule, local, x), g in zip(self._calls, gs, strict=True):
+            gs = list(gs)
+        for i, (module, rule, local, x) in enumerate(self._calls):
+            g, gs[i] = gs[i], None  # each output gradient is released once its rule has run
             if g is None:
+                self._finish(i, written, finished)
                 continue
 
             def slot(name: str, local: dict[str, TensorEntry] = local) -> tuple[Tensor, bool] | None:
@@ -295,7 +335,17 @@ class TokenBackward:
 
             xr = x.expand(R, *x.shape).reshape(RB, *x.shape[1:])
             rule(module, xr, g.reshape(RB, *g.shape[2:]), Slot(slot))
+            del g, xr
+            self._finish(i, written, finished)
         return written
+
+    def _finish(self, i: int, written: set[str], finished: Callable[[TensorEntry], None] | None) -> None:
+        """Hand ``finished`` every written entry whose last module is call ``i``."""
+        if finished is None:
+            return
+        for entry in self._last_use.get(i, ()):
+            if entry.name in written:
+                finished(entry)
 
 
 def _check_rows(
@@ -375,25 +425,6 @@ def _blocks(n: int, size: int) -> Iterator[slice]:
         yield slice(lo, min(lo + size, n))
 
 
-def _accumulate(blocks: list[Tensor], w: Tensor, fisher: Tensor) -> Tensor:
-    """fisher (n, P) += Σ_{r,b} w[r, b, i] g[r, b]² for each estimator i; returns the squared norms (R, B).
-
-    ``blocks``: :meth:`TokenBackward.grad_blocks`, squared in place; ``w`` (R, B, n) float64. Per block the
-    weighted sum over the R·B rows is one float32 matrix product added to the float64 ``fisher`` (its
-    rounding is ~1e-7 relative).
-    """
-    R, B, n = w.shape
-    wf = w.reshape(R * B, n).to(torch.float32)
-    norms = torch.zeros(R * B, dtype=torch.float64, device=w.device)
-    offset = 0
-    for blk in blocks:
-        sq = blk.square_()  # (R·B, numel)
-        fisher[:, offset : offset + sq.shape[1]].add_((sq.t() @ wf).t())
-        norms += sq.sum(-1)
-        offset += sq.shape[1]
-    return norms.view(R, B)
-
-
 def _candidate_pass(
     eng: TokenBackward, cols: Tensor, active: Tensor, p32: Tensor, cand: Tensor, weight: Tensor, row_bytes: int
 ) -> tuple[Tensor, Tensor]:
@@ -420,7 +451,7 @@ def _candidate_pass(
         cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
         cot[rr, bb, cols[:, jr].T] = val
         w = weight[:, :, jr, cr].permute(2, 1, 0)  # (R, B, n)
-        norms = _accumulate(eng.grad_blocks(cot, head=False), w, fisher)
+        norms = eng.square_sums_(cot, w, fisher, head=False)
         for i in range(n):
             trace[i].index_add_(1, jr, (w[..., i] * norms).T)
     return fisher, trace
@@ -582,7 +613,7 @@ def token_fisher(
                 cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
                 cot[rr, bb, cols[:, jr].T] = u.float()
                 w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
-                norms = _accumulate(eng.grad_blocks(cot, head=False), w[..., None], fisher[None])
+                norms = eng.square_sums_(cot, w[..., None], fisher[None], head=False)
                 trace.index_add_(1, jr, (w * norms).T)
         else:
             bt = torch.arange(B, device=dev)[:, None].expand(B, T)
@@ -592,7 +623,7 @@ def token_fisher(
                 cot = torch.zeros(R, B, *eng.logits.shape[1:], dtype=torch.float32, device=dev)
                 cot[:, bt, cols] = u.float()
                 w = torch.full((R, B), 1.0 / k, dtype=torch.float64, device=dev)
-                _accumulate(eng.grad_blocks(cot, head=False), w[..., None], fisher[None])
+                eng.square_sums_(cot, w[..., None], fisher[None], head=False)
         a = p * (1 - p) * active[..., None]
     _head_closed_form(eng, cols, a, fisher, trace)
     if mode == "probe_seq":

@@ -117,7 +117,7 @@ def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
         raise ValueError(f"set_metrics needs bool masks, got {pred.dtype} and {true.dtype}")
     if pred.shape != true.shape:
         raise ValueError(f"set_metrics: mask shapes differ, pred {tuple(pred.shape)} vs true {tuple(true.shape)}")
-    return _metrics(int(pred.sum()), int(true.sum()), int((pred & true).sum()))
+    return count_metrics(int(pred.sum()), int(true.sum()), int((pred & true).sum()))
 
 
 def sequence_logp(
@@ -585,7 +585,7 @@ def stable_ranks(values: np.ndarray, largest: bool = True) -> np.ndarray:
     return ranks
 
 
-def _metrics(n_pred: int, n_true: int, n_both: int) -> dict[str, float]:
+def count_metrics(n_pred: int, n_true: int, n_both: int) -> dict[str, float]:
     """:func:`set_metrics` from the counts |pred|, |true| and |pred ∩ true|."""
     n_union = n_pred + n_true - n_both
     return {
@@ -716,13 +716,12 @@ class ChangeTracker:
             true = sets[scope].numpy()
             n_true = rec[f"n_changed_{scope}"]
             for name, n_both in self._ranked(true, n_true):
-                rec.update({f"{scope}_{name}_{k}": v for k, v in _metrics(n_true, n_true, n_both).items()})
+                rec.update({f"{scope}_{name}_{k}": v for k, v in count_metrics(n_true, n_true, n_both).items()})
             for r in rules:
                 pred = (rules[r] if scope == "step" else self.union[r]).numpy()
                 n_both = int(np.count_nonzero(pred & true))
-                rec.update(
-                    {f"{scope}_{r}_{k}": v for k, v in _metrics(int(np.count_nonzero(pred)), n_true, n_both).items()}
-                )
+                counts = count_metrics(int(np.count_nonzero(pred)), n_true, n_both)
+                rec.update({f"{scope}_{r}_{k}": v for k, v in counts.items()})
             rec.update(self._deciles(scope, true))
         self.prev, self.last = now.clone(), sets["step"]
         return rec
@@ -752,7 +751,7 @@ class ChangeTracker:
             true_d = true[idx]
             k = int(np.count_nonzero(true_d))
             for name, ranks in self.decile_ranks.items():
-                m = _metrics(k, k, int(np.count_nonzero(ranks[d][true_d] < k)))
+                m = count_metrics(k, k, int(np.count_nonzero(ranks[d][true_d] < k)))
                 tables[name][:, d] = [m[s] for s in SET_STATS]
         return {f"decile_{scope}_{n}_{s}": tables[n][i] for n in self.decile_ranks for i, s in enumerate(SET_STATS)}
 

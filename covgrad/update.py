@@ -42,6 +42,7 @@ from covgrad.trajectory import (
     StepLoss,
     Stepper,
     bf16_rounded,
+    count_metrics,
 )
 from covgrad.trajectory import BATCH_KEYS as BATCH_KEYS
 from covgrad.trajectory import bf16_half_spacing as bf16_half_spacing
@@ -323,17 +324,25 @@ def _score_rules(
     P: int,
 ) -> None:
     """Fill the rules' set metrics of every row (:func:`rule_masks`, rule by rule with the one statistic
-    each reads loaded, evaluated in chunks of the flat axis)."""
+    each reads loaded): the rule's mask and the changed masks are built and counted in chunks of the flat
+    axis, so no (P,) mask is held."""
     for rule, name, stat in (("absorb", "G", G), ("bound", "F", F)):
         values = _stat(name, stat, P)
         for row, packed in zip(rows, changed, strict=True):
             if rule == "bound" and (row["optimizer"] != "sgd" or adv_rms != adv_rms):
                 continue
             args = (adv_rms, row["optimizer"], row["lr"], row["steps"])
-            chunks = (slice(lo, lo + CHUNK) for lo in range(0, P, CHUNK))
-            pred = torch.cat([_rule_mask(rule, start[c], values[c], *args) for c in chunks])
+            n_pred, n_true, n_both = 0, dict.fromkeys(METRICS, 0), dict.fromkeys(METRICS, 0)
+            for lo in range(0, P, CHUNK):  # CHUNK is a multiple of 8: each chunk starts on a packed byte
+                c = slice(lo, min(lo + CHUNK, P))
+                pred = _rule_mask(rule, start[c], values[c], *args)
+                n_pred += int(pred.sum())
+                for metric in METRICS:
+                    true = _unpacked(packed[metric][lo // 8 : (c.stop + 7) // 8], c.stop - lo)
+                    n_true[metric] += int(true.sum())
+                    n_both[metric] += int((pred & true).sum())
             for metric in METRICS:
-                for key, value in set_metrics(pred, _unpacked(packed[metric], P)).items():
+                for key, value in count_metrics(n_pred, n_true[metric], n_both[metric]).items():
                     row[f"{metric}_{rule}_{key}"] = value
         del values
 
@@ -348,15 +357,17 @@ def _equal_on_layout(model: nn.Module, layout: ParamLayout, values: torch.Tensor
 
 
 def _changed_masks(model: nn.Module, layout: ParamLayout, start: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``changed_sets``' masks of (P,) ``start`` -> the model's selected parameters, filled tensor by tensor
-    (no (P,) copy of the parameters): metric -> (P,) bool."""
+    """``changed_sets``' masks of (P,) ``start`` -> the model's selected parameters, filled in chunks of at
+    most CHUNK elements of each tensor (no (P,) or whole-tensor float32 copy): metric -> (P,) bool."""
     params = dict(model.named_parameters())
     masks = {m: torch.empty(layout.P, dtype=torch.bool) for m in METRICS}
     for e in layout.entries:
-        cols = slice(e.offset, e.offset + e.numel)
-        end = params[e.name].detach().reshape(-1).float()
-        torch.ne(start[cols].to(torch.bfloat16), end.to(torch.bfloat16), out=masks["bf16"][cols])
-        masks["abs"][cols] = (end - start[cols]).abs() > ABS_THRESHOLD
+        flat = params[e.name].detach().reshape(-1)
+        for lo in range(0, e.numel, CHUNK):
+            cols = slice(e.offset + lo, e.offset + min(lo + CHUNK, e.numel))
+            end = flat[lo : lo + CHUNK].float()
+            torch.ne(start[cols].to(torch.bfloat16), end.to(torch.bfloat16), out=masks["bf16"][cols])
+            torch.gt((end - start[cols]).abs_(), ABS_THRESHOLD, out=masks["abs"][cols])
     return masks
 
 

@@ -293,6 +293,28 @@ def test_add_grads_in_place_equals_grads(arch):
         eng.add_grads_(torch.zeros(2, layout.P), cot)
 
 
+@pytest.mark.parametrize("arch", ["llama-untied", "llama-tied", "gpt2"])
+@pytest.mark.parametrize("chunk", [5, 1 << 22])
+def test_square_sums_stream_equals_squared_grads(arch, chunk, monkeypatch):
+    """square_sums_ (one tensor's block at a time, column chunks of ``chunk`` elements, tied tensors summed
+    before squaring) against the float64 weighted squares of ``grads``, for one and for three rows."""
+    monkeypatch.setattr("covgrad.token_fisher.SQUARE_CHUNK", chunk)
+    model = _tiny_gpt2() if arch == "gpt2" else _tiny_llama(arch == "llama-tied", seed=19)
+    layout = select_parameters(model)
+    input_ids, attention_mask = _batch(seed=23)
+    eng = TokenBackward(model, layout, input_ids, attention_mask, torch.arange(L).expand(3, L))
+    gen = torch.Generator().manual_seed(5)
+    for R in (1, 3):
+        cot = torch.randn(R, *eng.logits.shape, generator=gen)
+        w = torch.rand(R, 3, 2, generator=gen, dtype=torch.float64)
+        base = torch.randn(2, layout.P, generator=gen, dtype=torch.float64)
+        fisher = base.clone()
+        norms = eng.square_sums_(cot, w, fisher)
+        g2 = eng.grads(cot).double().square()  # (R, B, P)
+        assert _rel(fisher - base, torch.einsum("rbi,rbp->ip", w, g2)) < 1e-6, R
+        assert _rel(norms, g2.sum(-1)) < 1e-6, R
+
+
 def _tensor_sums(layout, x: torch.Tensor) -> torch.Tensor:
     """(..., P) -> (..., tensors): the sum over each tensor's elements."""
     return torch.stack([x[..., e.offset : e.offset + e.numel].sum(-1) for e in layout.entries], -1)

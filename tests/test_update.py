@@ -312,6 +312,25 @@ def test_update_grid_snapshots_match_separate_runs(layout, batches):
     assert loaded == ["F", "G", "rho", "G", "F"]  # each ranked predictor once, then G and F for the rules
 
 
+def test_update_grid_in_chunks_of_the_flat_axis_equals_whole_tensors(layout, batches, monkeypatch):
+    """Changed masks and rule counts taken in chunks of 48 elements (cutting every tensor, not dividing P)
+    give the rows of whole tensors, and the rules' metrics are set_metrics of rule_masks on the changed set."""
+    F, G, rho, adv_rms = score_moments(layout, batches[0])
+    cells = {"optimizers": ("sgd", "adam"), "precisions": ("bf16",), "adam_lrs": (1e-4,), "sgd_lrs": (0.05,)}
+    rows = update_grid(tiny_llama, layout, batches, F, G, rho, adv_rms, steps=(2,), **cells)
+    for row in rows:
+        single = run_update_cell(tiny_llama, layout, batches, row["optimizer"], "bf16", row["lr"], 2, True)
+        rules = rule_masks(single["start"], F, G, adv_rms, row["optimizer"], row["lr"], 2)
+        assert 0 < rules["absorb"].sum() < layout.P and 0 < single["changed_bf16"].sum() < layout.P
+        for rule, pred in rules.items():
+            for metric in ("bf16", "abs"):
+                want = set_metrics(pred, single[f"changed_{metric}"])
+                assert {s: row[f"{metric}_{rule}_{s}"] for s in want} == pytest.approx(want, nan_ok=True)
+    assert layout.P % 48 and min(e.numel for e in layout.entries) < 48 < max(e.numel for e in layout.entries)
+    monkeypatch.setattr("covgrad.update.CHUNK", 48)
+    assert update_grid(tiny_llama, layout, batches, F, G, rho, adv_rms, steps=(2,), **cells) == rows
+
+
 def test_changed_sets_counts_per_tensor(layout):
     g = torch.Generator().manual_seed(6)
     start = torch.randn(layout.P, generator=g).to(torch.bfloat16).float()
