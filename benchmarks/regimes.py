@@ -18,6 +18,7 @@ enters wall time, not the process's own CPU time). Reported: median ratio over r
     python -m benchmarks.regimes                      # small and large CPU models, distill_reverse_kl
     python -m benchmarks.regimes --regime rl_token --model small
     python -m benchmarks.regimes --model small --reps 0 --profile 10   # cProfile of 10 fused steps
+    python -m benchmarks.regimes --response 480                # responses of 480 tokens instead of 32
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ def regime_objective(kind: str, logits: Tensor, zq: Tensor, ids: Tensor, w: Tens
     return (ww * adv[:, 1:] * drawn).sum()  # rl_token with per-token advantages
 
 
-def run(name: str, kind: str, reps: int, clock: str, profile: int = 0) -> dict[str, float]:
+def run(name: str, kind: str, reps: int, clock: str, profile: int = 0, response: int | None = None) -> dict[str, float]:
+    """Time both passes of ``kind`` on model ``name`` (responses of ``response`` tokens; None: the model's
+    default) against the floor; returns the median ratio per pass."""
     device = torch.device("cpu")
     model = build(name, device)
-    B, prompt, response = MODELS[name][8:11]
+    B, prompt, default_response = MODELS[name][8:11]
+    response = response or default_response
     ids, w = make_batch(MODELS[name][1], B, prompt, response, seed=0, device=device)
     layout = select_parameters(model, None)
     plist = [dict(model.named_parameters())[n] for n in layout.names]
@@ -131,6 +135,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
     ap.add_argument("--profile", type=int, default=0, help="also print a cProfile of this many fused steps")
+    ap.add_argument("--response", type=int, default=None, help="response tokens per sample (default: the model's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,7 +146,7 @@ def main() -> None:
         "|---|---|---|---|---|---|"
     )
     for name in args.model:
-        run(name, args.regime, args.reps, args.clock, args.profile)
+        run(name, args.regime, args.reps, args.clock, args.profile, args.response)
 
 
 if __name__ == "__main__":

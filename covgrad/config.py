@@ -36,7 +36,7 @@ from covgrad.choices import (  # the schema's choices and the defaults engines s
     TokenMode,
 )
 
-Launcher = Literal["auto", "in-process", "local"]  # how a scores job's ranks start (scores.launcher)
+Launcher = Literal["auto", "in-process", "local", "torchrun"]  # how a scores job's ranks start (scores.launcher)
 
 MOVED = {
     "scores.params": "model.params",
@@ -302,12 +302,31 @@ class ScoresSection(Section):
         1,
         ge=1,
         description="processes the model is sharded over (FSDP2, one shard of every parameter and of its state each; "
-        "never changes a byte). More than 1 needs one parameter block",
+        "never changes a byte), every machine's: scores.nnodes machines run ranks / nnodes each. More than 1 (or "
+        "torchrun) needs one parameter block",
     )
     launcher: Launcher = Field(
         "auto",
         description="how the ranks start: in-process (no sharding, ranks 1), local (torch.multiprocessing processes "
-        "on this machine, gloo), auto (in-process for ranks 1, else local)",
+        "on this machine, gloo), torchrun (a torchrun group on this machine or on scores.nnodes machines; gloo on "
+        "the CPU, nccl with one CUDA device per rank), auto (in-process for ranks 1, else local)",
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description="machines of a torchrun group; each runs the same config (its own scores.node_rank) against "
+        "the same store root",
+    )
+    node_rank: int = Field(
+        0,
+        ge=0,
+        description="this machine's index in a torchrun group of scores.nnodes machines; node 0 hosts the "
+        "rendezvous at scores.rdzv_endpoint, creates the artifact's arrays and completes it",
+    )
+    rdzv_endpoint: str | None = Field(
+        None,
+        description="HOST:PORT of node 0, where torchrun's c10d rendezvous meets (needed for more than one "
+        "machine; unset on one machine: a free local port)",
     )
 
     @model_validator(mode="before")
@@ -338,18 +357,53 @@ class ScoresSection(Section):
         if self.ranks > 1 and self.launcher == "in-process":
             raise ValueError(
                 f"scores.ranks={self.ranks} with scores.launcher=in-process: the in-process launcher runs one rank; "
-                "set scores.launcher=local (or auto)"
+                "set scores.launcher=local, torchrun (or auto)"
             )
-        if self.ranks > 1 and self.shards[1] != 1:
+        if (self.ranks > 1 or self.launcher == "torchrun") and self.shards[1] != 1:
             raise ValueError(
                 f"scores.ranks={self.ranks} with scores.shards={list(self.shards)}: the ranks shard the parameters "
                 f"themselves; set scores.shards=[{self.shards[0]}, 1]"
+            )
+        if self.launcher != "torchrun":
+            for name, value, unset in (
+                ("nnodes", self.nnodes, 1),
+                ("node_rank", self.node_rank, 0),
+                ("rdzv_endpoint", self.rdzv_endpoint, None),
+            ):
+                if value != unset:
+                    raise ValueError(
+                        f"scores.{name}={value} with scores.launcher={self.launcher}: only torchrun runs ranks on "
+                        f"several machines; set scores.launcher=torchrun or unset scores.{name}"
+                    )
+            return self
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(
+                f"scores.nnodes={self.nnodes} without scores.rdzv_endpoint: the machines meet at node 0's torchrun "
+                "rendezvous; set scores.rdzv_endpoint=HOST:PORT (node 0's address and a free port)"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"scores.node_rank={self.node_rank} is not in [0, {self.nnodes}) (scores.nnodes={self.nnodes}); "
+                "set it to this machine's index"
+            )
+        if self.ranks % self.nnodes:
+            raise ValueError(
+                f"scores.ranks={self.ranks} (every machine's ranks) does not split evenly over scores.nnodes="
+                f"{self.nnodes} machines; set scores.ranks to a multiple of {self.nnodes}"
+            )
+        host, _, port = (self.rdzv_endpoint or "").rpartition(":")
+        valid = bool(host) and not any(c in host for c in "/ ") and port.isdigit() and 0 < int(port) < 65536
+        if self.rdzv_endpoint is not None and not valid:
+            raise ValueError(
+                f"scores.rdzv_endpoint={self.rdzv_endpoint} is not HOST:PORT; set it to node 0's address and a "
+                "free port in [1, 65535], e.g. 10.0.0.1:29400"
             )
         return self
 
     @property
     def placement(self) -> tuple[str, int]:
-        """The resolved (launcher, ranks): ``auto`` is in-process for one rank, local for more."""
+        """The resolved (launcher, ranks): ``auto`` is in-process for one rank, local for more (ranks: every
+        machine's)."""
         if self.launcher == "auto":
             return ("in-process" if self.ranks == 1 else "local"), self.ranks
         return self.launcher, self.ranks

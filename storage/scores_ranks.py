@@ -3,7 +3,8 @@ scores store of :mod:`storage.scores`.
 
 Each rank folds every batch of a sample shard into the columns of its FSDP shard (:class:`covgrad.fsdp.RankColumns`:
 dim-0 rows of every selected tensor, one run of columns each) and writes them into the same arrays as an
-in-process run, so the artifact is the in-process artifact whatever R is. What the store adds while ranks run
+in-process run, so the artifact is the in-process artifact whatever R is. The ranks are local processes or a
+torchrun group on one or several machines (:func:`run_ranks`). What the store adds while ranks run
 (dims as in :mod:`storage.scores`):
 
 - ``ckpt/shard{i}/rank{r}/n{c}/``: rank r's checkpoint of sample shard i after c batches: ``count, mean_a, m2_a
@@ -35,7 +36,7 @@ from covgrad.batch import RolloutBatch
 from covgrad.centering import LogitGrad
 from covgrad.devices import check_state_fits
 from covgrad.fold import fold_batches
-from covgrad.fsdp import RankColumns, ShardAccumulator, launch, rank_scores
+from covgrad.fsdp import RankColumns, ShardAccumulator, Torchrun, launch, launch_torchrun, rank_scores
 from covgrad.layout import ParamLayout
 from covgrad.persample import PerSampleGrads
 from storage.artifacts import mark_batch_done
@@ -203,7 +204,7 @@ def restore_rank(store: RankStore, g: Any, i: int, acc: MomentAccumulator) -> in
     """Load the newest checkpoint of sample shard i that every rank holds into ``acc`` and drop this rank's
     others (collective); return its batch count (0: none)."""
     mine = store.counts(g, i)
-    newest = torch.tensor([mine[-1] if mine else 0])
+    newest = torch.tensor([mine[-1] if mine else 0], device=acc.device)  # nccl reduces on the device
     dist.all_reduce(newest, op=dist.ReduceOp.MIN)
     common = int(newest)
     if common > 0:
@@ -299,29 +300,57 @@ def _rank_main(make_job: Callable[..., Job], args: tuple) -> None:
     fold_rank(make_job(*args))
 
 
-def run_ranks(make_job: Callable[..., Job], args: tuple, ranks: int) -> dict[str, Any] | None:
-    """Compute a scores artifact with the model sharded over ``ranks`` local processes (gloo): ``make_job(*args)``
-    builds the job, here once to create the store's arrays and once in every rank (``make_job`` and ``args``
-    must pickle: a module-level function and plain values). Returns the job's provenance (None while batches
-    are pending).
+# The module every torchrun rank runs (it calls covgrad.fsdp.torchrun_rank on the launch's payload).
+RANK_ENTRY = "storage.rank_main"
+
+
+def run_ranks(
+    make_job: Callable[..., Job], args: tuple, ranks: int, torchrun: Torchrun | None = None
+) -> dict[str, Any] | None:
+    """Compute a scores artifact with the model sharded over ``ranks`` processes: ``make_job(*args)`` builds
+    the job, here once to create the store's arrays and once in every rank (``make_job`` and ``args`` must
+    pickle: a module-level function and plain values). The ranks are local gloo processes
+    (:func:`covgrad.fsdp.launch`), or with ``torchrun`` a group that torchrun starts
+    (:func:`covgrad.fsdp.launch_torchrun`; ``ranks`` = its world, every machine's ranks), whose ranks take the
+    columns of the world's split. Returns the job's provenance (None while batches are pending).
+
+    With several machines every machine calls this with the same job against the same store root; node 0
+    creates the arrays before its torchrun starts (the other nodes' ranks pass the rendezvous only once node
+    0's have joined), and after every rank has finished assembles the edges and finalizes. A node other than
+    0 only starts its ranks (this process builds no job) and returns None.
 
     Raises:
-        covgrad.fsdp.RankFailedError: one line naming the first rank that failed (its checkpoints stay; a
-            rerun resumes every rank from the newest one they all hold).
-        ValueError: when the job has more than one parameter block or its device is not the CPU.
+        covgrad.fsdp.RankFailedError: one line naming a rank that failed (its checkpoints stay; a rerun
+            resumes every rank from the newest one they all hold).
+        ValueError: when the job has more than one parameter block, its device is not the CPU (the local
+            launcher) or ``ranks`` is not torchrun's world.
     """
+    if torchrun is not None and torchrun.world != ranks:
+        raise ValueError(
+            f"scores.ranks={ranks} but torchrun starts {torchrun.world} ranks; pass ranks={torchrun.world}"
+        )
+    if torchrun is not None and torchrun.node_rank > 0:
+        with tempfile.TemporaryDirectory(prefix="covgrad-ranks-") as tmp:
+            launch_torchrun(torchrun, RANK_ENTRY, _rank_main, (make_job, args), tmp)
+        return None
     job = make_job(*args)
     if job.K != 1:
         raise ValueError(f"scores.ranks={ranks} needs one parameter block, not {job.K}; set scores.shards=[{job.S}, 1]")
-    if job.device.type != "cpu":
+    if torchrun is None and job.device.type != "cpu":
         raise ValueError(
-            f"scores.ranks={ranks} starts gloo ranks on the CPU, not on {job.device}; set model.device=cpu"
+            f"scores.ranks={ranks} starts gloo ranks on the CPU, not on {job.device}; set model.device=cpu "
+            "(or scores.launcher=torchrun: nccl ranks, one device each)"
         )
     job.prepare()
     prepare_ranks(job.out, ranks)
     job._identity()  # recorded before the model is dropped
     job.model = None  # the ranks load their own; this process keeps the layout and the store
+    if job.device.type == "cuda":
+        torch.cuda.empty_cache()  # the device's memory is the ranks'
     with tempfile.TemporaryDirectory(prefix="covgrad-ranks-") as tmp:
-        launch(ranks, _rank_main, (make_job, args), Path(tmp) / "rendezvous")
+        if torchrun is None:
+            launch(ranks, _rank_main, (make_job, args), Path(tmp) / "rendezvous")
+        else:
+            launch_torchrun(torchrun, RANK_ENTRY, _rank_main, (make_job, args), tmp)
     assemble_edges(job.out, job.layout, ranks)
     return job.finalize()

@@ -149,7 +149,18 @@ class ScoresSpec(StageSpec):
     STAGE: ClassVar[str] = "scores"
     VERSION: ClassVar[str] = "6"  # 6: generic-path parameters at the ops that use them (covgrad.optaps: last bits)
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
-        {"blocks", "device", "self_check", "checkpoint_batches", "checkpoint_seconds", "launcher", "ranks"}
+        {
+            "blocks",
+            "device",
+            "self_check",
+            "checkpoint_batches",
+            "checkpoint_seconds",
+            "launcher",
+            "ranks",
+            "nnodes",
+            "node_rank",
+            "rdzv_endpoint",
+        }
     )
     sampler: str
     centering: Centering
@@ -169,8 +180,12 @@ class ScoresSpec(StageSpec):
     checkpoint_seconds: float
     cut_tensors: bool = False  # blocks cut tensors at rows: hashed only when true (uncut keys stay as they were)
     # the model sharded over ranks (storage.scores_ranks); absent from the dump when in-process
-    launcher: Literal["in-process", "local"] = "in-process"
+    launcher: Literal["in-process", "local", "torchrun"] = "in-process"
     ranks: int = 1
+    # a torchrun group's machines, this machine's index and node 0's rendezvous (absent from the dump unless torchrun)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
 
     def hashed(self) -> dict[str, Any]:
         out = super().hashed()
@@ -180,12 +195,16 @@ class ScoresSpec(StageSpec):
 
     @model_serializer(mode="wrap")
     def _in_process_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The dump without ``launcher`` and ``ranks`` when in-process: the spec recorded in claims and
-        markers of in-process runs stays what it was before the fields existed."""
+        """The dump without ``launcher`` and ``ranks`` when in-process, and without the torchrun fields unless
+        torchrun: the spec recorded in claims and markers of earlier runs stays what it was before the fields
+        existed."""
         out = handler(self)
         if self.launcher == "in-process":
             out.pop("launcher", None)
             out.pop("ranks", None)
+        if self.launcher != "torchrun":
+            for name in ("nnodes", "node_rank", "rdzv_endpoint"):
+                out.pop(name, None)
         return out
 
 
@@ -556,6 +575,9 @@ def plan(cfg: PipelineConfig) -> Plan:
                 cut_tensors=sc.cut_tensors,
                 launcher=sc.placement[0],
                 ranks=sc.placement[1],
+                nnodes=sc.nnodes,
+                node_rank=sc.node_rank,
+                rdzv_endpoint=sc.rdzv_endpoint,
             )
             upstream = {"base_model": base, "rollouts": rollouts[name]}
             scores[Instance("scores", name, c)] = _step(store, Instance("scores", name, c), score_spec, upstream)

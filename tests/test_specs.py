@@ -99,7 +99,7 @@ def _expected(p0: Plan, p1: Plan) -> set[str]:
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     """Two base configs that between them let every leaf change validly: the demo (three samplers, the
-    stale checkpoint) and a user model with a JSONL task and imported rollouts."""
+    stale checkpoint) and a user model with a JSONL task and imported rollouts, scored by two torchrun machines."""
     tmp = tmp_path_factory.mktemp("specs")
     dirs = []
     for name in ("model-a", "model-b"):
@@ -123,8 +123,10 @@ def bases(tmp_path_factory):
                 "other": {"import_path": "o.jsonl", "mu_model": dirs[1]},
             }
         },
+        # two torchrun machines: the fields only a torchrun group has can change
+        "scores": {"launcher": "torchrun", "ranks": 2, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"},
     }
-    strings = [*dirs, "m:g", "stale", "engine", "tcp://127.0.0.1:1"]
+    strings = [*dirs, "m:g", "stale", "engine", "tcp://127.0.0.1:1", "127.0.0.1:29401"]
     return [PipelineConfig.model_validate(d).model_dump(mode="json") for d in (demo, user)], strings
 
 

@@ -1,0 +1,177 @@
+"""The scores stage on a torchrun group (scores.launcher: torchrun; covgrad.fsdp.launch_torchrun, the ranks running
+``storage.rank_main``): the real torchrun (``python -m torch.distributed.run``) and real gloo ranks, no mocks.
+
+A 2-rank torchrun artifact of the tiny pipeline holds the in-process arrays; two "machines" on this host (two
+torchrun processes of one rank each, meeting at a c10d rendezvous on 127.0.0.1) give them too, node 1 only
+folding; a SIGKILLed rank or one that raises is named in one line and a rerun resumes from the checkpoints; the
+config refuses torchrun settings that cannot run, in one line."""
+
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from covgrad.config import ScoresSection
+from covgrad.fsdp import RankFailedError, Torchrun, launch_torchrun
+from storage.artifacts import ArtifactStore
+from storage.scores_ranks import RANK_ENTRY, run_ranks
+from tasks.scores import scores_task
+from tasks.specs import plan
+from tests.helpers.fsdp_ranks import recording_job
+from tests.helpers.pipeline import NO_OPTIONAL, run_planned, tiny_config
+from tests.test_fsdp_stage import SCORES, _arrays, _assert_same_arrays
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread per rank (torchrun sets it only for several ranks per machine): the machine is small."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("scores", "message"),
+    [
+        ({"launcher": "torchrun", "ranks": 0}, "greater than or equal to 1"),
+        ({"launcher": "torchrun", "nnodes": 2, "ranks": 2}, "scores.nnodes=2 without scores.rdzv_endpoint"),
+        (
+            {"launcher": "torchrun", "nnodes": 2, "ranks": 2, "node_rank": 2, "rdzv_endpoint": "h:29400"},
+            r"scores.node_rank=2 is not in \[0, 2\)",
+        ),
+        ({"launcher": "torchrun", "node_rank": 1}, r"scores.node_rank=1 is not in \[0, 1\)"),
+        (
+            {"launcher": "torchrun", "nnodes": 2, "ranks": 3, "rdzv_endpoint": "h:29400"},
+            "scores.ranks=3 .* does not split evenly over scores.nnodes=2",
+        ),
+        ({"launcher": "torchrun", "rdzv_endpoint": "h"}, "scores.rdzv_endpoint=h is not HOST:PORT"),
+        ({"launcher": "torchrun", "rdzv_endpoint": "h:99999"}, "scores.rdzv_endpoint=h:99999 is not HOST:PORT"),
+        (
+            {"launcher": "torchrun", "rdzv_endpoint": "tcp://h:1"},
+            "scores.rdzv_endpoint=tcp://h:1 is not HOST:PORT",
+        ),
+        ({"launcher": "local", "ranks": 2, "nnodes": 2}, "scores.nnodes=2 with scores.launcher=local"),
+        ({"rdzv_endpoint": "h:1"}, "scores.rdzv_endpoint=h:1 with scores.launcher=auto"),
+        ({"launcher": "torchrun", "shards": [1, 2]}, r"scores.shards=\[1, 2\]"),
+    ],
+)
+def test_torchrun_settings_that_cannot_run_are_refused_in_one_line(scores, message):
+    with pytest.raises(ValidationError, match=message) as info:
+        ScoresSection(**scores)
+    assert "\n" not in info.value.errors()[0]["msg"]
+
+
+def test_torchrun_options():
+    """One machine: --standalone (a free port); several: c10d at node 0's endpoint, node 0 hosting its store."""
+    ScoresSection(launcher="torchrun", ranks=4, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400")
+    one = Torchrun(2).argv()
+    assert one == ["--nproc-per-node", "2", "--nnodes", "1", "--max-restarts", "0", "--standalone"]
+    two = Torchrun(2, nnodes=2, node_rank=1, endpoint="10.0.0.1:29400", run_id="r").argv()
+    assert two[:6] == ["--nproc-per-node", "2", "--nnodes", "2", "--max-restarts", "0"]
+    assert two[6:12] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-id", "r"]
+    assert two[12] == "--rdzv-conf" and two[13].startswith("is_host=0,")
+    assert Torchrun(2, 2, 0, "h:1").argv()[13].startswith("is_host=1,")
+    with pytest.raises(ValueError, match="need a rendezvous endpoint"):
+        Torchrun(1, nnodes=2)
+
+
+def _copy(tiny_run, tmp_path: Path) -> Path:
+    shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
+    return tmp_path / "root"
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_path: Path):
+    """Every scores artifact of the tiny pipeline computed by the scores task on a 2-rank torchrun group (gloo)
+    is the in-process artifact: the same key, every array bit for bit."""
+    cfg = tiny_config(
+        str(_copy(tiny_run, tmp_path)), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.launcher": "torchrun"}
+    )
+    names = {n for n, s in plan(cfg).items() if s.ref.stage == "scores"}
+    assert {plan(cfg)[n].spec.launcher for n in names} == {"torchrun"}
+    results = run_planned(cfg, names | {n for n, s in plan(cfg).items() if s.ref.stage in ("base_model", "rollouts")})
+    assert all(results[n].computed for n in names)
+    before, after = ArtifactStore(str(tiny_run[0])), ArtifactStore(cfg.root)
+    for n in names:
+        assert results[n].ref.key == tiny_run[1][n].ref.key
+        _assert_same_arrays(_arrays(before, tiny_run[1][n].ref), _arrays(after, results[n].ref))
+
+
+@pytest.mark.slow
+def test_two_machines_give_the_in_process_arrays_and_node_1_only_folds(tiny_run, tmp_path: Path):
+    """Two "machines" on this host: the scores task of node 1 and of node 0 (scores.nnodes=2, one rank each, a
+    c10d rendezvous on 127.0.0.1) against one store root. Node 1 alone creates nothing (it waits at the
+    rendezvous); node 0 prepares, folds with it and completes the artifact; node 1 returns once it is complete.
+    The artifact has the in-process key and arrays."""
+    root = _copy(tiny_run, tmp_path)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    common = {"scores.ranks": 2, "scores.launcher": "torchrun", "scores.nnodes": 2, "scores.rdzv_endpoint": endpoint}
+    node0, node1 = (
+        plan(tiny_config(str(root), **NO_OPTIONAL, **common, **{"scores.node_rank": i}))[SCORES] for i in (0, 1)
+    )
+    assert node0.ref.key == node1.ref.key == tiny_run[1][SCORES].ref.key
+    store = ArtifactStore(str(root))
+    out: dict[str, object] = {}
+
+    def second_machine() -> None:
+        try:
+            out["result"] = scores_task.fn(node1.ref, node1.spec, node1.upstream)
+            out["complete"] = store.is_complete(node1.ref)
+        except BaseException as exc:  # reported in the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=second_machine)
+    thread.start()
+    thread.join(8.0)  # node 1's torchrun waits at the rendezvous
+    assert thread.is_alive() and not Path(store.path(node1.ref)).exists()
+    first = scores_task.fn(node0.ref, node0.spec, node0.upstream)
+    thread.join(120.0)
+    assert not thread.is_alive() and "error" not in out, out.get("error")
+    assert first.computed and out["result"].computed and out["complete"]
+    _assert_same_arrays(_arrays(ArtifactStore(str(tiny_run[0])), tiny_run[1][SCORES].ref), _arrays(store, node0.ref))
+
+
+@pytest.mark.slow
+def test_a_killed_torchrun_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(tiny_run, tmp_path: Path):
+    """Rank 1 of a 2-rank torchrun group SIGKILLs itself once both ranks hold their checkpoints of 2 batches: the
+    run fails in one line naming it and nothing is finalized; the rerun resumes both ranks at batch 2 and ends
+    with the in-process arrays."""
+    cfg = tiny_config(
+        str(_copy(tiny_run, tmp_path)), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.checkpoint_batches": 1}
+    )
+    node = plan(cfg)[SCORES]
+    store = ArtifactStore(cfg.root)
+    log = tmp_path / "restores.log"
+    args = (cfg.root, node.ref, node.spec, node.upstream, str(log))
+    store.begin(node.ref, node.spec.model_dump(mode="json"), resume=True)
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(recording_job, (*args, (1, 2)), 2, Torchrun(2))
+    assert str(info.value) == "rank 1 of 2 (torchrun) was killed by SIGKILL; rerun to resume from the checkpoints"
+    assert sorted(log.read_text().splitlines()) == ["0 0", "1 0"]
+    assert "edges" in store.open_group(node.ref, "scores.zarr", mode="r")  # the edges were not assembled
+    log.write_text("")
+    assert run_ranks(recording_job, (*args, None), 2, Torchrun(2)) is not None
+    assert sorted(log.read_text().splitlines()) == ["0 2", "1 2"]
+    _assert_same_arrays(_arrays(ArtifactStore(str(tiny_run[0])), tiny_run[1][SCORES].ref), _arrays(store, node.ref))
+
+
+def _raises() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("bad input on this rank")
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_a_torchrun_rank_that_raises_is_named_in_one_line(tmp_path: Path):
+    with pytest.raises(RankFailedError) as info:
+        launch_torchrun(Torchrun(2), RANK_ENTRY, _raises, (), tmp_path)
+    assert str(info.value) == "rank 1 of 2 (torchrun) failed: ValueError: bad input on this rank"
