@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-import zarr
 from pydantic import ValidationError
 
 from covgrad.accum import MomentAccumulator
@@ -21,10 +20,10 @@ from storage.artifacts import ArtifactStore
 from storage.scores import ScoresStore
 from storage.scores_ranks import RankStore, assemble_edges, final_pieces, prepare_ranks, run_ranks
 from tasks.specs import plan
-from tests.helpers.fsdp_ranks import recording_job
+from tests.helpers.fsdp_ranks import SCORES, recording_job
+from tests.helpers.fsdp_ranks import assert_same_arrays as _assert_same_arrays
+from tests.helpers.fsdp_ranks import scores_arrays as _arrays
 from tests.helpers.pipeline import NO_OPTIONAL, REPO, run_planned, tiny_config
-
-SCORES = "scores.policy.policy"
 
 
 def _demo(**scores: object) -> PipelineConfig:
@@ -103,17 +102,6 @@ def test_rank_columns_written_through_chunks_and_edges_are_the_merged_state(tmp_
     for name, value in merged.items():
         assert np.array_equal(g[name][:], value), name
     assert "edges" not in g and not [k for k in g["ckpt/shard0"].group_keys() if k.startswith("rank")]
-
-
-def _arrays(store: ArtifactStore, ref) -> dict[str, np.ndarray]:
-    g = store.open_group(ref, "scores.zarr", mode="r")
-    return {name: a[:] for name, a in g.members(max_depth=None) if isinstance(a, zarr.Array)}
-
-
-def _assert_same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
 
 
 @pytest.mark.slow

@@ -20,9 +20,10 @@ from storage.artifacts import ArtifactStore
 from storage.scores_ranks import RANK_ENTRY, run_ranks
 from tasks.scores import scores_task
 from tasks.specs import plan
-from tests.helpers.fsdp_ranks import recording_job
+from tests.helpers.fsdp_ranks import SCORES, recording_job
+from tests.helpers.fsdp_ranks import assert_same_arrays as _assert_same_arrays
+from tests.helpers.fsdp_ranks import scores_arrays as _arrays
 from tests.helpers.pipeline import NO_OPTIONAL, run_planned, tiny_config
-from tests.test_fsdp_stage import SCORES, _arrays, _assert_same_arrays
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,13 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
+import zarr
+
+from storage.artifacts import ArtifactStore
+
+SCORES = "scores.policy.policy"  # the tiny pipeline's analysed scores artifact
 
 
 def recording_job(root: str, ref, spec, up, log: str, kill: tuple[int, int] | None):
@@ -37,3 +43,16 @@ def recording_job(root: str, ref, spec, up, log: str, kill: tuple[int, int] | No
         scores_ranks.RankStore.save = killing_save
         scores_ranks.restore_rank = recorded_restore
     return ScoresJob(ArtifactStore(root), ref, spec, up)
+
+
+def scores_arrays(store: ArtifactStore, ref) -> dict[str, np.ndarray]:
+    """Every array of a scores artifact's store, by path."""
+    g = store.open_group(ref, "scores.zarr", mode="r")
+    return {name: a[:] for name, a in g.members(max_depth=None) if isinstance(a, zarr.Array)}
+
+
+def assert_same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    """The same array names, each with the same dtype and bytes."""
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
