@@ -53,12 +53,14 @@ from collections.abc import Callable, Iterator
 from typing import Any, get_args
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from covgrad.choices import TOKENS_EXACT_BUDGET, TOKENS_ROW_BYTES
 from covgrad.choices import TokenMode as Mode
+from covgrad.fsdp import RankColumns
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.persample import PerSampleGrads, bind_rules
+from covgrad.persample import Binding, PerSampleGrads, bind_rules
 from covgrad.rules import FLATTENING_PARENTS, Rule, Slot
 
 MODES: tuple[str, ...] = get_args(Mode)
@@ -87,6 +89,16 @@ def check_exact_budget(T: int, V: int, exact_budget: int) -> None:
         )
 
 
+def repeated_batch(model: nn.Module, bindings: list[Binding]) -> bool:
+    """Whether :class:`TokenBackward` takes the repeated-batch path for ``model`` with the rule ``bindings`` of
+    its selection (``covgrad.persample.bind_rules``): a rule that needs its module's call (the generic path, fused
+    experts) or a module that flattens the batch (:data:`FLATTENING_PARENTS`). That path does not run on a
+    sharded model."""
+    return any(getattr(rule, "needs_call", False) for _, rule, _ in bindings) or any(
+        type(m) in FLATTENING_PARENTS for m in model.modules()
+    )
+
+
 class TokenBackward:
     """One forward of a batch with per-sample hooks, then per-sample gradients of batched logit cotangents.
 
@@ -103,10 +115,14 @@ class TokenBackward:
         position_ids: shape (B, L) or None for 0..L-1 on every row (right-padded rows).
         closed_form_head: allow the LM head weight's closed form (``head_entry``); False always takes it
             from the backward.
+        columns: one rank's columns of a model sharded by :func:`covgrad.fsdp.shard_model` (the per-sample
+            blocks are still formed whole, from the all-gathered layers); the weighted sums of
+            :meth:`square_sums_` and the head's closed form then hold only these columns (``width`` = P_r),
+            each column computed by the same products as without ranks. None: every column (P).
 
     Raises:
         ValueError: when the model is training, a selected parameter is not in the model or its module has
-            no per-sample rule.
+            no per-sample rule, or with ``columns`` when the model needs the repeated-batch path.
     """
 
     def __init__(
@@ -117,6 +133,7 @@ class TokenBackward:
         attention_mask: Tensor,
         position_ids: Tensor | None = None,
         closed_form_head: bool = True,
+        columns: RankColumns | None = None,
     ) -> None:
         training = [name for name, m in model.named_modules() if m.training]
         if training:
@@ -124,20 +141,28 @@ class TokenBackward:
         params = dict(model.named_parameters())
         bindings = bind_rules(model, layout)
         self.layout = layout
+        self.columns = columns
+        self.width = layout.P if columns is None else columns.P
         self.B, self.L = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(self.L, device=input_ids.device).expand(self.B, self.L)
         head = model.get_output_embeddings()
         tied = head is None or head.weight is model.get_input_embeddings().weight
+        # named before the forward: a sharded root holds its unsharded parameters in their place after it
+        head_name = next((n for n, p in params.items() if head is not None and p is head.weight), None)
         self._calls: list[tuple[nn.Module, Rule, dict[str, TensorEntry], Tensor]] = []
         outputs: list[Tensor] = []
         head_io: list[tuple[Tensor, Tensor]] = []
         # Rules that read the whole module call (the generic torch.func rule, MoE experts) and modules run
         # on a flattened (B·L, …) batch go through PerSampleGrads on the batch repeated R times instead.
         self._repeat: PerSampleGrads | None = None
-        if any(getattr(rule, "needs_call", False) for _, rule, _ in bindings) or any(
-            type(m) in FLATTENING_PARENTS for m in model.modules()
-        ):
+        if repeated_batch(model, bindings):
+            if columns is not None:
+                raise ValueError(
+                    f"{type(model).__name__} needs the repeated-batch path (a generic or fused-experts rule, or a "
+                    "flattening module), which does not run on a sharded model; "
+                    "set scores.ranks=1 or tokens.enabled=false"
+                )
             self._repeat = PerSampleGrads(model, layout, check=False)
             self._inputs = (input_ids, attention_mask, position_ids)
             bindings = []
@@ -186,7 +211,6 @@ class TokenBackward:
         # Closed form for the LM head weight: untied nn.Linear, selected, called once, output = logits.
         self.head_entry: TensorEntry | None = None
         self.hidden: Tensor | None = None
-        head_name = next((n for n, p in params.items() if head is not None and p is head.weight), None)
         if (
             closed_form_head
             and not tied
@@ -228,9 +252,32 @@ class TokenBackward:
         self._apply_rules(cot, head, lambda e: out[:, e.offset : e.offset + e.numel], accumulate=True)
         return out.view(R, self.B, self.layout.P)
 
+    def add_columns_(self, fisher: Tensor, offset: int, values: Tensor) -> None:
+        """``fisher`` (n, width) += ``values`` (n, w), the values of global columns [offset, offset + w): all of
+        them without ``columns``, else the parts the rank owns, at its local columns."""
+        if self.columns is None:
+            fisher[:, offset : offset + values.shape[1]].add_(values)
+            return
+        for a, b, at in self.columns.pieces(offset, offset + values.shape[1]):
+            fisher[:, at : at + b - a].add_(values[:, a:b])
+
+    def whole_entry(self, fisher: Tensor, e: TensorEntry) -> Tensor:
+        """Entry ``e``'s (numel,) columns of a (width,) float64 sum: a view without ``columns``, else every
+        rank's columns put together (a collective: each rank's columns in place, zeros elsewhere, summed over
+        the ranks; every column is one rank's, so the values are exact)."""
+        if self.columns is None:
+            return fisher[e.offset : e.offset + e.numel]
+        out = torch.zeros(e.numel, dtype=fisher.dtype, device=fisher.device)
+        for a, b, at in self.columns.pieces(e.offset, e.offset + e.numel):
+            out[a:b] = fisher[at : at + b - a]
+        dist.all_reduce(out)
+        return out
+
     def square_sums_(self, cot: Tensor, w: Tensor, fisher: Tensor, head: bool = True) -> Tensor:
-        """``fisher`` (n, P) float64 += Σ_{r,b} w[r, b, i] g[r, b]² for each weighting i, where g = ``grads(cot)``;
-        returns the squared norms ‖g[r, b]‖² (R, B) float64.
+        """``fisher`` (n, width) float64 += Σ_{r,b} w[r, b, i] g[r, b]² for each weighting i, where
+        g = ``grads(cot)`` (the rank's columns with ``columns``: a column chunk's product is formed when the rank
+        owns some of it, whole, as without ranks); returns the squared norms ‖g[r, b]‖² (R, B) float64 over
+        every column.
 
         Holds one tensor's (R·B, numel) float32 block at a time (a tensor several modules use, e.g. tied
         embeddings, until its last module's rule has run), never the (R·B, P) gradients: per block the
@@ -247,7 +294,8 @@ class TokenBackward:
             sq = blk.square_()  # (R·B, numel)
             for lo in range(0, e.numel, chunk):
                 hi = min(lo + chunk, e.numel)
-                fisher[:, e.offset + lo : e.offset + hi].add_((sq[:, lo:hi].t() @ wf).t())
+                if self.columns is None or next(self.columns.pieces(e.offset + lo, e.offset + hi), None):
+                    self.add_columns_(fisher, e.offset + lo, (sq[:, lo:hi].t() @ wf).t())
             norms.add_(sq.sum(-1))
 
         if self._repeat is not None:
@@ -436,7 +484,7 @@ def _candidate_pass(
     """
     dev = cols.device
     (B, T), n, C = cols.shape, weight.shape[0], cand.shape[-1]
-    fisher = torch.zeros(n, eng.layout.P, dtype=torch.float64, device=dev)
+    fisher = torch.zeros(n, eng.width, dtype=torch.float64, device=dev)
     trace = torch.zeros(n, B, T, dtype=torch.float64, device=dev)
     js = torch.arange(T, device=dev).repeat_interleave(C)  # row r = (position j, candidate c)
     cs = torch.arange(C, device=dev).repeat(T)
@@ -458,14 +506,15 @@ def _candidate_pass(
 
 
 def _head_closed_form(eng: TokenBackward, cols: Tensor, a: Tensor, fisher: Tensor, trace: Tensor) -> None:
-    """Add the LM head weight's Σ_{b,t} a[b, t, u] h_{b,t,j}² to ``fisher`` (P,) and Σ_u a ‖h‖² to ``trace``
-    (B, T) when the head is in closed form; ``a`` (B, T, V) float64 (see the module docstring)."""
+    """Add the LM head weight's Σ_{b,t} a[b, t, u] h_{b,t,j}² to ``fisher`` (width,) and Σ_u a ‖h‖² to ``trace``
+    (B, T) when the head is in closed form; ``a`` (B, T, V) float64 (see the module docstring). The (V, H)
+    product is formed whole (with ``columns`` too: the rank adds its rows of it)."""
     if eng.head_entry is None:
         return
     e = eng.head_entry
     B = cols.shape[0]
     h2 = eng.hidden.detach()[torch.arange(B, device=cols.device)[:, None], cols].double().square()  # (B, T, H)
-    fisher[e.offset : e.offset + e.numel] += torch.einsum("btv,bth->vh", a, h2).reshape(-1)
+    eng.add_columns_(fisher[None], e.offset, torch.einsum("btv,bth->vh", a, h2).reshape(1, -1))
     trace += a.sum(-1) * h2.sum(-1)
 
 
@@ -547,7 +596,8 @@ def token_fisher(
             estimated from the same backward passes at the cost of one more matrix column each.
 
     Returns:
-        ``fisher_sum``: shape (P,) float64, Σ_{n,t} f_{n,t} (divide by N for the token estimate of F).
+        ``fisher_sum``: shape (width,) float64 (the engine's columns: P without ranks), Σ_{n,t} f_{n,t}
+        (divide by N for the token estimate of F).
         ``trace``: shape (B, T) float64, Σ_i f_{t,i} over the selected parameters per position (NaN at
         response positions for ``probe_seq``, which has no per-position estimate).
         ``entropy``: shape (B, T) float64, entropy of p in nats.
@@ -575,7 +625,7 @@ def token_fisher(
         raise ValueError(
             f"mode={mode!r} needs 1 <= k{' <= V' if mode == 'topk' else ''}; got k = {k}, V = {p.shape[-1]}"
         )
-    fisher = torch.zeros(layout.P, dtype=torch.float64, device=dev)
+    fisher = torch.zeros(eng.width, dtype=torch.float64, device=dev)
     trace = torch.zeros(B, T, dtype=torch.float64, device=dev)
     covered = torch.ones_like(trace)
     block = eng.rows_per_block(row_bytes)
@@ -647,8 +697,9 @@ def token_score_squares(
     response_len: torch.Tensor,
     row_bytes: int = DEFAULT_ROW_BYTES,
 ) -> torch.Tensor:
-    """Σ_{n,t} s_{n,t}² (P,) float64 without holding the (B, T, P) token scores: T cotangent rows whose squares
-    are accumulated as they come (the LM head in closed form when the engine has it: (δ_{yu} − p_u)² h_j²)."""
+    """Σ_{n,t} s_{n,t}² (width,) float64 (the engine's columns) without holding the (B, T, P) token scores: T
+    cotangent rows whose squares are accumulated as they come (the LM head in closed form when the engine has
+    it: (δ_{yu} − p_u)² h_j²)."""
     dev = input_ids.device
     cols, active, drawn = response_positions(input_ids, prompt_len.to(dev), response_len.to(dev))
     z = engine.logits.detach()[torch.arange(cols.shape[0], device=dev)[:, None], cols]  # (B, T, V)

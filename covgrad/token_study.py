@@ -31,10 +31,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from covgrad.batch import RolloutBatch
 from covgrad.config import TokensSection
+from covgrad.fsdp import RankColumns, ShardedPerSampleGrads, shard_model, trace_unsharded
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.numerics import dot64
 from covgrad.persample import PerSampleGrads, score_logit_grad
@@ -131,16 +133,30 @@ def lm_head_check(
     rl: torch.Tensor,
     closed: torch.Tensor,
     shape: tuple[int, ...],
+    layout: ParamLayout | None = None,
 ) -> float:
     """Relative L2 error of the LM head's closed-form exact token Fisher against the backward's.
 
     ``closed``: the exact mode's Σ f restricted to the head weight ``head`` (float64, ``shape`` elements).
-    The reference runs mode exact on a layout of the head alone with the closed form disabled, so its
-    backward stops at the head's output (cheap).
+    The reference runs mode exact on a layout of the head alone (``layout``; None: selected now, which a
+    sharded model's frozen parameters do not allow) with the closed form disabled, so its backward stops at
+    the head's output (cheap).
     """
-    layout = select_parameters(model, [head])
+    layout = layout or select_parameters(model, [head])
     ref = token_fisher(model, layout, ids, attn, pl, rl, "exact", exact_budget=2**62, closed_form_head=False)
     return rel_l2(closed.reshape(shape).cpu().numpy(), ref["fisher_sum"].reshape(shape).cpu().numpy())
+
+
+def _setup(
+    model: nn.Module, settings: TokensSection, T: int, params: list[str] | None
+) -> tuple[list[str], ParamLayout, str | None]:
+    """The modes, the layout of ``params`` and the checked LM head of a study (see :meth:`TokenStudy.build`)."""
+    V = model.get_output_embeddings().weight.shape[0]
+    modes = resolve_modes(settings.modes, T, V, settings.exact_budget)
+    if "topk" in modes and settings.topk > V:
+        raise ValueError(f"tokens.topk = {settings.topk} exceeds the vocabulary size V = {V}; set tokens.topk <= {V}")
+    layout = select_parameters(model, params)
+    return modes, layout, lm_head_entry(model, layout)
 
 
 @dataclass(frozen=True)
@@ -163,6 +179,9 @@ class TokenStudy:
     modes: list[str]  # main mode first (resolve_modes)
     head: str | None  # untied LM head checked against its closed form (lm_head_entry), or None
 
+    columns: RankColumns | None = None  # this rank's columns of a sharded model (build_sharded), None: all
+    head_layout: ParamLayout | None = None  # the head alone, selected before sharding (build_sharded)
+
     @classmethod
     def build(
         cls, model: nn.Module, settings: TokensSection, T: int, params: list[str] | None = None, check: bool = True
@@ -170,15 +189,31 @@ class TokenStudy:
         """The study of ``model`` (in eval mode, on its device) over rollouts of T response positions:
         modes resolved, parameters ``params`` selected (None: all), sequence scores self-checked when
         ``check``. ValueError when ``settings.topk`` exceeds the vocabulary or exact its budget."""
-        V = model.get_output_embeddings().weight.shape[0]
-        modes = resolve_modes(settings.modes, T, V, settings.exact_budget)
-        if "topk" in modes and settings.topk > V:
-            raise ValueError(
-                f"tokens.topk = {settings.topk} exceeds the vocabulary size V = {V}; set tokens.topk <= {V}"
-            )
-        layout = select_parameters(model, params)
-        head = lm_head_entry(model, layout)
+        modes, layout, head = _setup(model, settings, T, params)
         return cls(model, layout, PerSampleGrads(model, layout, check=check), settings, modes, head)
+
+    @classmethod
+    def build_sharded(
+        cls,
+        model: nn.Module,
+        settings: TokensSection,
+        T: int,
+        example: dict[str, torch.Tensor | None],
+        params: list[str] | None = None,
+        check: bool = True,
+    ) -> TokenStudy:
+        """This rank's study (in an initialised process group) of ``model``, not yet sharded: as :meth:`build`,
+        then the first call's trace on the batch ``example`` (:func:`covgrad.fsdp.trace_unsharded`), the model
+        sharded over the group (:func:`covgrad.fsdp.shard_model`) and the rank's columns (:class:`RankColumns`):
+        every (param,) sum it hands out is the rank's (P_r,) columns of the in-process sum, bit for bit; the
+        per-position outputs are every rank's alike."""
+        modes, layout, head = _setup(model, settings, T, params)
+        head_layout = select_parameters(model, [head]) if head is not None else None
+        traced = trace_unsharded(model, layout, example)
+        modules = shard_model(model)
+        columns = RankColumns.of(layout, dist.get_world_size(), dist.get_rank())
+        psg = ShardedPerSampleGrads(model, layout, traced, modules, check=check)
+        return cls(model, layout, psg, settings, modes, head, columns, head_layout)
 
     @property
     def V(self) -> int:
@@ -192,11 +227,12 @@ class TokenStudy:
     def batch(self, batch: RolloutBatch, b: int, emit: Emit) -> BatchResult:
         """Batch number ``b`` (it seeds the random modes) of rollouts ``batch`` (on the model's device), one
         forward: each (P,) float64 sum of :func:`row_names` is handed to ``emit(name, row)`` as soon as it
-        is computed and then dropped (a row is 8 B × P); returns the per-sample outputs."""
+        is computed and then dropped (a row is 8 B × P; the rank's P_r columns with ``columns``); returns the
+        per-sample outputs. With ``columns`` every rank of the group calls it on the same batch (collectives)."""
         model, layout, tb, modes, head = self.model, self.layout, self.settings, self.modes, self.head
         ids, attn, target, pos = batch.input_ids, batch.attention_mask, batch.response_mask, batch.position_ids
         pl, rl = batch.prompt_len, batch.response_len
-        eng = TokenBackward(model, layout, ids, attn, pos)
+        eng = TokenBackward(model, layout, ids, attn, pos, columns=self.columns)
 
         def run(mode: str, k: int = 0, seed: int = 0, also: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
             return token_fisher(
@@ -218,7 +254,11 @@ class TokenStudy:
         # sequence scores first, then freed: at real sizes each (B, P) block is large, so Σ_t s_t from the
         # batched-cotangent engine (one row, the summed cotangent of the token scores) is subtracted in place
         seq = self.psg(ids, attn, lambda logits: score_logit_grad(logits, ids, target), position_ids=pos)  # (B, P)
-        emit("seq_sq", square_sum(seq).cpu().numpy())
+        seq_sq = square_sum(seq)  # (P,): formed whole, elementwise; the rank keeps its columns
+        if self.columns is not None:
+            seq_sq = seq_sq[torch.from_numpy(self.columns.index()).to(seq_sq.device)]
+        emit("seq_sq", seq_sq.cpu().numpy())
+        del seq_sq
         norm = torch.linalg.vector_norm(seq, dim=1).double()
         eng.add_grads_(seq, score_logit_grad(eng.logits.detach(), ids, target)[None].neg_())  # s − Σ_t s_t
         diff = torch.linalg.vector_norm(seq, dim=1).double()
@@ -242,8 +282,8 @@ class TokenStudy:
             outs["exact"] = run("exact", also=also)
             if head is not None and eng.head_entry is not None:
                 e = eng.head_entry
-                closed = outs["exact"]["fisher_sum"][e.offset : e.offset + e.numel]
-                head_err = lm_head_check(model, head, ids, attn, pl, rl, closed, e.shape)
+                closed = eng.whole_entry(outs["exact"]["fisher_sum"], e)
+                head_err = lm_head_check(model, head, ids, attn, pl, rl, closed, e.shape, self.head_layout)
             for name, out in outs["exact"].pop("also").items():
                 if name == "tok":
                     tok_sq = out.pop("fisher_sum")

@@ -243,7 +243,7 @@ class TokensSpec(StageSpec):
 
     STAGE: ClassVar[str] = "tokens"
     VERSION: ClassVar[str] = "6"  # 6: jackknife interval of the errors against F in the scalars
-    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"device", "self_check"})
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"device", "self_check", "launcher", "ranks"})
     settings: TokensSection
     params: list[str] | None
     sampler: str
@@ -251,6 +251,19 @@ class TokensSpec(StageSpec):
     policy: PolicySpec
     device: Device
     self_check: bool
+    # the model sharded over local ranks (storage.tokens_ranks, scores.ranks); absent from the dump when in-process
+    launcher: Literal["in-process", "local"] = "in-process"
+    ranks: int = 1
+
+    @model_serializer(mode="wrap")
+    def _in_process_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump without ``launcher`` and ``ranks`` when in-process: the spec recorded in claims and markers
+        of earlier runs stays what it was before the fields existed."""
+        out = handler(self)
+        if self.launcher == "in-process":
+            out.pop("launcher", None)
+            out.pop("ranks", None)
+        return out
 
 
 class PassMember(Spec):
@@ -593,6 +606,8 @@ def plan(cfg: PipelineConfig) -> Plan:
     masks = _step(store, Instance("masks"), MasksSpec(qs=list(cfg.masks.qs)), {"stats": main})
     tokens = update = None
     if cfg.tokens.enabled:
+        launcher, ranks = cfg.scores.placement
+        local = launcher == "local" and ranks > 1  # torchrun groups run the tokens stage in-process
         spec = TokensSpec(
             settings=cfg.tokens.model_copy(deep=True),
             params=m.params,
@@ -601,6 +616,8 @@ def plan(cfg: PipelineConfig) -> Plan:
             policy=policy,
             device=m.device,
             self_check=m.self_check,
+            launcher="local" if local else "in-process",
+            ranks=ranks if local else 1,
         )
         tokens = _step(store, Instance("tokens"), spec, {"base_model": base, "rollouts": rollouts[analysed]})
     teacher = plan_teacher(cfg, store, base)

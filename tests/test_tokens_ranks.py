@@ -1,0 +1,117 @@
+"""The tokens stage with the model sharded over ranks (scores.ranks, storage/tokens_ranks.py): 2 gloo ranks give
+the in-process artifact's key and arrays, bit for bit, for tied and untied embeddings; ranks are placement (no key
+changes, in-process dumps as before); the ranks' columns written through their own and shared chunks make up the
+whole batch sums; a model that needs the repeated-batch path is recognised and refused on ranks."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import zarr
+
+from covgrad.fsdp import RankColumns, launch
+from covgrad.layout import select_parameters
+from covgrad.persample import bind_rules
+from covgrad.token_fisher import TokenBackward, repeated_batch
+from storage.artifacts import ArtifactStore
+from storage.schema import TOKENS as STORE
+from storage.schema import create, param_chunk
+from storage.tokens_ranks import RankRows
+from tasks.specs import plan
+from tests.helpers.families import FAMILIES
+from tests.helpers.persample import make_batch
+from tests.helpers.pipeline import tiny_config
+from tests.helpers.stages import POLICY_ONLY, run_upto
+
+SETTINGS = {**POLICY_ONLY, "update_check.enabled": False}
+
+
+def _arrays(store: ArtifactStore, ref) -> dict[str, np.ndarray]:
+    g = store.open_group(ref, STORE, mode="r")
+    return {name: a[:] for name, a in g.members(max_depth=None) if isinstance(a, zarr.Array)}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def in_process(request, tmp_path_factory):
+    """(root, tied, the in-process tokens ref) of a tiny pipeline run up to the tokens stage."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("tokens-in-process") / "root"
+    cfg = tiny_config(str(root), **SETTINGS, **{"model.demo.tie_embeddings": request.param})
+    return root, request.param, run_upto(cfg, "tokens")["tokens"]
+
+
+def test_ranks_are_placement_and_in_process_dumps_are_unchanged(tmp_path: Path):
+    """scores.ranks changes no tokens key; the fields appear in the tokens spec's dump only on ranks."""
+    before, after = plan(tiny_config(str(tmp_path))), plan(tiny_config(str(tmp_path), **{"scores.ranks": 2}))
+    assert before["tokens"].ref.key == after["tokens"].ref.key
+    assert "ranks" not in before["tokens"].spec.model_dump() and "launcher" not in before["tokens"].spec.model_dump()
+    assert after["tokens"].spec.launcher == "local" and after["tokens"].spec.ranks == 2
+    torchrun = plan(tiny_config(str(tmp_path), **{"scores.ranks": 2, "scores.launcher": "torchrun"}))
+    assert torchrun["tokens"].spec.launcher == "in-process"  # torchrun groups run the tokens stage in-process
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_in_process_tokens_artifact(in_process, tmp_path: Path):
+    """The tokens artifact computed by the task with scores.ranks=2 (gloo, CPU) holds the in-process artifact's
+    arrays (every array: the per-position traces and diagnostics, the score-sum check, the LM-head check, the
+    Fisher estimates), bit for bit, under the same key, and the same scalars."""
+    root, tied, ref = in_process
+    shutil.copytree(root, tmp_path / "root", ignore=lambda d, names: ["tokens"] if Path(d) == root else [])
+    cfg = tiny_config(str(tmp_path / "root"), **SETTINGS, **{"model.demo.tie_embeddings": tied, "scores.ranks": 2})
+    assert plan(cfg)["tokens"].spec.ranks == 2
+    got = run_upto(cfg, "tokens")["tokens"]
+    assert got.key == ref.key
+    before, after = ArtifactStore(str(root)), ArtifactStore(cfg.root)
+    a, b = _arrays(before, ref), _arrays(after, got)
+    assert sorted(a) == sorted(b) and "fisher_exact" in a
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name], equal_nan=True), name
+    g0, g1 = before.open_group(ref, STORE, mode="r"), after.open_group(got, STORE, mode="r")
+    assert g0.attrs["lm_head"] == (None if tied else "lm_head.weight") == g1.attrs["lm_head"]
+    assert g0.attrs["scalars"] == g1.attrs["scalars"]
+
+
+def test_a_model_on_the_repeated_batch_path_is_refused_on_ranks():
+    """Modules without a per-module rule (here a fused-experts MoE) go through a repeated-batch PerSampleGrads,
+    which does not run on a sharded model: ``repeated_batch`` says so (the task then runs the stage in its own
+    process) and the engine refuses ranks' columns in one line naming what to set."""
+    model = FAMILIES["qwen3-moe"]().eval()
+    layout = select_parameters(model, None)
+    assert repeated_batch(model, bind_rules(model, layout))
+    dense = FAMILIES["llama-untied"]().eval()
+    assert not repeated_batch(dense, bind_rules(dense, select_parameters(dense, None)))
+    batch = make_batch(0, [3, 5], [2, 4])
+    with pytest.raises(ValueError, match=r"repeated-batch path .*; set scores.ranks=1 or tokens.enabled=false$"):
+        TokenBackward(model, layout, batch["input_ids"], batch["attention_mask"], columns=RankColumns.of(layout, 2, 0))
+
+
+def _layout():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(301, 1201), torch.nn.Linear(1201, 3), torch.nn.Embedding(97, 5))
+    return select_parameters(model, None)
+
+
+def _write_rows(path: str) -> None:
+    """One rank: write its columns of two batch sums (values: the global column + 1000 × the batch)."""
+    layout = _layout()
+    columns = RankColumns.of(layout, dist.get_world_size(), dist.get_rank())
+    rows = RankRows(zarr.open_group(path, mode="r+"), columns, layout.P)
+    for b in range(2):
+        rows.write(b, "exact", (columns.index() + 1000.0 * b).astype(np.float64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_rank_rows_written_through_own_and_shared_chunks_are_the_whole_rows(tmp_path: Path, ranks: int):
+    """Each rank's columns of a (batch, param) batch sum, written in place (chunks inside its runs) and in turn
+    (chunks shared with another rank), make up the whole rows."""
+    layout = _layout()
+    assert 2 * param_chunk(layout.P) < layout.P  # chunks of one rank and shared chunks both occur
+    g = zarr.open_group(str(tmp_path / "tokens.zarr"), mode="w")
+    create(g, STORE, "rows_exact", (2, layout.P))
+    launch(ranks, _write_rows, (str(tmp_path / "tokens.zarr"),), tmp_path / "rendezvous")
+    expected = np.arange(layout.P)[None] + 1000.0 * np.arange(2)[:, None]
+    np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "tokens.zarr"), mode="r")["rows_exact"][:], expected)
