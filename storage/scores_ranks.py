@@ -24,6 +24,7 @@ torchrun group on one or several machines (:func:`run_ranks`). What the store ad
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,10 +37,18 @@ from covgrad.batch import RolloutBatch
 from covgrad.centering import LogitGrad
 from covgrad.devices import check_state_fits
 from covgrad.fold import fold_batches
-from covgrad.fsdp import RankColumns, ShardAccumulator, Torchrun, launch, launch_torchrun, rank_scores
+from covgrad.fsdp import (
+    RankColumns,
+    RankFailedError,
+    ShardAccumulator,
+    Torchrun,
+    launch,
+    launch_torchrun,
+    rank_scores,
+)
 from covgrad.layout import ParamLayout
 from covgrad.persample import PerSampleGrads
-from storage.artifacts import mark_batch_done
+from storage.artifacts import ArtifactRef, ArtifactStore, mark_batch_done
 from storage.schema import SCORES as STORE
 from storage.schema import write
 from storage.scores import SCALARS, RowWriter, ScoresStore, column_split, write_state
@@ -354,3 +363,34 @@ def run_ranks(
             launch_torchrun(torchrun, RANK_ENTRY, _rank_main, (make_job, args), tmp)
     assemble_edges(job.out, job.layout, ranks)
     return job.finalize()
+
+
+def torchrun_group(key: str, ranks: int, nnodes: int, node_rank: int, endpoint: str | None, cuda: bool) -> Torchrun:
+    """This machine's part of the torchrun group that computes scores artifact ``key``: ``ranks`` / ``nnodes``
+    ranks on each of ``nnodes`` machines (this one ``node_rank``, node 0's rendezvous at ``endpoint``), meeting
+    under an id of the artifact's key (every machine plans the same key), nccl when ``cuda``, else gloo."""
+    backend = "nccl" if cuda else "gloo"
+    return Torchrun(ranks // nnodes, nnodes, node_rank, endpoint, f"covgrad-scores-{key}", backend)
+
+
+# How long, in seconds, a machine other than node 0 waits, after its ranks finish, for node 0 to complete the
+# artifact, where the store's lock does not reach across machines (an object store).
+NODE0_WAIT_S = 3600.0
+
+
+def wait_for_node0(store: ArtifactStore, ref: ArtifactRef, nnodes: int) -> None:
+    """Wait until node 0 of a group of ``nnodes`` machines has completed artifact ``ref`` (node 0 holds the
+    artifact's lock from before its ranks start until the artifact is complete or its run failed).
+
+    Raises:
+        RankFailedError: node 0 let the artifact go incomplete (its failure is named in node 0's log), or did
+            not complete it within :data:`NODE0_WAIT_S`.
+    """
+    deadline = time.monotonic() + NODE0_WAIT_S
+    while not store.is_complete(ref):
+        if (store.local and not store.busy(ref) and not store.is_complete(ref)) or time.monotonic() > deadline:
+            raise RankFailedError(
+                f"node 0 of scores.nnodes={nnodes} did not complete scores {ref.key} after this node's ranks "
+                "finished; see node 0's log, and rerun every node to resume from the checkpoints"
+            )
+        time.sleep(0.5)

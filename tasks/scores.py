@@ -20,7 +20,7 @@ from covgrad.batch import RolloutBatch, group_batches
 from covgrad.centering import LogitGrad, SamplerCentering, policy_logit_grad
 from covgrad.devices import check_state_fits, device_memory, pick_device
 from covgrad.fold import fold_batches
-from covgrad.fsdp import RankFailedError, Torchrun
+from covgrad.fsdp import Torchrun
 from covgrad.identity import model_identity
 from covgrad.layout import select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads
@@ -34,7 +34,7 @@ from storage.models import load_models
 from storage.rollouts import read_batch, require_mu
 from storage.schema import ROLLOUTS
 from storage.scores import ScoresStore, mu_recorded, read_mu
-from storage.scores_ranks import run_ranks
+from storage.scores_ranks import run_ranks, torchrun_group, wait_for_node0
 from tasks.common import StageResult, check_spec, progress_bar, run_stage
 from tasks.specs import ScoresSpec
 
@@ -184,14 +184,11 @@ def _job(root: str, ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRe
 
 
 def _torchrun(ref: ArtifactRef, spec: ScoresSpec) -> Torchrun | None:
-    """The torchrun group of a ``scores.launcher: torchrun`` spec (None for the other launchers): ranks / nnodes
-    ranks on this machine, meeting under an id of the artifact's key (every machine plans the same key), gloo
-    on the CPU, nccl when the job's device is CUDA."""
+    """The torchrun group of a ``scores.launcher: torchrun`` spec (None for the other launchers)."""
     if spec.launcher != "torchrun":
         return None
-    backend = "nccl" if pick_device(spec.device).type == "cuda" else "gloo"
-    nproc = spec.ranks // spec.nnodes
-    return Torchrun(nproc, spec.nnodes, spec.node_rank, spec.rdzv_endpoint, f"covgrad-scores-{ref.key}", backend)
+    cuda = pick_device(spec.device).type == "cuda"
+    return torchrun_group(ref.key, spec.ranks, spec.nnodes, spec.node_rank, spec.rdzv_endpoint, cuda)
 
 
 def _compute(
@@ -206,34 +203,17 @@ def _compute(
     return job.finalize()
 
 
-# How long, in seconds, a machine other than node 0 waits, after its ranks finish, for node 0 to complete the
-# artifact, where the store's lock does not reach across machines (an object store).
-NODE0_WAIT_S = 3600.0
-
-
 def _join(ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]) -> StageResult:
     """Machine ``spec.node_rank`` > 0 of a torchrun group: start this machine's ranks, which fold their columns
-    into the artifact that node 0 prepares, then wait until node 0 completes it (node 0 holds the artifact's
-    lock from before its ranks start until the artifact is complete or its run failed).
-
-    Raises:
-        RankFailedError: a rank of this machine failed (:func:`storage.scores_ranks.run_ranks`), or node 0 let
-            the artifact go incomplete (its failure is named in node 0's log).
-    """
+    into the artifact that node 0 prepares, then wait until node 0 completes it
+    (:func:`storage.scores_ranks.wait_for_node0`)."""
     check_spec(ref, spec)
     store = ArtifactStore(ref.root)
     if store.is_complete(ref):
         return StageResult(ref=ref, computed=False)
     t0 = time.perf_counter()
     run_ranks(_job, (store.root, ref, spec, up), spec.ranks, _torchrun(ref, spec))
-    deadline = time.monotonic() + NODE0_WAIT_S
-    while not store.is_complete(ref):
-        if (store.local and not store.busy(ref) and not store.is_complete(ref)) or time.monotonic() > deadline:
-            raise RankFailedError(
-                f"node 0 of scores.nnodes={spec.nnodes} did not complete scores {ref.key} after this node's ranks "
-                "finished; see node 0's log, and rerun every node to resume from the checkpoints"
-            )
-        time.sleep(0.5)
+    wait_for_node0(store, ref, spec.nnodes)
     return StageResult(ref=ref, computed=True, seconds=time.perf_counter() - t0)
 
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from covgrad.accum import MomentAccumulator
 from covgrad.config import PipelineConfig
-from covgrad.fsdp import RankColumns, RankFailedError, merge_states
+from covgrad.fsdp import RankColumns, RankFailedError, Torchrun, merge_states
 from covgrad.layout import select_parameters
 from storage.artifacts import ArtifactStore
 from storage.scores import ScoresStore
@@ -105,12 +105,15 @@ def test_rank_columns_written_through_chunks_and_edges_are_the_merged_state(tmp_
 
 
 @pytest.mark.slow
-def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_path: Path):
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_path: Path, launcher: str):
     """Every scores artifact of the tiny pipeline (policy and sampler centering, kept rows, KL) computed by the
-    scores task with scores.ranks=2 (gloo, CPU) holds the in-process artifact's arrays, bit for bit."""
+    scores task with scores.ranks=2 (gloo, CPU; local processes or a torchrun group) holds the in-process
+    artifact's arrays, bit for bit, under the in-process key."""
     shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
-    cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2})
+    cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.launcher": launcher})
     names = {n for n, s in plan(cfg).items() if s.ref.stage == "scores"}
+    assert {plan(cfg)[n].spec.launcher for n in names} == {launcher}
     results = run_planned(cfg, names | {n for n, s in plan(cfg).items() if s.ref.stage in ("base_model", "rollouts")})
     assert all(results[n].computed for n in names)
     before, after = ArtifactStore(str(tiny_run[0])), ArtifactStore(cfg.root)
@@ -120,9 +123,15 @@ def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(tiny_run, tmp_path: Path):
-    """Rank 1 of 2 SIGKILLs itself once both ranks hold their checkpoints of 2 batches: the run fails in one
-    line naming it; the rerun resumes both ranks at batch 2 and ends with the in-process arrays."""
+@pytest.mark.parametrize(
+    ("torchrun", "where"), [(None, "of 2"), (Torchrun(2), "of 2 (torchrun)")], ids=["local", "torchrun"]
+)
+def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(
+    tiny_run, tmp_path: Path, torchrun: Torchrun | None, where: str
+):
+    """Rank 1 of 2 (local processes or a torchrun group) SIGKILLs itself once both ranks hold their checkpoints
+    of 2 batches: the run fails in one line naming it and the edges are not assembled; the rerun resumes both
+    ranks at batch 2 and ends with the in-process arrays."""
     shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
     cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.checkpoint_batches": 1})
     node = plan(cfg)[SCORES]
@@ -131,10 +140,11 @@ def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(tiny_ru
     args = (cfg.root, node.ref, node.spec, node.upstream, str(log))
     store.begin(node.ref, node.spec.model_dump(mode="json"), resume=True)
     with pytest.raises(RankFailedError) as info:
-        run_ranks(recording_job, (*args, (1, 2)), 2)
-    assert str(info.value) == "rank 1 of 2 was killed by SIGKILL; rerun to resume from the checkpoints"
+        run_ranks(recording_job, (*args, (1, 2)), 2, torchrun)
+    assert str(info.value) == f"rank 1 {where} was killed by SIGKILL; rerun to resume from the checkpoints"
     assert sorted(log.read_text().splitlines()) == ["0 0", "1 0"]
+    assert "edges" in store.open_group(node.ref, "scores.zarr", mode="r")  # the edges were not assembled
     log.write_text("")
-    assert run_ranks(recording_job, (*args, None), 2) is not None
+    assert run_ranks(recording_job, (*args, None), 2, torchrun) is not None
     assert sorted(log.read_text().splitlines()) == ["0 2", "1 2"]
     _assert_same_arrays(_arrays(ArtifactStore(str(tiny_run[0])), tiny_run[1][SCORES].ref), _arrays(store, node.ref))

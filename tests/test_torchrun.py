@@ -1,10 +1,10 @@
 """The scores stage on a torchrun group (scores.launcher: torchrun; covgrad.fsdp.launch_torchrun, the ranks running
 ``storage.rank_main``): the real torchrun (``python -m torch.distributed.run``) and real gloo ranks, no mocks.
 
-A 2-rank torchrun artifact of the tiny pipeline holds the in-process arrays; two "machines" on this host (two
-torchrun processes of one rank each, meeting at a c10d rendezvous on 127.0.0.1) give them too, node 1 only
-folding; a SIGKILLed rank or one that raises is named in one line and a rerun resumes from the checkpoints; the
-config refuses torchrun settings that cannot run, in one line."""
+Two "machines" on this host (two torchrun processes of one rank each, meeting at a c10d rendezvous on 127.0.0.1)
+give the in-process arrays, node 1 only folding; a rank that raises is named in one line; the config refuses
+torchrun settings that cannot run, in one line. A 2-rank torchrun group through the task and a SIGKILLed
+torchrun rank are tests/test_fsdp_stage.py's, parametrized over the launcher."""
 
 import shutil
 import socket
@@ -17,13 +17,13 @@ from pydantic import ValidationError
 from covgrad.config import ScoresSection
 from covgrad.fsdp import RankFailedError, Torchrun, launch_torchrun
 from storage.artifacts import ArtifactStore
-from storage.scores_ranks import RANK_ENTRY, run_ranks
+from storage.scores_ranks import RANK_ENTRY
 from tasks.scores import scores_task
 from tasks.specs import plan
-from tests.helpers.fsdp_ranks import SCORES, recording_job
+from tests.helpers.fsdp_ranks import SCORES
 from tests.helpers.fsdp_ranks import assert_same_arrays as _assert_same_arrays
 from tests.helpers.fsdp_ranks import scores_arrays as _arrays
-from tests.helpers.pipeline import NO_OPTIONAL, run_planned, tiny_config
+from tests.helpers.pipeline import NO_OPTIONAL, tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -89,23 +89,6 @@ def _copy(tiny_run, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_torchrun_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_path: Path):
-    """Every scores artifact of the tiny pipeline computed by the scores task on a 2-rank torchrun group (gloo)
-    is the in-process artifact: the same key, every array bit for bit."""
-    cfg = tiny_config(
-        str(_copy(tiny_run, tmp_path)), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.launcher": "torchrun"}
-    )
-    names = {n for n, s in plan(cfg).items() if s.ref.stage == "scores"}
-    assert {plan(cfg)[n].spec.launcher for n in names} == {"torchrun"}
-    results = run_planned(cfg, names | {n for n, s in plan(cfg).items() if s.ref.stage in ("base_model", "rollouts")})
-    assert all(results[n].computed for n in names)
-    before, after = ArtifactStore(str(tiny_run[0])), ArtifactStore(cfg.root)
-    for n in names:
-        assert results[n].ref.key == tiny_run[1][n].ref.key
-        _assert_same_arrays(_arrays(before, tiny_run[1][n].ref), _arrays(after, results[n].ref))
-
-
-@pytest.mark.slow
 def test_two_machines_give_the_in_process_arrays_and_node_1_only_folds(tiny_run, tmp_path: Path):
     """Two "machines" on this host: the scores task of node 1 and of node 0 (scores.nnodes=2, one rank each, a
     c10d rendezvous on 127.0.0.1) against one store root. Node 1 alone creates nothing (it waits at the
@@ -137,30 +120,6 @@ def test_two_machines_give_the_in_process_arrays_and_node_1_only_folds(tiny_run,
     assert not thread.is_alive() and "error" not in out, out.get("error")
     assert first.computed and out["result"].computed and out["complete"]
     _assert_same_arrays(_arrays(ArtifactStore(str(tiny_run[0])), tiny_run[1][SCORES].ref), _arrays(store, node0.ref))
-
-
-@pytest.mark.slow
-def test_a_killed_torchrun_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(tiny_run, tmp_path: Path):
-    """Rank 1 of a 2-rank torchrun group SIGKILLs itself once both ranks hold their checkpoints of 2 batches: the
-    run fails in one line naming it and nothing is finalized; the rerun resumes both ranks at batch 2 and ends
-    with the in-process arrays."""
-    cfg = tiny_config(
-        str(_copy(tiny_run, tmp_path)), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.checkpoint_batches": 1}
-    )
-    node = plan(cfg)[SCORES]
-    store = ArtifactStore(cfg.root)
-    log = tmp_path / "restores.log"
-    args = (cfg.root, node.ref, node.spec, node.upstream, str(log))
-    store.begin(node.ref, node.spec.model_dump(mode="json"), resume=True)
-    with pytest.raises(RankFailedError) as info:
-        run_ranks(recording_job, (*args, (1, 2)), 2, Torchrun(2))
-    assert str(info.value) == "rank 1 of 2 (torchrun) was killed by SIGKILL; rerun to resume from the checkpoints"
-    assert sorted(log.read_text().splitlines()) == ["0 0", "1 0"]
-    assert "edges" in store.open_group(node.ref, "scores.zarr", mode="r")  # the edges were not assembled
-    log.write_text("")
-    assert run_ranks(recording_job, (*args, None), 2, Torchrun(2)) is not None
-    assert sorted(log.read_text().splitlines()) == ["0 2", "1 2"]
-    _assert_same_arrays(_arrays(ArtifactStore(str(tiny_run[0])), tiny_run[1][SCORES].ref), _arrays(store, node.ref))
 
 
 def _raises() -> None:
