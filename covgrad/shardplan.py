@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -295,3 +296,25 @@ def _plan(
         store_bytes=samples * state + rows,
         peak_store_bytes=samples * state + rows + ckpt,
     )
+
+
+def resolve_shards(job: Any, workers: int, device_bytes: int) -> tuple[int, int]:
+    """The (sample shards, parameter blocks) of a scores job (``tasks.scores.ScoresJob``: its spec, model,
+    layout, rollouts and batches) with its blocks resolved (``"auto"``: the fewest whose job fits one device of
+    ``device_bytes``, like the job's) on ``workers`` such devices."""
+    spec = job.spec
+    work = Workload(
+        B=job.B,
+        L=int(job.ro["tokens"].shape[1]),
+        N=job.N,
+        n_batches=len(job.batches),
+        state_dtype=spec.state_dtype,
+        device=job.device.type,
+        byte_budget=spec.byte_budget,
+        equal_batches=job.equal,
+        self_check=spec.self_check,
+    )
+    shards = (spec.sample_shards, spec.blocks)
+    model = ModelShape.of(job.model)
+    chosen = make_plan(job.layout, model, work, shards, workers, device_bytes, cut=spec.cut_tensors)
+    return chosen.samples, chosen.blocks

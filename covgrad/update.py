@@ -52,6 +52,20 @@ from covgrad.trajectory import set_metrics as set_metrics
 ABS_THRESHOLD = 1e-5  # the |Δ| metric of Mukherjee et al. 2025
 RANKED_PREDICTORS = ("F", "absG", "absrho", "random", "smallw")
 METRICS = ("bf16", "abs")
+# the grid columns of the markdown table, after "regime" when the grid has regime cells
+GRID_MD_COLUMNS = (
+    "optimizer",
+    "precision",
+    "lr",
+    "steps",
+    "frac_changed_bf16",
+    "frac_changed_abs",
+    *(f"bf16_{p}_jaccard" for p in RANKED_PREDICTORS),
+    "bf16_absorb_recall",
+    "bf16_absorb_precision",
+    "bf16_bound_recall",
+    "bf16_bound_precision",
+)
 RULES = ("absorb", "bound")
 CHUNK = 1 << 24  # parameters per elementwise step over the flat axis: bounds the float64 temporaries
 SET_STATS = ("precision", "recall", "jaccard", "size")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from covgrad.accum import MomentAccumulator
 from covgrad.batch import RolloutBatch
 from covgrad.centering import LogitGrad
-from covgrad.devices import check_state_fits
+from covgrad.devices import check_state_fits, pick_device
 from covgrad.fold import fold_batches
 from covgrad.fsdp import (
     RankColumns,
@@ -365,12 +365,16 @@ def run_ranks(
     return job.finalize()
 
 
-def torchrun_group(key: str, ranks: int, nnodes: int, node_rank: int, endpoint: str | None, cuda: bool) -> Torchrun:
-    """This machine's part of the torchrun group that computes scores artifact ``key``: ``ranks`` / ``nnodes``
-    ranks on each of ``nnodes`` machines (this one ``node_rank``, node 0's rendezvous at ``endpoint``), meeting
-    under an id of the artifact's key (every machine plans the same key), nccl when ``cuda``, else gloo."""
-    backend = "nccl" if cuda else "gloo"
-    return Torchrun(ranks // nnodes, nnodes, node_rank, endpoint, f"covgrad-scores-{key}", backend)
+def torchrun_group(key: str, spec: Any) -> Torchrun | None:
+    """This machine's part of the torchrun group that computes scores artifact ``key`` with a scores spec
+    (``tasks.specs.ScoresSpec``) of ``launcher: torchrun`` (None for the other launchers): ranks / nnodes ranks
+    on each of nnodes machines (this one node_rank, node 0's rendezvous at rdzv_endpoint), meeting under an id
+    of the artifact's key (every machine plans the same key), nccl when the spec's device is CUDA, else gloo."""
+    if spec.launcher != "torchrun":
+        return None
+    backend = "nccl" if pick_device(spec.device).type == "cuda" else "gloo"
+    nproc = spec.ranks // spec.nnodes
+    return Torchrun(nproc, spec.nnodes, spec.node_rank, spec.rdzv_endpoint, f"covgrad-scores-{key}", backend)
 
 
 # How long, in seconds, a machine other than node 0 waits, after its ranks finish, for node 0 to complete the

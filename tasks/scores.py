@@ -20,13 +20,12 @@ from covgrad.batch import RolloutBatch, group_batches
 from covgrad.centering import LogitGrad, SamplerCentering, policy_logit_grad
 from covgrad.devices import check_state_fits, device_memory, pick_device
 from covgrad.fold import fold_batches
-from covgrad.fsdp import Torchrun
 from covgrad.identity import model_identity
 from covgrad.layout import select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads
 from covgrad.rollout_import import require_mu_source
 from covgrad.sampling import SamplerSpec
-from covgrad.shardplan import ModelShape, Workload, keeps_rows, make_plan
+from covgrad.shardplan import keeps_rows, resolve_shards
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.identity import IDENTITY_ATTR
 from storage.imports import sampler_source
@@ -44,7 +43,7 @@ class ScoresJob:
     every array (once, before any job runs), ``run((i, k))`` folds sample shard i's batches into the
     columns of parameter block k, and ``finalize`` assembles the block edges and writes the attributes
     once every job is done. ``shards`` = (S, K) defaults to the spec's sample shards and blocks (``"auto"``
-    blocks: the fewest that fit ``workers`` devices like this process's, :func:`resolve_shards`)."""
+    blocks: the fewest that fit ``workers`` devices like this process's, covgrad.shardplan.resolve_shards)."""
 
     def __init__(
         self,
@@ -68,7 +67,7 @@ class ScoresJob:
         self.B = max(hi - lo for lo, hi in self.batches)
         self.equal = all(hi - lo == self.B for lo, hi in self.batches[:-1])
         if shards is None and spec.blocks == "auto":
-            shards = resolve_shards(self, workers)
+            shards = resolve_shards(self, workers, device_memory(self.device))
         self.S, self.K = shards or (spec.sample_shards, spec.blocks)
         self.blocks = split_blocks(self.layout, self.K, cut=spec.cut_tensors)
         keep = keeps_rows(self.N, self.P, spec.byte_budget, self.K, self.equal)
@@ -157,45 +156,16 @@ class ScoresJob:
         return {"n_samples": self.N, "n_params": self.P, "per_sample_rows": self.out.keep_rows, "shards": shards}
 
 
-def resolve_shards(job: ScoresJob, workers: int) -> tuple[int, int]:
-    """The spec's shards with their blocks resolved (``"auto"``: the fewest whose job fits one device like
-    this process's) for a job's model and rollouts on ``workers`` such devices."""
-    spec = job.spec
-    work = Workload(
-        B=job.B,
-        L=int(job.ro["tokens"].shape[1]),
-        N=job.N,
-        n_batches=len(job.batches),
-        state_dtype=spec.state_dtype,
-        device=job.device.type,
-        byte_budget=spec.byte_budget,
-        equal_batches=job.equal,
-        self_check=spec.self_check,
-    )
-    shards = (spec.sample_shards, spec.blocks)
-    model = ModelShape.of(job.model)
-    chosen = make_plan(job.layout, model, work, shards, workers, device_memory(job.device), cut=spec.cut_tensors)
-    return chosen.samples, chosen.blocks
-
-
 def _job(root: str, ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]) -> ScoresJob:
     """The job of a launched rank (a module-level function of plain values: it pickles)."""
     return ScoresJob(ArtifactStore(root), ref, spec, up)
-
-
-def _torchrun(ref: ArtifactRef, spec: ScoresSpec) -> Torchrun | None:
-    """The torchrun group of a ``scores.launcher: torchrun`` spec (None for the other launchers)."""
-    if spec.launcher != "torchrun":
-        return None
-    cuda = pick_device(spec.device).type == "cuda"
-    return torchrun_group(ref.key, spec.ranks, spec.nnodes, spec.node_rank, spec.rdzv_endpoint, cuda)
 
 
 def _compute(
     store: ArtifactStore, ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]
 ) -> dict[str, Any] | None:
     if spec.launcher != "in-process":  # the model sharded over spec.ranks processes
-        return run_ranks(_job, (store.root, ref, spec, up), spec.ranks, _torchrun(ref, spec))
+        return run_ranks(_job, (store.root, ref, spec, up), spec.ranks, torchrun_group(ref.key, spec))
     job = ScoresJob(store, ref, spec, up)
     job.prepare()
     for j in job.jobs():  # the partition of the spec's shards, one job after another in this process
@@ -212,7 +182,7 @@ def _join(ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]) -> Sta
     if store.is_complete(ref):
         return StageResult(ref=ref, computed=False)
     t0 = time.perf_counter()
-    run_ranks(_job, (store.root, ref, spec, up), spec.ranks, _torchrun(ref, spec))
+    run_ranks(_job, (store.root, ref, spec, up), spec.ranks, torchrun_group(ref.key, spec))
     wait_for_node0(store, ref, spec.nnodes)
     return StageResult(ref=ref, computed=True, seconds=time.perf_counter() - t0)
 

@@ -38,7 +38,7 @@ from prefect import task
 from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.tables import to_csv, to_markdown
 from covgrad.trajectory import StepLoss
-from covgrad.update import RANKED_PREDICTORS, rl_minibatches, summarize, update_grid
+from covgrad.update import GRID_MD_COLUMNS, rl_minibatches, summarize, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
@@ -46,20 +46,6 @@ from storage.schema import UPDATE as STORE
 from storage.trajectory import fixed_batches, step_loss
 from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import UpdateCheckSpec
-
-MD_COLUMNS = (
-    "optimizer",
-    "precision",
-    "lr",
-    "steps",
-    "frac_changed_bf16",
-    "frac_changed_abs",
-    *(f"bf16_{p}_jaccard" for p in RANKED_PREDICTORS),
-    "bf16_absorb_recall",
-    "bf16_absorb_precision",
-    "bf16_bound_recall",
-    "bf16_bound_precision",
-)
 
 
 def _compute(
@@ -115,7 +101,7 @@ def _compute(
     summary.update({"centering": st.attrs["centering"], "adv_rms": adv_rms})
     store.write_text(ref, "grid.csv", to_csv(rows))
     store.write_json(ref, "grid.json", rows)
-    md = (("regime",) if spec.regimes else ()) + MD_COLUMNS
+    md = (("regime",) if spec.regimes else ()) + GRID_MD_COLUMNS
     store.write_text(ref, "grid.md", to_markdown([{col: r[col] for col in md} for r in rows]))
     store.write_json(ref, "summary.json", summary)
     g = store.open_group(ref, STORE, mode="w")
