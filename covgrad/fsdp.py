@@ -210,8 +210,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, mesh: Any = None, layers: list[nn.Module] | None = None) -> list[nn.Module]:
     """``fully_shard`` every decoder layer of ``model`` and then the model itself (in place) over ``mesh``
-    (default: the world of the initialised process group, on the model's device type); the parameters become
-    dim-0 sharded DTensors. Returns the FSDP modules, the root last.
+    (default: the world of the initialised process group, on :func:`rank_device`'s type); the parameters
+    become dim-0 sharded DTensors. Returns the FSDP modules, the root last.
 
     The parameters are frozen first: the per-sample pass needs no batched weight gradient, and FSDP2's
     unsharded parameters take their ``requires_grad`` from the sharded ones.
@@ -222,8 +222,7 @@ def shard_model(model: nn.Module, mesh: Any = None, layers: list[nn.Module] | No
     if mesh is None:
         if not dist.is_initialized():
             raise ValueError("shard_model needs an initialised process group; call dist.init_process_group first")
-        device = next(model.parameters()).device.type
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = []
@@ -235,15 +234,125 @@ def shard_model(model: nn.Module, mesh: Any = None, layers: list[nn.Module] | No
     return wrapped
 
 
+def rank_device() -> torch.device:
+    """This rank's device in the initialised process group: its current CUDA device under nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def loads_weights() -> bool:
+    """Whether this process loads a model's weights itself: not a rank other than 0 of an initialised process
+    group, which builds the model on the meta device and takes its shard from rank 0 (:func:`shard_from_rank0`)."""
+    return not (dist.is_initialized() and dist.get_rank() > 0)
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` holds tensors on the meta device (built without weights, :func:`shard_from_rank0`)."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """The first call's trace of a model (:meth:`PerSampleGrads._trace`: where each selected parameter is
+    used, and which flattened modules keep samples apart), by module name, so that it crosses processes:
+    rank 0 traces its model and every rank binds the result to its own copy (the same module tree).
+
+    Attributes:
+        bindings: (module name, rule, local name → layout entry) of every hooked module, trace order.
+        flat_ok: names of the modules verified to run on a flattened (B·L, …) batch sample by sample.
+        outer: of those, the ones with outer-major rows.
+    """
+
+    bindings: list[tuple[str, Any, dict[str, Any]]]
+    flat_ok: frozenset[str]
+    outer: frozenset[str]
+
+    @classmethod
+    def of(cls, psg: PerSampleGrads) -> RankTrace:
+        """The trace of ``psg`` after its first call on a batch of at least 2 rows.
+
+        Raises:
+            ValueError: when the trace did not verify the flattened modules (a batch of one row).
+        """
+        if not psg._verified:
+            raise ValueError("the trace before sharding needs a batch of at least 2 rows; pass one as example")
+        names = {id(m): n for n, m in psg.model.named_modules()}
+        return cls(
+            [(names[id(m)], rule, local) for m, rule, local in psg.bindings()],
+            frozenset(names[i] for i in psg._flat_ok),
+            frozenset(names[i] for i in psg._outer),
+        )
+
+    def bind(self, model: nn.Module) -> tuple[list[Any], set[int], set[int]]:
+        """The bindings, verified and outer-major module ids of :class:`PerSampleGrads` on ``model``."""
+        modules = dict(model.named_modules())
+        return (
+            [(modules[name], rule, local) for name, rule, local in self.bindings],
+            {id(modules[n]) for n in self.flat_ok},
+            {id(modules[n]) for n in self.outer},
+        )
+
+
+def trace_on_rank0(model: nn.Module, layout: ParamLayout, example: dict[str, Tensor | None]) -> RankTrace:
+    """:func:`trace_unsharded` on rank 0 (which holds the weights), broadcast to every rank (collective).
+
+    Raises:
+        ValueError: on every rank, with rank 0's message, when the trace refuses the model.
+    """
+    box: list[RankTrace | str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = RankTrace.of(trace_unsharded(model, layout, example))
+        except ValueError as exc:
+            box[0] = str(exc)
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ValueError(box[0])
+    assert isinstance(box[0], RankTrace)
+    return box[0]
+
+
+def shard_from_rank0(
+    model: nn.Module, layout: ParamLayout, example: dict[str, Tensor | None], mesh: Any = None
+) -> tuple[RankTrace, list[nn.Module]]:
+    """Trace ``model`` on rank 0 (:func:`trace_on_rank0`), shard it (:func:`shard_model`) and give every rank
+    its shard of rank 0's weights and rank 0's buffers (collective).
+
+    Only rank 0 needs the weights: another rank may hold the model on the meta device (``storage.models``'s
+    ``load_model(meta=True)``), so a machine holds one copy of the unsharded model, not one per rank. The
+    shards go out one tensor at a time (``set_model_state_dict`` with ``broadcast_from_rank0``), the buffers
+    (rotary frequencies and other non-persistent ones included) by broadcast.
+
+    Raises:
+        ValueError: when rank 0's model is on the meta device, or the trace refuses the model.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank, meta = dist.get_rank(), on_meta(model)
+    if rank == 0 and meta:
+        raise ValueError("rank 0 holds the model on the meta device; load its weights there (the others may not)")
+    trace = trace_on_rank0(model, layout, example)
+    full = model.state_dict() if rank == 0 else {}
+    modules = shard_model(model, mesh)
+    if meta:
+        model.to_empty(device=rank_device())
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    del full
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    return trace, modules
+
+
 class ShardedPerSampleGrads(PerSampleGrads):
     """:class:`PerSampleGrads` of a model sharded by :func:`shard_model`, with the first call's trace taken
     on the model before sharding (:meth:`PerSampleGrads._trace` backpropagates from modules inside the
     layers, which FSDP2 does not all-gather for: its pre-backward hooks sit on the layers' outputs).
 
     Args:
-        traced: a :class:`PerSampleGrads` of the same model and layout, built and traced before
-            :func:`shard_model` (its bindings, moves and verified flattened modules are taken over: the
-            modules are the same objects after sharding).
+        trace: the model's trace before sharding (:func:`shard_from_rank0`): its bindings, moves and verified
+            flattened modules are taken over.
         modules: the FSDP modules :func:`shard_model` returned. They are all-gathered one at a time to
             collect FSDP2's unsharded parameters (the tensors the forwards use; FSDP2 keeps the objects and
             frees only their storage), which the self-check's reference gradient is taken with respect to.
@@ -253,17 +362,14 @@ class ShardedPerSampleGrads(PerSampleGrads):
         self,
         model: nn.Module,
         layout: ParamLayout,
-        traced: PerSampleGrads,
+        trace: RankTrace,
         modules: list[nn.Module],
         check: bool = True,
         chunk_bytes: int | None = None,
     ) -> None:
         super().__init__(model, layout, check=check, chunk_bytes=chunk_bytes)
-        if not traced._verified:
-            raise ValueError("the trace before sharding needs a batch of at least 2 rows; pass one as example")
-        self._bindings = traced.bindings()
+        self._bindings, self._flat_ok, self._outer = trace.bind(model)
         self._traced, self._verified = True, True
-        self._flat_ok, self._outer = set(traced._flat_ok), set(traced._outer)
         unsharded: dict[str, Tensor] = {}
         for m in modules:
             m.unshard()
@@ -327,18 +433,17 @@ def rank_scores(
     switch_P: int | None = None,
     mesh: Any = None,
 ) -> RankScores:
-    """Trace ``model`` on the batch ``example`` (:func:`trace_unsharded`), shard it over the process group
-    (:func:`shard_model`) and set up this rank's fold of ``layout`` (built from the unsharded model: the
-    names and global shapes; a parameter block of a selection passes the selection's P as ``switch_P``, as
-    :class:`MomentAccumulator` takes it) in ``state_dtype``.
+    """Trace ``model`` on the batch ``example``, shard it over the process group with rank 0's weights
+    (:func:`shard_from_rank0`: the other ranks may hold it on the meta device) and set up this rank's fold of
+    ``layout`` (built from the unsharded model: the names and global shapes; a parameter block of a selection
+    passes the selection's P as ``switch_P``, as :class:`MomentAccumulator` takes it) in ``state_dtype``.
 
     Raises:
         ValueError: when the model's shards are not the dim-0 chunks :class:`RankColumns` expects (a
             sharding other than FSDP2's default).
     """
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    traced = trace_unsharded(model, layout, example)
-    modules = shard_model(model, mesh)
+    trace, modules = shard_from_rank0(model, layout, example, mesh)
     columns = RankColumns.of(layout, ranks, rank)
     params = dict(model.named_parameters())
     for e in layout.entries:
@@ -352,7 +457,7 @@ def rank_scores(
             )
     device = next(model.parameters()).device
     acc = MomentAccumulator(columns.P, device, state_dtype, compiled=compiled, switch_P=switch_P or layout.P)
-    psg = ShardedPerSampleGrads(model, layout, traced, modules, check=check, chunk_bytes=chunk_bytes)
+    psg = ShardedPerSampleGrads(model, layout, trace, modules, check=check, chunk_bytes=chunk_bytes)
     return RankScores(psg, acc, ShardAccumulator(acc, columns, layout.P), columns)
 
 

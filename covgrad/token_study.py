@@ -36,7 +36,7 @@ from torch import nn
 
 from covgrad.batch import RolloutBatch
 from covgrad.config import TokensSection
-from covgrad.fsdp import RankColumns, ShardedPerSampleGrads, shard_model, trace_unsharded
+from covgrad.fsdp import RankColumns, ShardedPerSampleGrads, shard_from_rank0
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.numerics import dot64
 from covgrad.persample import PerSampleGrads, score_logit_grad
@@ -203,16 +203,16 @@ class TokenStudy:
         check: bool = True,
     ) -> TokenStudy:
         """This rank's study (in an initialised process group) of ``model``, not yet sharded: as :meth:`build`,
-        then the first call's trace on the batch ``example`` (:func:`covgrad.fsdp.trace_unsharded`), the model
-        sharded over the group (:func:`covgrad.fsdp.shard_model`) and the rank's columns (:class:`RankColumns`):
+        then the first call's trace on the batch ``example`` and the model sharded over the group with rank 0's
+        weights (:func:`covgrad.fsdp.shard_from_rank0`: the other ranks may hold it on the meta device), and the
+        rank's columns (:class:`RankColumns`):
         every (param,) sum it hands out is the rank's (P_r,) columns of the in-process sum, bit for bit; the
         per-position outputs are every rank's alike."""
         modes, layout, head = _setup(model, settings, T, params)
         head_layout = select_parameters(model, [head]) if head is not None else None
-        traced = trace_unsharded(model, layout, example)
-        modules = shard_model(model)
+        trace, modules = shard_from_rank0(model, layout, example)
         columns = RankColumns.of(layout, dist.get_world_size(), dist.get_rank())
-        psg = ShardedPerSampleGrads(model, layout, traced, modules, check=check)
+        psg = ShardedPerSampleGrads(model, layout, trace, modules, check=check)
         return cls(model, layout, psg, settings, modes, head, columns, head_layout)
 
     @property

@@ -50,13 +50,17 @@ def check_model_dir(path: str, what: str) -> None:
     check_weights(root)
 
 
-def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` in eval mode.
+def load_model(
+    path: str | Path, dtype: str = "float32", trust_remote_code: bool = False, meta: bool = False
+) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` in eval mode; with ``meta`` the
+    same model built from its config on the meta device (shapes, names and ties, no storage and no weights
+    read: a rank that receives its shard of the weights from rank 0, :func:`covgrad.fsdp.shard_from_rank0`).
 
     FileNotFoundError naming the path when it is missing; ValueError when it is not a causal LM.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
     from covgrad.models import check_causal_lm
@@ -64,14 +68,14 @@ def load_model(path: str | Path, dtype: str = "float32", trust_remote_code: bool
     check_model_dir(str(path), "model path")
     transformers_logging.disable_progress_bar()  # no "Loading weights" bar in a worker's log
     root = Path(path)
+    options = {"trust_remote_code": trust_remote_code, "dtype": getattr(torch, dtype), "attn_implementation": "eager"}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(root),
-            local_files_only=True,
-            trust_remote_code=trust_remote_code,
-            dtype=getattr(torch, dtype),
-            attn_implementation="eager",
-        )
+        if meta:
+            config = AutoConfig.from_pretrained(str(root), local_files_only=True, trust_remote_code=trust_remote_code)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, **options)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(root), local_files_only=True, **options)
     except ValueError as exc:
         arch = json.loads((root / "config.json").read_text()).get("architectures")
         raise ValueError(f"model path {str(path)!r} ({arch}) is not a causal LM: {str(exc).splitlines()[0]}") from None
@@ -90,11 +94,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def load_model_and_tokenizer(
-    path: str | Path, dtype: str = "float32", trust_remote_code: bool = False
+    path: str | Path, dtype: str = "float32", trust_remote_code: bool = False, meta: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from covgrad.models import check_vocab
 
-    model = load_model(path, dtype, trust_remote_code)
+    model = load_model(path, dtype, trust_remote_code, meta)
     tok = load_tokenizer(path)
     check_vocab(model, tok, f"model path {str(path)!r}")
     return model, tok
@@ -110,14 +114,15 @@ class ModelSource(Protocol):
 
 
 def load_models(
-    store: ArtifactStore, base: ArtifactRef, which: str, policy: ModelSource
+    store: ArtifactStore, base: ArtifactRef, which: str, policy: ModelSource, meta: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the policy (``which='policy'``), the demo's stale checkpoint (``'stale'``) or another model
-    directory given by path, with the tokenizer saved beside it, in eval mode, as ``policy`` says."""
+    directory given by path, with the tokenizer saved beside it, in eval mode, as ``policy`` says (on the
+    meta device with ``meta``: :func:`load_model`)."""
     dtype, trust = policy.dtype, policy.trust_remote_code
     if which == "policy" and policy.path is not None:
-        return load_model_and_tokenizer(policy.path, dtype, trust)
+        return load_model_and_tokenizer(policy.path, dtype, trust, meta)
     if which in ("policy", "stale"):
         with store.local_dir(base, which, write=False) as d:
-            return load_model_and_tokenizer(d, dtype, trust)
-    return load_model_and_tokenizer(which, dtype, trust)
+            return load_model_and_tokenizer(d, dtype, trust, meta)
+    return load_model_and_tokenizer(which, dtype, trust, meta)

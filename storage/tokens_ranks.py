@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from covgrad.fsdp import RankColumns, launch
+from covgrad.fsdp import RankColumns, launch, loads_weights
 from covgrad.heap import release_free_memory
 from covgrad.token_study import TokenStudy, batch_bounds
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -76,13 +76,13 @@ class RankRows:
 
 def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> None:
     """One launched rank of a tokens artifact (``spec``: a ``tasks.specs.TokensSpec``) whose store the task's
-    process has created: load the model, shard it (:meth:`TokenStudy.build_sharded`, traced on the first batch)
-    and run every pending batch with the other ranks, writing this rank's columns of the batch sums and, on rank
-    0, the batch's per-sample outputs and progress mark."""
+    process has created: load the model (its weights on rank 0 only, the others on the meta device), shard it
+    (:meth:`TokenStudy.build_sharded`, traced on the first batch) and run every pending batch with the other ranks,
+    writing this rank's columns of the batch sums and, on rank 0, the batch's per-sample outputs and progress
+    mark."""
     store = ArtifactStore(root)
     ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-    model, _ = load_models(store, up["base_model"], "policy", spec.policy)
-    model.eval()
+    model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=not loads_weights())
     T = ro["sampler_logp"].shape[1]
     batches = batch_bounds(min(spec.settings.max_samples, ro["tokens"].shape[0]))
     first = read_batch(ro, *batches[0])

@@ -3,6 +3,8 @@
 Every rank shards the model (fully_shard per decoder layer), computes the per-sample blocks from the
 all-gathered layers and folds only its own shard's columns; the ranks' states side by side must be the
 single-process state's bytes, and the kept per-sample rows every rank sees must equal the single-process rows.
+Only rank 0 needs the weights: the last rank builds its model on the meta device (with 3 ranks rank 1 holds
+weights of another seed), and every rank computes with rank 0's.
 """
 
 from __future__ import annotations
@@ -69,6 +71,22 @@ def _model(family: str) -> torch.nn.Module:
     return FAMILIES[family]().to(torch.float32)
 
 
+def _rank_model(family: str, rank: int, ranks: int) -> torch.nn.Module:
+    """Rank 0's model holds the weights; the last rank's is on the meta device, a middle rank's has other
+    weights (rank 0's replace them)."""
+    if rank == ranks - 1:
+        with torch.device("meta"):
+            return _model(family)
+    if rank > 0:
+        torch.manual_seed(1000 + rank)
+        model = _model(family)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+        return model
+    return _model(family)
+
+
 def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
     from covgrad.fsdp import rank_scores
 
@@ -76,7 +94,7 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
     try:
         for i, (family, params, blocks) in enumerate(CASES):
-            model = _model(family)
+            model = _rank_model(family, rank, ranks)
             layout, P = _layout(model, params, blocks)
             rs = rank_scores(model, layout, _batches()[0][0], check=True, switch_P=P)
             rows = _fold(rs.psg, rs.shard, layout.P)
@@ -273,3 +291,19 @@ def test_a_rank_that_raises_is_named_in_one_line(tmp_path: Path) -> None:
 
     with pytest.raises(RankFailedError, match=r"^rank 1 of 2 failed: ValueError: bad input on this rank$"):
         launch(2, _raises, (), tmp_path / "rendezvous")
+
+
+def _meta_on_rank0() -> None:
+    from covgrad.fsdp import rank_scores
+
+    with torch.device("meta"):
+        model = _model("llama-untied")
+    rank_scores(model, select_parameters(model), _batches()[0][0])
+
+
+@pytest.mark.slow
+def test_rank0_without_weights_is_refused(tmp_path: Path) -> None:
+    from covgrad.fsdp import RankFailedError, launch
+
+    with pytest.raises(RankFailedError, match=r"^rank 0 of 2 failed: ValueError: rank 0 holds the model on the meta"):
+        launch(2, _meta_on_rank0, (), tmp_path / "rendezvous")
