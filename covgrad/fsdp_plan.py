@@ -157,7 +157,7 @@ class FsdpPlan:
     tensors: int
     store_bytes: int
     peak_store_bytes: int
-    host_bytes: int  # per rank while the unsharded model is loaded and traced, before sharding
+    host_bytes: int  # rank 0's while the unsharded model is loaded and traced (the other ranks' are on meta)
 
     @property
     def fits(self) -> bool:
@@ -203,7 +203,8 @@ class FsdpPlan:
             f"logits {gb(n.logits)}, block in flight {gb(n.in_flight)}, workspace {gb(n.workspace)}, "
             f"state/R {gb(n.state)} GB",
             f"store: {gb(self.store_bytes)} GB when complete, {gb(self.peak_store_bytes)} GB at most while running",
-            f"host memory per rank before sharding (the unsharded model, loaded and traced): {gb(self.host_bytes)} GB",
+            f"host memory before sharding: {gb(self.host_bytes)} GB on rank 0 (the unsharded model, loaded and "
+            "traced), none on the other ranks (meta device; rank 0 sends each its shard)",
         ]
 
 

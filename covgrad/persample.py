@@ -82,7 +82,8 @@ _POOL_MAX_BYTES = 256 << 20
 # left padding).
 _TRACE_POSITIONS = 16
 
-# Columns per step of the self-check's comparison of one tensor (float64 temporaries of this many elements).
+# Elements per step of the self-check's comparison of one tensor (its float64 temporaries hold this many:
+# B samples × _CHECK_COLUMNS / B columns of a block converted, then the sum and the reference's columns).
 _CHECK_COLUMNS = 1 << 22
 
 # Self-check tolerance on ‖Σ_n s_n − g‖ / ‖g‖ per tensor. Low-precision models get a looser bound
@@ -392,7 +393,7 @@ class PerSampleGrads:
         scores = self._per_sample(inputs, [(dlogits_fn, out, None, None)])
         if check is not None:
             for e in self.layout.entries:
-                check.compare(e, _column_sums(scores[:, e.offset : e.offset + e.numel]))
+                check.compare(e, scores[:, e.offset : e.offset + e.numel])
             check.raise_first()
             self.check = False
         return scores
@@ -615,7 +616,7 @@ class PerSampleGrads:
             block.zero_()
         self._acc.fold(entry.offset, block)
         if self._check is not None:
-            self._check.compare(entry, _column_sums(block))
+            self._check.compare(entry, block)
         if entry.name in self._blocks:
             buf = self._blocks.pop(entry.name)._base
             if buf.numel() * buf.element_size() <= _POOL_MAX_BYTES:
@@ -662,7 +663,6 @@ class PerSampleGrads:
         last chunks are computed whole, so every product is the one without the cut) into the accumulator
         once the rule has written it (and sum them for the self-check)."""
         B, check = self._B, self._check
-        sums = torch.empty(entry.numel, dtype=torch.float64, device=self._acc.device) if check is not None else None
         first, end = entry.rows
         for r0 in range(first - first % per, end, per):
             r1 = min(entry.full_shape[0], r0 + per)
@@ -672,10 +672,10 @@ class PerSampleGrads:
             cols = chunk.view(B, (r1 - r0) * row)[:, (a - r0) * row : (b - r0) * row]
             at = (a - first) * row
             self._acc.fold(entry.offset + at, cols)
-            if sums is not None:
-                sums[at : at + cols.shape[1]] = _column_sums(cols)
+            if check is not None:
+                check.add(entry, at, cols)
         if check is not None:
-            check.compare(entry, sums)
+            check.close(entry)
         self._folded.add(entry.name)
 
     def _run_rule(self, apply: Callable[[], None], local: dict[str, TensorEntry]) -> None:
@@ -1043,9 +1043,12 @@ class _FoldingSlot(Slot):
 class _Check:
     """The self-check of one batch: Σ_n s_n of every selected tensor against the batched gradient.
 
-    ``compare(entry, summed)`` takes the tensor's (numel,) float64 sum of per-sample gradients, compares it
-    with the reference within the dtype's tolerance and drops the reference; ``raise_first`` raises the
-    mismatches (one ValueError naming every mismatched parameter) once the batch is done.
+    ``add(entry, at, cols)`` takes columns [at, at + n) of a tensor's (B, numel) float32 per-sample block and
+    sums them over the samples in column chunks (in float64); ``close(entry)`` compares the tensor's sum with
+    the reference within the dtype's tolerance and drops the reference (``compare``: both, for a whole block);
+    ``raise_first`` raises the mismatches (one ValueError naming every mismatched parameter) once the batch is
+    done. No (numel,) float64 copy of a sum or of the reference is made whole (1.3 GB for a 262k × 640
+    embedding).
 
     Args:
         layout: the selected parameters.
@@ -1058,27 +1061,39 @@ class _Check:
         # holds only rounding noise; it is compared against 1e-4 of the whole gradient's norm instead.
         self.floor = 1e-4 * float(sum(float(g.double().norm()) ** 2 for g in grads if g is not None) ** 0.5)
         self.refs = {e.name: (p.dtype, g) for e, p, g in zip(layout.entries, params, grads, strict=True)}
+        self.sq: dict[str, Tensor] = {}  # per tensor: ‖summed − ref‖², ‖ref‖², ‖summed‖² so far
         self.errors: list[tuple[str, float]] = []  # (parameter, relative difference) of every mismatch
         self.rtol = 1e-4
 
-    def compare(self, entry: TensorEntry, summed: Tensor) -> None:
-        """Check one tensor's summed per-sample gradient (numel,) float64 (of a row-cut tensor: the entry's
-        rows) and drop its reference; in column chunks, so no float64 copy of the reference is made whole."""
-        dtype, g = self.refs.pop(entry.name)
+    def add(self, entry: TensorEntry, at: int, cols: Tensor) -> None:
+        """Columns [at, at + n) of ``entry``'s per-sample block, ``cols`` (B, n) float32 (of a row-cut tensor:
+        columns of the entry's rows)."""
+        g = self.refs[entry.name][1]
         ref = None if g is None else g.detach().reshape(entry.full_shape[0] if entry.shape else 1, -1)
         if ref is not None:
             ref = ref[entry.rows[0] : entry.rows[1]].reshape(-1)
-        sq = torch.zeros(3, dtype=torch.float64)  # ‖summed − ref‖², ‖ref‖², ‖summed‖²
-        for j in range(0, summed.numel(), _CHECK_COLUMNS):
-            s = summed[j : j + _CHECK_COLUMNS]
-            r = torch.zeros_like(s) if ref is None else ref[j : j + _CHECK_COLUMNS].to(torch.float64)
+        sq = self.sq.setdefault(entry.name, torch.zeros(3, dtype=torch.float64))
+        step = max(1, _CHECK_COLUMNS // max(1, cols.shape[0]))
+        for j in range(0, cols.shape[1], step):
+            s = cols[:, j : j + step].sum(0, dtype=torch.float64)
+            r = torch.zeros_like(s) if ref is None else ref[at + j : at + j + s.numel()].to(torch.float64)
             sq += torch.stack([(s - r).square().sum(), r.square().sum(), s.square().sum()]).cpu()
+
+    def close(self, entry: TensorEntry) -> None:
+        """Compare ``entry``'s summed per-sample gradient (every column added) with its reference."""
+        dtype, _ = self.refs.pop(entry.name)
+        sq = self.sq.pop(entry.name, torch.zeros(3, dtype=torch.float64))
         err, ref_norm, sum_norm = (float(v) for v in sq.sqrt())
         scale = max(ref_norm, sum_norm, self.floor)
         rtol = _CHECK_RTOL.get(dtype, 1e-4)
         if err > rtol * scale:
             self.errors.append((entry.name, err / scale))
             self.rtol = rtol
+
+    def compare(self, entry: TensorEntry, block: Tensor) -> None:
+        """Check ``entry``'s whole per-sample block (B, numel) float32 and drop its reference."""
+        self.add(entry, 0, block)
+        self.close(entry)
 
     def raise_first(self) -> None:
         """Raise one error naming every mismatch found (the first in full), if any."""
@@ -1147,12 +1162,6 @@ def _common_prefix(stacks: set[tuple[str, ...]]) -> list[str]:
         k = next((i for i, (a, b) in enumerate(zip(common, st, strict=False)) if a != b), len(common))
         common = common[:k]
     return common
-
-
-def _column_sums(block: Tensor, columns: int = 1 << 20) -> Tensor:
-    """Σ over samples of a (B, n) float32 block, (n,) float64, in column chunks: ``sum(0, dtype=float64)``
-    converts the whole block to float64 first (B × n × 8 bytes: 3.6 GB for a tied embedding at B = 16)."""
-    return torch.cat([block[:, j : j + columns].sum(0, dtype=torch.float64) for j in range(0, block.shape[1], columns)])
 
 
 def _checked_dlogits(dlogits_fn: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:

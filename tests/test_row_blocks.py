@@ -211,3 +211,32 @@ def test_plan_of_gemma3_270m_fits_6_gb_only_with_row_cut_blocks():
     assert all(n.check > 2 * 167_772_160 * 4 for n in chosen.needs[:1])  # the embedding's two gradients
     fewer = make_plan(layout, shape, work, (1, chosen.blocks - 1), workers=1, device_bytes=6 * 10**9, cut=True)
     assert not fewer.fits
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_self_check_sums_column_pieces_against_the_reference(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The self-check's sum over samples, added in column pieces of any size (the row-chunk fold) and summed
+    in chunks of its own, reports the relative error of numpy's float64 sum, on a row-cut entry, and catches
+    an error confined to the last piece."""
+    import covgrad.persample as ps
+
+    monkeypatch.setattr(ps, "_CHECK_COLUMNS", 24)  # several of the check's own chunks per piece
+    gen = np.random.default_rng(seed)
+    rows, row, r0, r1, B = 10, 7, 2, 9, 3
+    entry = TensorEntry("w", 0, (r1 - r0) * row, (r1 - r0, row), "float32", row0=r0, full_rows=rows)
+    block = gen.standard_normal((B, (r1 - r0) * row)).astype(np.float32)
+    full = gen.standard_normal((rows, row)).astype(np.float32)
+    full[r0:r1] = block.astype(np.float64).sum(0).reshape(r1 - r0, row)
+    full[r1 - 1, -1] += 0.5  # wrong in the last column only
+    param = torch.zeros(rows, row)
+    check = ps._Check(ParamLayout([entry]), [param], (torch.from_numpy(full),))
+    cuts = sorted(gen.choice(np.arange(1, block.shape[1]), size=4, replace=False).tolist())
+    for a, b in zip([0, *cuts], [*cuts, block.shape[1]], strict=True):
+        check.add(entry, a, torch.from_numpy(block[:, a:b]))
+    check.close(entry)
+    s, r = block.astype(np.float64).sum(0), full[r0:r1].reshape(-1).astype(np.float64)
+    want = np.linalg.norm(s - r) / max(np.linalg.norm(s), np.linalg.norm(r), check.floor)
+    assert [name for name, _ in check.errors] == ["w"]
+    assert check.errors[0][1] == pytest.approx(want, rel=1e-9)
+    with pytest.raises(ValueError, match="self-check failed for parameter 'w'"):
+        check.raise_first()
