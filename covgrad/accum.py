@@ -200,6 +200,10 @@ class MomentAccumulator:
             raise ValueError("begin_batch called twice; call end_batch after folding every tensor")
         self._batch = _Batch(a, h, self)
 
+    def wants(self, offset: int, n: int) -> bool:
+        """Whether folding columns [offset, offset + n) changes this state: always (every column is kept)."""
+        return True
+
     def fold(self, offset: int, block: Tensor) -> None:
         """Fold one tensor's per-sample block (B, n) (any float dtype) into columns [offset, offset + n)."""
         batch = self._batch

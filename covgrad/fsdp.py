@@ -135,6 +135,11 @@ class ShardAccumulator:
         self.acc.begin_batch(advantages, half)
         self._batch = (np.asarray(torch.as_tensor(advantages).cpu()), np.asarray(torch.as_tensor(half).cpu()))
 
+    def wants(self, offset: int, n: int) -> bool:
+        """Whether the rank owns any of global columns [offset, offset + n) (else a block there need not be
+        formed: :meth:`fold` would drop all of it)."""
+        return next(self.columns.pieces(offset, offset + n), None) is not None
+
     def fold(self, offset: int, block: Tensor) -> None:
         """Fold the rank's columns of a block (B, n) that sits at global columns [offset, offset + n)."""
         B, n = block.shape[0], block[0].numel()

@@ -336,6 +336,9 @@ class PerSampleGrads:
         self._pool: list[Tensor] = []
         self._roots: list[Tensor] = []
         self._taps = OpTaps(self) if op_taps else None
+        # Columns of row chunks the last call did not form (their accumulator keeps none of them), summed
+        # over its backward passes.
+        self.skipped_columns = 0
 
     def bindings(self) -> list[Binding]:
         """The modules hooked, with their rules and selected parameters (after the first call's trace, which
@@ -523,6 +526,7 @@ class PerSampleGrads:
         self-check), each writing its rows and folding its accumulator; returns the first target's rows."""
         B, L = inputs["input_ids"].shape
         self._B, self._L = B, L
+        self.skipped_columns = 0
         flags = [(p, p.requires_grad) for p in self.model.parameters()]
         handles = []
         try:
@@ -661,16 +665,21 @@ class PerSampleGrads:
         """Yield views of ``per`` rows (``row`` elements each) of the chunk buffer, on the whole tensor's grid
         of chunks; fold the entry's rows of each (all of them, or a row-cut tensor's rows only: its first and
         last chunks are computed whole, so every product is the one without the cut) into the accumulator
-        once the rule has written it (and sum them for the self-check)."""
+        once the rule has written it (and sum them for the self-check). A chunk none of whose columns the
+        accumulator keeps (``wants``: a rank's :class:`covgrad.fsdp.ShardAccumulator`) is not yielded, so its
+        rows are never formed: under FSDP2 each rank forms about 1/R of a chunked weight's block."""
         B, check = self._B, self._check
         first, end = entry.rows
         for r0 in range(first - first % per, end, per):
             r1 = min(entry.full_shape[0], r0 + per)
+            a, b = max(r0, first), min(end, r1)
+            at = (a - first) * row
+            if not self._acc.wants(entry.offset + at, (b - a) * row):  # none of a rank's columns: not formed
+                self.skipped_columns += (b - a) * row
+                continue
             chunk = self._chunk[: B * (r1 - r0) * row]
             yield r0, r1, chunk.view(B, r1 - r0, *entry.shape[1:])
-            a, b = max(r0, first), min(end, r1)
             cols = chunk.view(B, (r1 - r0) * row)[:, (a - r0) * row : (b - r0) * row]
-            at = (a - first) * row
             self._acc.fold(entry.offset + at, cols)
             if check is not None:
                 check.add(entry, at, cols)

@@ -232,7 +232,13 @@ def fold_rank(job: Job) -> None:
     first = job._read(0)
     example = {"input_ids": first.input_ids, "attention_mask": first.attention_mask, "position_ids": first.position_ids}
     example = {k: v.to(job.device) for k, v in example.items()}
-    rs = rank_scores(job.model, job.layout, example, spec.state_dtype, check=spec.self_check, switch_P=job.P)
+    # Rank 0 keeps the rows of a run that keeps them, so it forms every block whole and folds it in one call, as
+    # the in-process run does; the other ranks then fold whole blocks too (no row chunks: the same fold tiles).
+    # Otherwise every rank forms only the row chunks that hold some of its columns.
+    chunks = 0 if out.keep_rows else None
+    rs = rank_scores(
+        job.model, job.layout, example, spec.state_dtype, check=spec.self_check, switch_P=job.P, chunk_bytes=chunks
+    )
     check_state_fits(job.device, rs.columns.P, spec.state_dtype, f"rank {rank}'s columns of scores.ranks={spec.ranks}")
     store = RankStore(out, rs.columns)
     for i in range(job.S):

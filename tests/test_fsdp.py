@@ -1,10 +1,11 @@
 """Scores under FSDP2 (covgrad.fsdp): R ranks of gloo processes on the CPU against the single-process fold.
 
-Every rank shards the model (fully_shard per decoder layer), computes the per-sample blocks from the
-all-gathered layers and folds only its own shard's columns; the ranks' states side by side must be the
-single-process state's bytes, and the kept per-sample rows every rank sees must equal the single-process rows.
-Only rank 0 needs the weights: the last rank builds its model on the meta device (with 3 ranks rank 1 holds
-weights of another seed), and every rank computes with rank 0's.
+Every rank shards the model (fully_shard per decoder layer), forms the per-sample blocks from the
+all-gathered layers (a weight's row chunks only where they hold some of its columns) and folds only its own
+shard's columns; the ranks' states side by side must be the single-process state's bytes, and the kept
+per-sample rows every rank sees must equal the single-process rows. Only rank 0 needs the weights: the last
+rank builds its model on the meta device (with 3 ranks rank 1 holds weights of another seed), and every rank
+computes with rank 0's.
 """
 
 from __future__ import annotations
@@ -57,14 +58,21 @@ def _batches() -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _fold(psg: PerSampleGrads, acc: object, P: int) -> torch.Tensor:
-    """Fold the batches into ``acc``; the last batch's per-sample rows (4, P)."""
-    rows = torch.empty(4, P)
+# Row chunks of 4 KiB (8 rows of a 32-wide weight at B = 4): the tiny models' weights span several chunks, so
+# a rank skips the chunks outside its columns (compute sharding); the single process has the same chunk grid.
+CHUNK_BYTES = 1 << 12
+
+
+def _fold(psg: PerSampleGrads, acc: object, P: int) -> tuple[torch.Tensor, int]:
+    """Fold the batches into ``acc``; the last batch's per-sample rows (4, P) (that batch forms every column),
+    and the columns of row chunks left unformed over all batches."""
+    rows, skipped = torch.empty(4, P), 0
     for j, (batch, a, h) in enumerate(_batches()):
         fn = lambda z, b=batch: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
         out = rows if j == 2 else None
         psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, acc, a, h, batch["position_ids"], out=out)
-    return rows
+        skipped += psg.skipped_columns
+    return rows, skipped
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -96,9 +104,9 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
         for i, (family, params, blocks) in enumerate(CASES):
             model = _rank_model(family, rank, ranks)
             layout, P = _layout(model, params, blocks)
-            rs = rank_scores(model, layout, _batches()[0][0], check=True, switch_P=P)
-            rows = _fold(rs.psg, rs.shard, layout.P)
-            np.savez(Path(outdir) / f"{i}-{rank}.npz", rows=rows.numpy(), **rs.acc.rows())
+            rs = rank_scores(model, layout, _batches()[0][0], check=True, switch_P=P, chunk_bytes=CHUNK_BYTES)
+            rows, skipped = _fold(rs.psg, rs.shard, layout.P)
+            np.savez(Path(outdir) / f"{i}-{rank}.npz", rows=rows.numpy(), skipped=skipped, **rs.acc.rows())
     finally:
         dist.destroy_process_group()
 
@@ -109,7 +117,8 @@ def _single(
     model = _model(family)
     layout, P = _layout(model, params, blocks)
     acc = MomentAccumulator(layout.P, "cpu", switch_P=P)
-    rows = _fold(PerSampleGrads(model, layout, check=True), acc, layout.P)
+    rows, skipped = _fold(PerSampleGrads(model, layout, check=True, chunk_bytes=CHUNK_BYTES), acc, layout.P)
+    assert skipped == 0
     return acc.rows(), rows.numpy(), layout
 
 
@@ -125,6 +134,8 @@ def test_sharded_state_is_the_single_process_bytes(tmp_path: Path, ranks: int) -
         columns = [RankColumns.of(layout, ranks, r) for r in range(ranks)]
         for r, part in enumerate(parts):
             np.testing.assert_array_equal(part.pop("rows"), want_rows, err_msg=f"{family} rank {r} rows")
+            # compute sharding: every rank leaves the row chunks outside its columns unformed
+            assert int(part.pop("skipped")) > 0, f"{family} rank {r} formed every row chunk"
         got = merge_states(parts, columns, layout.P)
         assert sorted(got) == sorted(want)
         for name in want:
