@@ -5,8 +5,10 @@ float64 state, the eager fold) with ``PerSampleGrads.accumulate``; the time of a
 rank's (a barrier ends each batch), the median over ``--batches`` batches after one warm-up batch. The
 single process runs ``--threads`` threads (default: all cores) and each of R ranks max(1, threads // R), so
 R ranks use the same cores as the single process while threads >= R: the ratio is then the cost of
-sharding (all-gathers, every rank forming every per-sample block, the cut tiles' scratch folds) at equal
-hardware.
+sharding (all-gathers, the per-sample blocks every rank forms whole, the cut tiles' scratch folds) at equal
+hardware. "Columns formed" is the largest fraction of the per-sample block's columns one rank formed in a
+batch: a rank skips a weight's row chunks that hold none of its columns (the rest, the embedding's block and
+every tensor of one chunk, every rank forms whole).
 
     python -m benchmarks.fsdp                       # "large" CPU model, 1 process, 1 and 2 ranks
     python -m benchmarks.fsdp --model small --ranks 1 2 4
@@ -72,8 +74,10 @@ def _rank(rank: int, ranks: int, init: str, name: str, n: int, threads: int, out
         }
         rs = rank_scores(model, layout, example, check=False, compiled=False)
         times = _times(rs.psg, rs.shard, batches, sync=True)
+        formed = torch.tensor([1 - rs.psg.skipped_columns / layout.P], dtype=torch.float64)
+        dist.all_reduce(formed, op=dist.ReduceOp.MAX)  # the rank that formed the most columns
         if rank == 0:
-            np.save(out, np.array(times))
+            np.save(out, np.array([*times, float(formed)]))
     finally:
         dist.destroy_process_group()
 
@@ -87,13 +91,16 @@ def single(name: str, n: int, threads: int) -> list[float]:
     return _times(PerSampleGrads(model, layout, check=False), acc, _batches(name, n), sync=False)
 
 
-def sharded(name: str, n: int, threads: int, ranks: int) -> list[float]:
-    """Seconds per batch (the slowest rank's) of ``ranks`` gloo processes folding their shards."""
+def sharded(name: str, n: int, threads: int, ranks: int) -> tuple[list[float], float]:
+    """Seconds per batch (the slowest rank's) of ``ranks`` gloo processes folding their shards, and the largest
+    fraction of the per-sample block's columns a rank formed (compute sharding skips the row chunks outside a
+    rank's columns)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.npy")
         args = (ranks, f"file://{tmp}/rendezvous", name, n, threads, out)
         mp.spawn(_rank, args=args, nprocs=ranks, join=True)
-        return np.load(out).tolist()
+        *times, formed = np.load(out).tolist()
+        return times, formed
 
 
 def main() -> None:
@@ -110,12 +117,13 @@ def main() -> None:
         f"{args.threads} threads in the single process, max(1, {args.threads} // R) per rank; seconds per batch: "
         f"median over {args.batches - 1} batches\n"
     )
-    print("| configuration | s / batch | ratio to 1 process |\n|---|---|---|")
+    print("| configuration | s / batch | ratio to 1 process | block columns formed per rank |\n|---|---|---|---|")
     base = statistics.median(single(args.model, args.batches, args.threads))
-    print(f"| 1 process (no FSDP) | {base:.3f} | 1.00 |")
+    print(f"| 1 process (no FSDP) | {base:.3f} | 1.00 | 1.00 |")
     for ranks in args.ranks:
-        t = statistics.median(sharded(args.model, args.batches, args.threads, ranks))
-        print(f"| FSDP2, {ranks} rank{'s' if ranks > 1 else ''} | {t:.3f} | {t / base:.2f} |")
+        times, formed = sharded(args.model, args.batches, args.threads, ranks)
+        t = statistics.median(times)
+        print(f"| FSDP2, {ranks} rank{'s' if ranks > 1 else ''} | {t:.3f} | {t / base:.2f} | {formed:.2f} |")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from covgrad.fsdp import RankColumns, launch, loads_weights
+from covgrad.devices import pick_device
+from covgrad.fsdp import RankColumns, Torchrun, launch, launch_torchrun, loads_weights, on_meta, rank_device
 from covgrad.heap import release_free_memory
 from covgrad.token_study import TokenStudy, batch_bounds
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -37,7 +38,7 @@ from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, param_chunk
 from storage.schema import TOKENS as STORE
 from storage.scores import column_split
-from storage.scores_ranks import runs
+from storage.scores_ranks import RANK_ENTRY, runs
 from storage.tokens import TokensStore
 
 
@@ -80,12 +81,14 @@ def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef
     (:meth:`TokenStudy.build_sharded`, traced on the first batch) and run every pending batch with the other ranks,
     writing this rank's columns of the batch sums and, on rank 0, the batch's per-sample outputs and progress
     mark."""
-    store = ArtifactStore(root)
+    store, device = ArtifactStore(root), rank_device()
     ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
     model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=not loads_weights())
+    if not on_meta(model):
+        model.to(device)
     T = ro["sampler_logp"].shape[1]
     batches = batch_bounds(min(spec.settings.max_samples, ro["tokens"].shape[0]))
-    first = read_batch(ro, *batches[0])
+    first = read_batch(ro, *batches[0]).to(device)
     example = {"input_ids": first.input_ids, "attention_mask": first.attention_mask, "position_ids": first.position_ids}
     study = TokenStudy.build_sharded(model, spec.settings, T, example, spec.params, check=spec.self_check)
     g = store.open_group(ref, STORE, mode="r+")
@@ -93,7 +96,7 @@ def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef
     rows = RankRows(g, RankColumns.of(study.layout, dist.get_world_size(), dist.get_rank()), study.layout.P)
     for b in out.pending():
         lo, hi = batches[b]
-        result = study.batch(read_batch(ro, lo, hi), b, partial(rows.write, b))
+        result = study.batch(read_batch(ro, lo, hi).to(device), b, partial(rows.write, b))
         dist.barrier()  # every rank's rows of the batch are written
         if dist.get_rank() == 0:
             out.write_batch(b, lo, hi, result)
@@ -101,12 +104,19 @@ def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef
 
 
 def run_ranks(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> None:
-    """Run the pending batches of a tokens artifact on ``spec.ranks`` local gloo processes (:func:`study_rank`
-    in each; the store exists).
+    """Run the pending batches of a tokens artifact on ``spec.ranks`` processes of this machine (:func:`study_rank`
+    in each; the store exists): local gloo processes (``spec.launcher`` local), or a torchrun group (torchrun:
+    nccl ranks, one CUDA device each, when ``spec.device`` is CUDA, else gloo).
 
     Raises:
         covgrad.fsdp.RankFailedError: one line naming the first rank that failed (a rerun recomputes the batches
             not marked done).
     """
+    args = (root, ref, spec, up)
     with tempfile.TemporaryDirectory(prefix="covgrad-tokens-ranks-") as tmp:
-        launch(spec.ranks, study_rank, (root, ref, spec, up), Path(tmp) / "rendezvous")
+        if spec.launcher == "torchrun":
+            backend = "nccl" if pick_device(spec.device).type == "cuda" else "gloo"
+            group = Torchrun(spec.ranks, 1, 0, None, f"covgrad-tokens-{ref.key}", backend)
+            launch_torchrun(group, RANK_ENTRY, study_rank, args, tmp)
+        else:
+            launch(spec.ranks, study_rank, args, Path(tmp) / "rendezvous")

@@ -251,8 +251,9 @@ class TokensSpec(StageSpec):
     policy: PolicySpec
     device: Device
     self_check: bool
-    # the model sharded over local ranks (storage.tokens_ranks, scores.ranks); absent from the dump when in-process
-    launcher: Literal["in-process", "local"] = "in-process"
+    # the model sharded over ranks (storage.tokens_ranks, scores.ranks; torchrun on one machine); absent from the
+    # dump when in-process
+    launcher: Literal["in-process", "local", "torchrun"] = "in-process"
     ranks: int = 1
 
     @model_serializer(mode="wrap")
@@ -607,7 +608,8 @@ def plan(cfg: PipelineConfig) -> Plan:
     tokens = update = None
     if cfg.tokens.enabled:
         launcher, ranks = cfg.scores.placement
-        local = launcher == "local" and ranks > 1  # torchrun groups run the tokens stage in-process
+        # the scores stage's ranks; a torchrun group of several machines runs the tokens stage in-process
+        sharded = ranks > 1 and (launcher == "local" or (launcher == "torchrun" and cfg.scores.nnodes == 1))
         spec = TokensSpec(
             settings=cfg.tokens.model_copy(deep=True),
             params=m.params,
@@ -616,8 +618,8 @@ def plan(cfg: PipelineConfig) -> Plan:
             policy=policy,
             device=m.device,
             self_check=m.self_check,
-            launcher="local" if local else "in-process",
-            ranks=ranks if local else 1,
+            launcher=launcher if sharded else "in-process",
+            ranks=ranks if sharded else 1,
         )
         tokens = _step(store, Instance("tokens"), spec, {"base_model": base, "rollouts": rollouts[analysed]})
     teacher = plan_teacher(cfg, store, base)

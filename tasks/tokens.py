@@ -5,10 +5,10 @@ study (:mod:`covgrad.token_study`) computes the token Fisher of each mode of ``t
 and token scores, and their summary; the store ``tokens.zarr`` (:mod:`storage.tokens`) holds the batch
 sums while the stage runs (its resume state) and the per-position arrays, the (param,) estimates and the
 scalars when it ends. Resumable by batch; same config and seed give identical stores. With ``spec.ranks`` > 1
-(``scores.ranks``, local launcher) the batches run on that many gloo processes with the model sharded over them
-(:mod:`storage.tokens_ranks`); the artifact is the in-process one. A model on the token engine's repeated-batch
-path (:func:`covgrad.token_fisher.repeated_batch`: MoE blocks, generic-path parameters) runs in this process
-with a warning, as without ranks.
+(``scores.ranks``: the local launcher, or torchrun on one machine) the batches run on that many processes with the
+model sharded over them (:mod:`storage.tokens_ranks`); the artifact is the in-process one. A model on the token
+engine's repeated-batch path (:func:`covgrad.token_fisher.repeated_batch`: MoE blocks, generic-path parameters)
+runs in this process with a warning, as without ranks.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
     ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
     model, _ = load_models(store, up["base_model"], "policy", spec.policy)
     device = pick_device(spec.device)
-    if spec.ranks > 1 and device.type != "cpu":
+    if spec.launcher == "local" and device.type != "cpu":
         raise ValueError(
             f"scores.ranks={spec.ranks} runs the tokens stage on gloo ranks on the CPU, not on {device}; "
-            "set model.device=cpu (or scores.ranks=1)"
+            "set model.device=cpu (or scores.launcher=torchrun: nccl ranks, one device each)"
         )
     model.to(device).eval()
     T = ro["sampler_logp"].shape[1]

@@ -1,7 +1,8 @@
-"""The tokens stage with the model sharded over ranks (scores.ranks, storage/tokens_ranks.py): 2 gloo ranks give
-the in-process artifact's key and arrays, bit for bit, for tied and untied embeddings; ranks are placement (no key
-changes, in-process dumps as before); the ranks' columns written through their own and shared chunks make up the
-whole batch sums; a model that needs the repeated-batch path is recognised and refused on ranks."""
+"""The tokens stage with the model sharded over ranks (scores.ranks, storage/tokens_ranks.py): 2 gloo ranks (local
+processes or a torchrun group) give the in-process artifact's key and arrays, bit for bit, for tied and untied
+embeddings; ranks are placement (no key changes, in-process dumps as before); the ranks' columns written through
+their own and shared chunks make up the whole batch sums; a model that needs the repeated-batch path is recognised
+and refused on ranks."""
 
 import shutil
 from pathlib import Path
@@ -50,18 +51,25 @@ def test_ranks_are_placement_and_in_process_dumps_are_unchanged(tmp_path: Path):
     assert "ranks" not in before["tokens"].spec.model_dump() and "launcher" not in before["tokens"].spec.model_dump()
     assert after["tokens"].spec.launcher == "local" and after["tokens"].spec.ranks == 2
     torchrun = plan(tiny_config(str(tmp_path), **{"scores.ranks": 2, "scores.launcher": "torchrun"}))
-    assert torchrun["tokens"].spec.launcher == "in-process"  # torchrun groups run the tokens stage in-process
+    assert torchrun["tokens"].spec.launcher == "torchrun" and torchrun["tokens"].ref.key == before["tokens"].ref.key
+    machines = {"scores.nnodes": 2, "scores.rdzv_endpoint": "127.0.0.1:29400"}
+    two = plan(tiny_config(str(tmp_path), **{"scores.ranks": 2, "scores.launcher": "torchrun", **machines}))
+    assert two["tokens"].spec.launcher == "in-process"  # a group of several machines: the tokens stage in-process
 
 
 @pytest.mark.slow
-def test_two_ranks_give_the_in_process_tokens_artifact(in_process, tmp_path: Path):
-    """The tokens artifact computed by the task with scores.ranks=2 (gloo, CPU) holds the in-process artifact's
-    arrays (every array: the per-position traces and diagnostics, the score-sum check, the LM-head check, the
-    Fisher estimates), bit for bit, under the same key, and the same scalars."""
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_two_ranks_give_the_in_process_tokens_artifact(in_process, tmp_path: Path, launcher: str, monkeypatch):
+    """The tokens artifact computed by the task with scores.ranks=2 (gloo, CPU; local processes or a real torchrun
+    group) holds the in-process artifact's arrays (every array: the per-position traces and diagnostics, the
+    score-sum check, the LM-head check, the Fisher estimates), bit for bit, under the same key, and the same
+    scalars."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     root, tied, ref = in_process
     shutil.copytree(root, tmp_path / "root", ignore=lambda d, names: ["tokens"] if Path(d) == root else [])
-    cfg = tiny_config(str(tmp_path / "root"), **SETTINGS, **{"model.demo.tie_embeddings": tied, "scores.ranks": 2})
-    assert plan(cfg)["tokens"].spec.ranks == 2
+    ranks = {"model.demo.tie_embeddings": tied, "scores.ranks": 2, "scores.launcher": launcher}
+    cfg = tiny_config(str(tmp_path / "root"), **SETTINGS, **ranks)
+    assert plan(cfg)["tokens"].spec.ranks == 2 and plan(cfg)["tokens"].spec.launcher == launcher
     got = run_upto(cfg, "tokens")["tokens"]
     assert got.key == ref.key
     before, after = ArtifactStore(str(root)), ArtifactStore(cfg.root)
