@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from covgrad.layout import ParamLayout
+from covgrad.trajectory import count
 from covgrad.update import set_metrics
 
 CHUNK = 1 << 24  # elements per comparison block: bounds the float32 copies of a large tensor
@@ -73,7 +74,7 @@ def diff_state_dicts(
     for name in comparable:
         exact, absolute = _changed(before[name], after[name], atol)
         numel = before[name].numel()
-        n_exact, n_abs = int(exact.sum()), int(absolute.sum())
+        n_exact, n_abs = count(exact), count(absolute)
         rows.append(
             {
                 "name": name,

@@ -108,6 +108,12 @@ def half_spacing(w: torch.Tensor) -> torch.Tensor:
     return torch.minimum(up, down) / 2
 
 
+def count(mask: torch.Tensor) -> int:
+    """The True elements of a bool tensor, without the int64 copy of the whole mask that ``mask.sum()`` makes
+    (8 bytes per element: 2.1 GB for a (P,) mask of Gemma 3 270M)."""
+    return int(torch.count_nonzero(mask))
+
+
 def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
     """Precision |pred ∩ true|/|pred|, recall |pred ∩ true|/|true|, Jaccard |∩|/|∪| and size |pred|.
 
@@ -117,7 +123,7 @@ def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
         raise ValueError(f"set_metrics needs bool masks, got {pred.dtype} and {true.dtype}")
     if pred.shape != true.shape:
         raise ValueError(f"set_metrics: mask shapes differ, pred {tuple(pred.shape)} vs true {tuple(true.shape)}")
-    return count_metrics(int(pred.sum()), int(true.sum()), int((pred & true).sum()))
+    return count_metrics(count(pred), count(true), count(pred & true))
 
 
 def sequence_logp(
@@ -703,8 +709,8 @@ class ChangeTracker:
             delta = (now32 - base32).abs()
             true = sets[scope].numpy()
             rec[f"n_changed_{scope}"] = int(np.count_nonzero(true))
-            rec[f"n_above_{scope}"] = np.asarray([int((delta > t).sum()) for t in THRESHOLDS], dtype=np.int64)
-            rec[f"sign_flips_{scope}"] = int((torch.sign(now32) != torch.sign(base32)).sum())
+            rec[f"n_above_{scope}"] = np.asarray([count(delta > t) for t in THRESHOLDS], dtype=np.int64)
+            rec[f"sign_flips_{scope}"] = count(torch.sign(now32) != torch.sign(base32))
             rec[f"per_tensor_{scope}"] = self._per_tensor(true)
         rec["jaccard_prev"] = set_metrics(sets["step"], self.last)["jaccard"] if self.steps else float("nan")
         self.steps += 1

@@ -42,6 +42,7 @@ from covgrad.trajectory import (
     StepLoss,
     Stepper,
     bf16_rounded,
+    count,
     count_metrics,
 )
 from covgrad.trajectory import BATCH_KEYS as BATCH_KEYS
@@ -131,7 +132,7 @@ def matched_sgd_lr(start: torch.Tensor, G: torch.Tensor, adam_lr: float) -> floa
     if not bool((absG > 0).any()):
         raise ValueError("matched_sgd_lr: G is zero everywhere, so no SGD learning rate changes a parameter")
     half = bf16_half_spacing(start).double()
-    k = int((adam_lr * absG / (absG + ADAM_EPS) >= half).sum())
+    k = count(adam_lr * absG / (absG + ADAM_EPS) >= half)
     ratios = (half / absG)[absG > 0]
     return float(torch.kthvalue(ratios, min(max(k, 1), ratios.numel())).values)
 
@@ -177,8 +178,8 @@ def changed_sets(layout: ParamLayout, start: torch.Tensor, end: torch.Tensor) ->
         {
             "name": e.name,
             "numel": e.numel,
-            "changed_bf16": int(changed_bf16[e.offset : e.offset + e.numel].sum()),
-            "changed_abs": int(changed_abs[e.offset : e.offset + e.numel].sum()),
+            "changed_bf16": count(changed_bf16[e.offset : e.offset + e.numel]),
+            "changed_abs": count(changed_abs[e.offset : e.offset + e.numel]),
         }
         for e in layout.entries
     ]
@@ -248,7 +249,7 @@ def update_grid(
                     "P": layout.P,
                 }
                 for metric in METRICS:
-                    k = int(masks[metric].sum())
+                    k = count(masks[metric])
                     row[f"n_changed_{metric}"] = k
                     row[f"frac_changed_{metric}"] = k / layout.P
                     names = (*RANKED_PREDICTORS, *(RULES if optimizer == "sgd" and adv_rms == adv_rms else RULES[:1]))
@@ -350,11 +351,11 @@ def _score_rules(
             for lo in range(0, P, CHUNK):  # CHUNK is a multiple of 8: each chunk starts on a packed byte
                 c = slice(lo, min(lo + CHUNK, P))
                 pred = _rule_mask(rule, start[c], values[c], *args)
-                n_pred += int(pred.sum())
+                n_pred += count(pred)
                 for metric in METRICS:
                     true = _unpacked(packed[metric][lo // 8 : (c.stop + 7) // 8], c.stop - lo)
-                    n_true[metric] += int(true.sum())
-                    n_both[metric] += int((pred & true).sum())
+                    n_true[metric] += count(true)
+                    n_both[metric] += count(pred & true)
             for metric in METRICS:
                 for key, value in count_metrics(n_pred, n_true[metric], n_both[metric]).items():
                     row[f"{metric}_{rule}_{key}"] = value
