@@ -12,6 +12,11 @@ every tensor of one chunk, every rank forms whole).
 
     python -m benchmarks.fsdp                       # "large" CPU model, 1 process, 1 and 2 ranks
     python -m benchmarks.fsdp --model small --ranks 1 2 4
+    python -m benchmarks.fsdp --model llama-134m --batch 2 --tokens 8 32 --ranks 2 --weights-everywhere
+
+The peak resident memory of each rank (its process's, from its start) shows the loading: rank 0 builds the
+model with its weights, the other ranks on the meta device, and each takes its shard of rank 0's weights
+(``--weights-everywhere``: every rank builds it with weights, the way before).
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,9 +44,15 @@ from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 
 
-def _batches(name: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    vocab, B, prompt, response = MODELS[name][1], *MODELS[name][8:]
-    return [make_batch(vocab, B, prompt, response, seed=100 + b, device=torch.device("cpu")) for b in range(n)]
+def _batches(name: str, n: int, shape: tuple[int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of ``shape`` = (B, prompt, response) tokens."""
+    vocab = MODELS[name][1]
+    return [make_batch(vocab, *shape, seed=100 + b, device=torch.device("cpu")) for b in range(n)]
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory so far, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _times(psg: PerSampleGrads, acc: object, batches: list, sync: bool) -> list[float]:
@@ -57,15 +70,18 @@ def _times(psg: PerSampleGrads, acc: object, batches: list, sync: bool) -> list[
     return out[1:]
 
 
-def _rank(rank: int, ranks: int, init: str, name: str, n: int, threads: int, out: str) -> None:
+def _rank(
+    rank: int, ranks: int, init: str, name: str, n: int, threads: int, shape: tuple, everywhere: bool, out: str
+) -> None:
     from covgrad.fsdp import rank_scores
 
     torch.set_num_threads(max(1, threads // ranks))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
     try:
-        model = build(name, torch.device("cpu"))
+        weights = rank == 0 or everywhere  # the others take their shards of rank 0's weights
+        model = build(name, torch.device("cpu" if weights else "meta"))
         layout = select_parameters(model)
-        batches = _batches(name, n)
+        batches = _batches(name, n, shape)
         ids = batches[0][0]
         example = {
             "input_ids": ids,
@@ -76,31 +92,43 @@ def _rank(rank: int, ranks: int, init: str, name: str, n: int, threads: int, out
         times = _times(rs.psg, rs.shard, batches, sync=True)
         formed = torch.tensor([1 - rs.psg.skipped_columns / layout.P], dtype=torch.float64)
         dist.all_reduce(formed, op=dist.ReduceOp.MAX)  # the rank that formed the most columns
+        rss = [torch.zeros(1, dtype=torch.float64) for _ in range(ranks)]
+        dist.all_gather(rss, torch.tensor([float(_peak_rss())], dtype=torch.float64))
         if rank == 0:
-            np.save(out, np.array([*times, float(formed)]))
+            others = max((float(r) for r in rss[1:]), default=float("nan"))
+            np.save(out, np.array([*times, float(formed), float(rss[0]), others]))
     finally:
         dist.destroy_process_group()
 
 
-def single(name: str, n: int, threads: int) -> list[float]:
+def single(name: str, n: int, threads: int, shape: tuple[int, int, int]) -> list[float]:
     """Seconds per batch of the single-process fold (no process group, the whole state)."""
     torch.set_num_threads(threads)
     model = build(name, torch.device("cpu"))
     layout = select_parameters(model)
     acc = MomentAccumulator(layout.P, "cpu", compiled=False)
-    return _times(PerSampleGrads(model, layout, check=False), acc, _batches(name, n), sync=False)
+    return _times(PerSampleGrads(model, layout, check=False), acc, _batches(name, n, shape), sync=False)
 
 
-def sharded(name: str, n: int, threads: int, ranks: int) -> tuple[list[float], float]:
-    """Seconds per batch (the slowest rank's) of ``ranks`` gloo processes folding their shards, and the largest
-    fraction of the per-sample block's columns a rank formed (compute sharding skips the row chunks outside a
-    rank's columns)."""
+@dataclass(frozen=True)
+class Sharded:
+    """One sharded configuration's measurements."""
+
+    times: list[float]  # seconds per batch, the slowest rank's
+    formed: float  # the largest fraction of the per-sample block's columns one rank formed in a batch
+    rss0: float  # rank 0's peak resident memory, bytes
+    rss_others: float  # the largest peak of the other ranks, bytes (NaN for one rank)
+
+
+def sharded(name: str, n: int, threads: int, ranks: int, shape: tuple[int, int, int], everywhere: bool) -> Sharded:
+    """``ranks`` gloo processes folding their shards (fresh processes: their peaks are their own); with
+    ``everywhere`` every rank builds the model with weights, else only rank 0 (the others on the meta device)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.npy")
-        args = (ranks, f"file://{tmp}/rendezvous", name, n, threads, out)
+        args = (ranks, f"file://{tmp}/rendezvous", name, n, threads, shape, everywhere, out)
         mp.spawn(_rank, args=args, nprocs=ranks, join=True)
-        *times, formed = np.load(out).tolist()
-        return times, formed
+        *times, formed, rss0, others = np.load(out).tolist()
+        return Sharded(times, formed, rss0, others)
 
 
 def main() -> None:
@@ -109,21 +137,37 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batches", type=int, default=6, help="batches per configuration (the first is a warm-up)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads shared by the ranks")
+    parser.add_argument("--batch", type=int, default=None, help="samples per batch (default: the model's)")
+    parser.add_argument("--tokens", type=int, nargs=2, default=None, metavar=("PROMPT", "RESPONSE"))
+    parser.add_argument(
+        "--weights-everywhere", action="store_true", help="also run every rank loading the weights, as a baseline"
+    )
     args = parser.parse_args()
     B, prompt, response = MODELS[args.model][8:]
+    B = args.batch or B
+    prompt, response = args.tokens or (prompt, response)
+    shape = (B, prompt, response)
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
     print(f"\n## {args.model} model, B = {B}, L = {prompt + response}, every parameter, float64 state, eager fold")
     print(
         f"{args.threads} threads in the single process, max(1, {args.threads} // R) per rank; seconds per batch: "
         f"median over {args.batches - 1} batches\n"
     )
-    print("| configuration | s / batch | ratio to 1 process | block columns formed per rank |\n|---|---|---|---|")
-    base = statistics.median(single(args.model, args.batches, args.threads))
-    print(f"| 1 process (no FSDP) | {base:.3f} | 1.00 | 1.00 |")
+    print(
+        "| configuration | s / batch | ratio to 1 process | block columns formed per rank | peak GB rank 0 "
+        "| peak GB other ranks |\n|---|---|---|---|---|---|"
+    )
+    base = statistics.median(single(args.model, args.batches, args.threads, shape))
+    print(f"| 1 process (no FSDP) | {base:.3f} | 1.00 | 1.00 | | |")
     for ranks in args.ranks:
-        times, formed = sharded(args.model, args.batches, args.threads, ranks)
-        t = statistics.median(times)
-        print(f"| FSDP2, {ranks} rank{'s' if ranks > 1 else ''} | {t:.3f} | {t / base:.2f} | {formed:.2f} |")
+        for everywhere in (False, True) if args.weights_everywhere and ranks > 1 else (False,):
+            r = sharded(args.model, args.batches, args.threads, ranks, shape, everywhere)
+            t = statistics.median(r.times)
+            label = f"FSDP2, {ranks} rank{'s' if ranks > 1 else ''}" + (", weights on every rank" if everywhere else "")
+            print(
+                f"| {label} | {t:.3f} | {t / base:.2f} | {r.formed:.2f} | {r.rss0 / 1e9:.2f} "
+                f"| {r.rss_others / 1e9:.2f} |"
+            )
 
 
 if __name__ == "__main__":
