@@ -74,3 +74,39 @@ def test_cuda_compiled_fold_matches_numpy(state_dtype):
 def test_cuda_weights_folded_in_row_chunks(name):
     """Row chunks on cuda (one row each instead of 256 MiB): the same checks as on CPU."""
     check_row_chunks(name, 1, "cuda")
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "llama-tied"])
+def test_fsdp2_one_rank_on_cuda_is_the_plain_path(name, tmp_path):
+    """FSDP2 with R = 1 (nccl, this process, every parameter) against the plain path on the same device: the
+    same state bytes and the same kept rows (tests/test_fsdp.py runs 2 and 3 gloo ranks on the CPU)."""
+    import torch.distributed as dist
+
+    from covgrad.fsdp import rank_scores
+
+    model = MODELS[name]().cuda()
+    layout = select_parameters(model)
+    batches = [(on(make_batch(50 + s, **BATCH), "cuda"), np.array([0.5, -1.0, 2.0, 0.25]) * (s + 1)) for s in range(3)]
+    half = np.array([0, 1, 1, 0])
+    plain = PerSampleGrads(model, layout)
+    acc = MomentAccumulator(layout.P, "cuda")
+    want_rows = torch.empty(4, layout.P, device="cuda")
+    torch.cuda.set_device(0)
+    sharded = MODELS[name]().cuda()
+    sharded.load_state_dict(model.state_dict())
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        rs = rank_scores(sharded, layout, batches[0][0])
+        got_rows = torch.empty(4, layout.P, device="cuda")
+        for j, (b, a) in enumerate(batches):
+            fn = lambda z, b=b: score_logit_grad(z, b["input_ids"], b["target_mask"])  # noqa: E731
+            args = (b["input_ids"], b["attention_mask"], fn)
+            plain.accumulate(*args, acc, a, half, b["position_ids"], out=want_rows if j == 2 else None)
+            rs.psg.accumulate(*args, rs.shard, a, half, b["position_ids"], out=got_rows if j == 2 else None)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(got_rows, want_rows)
+    got, want = rs.acc.rows(), acc.rows()
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].tobytes() == want[key].tobytes(), key
