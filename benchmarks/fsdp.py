@@ -14,9 +14,10 @@ every tensor of one chunk, every rank forms whole).
     python -m benchmarks.fsdp --model small --ranks 1 2 4
     python -m benchmarks.fsdp --model llama-134m --batch 2 --tokens 8 32 --ranks 2 --weights-everywhere
 
-The peak resident memory of each rank (its process's, from its start) shows the loading: rank 0 builds the
-model with its weights, the other ranks on the meta device, and each takes its shard of rank 0's weights
-(``--weights-everywhere``: every rank builds it with weights, the way before).
+The peak resident memory of each rank (its process's, from its start), once the model is loaded, traced and
+sharded and at the end, shows the loading: rank 0 builds the model with its weights, the other ranks on the
+meta device, and each takes its shard of rank 0's weights (``--weights-everywhere``: every rank builds it with
+weights, the way before).
 """
 
 from __future__ import annotations
@@ -89,14 +90,15 @@ def _rank(
             "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1),
         }
         rs = rank_scores(model, layout, example, check=False, compiled=False)
+        loaded = _peak_rss()  # the peak of loading, tracing and sharding
         times = _times(rs.psg, rs.shard, batches, sync=True)
         formed = torch.tensor([1 - rs.psg.skipped_columns / layout.P], dtype=torch.float64)
         dist.all_reduce(formed, op=dist.ReduceOp.MAX)  # the rank that formed the most columns
-        rss = [torch.zeros(1, dtype=torch.float64) for _ in range(ranks)]
-        dist.all_gather(rss, torch.tensor([float(_peak_rss())], dtype=torch.float64))
+        rss = [torch.zeros(2, dtype=torch.float64) for _ in range(ranks)]
+        dist.all_gather(rss, torch.tensor([float(loaded), float(_peak_rss())], dtype=torch.float64))
         if rank == 0:
-            others = max((float(r) for r in rss[1:]), default=float("nan"))
-            np.save(out, np.array([*times, float(formed), float(rss[0]), others]))
+            others = torch.stack(rss[1:]).amax(0).tolist() if ranks > 1 else [float("nan")] * 2
+            np.save(out, np.array([*times, float(formed), *rss[0].tolist(), *others]))
     finally:
         dist.destroy_process_group()
 
@@ -116,8 +118,10 @@ class Sharded:
 
     times: list[float]  # seconds per batch, the slowest rank's
     formed: float  # the largest fraction of the per-sample block's columns one rank formed in a batch
-    rss0: float  # rank 0's peak resident memory, bytes
-    rss_others: float  # the largest peak of the other ranks, bytes (NaN for one rank)
+    load0: float  # rank 0's peak resident memory once the model is loaded, traced and sharded, bytes
+    rss0: float  # rank 0's peak resident memory at the end, bytes
+    load_others: float  # the largest of the other ranks' (NaN for one rank)
+    rss_others: float
 
 
 def sharded(name: str, n: int, threads: int, ranks: int, shape: tuple[int, int, int], everywhere: bool) -> Sharded:
@@ -127,8 +131,8 @@ def sharded(name: str, n: int, threads: int, ranks: int, shape: tuple[int, int, 
         out = str(Path(tmp) / "times.npy")
         args = (ranks, f"file://{tmp}/rendezvous", name, n, threads, shape, everywhere, out)
         mp.spawn(_rank, args=args, nprocs=ranks, join=True)
-        *times, formed, rss0, others = np.load(out).tolist()
-        return Sharded(times, formed, rss0, others)
+        *times, formed, load0, rss0, load_others, rss_others = np.load(out).tolist()
+        return Sharded(times, formed, load0, rss0, load_others, rss_others)
 
 
 def main() -> None:
@@ -154,20 +158,18 @@ def main() -> None:
         f"median over {args.batches - 1} batches\n"
     )
     print(
-        "| configuration | s / batch | ratio to 1 process | block columns formed per rank | peak GB rank 0 "
-        "| peak GB other ranks |\n|---|---|---|---|---|---|"
+        "| configuration | s / batch | ratio to 1 process | block columns formed per rank | peak GB loaded, rank 0 "
+        "| peak GB loaded, other ranks | peak GB, rank 0 | peak GB, other ranks |\n|---|---|---|---|---|---|---|---|"
     )
     base = statistics.median(single(args.model, args.batches, args.threads, shape))
-    print(f"| 1 process (no FSDP) | {base:.3f} | 1.00 | 1.00 | | |")
+    print(f"| 1 process (no FSDP) | {base:.3f} | 1.00 | 1.00 | | | | |")
     for ranks in args.ranks:
         for everywhere in (False, True) if args.weights_everywhere and ranks > 1 else (False,):
             r = sharded(args.model, args.batches, args.threads, ranks, shape, everywhere)
             t = statistics.median(r.times)
             label = f"FSDP2, {ranks} rank{'s' if ranks > 1 else ''}" + (", weights on every rank" if everywhere else "")
-            print(
-                f"| {label} | {t:.3f} | {t / base:.2f} | {r.formed:.2f} | {r.rss0 / 1e9:.2f} "
-                f"| {r.rss_others / 1e9:.2f} |"
-            )
+            gb = [f"{x / 1e9:.2f}" for x in (r.load0, r.load_others, r.rss0, r.rss_others)]
+            print(f"| {label} | {t:.3f} | {t / base:.2f} | {r.formed:.2f} | {' | '.join(gb)} |")
 
 
 if __name__ == "__main__":
