@@ -14,8 +14,8 @@ every tensor of one chunk, every rank forms whole).
     python -m benchmarks.fsdp --model small --ranks 1 2 4
     python -m benchmarks.fsdp --model llama-134m --batch 2 --tokens 8 32 --ranks 2 --weights-everywhere
 
-The peak resident memory of each rank (its process's, from its start), once the model is loaded, traced and
-sharded and at the end, shows the loading: rank 0 builds the model with its weights, the other ranks on the
+The peak resident memory of each rank (sampled every 50 ms from its start), once the model is loaded, traced
+and sharded and at the end, shows the loading: rank 0 builds the model with its weights, the other ranks on the
 meta device, and each takes its shard of rank 0's weights (``--weights-everywhere``: every rank builds it with
 weights, the way before).
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import statistics
 import tempfile
 import time
@@ -41,6 +40,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.scores import MODELS, build, make_batch
 from covgrad.accum import MomentAccumulator
+from covgrad.devices import PeakRSS
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 
@@ -49,11 +49,6 @@ def _batches(name: str, n: int, shape: tuple[int, int, int]) -> list[tuple[torch
     """``n`` batches of ``shape`` = (B, prompt, response) tokens."""
     vocab = MODELS[name][1]
     return [make_batch(vocab, *shape, seed=100 + b, device=torch.device("cpu")) for b in range(n)]
-
-
-def _peak_rss() -> int:
-    """This process's peak resident memory so far, bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _times(psg: PerSampleGrads, acc: object, batches: list, sync: bool) -> list[float]:
@@ -79,26 +74,27 @@ def _rank(
     torch.set_num_threads(max(1, threads // ranks))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
     try:
-        weights = rank == 0 or everywhere  # the others take their shards of rank 0's weights
-        model = build(name, torch.device("cpu" if weights else "meta"))
-        layout = select_parameters(model)
-        batches = _batches(name, n, shape)
-        ids = batches[0][0]
-        example = {
-            "input_ids": ids,
-            "attention_mask": torch.ones_like(ids),
-            "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1),
-        }
-        rs = rank_scores(model, layout, example, check=False, compiled=False)
-        loaded = _peak_rss()  # the peak of loading, tracing and sharding
-        times = _times(rs.psg, rs.shard, batches, sync=True)
+        with PeakRSS() as rss:  # sampled, not ru_maxrss: a spawned process inherits its parent's peak at the fork
+            weights = rank == 0 or everywhere  # the others take their shards of rank 0's weights
+            model = build(name, torch.device("cpu" if weights else "meta"))
+            layout = select_parameters(model)
+            batches = _batches(name, n, shape)
+            ids = batches[0][0]
+            example = {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1),
+            }
+            rs = rank_scores(model, layout, example, check=False, compiled=False)
+            loaded = rss.peak  # the peak of loading, tracing and sharding
+            times = _times(rs.psg, rs.shard, batches, sync=True)
         formed = torch.tensor([1 - rs.psg.skipped_columns / layout.P], dtype=torch.float64)
         dist.all_reduce(formed, op=dist.ReduceOp.MAX)  # the rank that formed the most columns
-        rss = [torch.zeros(2, dtype=torch.float64) for _ in range(ranks)]
-        dist.all_gather(rss, torch.tensor([float(loaded), float(_peak_rss())], dtype=torch.float64))
+        peaks = [torch.zeros(2, dtype=torch.float64) for _ in range(ranks)]
+        dist.all_gather(peaks, torch.tensor([float(loaded), float(rss.peak)], dtype=torch.float64))
         if rank == 0:
-            others = torch.stack(rss[1:]).amax(0).tolist() if ranks > 1 else [float("nan")] * 2
-            np.save(out, np.array([*times, float(formed), *rss[0].tolist(), *others]))
+            others = torch.stack(peaks[1:]).amax(0).tolist() if ranks > 1 else [float("nan")] * 2
+            np.save(out, np.array([*times, float(formed), *peaks[0].tolist(), *others]))
     finally:
         dist.destroy_process_group()
 
