@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from covgrad.accum import MomentAccumulator
 from covgrad.batch import RolloutBatch
 from covgrad.centering import policy_logit_grad
+from covgrad.config import DemoModel
 from covgrad.fold import fold_batches
 from covgrad.fsdp import RankColumns, ShardAccumulator, merge_states, shard_rows
 from covgrad.layout import select_parameters, split_blocks
@@ -318,3 +319,28 @@ def test_rank0_without_weights_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(RankFailedError, match=r"^rank 0 of 2 failed: ValueError: rank 0 holds the model on the meta"):
         launch(2, _meta_on_rank0, (), tmp_path / "rendezvous")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_meta_load_has_the_loaded_models_names_shapes_dtypes_and_ties(tmp_path: Path, tied: bool) -> None:
+    """``load_model(meta=True)`` (a rank other than 0) builds the directory's model from its config on the meta
+    device: the same parameters and buffers, shapes and dtypes as ``from_pretrained``, the same ties, no storage."""
+    from covgrad.fsdp import on_meta
+    from covgrad.models import build_demo_model
+    from covgrad.problems import build_char_tokenizer
+    from storage.models import load_model
+
+    tok = build_char_tokenizer()
+    demo = DemoModel(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, tie_embeddings=tied)
+    build_demo_model(demo, tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    real, meta = load_model(tmp_path), load_model(tmp_path, meta=True)
+    assert on_meta(meta) and not on_meta(real)
+    for a, b in ((real.named_parameters(), meta.named_parameters()), (real.named_buffers(), meta.named_buffers())):
+        want, got = dict(a), dict(b)
+        assert sorted(want) == sorted(got)
+        for name, t in want.items():
+            assert (got[name].shape, got[name].dtype) == (t.shape, t.dtype), name
+    assert (meta.lm_head.weight is meta.model.embed_tokens.weight) == tied
+    assert (real.lm_head.weight is real.model.embed_tokens.weight) == tied
+    assert not meta.training
