@@ -10,8 +10,8 @@ data; K = 1 unless the state does not fit otherwise), in bytes (docs/fsdp.md):
                  probabilities) or heads·4 (sdpa: the log-sum-exp); every rank runs the whole batch
     logits       B·L·V·(d + 8)  (logits, their float32 gradient and softmax)
     in flight    B·4·numel of the block's largest per-sample tensor block, whole on every rank (the rules
-                 see unsharded activations), a row chunk for a Linear weight with one module (as
-                 :mod:`covgrad.shardplan`)
+                 see unsharded activations), a row chunk for a Linear weight or an embedding with one module
+                 (as :mod:`covgrad.shardplan`)
     workspace    the fold's tile buffers (as :mod:`covgrad.shardplan`) + one cut tile's scratch state
     state        (48 float64 | 32 float32) × rank 0's columns of the block (its FSDP shard of every tensor)
 
@@ -338,9 +338,9 @@ def _shard_numel(shape: tuple[int, ...], ranks: int) -> int:
 
 
 def _chunked(name: str, shape: LmShape) -> bool:
-    """Whether the per-sample block of ``name`` is written and folded in row chunks (a Linear weight with one
-    module: every projection, and the LM head unless it is tied)."""
-    return name.endswith("_proj.weight") or (name == "lm_head.weight" and not shape.tied)
+    """Whether the per-sample block of ``name`` is written and folded in row chunks (a Linear weight or an
+    embedding with one module: every projection, and the LM head and the input embedding unless they are tied)."""
+    return name.endswith("_proj.weight") or (name in ("lm_head.weight", "model.embed_tokens.weight") and not shape.tied)
 
 
 def main() -> None:

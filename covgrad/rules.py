@@ -232,15 +232,36 @@ def _conv1d_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
         _sum_into(s[0], g, s[1])
 
 
+def _embedding_chunks(ids: Tensor, g: Tensor, chunks: Iterator[tuple[int, int, Tensor]]) -> None:
+    """Write rows r0 … r1 of every sample's embedding gradient into each chunk's view (B, r1 − r0, H), from ids
+    (B, T') and g (B, T', H) float32: the positions are sorted by id once (stably), so a chunk adds only the
+    positions whose id lies in it, each row's in position order, as the whole-table scatter does (same bits)."""
+    B, T = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids, sample, rows = flat[order], order // T, g.reshape(B * T, -1)
+    for r0, r1, view in chunks:
+        view.zero_()
+        lo, hi = torch.searchsorted(sorted_ids, torch.tensor([r0, r1], device=flat.device)).tolist()
+        if hi > lo:
+            n = r1 - r0
+            at = sample[lo:hi] * n + (sorted_ids[lo:hi] - r0)
+            view.view(B * n, -1).index_add_(0, at, rows[order[lo:hi]])
+
+
 @row_parts
 def _embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """Row y of the table gets Σ_{t: id_t = y} g_t per sample; the padding row gets nothing. A view of rows
-    r0 … r1 only (a row-cut block) gets the positions whose id lies there (the others add exact zeros)."""
+    r0 … r1 only (a row-cut block) gets the positions whose id lies there (the others add exact zeros). Chunks
+    of rows (:meth:`Slot.rows`) are written from the positions sorted by id (:func:`_embedding_chunks`)."""
     B, H = g.shape[0], module.embedding_dim
     ids = x.reshape(B, -1)  # (B, T')
     g = _flat(g, B, H)
     if module.padding_idx is not None:
         g = g.masked_fill((ids == module.padding_idx)[..., None], 0.0)
+    if (chunks := slot.rows("weight", module.num_embeddings)) is not None:
+        _embedding_chunks(ids, g, chunks)
+        return
     view, first = slot("weight")
     if first:
         view.zero_()
@@ -623,8 +644,15 @@ _EXACT: dict[type, tuple[Rule, frozenset[str]]] = {
 
 
 def writes_weight_in_row_chunks(module: nn.Module) -> bool:
-    """Whether the module's rule asks ``slot.rows`` for its weight (Linear, Falcon's Linear, GPT-2 Conv1D)."""
-    return _EXACT.get(type(module), (None,))[0] in (_linear_rule, _conv1d_rule)
+    """Whether the module's rule asks ``slot.rows`` for its weight (Linear, Falcon's Linear, GPT-2 Conv1D, the
+    embeddings)."""
+    found = rule_for(module)
+    return not isinstance(found, str) and found[0] in (
+        _linear_rule,
+        _conv1d_rule,
+        _embedding_rule,
+        _scaled_embedding_rule,
+    )
 
 
 def writes_row_parts(module: nn.Module) -> bool:

@@ -147,11 +147,17 @@ def lm_head_check(
     return rel_l2(closed.reshape(shape).cpu().numpy(), ref["fisher_sum"].reshape(shape).cpu().numpy())
 
 
-def _setup(
+def output_rows(model: nn.Module) -> int:
+    """V, the rows of ``model``'s output embedding (from its shape: a model on the meta device will do)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def study_setup(
     model: nn.Module, settings: TokensSection, T: int, params: list[str] | None
 ) -> tuple[list[str], ParamLayout, str | None]:
-    """The modes, the layout of ``params`` and the checked LM head of a study (see :meth:`TokenStudy.build`)."""
-    V = model.get_output_embeddings().weight.shape[0]
+    """The modes, the layout of ``params`` and the checked LM head of a study (see :meth:`TokenStudy.build`), from
+    the model's modules and shapes (a model on the meta device will do)."""
+    V = output_rows(model)
     modes = resolve_modes(settings.modes, T, V, settings.exact_budget)
     if "topk" in modes and settings.topk > V:
         raise ValueError(f"tokens.topk = {settings.topk} exceeds the vocabulary size V = {V}; set tokens.topk <= {V}")
@@ -189,7 +195,7 @@ class TokenStudy:
         """The study of ``model`` (in eval mode, on its device) over rollouts of T response positions:
         modes resolved, parameters ``params`` selected (None: all), sequence scores self-checked when
         ``check``. ValueError when ``settings.topk`` exceeds the vocabulary or exact its budget."""
-        modes, layout, head = _setup(model, settings, T, params)
+        modes, layout, head = study_setup(model, settings, T, params)
         return cls(model, layout, PerSampleGrads(model, layout, check=check), settings, modes, head)
 
     @classmethod
@@ -208,7 +214,7 @@ class TokenStudy:
         rank's columns (:class:`RankColumns`):
         every (param,) sum it hands out is the rank's (P_r,) columns of the in-process sum, bit for bit; the
         per-position outputs are every rank's alike."""
-        modes, layout, head = _setup(model, settings, T, params)
+        modes, layout, head = study_setup(model, settings, T, params)
         head_layout = select_parameters(model, [head]) if head is not None else None
         trace, modules = shard_from_rank0(model, layout, example)
         columns = RankColumns.of(layout, dist.get_world_size(), dist.get_rank())
@@ -218,7 +224,7 @@ class TokenStudy:
     @property
     def V(self) -> int:
         """Vocabulary size (rows of the output embedding)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return output_rows(self.model)
 
     def draws(self) -> dict[str, int]:
         """Candidates or probes of each mode (:func:`draws`)."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from storage.weights import check_weights
 
 if TYPE_CHECKING:  # torch and transformers load lazily: checking a directory must not wait for them
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from storage.artifacts import ArtifactRef, ArtifactStore
@@ -126,3 +127,17 @@ def load_models(
         with store.local_dir(base, which, write=False) as d:
             return load_model_and_tokenizer(d, dtype, trust, meta)
     return load_model_and_tokenizer(which, dtype, trust, meta)
+
+
+def load_rank_policy(
+    store: ArtifactStore, base: ArtifactRef, policy: ModelSource, device: torch.device
+) -> PreTrainedModel:
+    """The policy of one process of a sharded stage (or of an unsharded one: no process group): loaded with its
+    weights onto ``device`` where this process loads weights (:func:`covgrad.fsdp.loads_weights`: no group, or
+    rank 0), else built on the meta device, to take its shard of rank 0's weights
+    (:func:`covgrad.fsdp.shard_from_rank0`)."""
+    from covgrad.fsdp import loads_weights
+
+    weights = loads_weights()
+    model = load_models(store, base, "policy", policy, meta=not weights)[0]
+    return model.to(device) if weights else model

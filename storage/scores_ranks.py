@@ -371,16 +371,17 @@ def run_ranks(
     return job.finalize()
 
 
-def torchrun_group(key: str, spec: Any) -> Torchrun | None:
-    """This machine's part of the torchrun group that computes scores artifact ``key`` with a scores spec
-    (``tasks.specs.ScoresSpec``) of ``launcher: torchrun`` (None for the other launchers): ranks / nnodes ranks
-    on each of nnodes machines (this one node_rank, node 0's rendezvous at rdzv_endpoint), meeting under an id
-    of the artifact's key (every machine plans the same key), nccl when the spec's device is CUDA, else gloo."""
+def torchrun_group(key: str, spec: Any, stage: str = "scores") -> Torchrun | None:
+    """This machine's part of the torchrun group that computes artifact ``key`` of ``stage`` with a spec of
+    ``launcher: torchrun`` (``tasks.specs.ScoresSpec`` or ``TokensSpec``; None for the other launchers): ranks /
+    nnodes ranks on each of nnodes machines (this one node_rank, node 0's rendezvous at rdzv_endpoint), meeting
+    under an id of the stage and the artifact's key (every machine plans the same key), nccl when the spec's
+    device is CUDA, else gloo."""
     if spec.launcher != "torchrun":
         return None
     backend = "nccl" if pick_device(spec.device).type == "cuda" else "gloo"
     nproc = spec.ranks // spec.nnodes
-    return Torchrun(nproc, spec.nnodes, spec.node_rank, spec.rdzv_endpoint, f"covgrad-scores-{key}", backend)
+    return Torchrun(nproc, spec.nnodes, spec.node_rank, spec.rdzv_endpoint, f"covgrad-{stage}-{key}", backend)
 
 
 # How long, in seconds, a machine other than node 0 waits, after its ranks finish, for node 0 to complete the
@@ -400,7 +401,7 @@ def wait_for_node0(store: ArtifactStore, ref: ArtifactRef, nnodes: int) -> None:
     while not store.is_complete(ref):
         if (store.local and not store.busy(ref) and not store.is_complete(ref)) or time.monotonic() > deadline:
             raise RankFailedError(
-                f"node 0 of scores.nnodes={nnodes} did not complete scores {ref.key} after this node's ranks "
-                "finished; see node 0's log, and rerun every node to resume from the checkpoints"
+                f"node 0 of scores.nnodes={nnodes} did not complete {ref.stage} {ref.key} after this node's ranks "
+                "finished; see node 0's log, and rerun every node: they resume where the ranks stopped"
             )
         time.sleep(0.5)

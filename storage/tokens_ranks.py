@@ -28,17 +28,16 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from covgrad.devices import pick_device
-from covgrad.fsdp import RankColumns, Torchrun, launch, launch_torchrun, loads_weights, on_meta, rank_device
+from covgrad.fsdp import RankColumns, launch, launch_torchrun, rank_device
 from covgrad.heap import release_free_memory
 from covgrad.token_study import TokenStudy, batch_bounds
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.models import load_models
+from storage.models import load_rank_policy
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, param_chunk
 from storage.schema import TOKENS as STORE
 from storage.scores import column_split
-from storage.scores_ranks import RANK_ENTRY, runs
+from storage.scores_ranks import RANK_ENTRY, runs, torchrun_group
 from storage.tokens import TokensStore
 
 
@@ -83,9 +82,7 @@ def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef
     mark."""
     store, device = ArtifactStore(root), rank_device()
     ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-    model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=not loads_weights())
-    if not on_meta(model):
-        model.to(device)
+    model = load_rank_policy(store, up["base_model"], spec.policy, device)
     T = ro["sampler_logp"].shape[1]
     batches = batch_bounds(min(spec.settings.max_samples, ro["tokens"].shape[0]))
     first = read_batch(ro, *batches[0]).to(device)
@@ -104,9 +101,11 @@ def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef
 
 
 def run_ranks(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> None:
-    """Run the pending batches of a tokens artifact on ``spec.ranks`` processes of this machine (:func:`study_rank`
-    in each; the store exists): local gloo processes (``spec.launcher`` local), or a torchrun group (torchrun:
-    nccl ranks, one CUDA device each, when ``spec.device`` is CUDA, else gloo).
+    """Run the pending batches of a tokens artifact on ``spec.ranks`` processes (:func:`study_rank` in each; node
+    0 has created the store): local gloo processes of this machine (``spec.launcher`` local), or this machine's
+    ranks of a torchrun group of ``spec.nnodes`` machines (:func:`storage.scores_ranks.torchrun_group`: nccl
+    ranks, one CUDA device each, when ``spec.device`` is CUDA, else gloo). The other machines' ranks pass the
+    rendezvous once node 0's have joined, which node 0 starts after creating the store.
 
     Raises:
         covgrad.fsdp.RankFailedError: one line naming the first rank that failed (a rerun recomputes the batches
@@ -114,9 +113,8 @@ def run_ranks(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]
     """
     args = (root, ref, spec, up)
     with tempfile.TemporaryDirectory(prefix="covgrad-tokens-ranks-") as tmp:
-        if spec.launcher == "torchrun":
-            backend = "nccl" if pick_device(spec.device).type == "cuda" else "gloo"
-            group = Torchrun(spec.ranks, 1, 0, None, f"covgrad-tokens-{ref.key}", backend)
+        group = torchrun_group(ref.key, spec, "tokens")
+        if group is not None:
             launch_torchrun(group, RANK_ENTRY, study_rank, args, tmp)
         else:
             launch(spec.ranks, study_rank, args, Path(tmp) / "rendezvous")

@@ -20,7 +20,6 @@ from covgrad.batch import RolloutBatch, group_batches
 from covgrad.centering import LogitGrad, SamplerCentering, policy_logit_grad
 from covgrad.devices import check_state_fits, device_memory, pick_device
 from covgrad.fold import fold_batches
-from covgrad.fsdp import loads_weights, on_meta
 from covgrad.identity import model_identity
 from covgrad.layout import select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads
@@ -30,7 +29,7 @@ from covgrad.shardplan import keeps_rows, resolve_shards
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.identity import IDENTITY_ATTR
 from storage.imports import sampler_source
-from storage.models import load_models
+from storage.models import load_models, load_rank_policy
 from storage.rollouts import read_batch, require_mu
 from storage.schema import ROLLOUTS
 from storage.scores import ScoresStore, mu_recorded, read_mu
@@ -58,10 +57,8 @@ class ScoresJob:
         self.spec = spec
         self._weights: dict[str, Any] | None = None
         self.ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-        self.model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=not loads_weights())
         self.device = pick_device(spec.device)
-        if not on_meta(self.model):  # a rank > 0 of a sharded run takes its shard of rank 0's weights
-            self.model.to(self.device)
+        self.model = load_rank_policy(store, up["base_model"], spec.policy, self.device)
         self.layout = select_parameters(self.model, spec.params)
         self.group, self.adv = self.ro["group"][:], self.ro["advantage"][:]
         self.N, self.P = len(self.group), self.layout.P

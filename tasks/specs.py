@@ -243,7 +243,9 @@ class TokensSpec(StageSpec):
 
     STAGE: ClassVar[str] = "tokens"
     VERSION: ClassVar[str] = "6"  # 6: jackknife interval of the errors against F in the scalars
-    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"device", "self_check", "launcher", "ranks"})
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset(
+        {"device", "self_check", "launcher", "ranks", "nnodes", "node_rank", "rdzv_endpoint"}
+    )
     settings: TokensSection
     params: list[str] | None
     sampler: str
@@ -251,19 +253,26 @@ class TokensSpec(StageSpec):
     policy: PolicySpec
     device: Device
     self_check: bool
-    # the model sharded over ranks (storage.tokens_ranks, scores.ranks; torchrun on one machine); absent from the
-    # dump when in-process
+    # the model sharded over ranks (storage.tokens_ranks, scores.ranks); absent from the dump when in-process
     launcher: Literal["in-process", "local", "torchrun"] = "in-process"
     ranks: int = 1
+    # a torchrun group's machines, this machine's index and node 0's rendezvous (absent from the dump unless several)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
 
     @model_serializer(mode="wrap")
     def _in_process_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The dump without ``launcher`` and ``ranks`` when in-process: the spec recorded in claims and markers
-        of earlier runs stays what it was before the fields existed."""
+        """The dump without ``launcher`` and ``ranks`` when in-process, and without the machines' fields on one
+        machine: the spec recorded in claims and markers of earlier runs stays what it was before the fields
+        existed."""
         out = handler(self)
         if self.launcher == "in-process":
             out.pop("launcher", None)
             out.pop("ranks", None)
+        if self.nnodes == 1:
+            for name in ("nnodes", "node_rank", "rdzv_endpoint"):
+                out.pop(name, None)
         return out
 
 
@@ -608,8 +617,8 @@ def plan(cfg: PipelineConfig) -> Plan:
     tokens = update = None
     if cfg.tokens.enabled:
         launcher, ranks = cfg.scores.placement
-        # the scores stage's ranks; a torchrun group of several machines runs the tokens stage in-process
-        sharded = ranks > 1 and (launcher == "local" or (launcher == "torchrun" and cfg.scores.nnodes == 1))
+        sharded = ranks > 1  # the scores stage's ranks (local processes, or a torchrun group of scores.nnodes machines)
+        torchrun = sharded and launcher == "torchrun"
         spec = TokensSpec(
             settings=cfg.tokens.model_copy(deep=True),
             params=m.params,
@@ -620,6 +629,9 @@ def plan(cfg: PipelineConfig) -> Plan:
             self_check=m.self_check,
             launcher=launcher if sharded else "in-process",
             ranks=ranks if sharded else 1,
+            nnodes=cfg.scores.nnodes if torchrun else 1,
+            node_rank=cfg.scores.node_rank if torchrun else 0,
+            rdzv_endpoint=cfg.scores.rdzv_endpoint if torchrun else None,
         )
         tokens = _step(store, Instance("tokens"), spec, {"base_model": base, "rollouts": rollouts[analysed]})
     teacher = plan_teacher(cfg, store, base)

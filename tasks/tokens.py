@@ -13,59 +13,74 @@ runs in this process with a warning, as without ranks.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
 from prefect import task
 
 from covgrad.devices import pick_device
+from covgrad.fsdp import on_meta
 from covgrad.heap import release_free_memory
+from covgrad.layout import select_parameters
 from covgrad.persample import bind_rules
 from covgrad.token_fisher import repeated_batch
-from covgrad.token_study import TokenStudy, batch_bounds, summarize
+from covgrad.token_study import TokenStudy, batch_bounds, output_rows, study_setup, summarize
+from covgrad.token_study import draws as token_draws
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS
 from storage.schema import TOKENS as STORE
+from storage.scores_ranks import wait_for_node0
 from storage.tokens import TokensStore, summary_step
 from storage.tokens_ranks import run_ranks
-from tasks.common import StageResult, log, progress_bar, run_stage
+from tasks.common import StageResult, check_spec, log, progress_bar, run_stage
 from tasks.specs import TokensSpec
+
+
+def _sharded(model: Any, spec: TokensSpec, layout: Any) -> bool:
+    """Whether the batches run on ``spec.ranks`` processes: more than one, and a model off the repeated-batch
+    path (:func:`covgrad.token_fisher.repeated_batch`, which every machine of a group decides alike from the
+    model's modules)."""
+    if spec.ranks == 1:
+        return False
+    if not repeated_batch(model, bind_rules(model, layout)):
+        return True
+    log.warning(
+        "tokens: %s needs the repeated-batch path, which does not run on a sharded model; the stage runs the whole "
+        "model in node 0's process (scores.ranks=%d shards only the scores stage)",
+        type(model).__name__,
+        spec.ranks,
+    )
+    return False
 
 
 def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> dict[str, Any]:
     tb = spec.settings
     ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-    model, _ = load_models(store, up["base_model"], "policy", spec.policy)
     device = pick_device(spec.device)
     if spec.launcher == "local" and device.type != "cpu":
         raise ValueError(
             f"scores.ranks={spec.ranks} runs the tokens stage on gloo ranks on the CPU, not on {device}; "
             "set model.device=cpu (or scores.launcher=torchrun: nccl ranks, one device each)"
         )
-    model.to(device).eval()
+    # on ranks this process needs only the model's shapes: the weights are rank 0's
+    model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=spec.ranks > 1)
     T = ro["sampler_logp"].shape[1]
-    study = TokenStudy.build(model, tb, T, spec.params, check=spec.self_check)
-    layout, modes = study.layout, study.modes
+    modes, layout, head = study_setup(model, tb, T, spec.params)
+    V, draws = output_rows(model), {m: token_draws(tb, m) for m in modes}
     N = min(tb.max_samples, ro["tokens"].shape[0])
     batches = batch_bounds(N)
     out = TokensStore.create(store.open_group(ref, STORE, mode="a"), N, T, layout.P, batches, modes)
-    V, head, draws = study.V, study.head, study.draws()
-    sharded = spec.ranks > 1 and not repeated_batch(model, bind_rules(model, layout))
-    if spec.ranks > 1 and not sharded:
-        log.warning(
-            "tokens %s: %s needs the repeated-batch path, which does not run on a sharded model; the stage runs "
-            "the whole model in this process (scores.ranks=%d shards only the scores stage)",
-            ref.key,
-            type(model).__name__,
-            spec.ranks,
-        )
-    if sharded:
-        del model, study  # the ranks load their own; this process keeps the layout and the store
-        if out.pending():
+    if _sharded(model, spec, layout):
+        del model
+        if out.pending() or spec.nnodes > 1:  # the other machines' ranks wait for this one's at the rendezvous
             run_ranks(store.root, ref, spec, up)
     else:
+        if on_meta(model):
+            model, _ = load_models(store, up["base_model"], "policy", spec.policy)
+        study = TokenStudy.build(model.to(device).eval(), tb, T, spec.params, check=spec.self_check)
         todo = out.pending()
         with progress_bar("tokens", len(batches)) as bar:
             bar.update(len(batches) - len(todo))
@@ -98,7 +113,28 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
     return {"scalars": scalars}
 
 
+def _join(ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> StageResult:
+    """Machine ``spec.node_rank`` > 0 of a torchrun group: start this machine's ranks, which run every pending
+    batch with node 0's and write their columns into the store node 0 created, then wait until node 0 completes
+    the artifact (:func:`storage.scores_ranks.wait_for_node0`). A model on the repeated-batch path starts no ranks
+    here: node 0 runs it in its own process."""
+    check_spec(ref, spec)
+    store = ArtifactStore(ref.root)
+    if store.is_complete(ref):
+        return StageResult(ref=ref, computed=False)
+    t0 = time.perf_counter()
+    model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=True)
+    if _sharded(model, spec, select_parameters(model, spec.params)):
+        del model
+        run_ranks(store.root, ref, spec, up)
+    wait_for_node0(store, ref, spec.nnodes)
+    return StageResult(ref=ref, computed=True, seconds=time.perf_counter() - t0)
+
+
 @task(name="tokens")
 def tokens_task(ref: ArtifactRef, spec: TokensSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
-    """Token-level Fisher (exact / top-k / Monte Carlo / probes) of the analysed rollouts."""
+    """Token-level Fisher (exact / top-k / Monte Carlo / probes) of the analysed rollouts (on a machine other than
+    node 0 of a torchrun group: this machine's ranks of it, :func:`_join`)."""
+    if spec.launcher == "torchrun" and spec.node_rank > 0:
+        return _join(ref, spec, upstream)
     return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream), resumable=True)

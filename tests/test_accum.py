@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from covgrad import accum
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.rules import Slot, _embedding_rule
 from tests.helpers.moments import assert_close, check_row_chunks, fused, numpy_moments, state
 from tests.helpers.persample import BATCH, MODELS, doubled_up_proj, llama, make_batch, naive_scores
 
@@ -284,9 +286,50 @@ def test_fused_reduction_matches_moments_of_rows(name):
 @pytest.mark.parametrize("chunk_bytes", [1, 1500], ids=["one-row", "ragged"])
 @pytest.mark.parametrize("name", ["llama-untied", "llama-tied", "qwen2-bias", "gpt2-conv1d"])
 def test_weights_folded_in_row_chunks(name, chunk_bytes):
-    """Linear/Conv1D weights written and folded in chunks of rows (one row each; chunks that do not divide
-    the rows): see :func:`check_row_chunks`; tied weights are never chunked."""
+    """Linear/Conv1D weights and untied embeddings written and folded in chunks of rows (one row each; chunks that
+    do not divide the rows): see :func:`check_row_chunks`; tied weights are never chunked."""
     check_row_chunks(name, chunk_bytes, "cpu")
+
+
+class _RowChunks(Slot):
+    """Hands a rule chunks of ``per`` rows from row ``start`` on (a row-cut block's grid), each a fresh NaN buffer
+    copied into ``into`` once the rule asks for the next, as the fused reduction consumes them."""
+
+    def __init__(self, into: torch.Tensor, per: int, start: int = 0) -> None:
+        super().__init__(lambda name: None)
+        self.into, self.per, self.start = into, per, start
+
+    def rows(self, name: str, n_rows: int):
+        for r0 in range(self.start, n_rows, self.per):
+            r1 = min(n_rows, r0 + self.per)
+            buf = torch.full((self.into.shape[0], r1 - r0, *self.into.shape[2:]), float("nan"))
+            yield r0, r1, buf
+            self.into[:, r0:r1] = buf
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_rows_in_chunks_are_the_whole_tables_bits(padding_idx):
+    """The embedding rule writing chunks of rows (positions sorted by id once, each chunk adding its own in
+    position order) gives every sample's table of the position-order loop, and of the whole-table scatter, bit for
+    bit: repeated ids, the padding row, chunks of 1, 3 and 7 rows (ragged at the end), a grid starting inside the
+    table (a row-cut block's)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(23, 5, padding_idx=padding_idx)
+    ids = torch.randint(0, 23, (4, 9))
+    ids[0, :4], ids[1, 2], ids[1, 5] = 3, 11, 11
+    g = torch.randn(4, 9, 5)
+    want = torch.zeros(4, 23, 5)
+    for b in range(4):
+        for t in range(9):
+            if ids[b, t] != padding_idx:
+                want[b, ids[b, t]] += g[b, t]
+    whole = torch.full_like(want, float("nan"))
+    _embedding_rule(emb, ids, g, Slot(lambda name: (whole, True)))
+    assert torch.equal(whole, want)
+    for per, start in ((1, 0), (3, 0), (7, 0), (4, 6)):
+        got = torch.full_like(want, float("nan"))
+        _embedding_rule(emb, ids, g, _RowChunks(got, per, start))
+        assert torch.equal(got[:, start:], want[:, start:]), (per, start)
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 1500], ids=["whole", "chunked"])

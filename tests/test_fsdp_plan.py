@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from covgrad.fsdp_plan import SHAPES, FsdpWork, LmShape, fixed_need, fsdp_plan, rank_need
@@ -64,10 +66,14 @@ def test_what_cannot_fit_says_why() -> None:
     big_batch = FsdpWork(B=32, L=512, N=4096)
     plan = fsdp_plan(LLAMA, LLAMA.layout(), big_batch, 16, 80_000_000_000)
     assert not plan.fits and "activations alone" in plan.reason() and "groups_per_batch" in plan.reason()
-    # every tensor in its own block still holds the embedding's whole per-sample block on every rank
+    # a tied embedding's per-sample block (the sum of its two contributions) is formed whole on every rank, even
+    # with every tensor in its own block; untied, it is made and folded in row chunks like a projection
     wide = FsdpWork(B=16, L=64, N=4096)
-    plan = fsdp_plan(LLAMA, LLAMA.layout(), wide, 16, 80_000_000_000)
-    assert not plan.fits and plan.blocks == 723 and "block in flight" in plan.reason()
+    tied = dataclasses.replace(LLAMA, tied=True)
+    plan = fsdp_plan(tied, tied.layout(), wide, 16, 80_000_000_000)
+    assert not plan.fits and plan.blocks == len(tied.layout().entries) and "block in flight" in plan.reason()
+    untied = fsdp_plan(LLAMA, LLAMA.layout(), wide, 16, 80_000_000_000)
+    assert untied.fits and untied.need.in_flight == 256 << 20
     with pytest.raises(ValueError, match="ranks"):
         fsdp_plan(LLAMA, LLAMA.layout(), WORK, 0, 80_000_000_000)
     tiny = LmShape(vocab=8, hidden=8, intermediate=16, layers=1, heads=2, kv_heads=1)

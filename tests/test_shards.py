@@ -185,21 +185,21 @@ def test_plan_qwen7b_on_eight_80gb_gpus(qwen7b: Path):
     fixed = 2 * P + layers * B * L * ((8 * H + 4 * I) * 2 + 28 * L * 6) + B * L * V * (2 + 8)
     lines, chosen = plan_for_config(cfg, 8, 80 * 10**9, "cuda", 128)
     print("\n".join(lines))
-    assert (chosen.samples, chosen.blocks) == (1, 8) and chosen.fits
+    assert (chosen.samples, chosen.blocks) == (1, 7) and chosen.fits
     assert sum(n.P for n in chosen.needs) == P and all(n.fixed == fixed for n in chosen.needs)
     assert all(n.state == 32 * n.P for n in chosen.needs)
-    assert chosen.needs[0].in_flight == B * 4 * V * H  # block 0 holds the embedding, the largest tensor
-    # the rest hold Linear weights (MLP 67.9M, LM head 545M elements): made and folded in 256 MiB row chunks
-    assert all(n.in_flight == 256 << 20 for n in chosen.needs[1:])
+    # every block holds the embedding's or Linear weights (MLP 67.9M, LM head 545M elements), and the untied
+    # embedding too is made and folded in 256 MiB row chunks (not its whole B·4·V·H = 8.7 GB block)
+    assert all(n.in_flight == 256 << 20 for n in chosen.needs)
     assert chosen.need <= HEADROOM * 80e9 and chosen.store_bytes == 32 * P
     # the first batch's self-check: block 0's reference gradient and the embedding's (numel,) float64 sums
     assert chosen.needs[0].check > V * H * (2 + 8)
-    seven = plan_for_config(load_config(str(qwen7b), ["scores.shards=[1, 7]"]), 8, 80 * 10**9, "cuda", 128)[1]
-    assert not seven.fits  # auto's 8 blocks are the fewest that fit
-    two = plan_for_config(load_config(str(qwen7b), ["scores.shards=[2, 8]"]), 8, 80 * 10**9, "cuda", 128)[1]
+    six = plan_for_config(load_config(str(qwen7b), ["scores.shards=[1, 6]"]), 8, 80 * 10**9, "cuda", 128)[1]
+    assert not six.fits  # auto's 7 blocks are the fewest that fit
+    two = plan_for_config(load_config(str(qwen7b), ["scores.shards=[2, 7]"]), 8, 80 * 10**9, "cuda", 128)[1]
     assert two.fits and two.store_bytes == 2 * 32 * P
-    # the embedding's own block: 24.0 (weights, activations, logits) + 8.7 + 0.7 + 17.4 (state) + 5.6 (self-check) GB
-    with pytest.raises(ValueError, match="one tensor per block needs 56.4 GB per worker, more than 90% of 24.0 GB"):
+    # the embedding's own block: 24.0 (weights, activations, logits) + 0.3 + 0.7 + 17.4 (state) + 5.6 (self-check) GB
+    with pytest.raises(ValueError, match="one tensor per block needs 48.0 GB per worker, more than 90% of 24.0 GB"):
         plan_for_config(cfg, 8, 24 * 10**9, "cuda", 128)
 
 
@@ -208,6 +208,6 @@ def test_plan_command(qwen7b: Path, capsys: pytest.CaptureFixture[str]):
 
     assert main(["plan", "--config", str(qwen7b), "--workers", "8", "--device-memory", "80"]) == 0
     out = capsys.readouterr().out
-    assert "1 sample shards x 8 parameter blocks = 8 jobs on 8 workers" in out and "(fits," in out
+    assert "1 sample shards x 7 parameter blocks = 7 jobs on 8 workers" in out and "(fits," in out
     assert main(["plan", "--config", str(qwen7b), "--set", "scores.shards=[1, 400]", "--device-memory", "80"]) == 2
     assert "400 parameter blocks cannot be made from 339 selected tensors" in capsys.readouterr().err

@@ -5,6 +5,7 @@ their own and shared chunks make up the whole batch sums; a model that needs the
 and refused on ranks."""
 
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,9 @@ from storage.schema import TOKENS as STORE
 from storage.schema import create, param_chunk
 from storage.tokens_ranks import RankRows
 from tasks.specs import plan
+from tasks.tokens import tokens_task
 from tests.helpers.families import FAMILIES
+from tests.helpers.fsdp_ranks import free_port
 from tests.helpers.persample import make_batch
 from tests.helpers.pipeline import tiny_config
 from tests.helpers.stages import POLICY_ONLY, run_upto
@@ -53,8 +56,13 @@ def test_ranks_are_placement_and_in_process_dumps_are_unchanged(tmp_path: Path):
     torchrun = plan(tiny_config(str(tmp_path), **{"scores.ranks": 2, "scores.launcher": "torchrun"}))
     assert torchrun["tokens"].spec.launcher == "torchrun" and torchrun["tokens"].ref.key == before["tokens"].ref.key
     machines = {"scores.nnodes": 2, "scores.rdzv_endpoint": "127.0.0.1:29400"}
-    two = plan(tiny_config(str(tmp_path), **{"scores.ranks": 2, "scores.launcher": "torchrun", **machines}))
-    assert two["tokens"].spec.launcher == "in-process"  # a group of several machines: the tokens stage in-process
+    nodes = [
+        plan(tiny_config(str(tmp_path), **{"scores.ranks": 2, "scores.launcher": "torchrun", **machines, **node}))
+        for node in ({}, {"scores.node_rank": 1})
+    ]
+    assert [n["tokens"].spec.node_rank for n in nodes] == [0, 1]
+    assert all(n["tokens"].spec.nnodes == 2 and n["tokens"].ref.key == before["tokens"].ref.key for n in nodes)
+    assert "nnodes" not in torchrun["tokens"].spec.model_dump()  # one machine: the dump as before
 
 
 @pytest.mark.slow
@@ -80,6 +88,45 @@ def test_two_ranks_give_the_in_process_tokens_artifact(in_process, tmp_path: Pat
     g0, g1 = before.open_group(ref, STORE, mode="r"), after.open_group(got, STORE, mode="r")
     assert g0.attrs["lm_head"] == (None if tied else "lm_head.weight") == g1.attrs["lm_head"]
     assert g0.attrs["scalars"] == g1.attrs["scalars"]
+
+
+@pytest.mark.slow
+def test_two_machines_give_the_in_process_tokens_artifact(in_process, tmp_path: Path, monkeypatch):
+    """Two "machines" on this host (scores.nnodes=2, one torchrun rank each, a c10d rendezvous on 127.0.0.1), the
+    tokens task of node 1 started first: it creates nothing and waits at the rendezvous; node 0 creates the store,
+    runs every batch with it and completes the artifact; node 1 returns once it is complete. The artifact is the
+    in-process one, array for array, under the same key."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    root, tied, ref = in_process
+    shutil.copytree(root, tmp_path / "root", ignore=lambda d, names: ["tokens"] if Path(d) == root else [])
+    group = {"scores.ranks": 2, "scores.launcher": "torchrun", "scores.nnodes": 2}
+    group |= {"scores.rdzv_endpoint": f"127.0.0.1:{free_port()}", "model.demo.tie_embeddings": tied}
+    node0, node1 = (
+        plan(tiny_config(str(tmp_path / "root"), **SETTINGS, **group, **{"scores.node_rank": i}))["tokens"]
+        for i in (0, 1)
+    )
+    assert node0.ref.key == node1.ref.key == ref.key and node1.spec.node_rank == 1
+    store, out = ArtifactStore(str(tmp_path / "root")), {}
+
+    def second_machine() -> None:
+        try:
+            out["result"] = tokens_task.fn(node1.ref, node1.spec, node1.upstream)
+            out["complete"] = store.is_complete(node1.ref)
+        except BaseException as exc:  # reported in the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=second_machine)
+    thread.start()
+    thread.join(8.0)  # node 1's torchrun waits at the rendezvous
+    assert thread.is_alive() and not Path(store.path(node1.ref)).exists()
+    first = tokens_task.fn(node0.ref, node0.spec, node0.upstream)
+    thread.join(120.0)
+    assert not thread.is_alive() and "error" not in out, out.get("error")
+    assert first.computed and out["result"].computed and out["complete"]
+    a, b = _arrays(ArtifactStore(str(root)), ref), _arrays(store, node0.ref)
+    assert sorted(a) == sorted(b) and "fisher_exact" in a
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name], equal_nan=True), name
 
 
 def test_a_model_on_the_repeated_batch_path_is_refused_on_ranks():

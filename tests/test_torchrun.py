@@ -7,7 +7,6 @@ torchrun settings that cannot run, in one line. A 2-rank torchrun group through 
 torchrun rank are tests/test_fsdp_stage.py's, parametrized over the launcher."""
 
 import shutil
-import socket
 import threading
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from storage.artifacts import ArtifactStore
 from storage.scores_ranks import RANK_ENTRY
 from tasks.scores import scores_task
 from tasks.specs import plan
-from tests.helpers.fsdp_ranks import SCORES
+from tests.helpers.fsdp_ranks import SCORES, free_port
 from tests.helpers.fsdp_ranks import assert_same_arrays as _assert_same_arrays
 from tests.helpers.fsdp_ranks import scores_arrays as _arrays
 from tests.helpers.pipeline import NO_OPTIONAL, tiny_config
@@ -30,12 +29,6 @@ from tests.helpers.pipeline import NO_OPTIONAL, tiny_config
 def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """One thread per rank (torchrun sets it only for several ranks per machine): the machine is small."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -95,7 +88,7 @@ def test_two_machines_give_the_in_process_arrays_and_node_1_only_folds(tiny_run,
     rendezvous); node 0 prepares, folds with it and completes the artifact; node 1 returns once it is complete.
     The artifact has the in-process key and arrays."""
     root = _copy(tiny_run, tmp_path)
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     common = {"scores.ranks": 2, "scores.launcher": "torchrun", "scores.nnodes": 2, "scores.rdzv_endpoint": endpoint}
     node0, node1 = (
         plan(tiny_config(str(root), **NO_OPTIONAL, **common, **{"scores.node_rank": i}))[SCORES] for i in (0, 1)

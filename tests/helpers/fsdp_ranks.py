@@ -4,6 +4,7 @@ unpickles it)."""
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -56,3 +57,10 @@ def assert_same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> No
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a rendezvous endpoint of "machines" on this host)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
