@@ -24,6 +24,7 @@ CPU kernels lack that overload, so there they run as fp32 GEMMs on upcast operan
     python -m benchmarks.scores --device cpu                     # small and large CPU models, ~2 min
     python -m benchmarks.scores --device cpu --model large --chunk-kib 0 2048 --stream-n   # chunk sizes
     python -m benchmarks.scores --device cuda --model llama-134m llama-0.85b
+    python -m benchmarks.scores --device cpu --model smollm2-tied-2l --batch 4 --stream-n   # a tied embedding
     python -m benchmarks.scores --device cuda --model qwen2.5-7b --params "model.layers.1[4-9].mlp.*" \
         "model.layers.2[0-7].mlp.*"    # all 7.6e9 parameters need 366 GB of float64 state (README)
 """
@@ -56,7 +57,10 @@ MODELS = {
     "llama-134m": ("llama", 32000, 768, 2048, 12, 12, 12, torch.float32, 16, 128, 384),
     "llama-0.85b": ("llama", 32000, 2048, 5632, 16, 32, 8, torch.bfloat16, 8, 128, 384),
     "qwen2.5-7b": ("qwen2", 152064, 3584, 18944, 28, 28, 4, torch.bfloat16, 4, 128, 384),
+    "smollm2-tied-2l": ("llama", 49152, 576, 1536, 2, 9, 3, torch.float32, 16, 32, 32),
 }
+# models whose LM head is tied to the input embedding (SmolLM2's 49152 × 576 table, two of its layers)
+TIED = frozenset({"smollm2-tied-2l"})
 
 
 def build(name: str, device: torch.device) -> nn.Module:
@@ -72,7 +76,7 @@ def build(name: str, device: torch.device) -> nn.Module:
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "max_position_embeddings": 1024,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": name in TIED,
         "attn_implementation": "sdpa" if device.type == "cuda" else "eager",
     }
     config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)

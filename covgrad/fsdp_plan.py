@@ -10,8 +10,8 @@ data; K = 1 unless the state does not fit otherwise), in bytes (docs/fsdp.md):
                  probabilities) or heads·4 (sdpa: the log-sum-exp); every rank runs the whole batch
     logits       B·L·V·(d + 8)  (logits, their float32 gradient and softmax)
     in flight    B·4·numel of the block's largest per-sample tensor block, whole on every rank (the rules
-                 see unsharded activations), a row chunk for a Linear weight or an embedding with one module
-                 (as :mod:`covgrad.shardplan`)
+                 see unsharded activations), a row chunk for a projection, the LM head and the embedding
+                 (tied or not; as :mod:`covgrad.shardplan`)
     workspace    the fold's tile buffers (as :mod:`covgrad.shardplan`) + one cut tile's scratch state
     state        (48 float64 | 32 float32) × rank 0's columns of the block (its FSDP shard of every tensor)
 
@@ -182,7 +182,7 @@ class FsdpPlan:
             "gathered layers": "devices with more memory",
             "activations": "a smaller batch (scores.groups_per_batch) or shorter responses",
             "logits": "a smaller batch (scores.groups_per_batch)",
-            "block in flight": "a smaller batch or deselecting the embeddings",
+            "block in flight": "a smaller batch (scores.groups_per_batch)",
             "state/R": "more ranks, scores.state_dtype=float32 or fewer parameters (model.params)",
         }[big]
         return (
@@ -235,14 +235,10 @@ def rank_need(
     fixed = fixed or fixed_need(shape, work, ranks)
     B = work.B
     chunk = default_chunk_bytes(work.device) // (4 * B)
-    tied = "model.embed_tokens.weight" if shape.tied else None
-    made = [  # elements per sample of each tensor's block at once; Linear weights in row chunks
-        min(e.numel, max(chunk, e.numel // e.shape[0])) if _chunked(e.name, shape) else e.numel for e in block.entries
+    made = [  # elements per sample of each tensor's block at once; weights in row chunks
+        min(e.numel, max(chunk, e.numel // e.shape[0])) if _chunked(e.name) else e.numel for e in block.entries
     ]
     in_flight = max(made)
-    if tied in block.names:
-        emb = block.entry(tied).numel
-        in_flight = emb + max((m for m in made if m != emb), default=0)
     elem = 8 if work.state_dtype == "float64" else 4
     columns = min(FOLD_ELEMENTS[work.device], B * max(e.numel for e in block.entries))
     scratch = FOLD_ELEMENTS[work.device] // B * state_bytes_per_param(work.state_dtype)
@@ -337,10 +333,10 @@ def _shard_numel(shape: tuple[int, ...], ranks: int) -> int:
     return (hi - lo) * (_numel(shape) // shape[0])
 
 
-def _chunked(name: str, shape: LmShape) -> bool:
-    """Whether the per-sample block of ``name`` is written and folded in row chunks (a Linear weight or an
-    embedding with one module: every projection, and the LM head and the input embedding unless they are tied)."""
-    return name.endswith("_proj.weight") or (name in ("lm_head.weight", "model.embed_tokens.weight") and not shape.tied)
+def _chunked(name: str) -> bool:
+    """Whether the per-sample block of ``name`` is written and folded in row chunks: every projection, the LM
+    head and the input embedding, tied or not (``covgrad.rules.folds_in_row_chunks``)."""
+    return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ from covgrad.devices import l2_cache_bytes
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.optaps import METADATA_READS, OpTaps
-from covgrad.rules import Call, Rule, Slot, float_outputs, generic_rule, rule_for
+from covgrad.rules import Call, RowAdder, Rule, Slot, float_outputs, generic_rule, rule_for
 
 # Bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused reduction. CPU: four times
 # the core's L2 cache (2 MiB on a 512 KiB-L2 AMD EPYC, 8 MiB on a 2 MiB-L2 Xeon), within [1, 64] MiB, so the
@@ -325,6 +325,8 @@ class PerSampleGrads:
         # Fused reduction without rows: rule calls held back until their tensors' last contribution, with the
         # tensors they write (a tied embedding's LM-head product waits for the embedding's rows).
         self._deferred: list[tuple[Callable[[], None], tuple[str, ...]]] = []
+        # Row adders of a tied tensor's last contribution while the held call writes its chunks (_run_rule).
+        self._adders: dict[str, RowAdder] = {}
         self._blocks: dict[str, Tensor] = {}  # in-flight per-sample blocks (fused reduction without rows)
         # Whole-tensor (B, *shape) buffers of the row-cut tensors whose rule writes whole tensors only (not
         # marked by covgrad.rules.row_parts): the block takes its rows from it once its contributions are in.
@@ -647,7 +649,9 @@ class PerSampleGrads:
         """Chunks of ``entry``'s block for its rule to write, each folded when the next is asked for (see
         :meth:`covgrad.rules.Slot.rows`); None unless this is the fused reduction without rows and the
         tensor's only contribution (a tied or repeated tensor sums its contributions whole first)."""
-        if self._acc is None or self._out is not None or self._calls.get(entry.name) != 1:
+        if self._acc is None or self._out is not None:
+            return None
+        if self._calls.get(entry.name) != 1 and entry.name not in self._adders:
             return None
         device = self._acc.device
         limit = default_chunk_bytes(device.type) if self.chunk_bytes is None else self.chunk_bytes
@@ -668,7 +672,7 @@ class PerSampleGrads:
         once the rule has written it (and sum them for the self-check). A chunk none of whose columns the
         accumulator keeps (``wants``: a rank's :class:`covgrad.fsdp.ShardAccumulator`) is not yielded, so its
         rows are never formed: under FSDP2 each rank forms about 1/R of a chunked weight's block."""
-        B, check = self._B, self._check
+        B, check, add = self._B, self._check, self._adders.get(entry.name)
         first, end = entry.rows
         for r0 in range(first - first % per, end, per):
             r1 = min(entry.full_shape[0], r0 + per)
@@ -679,6 +683,8 @@ class PerSampleGrads:
                 continue
             chunk = self._chunk[: B * (r1 - r0) * row]
             yield r0, r1, chunk.view(B, r1 - r0, *entry.shape[1:])
+            if add is not None:  # a tied tensor's other contribution (_run_rule)
+                add(r0, r1, chunk.view(B, r1 - r0, *entry.shape[1:]))
             cols = chunk.view(B, (r1 - r0) * row)[:, (a - r0) * row : (b - r0) * row]
             self._acc.fold(entry.offset + at, cols)
             if check is not None:
@@ -687,7 +693,9 @@ class PerSampleGrads:
             check.close(entry)
         self._folded.add(entry.name)
 
-    def _run_rule(self, apply: Callable[[], None], local: dict[str, TensorEntry]) -> None:
+    def _run_rule(
+        self, apply: Callable[[], None], local: dict[str, TensorEntry], adds: Callable[[], RowAdder] | None = None
+    ) -> None:
         """Run a rule (``apply``); in the fused reduction, fold every tensor whose last contribution this was.
 
         In the fused reduction without rows, a call none of whose tensors is complete with it (each has a
@@ -696,6 +704,13 @@ class PerSampleGrads:
         order, so the sums are the same as without holding. A tied embedding's (B, V, H) block thus exists
         only from the embedding's gradient (the end of the backward) to its fold, not through the whole
         backward alongside the activations and logits.
+
+        ``adds`` (a rule marked by :func:`covgrad.rules.adds_rows`) makes this call's contribution an adder of
+        rows. When it is the last of a tensor's two contributions and the held one writes row chunks (a tied
+        embedding: the LM head's Linear rule), each chunk the held call writes gets this call's rows added
+        before it is folded, so the tensor's (B, V, H) block is never whole; each element is summed in the
+        whole block's order (the LM head's product, then the positions in order), the product's chunk GEMM
+        rounding its last bits as any chunked weight's does.
         """
         if self._acc is None:
             apply()
@@ -706,11 +721,31 @@ class PerSampleGrads:
         if self._out is None and all(self._pending[name] > 0 for name in names):
             self._deferred.append((apply, names))
             return
+        if adds is not None and self._adds_to_chunks(local):
+            (entry,) = local.values()
+            self._adders[entry.name] = adds()
+            try:
+                self._flush_deferred(set(names))
+            finally:
+                del self._adders[entry.name]
+            if entry.name in self._folded:  # the held call wrote it in chunks, with this call's rows added
+                return
+            apply()  # the held call wrote the whole block: add to it
+            self._fold(entry)
+            return
         self._flush_deferred(set(names))
         apply()
         for entry in local.values():
             if self._pending[entry.name] == 0 and entry.name not in self._folded:  # chunked ones are folded
                 self._fold(entry)
+
+    def _adds_to_chunks(self, local: dict[str, TensorEntry]) -> bool:
+        """Whether this call's one tensor, with this its last contribution of two, may be folded in the held
+        call's row chunks with this call's rows added (fused reduction without rows)."""
+        if self._acc is None or self._out is not None or len(local) != 1:
+            return False
+        (entry,) = local.values()
+        return self._pending[entry.name] == 0 and self._calls.get(entry.name) == 2 and entry.name not in self._written
 
     def _flush_deferred(self, names: set[str] | None) -> None:
         """Run the held-back calls that write any tensor of ``names`` (all of them when None), in order."""
@@ -794,7 +829,9 @@ class PerSampleGrads:
                 if needs_call:
                     self._run_rule(lambda: self._replay(rule, module, x, g, slot, call), local)
                 else:
-                    self._run_rule(lambda: rule(module, x, g, slot), local)
+                    adder = getattr(rule, "row_adder", None)
+                    adds = None if adder is None else (lambda: adder(module, x, g))
+                    self._run_rule(lambda: rule(module, x, g, slot), local, adds)
 
             for entry in local.values():  # contributions the backward will bring (tied or repeated modules)
                 self._pending[entry.name] = self._pending.get(entry.name, 0) + 1

@@ -232,35 +232,62 @@ def _conv1d_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
         _sum_into(s[0], g, s[1])
 
 
-def _embedding_chunks(ids: Tensor, g: Tensor, chunks: Iterator[tuple[int, int, Tensor]]) -> None:
-    """Write rows r0 … r1 of every sample's embedding gradient into each chunk's view (B, r1 − r0, H), from ids
-    (B, T') and g (B, T', H) float32: the positions are sorted by id once (stably), so a chunk adds only the
-    positions whose id lies in it, each row's in position order, as the whole-table scatter does (same bits)."""
+# add(r0, r1, view): rows r0 … r1 of every sample's contribution added into view (B, r1 − r0, *shape[1:])
+RowAdder = Callable[[int, int, Tensor], None]
+
+
+def adds_rows(adder: Callable[[nn.Module, Tensor, Tensor], RowAdder]) -> Callable[[Rule], Rule]:
+    """Mark a rule whose weight contribution can also be added chunk by chunk into rows another contribution
+    wrote: ``adder(module, x, g)`` returns ``add(r0, r1, view)``, which adds rows r0 … r1 of every sample's
+    contribution into ``view`` (B, r1 − r0, *shape[1:]). The fused reduction folds a tied embedding this way
+    (:meth:`covgrad.persample.PerSampleGrads._row_chunks`: the LM head's chunk, then the embedding's rows added)."""
+
+    def mark(rule: Rule) -> Rule:
+        rule.row_adder = adder  # type: ignore[attr-defined]
+        return rule
+
+    return mark
+
+
+def _embedding_inputs(module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """ids (B, T') and the output gradient (B, T', H) float32 of an embedding call, zero at the padding id."""
+    B, H = g.shape[0], module.embedding_dim
+    ids = x.reshape(B, -1)
+    g = _flat(g, B, H)
+    if module.padding_idx is not None:
+        g = g.masked_fill((ids == module.padding_idx)[..., None], 0.0)
+    return ids, g
+
+
+def _embedding_adder(ids: Tensor, g: Tensor) -> RowAdder:
+    """``add(r0, r1, view)``: rows r0 … r1 of every sample's embedding gradient added into ``view`` (B, r1 − r0,
+    H), from ids (B, T') and g (B, T', H) float32. The positions are sorted by id once (stably), so a chunk adds
+    only the positions whose id lies in it, each row's in position order, as the whole-table scatter does."""
     B, T = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     sorted_ids, sample, rows = flat[order], order // T, g.reshape(B * T, -1)
-    for r0, r1, view in chunks:
-        view.zero_()
+
+    def add(r0: int, r1: int, view: Tensor) -> None:
         lo, hi = torch.searchsorted(sorted_ids, torch.tensor([r0, r1], device=flat.device)).tolist()
         if hi > lo:
             n = r1 - r0
-            at = sample[lo:hi] * n + (sorted_ids[lo:hi] - r0)
-            view.view(B * n, -1).index_add_(0, at, rows[order[lo:hi]])
+            view.view(B * n, -1).index_add_(0, sample[lo:hi] * n + (sorted_ids[lo:hi] - r0), rows[order[lo:hi]])
+
+    return add
 
 
+@adds_rows(lambda module, x, g: _embedding_adder(*_embedding_inputs(module, x, g)))
 @row_parts
 def _embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """Row y of the table gets Σ_{t: id_t = y} g_t per sample; the padding row gets nothing. A view of rows
     r0 … r1 only (a row-cut block) gets the positions whose id lies there (the others add exact zeros). Chunks
-    of rows (:meth:`Slot.rows`) are written from the positions sorted by id (:func:`_embedding_chunks`)."""
-    B, H = g.shape[0], module.embedding_dim
-    ids = x.reshape(B, -1)  # (B, T')
-    g = _flat(g, B, H)
-    if module.padding_idx is not None:
-        g = g.masked_fill((ids == module.padding_idx)[..., None], 0.0)
+    of rows (:meth:`Slot.rows`) are written from the positions sorted by id (:func:`_embedding_adder`)."""
+    ids, g = _embedding_inputs(module, x, g)
     if (chunks := slot.rows("weight", module.num_embeddings)) is not None:
-        _embedding_chunks(ids, g, chunks)
+        add = _embedding_adder(ids, g)
+        for r0, r1, view in chunks:
+            add(r0, r1, view.zero_())
         return
     view, first = slot("weight")
     if first:
@@ -269,14 +296,20 @@ def _embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None
     if r0 or view.shape[1] != module.num_embeddings:
         inside = (ids >= r0) & (ids < r0 + view.shape[1])
         ids, g = torch.where(inside, ids - r0, 0), torch.where(inside[..., None], g, 0.0)
-    view.scatter_add_(1, ids[..., None].expand(-1, -1, H), g)  # view (B, V, H)
+    view.scatter_add_(1, ids[..., None].expand(-1, -1, g.shape[-1]), g)  # view (B, V, H)
 
 
+def _scale(module: nn.Module, g: Tensor) -> Tensor:
+    """g·s, s = a scaled embedding's embed_scale cast to the weight's dtype (the product autograd forms)."""
+    return g * module.embed_scale.to(module.weight.dtype)
+
+
+@adds_rows(lambda module, x, g: _embedding_adder(*_embedding_inputs(module, x, _scale(module, g))))
 @row_parts
 def _scaled_embedding_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """Gemma's scaled embedding, y = W[id]·s with s = embed_scale cast to the weight's dtype: the plain
     embedding rule on g·s (the product autograd forms), row y of every sample's block Σ_{t: id_t = y} g_t·s."""
-    _embedding_rule(module, x, g * module.embed_scale.to(module.weight.dtype), slot)
+    _embedding_rule(module, x, _scale(module, g), slot)
 
 
 def _scaled_embeddings() -> dict[type, tuple[Rule, frozenset[str]]]:
@@ -653,6 +686,18 @@ def writes_weight_in_row_chunks(module: nn.Module) -> bool:
         _embedding_rule,
         _scaled_embedding_rule,
     )
+
+
+def folds_in_row_chunks(owners: list[nn.Module]) -> bool:
+    """Whether the fused reduction forms a weight's per-sample block in row chunks, given the modules that own it:
+    one whose rule writes its weight in chunks (:func:`writes_weight_in_row_chunks`), or two (a tied embedding),
+    one of them writing in chunks and the other's rule adding rows to them (:func:`adds_rows`)."""
+    if len(owners) == 1:
+        return writes_weight_in_row_chunks(owners[0])
+    if len(owners) != 2:
+        return False
+    adds = [not isinstance(f := rule_for(m), str) and hasattr(f[0], "row_adder") for m in owners]
+    return any(adds[i] and writes_weight_in_row_chunks(owners[1 - i]) for i in range(2))
 
 
 def writes_row_parts(module: nn.Module) -> bool:

@@ -8,9 +8,11 @@ The memory model is the README's ("Memory and state dtype"), per worker running 
                  norms, q/k/v/o and MLP inputs and outputs, the eager attention probabilities)
     logits       B·L·V·(dtype + 8)  (logits, their float32 gradient and softmax)
     in flight    B·4·numel of the block's largest tensor (of a row-cut tensor: its rows, or the whole tensor
-                 where its rule writes whole tensors), where a Linear/Conv1D weight with one module counts
-                 one row chunk (``covgrad.persample.default_chunk_bytes``, at least one row) instead of its whole
-                 block (a tied embedding's block: B·4·(embedding + the largest other tensor), an upper bound)
+                 where its rule writes whole tensors), where a weight folded in row chunks (a Linear/Conv1D
+                 weight or an embedding with one module, a tied embedding whose LM head is a Linear:
+                 ``covgrad.rules.folds_in_row_chunks``) counts one row chunk
+                 (``covgrad.persample.default_chunk_bytes``, at least one row) instead of its whole block (any
+                 other tied embedding's block: B·4·(embedding + the largest other tensor), an upper bound)
     workspace    min(2^26 on cuda or 2^17 on cpu, B·largest) × (1 + 3·2/B) × state element bytes
     state        (48 float64 | 32 float32) × P_k   (2 halves × mean, M2, co-moment [, mean low part])
     rows         B·P_k·4 when per-sample rows are kept (one block only)
@@ -38,7 +40,7 @@ from torch import nn
 from covgrad.accum import FOLD_ELEMENTS, state_bytes_per_param
 from covgrad.layout import ParamLayout, split_blocks
 from covgrad.persample import default_chunk_bytes
-from covgrad.rules import writes_row_parts, writes_weight_in_row_chunks
+from covgrad.rules import folds_in_row_chunks, writes_row_parts
 
 HEADROOM = 0.9
 
@@ -82,9 +84,7 @@ class ModelShape:
             for p in m.parameters(recurse=False):
                 owners.setdefault(id(p), []).append(m)
         chunked = frozenset(
-            n
-            for n, p in model.named_parameters()
-            if n.endswith("weight") and len(owners[id(p)]) == 1 and writes_weight_in_row_chunks(owners[id(p)][0])
+            n for n, p in model.named_parameters() if n.endswith("weight") and folds_in_row_chunks(owners[id(p)])
         )
         row_parts = frozenset(
             n
@@ -207,7 +207,7 @@ def block_needs(
             for e in block.entries
         ]
         in_flight = max(made)
-        if shape.tied_embedding in block.names:
+        if shape.tied_embedding in block.names and shape.tied_embedding not in shape.chunked:
             tied = block.entry(shape.tied_embedding).numel
             in_flight = tied + max((s for s in made if s != tied), default=0)
         columns = min(FOLD_ELEMENTS[work.device], B * sizes[0])

@@ -286,8 +286,8 @@ def test_fused_reduction_matches_moments_of_rows(name):
 @pytest.mark.parametrize("chunk_bytes", [1, 1500], ids=["one-row", "ragged"])
 @pytest.mark.parametrize("name", ["llama-untied", "llama-tied", "qwen2-bias", "gpt2-conv1d"])
 def test_weights_folded_in_row_chunks(name, chunk_bytes):
-    """Linear/Conv1D weights and untied embeddings written and folded in chunks of rows (one row each; chunks that
-    do not divide the rows): see :func:`check_row_chunks`; tied weights are never chunked."""
+    """Linear/Conv1D weights and embeddings (tied: the LM head's chunk with the embedding's rows added) written and
+    folded in chunks of rows (one row each; chunks that do not divide the rows): see :func:`check_row_chunks`."""
     check_row_chunks(name, chunk_bytes, "cpu")
 
 
@@ -363,22 +363,33 @@ def test_fused_reduction_never_holds_all_blocks():
     assert max(in_flight) <= 4 * largest < 4 * layout.P / 3
 
 
-def test_tied_embedding_block_exists_only_from_its_last_contribution_to_its_fold():
-    """Tied model: the LM-head call is held back, so the embedding's (B, V, H) block is never in flight while
-    another tensor folds (it is made when the embedding's gradient arrives, and folded at once)."""
+@pytest.mark.parametrize("chunk_bytes", [0, 1500], ids=["whole", "chunked"])
+def test_tied_embedding_block_is_never_whole_beside_another(chunk_bytes):
+    """Tied model: the LM-head call is held back until the embedding's gradient arrives. Without row chunks the
+    embedding's (B, V, H) block is made then and folded at once, never in flight while another tensor folds; with
+    row chunks it is never whole: each chunk of the LM head's rows gets the embedding's rows added and is folded
+    (several chunks), and the state is the whole block's within the LM-head products' fp32 rounding."""
     model = llama(tied=True)
     layout = select_parameters(model)
     tied = "model.embed_tokens.weight"
-    assert tied in layout.names
+    entry = layout.entry(tied)
     batch = make_batch(34, **BATCH)
-    psg = PerSampleGrads(model, layout, check=True)
+    psg = PerSampleGrads(model, layout, check=True, chunk_bytes=chunk_bytes)
     acc = MomentAccumulator(layout.P, "cpu")
     seen = []
     real_fold = acc.fold
-    acc.fold = lambda offset, block: (seen.append(set(psg._blocks)), real_fold(offset, block))
+    acc.fold = lambda offset, block: (seen.append((offset, set(psg._blocks))), real_fold(offset, block))
     fn = lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"])  # noqa: E731
-    psg.accumulate(
-        batch["input_ids"], batch["attention_mask"], fn, acc, np.ones(4), np.zeros(4, int), batch["position_ids"]
-    )
-    assert len(seen) == len(layout.entries)
-    assert [names for names in seen if tied in names] == [{tied}]  # alone, at its own fold
+    a, half = np.arange(4.0), np.array([0, 1, 0, 1])
+    psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, acc, a, half, batch["position_ids"])
+    in_flight = [names for _, names in seen if tied in names]
+    tied_folds = [o for o, _ in seen if entry.offset <= o < entry.offset + entry.numel]
+    if chunk_bytes == 0:
+        assert len(seen) == len(layout.entries) and in_flight == [{tied}]  # alone, at its own fold
+        return
+    assert in_flight == [] and len(tied_folds) > 1
+    whole = fused(model, layout, [(batch, a, half)], chunk_bytes=0)
+    cols = slice(entry.offset, entry.offset + entry.numel)
+    for part in ("mean", "m2", "c"):
+        got, want = getattr(acc, part)[:, cols], getattr(whole, part)[:, cols]
+        assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), part
