@@ -325,9 +325,12 @@ def shard_from_rank0(
     its shard of rank 0's weights and rank 0's buffers (collective).
 
     Only rank 0 needs the weights: another rank may hold the model on the meta device (``storage.models``'s
-    ``load_model(meta=True)``), so a machine holds one copy of the unsharded model, not one per rank. The
-    shards go out one tensor at a time (``set_model_state_dict`` with ``broadcast_from_rank0``), the buffers
-    (rotary frequencies and other non-persistent ones included) by broadcast.
+    ``load_model(meta=True)``), so a machine holds one copy of the unsharded model, not one per rank. Rank 0's
+    model may sit in host memory (``storage.models.load_rank_policy``): it is traced there, and FSDP2's
+    ``fully_shard`` moves each module's parameters to the mesh's device as it shards them, so the device holds
+    one module whole at most. The shards go out one tensor at a time (``set_model_state_dict`` with
+    ``broadcast_from_rank0``, from rank 0's host copy), the buffers (rotary frequencies and other
+    non-persistent ones included) by broadcast.
 
     Raises:
         ValueError: when rank 0's model is on the meta device, or the trace refuses the model.
@@ -399,9 +402,12 @@ class ShardedPerSampleGrads(PerSampleGrads):
 
 def trace_unsharded(model: nn.Module, layout: ParamLayout, example: dict[str, Tensor | None]) -> PerSampleGrads:
     """The first call's trace (:meth:`PerSampleGrads._trace`) of ``model`` before sharding, on ``example``
-    (``input_ids``, ``attention_mask``, ``position_ids`` of a batch of at least 2 rows; the trace keeps its
-    first 2 rows and last 16 positions), with the parameters frozen as in the per-sample pass."""
+    (``input_ids``, ``attention_mask``, ``position_ids`` of a batch of at least 2 rows, moved to the model's
+    device; the trace keeps its first 2 rows and last 16 positions), with the parameters frozen as in the
+    per-sample pass."""
     psg = PerSampleGrads(model, layout, check=False)
+    at = next(model.parameters()).device  # rank 0's unsharded model may sit in host memory, the batch on its device
+    example = {k: v.to(at) if isinstance(v, Tensor) else v for k, v in example.items()}
     inputs = psg._checked_inputs(example["input_ids"], example["attention_mask"], example.get("position_ids"))
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:

@@ -130,14 +130,18 @@ def load_models(
 
 
 def load_rank_policy(
-    store: ArtifactStore, base: ArtifactRef, policy: ModelSource, device: torch.device
+    store: ArtifactStore, base: ArtifactRef, policy: ModelSource, device: torch.device, meta: bool = False
 ) -> PreTrainedModel:
-    """The policy of one process of a sharded stage (or of an unsharded one: no process group): loaded with its
-    weights onto ``device`` where this process loads weights (:func:`covgrad.fsdp.loads_weights`: no group, or
-    rank 0), else built on the meta device, to take its shard of rank 0's weights
-    (:func:`covgrad.fsdp.shard_from_rank0`)."""
+    """The policy of one process of a stage: with no process group, loaded with its weights onto ``device``; in
+    a group (a sharded stage), rank 0 loads the weights into host memory, where the group traces and shards it
+    (:func:`covgrad.fsdp.shard_from_rank0`: FSDP2 moves each module's shard to the rank's device as it shards
+    it, so no device ever holds the whole model), and the other ranks build it on the meta device, as does every
+    process with ``meta`` (one that needs only the model's modules and shapes: the task's process of a sharded
+    stage)."""
+    import torch.distributed as dist
+
     from covgrad.fsdp import loads_weights
 
-    weights = loads_weights()
+    weights = loads_weights() and not meta
     model = load_models(store, base, "policy", policy, meta=not weights)[0]
-    return model.to(device) if weights else model
+    return model.to(device) if weights and not dist.is_initialized() else model

@@ -40,6 +40,7 @@ from covgrad.centering import MuRecord
 from covgrad.layout import ParamLayout
 from covgrad.stats import Moments, sample_moments
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
+from storage.identity import IDENTITY_ATTR
 from storage.schema import SCORES as STORE
 from storage.schema import annotate, create, param_chunk, write
 
@@ -98,6 +99,15 @@ class ScoresStore:
     def open(self) -> Any:
         """The store's zarr group, for writing."""
         return self.store.open_group(self.ref, STORE, mode="a")
+
+    def record_identity(self, identity: dict[str, Any]) -> None:
+        """The weights' identity (``covgrad.identity.model_identity``), written by rank 0 of a sharded run before
+        it shards its model, for the task's process (which never holds the weights) to finalize with."""
+        self.open().attrs[IDENTITY_ATTR] = identity
+
+    def identity(self) -> dict[str, Any]:
+        """The identity :meth:`record_identity` wrote."""
+        return self.open().attrs[IDENTITY_ATTR]
 
     def _state_arrays(self, g: Any, rows: int, P: int, scalars: bool = True) -> None:
         """Create the moment-state arrays (rows, P) in group ``g``, and the (rows,) scalars unless

@@ -46,6 +46,7 @@ from covgrad.fsdp import (
     launch_torchrun,
     rank_scores,
 )
+from covgrad.identity import model_identity
 from covgrad.layout import ParamLayout
 from covgrad.persample import PerSampleGrads
 from storage.artifacts import ArtifactRef, ArtifactStore, mark_batch_done
@@ -236,6 +237,8 @@ def fold_rank(job: Job) -> None:
     # the in-process run does; the other ranks then fold whole blocks too (no row chunks: the same fold tiles).
     # Otherwise every rank forms only the row chunks that hold some of its columns.
     chunks = 0 if out.keep_rows else None
+    if rank == 0:  # the weights' identity, while rank 0 holds them whole (the task's process never does)
+        out.record_identity(model_identity(job.model.named_parameters()))
     rs = rank_scores(
         job.model, job.layout, example, spec.state_dtype, check=spec.self_check, switch_P=job.P, chunk_bytes=chunks
     )
@@ -358,10 +361,7 @@ def run_ranks(
         )
     job.prepare()
     prepare_ranks(job.out, ranks)
-    job._identity()  # recorded before the model is dropped
-    job.model = None  # the ranks load their own; this process keeps the layout and the store
-    if job.device.type == "cuda":
-        torch.cuda.empty_cache()  # the device's memory is the ranks'
+    job.model = None  # built on the meta device (the ranks load the weights); this process keeps the layout
     with tempfile.TemporaryDirectory(prefix="covgrad-ranks-") as tmp:
         if torchrun is None:
             launch(ranks, _rank_main, (make_job, args), Path(tmp) / "rendezvous")

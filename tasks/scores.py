@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from prefect import task
 
 from covgrad.accum import MomentAccumulator
@@ -20,6 +21,7 @@ from covgrad.batch import RolloutBatch, group_batches
 from covgrad.centering import LogitGrad, SamplerCentering, policy_logit_grad
 from covgrad.devices import check_state_fits, device_memory, pick_device
 from covgrad.fold import fold_batches
+from covgrad.fsdp import on_meta
 from covgrad.identity import model_identity
 from covgrad.layout import select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads
@@ -58,7 +60,8 @@ class ScoresJob:
         self._weights: dict[str, Any] | None = None
         self.ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
         self.device = pick_device(spec.device)
-        self.model = load_rank_policy(store, up["base_model"], spec.policy, self.device)
+        host = spec.launcher != "in-process" and not dist.is_initialized()  # a sharded run's task: shapes only
+        self.model = load_rank_policy(store, up["base_model"], spec.policy, self.device, meta=host)
         self.layout = select_parameters(self.model, spec.params)
         self.group, self.adv = self.ro["group"][:], self.ro["advantage"][:]
         self.N, self.P = len(self.group), self.layout.P
@@ -138,9 +141,11 @@ class ScoresJob:
             )
 
     def _identity(self) -> dict[str, Any]:
-        """The weights' identity on the device, computed once (kept when the model is dropped for ranks)."""
+        """The weights' identity, computed once (a sharded run's task holds none: rank 0 records it)."""
         if self._weights is None:
-            self._weights = {IDENTITY_ATTR: model_identity(self.model.named_parameters())}
+            m = self.model
+            held = m is not None and not on_meta(m)
+            self._weights = {IDENTITY_ATTR: model_identity(m.named_parameters()) if held else self.out.identity()}
         return self._weights
 
     def finalize(self) -> dict[str, Any] | None:

@@ -17,6 +17,8 @@ from covgrad.config import PipelineConfig
 from covgrad.fsdp import RankColumns, RankFailedError, Torchrun, merge_states
 from covgrad.layout import select_parameters
 from storage.artifacts import ArtifactStore
+from storage.identity import IDENTITY_ATTR
+from storage.schema import SCORES as SCORES_STORE
 from storage.scores import ScoresStore
 from storage.scores_ranks import RankStore, assemble_edges, final_pieces, prepare_ranks, run_ranks
 from tasks.specs import plan
@@ -109,7 +111,8 @@ def test_rank_columns_written_through_chunks_and_edges_are_the_merged_state(tmp_
 def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_path: Path, launcher: str):
     """Every scores artifact of the tiny pipeline (policy and sampler centering, kept rows, KL) computed by the
     scores task with scores.ranks=2 (gloo, CPU; local processes or a torchrun group) holds the in-process
-    artifact's arrays, bit for bit, under the in-process key."""
+    artifact's arrays, bit for bit, under the in-process key, and the in-process weights' identity (recorded by
+    rank 0 before it shards its model: the task's process builds the model on the meta device)."""
     shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
     cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.launcher": launcher})
     names = {n for n, s in plan(cfg).items() if s.ref.stage == "scores"}
@@ -120,6 +123,11 @@ def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_pat
     for n in names:
         assert results[n].ref.key == tiny_run[1][n].ref.key
         _assert_same_arrays(_arrays(before, tiny_run[1][n].ref), _arrays(after, results[n].ref))
+        identity = [
+            s.open_group(r, SCORES_STORE, mode="r").attrs[IDENTITY_ATTR]
+            for s, r in ((before, tiny_run[1][n].ref), (after, results[n].ref))
+        ]
+        assert identity[0] == identity[1] and identity[0]["tensors"], n
 
 
 @pytest.mark.slow
