@@ -9,7 +9,9 @@ grad: what a trainer pays for the two gradients.
   two forwards, two per-sample backwards;
 - "fused": one multi-cotangent pass (``RegimeMoments.fold(..., also=[score])``, i.e.
   ``PerSampleGrads.accumulate_many``): one forward, then one per-sample backward per cotangent, each folded
-  into its own accumulator (the same bytes as "separate", checked after the timing).
+  into its own accumulator (the same bytes as "separate", checked after the timing);
+- "fused, fold skipped": the same pass into accumulators whose fold does nothing: its excess over the floor is
+  the per-sample products' and the pass's own, and "fused" minus it is the fold's.
 
 The teacher's logits are computed once before timing (a teacher forward costs the same on both sides).
 Timed in process CPU time by default (``--clock wall``: wall time; on a shared machine other jobs' load
@@ -56,6 +58,14 @@ def regime_objective(kind: str, logits: Tensor, zq: Tensor, ids: Tensor, w: Tens
     return (ww * adv[:, 1:] * drawn).sum()  # rl_token with per-token advantages
 
 
+class _Unfolded(MomentAccumulator):
+    """An accumulator whose fold does nothing: the fused pass with it is the forward, the per-sample backwards
+    and products alone (what the fold adds is the difference to "fused")."""
+
+    def fold(self, offset: int, block: Tensor) -> None:
+        """Take the block and drop it."""
+
+
 def run(name: str, kind: str, reps: int, clock: str, profile: int = 0, response: int | None = None) -> dict[str, float]:
     """Time both passes of ``kind`` on model ``name`` (responses of ``response`` tokens; None: the model's
     default) against the floor; returns the median ratio per pass."""
@@ -76,6 +86,8 @@ def run(name: str, kind: str, reps: int, clock: str, profile: int = 0, response:
     psg = PerSampleGrads(model, layout, check=False)
     accs = {m: MomentAccumulator(layout.P, device, "float64", compiled=True) for m in ("separate", "fused")}
     moments = {m: RegimeMoments(layout.P, device, compiled=True) for m in ("separate", "fused")}
+    accs["unfolded"], moments["unfolded"] = _Unfolded(layout.P, device), RegimeMoments(layout.P, device)
+    moments["unfolded"].acc = _Unfolded(layout.P, device)
     seq_adv = np.random.default_rng(0).standard_normal(B)
     regime = Regime(kind)
 
@@ -91,16 +103,16 @@ def run(name: str, kind: str, reps: int, clock: str, profile: int = 0, response:
         psg.accumulate(ids, mask, score, accs["separate"], seq_adv, half, position_ids=pos)
         moments["separate"].fold(psg, ids, mask, regime_fn(), half, pos)
 
-    def fused() -> None:
-        also = [Cotangent(score, accs["fused"], seq_adv, half)]
-        moments["fused"].fold(psg, ids, mask, regime_fn(), half, pos, also=also)
+    def fused(way: str = "fused") -> None:
+        also = [Cotangent(score, accs[way], seq_adv, half)]
+        moments[way].fold(psg, ids, mask, regime_fn(), half, pos, also=also)
 
     def floor() -> None:
         torch.autograd.grad(objective(model(input_ids=ids).logits, ids, w), plist)
         torch.autograd.grad(regime_objective(kind, model(input_ids=ids).logits, zq, ids, w, adv), plist)
 
     timer = time.process_time if clock == "cpu" else time.perf_counter
-    ours = {"separate": separate, "fused": fused}
+    ours = {"separate": separate, "fused": fused, "fused, fold skipped": lambda: fused("unfolded")}
     for fn in (*ours.values(), floor):  # warm-up (compiles the fold)
         fn()
     ratios: dict[str, list[float]] = {m: [] for m in ours}

@@ -569,10 +569,10 @@ def _launched(rank: int, ranks: int, init: str, env: dict[str, str], fn: Callabl
     os.environ.clear()
     os.environ.update(env)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
-    try:
-        fn(*args)
-    finally:
-        dist.destroy_process_group()
+    fn(*args)
+    # Not on failure: the group's connections close when the process exits, after its error is recorded, so a
+    # peer that fails on the closed connection cannot be reported before the rank that failed first.
+    dist.destroy_process_group()
 
 
 # How long, in seconds, a torchrun node waits at the c10d rendezvous for the other nodes (and for node 0's

@@ -5,7 +5,6 @@ their own and shared chunks make up the whole batch sums; a model that needs the
 and refused on ranks."""
 
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from storage.tokens_ranks import RankRows
 from tasks.specs import plan
 from tasks.tokens import tokens_task
 from tests.helpers.families import FAMILIES
-from tests.helpers.fsdp_ranks import free_port
+from tests.helpers.fsdp_ranks import free_port, run_two_machines
 from tests.helpers.persample import make_batch
 from tests.helpers.pipeline import tiny_config
 from tests.helpers.stages import POLICY_ONLY, run_upto
@@ -106,23 +105,8 @@ def test_two_machines_give_the_in_process_tokens_artifact(in_process, tmp_path: 
         for i in (0, 1)
     )
     assert node0.ref.key == node1.ref.key == ref.key and node1.spec.node_rank == 1
-    store, out = ArtifactStore(str(tmp_path / "root")), {}
-
-    def second_machine() -> None:
-        try:
-            out["result"] = tokens_task.fn(node1.ref, node1.spec, node1.upstream)
-            out["complete"] = store.is_complete(node1.ref)
-        except BaseException as exc:  # reported in the test's thread
-            out["error"] = exc
-
-    thread = threading.Thread(target=second_machine)
-    thread.start()
-    thread.join(8.0)  # node 1's torchrun waits at the rendezvous
-    assert thread.is_alive() and not Path(store.path(node1.ref)).exists()
-    first = tokens_task.fn(node0.ref, node0.spec, node0.upstream)
-    thread.join(120.0)
-    assert not thread.is_alive() and "error" not in out, out.get("error")
-    assert first.computed and out["result"].computed and out["complete"]
+    store = ArtifactStore(str(tmp_path / "root"))
+    run_two_machines(tokens_task.fn, node0, node1, store)
     a, b = _arrays(ArtifactStore(str(root)), ref), _arrays(store, node0.ref)
     assert sorted(a) == sorted(b) and "fisher_exact" in a
     for name in a:

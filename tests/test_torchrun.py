@@ -7,7 +7,6 @@ torchrun settings that cannot run, in one line. A 2-rank torchrun group through 
 torchrun rank are tests/test_fsdp_stage.py's, parametrized over the launcher."""
 
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from storage.artifacts import ArtifactStore
 from storage.scores_ranks import RANK_ENTRY
 from tasks.scores import scores_task
 from tasks.specs import plan
-from tests.helpers.fsdp_ranks import SCORES, free_port
+from tests.helpers.fsdp_ranks import SCORES, free_port, run_two_machines
 from tests.helpers.fsdp_ranks import assert_same_arrays as _assert_same_arrays
 from tests.helpers.fsdp_ranks import scores_arrays as _arrays
 from tests.helpers.pipeline import NO_OPTIONAL, tiny_config
@@ -95,23 +94,7 @@ def test_two_machines_give_the_in_process_arrays_and_node_1_only_folds(tiny_run,
     )
     assert node0.ref.key == node1.ref.key == tiny_run[1][SCORES].ref.key
     store = ArtifactStore(str(root))
-    out: dict[str, object] = {}
-
-    def second_machine() -> None:
-        try:
-            out["result"] = scores_task.fn(node1.ref, node1.spec, node1.upstream)
-            out["complete"] = store.is_complete(node1.ref)
-        except BaseException as exc:  # reported in the test's thread
-            out["error"] = exc
-
-    thread = threading.Thread(target=second_machine)
-    thread.start()
-    thread.join(8.0)  # node 1's torchrun waits at the rendezvous
-    assert thread.is_alive() and not Path(store.path(node1.ref)).exists()
-    first = scores_task.fn(node0.ref, node0.spec, node0.upstream)
-    thread.join(120.0)
-    assert not thread.is_alive() and "error" not in out, out.get("error")
-    assert first.computed and out["result"].computed and out["complete"]
+    run_two_machines(scores_task.fn, node0, node1, store)
     _assert_same_arrays(_arrays(ArtifactStore(str(tiny_run[0])), tiny_run[1][SCORES].ref), _arrays(store, node0.ref))
 
 

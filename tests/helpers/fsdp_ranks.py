@@ -5,7 +5,10 @@ unpickles it)."""
 import os
 import signal
 import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -64,3 +67,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_two_machines(task: Callable, node0: Any, node1: Any, store: ArtifactStore) -> None:
+    """Two "machines" of one torchrun group on this host: ``task`` (a stage task's body) of planned step ``node1``
+    started first in a thread, which must wait at the rendezvous without creating the artifact, then of
+    ``node0`` here; both must compute, and node 1 return only once node 0 has completed the artifact."""
+    out: dict[str, Any] = {}
+
+    def second_machine() -> None:
+        try:
+            out["result"] = task(node1.ref, node1.spec, node1.upstream)
+            out["complete"] = store.is_complete(node1.ref)
+        except BaseException as exc:  # reported in the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=second_machine)
+    thread.start()
+    thread.join(8.0)  # node 1's torchrun waits at the rendezvous
+    assert thread.is_alive() and not Path(store.path(node1.ref)).exists()
+    first = task(node0.ref, node0.spec, node0.upstream)
+    thread.join(120.0)
+    assert not thread.is_alive() and "error" not in out, out.get("error")
+    assert first.computed and out["result"].computed and out["complete"]
