@@ -13,16 +13,19 @@ batch's first sample before the first batch), gives S1 = Σd, S2 = Σd², SA = �
 before and n = n_old + b after, δ = K + S1/b − mean_old:
     mean += δ·b/n,   m2 += (S2 − S1²/b) + δ²·n_old·b/n,   c += (SA − S1·Σ(a − ā_b)/b) + δ·Δā·n_old·b/n.
 
-``state_dtype=float64`` (default): 24 bytes per parameter per half. ``float32``: the mean is kept as an
-unevaluated float32 pair (hi + lo, error-free TwoSum renormalisation, so the shift K = hi stays within
-rounding of the true mean and δ is accurate even when mean/std is 1e4), m2 and c as float32 sums of
-non-negative-dominated per-batch terms (relative error ≲ batches·6e-8): 16 bytes per parameter per half.
+``state_dtype=float64`` (default): 24 bytes per parameter per half (16 without the co-moment). ``float32``:
+the mean is kept as an unevaluated float32 pair (hi + lo, error-free TwoSum renormalisation, so the shift
+K = hi stays within rounding of the true mean and δ is accurate even when mean/std is 1e4), m2 and c as
+float32 sums of non-negative-dominated per-batch terms (relative error ≲ batches·6e-8): 16 bytes per
+parameter per half.
 
 Two implementations of the same update. The compiled fold (``torch.compile``: C++ on CPU, Triton on cuda,
 from the one function :func:`_fold_started`) reads each block once and does the shift, the three sums of
 every half and the merge in one kernel, in float64 whatever the state dtype. The eager fold (column tiles,
 two GEMMs, the merge as (H, n) torch ops) serves a half's first samples, and everything when compiling
-fails. Compiling costs tens of seconds per process and state dtype (dynamo and AOT tracing run again even
+fails. A state without the co-moment (``comoment=False``: the advantages are all 0, as for a regime's g_n)
+keeps no ``c`` and forms neither of its sums: a third less state, state traffic and arithmetic.
+Compiling costs tens of seconds per process and state dtype (dynamo and AOT tracing run again even
 when inductor's cache is warm), more than a small run's whole fold, so by default the compiled fold takes
 over only once the state holds samples × P ≥ ``_COMPILE_AFTER`` element-folds (about as much eager folding
 as a compile costs). The switch depends on the state alone, so a resumed run switches at the same batch
@@ -58,7 +61,13 @@ _COMPILE_AFTER = 1 << 32
 
 
 def _fold_started(
-    x: Tensor, wa: Tensor, coef: Tensor, mean: list[Tensor], m2: list[Tensor], c: list[Tensor], lo: list[Tensor] | None
+    x: Tensor,
+    wa: Tensor,
+    coef: Tensor,
+    mean: list[Tensor],
+    m2: list[Tensor],
+    c: list[Tensor] | None,
+    lo: list[Tensor] | None,
 ) -> None:
     """Merge a block into state whose halves all have earlier samples, in place, in one pass (compiled).
 
@@ -67,49 +76,55 @@ def _fold_started(
         wa: (B, 2H) float64: column h is 1 where the sample belongs to half h, column H + h its a − ā_b there.
         coef: (5, H) float64 per half: 1/b, b/n, n_old·b/n, n_old·b/n·(ā_b − ā_old), Σ(a − ā_b)/b.
         mean, m2, c: per half h, its (n,) state columns (float64, or float32 with ``lo`` the low halves of
-            the means). One row per argument, not (H, n) views: the kernel then updates them in place
-            (stacked rows would cost extra buffers and copy loops).
+            the means); ``c`` None without the co-moment (its sums are then never formed). One row per
+            argument, not (H, n) views: the kernel then updates them in place (stacked rows would cost
+            extra buffers and copy loops).
     """
     H = wa.shape[1] // 2
     K = mean[0].to(torch.float64, copy=True)  # the shift: half 0's mean before this batch (hi part for float32)
     d = x.to(torch.float64) - K  # (B, n), never materialised by the compiled kernel
     dd = d * d
-    # Σd, Σd², Σ(a − ā_b)d over all samples and over halves 0..H-2; the last half's are the differences
+    # Σd, Σd² (and Σ(a − ā_b)d) over all samples and over halves 0..H-2; the last half's are the differences
     # (fewer products per element: the kernel is bound by its arithmetic once the block is in cache).
-    a = wa[:, H:].sum(1, keepdim=True)  # (B, 1): each sample's a − ā_b in its own half
-    total = (d.sum(0), dd.sum(0), (a * d).sum(0))
-    sums = [
-        ((wa[:, h, None] * d).sum(0), (wa[:, h, None] * dd).sum(0), (wa[:, H + h, None] * d).sum(0))
-        for h in range(H - 1)
-    ]
-    sums.append(tuple(t - sum(s[k] for s in sums) for k, t in enumerate(total)))
-    for h, (s1, s2, sa) in enumerate(sums):
+    parts: list[Tensor] = [d, dd]
+    weights = [[wa[:, h, None], wa[:, h, None]] for h in range(H - 1)]
+    if c is not None:
+        parts.append(wa[:, H:].sum(1, keepdim=True) * d)  # each sample's a − ā_b in its own half, times d
+        for h in range(H - 1):
+            weights[h].append(wa[:, H + h, None])
+    total = [t.sum(0) for t in parts]
+    sums = [[(w * t).sum(0) for w, t in zip(weights[h], (d, dd, d), strict=False)] for h in range(H - 1)]
+    sums.append([t - sum(s[k] for s in sums) for k, t in enumerate(total)])
+    for h, hs in enumerate(sums):
+        s1, s2 = hs[0], hs[1]
         rel = s1 * coef[0, h]  # batch mean − K
         m2b = (s2 - s1 * rel).clamp(min=0)
-        cb = sa - s1 * coef[4, h]
         old = mean[h].to(torch.float64)
+        delta = (K - old) + rel if lo is None else ((K - old) - lo[h].to(torch.float64)) + rel
+        ch = None if c is None else (hs[2] - s1 * coef[4, h]) + coef[3, h] * delta
         if lo is None:
-            delta = (K - old) + rel
             m2[h].add_(m2b + (coef[2, h] * delta) * delta)
-            c[h].add_(cb + coef[3, h] * delta)
+            if c is not None and ch is not None:
+                c[h].add_(ch)
             mean[h].add_(coef[1, h] * delta)
             continue
-        low = lo[h].to(torch.float64)
-        delta = ((K - old) - low) + rel
         m2[h].copy_(m2[h].to(torch.float64) + (m2b + (coef[2, h] * delta) * delta))
-        c[h].copy_(c[h].to(torch.float64) + (cb + coef[3, h] * delta))
-        full = (old + low) + coef[1, h] * delta  # split into its nearest float32 and the float32 of the rest
+        if c is not None and ch is not None:
+            c[h].copy_(c[h].to(torch.float64) + ch)
+        full = (old + lo[h].to(torch.float64)) + coef[1, h] * delta  # split into its nearest float32 and the rest
         hi = full.to(torch.float32)
         mean[h].copy_(hi)
         lo[h].copy_(full - hi.to(torch.float64))
 
 
-def state_bytes_per_param(state_dtype: str, halves: int = 2) -> int:
-    """Bytes of moment state per parameter element over ``halves`` rows: the mean, M2 and co-moment (and
-    the mean's low part for float32) in ``state_dtype``; 48 (float64) or 32 (float32) for two halves."""
+def state_bytes_per_param(state_dtype: str, halves: int = 2, comoment: bool = True) -> int:
+    """Bytes of moment state per parameter element over ``halves`` rows: the mean, M2 and (``comoment``)
+    the co-moment, and the mean's low part for float32, in ``state_dtype``; 48 (float64) or 32 (float32)
+    for two halves with the co-moment, 32 or 24 without."""
     if state_dtype not in STATE_DTYPES:
         raise ValueError(f"state_dtype {state_dtype!r} is not supported; use one of {sorted(STATE_DTYPES)}")
-    return halves * (4 if state_dtype == "float32" else 3) * STATE_DTYPES[state_dtype].itemsize
+    arrays = (3 if state_dtype == "float32" else 2) + comoment
+    return halves * arrays * STATE_DTYPES[state_dtype].itemsize
 
 
 _compiled_fold: Any = None
@@ -139,11 +154,13 @@ class MomentAccumulator:
         switch_P: the P in that product (default ``P``). The columns of one parameter block of a larger
             selection pass the selection's P, so that every block switches at the same batch as the
             unblocked run and blocks never change a byte.
+        comoment: keep ``c`` (False: samples whose advantage is always 0, such as a regime's g_n; ``c``
+            is then None, a third less state and arithmetic).
 
     Attributes:
         count, mean_a, m2_a: shape (H,) float64 numpy, samples, mean advantage and Σ(a − ā)² per half.
         mean, m2, c: shape (H, P) tensors of ``state_dtype`` on ``device``: mean score (the hi part
-            for float32), Σ(s − s̄)² and Σ(a − ā)(s − s̄).
+            for float32), Σ(s − s̄)² and Σ(a − ā)(s − s̄) (None without the co-moment).
         mean_lo: shape (H, P) float32 low part of the mean (float32 state only), else None.
         fold_path: the fold for merges of started batches: ``"compiled"`` (forced, or since the switch),
             ``"eager"``, ``"eager until …"`` (before the switch) or ``"eager (compile failed: …)"``.
@@ -157,6 +174,7 @@ class MomentAccumulator:
         halves: int = 2,
         compiled: bool | None = None,
         switch_P: int | None = None,
+        comoment: bool = True,
     ) -> None:
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype {state_dtype!r} is not supported; use one of {sorted(STATE_DTYPES)}")
@@ -171,10 +189,12 @@ class MomentAccumulator:
         self.m2_a = np.zeros(halves)
         self.mean = torch.zeros(halves, P, dtype=self.dtype, device=self.device)
         self.m2 = torch.zeros_like(self.mean)
-        self.c = torch.zeros_like(self.mean)
+        self.comoment = comoment
+        self.c = torch.zeros_like(self.mean) if comoment else None
         self.mean_lo = torch.zeros_like(self.mean) if self.dtype == torch.float32 else None
         self._batch: _Batch | None = None
         self._work: tuple[Tensor, ...] | None = None
+        self._rows: list[list[Tensor]] | None = None
         self._fold_elements = FOLD_ELEMENTS.get(self.device.type, 1 << 22)
         # samples × P from which the compiled fold runs (None: never)
         self._compile_from = {None: _COMPILE_AFTER, True: 0, False: None}[compiled]
@@ -186,7 +206,7 @@ class MomentAccumulator:
     @property
     def bytes_per_param(self) -> int:
         """Device bytes of state per parameter element (all halves)."""
-        return state_bytes_per_param(self.state_dtype, self.H)
+        return state_bytes_per_param(self.state_dtype, self.H, self.comoment)
 
     def begin_batch(self, advantages: Tensor | np.ndarray, half: Tensor | np.ndarray) -> None:
         """Start a batch: its advantages (B,) and each sample's half (B,) integers in [0, H)."""
@@ -230,12 +250,11 @@ class MomentAccumulator:
     def _fold_compiled(self, batch: _Batch, offset: int, block: Tensor) -> bool:
         """The compiled fold of a started batch's block; False (and the eager fold from then on) when
         compiling fails, which happens before the kernel touches any state."""
-        cols = slice(offset, offset + block.shape[1])
-        rows = [[t[h, cols] for h in range(self.H)] for t in (self.mean, self.m2, self.c)]
-        lo = None if self.mean_lo is None else [self.mean_lo[h, cols] for h in range(self.H)]
+        p0, p1 = offset, offset + block.shape[1]
+        mean, m2, c, lo = ([r[p0:p1] for r in rows] if rows else None for rows in self._state_rows())
         try:
             with torch.no_grad(), _compile_lock:
-                _compiled()(block.to(torch.float32).contiguous(), batch.wa, batch.coef64, *rows, lo)
+                _compiled()(block.to(torch.float32).contiguous(), batch.wa, batch.coef64, mean, m2, c, lo)
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # any failure to compile: no C++ compiler, no Triton, a dynamo gap
@@ -245,6 +264,13 @@ class MomentAccumulator:
             return False
         self.fold_path = "compiled"
         return True
+
+    def _state_rows(self) -> list[list[Tensor]]:
+        """The (P,) rows of every half of mean, m2, c and mean_lo (an empty list for an array this state
+        lacks): views made once, sliced per call of the compiled fold."""
+        if self._rows is None:
+            self._rows = [[] if t is None else list(t.unbind(0)) for t in (self.mean, self.m2, self.c, self.mean_lo)]
+        return self._rows
 
     def _fold_columns(self, batch: _Batch, p0: int, x: Tensor) -> None:
         cols = slice(p0, p0 + x.shape[1])
@@ -256,7 +282,8 @@ class MomentAccumulator:
             torch.sub(x, K, out=d)  # one kernel
         else:
             d.copy_(x).sub_(K)  # copy then subtract beats the mixed-dtype sub 2x on CPU
-        torch.mm(batch.weights, d, out=lin)  # (2H, n): rows h: Σ_h d; rows H + h: Σ_h (a − ā_b) d
+        rows = 2 * self.H if self.comoment else self.H
+        torch.mm(batch.weights[:rows], d, out=lin[:rows])  # (2H, n): rows h: Σ_h d; rows H + h: Σ_h (a − ā_b) d
         torch.mm(batch.weights[: self.H], d.mul_(d), out=sums)  # (H, n): Σ_h d²
         s1, sa = lin[: self.H], lin[self.H :]
         if batch.started:
@@ -268,7 +295,8 @@ class MomentAccumulator:
             cb = sa[h] - s1[h] * (batch.ac_sum[h] / nb)
             if self.count[h] == 0:
                 self.m2[h, cols] = m2b
-                self.c[h, cols] = cb
+                if self.c is not None:
+                    self.c[h, cols] = cb
                 self._set_mean(
                     self.mean[h, cols], None if self.mean_lo is None else self.mean_lo[h, cols], K, s1[h] / nb
                 )
@@ -293,7 +321,8 @@ class MomentAccumulator:
         old = self.mean[rows, cols]
         delta = (K - old) + rel if self.mean_lo is None else ((K - old) - self.mean_lo[rows, cols]) + rel
         self.m2[rows, cols] += m2b + (f * delta) * delta
-        self.c[rows, cols] += cb + fda * delta
+        if self.c is not None:
+            self.c[rows, cols] += cb + fda * delta
         if self.mean_lo is None:
             old += w * delta
         else:
@@ -341,11 +370,13 @@ class MomentAccumulator:
 
     def rows(self, cols: slice = slice(None)) -> dict[str, np.ndarray]:
         """The state as host numpy: ``count, mean_a, m2_a`` (H,) float64 and ``mean_s, m2_s, c_as``
-        (H, columns) in the state dtype (plus ``mean_s_lo`` for float32 state)."""
+        (H, columns) in the state dtype (no ``c_as`` without the co-moment; plus ``mean_s_lo`` for float32
+        state)."""
         out = {"count": self.count.copy(), "mean_a": self.mean_a.copy(), "m2_a": self.m2_a.copy()}
         out["mean_s"] = self.mean[:, cols].cpu().numpy()
         out["m2_s"] = self.m2[:, cols].cpu().numpy()
-        out["c_as"] = self.c[:, cols].cpu().numpy()
+        if self.c is not None:
+            out["c_as"] = self.c[:, cols].cpu().numpy()
         if self.mean_lo is not None:
             out["mean_s_lo"] = self.mean_lo[:, cols].cpu().numpy()
         return out
@@ -355,10 +386,10 @@ class MomentAccumulator:
         for name in ("count", "mean_a", "m2_a"):
             if name in rows:
                 getattr(self, name)[:] = rows[name]
-        pairs = [("mean_s", self.mean), ("m2_s", self.m2), ("c_as", self.c)]
-        if self.mean_lo is not None:
-            pairs.append(("mean_s_lo", self.mean_lo))
+        pairs = [("mean_s", self.mean), ("m2_s", self.m2), ("c_as", self.c), ("mean_s_lo", self.mean_lo)]
         for name, t in pairs:
+            if t is None:
+                continue
             if name in rows:
                 t[:, cols] = torch.from_numpy(np.ascontiguousarray(rows[name])).to(self.device, self.dtype)
 

@@ -49,13 +49,13 @@ def device_memory(device: torch.device) -> int:
     return psutil.virtual_memory().total
 
 
-def check_state_fits(device: torch.device, P: int, state_dtype: str, what: str) -> None:
+def check_state_fits(device: torch.device, P: int, state_dtype: str, what: str, comoment: bool = True) -> None:
     """ValueError in one line, instead of an out-of-memory error, when the moment state of P parameter
-    elements (two halves, ``state_dtype``) exceeds the free memory of cuda ``device``; ``what`` names
-    the parameters in the message. No check on other devices."""
+    elements (two halves, ``state_dtype``, with or without the co-moment) exceeds the free memory of cuda
+    ``device``; ``what`` names the parameters in the message. No check on other devices."""
     if device.type != "cuda":
         return
-    need = state_bytes_per_param(state_dtype) * P
+    need = state_bytes_per_param(state_dtype, comoment=comoment) * P
     free = torch.cuda.mem_get_info(device)[0]
     if need > free:
         raise ValueError(

@@ -159,14 +159,18 @@ class ShardAccumulator:
         """Fold a whole tile (B, w) of which the rank owns columns [a, b), stored at its local column ``at``."""
         acc, w = self.acc, tile.shape[1]
         if self._scratch is None or w > self._scratch.P:
-            self._scratch = MomentAccumulator(w, acc.device, acc.state_dtype, acc.H, switch_P=acc.switch_P)
+            self._scratch = MomentAccumulator(
+                w, acc.device, acc.state_dtype, acc.H, switch_P=acc.switch_P, comoment=acc.comoment
+            )
         tmp = self._scratch
         tmp._compile_from, tmp.fold_path = acc._compile_from, acc.fold_path
         for name in ("count", "mean_a", "m2_a"):
             getattr(tmp, name)[:] = getattr(acc, name)
-        pairs = [(tmp.mean, acc.mean), (tmp.m2, acc.m2), (tmp.c, acc.c)]
-        if acc.mean_lo is not None:
-            pairs.append((tmp.mean_lo, acc.mean_lo))
+        pairs = [
+            (mine, theirs)
+            for mine, theirs in ((tmp.mean, acc.mean), (tmp.m2, acc.m2), (tmp.c, acc.c), (tmp.mean_lo, acc.mean_lo))
+            if mine is not None and theirs is not None
+        ]
         for mine, theirs in pairs:
             mine[:, a:b] = theirs[:, at : at + b - a]
         tmp.begin_batch(*self._batch)

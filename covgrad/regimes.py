@@ -587,8 +587,8 @@ class RegimeMoments:
     """One regime's per-sample gradients folded per parity half beside the score's moments, with its bound.
 
     The g_n are folded by a :class:`covgrad.accum.MomentAccumulator` of their own through
-    :meth:`covgrad.persample.PerSampleGrads.accumulate` (no B × P rows), with zero advantages: its
-    ``mean`` row h is the half's G (mean of g_n), ``m2`` its Σ(g − ḡ)² (standard errors), ``c`` stays 0.
+    :meth:`covgrad.persample.PerSampleGrads.accumulate` (no B × P rows), with zero advantages and no
+    co-moment: its ``mean`` row h is the half's G (mean of g_n), ``m2`` its Σ(g − ḡ)² (standard errors).
     The bound scalar ``bound_sq`` of each batch's :class:`RegimeGrad` is summed per half in float64.
 
     Args:
@@ -608,7 +608,7 @@ class RegimeMoments:
         halves: int = 2,
         compiled: bool | None = None,
     ) -> None:
-        self.acc = MomentAccumulator(P, device, state_dtype, halves, compiled)
+        self.acc = MomentAccumulator(P, device, state_dtype, halves, compiled, comoment=False)
         self.bound_sum = np.zeros(halves)
         self.bound_count = np.zeros(halves)
 

@@ -89,7 +89,7 @@ class RegimeJob:
             if wanted and name not in self.ro:
                 raise ValueError(f"regime {spec.name}: the rollouts of {spec.sampler!r} hold no imported {field} field")
         N, nb, P = len(self.group), len(self.batches), self.layout.P
-        self.out = ScoresStore(store, ref, N, nb, B, 1, [P], spec.state_dtype, keep_rows=False)
+        self.out = ScoresStore(store, ref, N, nb, B, 1, [P], spec.state_dtype, keep_rows=False, comoment=False)
 
     @staticmethod
     def _vocab(model: Any) -> int:
@@ -301,11 +301,11 @@ class RegimeJob:
         for job in jobs:
             job._prepare()
         P = self.layout.P
-        check_state_fits(self.device, P * len(jobs), self.spec.state_dtype, f"regime {self.spec.name}")
+        check_state_fits(self.device, P * len(jobs), self.spec.state_dtype, f"regime {self.spec.name}", comoment=False)
         psg = PerSampleGrads(self.model, self.layout, check=self.spec.self_check)
         label = "regime " + " + ".join(j.spec.name for j in jobs)
         with ExitStack() as stack:
-            accs = [MomentAccumulator(P, self.device, j.spec.state_dtype) for j in jobs]
+            accs = [MomentAccumulator(P, self.device, j.spec.state_dtype, comoment=False) for j in jobs]
             writers = [
                 stack.enter_context(j.out.job((0, 0), a, list(range(len(j.batches))), j.batches))
                 for j, a in zip(jobs, accs, strict=True)

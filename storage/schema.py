@@ -298,7 +298,7 @@ SCORES_VARS = {
     **TENSOR_TABLE,
 }
 
-# a regime fold (tasks/regimes.py) is a scores store of g_n (mean_s = mean g, c_as = 0, A = 0) plus, dim
+# a regime fold (tasks/regimes.py) is a scores store of g_n (mean_s = mean g, no c_as, A = 0) plus, dim
 # half = the prompt-group parity, the Σ of its bound scalar c²_n (covgrad.regimes) and the samples that had one
 SCORES_VARS.update(
     {

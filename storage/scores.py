@@ -73,7 +73,8 @@ def write_state(array: Any, rows: slice, cols: slice, values: np.ndarray) -> Non
 class ScoresStore:
     """The scores store of artifact ``ref``: N = ``n_samples`` samples in ``n_batches`` batches of at most
     ``batch_rows``, ``samples`` sample shards × the parameter blocks of ``block_sizes`` columns (P = their
-    sum), moment state in ``state_dtype``, and the per-sample rows when ``keep_rows``."""
+    sum), moment state in ``state_dtype`` (without ``c_as`` unless ``comoment``: a regime fold's advantages
+    are all 0), and the per-sample rows when ``keep_rows``."""
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class ScoresStore:
         block_sizes: Sequence[int],
         state_dtype: str,
         keep_rows: bool,
+        comoment: bool = True,
     ) -> None:
         self.store, self.ref = store, ref
         self.N, self.n_batches, self.B = n_samples, n_batches, batch_rows
@@ -93,7 +95,8 @@ class ScoresStore:
         self.starts: list[int] = np.cumsum([0, *block_sizes]).tolist()  # (K + 1,) block column bounds
         self.P = self.starts[-1]
         self.state_dtype, self.keep_rows = state_dtype, keep_rows
-        self.state_names = STATE + (("mean_s_lo",) if state_dtype == "float32" else ())
+        names = STATE if comoment else tuple(n for n in STATE if n != "c_as")
+        self.state_names = names + (("mean_s_lo",) if state_dtype == "float32" else ())
         self.chunk_p = param_chunk(self.P)
 
     def open(self) -> Any:

@@ -146,6 +146,34 @@ def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
             assert np.concatenate([acc.rows()[k] for acc in blocks], axis=1).tobytes() == v.tobytes(), k
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("state_dtype", ["float64", "float32"])
+def test_state_without_comoment_keeps_the_mean_and_m2(state_dtype, compiled):
+    """``comoment=False`` (a regime's g_n, advantages all 0): no ``c``, a third less state, and the mean and
+    M2 of the full state (to float64 rounding: the kernels differ), against numpy float64."""
+    rng = np.random.default_rng(21)
+    N, P = 64, 500
+    S = (rng.standard_normal((N, P)) * 2 + 30 * rng.standard_normal(P)).astype(np.float32)
+    half = rng.integers(0, 2, N)
+    full = MomentAccumulator(P, "cpu", state_dtype, compiled=compiled)
+    bare = MomentAccumulator(P, "cpu", state_dtype, compiled=compiled, comoment=False)
+    for acc in (full, bare):
+        for b in range(0, N, 8):
+            acc.begin_batch(np.zeros(8), half[b : b + 8])
+            acc.fold(0, torch.from_numpy(S[b : b + 8, :300]))
+            acc.fold(300, torch.from_numpy(S[b : b + 8, 300:]))
+            acc.end_batch()
+    assert bare.c is None and "c_as" not in bare.rows()
+    assert bare.bytes_per_param == (32 if state_dtype == "float64" else 24)
+    want = numpy_moments(S, np.zeros(N), half)
+    got = state(bare)
+    assert_close(
+        {k: v for k, v in got.items() if k != "c_as"}, {k: want[k] for k in got if k != "c_as"}, TOL[state_dtype]
+    )
+    for k, v in bare.rows().items():
+        np.testing.assert_allclose(v, full.rows()[k], rtol=0, atol=1e-12 * np.abs(v).max(), err_msg=k)
+
+
 def test_compiled_fold_falls_back_to_eager(monkeypatch):
     """A compiler that fails: a warning, the eager fold from then on, and the eager fold's exact bytes."""
     import covgrad.accum as accum
