@@ -127,17 +127,37 @@ def state_bytes_per_param(state_dtype: str, halves: int = 2, comoment: bool = Tr
     return halves * arrays * STATE_DTYPES[state_dtype].itemsize
 
 
+def _fold_bare(
+    x: Tensor, wa: Tensor, coef: Tensor, mean: list[Tensor], m2: list[Tensor], lo: list[Tensor] | None
+) -> None:
+    """:func:`_fold_started` without the co-moment: a function of its own, so that its compiled variants
+    have their own cache (dynamo's recompile limit counts per function)."""
+    _fold_started(x, wa, coef, mean, m2, None, lo)
+
+
 _compiled_fold: Any = None
 _compile_lock = threading.Lock()  # dynamo's compile caches are not thread-safe (dask workers may run threads)
 
 
 def _compiled() -> Any:
-    """The compiled :func:`_fold_started` (one per process; shapes are symbolic, so one compile per state dtype)."""
+    """The compiled :func:`_fold_started` (one per process; shapes are symbolic, so one compile per state dtype
+    and with or without the co-moment)."""
     global _compiled_fold
     if _compiled_fold is None:
         # C++ on CPU: let the compiler fuse a·b + c into FMAs (one rounding instead of two, and fewer instructions)
         options = {"cpp.enable_floating_point_contract_flag": "fast"}
-        _compiled_fold = torch.compile(_fold_started, dynamic=True, options=options)
+        full = torch.compile(_fold_started, dynamic=True, options=options)
+        bare = torch.compile(_fold_bare, dynamic=True, options=options)
+
+        def fold(
+            x: Tensor, wa: Tensor, coef: Tensor, mean: list[Tensor], m2: list[Tensor], c: list[Tensor] | None, lo: Any
+        ) -> None:
+            if c is None:
+                bare(x, wa, coef, mean, m2, lo)
+            else:
+                full(x, wa, coef, mean, m2, c, lo)
+
+        _compiled_fold = fold
     return _compiled_fold
 
 
