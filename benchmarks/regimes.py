@@ -21,6 +21,11 @@ enters wall time, not the process's own CPU time). Reported: median ratio over r
     python -m benchmarks.regimes --regime rl_token --model small
     python -m benchmarks.regimes --model small --reps 0 --profile 10   # cProfile of 10 fused steps
     python -m benchmarks.regimes --response 480                # responses of 480 tokens instead of 32
+    python -m benchmarks.regimes --fold-only                   # the regime fold with and without co-moment
+
+``--fold-only`` times the compiled fold alone, side by side: one batch of the model's P columns in row-chunk
+sized blocks, zero advantages, into a state with the co-moment (how a regime's g_n was folded before) and
+without it (how it is folded now); wall and process CPU time, median over repetitions.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from torch import Tensor
 from benchmarks.scores import MODELS, build, make_batch, objective
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import Cotangent, PerSampleGrads, score_logit_grad
+from covgrad.persample import Cotangent, PerSampleGrads, default_chunk_bytes, score_logit_grad
 from covgrad.regimes import Regime, RegimeGrad, RegimeMoments
 
 
@@ -66,9 +71,17 @@ class _Unfolded(MomentAccumulator):
         """Take the block and drop it."""
 
 
-def run(name: str, kind: str, reps: int, clock: str, profile: int = 0, response: int | None = None) -> dict[str, float]:
+def run(
+    name: str,
+    kind: str,
+    reps: int,
+    clock: str,
+    profile: int = 0,
+    response: int | None = None,
+    state_dtype: str = "float64",
+) -> dict[str, float]:
     """Time both passes of ``kind`` on model ``name`` (responses of ``response`` tokens; None: the model's
-    default) against the floor; returns the median ratio per pass."""
+    default; moment state in ``state_dtype``) against the floor; returns the median ratio per pass."""
     device = torch.device("cpu")
     model = build(name, device)
     B, prompt, default_response = MODELS[name][8:11]
@@ -84,8 +97,8 @@ def run(name: str, kind: str, reps: int, clock: str, profile: int = 0, response:
     adv = torch.randn(ids.shape, dtype=torch.float64) * (w != 0)
     half = np.arange(B) % 2
     psg = PerSampleGrads(model, layout, check=False)
-    accs = {m: MomentAccumulator(layout.P, device, "float64", compiled=True) for m in ("separate", "fused")}
-    moments = {m: RegimeMoments(layout.P, device, compiled=True) for m in ("separate", "fused")}
+    accs = {m: MomentAccumulator(layout.P, device, state_dtype, compiled=True) for m in ("separate", "fused")}
+    moments = {m: RegimeMoments(layout.P, device, state_dtype, compiled=True) for m in ("separate", "fused")}
     accs["unfolded"], moments["unfolded"] = _Unfolded(layout.P, device), RegimeMoments(layout.P, device)
     moments["unfolded"].acc = _Unfolded(layout.P, device, comoment=False)
     seq_adv = np.random.default_rng(0).standard_normal(B)
@@ -136,8 +149,41 @@ def run(name: str, kind: str, reps: int, clock: str, profile: int = 0, response:
             assert (x is None and y is None) or torch.equal(x, y), f"fused and separate {part} differ"
     out = {m: statistics.median(r) if r else float("nan") for m, r in ratios.items()}
     for m, ratio in out.items():
-        print(f"| {name} | P = {layout.P} | B = {B}, L = {ids.shape[1]} | {kind} | {m} | {ratio:.3f} |")
+        print(f"| {name} | P = {layout.P} | B = {B}, L = {ids.shape[1]} | {kind} | {state_dtype} | {m} | {ratio:.3f} |")
     return out
+
+
+def fold_only(name: str, reps: int) -> None:
+    """The compiled fold of one batch of zero-advantage blocks over the model's P, with and without the
+    co-moment, interleaved; prints the medians and their ratio."""
+    B = MODELS[name][8]
+    P = select_parameters(build(name, torch.device("cpu")), None).P
+    cols = default_chunk_bytes("cpu") // (4 * B)
+    block = torch.randn(B, cols, generator=torch.Generator().manual_seed(0))
+    half, zero = np.arange(B) % 2, np.zeros(B)
+    accs = {c: MomentAccumulator(P, "cpu", compiled=True, comoment=c) for c in (True, False)}
+
+    def step(acc: MomentAccumulator) -> None:
+        acc.begin_batch(zero, half)
+        for j in range(0, P, cols):
+            acc.fold(j, block[:, : min(cols, P - j)])
+        acc.end_batch()
+
+    for acc in accs.values():  # the first batch starts the state (eager), the next ones compile and run
+        for _ in range(3):
+            step(acc)
+    times: dict[bool, list[tuple[float, float]]] = {c: [] for c in accs}
+    for _ in range(reps):
+        for c, acc in accs.items():
+            w, t = time.perf_counter(), time.process_time()
+            step(acc)
+            times[c].append((time.perf_counter() - w, time.process_time() - t))
+    med = {c: np.median(np.array(v), axis=0) for c, v in times.items()}
+    print(
+        f"| {name} | P = {P} | B = {B}, {cols} columns per block | with c: {med[True][0] * 1e3:.1f} ms wall, "
+        f"{med[True][1] * 1e3:.1f} ms CPU | without: {med[False][0] * 1e3:.1f} ms wall, {med[False][1] * 1e3:.1f} ms "
+        f"CPU | {med[False][0] / med[True][0]:.3f} wall, {med[False][1] / med[True][1]:.3f} CPU |"
+    )
 
 
 def main() -> None:
@@ -149,17 +195,23 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
     ap.add_argument("--profile", type=int, default=0, help="also print a cProfile of this many fused steps")
     ap.add_argument("--response", type=int, default=None, help="response tokens per sample (default: the model's)")
+    ap.add_argument("--fold-only", action="store_true", help="time the regime fold with and without co-moment")
+    ap.add_argument("--state-dtype", choices=("float64", "float32"), default="float64", help="moment state dtype")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = platform.processor() or platform.machine()
     print(f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, clock={args.clock}")
+    if args.fold_only:
+        for name in args.model:
+            fold_only(name, args.reps)
+        return
     print(
-        "| model | params | batch | regime | pass | (scores + regime) / (2 batched backwards) |\n"
-        "|---|---|---|---|---|---|"
+        "| model | params | batch | regime | state | pass | (scores + regime) / (2 batched backwards) |\n"
+        "|---|---|---|---|---|---|---|"
     )
     for name in args.model:
-        run(name, args.regime, args.reps, args.clock, args.profile, args.response)
+        run(name, args.regime, args.reps, args.clock, args.profile, args.response, args.state_dtype)
 
 
 if __name__ == "__main__":
