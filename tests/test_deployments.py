@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import yaml
 
 from covgrad.config import PipelineConfig
 from tests.helpers.pipeline import REPO
+from tests.helpers.ports import free_port
 from tests.helpers.user import user_config, write_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -40,12 +40,6 @@ def assert_run_complete(cfg: PipelineConfig) -> None:
     assert not incomplete, f"artifacts without a completion marker: {incomplete}"
     index = read_run_index(store, cfg.name)
     assert {n: a["key"] for n, a in index["artifacts"].items()} == {n: node.ref.key for n, node in nodes.items()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop(proc: subprocess.Popen, signals: int) -> None:

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from tests.helpers.faults import OVERRIDES, digests, error_line, read_only_bind, resize_tmpfs, tmpfs, tree
 from tests.helpers.pipeline import REPO
+from tests.helpers.ports import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -98,17 +98,10 @@ def test_full_disk_in_the_stats_stage_names_the_artifact(tiny_run, cli_api, tmp_
         assert not list(stats.rglob("_COMPLETE.json"))
 
 
-def _free_ports(n: int) -> str:
-    """``LO-HI`` of ``n`` consecutive local ports free now."""
-    for start in range(42000, 60000, 89):
-        try:
-            for port in range(start, start + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return f"{start}-{start + n - 1}"
-    raise RuntimeError("no run of free local ports")
+def _port_range(n: int) -> str:
+    """``LO-HI`` of ``n`` consecutive free local ports."""
+    ports = free_ports(n)
+    return f"{ports.start}-{ports.stop - 1}"
 
 
 def test_fully_cached_root_on_a_read_only_mount_serves_its_results(tiny_run, tmp_path):
@@ -125,7 +118,7 @@ def test_fully_cached_root_on_a_read_only_mount_serves_its_results(tiny_run, tmp
         with pytest.raises(OSError, match="Read-only file system"):
             (root / "probe").write_text("")
         before = tree(root)
-        proc = covgrad_run(tmp_path, root, COVGRAD_STATE_DIR=str(state), COVGRAD_SERVER_PORTS=_free_ports(5))
+        proc = covgrad_run(tmp_path, root, COVGRAD_STATE_DIR=str(state), COVGRAD_SERVER_PORTS=_port_range(5))
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert not [line for line in proc.stderr.splitlines() if line.startswith("covgrad:")], proc.stderr[-3000:]
         assert " 0 stage(s) computed" in proc.stdout, proc.stdout

@@ -14,6 +14,7 @@ import types
 import pytest
 
 from tests.helpers.pipeline import REPO
+from tests.helpers.ports import free_port
 
 PREFECT_ENV = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH", "COVGRAD_SERVER_PORTS")
 
@@ -42,11 +43,8 @@ def budget() -> float:
 
 
 def _dead_url() -> str:
-    """An API URL on a local port nobody listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/api"
+    """An API URL on a local port nobody listens on (below the ephemeral range: see tests.helpers.ports)."""
+    return f"http://127.0.0.1:{free_port()}/api"
 
 
 def _bound_ports(n: int) -> tuple[range, list[socket.socket]]:

@@ -24,9 +24,10 @@ from storage.tokens_ranks import RankRows
 from tasks.specs import plan
 from tasks.tokens import tokens_task
 from tests.helpers.families import FAMILIES
-from tests.helpers.fsdp_ranks import free_port, run_two_machines
+from tests.helpers.fsdp_ranks import run_two_machines
 from tests.helpers.persample import make_batch
 from tests.helpers.pipeline import tiny_config
+from tests.helpers.ports import free_port
 from tests.helpers.stages import POLICY_ONLY, run_upto
 
 SETTINGS = {**POLICY_ONLY, "update_check.enabled": False}

@@ -18,10 +18,11 @@ from storage.artifacts import ArtifactStore
 from storage.scores_ranks import RANK_ENTRY
 from tasks.scores import scores_task
 from tasks.specs import plan
-from tests.helpers.fsdp_ranks import SCORES, free_port, run_two_machines
+from tests.helpers.fsdp_ranks import SCORES, run_two_machines
 from tests.helpers.fsdp_ranks import assert_same_arrays as _assert_same_arrays
 from tests.helpers.fsdp_ranks import scores_arrays as _arrays
 from tests.helpers.pipeline import NO_OPTIONAL, tiny_config
+from tests.helpers.ports import free_port
 
 
 @pytest.fixture(autouse=True)

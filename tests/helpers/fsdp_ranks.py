@@ -4,7 +4,6 @@ unpickles it)."""
 
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -60,13 +59,6 @@ def assert_same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> No
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (a rendezvous endpoint of "machines" on this host)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two_machines(task: Callable, node0: Any, node1: Any, store: ArtifactStore) -> None:
