@@ -158,6 +158,7 @@ class FsdpPlan:
     store_bytes: int
     peak_store_bytes: int
     host_bytes: int  # rank 0's while the unsharded model is loaded and traced (the other ranks' are on meta)
+    formed: float  # per-sample columns formed per batch over all ranks, / P (formed_columns)
 
     @property
     def fits(self) -> bool:
@@ -205,6 +206,9 @@ class FsdpPlan:
             f"store: {gb(self.store_bytes)} GB when complete, {gb(self.peak_store_bytes)} GB at most while running",
             f"host memory before sharding: {gb(self.host_bytes)} GB on rank 0 (the unsharded model, loaded and "
             "traced), none on the other ranks (meta device; rank 0 sends each its shard)",
+            f"per-sample products: the ranks form {self.formed:.2f} × P columns per batch in all (1.00: each "
+            f"column once; {self.ranks}.00: every rank all of them), a rank forming every row chunk that holds "
+            "one of its rows",
         ]
 
 
@@ -296,15 +300,46 @@ def fsdp_plan(
         store_bytes=store,
         peak_store_bytes=store + 2 * ranks * chosen.state,
         host_bytes=sum(_numel(s) for _, s in shape.parameters()) * shape.dtype_bytes,
+        formed=sum(formed_columns(layout, ranks, work.B, default_chunk_bytes(work.device))) / layout.P,
     )
+
+
+def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int) -> list[int]:
+    """Per rank, the per-sample columns it forms per batch under FSDP2 (``covgrad.persample``'s row chunks).
+
+    A weight folded in row chunks (:func:`_chunked`) is cut into chunks of ``max(1, chunk_bytes // (B·row·4))``
+    rows on the unsharded grid (so that every formed chunk is the unsharded run's); a rank forms each chunk
+    that holds one of its dim-0 shard's rows, the chunk's rows within the tensor. Any other tensor is formed
+    whole by every rank. Sum over ranks / P is 1 when no column is formed twice.
+
+    Args:
+        layout: whole tensors (``TensorEntry.rows`` covering dim 0); ranks: R; B: samples per batch;
+            chunk_bytes: bytes of one row chunk (``default_chunk_bytes`` of the device).
+
+    Returns:
+        R integers, the columns rank r forms.
+    """
+    out = [0] * ranks
+    for e in layout.entries:
+        rows = e.shape[0] if e.shape else 1
+        row = e.numel // max(rows, 1)
+        per = max(1, chunk_bytes // (B * row * 4))
+        for r in range(ranks):
+            if not _chunked(e.name):
+                out[r] += e.numel
+                continue
+            lo, hi = shard_rows(rows, ranks, r)
+            if lo < hi:
+                out[r] += sum(min(rows, c + per) - c for c in range(lo // per * per, hi, per)) * row
+    return out
 
 
 def table(work: FsdpWork) -> list[str]:
     """A markdown table of every shape × machine × selection of this module (docs/fsdp.md)."""
     out = [
         "| model | machine | selection | P | blocks | weights/R | gathered | activations | in flight | state/R "
-        "| per rank | fits | store |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| per rank | fits | store | formed / P |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, shape in SHAPES.items():
         for machine, (ranks, memory) in MACHINES.items():
@@ -315,7 +350,7 @@ def table(work: FsdpWork) -> list[str]:
                 out.append(
                     f"| {name} | {machine} | {sel} | {p.P / 1e9:.2f}e9 | {p.blocks} | {gb(n.weights)} | "
                     f"{gb(n.gathered)} | {gb(n.activations)} | {gb(n.in_flight)} | {gb(n.state)} | {gb(n.total)} | "
-                    f"{'yes' if p.fits else 'no'} | {gb(p.store_bytes)} |"
+                    f"{'yes' if p.fits else 'no'} | {gb(p.store_bytes)} | {p.formed:.2f} |"
                 )
     return out
 

@@ -26,6 +26,7 @@ from covgrad.centering import policy_logit_grad
 from covgrad.config import DemoModel
 from covgrad.fold import fold_batches
 from covgrad.fsdp import RankColumns, ShardAccumulator, merge_states, shard_rows
+from covgrad.fsdp_plan import formed_columns
 from covgrad.layout import select_parameters, split_blocks
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families import FAMILIES
@@ -175,6 +176,25 @@ def test_shard_accumulator_folds_only_its_columns() -> None:
         assert got[name].tobytes() == want[name].tobytes(), name
     with pytest.raises(ValueError, match="cover"):
         merge_states(parts[:1], columns[:1], layout.P)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("family", ["llama-tied", "llama-untied"])
+def test_plan_counts_the_columns_each_rank_forms(family: str, ranks: int) -> None:
+    """``covgrad.fsdp_plan.formed_columns`` against the engine: a rank's PerSampleGrads with its
+    ShardAccumulator leaves unformed exactly the columns the plan does not count."""
+    model = _model(family)
+    layout = select_parameters(model)
+    want = formed_columns(layout, ranks, 4, CHUNK_BYTES)
+    batch, a, h = _batches()[0]
+    fn = lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"])  # noqa: E731
+    for r in range(ranks):
+        cols = RankColumns.of(layout, ranks, r)
+        psg = PerSampleGrads(model, layout, check=False, chunk_bytes=CHUNK_BYTES)
+        shard = ShardAccumulator(MomentAccumulator(cols.P, "cpu"), cols, layout.P)
+        psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, shard, a, h, batch["position_ids"])
+        assert layout.P - psg.skipped_columns == want[r], f"rank {r}"
+    assert sum(want) > layout.P  # the tiny models' row chunks straddle rank boundaries: some formed twice
 
 
 @pytest.mark.parametrize("state_dtype", ["float64", "float32"])

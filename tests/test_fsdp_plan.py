@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from covgrad.fsdp_plan import SHAPES, FsdpWork, LmShape, fixed_need, fsdp_plan, rank_need
+from covgrad.fsdp_plan import SHAPES, FsdpWork, LmShape, fixed_need, formed_columns, fsdp_plan, rank_need
 from covgrad.layout import split_blocks
 from covgrad.shardplan import HEADROOM
 
@@ -40,6 +40,25 @@ def test_rank_need_items_by_hand() -> None:
     # uneven shards: rank 0 holds ceil(d0 / R) rows of every tensor (q: 8192 rows over 3 ranks: 2731)
     q = LLAMA.layout(["model.layers.0.self_attn.q_proj.weight"])
     assert rank_need(LLAMA, q, WORK, 3).state == 2731 * 8192 * 32
+
+
+def test_formed_columns_by_hand() -> None:
+    """Per-sample columns formed per rank: q_proj of Llama-3-70B (8192 × 8192) at B = 2 with 256 MiB row
+    chunks is cut into chunks of 4096 rows; each of 8 ranks owns 1024 rows, so it forms the 4096 of its chunk
+    (4 × its share); at B = 16 a chunk is 512 rows and each rank forms exactly its 1024. A norm weight is
+    formed whole by every rank."""
+    q = LLAMA.layout(["model.layers.0.self_attn.q_proj.weight"])
+    chunk = 256 << 20
+    assert formed_columns(q, 8, 2, chunk) == [4096 * 8192] * 8
+    assert formed_columns(q, 8, 16, chunk) == [1024 * 8192] * 8
+    # 3 ranks own 2731, 2731 and 2730 rows; chunks of 512 rows: rank 0 rows 0-2730 → chunks 0..5 (3072 rows),
+    # rank 1 rows 2731-5461 → chunks 5..10 (3072), rank 2 rows 5462-8191 → chunks 10..15 (3072)
+    assert formed_columns(q, 3, 16, chunk) == [3072 * 8192] * 3
+    norm = LLAMA.layout(["model.layers.0.input_layernorm.weight"])
+    assert formed_columns(norm, 8, 2, chunk) == [8192] * 8
+    plan = fsdp_plan(LLAMA, q, WORK, 8, 141_000_000_000)
+    assert plan.formed == 4.0
+    assert "the ranks form 4.00 × P columns per batch in all" in plan.lines()[-1]
 
 
 def test_plan_picks_the_fewest_blocks_that_fit() -> None:
