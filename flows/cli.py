@@ -7,12 +7,10 @@ run and every child process (e.g. the temporary Prefect server); a rerun resumes
 """
 
 import argparse
-import contextlib
 import datetime as dt
 import errno
 import logging
 import os
-import signal
 import sys
 import tempfile
 import traceback
@@ -125,25 +123,6 @@ def route_errors_to_log() -> None:
                 h.addFilter(_NoFailures())
 
 
-def stop_children(signum: int, frame: Any = None) -> None:
-    """SIGINT/SIGTERM handler: terminate every child process (SIGKILL after 5 s), say so in one
-    line and exit 128 + signum. Finished batches are kept, so a rerun resumes."""
-    import psutil
-
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=5)
-    for child in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    name = signal.Signals(signum).name
-    line = f"covgrad: stopped by {name}; finished batches are kept, rerun to resume\n"
-    os.write(2, line.encode())  # not print: inside a run, Prefect's log_prints captures it
-    os._exit(128 + signum)
-
-
 def load_config(path: str | None, overrides: list[str]) -> Any:
     """Read a YAML config (default: the demo), apply ``--set`` overrides, validate."""
     from covgrad.config import PipelineConfig, apply_overrides, read_config_file
@@ -162,7 +141,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from flows.reaper import start_reaper
 
         start_reaper()
-    previous = {signum: signal.signal(signum, stop_children) for signum in (signal.SIGINT, signal.SIGTERM)}
+    from flows.stop import arm, disarm
+
+    previous = arm()
     try:
         from flows.preflight import preflight
         from flows.runtime import check_prefect_runtime, check_root, server_start_error, use_server_ports
@@ -182,8 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 raise
             raise busy from exc
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        disarm(previous)
     _print_summary(cfg, result)
     return 0
 

@@ -12,6 +12,7 @@ from prefect import Task, flow
 from covgrad.config import PipelineConfig
 from flows.deployment import run_config
 from flows.preflight import preflight
+from flows.stop import rearm
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
 from tasks.base_model import base_model_task
@@ -62,6 +63,7 @@ def run_stages(p: Plan, run: Run) -> None:
 def covgrad_pipeline(config: PipelineConfig = PipelineConfig(), config_file: str | None = None) -> dict[str, Any]:  # noqa: B008
     """Run (or reuse) every stage planned for ``config``; return the run key and each stage's status.
     ``config_file``: a YAML config (relative to the working directory) under the keys ``config`` sets."""
+    rearm()  # `covgrad run`'s SIGINT/SIGTERM handler over the one Prefect's flow engine installed
     config = run_config(config, config_file)  # a deployment's partial config keeps its defaults
     preflight(config)  # bad input fails here, in one line, before any stage
     p = plan(config)

@@ -40,6 +40,7 @@ from covgrad.config import PipelineConfig
 from covgrad.devices import PeakRSS
 from covgrad.layout import select_parameters
 from covgrad.shardplan import ModelShape, ShardPlan, Workload, make_plan
+from flows.stop import rearm
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common import run_stage
 from tasks.scores import ScoresJob
@@ -213,6 +214,7 @@ def sharded_scores_flow(
     """Compute scores instance ``instance`` (e.g. ``scores.policy.policy``) as the jobs of
     ``scores.shards`` on the dask scheduler at ``address`` (default ``config.dask.address``), or on a
     cluster of this machine's devices; return ``{"key", "computed", "shards"}``."""
+    rearm()  # a nested flow run: Prefect's engine installs its SIGTERM handler again (flows.stop)
     samples, blocks = config.scores.shards
     n_workers = min(samples * (1 if blocks == "auto" else blocks), os.cpu_count() or 1)
     with cluster_client(address or config.dask.address, n_workers) as client:
