@@ -79,11 +79,8 @@ def covgrad_pipeline(config: PipelineConfig = PipelineConfig(), config_file: str
         result: StageResult = state.result()
         refs[name] = result.ref
         status[name] = "computed" if result.computed and state.name != "Cached" else "cached"
-        cost = (
-            f"  {result.seconds:.1f} s, peak {result.peak_rss_bytes / 2**30:.2f} GiB"
-            if status[name] == "computed"
-            else ""
-        )
+        computed = status[name] == "computed"
+        cost = f"  {result.seconds:.1f} s, peak {result.peak_rss_bytes / 2**30:.2f} GiB" if computed else ""
         print(f"{name:28s} {status[name]:8s} {result.ref.key}{cost}")
         write_run_index(store, config, p.run_key, refs)  # a failed run's finished stages stay reachable
         return result
