@@ -86,14 +86,12 @@ def _fold_started(
     dd = d * d
     # Σd, Σd² (and Σ(a − ā_b)d) over all samples and over halves 0..H-2; the last half's are the differences
     # (fewer products per element: the kernel is bound by its arithmetic once the block is in cache).
-    parts: list[Tensor] = [d, dd]
-    weights = [[wa[:, h, None], wa[:, h, None]] for h in range(H - 1)]
+    total = [d.sum(0), dd.sum(0)]
+    sums = [[(wa[:, h, None] * d).sum(0), (wa[:, h, None] * dd).sum(0)] for h in range(H - 1)]
     if c is not None:
-        parts.append(wa[:, H:].sum(1, keepdim=True) * d)  # each sample's a − ā_b in its own half, times d
-        for h in range(H - 1):
-            weights[h].append(wa[:, H + h, None])
-    total = [t.sum(0) for t in parts]
-    sums = [[(w * t).sum(0) for w, t in zip(weights[h], (d, dd, d), strict=False)] for h in range(H - 1)]
+        total.append((wa[:, H:].sum(1, keepdim=True) * d).sum(0))  # each sample's a − ā_b in its own half
+        for h, s in enumerate(sums):
+            s.append((wa[:, H + h, None] * d).sum(0))
     sums.append([t - sum(s[k] for s in sums) for k, t in enumerate(total)])
     for h, hs in enumerate(sums):
         s1, s2 = hs[0], hs[1]
@@ -104,12 +102,12 @@ def _fold_started(
         ch = None if c is None else (hs[2] - s1 * coef[4, h]) + coef[3, h] * delta
         if lo is None:
             m2[h].add_(m2b + (coef[2, h] * delta) * delta)
-            if c is not None and ch is not None:
+            if ch is not None:
                 c[h].add_(ch)
             mean[h].add_(coef[1, h] * delta)
             continue
         m2[h].copy_(m2[h].to(torch.float64) + (m2b + (coef[2, h] * delta) * delta))
-        if c is not None and ch is not None:
+        if ch is not None:
             c[h].copy_(c[h].to(torch.float64) + ch)
         full = (old + lo[h].to(torch.float64)) + coef[1, h] * delta  # split into its nearest float32 and the rest
         hi = full.to(torch.float32)
@@ -214,7 +212,6 @@ class MomentAccumulator:
         self.mean_lo = torch.zeros_like(self.mean) if self.dtype == torch.float32 else None
         self._batch: _Batch | None = None
         self._work: tuple[Tensor, ...] | None = None
-        self._rows: list[list[Tensor]] | None = None
         self._fold_elements = FOLD_ELEMENTS.get(self.device.type, 1 << 22)
         # samples × P from which the compiled fold runs (None: never)
         self._compile_from = {None: _COMPILE_AFTER, True: 0, False: None}[compiled]
@@ -270,8 +267,11 @@ class MomentAccumulator:
     def _fold_compiled(self, batch: _Batch, offset: int, block: Tensor) -> bool:
         """The compiled fold of a started batch's block; False (and the eager fold from then on) when
         compiling fails, which happens before the kernel touches any state."""
-        p0, p1 = offset, offset + block.shape[1]
-        mean, m2, c, lo = ([r[p0:p1] for r in rows] if rows else None for rows in self._state_rows())
+        cols = slice(offset, offset + block.shape[1])
+        mean, m2, c, lo = (
+            None if t is None else [t[h, cols] for h in range(self.H)]
+            for t in (self.mean, self.m2, self.c, self.mean_lo)
+        )
         try:
             with torch.no_grad(), _compile_lock:
                 _compiled()(block.to(torch.float32).contiguous(), batch.wa, batch.coef64, mean, m2, c, lo)
@@ -284,13 +284,6 @@ class MomentAccumulator:
             return False
         self.fold_path = "compiled"
         return True
-
-    def _state_rows(self) -> list[list[Tensor]]:
-        """The (P,) rows of every half of mean, m2, c and mean_lo (an empty list for an array this state
-        lacks): views made once, sliced per call of the compiled fold."""
-        if self._rows is None:
-            self._rows = [[] if t is None else list(t.unbind(0)) for t in (self.mean, self.m2, self.c, self.mean_lo)]
-        return self._rows
 
     def _fold_columns(self, batch: _Batch, p0: int, x: Tensor) -> None:
         cols = slice(p0, p0 + x.shape[1])

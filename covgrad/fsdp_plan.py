@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from covgrad.accum import FOLD_ELEMENTS, state_bytes_per_param
 from covgrad.fsdp import shard_rows
 from covgrad.layout import ParamLayout, TensorEntry, split_blocks
-from covgrad.persample import default_chunk_bytes
+from covgrad.persample import chunk_rows, default_chunk_bytes
 from covgrad.shardplan import HEADROOM, gb
 
 
@@ -323,7 +323,7 @@ def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int) ->
     for e in layout.entries:
         rows = e.shape[0] if e.shape else 1
         row = e.numel // max(rows, 1)
-        per = max(1, chunk_bytes // (B * row * 4))
+        per = chunk_rows(chunk_bytes, B, row)
         for r in range(ranks):
             if not _chunked(e.name):
                 out[r] += e.numel

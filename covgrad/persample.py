@@ -75,6 +75,11 @@ def default_chunk_bytes(device_type: str) -> int:
     return min(hi, max(lo, _CPU_CHUNK_PER_L2 * l2))
 
 
+def chunk_rows(chunk_bytes: int, B: int, row: int) -> int:
+    """Rows of a weight per row chunk of its (B, rows, row) float32 per-sample block: at least one."""
+    return max(1, chunk_bytes // (B * row * 4))
+
+
 # Largest per-sample block buffer kept for reuse (every decoder-layer block of a ~1B model fits).
 _POOL_MAX_BYTES = 256 << 20
 
@@ -659,7 +664,7 @@ class PerSampleGrads:
             return None
         self._written.add(entry.name)
         B, row = self._B, entry.row_size
-        per = max(1, limit // (B * row * 4))  # rows per chunk
+        per = chunk_rows(limit, B, row)
         need = B * min(per, entry.full_shape[0]) * row
         if self._chunk is None or self._chunk.numel() < need or self._chunk.device != device:
             self._chunk = torch.empty(need, dtype=torch.float32, device=device)
