@@ -432,15 +432,25 @@ def overlap_table(
     return overlap_rows(top_G, top_F, n_both, layout)
 
 
-def _average_ranks(x: np.ndarray) -> np.ndarray:
-    """1-based ranks, tied values sharing the mean of their ranks, shape (n,) float64."""
-    order = np.argsort(x, kind="stable")
+def ranks_and_order(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """1-based ranks of (n,) ``x``, tied values sharing the mean of their ranks (float64), and the ascending
+    order (n,) int64 they come from (ties in any order: their shared rank does not depend on it)."""
+    order = np.argsort(x)
     xs = x[order]
     starts = np.flatnonzero(np.concatenate([[True], xs[1:] != xs[:-1]]))
     ends = np.append(starts[1:], len(x))
     ranks = np.empty(len(x))
     ranks[order] = np.repeat((starts + ends + 1) / 2, ends - starts)
-    return ranks
+    return ranks, order
+
+
+def rank_correlation(rx: np.ndarray, ry: np.ndarray) -> float:
+    """Pearson correlation of two (n,) rank vectors of ``ranks_and_order`` (the Spearman correlation of
+    what they rank); NaN when either is constant."""
+    c = (len(rx) + 1) / 2  # the mean rank, exactly
+    rx, ry = rx - c, ry - c
+    den = math.sqrt(dot64(rx, rx) * dot64(ry, ry))
+    return dot64(rx, ry) / den if den > 0 else math.nan
 
 
 def spearman(x: Array, y: Array) -> float:
@@ -464,10 +474,7 @@ def spearman(x: Array, y: Array) -> float:
     for name, v in (("x", x), ("y", y)):
         if np.isnan(v).any():
             raise ValueError(f"{name} holds {int(np.isnan(v).sum())} NaN values; drop them before ranking")
-    rx = _average_ranks(x) - (len(x) + 1) / 2  # centered ranks (the mean rank is (n+1)/2 exactly)
-    ry = _average_ranks(y) - (len(x) + 1) / 2
-    den = math.sqrt(dot64(rx, rx) * dot64(ry, ry))
-    return dot64(rx, ry) / den if den > 0 else math.nan
+    return rank_correlation(ranks_and_order(x)[0], ranks_and_order(y)[0])
 
 
 _SPLIT = 17  # centered ranks (|r| < 2^34) split into parts below 2^17 in size: part products < 2^34,

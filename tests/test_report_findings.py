@@ -121,6 +121,44 @@ def test_bootstrap_interval_covers_a_rerun():
     assert covered >= 16
 
 
+@pytest.mark.parametrize("block", [7, 64, 5000])
+def test_bootstrap_replicates_are_the_resampled_statistics(block: int):
+    """Every replicate's overlap, Spearman and max |ρ| equal those of its resampled dataset built
+    sample by sample (each drawn group's rows repeated, statistics in numpy float64, ranks from the
+    definition), with unequal groups, ties and a parameter that never varies."""
+    from tests.test_topk import naive_spearman
+
+    rng = np.random.default_rng(11)
+    sizes = [3, 5, 4, 6, 2, 4]
+    grp = np.repeat(np.arange(len(sizes)) * 10, sizes)  # labels need not be 0..G-1
+    N, P = grp.size, 90
+    S = rng.normal(size=(N, P)) * np.exp(rng.normal(size=P))
+    S[:, 3] = 0.0  # F = 0: ties in F, |G| and no ρ
+    S[:, 10:14] = np.round(S[:, 10:14])  # ties
+    A = rng.normal(size=N)
+    qs = [0.05, 0.2]
+    b = group_bootstrap(lambda a, c: S[:, a:c], A, grp, P, qs, n_boot=12, seed=3, block=block)
+    draws = np.random.default_rng(3).integers(0, len(sizes), size=(12, len(sizes)))
+    labels = np.unique(grp)
+    for i, d in enumerate(draws):
+        rows = np.concatenate([np.flatnonzero(grp == labels[j]) for j in d])
+        Sr, Ar = S[rows], A[rows]
+        F = (Sr * Sr).mean(0)
+        G = (Ar[:, None] * Sr).mean(0)
+        m = Sr.mean(0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rho = (G - Ar.mean() * m) / (Ar.std() * np.sqrt(F - m * m))
+        F32, G32 = F.astype(np.float32), np.abs(G).astype(np.float32)
+        assert b["max_abs_rho"][i] == pytest.approx(np.nanmax(np.abs(rho)), rel=1e-9)
+        assert b["spearman"][i] == pytest.approx(naive_spearman(F32, G32), abs=1e-12)
+        for j, q in enumerate(qs):
+            k = math.ceil(q * P)
+            top_f, top_g = np.argsort(-F32, kind="stable")[:k], np.argsort(-G32, kind="stable")[:k]
+            # no ties at the k-th value: the sets are unique
+            assert F32[top_f].min() > np.sort(F32)[-k - 1] and G32[top_g].min() > np.sort(G32)[-k - 1]
+            assert b["overlap"][i, j] == len(set(top_f) & set(top_g)) / k
+
+
 @pytest.mark.slow
 def test_interval_coverage_with_power():
     """The benchmark's synthetic scores (benchmarks/intervals.py) at 16 groups of 8, 120 runs: each 95%

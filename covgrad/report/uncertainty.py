@@ -31,16 +31,19 @@ conservative d = 1 band (the widest) is returned.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from covgrad.quantiles import LEVEL, Z975, t975
-from covgrad.topk import count_for_fraction, spearman
+from covgrad.topk import count_for_fraction, rank_correlation, ranks_and_order
 
 METHOD = "prompt-group bootstrap (centred percentile interval, Fisher z for correlations, few-groups t factor)"
 REPLICATE_BUDGET = 50_000_000  # n_boot × P entries held per replicate array (float32: 200 MB each)
+REPLICATE_SLICE = 1024  # parameters per pass over the replicates' (B, slice) float64 temporaries
 
 
 def chi2_quantile(d: float, p_z: float) -> float:
@@ -89,15 +92,17 @@ def replicates_for(P: int, n_boot: int) -> int:
     return int(min(n_boot, REPLICATE_BUDGET // max(P, 1)))
 
 
-def _overlap(F: np.ndarray, absG: np.ndarray, ks: Sequence[int]) -> list[float]:
-    """Global overlap |top-k by |G| ∩ top-k by F| / k for each k, from (P,) arrays (ties in any order)."""
-    out = []
+def _replicate(F: np.ndarray, absG: np.ndarray, ks: Sequence[int]) -> tuple[list[float], float]:
+    """One replicate's global overlap |top-k by |G| ∩ top-k by F| / k for each k (ties in any order) and
+    Spearman(F, |G|), from (P,) arrays: one sort of each array serves both."""
+    rank_f, order_f = ranks_and_order(F)
+    rank_g, order_g = ranks_and_order(absG)
+    overlap = []
     for k in ks:
-        top_g = np.argpartition(-absG, k - 1)[:k]
         top_f = np.zeros(F.size, dtype=bool)
-        top_f[np.argpartition(-F, k - 1)[:k]] = True
-        out.append(float(top_f[top_g].sum()) / k)
-    return out
+        top_f[order_f[F.size - k :]] = True
+        overlap.append(float(top_f[order_g[F.size - k :]].sum()) / k)
+    return overlap, rank_correlation(rank_f, rank_g)
 
 
 def group_bootstrap(
@@ -136,12 +141,15 @@ def group_bootstrap(
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(labels), size=(B, len(labels)))  # (B, groups)
     gcount = np.stack([np.bincount(d, minlength=len(labels)) for d in draws]) if B else np.zeros((0, len(labels)))
-    W = gcount[:, gidx].astype(np.float64)  # (B, N) sample weights
-    sw = W.sum(axis=1, keepdims=True)  # (B, 1)
-    mean_a = (W @ A)[:, None] / sw  # (B, 1)
-    std_a = np.sqrt(np.maximum((W @ (A * A))[:, None] / sw - mean_a**2, 0.0))  # (B, 1)
-    F_b = np.empty((B, P), dtype=np.float32)
-    absG_b = np.empty((B, P), dtype=np.float32)
+    member = (gidx[None, :] == np.arange(len(labels))[:, None]).astype(np.float64)  # (groups, N) one-hot
+    W = gcount.astype(np.float64)  # (B, groups): a replicate's sample weights are its group's count
+    sw = W @ member.sum(axis=1, keepdims=True)  # (B, 1)
+    mean_a = (W @ (member @ A))[:, None] / sw  # (B, 1)
+    std_a = np.sqrt(np.maximum((W @ (member @ (A * A)))[:, None] / sw - mean_a**2, 0.0))  # (B, 1)
+    sums = np.concatenate([member, member * A])  # (2 groups, N): per-group sums of s and of A·s
+    # written before use: casting writes into untouched pages run ~50x slower than into touched ones
+    F_b = np.full((B, P), np.nan, dtype=np.float32)
+    absG_b = np.full((B, P), np.nan, dtype=np.float32)
     max_rho = np.full(B, -1.0)
     gram_t = np.zeros((N, N))
     gram_c = np.zeros((N, N))
@@ -157,28 +165,31 @@ def group_bootstrap(
             tr_t += float(var.sum())
             gram_t += Sc @ Sc.T
             varies = var > 0
-            Z = Sc[:, varies] / np.sqrt(var[varies])
+            Z = Sc / np.sqrt(var) if varies.all() else Sc[:, varies] / np.sqrt(var[varies])
             gram_c += Z @ Z.T
             n_coord += int(varies.sum())
             if not B:
                 continue
-            # 2. the replicates' statistics of this block
-            m = (W @ S) / sw  # (B, b)
-            F = (W @ (S * S)) / sw
-            G = (W @ (A[:, None] * S)) / sw
-            Cov = G - mean_a * m
-            rho = Cov / (std_a * np.sqrt(np.maximum(F - m * m, 0.0)))
-            F_b[:, a:b] = F
-            absG_b[:, a:b] = np.abs(G)
-            finite = np.where(np.isfinite(rho), np.abs(rho), -1.0)
-            max_rho = np.maximum(max_rho, finite.max(axis=1))
+            # 2. the replicates' statistics of this block, from per-group sums (a replicate's sample weights
+            # are its group counts), over column slices whose (B, slice) temporaries stay in cache
+            s1, sa = np.split(sums @ S, 2)  # (groups, b) each
+            s2 = member @ (S * S)
+            for c in range(0, b - a, REPLICATE_SLICE):
+                cols = slice(c, c + REPLICATE_SLICE)
+                m = (W @ s1[:, cols]) / sw  # (B, slice)
+                F = (W @ s2[:, cols]) / sw
+                G = (W @ sa[:, cols]) / sw
+                rho = (G - mean_a * m) / (std_a * np.sqrt(np.maximum(F - m * m, 0.0)))
+                F_b[:, a + c : a + c + F.shape[1]] = F
+                absG_b[:, a + c : a + c + F.shape[1]] = np.abs(G)
+                max_rho = np.maximum(max_rho, np.where(np.isfinite(rho), np.abs(rho), -1.0).max(axis=1))
     ks = [count_for_fraction(q, P) for q in qs]
     overlap = np.full((B, len(qs)), np.nan)
     rank = np.full(B, np.nan)
-    for i in range(B):
-        if std_a[i, 0] > 0:
-            overlap[i] = _overlap(F_b[i], absG_b[i], ks)
-            rank[i] = spearman(F_b[i], absG_b[i])
+    varied = [i for i in range(B) if std_a[i, 0] > 0]
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:  # numpy's sorts free the GIL
+        for i, (ov, rk) in zip(varied, pool.map(lambda i: _replicate(F_b[i], absG_b[i], ks), varied), strict=True):
+            overlap[i], rank[i] = ov, rk
     max_rho[(max_rho < 0) | (std_a[:, 0] <= 0)] = np.nan
     tr_sq = float((gram_t * gram_t).sum()) / N**2
     tr_csq = float((gram_c * gram_c).sum()) / N**2
