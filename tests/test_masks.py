@@ -31,6 +31,7 @@ from storage.artifacts import ArtifactStore
 from storage.schema import STATS
 from tasks.masks import compute_masks
 from tasks.specs import MasksSpec
+from tests.helpers.ranks import naive_spearman
 
 
 def reference_topk(values: np.ndarray, k: int) -> np.ndarray:
@@ -115,15 +116,6 @@ def test_top_sets_sweep_equals_reference(block: int) -> None:
             counts = [int(want[e.offset : e.offset + e.numel].sum()) for e in LAYOUT.entries]
             assert top.counts[scope][i].tolist() == counts
     assert [start for start, _ in swept] == list(range(0, LAYOUT.P, block))
-
-
-def naive_spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Average ranks from the definition (O(n²)), then Pearson in float64."""
-
-    def ranks(v: np.ndarray) -> np.ndarray:
-        return np.array([(v < t).sum() + ((v == t).sum() + 1) / 2 for t in v])
-
-    return float(np.corrcoef(ranks(x), ranks(y))[0, 1])
 
 
 @pytest.mark.parametrize("block", [1, 6, 1000])

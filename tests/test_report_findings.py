@@ -11,6 +11,7 @@ from covgrad.report.document import STYLE, findings, html_table, summary_lines
 from covgrad.report.glossary import GLOSSARY, meaning
 from covgrad.report.uncertainty import group_bootstrap, interval, null_band
 from tests.helpers.pipeline import REPO
+from tests.helpers.ranks import naive_spearman
 
 TASK = {
     "N": 256, "groups": 32, "group_size": 8, "sampler": "policy", "T": 4, "temperature": 1.0,
@@ -126,8 +127,6 @@ def test_bootstrap_replicates_are_the_resampled_statistics(block: int):
     """Every replicate's overlap, Spearman and max |ρ| equal those of its resampled dataset built
     sample by sample (each drawn group's rows repeated, statistics in numpy float64, ranks from the
     definition), with unequal groups, ties and a parameter that never varies."""
-    from tests.test_topk import naive_spearman
-
     rng = np.random.default_rng(11)
     sizes = [3, 5, 4, 6, 2, 4]
     grp = np.repeat(np.arange(len(sizes)) * 10, sizes)  # labels need not be 0..G-1

@@ -24,6 +24,7 @@ from covgrad.topk import (
     topk_indices,
     topk_per_tensor,
 )
+from tests.helpers.ranks import naive_spearman
 
 
 def reference_topk(values: np.ndarray, k: int) -> set[int]:
@@ -224,15 +225,6 @@ def test_overlap_of_identical_rankings_is_one() -> None:
     F, _ = correlated_pair(3)
     for row in overlap_table(F, F, LAYOUT, (0.05,)):
         assert row["overlap"] == 1.0
-
-
-def naive_spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Average ranks straight from the definition (O(n²)), then numpy's Pearson."""
-
-    def ranks(v: np.ndarray) -> np.ndarray:
-        return np.array([(v < t).sum() + ((v == t).sum() + 1) / 2 for t in v])
-
-    return float(np.corrcoef(ranks(x), ranks(y))[0, 1])
 
 
 @settings(max_examples=100, deadline=None)
