@@ -13,6 +13,7 @@ every tensor of one chunk, every rank forms whole).
     python -m benchmarks.fsdp                       # "large" CPU model, 1 process, 1 and 2 ranks
     python -m benchmarks.fsdp --model small --ranks 1 2 4
     python -m benchmarks.fsdp --model llama-134m --batch 2 --tokens 8 32 --ranks 2 --weights-everywhere
+    python -m benchmarks.fsdp --model llama-134m --batch 2 --tokens 8 32 --ranks 2 --aligned
 
 The peak resident memory of each rank (sampled every 50 ms from its start), once the model is loaded, traced
 and sharded and at the end, shows the loading: rank 0 builds the model with its weights, the other ranks on the
@@ -67,7 +68,16 @@ def _times(psg: PerSampleGrads, acc: object, batches: list, sync: bool) -> list[
 
 
 def _rank(
-    rank: int, ranks: int, init: str, name: str, n: int, threads: int, shape: tuple, everywhere: bool, out: str
+    rank: int,
+    ranks: int,
+    init: str,
+    name: str,
+    n: int,
+    threads: int,
+    shape: tuple,
+    everywhere: bool,
+    aligned: bool,
+    out: str,
 ) -> None:
     from covgrad.fsdp import rank_scores
 
@@ -85,7 +95,7 @@ def _rank(
                 "attention_mask": torch.ones_like(ids),
                 "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1),
             }
-            rs = rank_scores(model, layout, example, check=False, compiled=False)
+            rs = rank_scores(model, layout, example, check=False, compiled=False, aligned=aligned)
             loaded = rss.peak  # the peak of loading, tracing and sharding
             times = _times(rs.psg, rs.shard, batches, sync=True)
         formed = torch.tensor([1 - rs.psg.skipped_columns / layout.P], dtype=torch.float64)
@@ -120,12 +130,15 @@ class Sharded:
     rss_others: float
 
 
-def sharded(name: str, n: int, threads: int, ranks: int, shape: tuple[int, int, int], everywhere: bool) -> Sharded:
+def sharded(
+    name: str, n: int, threads: int, ranks: int, shape: tuple[int, int, int], everywhere: bool, aligned: bool = False
+) -> Sharded:
     """``ranks`` gloo processes folding their shards (fresh processes: their peaks are their own); with
-    ``everywhere`` every rank builds the model with weights, else only rank 0 (the others on the meta device)."""
+    ``everywhere`` every rank builds the model with weights, else only rank 0 (the others on the meta device);
+    ``aligned``: row chunks on each rank's own grid (``scores.rank_chunks: aligned``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.npy")
-        args = (ranks, f"file://{tmp}/rendezvous", name, n, threads, shape, everywhere, out)
+        args = (ranks, f"file://{tmp}/rendezvous", name, n, threads, shape, everywhere, aligned, out)
         mp.spawn(_rank, args=args, nprocs=ranks, join=True)
         *times, formed, load0, rss0, load_others, rss_others = np.load(out).tolist()
         return Sharded(times, formed, load0, rss0, load_others, rss_others)
@@ -142,6 +155,7 @@ def main() -> None:
     parser.add_argument(
         "--weights-everywhere", action="store_true", help="also run every rank loading the weights, as a baseline"
     )
+    parser.add_argument("--aligned", action="store_true", help="also run the ranks with aligned row chunks")
     args = parser.parse_args()
     B, prompt, response = MODELS[args.model][8:]
     B = args.batch or B
@@ -160,10 +174,14 @@ def main() -> None:
     base = statistics.median(single(args.model, args.batches, args.threads, shape))
     print(f"| 1 process (no FSDP) | {base:.3f} | 1.00 | 1.00 | | | | |")
     for ranks in args.ranks:
-        for everywhere in (False, True) if args.weights_everywhere and ranks > 1 else (False,):
-            r = sharded(args.model, args.batches, args.threads, ranks, shape, everywhere)
+        variants = [(False, False)]
+        variants += [(True, False)] if args.weights_everywhere and ranks > 1 else []
+        variants += [(False, True)] if args.aligned and ranks > 1 else []
+        for everywhere, aligned in variants:
+            r = sharded(args.model, args.batches, args.threads, ranks, shape, everywhere, aligned)
             t = statistics.median(r.times)
             label = f"FSDP2, {ranks} rank{'s' if ranks > 1 else ''}" + (", weights on every rank" if everywhere else "")
+            label += ", aligned row chunks" if aligned else ""
             gb = [f"{x / 1e9:.2f}" for x in (r.load0, r.load_others, r.rss0, r.rss_others)]
             print(f"| {label} | {t:.3f} | {t / base:.2f} | {r.formed:.2f} | {' | '.join(gb)} |")
 

@@ -241,6 +241,11 @@ class MomentAccumulator:
         """Whether folding columns [offset, offset + n) changes this state: always (every column is kept)."""
         return True
 
+    def row_spans(self, offset: int, first: int, end: int, row: int) -> list[tuple[int, int]] | None:
+        """The rows of a tensor whose row chunks to form on a grid of their own (see
+        :meth:`covgrad.fsdp.ShardAccumulator.row_spans`): None, every tensor's chunks on its own grid."""
+        return None
+
     def fold(self, offset: int, block: Tensor) -> None:
         """Fold one tensor's per-sample block (B, n) (any float dtype) into columns [offset, offset + n)."""
         batch = self._batch

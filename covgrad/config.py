@@ -305,6 +305,14 @@ class ScoresSection(Section):
         "never changes a byte), every machine's: scores.nnodes machines run ranks / nnodes each. More than 1 (or "
         "torchrun) needs one parameter block",
     )
+    rank_chunks: Literal["unsharded", "aligned"] = Field(
+        "unsharded",
+        description="with ranks > 1, where a rank's per-sample row chunks start: unsharded (the single-process "
+        "grid: the state's bytes are the single-process run's, but a chunk that straddles a shard boundary is formed "
+        "by every rank holding rows of it) or aligned (at the rank's own rows: every column formed once; the state "
+        "agrees with the single-process run to the rounding of the products, and R is part of the key). Whole "
+        "blocks (a run that keeps per-sample rows) are unaffected",
+    )
     launcher: Launcher = Field(
         "auto",
         description="how the ranks start: in-process (no sharding, ranks 1), local (torch.multiprocessing processes "

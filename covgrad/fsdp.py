@@ -115,17 +115,24 @@ class ShardAccumulator:
     whole into a scratch accumulator holding the rank's columns of it (the other columns' numbers are
     discarded), and the rank's columns are copied back.
 
+    With ``aligned`` the engine forms row chunks on a grid that starts at each of the rank's shards
+    (:meth:`row_spans`) instead of the unsharded grid, so every column of a chunked weight is formed by one
+    rank only, and the rank's columns of any block are folded as they come (no whole tiles): the chunks'
+    products and the fold's tiles are not the unsharded run's, so the merged state agrees with it to the
+    rounding of the products (not byte for byte) and depends on R.
+
     Args:
         acc: the rank's accumulator, built with ``switch_P`` = the layout's P (the fold switches to its
             compiled kernel at the same batch as the single-process run).
         columns: the rank's columns.
         P: the layout's P (the global axis ``fold`` offsets refer to).
+        aligned: row chunks on the rank's own grid (``scores.rank_chunks: aligned``).
     """
 
-    def __init__(self, acc: MomentAccumulator, columns: RankColumns, P: int) -> None:
+    def __init__(self, acc: MomentAccumulator, columns: RankColumns, P: int, aligned: bool = False) -> None:
         if acc.P != columns.P:
             raise ValueError(f"accumulator has P={acc.P}; rank {columns.rank}'s columns need P={columns.P}")
-        self.acc, self.columns, self.P = acc, columns, P
+        self.acc, self.columns, self.P, self.aligned = acc, columns, P, aligned
         self.device, self.H = acc.device, acc.H
         self._batch: tuple[np.ndarray, np.ndarray] | None = None
         self._scratch: MomentAccumulator | None = None
@@ -140,10 +147,25 @@ class ShardAccumulator:
         formed: :meth:`fold` would drop all of it)."""
         return next(self.columns.pieces(offset, offset + n), None) is not None
 
+    def row_spans(self, offset: int, first: int, end: int, row: int) -> list[tuple[int, int]] | None:
+        """Rows [r0, r1) of a tensor's rows [first, end) (``row`` columns each, row ``first`` at global column
+        ``offset``) that this rank owns, for the engine to form in row chunks starting at each r0; None
+        unless ``aligned`` (the tensor's chunks then lie on the unsharded grid)."""
+        if not self.aligned:
+            return None
+        return [
+            (first + lo // row, first + hi // row)
+            for lo, hi, _ in self.columns.pieces(offset, offset + (end - first) * row)
+        ]
+
     def fold(self, offset: int, block: Tensor) -> None:
         """Fold the rank's columns of a block (B, n) that sits at global columns [offset, offset + n)."""
         B, n = block.shape[0], block[0].numel()
         block = block.reshape(B, n)
+        if self.aligned:  # no byte identity to keep: the rank's columns are folded as they come
+            for lo, hi, at in self.columns.pieces(offset, offset + n):
+                self.acc.fold(at, block[:, lo:hi])
+            return
         step = max(1, self.acc._fold_elements // B)  # the unsharded fold's column tiles: [j, j + step)
         for lo, hi, at in self.columns.pieces(offset, offset + n):
             a = -(-lo // step) * step  # the whole tiles of [lo, hi): [a, b)
@@ -447,11 +469,13 @@ def rank_scores(
     compiled: bool | None = None,
     switch_P: int | None = None,
     mesh: Any = None,
+    aligned: bool = False,
 ) -> RankScores:
     """Trace ``model`` on the batch ``example``, shard it over the process group with rank 0's weights
     (:func:`shard_from_rank0`: the other ranks may hold it on the meta device) and set up this rank's fold of
     ``layout`` (built from the unsharded model: the names and global shapes; a parameter block of a selection
-    passes the selection's P as ``switch_P``, as :class:`MomentAccumulator` takes it) in ``state_dtype``.
+    passes the selection's P as ``switch_P``, as :class:`MomentAccumulator` takes it) in ``state_dtype``;
+    ``aligned``: row chunks on the rank's own grid (:class:`ShardAccumulator`).
 
     Raises:
         ValueError: when the model's shards are not the dim-0 chunks :class:`RankColumns` expects (a
@@ -473,7 +497,7 @@ def rank_scores(
     device = next(model.parameters()).device
     acc = MomentAccumulator(columns.P, device, state_dtype, compiled=compiled, switch_P=switch_P or layout.P)
     psg = ShardedPerSampleGrads(model, layout, trace, modules, check=check, chunk_bytes=chunk_bytes)
-    return RankScores(psg, acc, ShardAccumulator(acc, columns, layout.P), columns)
+    return RankScores(psg, acc, ShardAccumulator(acc, columns, layout.P, aligned), columns)
 
 
 def merge_states(parts: list[dict[str, np.ndarray]], columns: list[RankColumns], P: int) -> dict[str, np.ndarray]:

@@ -159,6 +159,7 @@ class FsdpPlan:
     peak_store_bytes: int
     host_bytes: int  # rank 0's while the unsharded model is loaded and traced (the other ranks' are on meta)
     formed: float  # per-sample columns formed per batch over all ranks, / P (formed_columns)
+    formed_aligned: float  # the same with scores.rank_chunks: aligned
 
     @property
     def fits(self) -> bool:
@@ -208,7 +209,7 @@ class FsdpPlan:
             "traced), none on the other ranks (meta device; rank 0 sends each its shard)",
             f"per-sample products: the ranks form {self.formed:.2f} × P columns per batch in all (1.00: each "
             f"column once; {self.ranks}.00: every rank all of them), a rank forming every row chunk that holds "
-            "one of its rows",
+            f"one of its rows; {self.formed_aligned:.2f} × P with scores.rank_chunks=aligned",
         ]
 
 
@@ -301,20 +302,23 @@ def fsdp_plan(
         peak_store_bytes=store + 2 * ranks * chosen.state,
         host_bytes=sum(_numel(s) for _, s in shape.parameters()) * shape.dtype_bytes,
         formed=sum(formed_columns(layout, ranks, work.B, default_chunk_bytes(work.device))) / layout.P,
+        formed_aligned=sum(formed_columns(layout, ranks, work.B, 0, aligned=True)) / layout.P,
     )
 
 
-def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int) -> list[int]:
+def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int, aligned: bool = False) -> list[int]:
     """Per rank, the per-sample columns it forms per batch under FSDP2 (``covgrad.persample``'s row chunks).
 
     A weight folded in row chunks (:func:`_chunked`) is cut into chunks of ``max(1, chunk_bytes // (B·row·4))``
     rows on the unsharded grid (so that every formed chunk is the unsharded run's); a rank forms each chunk
-    that holds one of its dim-0 shard's rows, the chunk's rows within the tensor. Any other tensor is formed
-    whole by every rank. Sum over ranks / P is 1 when no column is formed twice.
+    that holds one of its dim-0 shard's rows, the chunk's rows within the tensor. With ``aligned``
+    (``scores.rank_chunks``) the chunks start at the rank's shard, so it forms its shard's rows only. Any other
+    tensor is formed whole by every rank. Sum over ranks / P is 1 when no column is formed twice.
 
     Args:
         layout: whole tensors (``TensorEntry.rows`` covering dim 0); ranks: R; B: samples per batch;
-            chunk_bytes: bytes of one row chunk (``default_chunk_bytes`` of the device).
+            chunk_bytes: bytes of one row chunk (``default_chunk_bytes`` of the device; unused when aligned).
+        aligned: row chunks on each rank's own grid.
 
     Returns:
         R integers, the columns rank r forms.
@@ -329,7 +333,9 @@ def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int) ->
                 out[r] += e.numel
                 continue
             lo, hi = shard_rows(rows, ranks, r)
-            if lo < hi:
+            if aligned:
+                out[r] += (hi - lo) * row
+            elif lo < hi:
                 out[r] += sum(min(rows, c + per) - c for c in range(lo // per * per, hi, per)) * row
     return out
 
@@ -338,8 +344,8 @@ def table(work: FsdpWork) -> list[str]:
     """A markdown table of every shape × machine × selection of this module (docs/fsdp.md)."""
     out = [
         "| model | machine | selection | P | blocks | weights/R | gathered | activations | in flight | state/R "
-        "| per rank | fits | store | formed / P |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| per rank | fits | store | formed / P | aligned / P |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, shape in SHAPES.items():
         for machine, (ranks, memory) in MACHINES.items():
@@ -350,7 +356,7 @@ def table(work: FsdpWork) -> list[str]:
                 out.append(
                     f"| {name} | {machine} | {sel} | {p.P / 1e9:.2f}e9 | {p.blocks} | {gb(n.weights)} | "
                     f"{gb(n.gathered)} | {gb(n.activations)} | {gb(n.in_flight)} | {gb(n.state)} | {gb(n.total)} | "
-                    f"{'yes' if p.fits else 'no'} | {gb(p.store_bytes)} | {p.formed:.2f} |"
+                    f"{'yes' if p.fits else 'no'} | {gb(p.store_bytes)} | {p.formed:.2f} | {p.formed_aligned:.2f} |"
                 )
     return out
 

@@ -676,11 +676,18 @@ class PerSampleGrads:
         last chunks are computed whole, so every product is the one without the cut) into the accumulator
         once the rule has written it (and sum them for the self-check). A chunk none of whose columns the
         accumulator keeps (``wants``: a rank's :class:`covgrad.fsdp.ShardAccumulator`) is not yielded, so its
-        rows are never formed: under FSDP2 each rank forms about 1/R of a chunked weight's block."""
+        rows are never formed: under FSDP2 each rank forms about 1/R of a chunked weight's block. An accumulator
+        with ``row_spans`` (an aligned rank's) gets chunks on a grid starting at each of its spans instead, so it
+        forms exactly its own rows."""
         B, check, add = self._B, self._check, self._adders.get(entry.name)
         first, end = entry.rows
-        for r0 in range(first - first % per, end, per):
-            r1 = min(entry.full_shape[0], r0 + per)
+        spans = self._acc.row_spans(entry.offset, first, end, row)
+        if spans is None:  # the unsharded grid of the whole tensor
+            grid = [(r0, min(entry.full_shape[0], r0 + per)) for r0 in range(first - first % per, end, per)]
+        else:  # a rank's own rows, each span on a grid of its own (ShardAccumulator.aligned)
+            grid = [(r0, min(hi, r0 + per)) for lo, hi in spans for r0 in range(lo, hi, per)]
+            self.skipped_columns += (end - first - sum(r1 - r0 for r0, r1 in spans)) * row
+        for r0, r1 in grid:
             a, b = max(r0, first), min(end, r1)
             at = (a - first) * row
             if not self._acc.wants(entry.offset + at, (b - a) * row):  # none of a rank's columns: not formed

@@ -239,8 +239,16 @@ def fold_rank(job: Job) -> None:
     chunks = 0 if out.keep_rows else None
     if rank == 0:  # the weights' identity, while rank 0 holds them whole (the task's process never does)
         out.record_identity(model_identity(job.model.named_parameters()))
+    aligned = spec.rank_chunks == "aligned"
     rs = rank_scores(
-        job.model, job.layout, example, spec.state_dtype, check=spec.self_check, switch_P=job.P, chunk_bytes=chunks
+        job.model,
+        job.layout,
+        example,
+        spec.state_dtype,
+        check=spec.self_check,
+        switch_P=job.P,
+        chunk_bytes=chunks,
+        aligned=aligned,
     )
     check_state_fits(job.device, rs.columns.P, spec.state_dtype, f"rank {rank}'s columns of scores.ranks={spec.ranks}")
     store = RankStore(out, rs.columns)
@@ -248,7 +256,7 @@ def fold_rank(job: Job) -> None:
         if int(g["shard_batches"][i, 0]) >= 0:  # complete (written by rank 0 before a barrier of the last run)
             continue
         acc = rs.acc if i == 0 else MomentAccumulator(rs.columns.P, job.device, spec.state_dtype, switch_P=job.P)
-        shard = ShardAccumulator(acc, rs.columns, job.P)
+        shard = ShardAccumulator(acc, rs.columns, job.P, aligned)
         batches = list(range(i, nb, job.S))
         done = restore_rank(store, g, i, acc)
         if rank == 0:

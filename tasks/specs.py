@@ -186,11 +186,17 @@ class ScoresSpec(StageSpec):
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    # ranks' row chunks on their own grids (covgrad.fsdp.ShardAccumulator): absent from the dump when unsharded
+    rank_chunks: Literal["unsharded", "aligned"] = "unsharded"
 
     def hashed(self) -> dict[str, Any]:
+        """As :meth:`StageSpec.hashed`; ``cut_tensors`` only when true; aligned rank chunks with the rank count
+        (the state's last bits depend on both; unsharded chunks and R change no byte)."""
         out = super().hashed()
         if not out["cut_tensors"]:
             del out["cut_tensors"]
+        if self.rank_chunks == "aligned":  # (the dump drops unsharded chunks)
+            out["ranks"] = self.ranks
         return out
 
     @model_serializer(mode="wrap")
@@ -205,6 +211,8 @@ class ScoresSpec(StageSpec):
         if self.launcher != "torchrun":
             for name in ("nnodes", "node_rank", "rdzv_endpoint"):
                 out.pop(name, None)
+        if self.rank_chunks == "unsharded":
+            out.pop("rank_chunks", None)
         return out
 
 
@@ -601,6 +609,7 @@ def plan(cfg: PipelineConfig) -> Plan:
                 nnodes=sc.nnodes,
                 node_rank=sc.node_rank,
                 rdzv_endpoint=sc.rdzv_endpoint,
+                rank_chunks=sc.rank_chunks if sc.placement[1] > 1 else "unsharded",
             )
             upstream = {"base_model": base, "rollouts": rollouts[name]}
             scores[Instance("scores", name, c)] = _step(store, Instance("scores", name, c), score_spec, upstream)
@@ -649,6 +658,8 @@ def plan(cfg: PipelineConfig) -> Plan:
     dumped = cfg.model_dump(mode="json", exclude=exclude)
     if not dumped["scores"]["cut_tensors"]:  # uncut blocks leave the report's key as it was
         del dumped["scores"]["cut_tensors"]
+    if dumped["scores"]["rank_chunks"] == "unsharded":  # so do unsharded rank chunks
+        del dumped["scores"]["rank_chunks"]
     report_spec = ReportSpec(name=cfg.name, config=report_layout(dumped))
     report = _step(store, Instance("report"), report_spec, {str(x.instance): x for x in everything})
     return Plan(

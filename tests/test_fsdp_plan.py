@@ -46,7 +46,7 @@ def test_formed_columns_by_hand() -> None:
     """Per-sample columns formed per rank: q_proj of Llama-3-70B (8192 × 8192) at B = 2 with 256 MiB row
     chunks is cut into chunks of 4096 rows; each of 8 ranks owns 1024 rows, so it forms the 4096 of its chunk
     (4 × its share); at B = 16 a chunk is 512 rows and each rank forms exactly its 1024. A norm weight is
-    formed whole by every rank."""
+    formed whole by every rank. With aligned chunks each rank forms its own rows only."""
     q = LLAMA.layout(["model.layers.0.self_attn.q_proj.weight"])
     chunk = 256 << 20
     assert formed_columns(q, 8, 2, chunk) == [4096 * 8192] * 8
@@ -59,6 +59,11 @@ def test_formed_columns_by_hand() -> None:
     plan = fsdp_plan(LLAMA, q, WORK, 8, 141_000_000_000)
     assert plan.formed == 4.0
     assert "the ranks form 4.00 × P columns per batch in all" in plan.lines()[-1]
+    # aligned row chunks (scores.rank_chunks): each rank forms its own rows, whatever the chunk size
+    assert formed_columns(q, 8, 2, chunk, aligned=True) == [1024 * 8192] * 8
+    assert formed_columns(q, 3, 16, chunk, aligned=True) == [2731 * 8192, 2731 * 8192, 2730 * 8192]
+    assert formed_columns(norm, 8, 2, chunk, aligned=True) == [8192] * 8
+    assert plan.formed_aligned == 1.0 and "1.00 × P with scores.rank_chunks=aligned" in plan.lines()[-1]
 
 
 def test_plan_picks_the_fewest_blocks_that_fit() -> None:

@@ -1,7 +1,8 @@
 """The scores stage with the model sharded over ranks (scores.ranks, storage/scores_ranks.py): the placement
 fields leave in-process specs and keys as they were; the ranks' columns placed through the store's chunks and
-edge arrays are the merged state; a 2-rank artifact holds the in-process arrays; a SIGKILLed rank is named in
-one line and the rerun resumes every rank from their common checkpoint to the same arrays."""
+edge arrays are the merged state; a 2-rank artifact holds the in-process arrays (with aligned rank chunks: to the
+products' rounding, under a key of its own); a SIGKILLed rank is named in one line and the rerun resumes every rank
+from their common checkpoint to the same arrays."""
 
 import shutil
 from pathlib import Path
@@ -43,6 +44,21 @@ def test_in_process_specs_and_keys_are_what_they_were():
     after = plan(_demo(ranks=2))
     assert [n for n in before if before[n].ref.key != after[n].ref.key] == ["report"]
     assert after[SCORES].spec.model_dump()["launcher"] == "local" and after[SCORES].spec.ranks == 2
+
+
+def test_aligned_rank_chunks_are_keyed_with_the_rank_count():
+    """scores.rank_chunks=aligned changes the state's last bits with R: it and R are in the scores key; with one
+    rank it has no effect and leaves spec and key as they were."""
+    keys = {
+        (ranks, chunks): plan(_demo(ranks=ranks, rank_chunks=chunks))[SCORES]
+        for ranks in (1, 2, 3)
+        for chunks in ("unsharded", "aligned")
+    }
+    assert keys[1, "aligned"].spec == keys[1, "unsharded"].spec and keys[1, "aligned"].spec.rank_chunks == "unsharded"
+    assert len({keys[r, "unsharded"].ref.key for r in (1, 2, 3)}) == 1
+    assert len({keys[r, "aligned"].ref.key for r in (2, 3)} | {keys[1, "unsharded"].ref.key}) == 3
+    assert keys[2, "aligned"].spec.model_dump()["rank_chunks"] == "aligned"
+    assert "rank_chunks" not in keys[2, "unsharded"].spec.model_dump()
 
 
 @pytest.mark.parametrize(
@@ -128,6 +144,34 @@ def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_pat
             for s, r in ((before, tiny_run[1][n].ref), (after, results[n].ref))
         ]
         assert identity[0] == identity[1] and identity[0]["tensors"], n
+
+
+@pytest.mark.slow
+def test_two_ranks_with_aligned_chunks_agree_with_the_in_process_arrays(tiny_run, tmp_path: Path):
+    """The tiny pipeline's scores artifacts without kept rows (moments only, so the ranks form row chunks), by
+    scores.ranks=2 with aligned row chunks: under keys of their own, the in-process artifacts' arrays, the
+    float ones to 1e-6 of each array's largest entry (the products of another chunk grid) and the others
+    exactly."""
+    shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
+    moments = {"scores.byte_budget": 0}
+    single = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **moments)
+    ranked = tiny_config(
+        str(tmp_path / "root"), **NO_OPTIONAL, **moments, **{"scores.ranks": 2, "scores.rank_chunks": "aligned"}
+    )
+    names = {n for n, s in plan(single).items() if s.ref.stage == "scores"}
+    upstream = {n for n, s in plan(single).items() if s.ref.stage in ("base_model", "rollouts")}
+    results = {c: run_planned(cfg, names | upstream) for c, cfg in (("single", single), ("ranked", ranked))}
+    store = ArtifactStore(single.root)
+    for n in names:
+        a, b = (results[c][n] for c in ("single", "ranked"))
+        assert b.computed and a.ref.key != b.ref.key, n
+        want, got = _arrays(store, a.ref), _arrays(store, b.ref)
+        assert sorted(want) == sorted(got) and "scores" not in want
+        for name, value in want.items():
+            if value.dtype.kind == "f" and value.size:
+                assert np.abs(got[name] - value).max() <= 1e-6 * np.abs(value).max(), (n, name)
+            else:
+                assert np.array_equal(got[name], value), (n, name)
 
 
 @pytest.mark.slow
