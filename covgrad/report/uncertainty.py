@@ -44,6 +44,8 @@ from covgrad.topk import count_for_fraction, rank_correlation, ranks_and_order
 METHOD = "prompt-group bootstrap (centred percentile interval, Fisher z for correlations, few-groups t factor)"
 REPLICATE_BUDGET = 50_000_000  # n_boot × P entries held per replicate array (float32: 200 MB each)
 REPLICATE_SLICE = 1024  # parameters per pass over the replicates' (B, slice) float64 temporaries
+# replicates ranked at once (about 60 bytes per parameter each: the sort's order, the ranks, the sorted values)
+SORT_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def chi2_quantile(d: float, p_z: float) -> float:
@@ -147,7 +149,8 @@ def group_bootstrap(
     mean_a = (W @ (member @ A))[:, None] / sw  # (B, 1)
     std_a = np.sqrt(np.maximum((W @ (member @ (A * A)))[:, None] / sw - mean_a**2, 0.0))  # (B, 1)
     sums = np.concatenate([member, member * A])  # (2 groups, N): per-group sums of s and of A·s
-    # written before use: casting writes into untouched pages run ~50x slower than into touched ones
+    # filled first: writing float64 slices into never-touched pages cost 0.9 s per 180 MB on the machine measured,
+    # filling them first 0.02 s
     F_b = np.full((B, P), np.nan, dtype=np.float32)
     absG_b = np.full((B, P), np.nan, dtype=np.float32)
     max_rho = np.full(B, -1.0)
@@ -187,7 +190,7 @@ def group_bootstrap(
     overlap = np.full((B, len(qs)), np.nan)
     rank = np.full(B, np.nan)
     varied = [i for i in range(B) if std_a[i, 0] > 0]
-    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:  # numpy's sorts free the GIL
+    with ThreadPoolExecutor(max_workers=SORT_THREADS) as pool:  # numpy's sorts free the GIL
         for i, (ov, rk) in zip(varied, pool.map(lambda i: _replicate(F_b[i], absG_b[i], ks), varied), strict=True):
             overlap[i], rank[i] = ov, rk
     max_rho[(max_rho < 0) | (std_a[:, 0] <= 0)] = np.nan
