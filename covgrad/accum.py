@@ -21,7 +21,9 @@ parameter per half.
 
 Two implementations of the same update. The compiled fold (``torch.compile``: C++ on CPU, Triton on cuda,
 from the one function :func:`_fold_started`) reads each block once and does the shift, the three sums of
-every half and the merge in one kernel, in float64 whatever the state dtype. The eager fold (column tiles,
+every half and the merge in one kernel, in float64 whatever the state dtype; on the CPU with float64 state
+it is the native kernel of :mod:`covgrad.native_fold` (the same formulas, each half summed over its own
+rows, a tenth of the per-call cost) whenever that builds. The eager fold (column tiles,
 two GEMMs, the merge as (H, n) torch ops) serves a half's first samples, and everything when compiling
 fails. A state without the co-moment (``comoment=False``: the advantages are all 0, as for a regime's g_n)
 keeps no ``c`` and forms neither of its sums: a third less state, state traffic and arithmetic.
@@ -44,6 +46,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from covgrad.native_fold import native_fold
+
 STATE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 # Columns per fold step: bounds the transient (B, columns) state-dtype buffers. CPU: small enough to stay
@@ -54,6 +58,11 @@ FOLD_ELEMENTS = {"cpu": 1 << 17, "cuda": 1 << 26}
 # bytes), so a tied embedding's block (V × H columns, 28M for SmolLM2) is folded in tiles of 32 MiB of sums
 # instead of 1.4 GB at once. Every column's arithmetic is the same whatever the tile (tested bit for bit).
 _COMPILED_COLUMNS = 1 << 22
+
+# The compiled fold on the CPU with float64 state: the native kernel (covgrad.native_fold) when it builds, else
+# torch.compile of _fold_started (the kernel every other device and state dtype compiles; tests switch this off
+# to run it on the CPU).
+NATIVE_CPU = True
 
 # Samples already in the state × P from which the compiled fold runs by default: ~4.3e9 element-folds,
 # 10-20 s of eager folding on a CPU, about what a compile costs. The demo (N·P ≈ 6e7) never compiles.
@@ -271,7 +280,14 @@ class MomentAccumulator:
 
     def _fold_compiled(self, batch: _Batch, offset: int, block: Tensor) -> bool:
         """The compiled fold of a started batch's block; False (and the eager fold from then on) when
-        compiling fails, which happens before the kernel touches any state."""
+        compiling fails, which happens before the kernel touches any state. On the CPU with float64 state it is
+        the native kernel (:mod:`covgrad.native_fold`) when it builds."""
+        native = native_fold() if NATIVE_CPU and self.device.type == "cpu" and self.mean_lo is None else None
+        if native is not None:
+            x = block.to(torch.float32).contiguous()
+            native(x, batch.order, batch.offsets, batch.acen, batch.coef64, self.mean, self.m2, self.c, offset)
+            self.fold_path = "compiled"
+            return True
         cols = slice(offset, offset + block.shape[1])
         mean, m2, c, lo = (
             None if t is None else [t[h, cols] for h in range(self.H)]
@@ -448,3 +464,9 @@ class _Batch:
         self.coef = torch.from_numpy(coef[:, :, None]).to(acc.device, acc.dtype)  # (5, H, 1)
         self.coef64 = torch.from_numpy(coef).to(acc.device)  # (5, H) float64, the compiled fold's
         self.wa = torch.from_numpy(np.ascontiguousarray(weights.T)).to(acc.device)  # (B, 2H) float64
+        # the native fold's view of the same: the samples ordered by half, where each half starts, a − ā_b
+        order = np.argsort(half, kind="stable")
+        self.order = torch.from_numpy(order.astype(np.int64))
+        starts = np.concatenate([[0], np.cumsum(np.bincount(half, minlength=H))])
+        self.offsets = torch.from_numpy(starts.astype(np.int64))
+        self.acen = torch.from_numpy(np.ascontiguousarray(weights[H + half, np.arange(self.B)]))

@@ -19,10 +19,20 @@ from tests.helpers.persample import BATCH, MODELS, doubled_up_proj, llama, make_
 TOL = {"float64": 1e-9, "float32": 1e-5}
 
 
+@pytest.fixture(params=["native", "inductor"])
+def kernel(request, monkeypatch) -> str:
+    """The compiled fold on the CPU both ways: the native kernel (float64 state; it must build here) and the
+    torch.compile kernel every other device and state dtype runs."""
+    monkeypatch.setattr(accum, "NATIVE_CPU", request.param == "native")
+    if request.param == "native":
+        assert accum.native_fold() is not None, "the native fold did not build (no working C++ compiler?)"
+    return request.param
+
+
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("state_dtype", ["float64", "float32"])
 @pytest.mark.parametrize("ratio", [1.0, 1e4])
-def test_accumulator_matches_numpy_float64(state_dtype, ratio, compiled):
+def test_accumulator_matches_numpy_float64(state_dtype, ratio, compiled, kernel):
     """Uneven batches (single-sample, single-half) and mean/std up to 1e4 against a two-pass float64, for
     the eager and the compiled fold (which takes over once both halves have samples)."""
     rng = np.random.default_rng(int(ratio) + len(state_dtype))
@@ -48,7 +58,7 @@ def test_accumulator_matches_numpy_float64(state_dtype, ratio, compiled):
     assert acc.fold_path == ("compiled" if compiled else "eager")
 
 
-def test_compiled_fold_matches_eager_fold():
+def test_compiled_fold_matches_eager_fold(kernel):
     """Fresh random blocks, both halves, an empty half in one batch: the compiled and the eager fold agree to
     float64 rounding (float32 state: to the float32 error model)."""
     rng = np.random.default_rng(11)
@@ -69,15 +79,17 @@ def test_compiled_fold_matches_eager_fold():
         assert_close(state(accs[1]), numpy_moments(S, A, half), 1e-9 if state_dtype == "float64" else 1e-5)
 
 
-def test_compiled_fold_in_column_tiles_is_bit_identical(monkeypatch):
-    """A block wider than the compiled fold's tile is folded tile by tile: the same bytes as one call."""
+def test_compiled_fold_in_column_tiles_is_bit_identical(monkeypatch, kernel):
+    """A block wider than the compiled fold's tile is folded tile by tile: the same bytes as one call (the native
+    kernel also in tiles of 37 columns, across its strips and vector widths)."""
     rng = np.random.default_rng(12)
     N, P = 48, 1000
     S = (rng.standard_normal((N, P)) * 3 + 50 * rng.standard_normal(P)).astype(np.float32)
     A, half = rng.standard_normal(N), rng.integers(0, 2, N)
     for state_dtype in ("float64", "float32"):
         states = []
-        for tile in (1 << 22, 64):  # one call, then tiles of 64 columns (a multiple of every vector width)
+        tiles = (1 << 22, 64, *((37,) if kernel == "native" and state_dtype == "float64" else ()))
+        for tile in tiles:  # one call, then tiles of 64 columns (a multiple of every vector width)
             monkeypatch.setattr(accum, "_COMPILED_COLUMNS", tile)
             acc = MomentAccumulator(P, "cpu", state_dtype, compiled=True)
             for b in range(0, N, 8):
@@ -87,8 +99,9 @@ def test_compiled_fold_in_column_tiles_is_bit_identical(monkeypatch):
                 acc.end_batch()
             assert acc.fold_path == "compiled"
             states.append(acc.rows())
-        for name, value in states[0].items():
-            np.testing.assert_array_equal(states[1][name], value, err_msg=f"{state_dtype} {name}")
+        for other in states[1:]:
+            for name, value in states[0].items():
+                np.testing.assert_array_equal(other[name], value, err_msg=f"{state_dtype} {name}")
 
 
 def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
@@ -148,7 +161,7 @@ def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("state_dtype", ["float64", "float32"])
-def test_state_without_comoment_keeps_the_mean_and_m2(state_dtype, compiled):
+def test_state_without_comoment_keeps_the_mean_and_m2(state_dtype, compiled, kernel):
     """``comoment=False`` (a regime's g_n, advantages all 0): no ``c``, a third less state, and the mean and
     M2 of the full state (to float64 rounding: the kernels differ), against numpy float64."""
     rng = np.random.default_rng(21)
@@ -185,6 +198,7 @@ def test_compiled_fold_falls_back_to_eager(monkeypatch):
         return fail
 
     monkeypatch.setattr(accum, "_compiled", broken)
+    monkeypatch.setattr(accum, "NATIVE_CPU", False)  # the torch.compile kernel's fallback
     rng = np.random.default_rng(12)
     S, A, half = rng.standard_normal((24, 30)).astype(np.float32), rng.standard_normal(24), np.arange(24) % 2
     accs = [MomentAccumulator(30, "cpu", compiled=flag) for flag in (False, True)]
@@ -421,3 +435,20 @@ def test_tied_embedding_block_is_never_whole_beside_another(chunk_bytes):
     for part in ("mean", "m2", "c"):
         got, want = getattr(acc, part)[:, cols], getattr(whole, part)[:, cols]
         assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), part
+
+
+def test_compiled_fold_without_a_native_build_is_the_torch_compile_kernel(monkeypatch):
+    """No C++ compiler for the native kernel: the torch.compile kernel folds, to the same float64 rounding."""
+    rng = np.random.default_rng(13)
+    S, A, half = rng.standard_normal((32, 50)).astype(np.float32), rng.standard_normal(32), np.arange(32) % 2
+    states = []
+    for native in (True, False):
+        monkeypatch.setattr(accum, "native_fold", (lambda: None) if not native else accum.native_fold)
+        acc = MomentAccumulator(50, "cpu", compiled=True)
+        for b in range(0, 32, 8):
+            acc.begin_batch(A[b : b + 8], half[b : b + 8])
+            acc.fold(0, torch.from_numpy(S[b : b + 8]))
+            acc.end_batch()
+        assert acc.fold_path == "compiled"
+        states.append(state(acc))
+    assert_close(states[1], states[0], 1e-12)
