@@ -23,7 +23,7 @@ Two implementations of the same update. The compiled fold (``torch.compile``: C+
 from the one function :func:`_fold_started`) reads each block once and does the shift, the three sums of
 every half and the merge in one kernel, in float64 whatever the state dtype; on the CPU with float64 state
 it is the native kernel of :mod:`covgrad.native_fold` (the same formulas, each half summed over its own
-rows, a tenth of the per-call cost) whenever that builds. The eager fold (column tiles,
+rows, a fifth of the per-call cost) whenever that builds. The eager fold (column tiles,
 two GEMMs, the merge as (H, n) torch ops) serves a half's first samples, and everything when compiling
 fails. A state without the co-moment (``comoment=False``: the advantages are all 0, as for a regime's g_n)
 keeps no ``c`` and forms neither of its sums: a third less state, state traffic and arithmetic.
