@@ -21,11 +21,12 @@ enters wall time, not the process's own CPU time). Reported: median ratio over r
     python -m benchmarks.regimes --regime rl_token --model small
     python -m benchmarks.regimes --model small --reps 0 --profile 10   # cProfile of 10 fused steps
     python -m benchmarks.regimes --response 480                # responses of 480 tokens instead of 32
-    python -m benchmarks.regimes --fold-only                   # the regime fold with and without co-moment
+    python -m benchmarks.regimes --fold-only                   # the fold alone: native and torch.compile kernels
 
 ``--fold-only`` times the compiled fold alone, side by side: one batch of the model's P columns in row-chunk
-sized blocks, zero advantages, into a state with the co-moment (how a regime's g_n was folded before) and
-without it (how it is folded now); wall and process CPU time, median over repetitions.
+sized blocks, zero advantages, into a state with the co-moment (the score's) and without it (a regime's),
+by the native CPU kernel (``covgrad.native_fold``) and by the torch.compile kernel; wall and process CPU
+time, median over repetitions.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.scores import MODELS, build, make_batch, objective
+from covgrad import accum
 from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import Cotangent, PerSampleGrads, default_chunk_bytes, score_logit_grad
@@ -155,35 +157,38 @@ def run(
 
 def fold_only(name: str, reps: int) -> None:
     """The compiled fold of one batch of zero-advantage blocks over the model's P, with and without the
-    co-moment, interleaved; prints the medians and their ratio."""
+    co-moment, by the native kernel and by the torch.compile kernel, interleaved; prints the medians (wall,
+    process CPU) and the native / torch.compile ratios."""
     B = MODELS[name][8]
     P = select_parameters(build(name, torch.device("cpu")), None).P
     cols = default_chunk_bytes("cpu") // (4 * B)
     block = torch.randn(B, cols, generator=torch.Generator().manual_seed(0))
     half, zero = np.arange(B) % 2, np.zeros(B)
-    accs = {c: MomentAccumulator(P, "cpu", compiled=True, comoment=c) for c in (True, False)}
+    ways = [(kernel, c) for kernel in ("native", "torch.compile") for c in (True, False)]
+    accs = {w: MomentAccumulator(P, "cpu", compiled=True, comoment=w[1]) for w in ways}
 
-    def step(acc: MomentAccumulator) -> None:
+    def step(way: tuple[str, bool]) -> None:
+        accum.NATIVE_CPU = way[0] == "native"
+        acc = accs[way]
         acc.begin_batch(zero, half)
         for j in range(0, P, cols):
             acc.fold(j, block[:, : min(cols, P - j)])
         acc.end_batch()
 
-    for acc in accs.values():  # the first batch starts the state (eager), the next ones compile and run
+    for way in ways:  # the first batch starts the state (eager), the next ones build or compile and run
         for _ in range(3):
-            step(acc)
-    times: dict[bool, list[tuple[float, float]]] = {c: [] for c in accs}
+            step(way)
+    times: dict[tuple[str, bool], list[tuple[float, float]]] = {w: [] for w in ways}
     for _ in range(reps):
-        for c, acc in accs.items():
+        for way in ways:
             w, t = time.perf_counter(), time.process_time()
-            step(acc)
-            times[c].append((time.perf_counter() - w, time.process_time() - t))
-    med = {c: np.median(np.array(v), axis=0) for c, v in times.items()}
-    print(
-        f"| {name} | P = {P} | B = {B}, {cols} columns per block | with c: {med[True][0] * 1e3:.1f} ms wall, "
-        f"{med[True][1] * 1e3:.1f} ms CPU | without: {med[False][0] * 1e3:.1f} ms wall, {med[False][1] * 1e3:.1f} ms "
-        f"CPU | {med[False][0] / med[True][0]:.3f} wall, {med[False][1] / med[True][1]:.3f} CPU |"
-    )
+            step(way)
+            times[way].append((time.perf_counter() - w, time.process_time() - t))
+    accum.NATIVE_CPU = True
+    med = {w: np.median(np.array(v), axis=0) * 1e3 for w, v in times.items()}
+    cells = [f"{med[w][0]:.1f} ms, {med[w][1]:.1f} ms" for w in ways]
+    ratio = [f"{med[('native', c)][0] / med[('torch.compile', c)][0]:.2f}" for c in (True, False)]
+    print(f"| {name} | {P} | B = {B}, {cols} columns per block | {' | '.join(cells)} | {' | '.join(ratio)} |")
 
 
 def main() -> None:
@@ -203,6 +208,11 @@ def main() -> None:
     cpu = platform.processor() or platform.machine()
     print(f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, clock={args.clock}")
     if args.fold_only:
+        print(
+            "| model | P | blocks | native, with c (wall, CPU) | native, without c | torch.compile, with c | "
+            "torch.compile, without c | native / torch.compile wall, with c | without c |\n"
+            "|---|---|---|---|---|---|---|---|---|"
+        )
         for name in args.model:
             fold_only(name, args.reps)
         return
