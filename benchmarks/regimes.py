@@ -165,6 +165,7 @@ def fold_only(name: str, reps: int) -> None:
     block = torch.randn(B, cols, generator=torch.Generator().manual_seed(0))
     half, zero = np.arange(B) % 2, np.zeros(B)
     ways = [(kernel, c) for kernel in ("native", "torch.compile") for c in (True, False)]
+    native_cpu = accum.NATIVE_CPU
     accs = {w: MomentAccumulator(P, "cpu", compiled=True, comoment=w[1]) for w in ways}
 
     def step(way: tuple[str, bool]) -> None:
@@ -184,7 +185,7 @@ def fold_only(name: str, reps: int) -> None:
             w, t = time.perf_counter(), time.process_time()
             step(way)
             times[way].append((time.perf_counter() - w, time.process_time() - t))
-    accum.NATIVE_CPU = True
+    accum.NATIVE_CPU = native_cpu
     med = {w: np.median(np.array(v), axis=0) * 1e3 for w, v in times.items()}
     cells = [f"{med[w][0]:.1f} ms, {med[w][1]:.1f} ms" for w in ways]
     ratio = [f"{med[('native', c)][0] / med[('torch.compile', c)][0]:.2f}" for c in (True, False)]

@@ -467,6 +467,5 @@ class _Batch:
         # the native fold's view of the same: the samples ordered by half, where each half starts, a − ā_b
         order = np.argsort(half, kind="stable")
         self.order = torch.from_numpy(order.astype(np.int64))
-        starts = np.concatenate([[0], np.cumsum(np.bincount(half, minlength=H))])
-        self.offsets = torch.from_numpy(starts.astype(np.int64))
+        self.offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(self.nb)]).astype(np.int64))
         self.acen = torch.from_numpy(np.ascontiguousarray(weights[H + half, np.arange(self.B)]))
