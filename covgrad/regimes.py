@@ -708,6 +708,11 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     return np.where(ok, num / np.where(ok, den, 1.0), np.nan)
 
 
+UNSTABLE_F_RATIO = 10.0
+"""Halves whose F differ by more than this factor mark a coordinate whose F is carried by a few samples: two
+halves of 128 samples of Gaussian scores differ by more than 2× with probability below 1e-4."""
+
+
 def regime_block_stats(
     G: np.ndarray,
     se: np.ndarray,
@@ -723,7 +728,9 @@ def regime_block_stats(
 
     The bound is a·√F_i with a² = mean c²_n and F the policy's Fisher; outside ``rl`` on its own rollouts it
     holds in expectation, so a violation counts against a sampling allowance: |G_i| > a√F_i + z·se_i.
-    The cross-fit takes G and a² from half h and F from half 1 − h.
+    The cross-fit takes G and a² from half h and F from half 1 − h; where the halves' F differ by more than
+    :data:`UNSTABLE_F_RATIO` the other half lacks the samples that carry the coordinate, and its exceedances
+    are counted apart.
 
     Args:
         G, se, F: shape (b,) float64: the regime's gradient, its standard error, the policy's F.
@@ -735,8 +742,9 @@ def regime_block_stats(
     Returns:
         ``bound``, ``rho``, ``crossfit_ratio`` (b,) arrays (cross-fit: G even, F odd) and counts
         ``violations`` (|G| > bound·(1 + 1e-6)), ``violations_beyond`` (beyond the allowance),
-        ``crossfit_exceed`` and ``crossfit_exceed_beyond`` (2,) (G from half h), ``crossfit_defined`` (2,),
-        ``max_abs_rho`` (NaN when undefined).
+        ``crossfit_exceed`` and ``crossfit_exceed_beyond`` (2,) (G from half h), ``crossfit_beyond_unstable``
+        (2,): those beyond the allowance where the halves' F differ by more than :data:`UNSTABLE_F_RATIO`,
+        ``crossfit_defined`` (2,), ``max_abs_rho`` (NaN when undefined).
     """
     bound = np.sqrt(a2 * F) if a2 == a2 else np.full_like(G, np.nan)
     rho = _ratio(G, bound)
@@ -744,7 +752,10 @@ def regime_block_stats(
     absG = np.abs(G)
     out["violations"] = int(np.count_nonzero(absG > bound * (1 + 1e-6)))
     out["violations_beyond"] = int(np.count_nonzero(absG > bound + z * se))
-    ex, exb, defined, ratios = np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.int64), []
+    ex, exb, exu, defined = (np.zeros(2, np.int64) for _ in range(4))
+    ratios = []
+    lo, hi = np.minimum(F_h[0], F_h[1]), np.maximum(F_h[0], F_h[1])
+    unstable = hi > UNSTABLE_F_RATIO * lo
     for h in (0, 1):
         b_cf = np.sqrt(a2_h[h] * F_h[1 - h]) if a2_h[h] == a2_h[h] else np.full_like(G, np.nan)
         r = _ratio(np.abs(G_h[h]), b_cf)
@@ -752,9 +763,12 @@ def regime_block_stats(
         ok = r == r
         defined[h] = int(np.count_nonzero(ok))
         ex[h] = int(np.count_nonzero(r[ok] > 1))
-        exb[h] = int(np.count_nonzero(np.abs(G_h[h]) > b_cf + z * se_h[h]))
+        beyond = np.abs(G_h[h]) > b_cf + z * se_h[h]
+        exb[h] = int(np.count_nonzero(beyond))
+        exu[h] = int(np.count_nonzero(beyond & unstable))
     out["crossfit_ratio"] = ratios[0]
     out["crossfit_exceed"], out["crossfit_exceed_beyond"], out["crossfit_defined"] = ex, exb, defined
+    out["crossfit_beyond_unstable"] = exu
     finite = np.abs(rho[rho == rho])
     out["max_abs_rho"] = float(finite.max()) if finite.size else float("nan")
     return out

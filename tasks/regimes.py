@@ -72,7 +72,7 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
     }
     a2 = {name: bound_a2(f) for name, f in folds.items()}
     totals: dict[str, dict[str, Any]] = {
-        n: {"violations": 0, "violations_beyond": 0, "ex": np.zeros(2), "exb": np.zeros(2), "def": np.zeros(2)}
+        n: {"violations": 0, "violations_beyond": 0, **{k: np.zeros(2) for k in ("ex", "exb", "exu", "def")}}
         for n in spec.names
     }
     max_rho = {n: math.nan for n in spec.names}
@@ -98,6 +98,7 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
             t["violations_beyond"] += out["violations_beyond"]
             t["ex"] += out["crossfit_exceed"]
             t["exb"] += out["crossfit_exceed_beyond"]
+            t["exu"] += out["crossfit_beyond_unstable"]
             t["def"] += out["crossfit_defined"]
             max_rho[name] = float(np.fmax(max_rho[name], out["max_abs_rho"]))  # NaN: undefined in every block
     rows, overlap, tensors = [], [], []
@@ -124,6 +125,7 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
                 "crossfit_frac_exceed_G_even": float(t["ex"][0] / max(t["def"][0], 1)),
                 "crossfit_frac_exceed_G_odd": float(t["ex"][1] / max(t["def"][1], 1)),
                 "crossfit_beyond_allowance": int(t["exb"].sum()),
+                "crossfit_beyond_at_unstable_F": int(t["exu"].sum()),
                 "max_abs_rho": max_rho[name],
                 "abs_rho_median": q50,
                 "abs_rho_q90": q90,

@@ -201,6 +201,12 @@ def test_regime_block_stats_counts_violations_against_the_allowance():
     np.testing.assert_array_equal(out["crossfit_exceed"], [2, 2])
     np.testing.assert_array_equal(out["crossfit_defined"], [3, 3])  # F = 0: the ratio is undefined
     assert np.isnan(out["rho"][3]) and out["max_abs_rho"] == 3.0
+    np.testing.assert_array_equal(out["crossfit_exceed_beyond"], [1, 1])
+    np.testing.assert_array_equal(out["crossfit_beyond_unstable"], [0, 0])  # the halves' F agree
+    F_h = np.array([[1.0, 1.0, 1.0, 0.0], [1.0, 0.2, 0.05, 0.0]])  # coordinate 2: F 20× smaller in half 1
+    split = regime_block_stats(G, se, F, 1.0, np.stack([G, G]), np.stack([se, se]), F_h, np.ones(2))
+    np.testing.assert_array_equal(split["crossfit_exceed_beyond"], [2, 1])  # coordinate 1 beyond with F 0.2
+    np.testing.assert_array_equal(split["crossfit_beyond_unstable"], [1, 1])  # 5× on 1 is not unstable
     none = regime_block_stats(
         G, se, F, float("nan"), np.stack([G, G]), np.stack([se, se]), np.stack([F, F]), np.full(2, np.nan)
     )
