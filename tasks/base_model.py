@@ -28,8 +28,8 @@ def _train_demo(store: ArtifactStore, ref: ArtifactRef, spec: BaseModelSpec) -> 
     def train_problems(step: int) -> list:
         return addition_problems(demo.batch_size, digits, seed=zlib.crc32(f"{demo.seed}:{step}".encode()))
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 1e5-parameter model trains fastest on one thread; more only contend
+    # every thread the stage has: on 2 cores the demo's SFT takes 56 s against 73 s on one thread, with
+    # bit-identical weights
     # total: at most max_steps SFT steps (training stops earlier once the accuracy band is reached)
     with progress_bar("base_model SFT (stops at the accuracy band)", demo.max_steps, "step") as bar:
 
@@ -38,10 +38,7 @@ def _train_demo(store: ArtifactStore, ref: ArtifactRef, spec: BaseModelSpec) -> 
             if step > bar.done:
                 bar.update(step - bar.done)
 
-        try:
-            result = train_sft(model, tokenizer, demo, train_problems, eval_problems, answer_tokens(digits), report)
-        finally:
-            torch.set_num_threads(threads)
+        result = train_sft(model, tokenizer, demo, train_problems, eval_problems, answer_tokens(digits), report)
     for name, state in (("policy", result.policy_state), ("stale", result.stale_state)):
         model.load_state_dict(state)
         with store.local_dir(ref, name, write=True) as d:

@@ -41,8 +41,7 @@ def _train(store: ArtifactStore, ref: ArtifactRef, spec: TeacherSpec, base: Arti
     def train_problems(step: int) -> list:
         return addition_problems(t.batch_size, digits, seed=zlib.crc32(f"teacher:{demo.seed}:{step}".encode()))
 
-    # every thread the stage has: at batch 128 two threads step 1.2x faster than one (at the base_model
-    # stage's batch 64 they do not)
+    # every thread the stage has: at batch 128 two threads step 1.2x faster than one
     with progress_bar(f"teacher SFT (stops at accuracy {t.accuracy})", t.max_steps, "step") as bar:
 
         def report(step: int, acc: float) -> None:
