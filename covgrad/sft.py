@@ -39,9 +39,7 @@ def sft_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> di
     width = max(len(r) for r in rows)
     pad = [width - len(r) for r in rows]
     ids = torch.tensor([r + [tokenizer.pad_token_id] * k for r, k in zip(rows, pad, strict=True)])
-    lab = torch.tensor(
-        [[-100] * len(q) + r[len(q) :] + [-100] * k for q, r, k in zip(prompts, rows, pad, strict=True)]
-    )
+    lab = torch.tensor([[-100] * len(q) + r[len(q) :] + [-100] * k for q, r, k in zip(prompts, rows, pad, strict=True)])
     mask = torch.tensor([[1] * len(r) + [0] * k for r, k in zip(rows, pad, strict=True)])
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
