@@ -146,16 +146,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     previous = arm()
     try:
         from flows.preflight import preflight
-        from flows.runtime import check_prefect_runtime, check_root, server_start_error, use_server_ports
+        from flows.runtime import check_prefect_runtime, check_root, server_start_error, start_server
 
         preflight(cfg, architecture=False)  # the flow repeats it whole: bad files fail before Prefect starts
         free = check_prefect_runtime()
         check_root(cfg)
-        use_server_ports(free)
+        server_started = start_server(free)  # boots while the pipeline's modules import
         from flows.pipeline import covgrad_pipeline
 
         route_errors_to_log()
         try:
+            server_started()
             result = covgrad_pipeline(cfg)
         except RuntimeError as exc:  # the temporary server's ports taken after the check
             busy = server_start_error(exc)

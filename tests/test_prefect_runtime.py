@@ -222,3 +222,36 @@ def test_the_check_restricts_the_temporary_server_to_the_free_ports(monkeypatch,
     assert free == [ports.start + 2]
     use_server_ports(free)
     assert SubprocessASGIServer._port_range == [ports.start + 2]
+
+
+def test_a_temporary_server_that_cannot_start_early_exits_2_in_one_line(monkeypatch, capsys, tmp_path):
+    """The temporary server starts while the pipeline imports (``flows.runtime.start_server``); when every port
+    left to it is taken by then, the run ends with the ports line, exit 2, before the flow is called."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    import flows.cli as cli
+    import flows.preflight
+    import flows.runtime
+
+    monkeypatch.setenv("COVGRAD_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(SubprocessASGIServer, "_port_range", SubprocessASGIServer._port_range)
+    monkeypatch.setattr(cli, "_LOG_PATH", None)
+    monkeypatch.setattr(cli, "quiet_prefect", lambda: None)
+    monkeypatch.setattr(flows.preflight, "preflight", lambda cfg, architecture: None)
+    monkeypatch.setattr(flows.runtime, "check_root", lambda cfg: None)
+    monkeypatch.setattr(cli, "route_errors_to_log", lambda: None)
+    ports, socks = _bound_ports(1)  # free at the check, taken when the server starts
+    monkeypatch.setenv("COVGRAD_SERVER_PORTS", f"{ports.start}-{ports.start}")
+    monkeypatch.setattr(flows.runtime, "check_prefect_runtime", lambda: [ports.start])
+
+    def flow(cfg):
+        raise AssertionError("the flow ran without a server")
+
+    monkeypatch.setitem(sys.modules, "flows.pipeline", types.SimpleNamespace(covgrad_pipeline=flow))
+    argv = ["run", "--config", str(REPO / "configs" / "tiny.yaml"), "--root", str(tmp_path / "root")]
+    try:
+        assert cli.main(argv) == 2
+    finally:
+        socks[0].close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"range 127.0.0.1:{ports.start} (from COVGRAD_SERVER_PORTS) is busy" in lines[0], lines
