@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -129,32 +127,6 @@ def load_models(
         with store.local_dir(base, which, write=False) as d:
             return load_model_and_tokenizer(d, dtype, trust, meta)
     return load_model_and_tokenizer(which, dtype, trust, meta)
-
-
-KEEP_COPY_BYTES = 2**30
-"""The largest model (weights and buffers, bytes) of which :func:`fresh_copies` keeps a pristine copy in memory."""
-
-
-def fresh_copies(
-    load: Callable[[], PreTrainedModel], keep_bytes: int = KEEP_COPY_BYTES
-) -> Callable[[], PreTrainedModel]:
-    """A loader of fresh, independent copies of the model that ``load`` reads. The first call reads it; when
-    its weights and buffers take at most ``keep_bytes``, that copy is kept untouched and every call returns
-    a deep copy of it (reading the demo's 0.2M-parameter model costs ~0.13 s of ``from_pretrained``, a deep
-    copy ~1 ms); a larger model is read again on every call, so no second copy of it stays in memory."""
-    kept: list[PreTrainedModel] = []
-
-    def fresh() -> PreTrainedModel:
-        if kept:
-            return copy.deepcopy(kept[0])
-        model = load()
-        size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        if size > keep_bytes:
-            return model
-        kept.append(model)
-        return copy.deepcopy(model)
-
-    return fresh
 
 
 def load_rank_policy(

@@ -40,7 +40,7 @@ from covgrad.tables import to_csv, to_markdown
 from covgrad.trajectory import StepLoss
 from covgrad.update import GRID_MD_COLUMNS, rl_minibatches, summarize, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.models import fresh_copies, load_models
+from storage.models import load_models
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
 from storage.trajectory import fixed_batches, step_loss
@@ -64,8 +64,9 @@ def _compute(
         return {"degenerate": finding}
     ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
 
-    # a fresh float32 copy of the policy for every cell (storage.models.fresh_copies: a small one is kept)
-    load_policy = fresh_copies(lambda: load_models(store, up["base_model"], "policy", spec.policy)[0].float().eval())
+    def load_policy() -> torch.nn.Module:
+        """A fresh float32 copy of the policy, read again for every cell: no copy is kept between cells."""
+        return load_models(store, up["base_model"], "policy", spec.policy)[0].float().eval()
 
     layout = select_parameters(load_policy(), spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "update_check")
