@@ -218,6 +218,7 @@ def test_the_report_has_the_regimes_section(run):
     store = ArtifactStore(cfg.root)
     text = store.fs.cat_file(f"{store.path(results['report'].ref)}/report.md").decode()
     assert "## Regimes" in text and "| distill | distill_reverse_kl |" in text
+    assert "crossfit_beyond_at_unstable_F" in text
 
 
 def test_full_distribution_regimes_bound_the_head_by_its_token_fisher(run):
