@@ -40,6 +40,24 @@ STRIP = 512  # columns per strip: the strip's three float64 sums (12 KiB) stay i
 
 _SOURCE = r"""
 #include <cstdint>
+// R rows into the strip's sums: S1 += d, S2 += d², and with C, SA += a·d (d = x − K), one pass over its m columns
+template <int R, bool C>
+static inline void rows(const float* const* r, const double* a, const double* K, double* s1, double* s2, double* sa,
+                        int64_t m) {
+  #pragma omp simd
+  for (int64_t j = 0; j < m; ++j) {
+    double t1 = s1[j], t2 = s2[j], ta = C ? sa[j] : 0.0;
+    for (int k = 0; k < R; ++k) {
+      const double d = (double)r[k][j] - K[j];
+      t1 += d;
+      t2 = __builtin_fma(d, d, t2);
+      if (C) ta = __builtin_fma(a[k], d, ta);
+    }
+    s1[j] = t1; s2[j] = t2;
+    if (C) sa[j] = ta;
+  }
+}
+
 extern "C" void covgrad_fold_f64(const float* x, int64_t n, int64_t H, const int64_t* order, const int64_t* offsets,
                                  const double* acen, const double* coef, double* mean, double* m2, double* c,
                                  int64_t ld, int nthreads) {
@@ -56,44 +74,12 @@ extern "C" void covgrad_fold_f64(const float* x, int64_t n, int64_t H, const int
         const float* r[8];
         double a[8];
         for (int k = 0; k < 8; ++k) { r[k] = x + order[i + k] * n + j0; a[k] = acen[order[i + k]]; }
-        if (c) {
-          #pragma omp simd
-          for (int64_t j = 0; j < m; ++j) {
-            double t1 = s1[j], t2 = s2[j], ta = sa[j];
-            for (int k = 0; k < 8; ++k) {
-              const double d = (double)r[k][j] - K[j];
-              t1 += d; t2 = __builtin_fma(d, d, t2); ta = __builtin_fma(a[k], d, ta);
-            }
-            s1[j] = t1; s2[j] = t2; sa[j] = ta;
-          }
-        } else {
-          #pragma omp simd
-          for (int64_t j = 0; j < m; ++j) {
-            double t1 = s1[j], t2 = s2[j];
-            for (int k = 0; k < 8; ++k) {
-              const double d = (double)r[k][j] - K[j];
-              t1 += d; t2 = __builtin_fma(d, d, t2);
-            }
-            s1[j] = t1; s2[j] = t2;
-          }
-        }
+        if (c) rows<8, true>(r, a, K, s1, s2, sa, m); else rows<8, false>(r, a, K, s1, s2, sa, m);
       }
       for (; i < offsets[h + 1]; ++i) {
-        const float* row = x + order[i] * n + j0;
-        const double ar = acen[order[i]];
-        if (c) {
-          #pragma omp simd
-          for (int64_t j = 0; j < m; ++j) {
-            const double d = (double)row[j] - K[j];
-            s1[j] += d; s2[j] = __builtin_fma(d, d, s2[j]); sa[j] = __builtin_fma(ar, d, sa[j]);
-          }
-        } else {
-          #pragma omp simd
-          for (int64_t j = 0; j < m; ++j) {
-            const double d = (double)row[j] - K[j];
-            s1[j] += d; s2[j] = __builtin_fma(d, d, s2[j]);
-          }
-        }
+        const float* r[1] = {x + order[i] * n + j0};
+        const double a[1] = {acen[order[i]]};
+        if (c) rows<1, true>(r, a, K, s1, s2, sa, m); else rows<1, false>(r, a, K, s1, s2, sa, m);
       }
       const double c0 = coef[h], c1 = coef[H + h], c2 = coef[2 * H + h], c3 = coef[3 * H + h], c4 = coef[4 * H + h];
       double* mh = mean + h * ld + j0;
