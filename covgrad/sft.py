@@ -33,7 +33,7 @@ class SFTResult:
 
 def sft_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> dict[str, torch.Tensor]:
     """Right-padded rows ``<bos> prompt answer <eos>``; labels are -100 except on answer and EOS."""
-    prompts = tokenizer([p.prompt for p in problems])["input_ids"]  # one call per batch: 40 µs per call
+    prompts = tokenizer([p.prompt for p in problems])["input_ids"]  # two calls per batch, not two per row
     answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
     rows = [q + a + [tokenizer.eos_token_id] for q, a in zip(prompts, answers, strict=True)]
     width = max(len(r) for r in rows)
