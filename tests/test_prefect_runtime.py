@@ -235,6 +235,7 @@ def test_a_temporary_server_that_cannot_start_early_exits_2_in_one_line(monkeypa
 
     monkeypatch.setenv("COVGRAD_LOG_DIR", str(tmp_path / "logs"))
     monkeypatch.setattr(SubprocessASGIServer, "_port_range", SubprocessASGIServer._port_range)
+    monkeypatch.setattr(SubprocessASGIServer, "_instances", {})  # not the server an earlier test left running
     monkeypatch.setattr(cli, "_LOG_PATH", None)
     monkeypatch.setattr(cli, "quiet_prefect", lambda: None)
     monkeypatch.setattr(flows.preflight, "preflight", lambda cfg, architecture: None)
