@@ -561,19 +561,43 @@ class StepZeroStats:
     seed: int = 0
 
 
-def _ranked_values(stats: StepZeroStats | None, start: torch.Tensor, seed: int) -> dict[str, tuple[np.ndarray, bool]]:
-    """Predictor name -> ((P,) values, largest first?) of the ranked predictors: |w| and the seeded
-    random values in float32, the statistics in their own floating dtype."""
-    P = start.numel()
+RANDOM_CHUNK = 1 << 24  # values drawn per call by random_values
+
+
+def random_values(seed: int, P: int, index: np.ndarray | None = None) -> np.ndarray:
+    """The random predictor's values, float32: ``np.random.default_rng([seed, 0]).random(P)`` at the columns
+    ``index`` ((n,) int64, ascending; None: all P), drawn in chunks of RANDOM_CHUNK so that a shard of a large
+    model never holds all P (numpy's stream does not depend on how the draws are split)."""
+    rng = np.random.default_rng([seed, 0])
+    if index is None:
+        return rng.random(P, dtype=np.float32)
+    out = np.empty(index.shape[0], dtype=np.float32)
+    at = 0
+    for lo in range(0, P, RANDOM_CHUNK):
+        hi = min(P, lo + RANDOM_CHUNK)
+        chunk = rng.random(hi - lo, dtype=np.float32)
+        n = int(np.searchsorted(index, hi)) - at
+        out[at : at + n] = chunk[index[at : at + n] - lo]
+        at += n
+    return out
+
+
+def _ranked_values(
+    stats: StepZeroStats | None, start: torch.Tensor, seed: int, P: int, index: np.ndarray | None
+) -> dict[str, tuple[np.ndarray, bool]]:
+    """Predictor name -> ((n,) values at the tracker's columns, largest first?) of the ranked predictors: |w|
+    and the seeded random values in float32, the statistics (already at those columns) in their own floating
+    dtype."""
+    n = start.numel()
     out = {
         "smallw": (start.float().abs().numpy(), False),
-        "random": (np.random.default_rng([seed, 0]).random(P, dtype=np.float32), True),
+        "random": (random_values(seed, P, index), True),
     }
     if stats is not None:
         for name, v in (("F", stats.F), ("absG", np.abs(stats.G)), ("absrho", np.abs(stats.rho))):
             values = np.asarray(v).reshape(-1)
-            if values.shape != (P,) or values.dtype not in (np.float32, np.float64):
-                raise ValueError(f"step-0 statistic {name} is {values.dtype} {values.shape}, expected float ({P},)")
+            if values.shape != (n,) or values.dtype not in (np.float32, np.float64):
+                raise ValueError(f"step-0 statistic {name} is {values.dtype} {values.shape}, expected float ({n},)")
             out[name] = (values, True)
     return out
 
@@ -591,6 +615,20 @@ def stable_ranks(values: np.ndarray, largest: bool = True) -> np.ndarray:
     return ranks
 
 
+def group_ranks(values: np.ndarray, largest: bool = True, groups: np.ndarray | None = None) -> np.ndarray:
+    """:func:`stable_ranks` within each group: (n,) the rank of every value among the values of its group
+    (``groups`` (n,) int, None: one group), the order of :func:`stable_ranks` (ties by the lowest index)."""
+    if groups is None:
+        return stable_ranks(values, largest)
+    v = np.asarray(values).reshape(-1)
+    order = np.argsort(groups, kind="stable")
+    ranks = np.empty(v.shape[0], dtype=np.int32 if v.shape[0] < 2**31 else np.int64)
+    bounds = np.flatnonzero(np.diff(groups[order])) + 1
+    for part in np.split(order, bounds):
+        ranks[part] = stable_ranks(v[part], largest)
+    return ranks
+
+
 def count_metrics(n_pred: int, n_true: int, n_both: int) -> dict[str, float]:
     """:func:`set_metrics` from the counts |pred|, |true| and |pred ∩ true|."""
     n_union = n_pred + n_true - n_both
@@ -602,18 +640,45 @@ def count_metrics(n_pred: int, n_true: int, n_both: int) -> dict[str, float]:
     }
 
 
+# (values (n,), largest first?, groups (n,) int or None) -> (n,) int rank of each value within its group over
+# every tracker's columns (group_ranks of the whole layout at these columns)
+Ranker = Callable[[np.ndarray, bool, "np.ndarray | None"], np.ndarray]
+
+
+@dataclass(frozen=True)
+class TrackerShard:
+    """The columns one :class:`ChangeTracker` of several keeps (a rank's shard of the layout,
+    ``covgrad.fsdp_trajectory``) and how the trackers combine: ``total`` sums an int64 array over all of
+    them (every tracker calls it in the same order), ``ranks`` ranks values over all their columns.
+
+    Attributes:
+        index: (n,) int64 global columns of the layout's flat axis, ascending.
+    """
+
+    index: np.ndarray
+    total: Callable[[np.ndarray], np.ndarray]
+    ranks: Ranker
+
+
+def whole_layout(P: int) -> TrackerShard:
+    """The shard of a tracker that keeps all P columns by itself."""
+    return TrackerShard(np.arange(P, dtype=np.int64), lambda counts: counts, group_ranks)
+
+
 class ChangeTracker:
     """The per-step record of a trajectory (see :meth:`record`).
 
-    ``start``: (P,) the analysed model's selected values at step 0, stored dtype. ``stats``: step-0 F, G, ρ
-    for the F / |G| / |ρ| predictors and the bound rule (None: those are left out). ``optimizer``: which
-    absorption rule applies. ``bound``: whether the regime has a bound (False for ``sft_sampled``: no
-    bound rule).
+    ``start``: (n,) the analysed model's selected values at step 0 at the tracker's columns (``shard``; None:
+    all P), stored dtype. ``stats``: step-0 F, G, ρ at the same columns for the F / |G| / |ρ| predictors and
+    the bound rule (None: those are left out). ``optimizer``: which absorption rule applies. ``bound``:
+    whether the regime has a bound (False for ``sft_sampled``: no bound rule).
 
-    The ranked predictors are fixed for the whole run, so they are ranked once (:func:`stable_ranks`,
-    globally, within each tensor for per-tensor random, within each |w_0| decile): a top-k set is then
-    ``ranks < k``. Memory: 4 bytes per parameter for each of the 5 global, 1 per-tensor and 4 decile rank
-    arrays (40 B per parameter) plus F in float64 for the SGD bound rule.
+    The ranked predictors are fixed for the whole run, so they are ranked once (globally, within each tensor
+    for per-tensor random, within each |w_0| decile; over every shard's columns with ``shard.ranks``): a top-k
+    set is then ``ranks < k``. With several shards every count is summed over them (``shard.total``, twice a
+    step), so each shard's record is the whole layout's. Memory per column: 4 or 8 bytes for each of the 5
+    global, 1 per-tensor and 4 decile rank arrays, the tensor and decile of each column (5 B), plus F in
+    float64 for the SGD bound rule.
     """
 
     def __init__(
@@ -623,37 +688,39 @@ class ChangeTracker:
         optimizer: OptimizerSpec,
         stats: StepZeroStats | None = None,
         bound: bool = True,
+        shard: TrackerShard | None = None,
     ) -> None:
-        if start.shape != (layout.P,):
-            raise ValueError(f"start has shape {tuple(start.shape)}, expected ({layout.P},)")
+        self.shard = whole_layout(layout.P) if shard is None else shard
+        n = self.shard.index.shape[0]
+        if start.shape != (n,):
+            raise ValueError(f"start has shape {tuple(start.shape)}, expected ({n},)")
         self.layout, self.spec, self.stats = layout, optimizer, stats
         self.start, self.prev = start.clone(), start.clone()
-        self.counts = torch.zeros(layout.P, dtype=torch.int32)  # steps that changed each coordinate
-        self.last = torch.zeros(layout.P, dtype=torch.bool)  # the previous step's changed set
+        self.counts = torch.zeros(n, dtype=torch.int32)  # steps that changed each coordinate
+        self.last = torch.zeros(n, dtype=torch.bool)  # the previous step's changed set
         self.steps = 0  # steps recorded
         seed = 0 if stats is None else stats.seed
-        values = _ranked_values(stats, start, seed)
+        values = _ranked_values(stats, start, seed, layout.P, None if shard is None else self.shard.index)
         self.rules = ("absorb", "bound") if optimizer.name == "sgd" and stats is not None and bound else ("absorb",)
-        self.union = {r: torch.zeros(layout.P, dtype=torch.bool) for r in self.rules}
+        self.union = {r: torch.zeros(n, dtype=torch.bool) for r in self.rules}
         self.F = (
             None if "bound" not in self.rules else torch.from_numpy(np.asarray(stats.F, dtype=np.float64).reshape(-1))
         )
-        self.ranks = {n: stable_ranks(*values[n]) for n in RANKED if n in values}
-        self.offsets = np.asarray([e.offset for e in layout.entries], dtype=np.int64)
-        self.numels = np.asarray([e.numel for e in layout.entries], dtype=np.int64)
-        self.tensor_ranks = np.empty(layout.P, dtype=self.ranks["random"].dtype)
-        for e in layout.entries:
-            cols = slice(e.offset, e.offset + e.numel)
-            self.tensor_ranks[cols] = stable_ranks(values["random"][0][cols])
-        order = np.argsort(start.float().abs().numpy(), kind="stable")
-        decile = np.empty(layout.P, dtype=np.int8)
-        decile[order] = np.arange(layout.P) * N_DECILES // layout.P
-        self.decile_idx = [np.flatnonzero(decile == d) for d in range(N_DECILES)]
-        self.decile_ranks = {
-            n: [stable_ranks(values[n][0][idx], values[n][1]) for idx in self.decile_idx]
-            for n in DECILE_PREDICTORS
-            if n in values
-        }
+        rank = self.shard.ranks
+        self.ranks = {name: rank(*values[name], None) for name in RANKED if name in values}
+        ends = np.asarray([e.offset + e.numel for e in layout.entries], dtype=np.int64)
+        self.tensor_of = np.searchsorted(ends, self.shard.index, side="right").astype(np.int32)  # (n,)
+        self.tensor_ranks = rank(values["random"][0], True, self.tensor_of)
+        small = rank(start.float().abs().numpy(), False, None)
+        self.decile = (small.astype(np.int64) * N_DECILES // max(layout.P, 1)).astype(np.int8)  # (n,) |w_0| decile
+        self.decile_idx = [np.flatnonzero(self.decile == d) for d in range(N_DECILES)]
+        edges = -(-np.arange(N_DECILES + 1, dtype=np.int64) * layout.P // N_DECILES)  # ⌈d·P/10⌉
+        self.decile_sizes = np.diff(edges)  # (N_DECILES,) columns of each decile over the whole layout
+        self.decile_ranks = {}
+        for name in DECILE_PREDICTORS:
+            if name in values:
+                within = rank(*values[name], self.decile)
+                self.decile_ranks[name] = [within[idx] for idx in self.decile_idx]
 
     def state_dict(self) -> dict:
         """Plain dict of tensors and ints (steps, start, prev, counts, last set, rule unions)."""
@@ -674,7 +741,7 @@ class ChangeTracker:
         self.union = {r: state["union"][r].clone() for r in self.rules}
 
     def rule_masks(self, prev: torch.Tensor, grad: torch.Tensor, lr: float, adv_rms: float) -> dict[str, torch.Tensor]:
-        """(P,) bool predicted step sets from the weights ``prev`` before the step and its gradient ``grad``:
+        """(n,) bool predicted step sets from the weights ``prev`` before the step and its gradient ``grad``:
         ``absorb`` SGD lr·|ĝ| ≥ h(w), Adam/AdamW lr·|ĝ|/(|ĝ| + eps) ≥ h(w) (their first step);
         ``bound`` (SGD) lr·adv_rms·√F ≥ h(w); h = :func:`half_spacing` in the stored dtype, float64."""
         h = half_spacing(prev)
@@ -687,79 +754,108 @@ class ChangeTracker:
         return masks
 
     def record(self, now: torch.Tensor, grad: torch.Tensor | None, lr: float, adv_rms: float) -> dict:
-        """The record of one step from ``now`` (P,) stored dtype, the weights after it, and ``grad`` (P,),
-        the gradient it stepped on (None: no rule predictors).
+        """The record of one step from ``now`` (n,) stored dtype, the weights after it at the tracker's
+        columns, and ``grad`` (n,), the gradient it stepped on (None: no rule predictors). With several
+        shards every shard calls it for the same step; each gets the whole layout's record.
 
-        Keys: ``changed`` (P/8,) uint8 bit-packed step set (``np.packbits``); per scope s in (step, cum):
-        ``n_changed_{s}``, ``n_above_{s}`` (len(THRESHOLDS),) counts of |Δ| > threshold, ``sign_flips_{s}``,
-        ``per_tensor_{s}`` (E,) changed counts, ``{s}_{predictor}_{stat}`` set metrics of the ranked
-        predictors (size k = n_changed_{s}) and rules, and ``decile_{s}_{predictor}_{stat}`` (N_DECILES,)
-        the same within |w| deciles (k = changed count within the decile); ``jaccard_prev`` (Jaccard of
-        this and the previous step's sets; NaN at step 1) and ``persist_hist`` (t + 1,) int64, the number
-        of coordinates changed in exactly j of the first t steps.
+        Keys: ``changed`` (n/8,) uint8 bit-packed step set at the tracker's columns (``np.packbits``); per
+        scope s in (step, cum): ``n_changed_{s}``, ``n_above_{s}`` (len(THRESHOLDS),) counts of |Δ| > threshold,
+        ``sign_flips_{s}``, ``per_tensor_{s}`` (E,) changed counts, ``{s}_{predictor}_{stat}`` set metrics of
+        the ranked predictors (size k = n_changed_{s}) and rules, and ``decile_{s}_{predictor}_{stat}``
+        (N_DECILES,) the same within |w| deciles (k = changed count within the decile); ``jaccard_prev``
+        (Jaccard of this and the previous step's sets; NaN at step 1) and ``persist_hist`` (t + 1,) int64, the
+        number of coordinates changed in exactly j of the first t steps.
         """
         if now.shape != self.prev.shape or now.dtype != self.prev.dtype:
             raise ValueError(f"weights {tuple(now.shape)} {now.dtype} differ from the start's layout or dtype")
         rules = self.rule_masks(self.prev, grad, lr, adv_rms) if grad is not None else {}
         sets = {"step": now != self.prev, "cum": now != self.start}
-        rec: dict = {"changed": np.packbits(sets["step"].numpy())}
-        now32 = now.float()
+        true = {scope: sets[scope].numpy() for scope in SCOPES}
+        by_decile = {scope: [true[scope][idx] for idx in self.decile_idx] for scope in SCOPES}
+        for r, m in rules.items():
+            self.union[r] |= m
+        preds = {
+            (scope, r): (m if scope == "step" else self.union[r]).numpy() for r, m in rules.items() for scope in SCOPES
+        }
+        self.counts += sets["step"].to(torch.int32)
+        now32, E = now.float(), len(self.layout.entries)
+        local: list[np.ndarray] = []  # the first sum's parts, in this order
         for scope, base in (("step", self.prev), ("cum", self.start)):
             base32 = base.float()
             delta = (now32 - base32).abs()
-            true = sets[scope].numpy()
-            rec[f"n_changed_{scope}"] = int(np.count_nonzero(true))
-            rec[f"n_above_{scope}"] = np.asarray([count(delta > t) for t in THRESHOLDS], dtype=np.int64)
-            rec[f"sign_flips_{scope}"] = count(torch.sign(now32) != torch.sign(base32))
-            rec[f"per_tensor_{scope}"] = self._per_tensor(true)
-        rec["jaccard_prev"] = set_metrics(sets["step"], self.last)["jaccard"] if self.steps else float("nan")
-        self.steps += 1
-        self.counts += sets["step"].to(torch.int32)
-        rec["persist_hist"] = np.bincount(self.counts.numpy(), minlength=self.steps + 1).astype(np.int64)
-        for r, m in rules.items():
-            self.union[r] |= m
+            local.append(np.asarray([count(sets[scope]), count(torch.sign(now32) != torch.sign(base32))]))
+            local.append(np.asarray([count(delta > t) for t in THRESHOLDS]))
+            local.append(np.bincount(self.tensor_of[true[scope]], minlength=E))
+            local.append(np.asarray([np.count_nonzero(t) for t in by_decile[scope]]))
+            local.extend(
+                np.asarray([np.count_nonzero(preds[scope, r]), np.count_nonzero(preds[scope, r] & true[scope])])
+                for r in rules
+            )
+        local.append(np.asarray([count(self.last), count(sets["step"] & self.last)]))
+        local.append(np.bincount(self.counts.numpy(), minlength=self.steps + 2))
+        sums = iter(self._split(self.shard.total(np.concatenate(local).astype(np.int64)), local))
+        rec: dict = {"changed": np.packbits(true["step"])}
+        tensor_k, decile_k, rule_counts = {}, {}, {}
         for scope in SCOPES:
-            true = sets[scope].numpy()
+            n_true, flips = (int(x) for x in next(sums))
+            rec[f"n_changed_{scope}"] = n_true
+            rec[f"n_above_{scope}"] = next(sums)
+            rec[f"sign_flips_{scope}"] = flips
+            rec[f"per_tensor_{scope}"] = tensor_k[scope] = next(sums)
+            decile_k[scope] = next(sums)
+            rule_counts[scope] = {r: [int(x) for x in next(sums)] for r in rules}
+        n_last, both = (int(x) for x in next(sums))
+        rec["jaccard_prev"] = (
+            count_metrics(rec["n_changed_step"], n_last, both)["jaccard"] if self.steps else float("nan")
+        )
+        self.steps += 1
+        rec["persist_hist"] = next(sums)[: self.steps + 1]
+        ranked = [self._ranked(true[s], by_decile[s], rec[f"n_changed_{s}"], tensor_k[s], decile_k[s]) for s in SCOPES]
+        for scope, part in zip(SCOPES, self._split(self.shard.total(np.concatenate(ranked)), ranked), strict=True):
             n_true = rec[f"n_changed_{scope}"]
-            for name, n_both in self._ranked(true, n_true):
-                rec.update({f"{scope}_{name}_{k}": v for k, v in count_metrics(n_true, n_true, n_both).items()})
-            for r in rules:
-                pred = (rules[r] if scope == "step" else self.union[r]).numpy()
-                n_both = int(np.count_nonzero(pred & true))
-                counts = count_metrics(int(np.count_nonzero(pred)), n_true, n_both)
-                rec.update({f"{scope}_{r}_{k}": v for k, v in counts.items()})
-            rec.update(self._deciles(scope, true))
+            rec.update(self._metrics(scope, part, n_true, rule_counts[scope], decile_k[scope]))
         self.prev, self.last = now.clone(), sets["step"]
         return rec
 
-    def _per_tensor(self, true: np.ndarray) -> np.ndarray:
-        """(E,) int64 changed count of each layout tensor."""
-        cum = np.concatenate([[0], np.cumsum(true, dtype=np.int64)])
-        return cum[self.offsets + self.numels] - cum[self.offsets]
+    @staticmethod
+    def _split(values: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+        """``values`` cut into pieces of the lengths of ``like``'s arrays."""
+        return np.split(values, np.cumsum([len(x) for x in like])[:-1])
 
-    def _ranked(self, true: np.ndarray, k: int) -> Iterator[tuple[str, int]]:
-        """(name, |pred ∩ true|) of every ranked predictor at k = |true| (tensor_random: per tensor k_e, so
-        its size is k too)."""
+    def _ranked(
+        self, true: np.ndarray, by_decile: list[np.ndarray], k: int, tensor_k: np.ndarray, decile_k: np.ndarray
+    ) -> np.ndarray:
+        """The tracker's |pred ∩ true| counts at the changed set ``true`` (n,) (``by_decile``: its parts in each
+        decile): each ranked predictor's at k (tensor_random at each tensor's changed count ``tensor_k`` (E,)),
+        then each decile predictor's at every decile's changed count ``decile_k`` (N_DECILES,); int64."""
+        out = []
         for name in RANKED:
             if name == "tensor_random":
-                k_e = np.repeat(self._per_tensor(true), self.numels)  # (P,) each coordinate's tensor count
-                yield name, int(np.count_nonzero(true & (self.tensor_ranks < k_e)))
+                out.append(np.count_nonzero(true & (self.tensor_ranks < tensor_k[self.tensor_of])))
             elif name in self.ranks:
-                yield name, int(np.count_nonzero(self.ranks[name][true] < k))
+                out.append(np.count_nonzero(self.ranks[name][true] < k))
+        for ranks in self.decile_ranks.values():
+            out.extend(np.count_nonzero(ranks[d][t] < decile_k[d]) for d, t in enumerate(by_decile))
+        return np.asarray(out, dtype=np.int64)
 
-    def _deciles(self, scope: str, true: np.ndarray) -> dict[str, np.ndarray]:
-        """``decile_{scope}_{predictor}_{stat}`` (N_DECILES,) float64: the ranked predictor within each |w|
-        decile at k = the decile's changed count, against the decile's changed set."""
-        tables = {n: np.full((len(SET_STATS), N_DECILES), np.nan) for n in self.decile_ranks}
-        for d, idx in enumerate(self.decile_idx):
-            if not idx.size:
-                continue
-            true_d = true[idx]
-            k = int(np.count_nonzero(true_d))
-            for name, ranks in self.decile_ranks.items():
-                m = count_metrics(k, k, int(np.count_nonzero(ranks[d][true_d] < k)))
-                tables[name][:, d] = [m[s] for s in SET_STATS]
-        return {f"decile_{scope}_{n}_{s}": tables[n][i] for n in self.decile_ranks for i, s in enumerate(SET_STATS)}
+    def _metrics(self, scope: str, both: np.ndarray, k: int, rules: dict[str, list[int]], decile_k: np.ndarray) -> dict:
+        """One scope's set metrics: the ranked predictors' and the deciles' from the summed counts of
+        :meth:`_ranked`, the rules' from their summed (|pred|, |pred ∩ true|) ``rules``."""
+        rec: dict = {}
+        names = [n for n in RANKED if n == "tensor_random" or n in self.ranks]
+        for name, n_both in zip(names, both, strict=False):
+            rec.update({f"{scope}_{name}_{s}": v for s, v in count_metrics(k, k, int(n_both)).items()})
+        for r, (n_pred, n_both) in rules.items():
+            rec.update({f"{scope}_{r}_{s}": v for s, v in count_metrics(n_pred, k, n_both).items()})
+        at = len(names)
+        for name in self.decile_ranks:
+            table = np.full((len(SET_STATS), N_DECILES), np.nan)
+            for d in np.flatnonzero(self.decile_sizes):
+                m = count_metrics(int(decile_k[d]), int(decile_k[d]), int(both[at + d]))
+                table[:, d] = [m[s] for s in SET_STATS]
+            at += N_DECILES
+            rec.update({f"decile_{scope}_{name}_{s}": table[i] for i, s in enumerate(SET_STATS)})
+        return rec
 
 
 def run_trajectory(
