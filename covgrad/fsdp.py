@@ -239,30 +239,58 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len))
 
 
-def shard_model(model: nn.Module, mesh: Any = None, layers: list[nn.Module] | None = None) -> list[nn.Module]:
+def shard_model(
+    model: nn.Module,
+    mesh: Any = None,
+    layers: list[nn.Module] | None = None,
+    train: bool = False,
+    mp_policy: Any = None,
+) -> list[nn.Module]:
     """``fully_shard`` every decoder layer of ``model`` and then the model itself (in place) over ``mesh``
-    (default: the world of the initialised process group, on :func:`rank_device`'s type); the parameters
-    become dim-0 sharded DTensors. Returns the FSDP modules, the root last.
+    (default: the world of the initialised process group, on :func:`rank_device`'s type), with FSDP2's mixed
+    precision ``mp_policy`` (None: the parameters' own dtype); the parameters become dim-0 sharded DTensors.
+    Returns the FSDP modules, the root last.
 
-    The parameters are frozen first: the per-sample pass needs no batched weight gradient, and FSDP2's
-    unsharded parameters take their ``requires_grad`` from the sharded ones.
+    Without ``train`` the parameters are frozen first: the per-sample pass needs no batched weight gradient,
+    and FSDP2's unsharded parameters take their ``requires_grad`` from the sharded ones. With ``train`` they
+    keep it and the gradients are reduce-scattered as a plain sum (no division by the world size).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mesh is None:
         if not dist.is_initialized():
             raise ValueError("shard_model needs an initialised process group; call dist.init_process_group first")
         mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
-    for p in model.parameters():
-        p.requires_grad_(False)
+    if not train:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
     wrapped = []
     for layer in layers if layers is not None else decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
         wrapped.append(layer)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     wrapped.append(model)
+    if train:
+        for m in wrapped:
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     return wrapped
+
+
+def weights_from_rank0(model: nn.Module, full: dict[str, Tensor], meta: bool) -> None:
+    """Give every rank of a model that :func:`shard_model` sharded its shard of rank 0's weights ``full`` (rank
+    0's state dict taken before sharding; ``{}`` on the other ranks) and rank 0's buffers (collective). ``meta``:
+    this rank built the model on the meta device (its storage is allocated here)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if meta:
+        model.to_empty(device=rank_device())
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def rank_device() -> torch.device:
@@ -361,21 +389,13 @@ def shard_from_rank0(
     Raises:
         ValueError: when rank 0's model is on the meta device, or the trace refuses the model.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     rank, meta = dist.get_rank(), on_meta(model)
     if rank == 0 and meta:
         raise ValueError("rank 0 holds the model on the meta device; load its weights there (the others may not)")
     trace = trace_on_rank0(model, layout, example)
     full = model.state_dict() if rank == 0 else {}
     modules = shard_model(model, mesh)
-    if meta:
-        model.to_empty(device=rank_device())
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full, options=options)
-    del full
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+    weights_from_rank0(model, full, meta)
     return trace, modules
 
 
