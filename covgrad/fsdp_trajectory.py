@@ -182,7 +182,7 @@ class ShardedStepper(Stepper):
             _cast_buffers(model, torch.bfloat16)
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         full = model.state_dict() if dist.get_rank() == 0 else {}
-        shard_model(model, train=True, mp_policy=policy)
+        self._fsdp = shard_model(model, train=True, mp_policy=policy)
         weights_from_rank0(model, full, meta)
         del full
         self.master = self.model = model
@@ -193,6 +193,7 @@ class ShardedStepper(Stepper):
 
     def backward(self, batch: Mapping[str, torch.Tensor], keep_logp: bool = False) -> dict:
         """As :meth:`Stepper.backward`; only rank 0's loss reaches the gradients."""
+        self._reshard()
         self.model.zero_grad(set_to_none=True)
         fwd = self.loss(self.model, batch)
         (fwd["loss"] * (1.0 if dist.get_rank() == 0 else 0.0)).backward()
@@ -202,11 +203,19 @@ class ShardedStepper(Stepper):
         return out
 
     def update(self) -> None:
-        """One optimizer step of every rank's shard at ``spec.lr_at(step + 1)``."""
+        """One optimizer step of every rank's shard at ``spec.lr_at(step + 1)``; the next forward all-gathers the
+        stepped shards."""
         self.step += 1
         for group in self.opt.param_groups:
             group["lr"] = self.spec.lr_at(self.step)
         self.opt.step()
+        self._reshard()
+
+    def _reshard(self) -> None:
+        """Free every all-gathered layer. A forward without gradients (sampling, the KL) leaves the root module
+        all-gathered: stale once the shards step, and without FSDP2's gradient hooks for a backward."""
+        for module in self._fsdp:
+            module.reshard()
 
     def flat(self, layout: ParamLayout, grad: bool = False) -> torch.Tensor:
         """This rank's shard of the analysed model's selected values (or their gradients, 0 where None), (P_r,)

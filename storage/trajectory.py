@@ -154,8 +154,9 @@ def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINTS_DIR}/step_{step:06d}"
 
 
-def _state_name(step: int) -> str:
-    return f"{STATE_DIR}/step_{step:06d}.pt"
+def _state_name(step: int, rank: int | None = None) -> str:
+    """The resume state of step ``step``: of the whole run, or of rank ``rank``'s shard."""
+    return f"{STATE_DIR}/step_{step:06d}.pt" if rank is None else f"{STATE_DIR}/step_{step:06d}.rank{rank}.pt"
 
 
 def create_changed(g: Any, steps: int, P: int) -> None:
@@ -174,43 +175,62 @@ def read_records(store: ArtifactStore, ref: ArtifactRef, steps: int) -> list[dic
     return [store.read_json(ref, record_name(t)) for t in range(1, steps + 1)]
 
 
-def write_state(store: ArtifactStore, ref: ArtifactRef, state: dict) -> None:
-    """Store the resume state of step ``state["step"]`` atomically, then delete the older states."""
+def write_state(store: ArtifactStore, ref: ArtifactRef, state: dict, rank: int | None = None) -> None:
+    """Store the resume state of step ``state["step"]`` atomically (of rank ``rank``'s shard:
+    ``state/step_{t}.rank{r}.pt``), then, for the whole run, delete the older states (a rank's go in
+    :func:`drop_older_states`, once every rank has written its own)."""
     buf = io.BytesIO()
     torch.save(state, buf)
-    target = store.path(ref, _state_name(int(state["step"])))
+    step = int(state["step"])
+    target = store.path(ref, _state_name(step, rank))
     store.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
     if store.local:
         store.fs.pipe_file(target + ".partial", buf.getvalue())
         store.fs.mv(target + ".partial", target)
     else:
         store.fs.pipe_file(target, buf.getvalue())
-    for old in _state_files(store, ref):
-        if not old.endswith(_state_name(int(state["step"]))):
+    if rank is None:
+        drop_older_states(store, ref, step)
+
+
+def drop_older_states(store: ArtifactStore, ref: ArtifactRef, step: int, rank: int | None = None) -> None:
+    """Delete the resume states (of rank ``rank``) other than step ``step``'s."""
+    for old in _state_files(store, ref, rank):
+        if not old.endswith(_state_name(step, rank)):
             store.fs.rm(old)
 
 
-def read_state(store: ArtifactStore, ref: ArtifactRef) -> dict | None:
-    """The newest stored resume state, or None."""
-    files = _state_files(store, ref)
-    if not files:
+def state_steps(store: ArtifactStore, ref: ArtifactRef, rank: int | None = None) -> list[int]:
+    """The steps of the stored resume states (of rank ``rank``), ascending."""
+    return [int(re.search(r"step_(\d+)", f.rsplit("/", 1)[-1])[1]) for f in _state_files(store, ref, rank)]
+
+
+def read_state(store: ArtifactStore, ref: ArtifactRef, rank: int | None = None, step: int | None = None) -> dict | None:
+    """The stored resume state of step ``step`` (None: the newest; of rank ``rank``'s shard), or None."""
+    steps = state_steps(store, ref, rank)
+    if not steps:
         return None
-    return torch.load(io.BytesIO(store.fs.cat_file(files[-1])), weights_only=True)
+    name = _state_name(steps[-1] if step is None else step, rank)
+    return torch.load(io.BytesIO(store.fs.cat_file(store.path(ref, name))), weights_only=True)
 
 
 def drop_state(store: ArtifactStore, ref: ArtifactRef) -> None:
-    """Delete every stored resume state (the stage's last write before its marker)."""
-    for f in _state_files(store, ref):
+    """Delete every stored resume state, the ranks' included (the stage's last write before its marker)."""
+    d = store.path(ref, STATE_DIR)
+    for f in store.fs.ls(d, detail=False) if store.fs.exists(d) else []:
         store.fs.rm(f)
     if store.fs.exists(store.path(ref, STATE_DIR)):
         store.fs.rm(store.path(ref, STATE_DIR), recursive=True)
 
 
-def _state_files(store: ArtifactStore, ref: ArtifactRef) -> list[str]:
+def _state_files(store: ArtifactStore, ref: ArtifactRef, rank: int | None = None) -> list[str]:
+    """The stored states of the whole run (``rank`` None) or of one rank, by step."""
     d = store.path(ref, STATE_DIR)
     if not store.fs.exists(d):
         return []
-    return sorted(p for p in store.fs.ls(d, detail=False) if p.endswith(".pt"))
+    suffix = ".pt" if rank is None else f".rank{rank}.pt"
+    names = [p for p in store.fs.ls(d, detail=False) if p.endswith(suffix)]
+    return sorted(p for p in names if rank is not None or ".rank" not in p.rsplit("/", 1)[-1])
 
 
 def finish_store(g: Any, records: list[dict], layout: ParamLayout) -> None:

@@ -386,6 +386,7 @@ class TrajectorySpec(StageSpec):
 
     STAGE: ClassVar[str] = "trajectory"
     VERSION: ClassVar[str] = "1"
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"launcher", "ranks"})
     settings: TrajectorySection
     params: list[str] | None
     groups_per_batch: int
@@ -396,6 +397,19 @@ class TrajectorySpec(StageSpec):
     inputs: dict[str, str] = {}  # content digests of the task files and teacher directories it reads
     regime: RegimeSection | None = None
     data_sampler: str | None = None
+    # the model sharded over the scores stage's local ranks (storage.trajectory_ranks); absent from the dump when
+    # in-process
+    launcher: Literal["in-process", "local"] = "in-process"
+    ranks: int = 1
+
+    @model_serializer(mode="wrap")
+    def _in_process_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump without ``launcher`` and ``ranks`` when in-process (as recorded before the fields existed)."""
+        out = handler(self)
+        if self.launcher == "in-process":
+            out.pop("launcher", None)
+            out.pop("ranks", None)
+        return out
 
     def hashed(self) -> dict[str, Any]:
         """As :meth:`StageSpec.hashed`, without the regime fields of an rl trajectory (its key is the one
@@ -742,6 +756,8 @@ def plan_trajectories(
     if not cfg.trajectory.enabled:
         return out
     analysed = cfg.rollouts.analyse
+    launcher, ranks = cfg.scores.placement
+    sharded = ranks > 1 and launcher == "local"  # the scores stage's local processes
     for cell, t in cfg.trajectory.cells().items():
         r = cfg.regimes.get(t.regime) if t.regime != "rl" or "rl" in cfg.regimes else None
         data_sampler = analysed if r is None else (r.sampler or analysed)
@@ -760,6 +776,8 @@ def plan_trajectories(
             },
             regime=None if r is None else r.model_copy(deep=True),
             data_sampler=None if r is None else data_sampler,
+            launcher=launcher if sharded else "in-process",
+            ranks=ranks if sharded else 1,
         )
         upstream = {"base_model": base, "rollouts": rollouts[data_sampler], "stats": main}
         if r is not None:

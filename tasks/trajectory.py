@@ -1,21 +1,18 @@
 """trajectory stage: K optimizer steps of one regime from the policy, checked against step-0 predictions.
 
-The stepping, the per-step records and the predictors are ``covgrad.trajectory`` (``run_trajectory``); the
-files are ``storage/trajectory.py``'s. Loss: rl's REINFORCE loss (``trajectory.regime = "rl"``) or the
-loss of the configured regime ``trajectory.regime`` (``covgrad.trajectory.StepLoss``: per-token rl with its
-KL penalty to the reference, distillation towards its fixed teacher, SFT). Data: ``trajectory.data =
-"on_policy"`` draws fresh samples from the current policy every step (the analysed sampler's temperature,
-truncation, group size and length), rewards them with the task's reward and gives them group advantages
-(``rollouts.advantage``); ``"fixed"`` steps on minibatches of ``scores.groups_per_batch`` prompt groups of
-fixed rollouts: the analysed ones, or the regime's sampler's (the sft regimes always step on fixed data).
-Predictors: F of the main statistics (the start policy's step 0); G and ρ of the main statistics for rl,
-of the regime's own statistics (the ``regimes`` stage) otherwise.
+Stepping, records and predictors: ``covgrad.trajectory``; files: ``storage/trajectory.py``. Loss: rl's REINFORCE
+loss or that of the configured regime ``trajectory.regime`` (``StepLoss``). Data: ``"on_policy"`` draws fresh
+samples from the current policy every step (the analysed sampler's settings), rewards them with the task's reward
+and gives them group advantages; ``"fixed"`` steps on minibatches of ``scores.groups_per_batch`` prompt groups of
+fixed rollouts (the analysed ones, or the regime's sampler's; the sft regimes always step on fixed data).
+Predictors: F of the main statistics; G and ρ of the main statistics for rl, of the regime's own otherwise. With
+``scores.ranks`` local ranks the model is sharded over them (``storage/trajectory_ranks.py``), same bytes.
 
 Resumable by step: each step's packed changed set and record are written, then its progress mark; every
-``state_every`` steps (and at the last) the resume state (weights, optimizer state, tracker state, step,
-seed) is stored, so a killed run restarts from the newest state and ends byte-identical to an
-uninterrupted one. Hugging Face checkpoints of the analysed model are written at ``checkpoint_steps``
-(``checkpoint_ratio`` r: steps floor(r**i) and K; r = 2 by default).
+``state_every`` steps (and at the last) the resume state (weights, optimizer and tracker state) is stored, so a
+killed run restarts from the newest state and ends byte-identical to an uninterrupted one. Hugging Face
+checkpoints of the analysed model are written at ``checkpoint_steps`` (steps floor(r**i) and K, r =
+``checkpoint_ratio``).
 """
 
 from __future__ import annotations
@@ -57,6 +54,7 @@ from storage.trajectory import (
     write_step,
     write_summary,
 )
+from storage.trajectory_ranks import run_ranks
 from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import TrajectorySpec
 
@@ -69,6 +67,9 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
             f"trajectory: the main statistics are degenerate ({st.attrs['degenerate']}); "
             "their predictors are undefined, so the trajectory is not run"
         )
+    if s.checkpoints is None and spec.ranks > 1:  # the model sharded over ranks
+        layout = run_ranks(store, ref, spec, up)
+        return _finish(store, ref, store.open_group(ref, STORE, mode="a"), spec, layout)
 
     def policy() -> torch.nn.Module:
         return load_models(store, up["base_model"], "policy", spec.policy)[0].float()
@@ -111,6 +112,12 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
             if t % s.state_every == 0 or t == s.steps:
                 write_state(store, ref, trajectory_state(stepper, tracker, s.seed))
             bar.update(1)
+    return _finish(store, ref, g, spec, layout)
+
+
+def _finish(store: ArtifactStore, ref: ArtifactRef, g: object, spec: TrajectorySpec, layout: ParamLayout) -> dict:
+    """The per-step arrays and the summary of a stepped trajectory from its records; its resume states deleted."""
+    s = spec.settings
     records = read_records(store, ref, s.steps)
     finish_store(g, records, layout)
     last = records[-1]
@@ -127,7 +134,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
         "reward_first": records[0]["reward"],
         "reward_last": last["reward"],
         "kl_last": last["kl"],
-        "checkpoints": sorted(saved),
+        "checkpoints": checkpoint_steps(s.steps, s.checkpoint_ratio),
     }
     write_summary(store, ref, g, layout, summary)
     drop_state(store, ref)

@@ -75,6 +75,17 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
+class Sampled(FixedBatches):
+    """Fixed rows behind a forward without gradients of the current model, as on-policy sampling runs one (it
+    leaves FSDP2's root module all-gathered)."""
+
+    def batch(self, step: int, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        rows = super().batch(step, model)
+        with torch.no_grad():
+            model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"])
+        return rows
+
+
 def _stats(P: int, index: np.ndarray | None = None) -> StepZeroStats:
     """Step-0 F, G, ρ of the whole layout (at ``index``), with ties (zero F) and a NaN ρ."""
     rng = np.random.default_rng(7)
@@ -96,7 +107,7 @@ def _single(family: str, precision: str, optimizer: str) -> tuple[list[dict], di
     layout = select_parameters(model)
     stepper = Stepper(model, OptimizerSpec(optimizer, 1e-2), precision)
     tracker = ChangeTracker(layout, stepper.flat(layout), stepper.spec, _stats(layout.P))
-    records = list(run_trajectory(stepper, FixedBatches(_batches()), layout, STEPS, tracker))
+    records = list(run_trajectory(stepper, Sampled(_batches()), layout, STEPS, tracker))
     weights = {n: p.detach().clone() for n, p in stepper.model.named_parameters()}
     return _plain(records), weights
 
@@ -123,7 +134,7 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
         for i, case in enumerate(CASES):
             stepper, tracker, layout = _sharded(case, rank, ranks)
             records, changed = [], []
-            for rec in run_trajectory(stepper, FixedBatches(_batches()), layout, STEPS, tracker):
+            for rec in run_trajectory(stepper, Sampled(_batches()), layout, STEPS, tracker):
                 changed.append(gather_changed(rec["changed"], layout))
                 records.append(rec)
                 if rec["step"] == RESUME_AT:
@@ -131,7 +142,7 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
             weights = {n: p.to_local().detach().clone() for n, p in stepper.model.named_parameters()}
             stepper, tracker, layout = _sharded(case, rank, ranks)
             load_trajectory_state(state, stepper, tracker, 5)
-            resumed = list(run_trajectory(stepper, FixedBatches(_batches()), layout, STEPS, tracker))
+            resumed = list(run_trajectory(stepper, Sampled(_batches()), layout, STEPS, tracker))
             out = {"records": _plain(records), "changed": changed, "weights": weights, "resumed": _plain(resumed)}
             with open(Path(outdir) / f"{i}-{rank}.pkl", "wb") as f:
                 pickle.dump(out, f)

@@ -82,3 +82,28 @@ def run_two_machines(task: Callable, node0: Any, node1: Any, store: ArtifactStor
     thread.join(120.0)
     assert not thread.is_alive() and "error" not in out, out.get("error")
     assert first.computed and out["result"].computed and out["complete"]
+
+
+def killing_trajectory_rank(root: str, ref, spec, up, log: str, kill: tuple[int, int] | None) -> None:
+    """``storage.trajectory_ranks.trajectory_rank`` that appends "rank step" to ``log`` where a rank resumes and,
+    with ``kill`` = (rank, t), SIGKILLs that rank once every rank holds its state of step t (after the barrier
+    that follows the ranks' state writes)."""
+    from storage import trajectory_ranks
+
+    rank = dist.get_rank()
+    drop, resume = trajectory_ranks.drop_older_states, trajectory_ranks._resume_step
+
+    def killing_drop(store, ref_, step, r):
+        if kill == (rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        drop(store, ref_, step, r)
+
+    def recorded_resume(store, ref_):
+        step = resume(store, ref_)
+        with Path(log).open("a") as f:
+            f.write(f"{rank} {step}\n")
+        return step
+
+    trajectory_ranks.drop_older_states = killing_drop
+    trajectory_ranks._resume_step = recorded_resume
+    trajectory_ranks.trajectory_rank(root, ref, spec, up)

@@ -1,0 +1,71 @@
+"""The trajectory stage with the model sharded over 2 gloo ranks (scores.ranks=2, storage/trajectory_ranks.py) on the
+tiny pipeline: the same key and the same bytes as in-process (records, changed sets, per-step arrays, checkpoints),
+on-policy sampling from the sharded model included; a rank SIGKILLed mid-run is named in one line and the rerun
+resumes every rank from the newest state all of them hold, to the same bytes."""
+
+import shutil
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from covgrad.fsdp import RankFailedError
+from storage.artifacts import ArtifactStore
+from tasks.specs import plan
+from tests.helpers.fsdp_ranks import killing_trajectory_rank
+from tests.helpers.pipeline import run_planned, tiny_config
+from tests.test_trajectory_stage import OVERRIDES, digests
+
+RANKS = {"scores.ranks": 2}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny pipeline's trajectory in-process and on 2 ranks (roots)."""
+    roots = tmp_path_factory.mktemp("in-process"), tmp_path_factory.mktemp("ranks")
+    for root, extra in zip(roots, ({}, RANKS), strict=True):
+        assert run_planned(tiny_config(str(root), **OVERRIDES, **extra))["trajectory"].computed
+    return roots
+
+
+def _artifact(root: Path, **extra: object) -> Path:
+    ref = plan(tiny_config(str(root), **OVERRIDES, **extra))["trajectory"].ref
+    return root / ref.stage / ref.key
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_in_process_artifact(runs):
+    in_process, ranks = runs
+    spec = plan(tiny_config(str(ranks), **OVERRIDES, **RANKS))["trajectory"].spec
+    assert (spec.launcher, spec.ranks) == ("local", 2)
+    assert "ranks" not in plan(tiny_config(str(in_process), **OVERRIDES))["trajectory"].spec.model_dump()
+    assert _artifact(in_process).name == _artifact(ranks, **RANKS).name  # ranks are placement
+    want, got = digests(_artifact(in_process)), digests(_artifact(ranks, **RANKS))
+    assert any(name.startswith("checkpoints/") for name in want)
+    assert sorted(got) == sorted(want)
+    assert [name for name in want if got[name] != want[name]] == []
+    assert not (_artifact(ranks, **RANKS) / "state").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_bytes(runs, tmp_path: Path, monkeypatch):
+    """Rank 1 SIGKILLs itself once both ranks hold their state of step 4: the stage fails in one line naming it,
+    nothing is marked complete; the rerun resumes both ranks at step 4 and ends with the in-process bytes."""
+    in_process, ranks = runs
+    root = tmp_path / "root"
+    shutil.copytree(ranks, root, ignore=shutil.ignore_patterns("trajectory"))
+    log = tmp_path / "resumed.log"
+    rank_main = "storage.trajectory_ranks.trajectory_rank"
+    monkeypatch.setattr(rank_main, partial(killing_trajectory_rank, log=str(log), kill=(1, 4)))
+    cfg = tiny_config(str(root), **OVERRIDES, **RANKS)
+    with pytest.raises(RankFailedError) as info:
+        run_planned(cfg)
+    assert str(info.value) == "rank 1 of 2 was killed by SIGKILL; rerun to resume from the checkpoints"
+    assert not ArtifactStore(cfg.root).is_complete(plan(cfg)["trajectory"].ref)
+    assert sorted(log.read_text().splitlines()) == ["0 0", "1 0"]
+    log.write_text("")
+    monkeypatch.setattr(rank_main, partial(killing_trajectory_rank, log=str(log), kill=None))
+    assert run_planned(cfg)["trajectory"].computed
+    assert sorted(log.read_text().splitlines()) == ["0 4", "1 4"]
+    want, got = digests(_artifact(in_process)), digests(_artifact(root, **RANKS))
+    assert [name for name in want if got.get(name) != want[name]] == []
