@@ -68,14 +68,9 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
             "their predictors are undefined, so the trajectory is not run"
         )
     if s.checkpoints is None and spec.ranks > 1:  # the model sharded over ranks
-        layout = run_ranks(store, ref, spec, up)
-        return _finish(store, ref, store.open_group(ref, STORE, mode="a"), spec, layout)
-
-    def policy() -> torch.nn.Module:
-        return load_models(store, up["base_model"], "policy", spec.policy)[0].float()
-
-    tokenizer = load_models(store, up["base_model"], "policy", spec.policy)[1]
-    start = policy()
+        return _finish(store, ref, spec, run_ranks(store, ref, spec, up))
+    start, tokenizer = load_models(store, up["base_model"], "policy", spec.policy)
+    start = start.float()
     layout = select_parameters(start, spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
     rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
@@ -89,7 +84,8 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss)
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
     tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats, bound)
-    reference = bf16_rounded(policy()).to(stored_dtype(s.precision))
+    reference = load_models(store, up["base_model"], "policy", spec.policy)[0].float()
+    reference = bf16_rounded(reference).to(stored_dtype(s.precision))
     source = step_source(store, spec, up, tokenizer, loss)
 
     g = store.open_group(ref, STORE, mode="a")
@@ -112,12 +108,12 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
             if t % s.state_every == 0 or t == s.steps:
                 write_state(store, ref, trajectory_state(stepper, tracker, s.seed))
             bar.update(1)
-    return _finish(store, ref, g, spec, layout)
+    return _finish(store, ref, spec, layout)
 
 
-def _finish(store: ArtifactStore, ref: ArtifactRef, g: object, spec: TrajectorySpec, layout: ParamLayout) -> dict:
+def _finish(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, layout: ParamLayout) -> dict:
     """The per-step arrays and the summary of a stepped trajectory from its records; its resume states deleted."""
-    s = spec.settings
+    s, g = spec.settings, store.open_group(ref, STORE, mode="a")
     records = read_records(store, ref, s.steps)
     finish_store(g, records, layout)
     last = records[-1]
@@ -138,8 +134,8 @@ def _finish(store: ArtifactStore, ref: ArtifactRef, g: object, spec: TrajectoryS
     }
     write_summary(store, ref, g, layout, summary)
     drop_state(store, ref)
-    step, cum = summary["frac_changed_step_mean"], summary["frac_changed_cum_final"]
-    log.info("trajectory %s: %d steps, per-step changed %.4f, cumulative %.4f", ref.key, s.steps, step, cum)
+    fractions = summary["frac_changed_step_mean"], summary["frac_changed_cum_final"]
+    log.info("trajectory %s: %d steps, per-step changed %.4f, cumulative %.4f", ref.key, s.steps, *fractions)
     return summary
 
 
@@ -158,7 +154,6 @@ def _external(
     statistics are the step-0 predictors); row i of the store is the change from checkpoint i − 1 to i,
     ``step`` the trainer's step. Recomputed whole on a rerun (no training state to resume)."""
     s = spec.settings
-    assert s.checkpoints is not None
     series = checkpoint_series(s.checkpoints)
     K = len(series) - 1
 
