@@ -146,6 +146,7 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
             out = {"records": _plain(records), "changed": changed, "weights": weights, "resumed": _plain(resumed)}
             with open(Path(outdir) / f"{i}-{rank}.pkl", "wb") as f:
                 pickle.dump(out, f)
+        _ranks_of_interleaved_columns(rank, ranks, outdir)
     finally:
         dist.destroy_process_group()
 
@@ -163,7 +164,7 @@ def _same(got: list[dict], want: list[dict], what: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_sharded_trajectory_is_the_single_process_run(tmp_path: Path, ranks: int) -> None:
+def test_sharded_trajectory_and_ranks_are_the_single_process_ones(tmp_path: Path, ranks: int) -> None:
     init = f"file://{tmp_path / 'rendezvous'}"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(ranks, init, str(tmp_path)), nprocs=ranks, join=True)
@@ -189,26 +190,31 @@ def test_sharded_trajectory_is_the_single_process_run(tmp_path: Path, ranks: int
             assert local.dtype == full.dtype or precision == "fp32_master", what
             assert torch.equal(local.to(full.dtype), full), f"{what}: rank {r} weights"
             assert not torch.equal(mine.to(full.dtype), full), what
+    values, groups = _rank_inputs()
+    for r in range(ranks):  # distributed_ranks over interleaved columns: the whole layout's ranks at them
+        with open(tmp_path / f"ranks-{r}.pkl", "rb") as f:
+            got = pickle.load(f)
+        index = got.pop("index")
+        for (largest, whole), ranks_r in got.items():
+            want = group_ranks(values, largest, None if whole else groups)[index]
+            np.testing.assert_array_equal(ranks_r, want, err_msg=f"rank {r}, largest={largest}, groups={not whole}")
 
 
-def _ranks_worker(rank: int, ranks: int, init: str, outdir: str) -> None:
+def _ranks_of_interleaved_columns(rank: int, ranks: int, outdir: str) -> None:
+    """distributed_ranks of every column i with i % ranks == rank, with and without groups, both orders."""
     from covgrad.fsdp_trajectory import distributed_ranks
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
-    try:
-        values, groups = _rank_inputs()
-        index = np.flatnonzero(np.arange(values.shape[0]) % ranks == rank)  # interleaved columns
-        rank_of = distributed_ranks(index)
-        out = {
-            (largest, g is None): rank_of(values[index], largest, None if g is None else g[index])
-            for largest in (True, False)
-            for g in (None, groups)
-        }
-        out["index"] = index
-        with open(Path(outdir) / f"ranks-{rank}.pkl", "wb") as f:
-            pickle.dump(out, f)
-    finally:
-        dist.destroy_process_group()
+    values, groups = _rank_inputs()
+    index = np.flatnonzero(np.arange(values.shape[0]) % ranks == rank)
+    rank_of = distributed_ranks(index)
+    out = {
+        (largest, g is None): rank_of(values[index], largest, None if g is None else g[index])
+        for largest in (True, False)
+        for g in (None, groups)
+    }
+    out["index"] = index
+    with open(Path(outdir) / f"ranks-{rank}.pkl", "wb") as f:
+        pickle.dump(out, f)
 
 
 def _rank_inputs() -> tuple[np.ndarray, np.ndarray]:
@@ -221,17 +227,3 @@ def _rank_inputs() -> tuple[np.ndarray, np.ndarray]:
     groups = rng.integers(0, 4, 101)
     groups[0] = 6
     return values, groups
-
-
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_distributed_ranks_are_the_whole_layout_ranks(tmp_path: Path, ranks: int) -> None:
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_ranks_worker, args=(ranks, init, str(tmp_path)), nprocs=ranks, join=True)
-    values, groups = _rank_inputs()
-    for r in range(ranks):
-        with open(tmp_path / f"ranks-{r}.pkl", "rb") as f:
-            got = pickle.load(f)
-        index = got.pop("index")
-        for (largest, whole), ranks_r in got.items():
-            want = group_ranks(values, largest, None if whole else groups)[index]
-            np.testing.assert_array_equal(ranks_r, want, err_msg=f"rank {r}, largest={largest}, groups={not whole}")

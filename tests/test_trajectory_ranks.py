@@ -21,11 +21,14 @@ RANKS = {"scores.ranks": 2}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, Path]:
-    """The tiny pipeline's trajectory in-process and on 2 ranks (roots)."""
-    roots = tmp_path_factory.mktemp("in-process"), tmp_path_factory.mktemp("ranks")
-    for root, extra in zip(roots, ({}, RANKS), strict=True):
-        assert run_planned(tiny_config(str(root), **OVERRIDES, **extra))["trajectory"].computed
-    return roots
+    """The tiny pipeline's trajectory in-process, and on 2 ranks from a copy of the in-process upstream artifacts
+    (ranks are placement: the same keys, so only the trajectory is computed again)."""
+    in_process, ranks = tmp_path_factory.mktemp("in-process"), tmp_path_factory.mktemp("ranks")
+    assert run_planned(tiny_config(str(in_process), **OVERRIDES))["trajectory"].computed
+    shutil.copytree(in_process, ranks, ignore=shutil.ignore_patterns("trajectory"), dirs_exist_ok=True)
+    results = run_planned(tiny_config(str(ranks), **OVERRIDES, **RANKS))
+    assert [name for name, r in results.items() if r.computed] == ["trajectory", "report"]  # the config changed
+    return in_process, ranks
 
 
 def _artifact(root: Path, **extra: object) -> Path:
