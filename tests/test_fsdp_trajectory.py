@@ -20,10 +20,12 @@ import torch.multiprocessing as mp
 
 from covgrad.fsdp import RankColumns
 from covgrad.layout import parameters_flat, select_parameters
+from covgrad.regimes import Regime
 from covgrad.trajectory import (
     ChangeTracker,
     FixedBatches,
     OptimizerSpec,
+    StepLoss,
     Stepper,
     StepZeroStats,
     bf16_rounded,
@@ -32,27 +34,32 @@ from covgrad.trajectory import (
     run_trajectory,
     trajectory_state,
 )
-from tests.helpers.families import FAMILIES, V
+from tests.helpers.families import FAMILIES, V, perturb
 
-# (family, precision, optimizer): tied and untied embeddings, a Qwen3 and a MoE, every precision regime
+# (family, precision, optimizer, regime): tied and untied embeddings, a Qwen3 and a MoE, every precision regime;
+# rl, distillation towards a (sharded) teacher, per-token rl with a KL penalty to a (sharded) reference
 CASES = [
-    ("llama-untied", "fp32", "sgd"),
-    ("llama-tied", "bf16", "adam"),
-    ("qwen3", "fp32_master", "adamw"),
-    ("qwen3-moe", "fp32", "adam"),
+    ("llama-untied", "fp32", "sgd", "rl"),
+    ("llama-tied", "bf16", "adam", "rl"),
+    ("qwen3", "fp32_master", "adamw", "rl"),
+    ("qwen3-moe", "fp32", "adam", "rl"),
+    ("llama-tied", "bf16", "adam", "distill_reverse_kl"),
+    ("qwen3", "bf16", "sgd", "rl_token"),
 ]
 STEPS = 4
 RESUME_AT = 2
 
 
-def _model(family: str, rank: int = 0, ranks: int = 1) -> torch.nn.Module:
-    """Rank 0 (and the single process) hold the weights; the last of several ranks is on the meta device, a middle
-    rank holds other weights."""
+def _model(family: str, rank: int = 0, ranks: int = 1, seed: int = 0) -> torch.nn.Module:
+    """Rank 0 (and the single process) hold the weights of ``seed``; the last of several ranks is on the meta device,
+    a middle rank holds other weights."""
     if ranks > 1 and rank == ranks - 1:
         with torch.device("meta"):
             return bf16_rounded(FAMILIES[family]().to(torch.float32))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = bf16_rounded(FAMILIES[family]().to(torch.float32))
+    if seed:
+        perturb(model, seed)
     if rank > 0:
         with torch.no_grad():
             for p in model.parameters():
@@ -102,24 +109,40 @@ def _plain(records: list[dict]) -> list[dict]:
     return [{k: np.asarray(v) for k, v in r.items()} for r in records]
 
 
-def _single(family: str, precision: str, optimizer: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def _loss(case: tuple[str, ...], rank: int = 0, ranks: int = 1) -> StepLoss:
+    """The case's loss; its teacher (another model) or reference (the start) sharded on ranks (collective)."""
+    family, kind = case[0], case[3]
+    if kind == "rl":
+        return StepLoss()
+    fixed = _model(family, rank, ranks, seed=3 if kind.startswith("distill") else 0)
+    if ranks > 1:
+        from covgrad.fsdp_trajectory import shard_frozen
+
+        fixed = shard_frozen(fixed)
+    if kind == "rl_token":
+        return StepLoss(Regime("rl_token", kl_beta=0.1), reference=fixed)
+    return StepLoss(Regime(kind), teacher=fixed)
+
+
+def _single(case: tuple[str, ...]) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    family, precision, optimizer, _ = case
     model = _model(family)
     layout = select_parameters(model)
-    stepper = Stepper(model, OptimizerSpec(optimizer, 1e-2), precision)
+    stepper = Stepper(model, OptimizerSpec(optimizer, 1e-2), precision, _loss(case))
     tracker = ChangeTracker(layout, stepper.flat(layout), stepper.spec, _stats(layout.P))
     records = list(run_trajectory(stepper, Sampled(_batches()), layout, STEPS, tracker))
     weights = {n: p.detach().clone() for n, p in stepper.model.named_parameters()}
     return _plain(records), weights
 
 
-def _sharded(case: tuple[str, str, str], rank: int, ranks: int) -> tuple[Stepper, ChangeTracker, object]:
+def _sharded(case: tuple[str, ...], rank: int, ranks: int) -> tuple[Stepper, ChangeTracker, object]:
     """A rank's stepper, tracker and layout of one case (collective)."""
     from covgrad.fsdp_trajectory import ShardedStepper, rank_shard
 
-    family, precision, optimizer = case
+    family, precision, optimizer, _ = case
     model = _model(family, rank, ranks)
     layout = select_parameters(model)
-    stepper = ShardedStepper(model, OptimizerSpec(optimizer, 1e-2), precision)
+    stepper = ShardedStepper(model, OptimizerSpec(optimizer, 1e-2), precision, _loss(case, rank, ranks))
     shard = rank_shard(layout)
     tracker = ChangeTracker(layout, stepper.flat(layout), stepper.spec, _stats(layout.P, shard.index), shard=shard)
     return stepper, tracker, layout
@@ -168,9 +191,10 @@ def test_sharded_trajectory_and_ranks_are_the_single_process_ones(tmp_path: Path
     init = f"file://{tmp_path / 'rendezvous'}"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(ranks, init, str(tmp_path)), nprocs=ranks, join=True)
-    for i, (family, precision, optimizer) in enumerate(CASES):
-        what = f"{family} {precision} {optimizer} on {ranks} ranks"
-        want, weights = _single(family, precision, optimizer)
+    for i, case in enumerate(CASES):
+        family, precision = case[:2]
+        what = f"{' '.join(case)} on {ranks} ranks"
+        want, weights = _single(case)
         layout = select_parameters(_model(family))
         assert any(r["n_changed_step"] for r in want) and any(r["n_changed_step"] < layout.P for r in want), what
         for r in range(ranks):
