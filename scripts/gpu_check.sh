@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the scores stage in one run, for a machine with one CUDA device and PyTorch, Triton and
 # transformers but none of the pipeline's storage or orchestration packages (no zarr, dask, prefect,
-# pydantic): the cuda exactness tests, then benchmarks.scores on the 134M fp32 and 0.85B bf16 Llamas.
+# pydantic): the cuda exactness tests (FSDP2 with one nccl rank against the plain path included), then
+# benchmarks.scores on the 134M fp32 and 0.85B bf16 Llamas.
 # Everything printed is also written under $OUT (default ./gpu-check): env.txt, cuda_tests.txt,
 # bench_scores.txt.
 #
@@ -17,7 +18,7 @@ status=0
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" 2>&1 | tee "$OUT/env.txt" || status=1
 # the tests' conftest sets up Prefect and the demo run; the cuda tests need neither
-"$PY" -m pytest -q --noconftest -p no:cacheprovider tests/test_cuda.py tests/test_token_fisher.py -m gpu -rs \
+"$PY" -m pytest -q --noconftest -p no:cacheprovider tests/test_cuda.py tests/test_token_fisher.py tests/test_fsdp_cuda.py -m gpu -rs \
     2>&1 | tee "$OUT/cuda_tests.txt" || status=1
 if [ "${1:-}" != "--dry-run" ]; then
     "$PY" -m benchmarks.scores --device cuda --model llama-134m llama-0.85b --reps 3 2>&1 \
