@@ -14,7 +14,7 @@ from storage.artifacts import ArtifactStore
 from tasks.specs import plan
 from tests.helpers.fsdp_ranks import killing_trajectory_rank
 from tests.helpers.pipeline import run_planned, tiny_config
-from tests.test_trajectory_stage import OVERRIDES, digests
+from tests.helpers.trajectory import OVERRIDES, digests
 
 RANKS = {"scores.ranks": 2}
 

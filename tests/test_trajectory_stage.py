@@ -2,11 +2,9 @@
 steps agree with the packed sets (covgrad.ckpt_diff), and a run SIGKILLed at a random step and rerun
 ends byte-identical to an uninterrupted one."""
 
-import hashlib
 import json
 import random
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,27 +18,7 @@ from storage.schema import TRAJECTORY
 from tasks.specs import plan
 from tests.helpers import forked
 from tests.helpers.pipeline import run_planned, tiny_config
-
-STEPS = 6
-OVERRIDES = {
-    "tokens.enabled": False,
-    "update_check.enabled": False,
-    "trajectory.enabled": True,
-    "trajectory.steps": STEPS,
-    "trajectory.state_every": 2,
-    "trajectory.lr": 1e-3,
-    "trajectory.prompts_per_step": 2,
-}
-
-
-def digests(artifact: Path) -> dict[str, str]:
-    """sha256 of every file of an artifact except its bookkeeping (marker, claim, manifest, zarr.json)."""
-    skip = {"_COMPLETE.json", "_STARTED.json", "_MANIFEST.json", "zarr.json"}
-    return {
-        str(p.relative_to(artifact)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(artifact.rglob("*"))
-        if p.is_file() and p.name not in skip
-    }
+from tests.helpers.trajectory import OVERRIDES, STEPS, digests
 
 
 @pytest.fixture(scope="module")

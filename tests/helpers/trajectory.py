@@ -1,5 +1,8 @@
 """The tiny models and rows of the trajectory tests: a 2-layer Llama, fixed rollouts, an on-policy source
-and step 1's rows built by hand."""
+and step 1's rows built by hand; the tiny pipeline's trajectory settings and an artifact's file digests."""
+
+import hashlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -82,3 +85,26 @@ def hand_rows(model):
     attn = (torch.arange(out["tokens"].shape[1])[None] < total[:, None]).long()
     A = compute_advantages(even_fraction(out, None), out["prompt_index"].numpy(), "group_mean")
     return out["tokens"].long(), attn, out["response_mask"], torch.from_numpy(A)
+
+
+# the tiny pipeline with a 6-step trajectory (resume state every 2 steps) and nothing else optional
+STEPS = 6
+OVERRIDES = {
+    "tokens.enabled": False,
+    "update_check.enabled": False,
+    "trajectory.enabled": True,
+    "trajectory.steps": STEPS,
+    "trajectory.state_every": 2,
+    "trajectory.lr": 1e-3,
+    "trajectory.prompts_per_step": 2,
+}
+
+
+def digests(artifact: Path) -> dict[str, str]:
+    """sha256 of every file of an artifact except its bookkeeping (marker, claim, manifest, zarr.json)."""
+    skip = {"_COMPLETE.json", "_STARTED.json", "_MANIFEST.json", "zarr.json"}
+    return {
+        str(p.relative_to(artifact)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(artifact.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }
