@@ -652,17 +652,15 @@ class TrackerShard:
     them (every tracker calls it in the same order), ``ranks`` ranks values over all their columns.
 
     Attributes:
-        index: (n,) int64 global columns of the layout's flat axis, ascending.
+        index: (n,) int64 global columns of the layout's flat axis, ascending; None: all of them.
     """
 
-    index: np.ndarray
+    index: np.ndarray | None
     total: Callable[[np.ndarray], np.ndarray]
     ranks: Ranker
 
 
-def whole_layout(P: int) -> TrackerShard:
-    """The shard of a tracker that keeps all P columns by itself."""
-    return TrackerShard(np.arange(P, dtype=np.int64), lambda counts: counts, group_ranks)
+WHOLE_LAYOUT = TrackerShard(None, lambda counts: counts, group_ranks)  # one tracker keeps every column
 
 
 class ChangeTracker:
@@ -690,8 +688,9 @@ class ChangeTracker:
         bound: bool = True,
         shard: TrackerShard | None = None,
     ) -> None:
-        self.shard = whole_layout(layout.P) if shard is None else shard
-        n = self.shard.index.shape[0]
+        self.shard = WHOLE_LAYOUT if shard is None else shard
+        index = self.shard.index
+        n = layout.P if index is None else index.shape[0]
         if start.shape != (n,):
             raise ValueError(f"start has shape {tuple(start.shape)}, expected ({n},)")
         self.layout, self.spec, self.stats = layout, optimizer, stats
@@ -700,7 +699,7 @@ class ChangeTracker:
         self.last = torch.zeros(n, dtype=torch.bool)  # the previous step's changed set
         self.steps = 0  # steps recorded
         seed = 0 if stats is None else stats.seed
-        values = _ranked_values(stats, start, seed, layout.P, None if shard is None else self.shard.index)
+        values = _ranked_values(stats, start, seed, layout.P, index)
         self.rules = ("absorb", "bound") if optimizer.name == "sgd" and stats is not None and bound else ("absorb",)
         self.union = {r: torch.zeros(n, dtype=torch.bool) for r in self.rules}
         self.F = (
@@ -708,8 +707,12 @@ class ChangeTracker:
         )
         rank = self.shard.ranks
         self.ranks = {name: rank(*values[name], None) for name in RANKED if name in values}
-        ends = np.asarray([e.offset + e.numel for e in layout.entries], dtype=np.int64)
-        self.tensor_of = np.searchsorted(ends, self.shard.index, side="right").astype(np.int32)  # (n,)
+        E = len(layout.entries)
+        if index is None:  # (n,) the layout tensor of each column
+            self.tensor_of = np.repeat(np.arange(E, dtype=np.int32), [e.numel for e in layout.entries])
+        else:
+            ends = np.asarray([e.offset + e.numel for e in layout.entries], dtype=np.int64)
+            self.tensor_of = np.searchsorted(ends, index, side="right").astype(np.int32)
         self.tensor_ranks = rank(values["random"][0], True, self.tensor_of)
         small = rank(start.float().abs().numpy(), False, None)
         self.decile = (small.astype(np.int64) * N_DECILES // max(layout.P, 1)).astype(np.int8)  # (n,) |w_0| decile

@@ -28,8 +28,10 @@ from covgrad.trajectory import (
     Stepper,
     StepZeroStats,
     bf16_rounded,
+    group_ranks,
     load_trajectory_state,
     persistence,
+    random_values,
     run_trajectory,
     stable_ranks,
     stored_dtype,
@@ -324,3 +326,33 @@ def test_bad_arguments():
         FixedBatches([{"input_ids": torch.zeros(1, 2)}])
     assert OptimizerSpec("adam", 1.0, warmup=4).lr_at(1) == 0.25
     assert OptimizerSpec("adam", 1.0, warmup=4).lr_at(9) == 1.0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_random_values_drawn_in_chunks_are_the_whole_draw(monkeypatch, chunk: int):
+    """A shard's random predictor values, drawn RANDOM_CHUNK at a time, are numpy's one draw of all P at its
+    columns (odd chunk sizes split numpy's 64-bit outputs between calls)."""
+    monkeypatch.setattr("covgrad.trajectory.RANDOM_CHUNK", chunk)
+    P = 53
+    whole = np.random.default_rng([5, 0]).random(P, dtype=np.float32)
+    index = np.sort(np.random.default_rng(1).choice(P, 20, replace=False))
+    assert np.array_equal(random_values(5, P, index), whole[index])
+    assert np.array_equal(random_values(5, P), whole)
+
+
+def test_group_ranks_count_the_values_before_each_in_its_group():
+    """group_ranks against the definition: in its group, the values ordered before it (larger, or smaller with
+    largest=False; ties by the lower index; NaN last; -0 tied with +0)."""
+    rng = np.random.default_rng(2)
+    values = rng.integers(0, 4, 60).astype(np.float64)
+    values[[3, 9]] = np.nan
+    values[[4, 5]] = [-0.0, 0.0]
+    groups = rng.integers(0, 3, 60)
+    for largest in (True, False):
+        key = np.where(np.isnan(values), np.inf, -values if largest else values)
+        want = [
+            sum(groups[j] == groups[i] and (key[j] < key[i] or (key[j] == key[i] and j < i)) for j in range(60))
+            for i in range(60)
+        ]
+        np.testing.assert_array_equal(group_ranks(values, largest, groups), want)
+        np.testing.assert_array_equal(group_ranks(values, largest), stable_ranks(values, largest))
