@@ -154,9 +154,15 @@ def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINTS_DIR}/step_{step:06d}"
 
 
-def _state_name(step: int, rank: int | None = None) -> str:
-    """The resume state of step ``step``: of the whole run, or of rank ``rank``'s shard."""
-    return f"{STATE_DIR}/step_{step:06d}.pt" if rank is None else f"{STATE_DIR}/step_{step:06d}.rank{rank}.pt"
+def rank_label(rank: int, ranks: int) -> str:
+    """The name of rank ``rank`` of ``ranks``' resume states (a group of another size does not read them)."""
+    return f"rank{rank}-of-{ranks}"
+
+
+def _state_name(step: int, rank: str | None = None) -> str:
+    """The resume state of step ``step``: of the whole run, or of one rank's shard (``rank``: its
+    :func:`rank_label`)."""
+    return f"{STATE_DIR}/step_{step:06d}.pt" if rank is None else f"{STATE_DIR}/step_{step:06d}.{rank}.pt"
 
 
 def create_changed(g: Any, steps: int, P: int) -> None:
@@ -175,9 +181,9 @@ def read_records(store: ArtifactStore, ref: ArtifactRef, steps: int) -> list[dic
     return [store.read_json(ref, record_name(t)) for t in range(1, steps + 1)]
 
 
-def write_state(store: ArtifactStore, ref: ArtifactRef, state: dict, rank: int | None = None) -> None:
-    """Store the resume state of step ``state["step"]`` atomically (of rank ``rank``'s shard:
-    ``state/step_{t}.rank{r}.pt``), then, for the whole run, delete the older states (a rank's go in
+def write_state(store: ArtifactStore, ref: ArtifactRef, state: dict, rank: str | None = None) -> None:
+    """Store the resume state of step ``state["step"]`` atomically (of the rank labelled ``rank``'s shard:
+    ``state/step_{t}.rank{r}-of-{R}.pt``), then, for the whole run, delete the older states (a rank's go in
     :func:`drop_older_states`, once every rank has written its own)."""
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -193,19 +199,19 @@ def write_state(store: ArtifactStore, ref: ArtifactRef, state: dict, rank: int |
         drop_older_states(store, ref, step)
 
 
-def drop_older_states(store: ArtifactStore, ref: ArtifactRef, step: int, rank: int | None = None) -> None:
+def drop_older_states(store: ArtifactStore, ref: ArtifactRef, step: int, rank: str | None = None) -> None:
     """Delete the resume states (of rank ``rank``) other than step ``step``'s."""
     for old in _state_files(store, ref, rank):
         if not old.endswith(_state_name(step, rank)):
             store.fs.rm(old)
 
 
-def state_steps(store: ArtifactStore, ref: ArtifactRef, rank: int | None = None) -> list[int]:
+def state_steps(store: ArtifactStore, ref: ArtifactRef, rank: str | None = None) -> list[int]:
     """The steps of the stored resume states (of rank ``rank``), ascending."""
     return [int(re.search(r"step_(\d+)", f.rsplit("/", 1)[-1])[1]) for f in _state_files(store, ref, rank)]
 
 
-def read_state(store: ArtifactStore, ref: ArtifactRef, rank: int | None = None, step: int | None = None) -> dict | None:
+def read_state(store: ArtifactStore, ref: ArtifactRef, rank: str | None = None, step: int | None = None) -> dict | None:
     """The stored resume state of step ``step`` (None: the newest; of rank ``rank``'s shard), or None."""
     steps = state_steps(store, ref, rank)
     if not steps:
@@ -223,12 +229,12 @@ def drop_state(store: ArtifactStore, ref: ArtifactRef) -> None:
         store.fs.rm(store.path(ref, STATE_DIR), recursive=True)
 
 
-def _state_files(store: ArtifactStore, ref: ArtifactRef, rank: int | None = None) -> list[str]:
+def _state_files(store: ArtifactStore, ref: ArtifactRef, rank: str | None = None) -> list[str]:
     """The stored states of the whole run (``rank`` None) or of one rank, by step."""
     d = store.path(ref, STATE_DIR)
     if not store.fs.exists(d):
         return []
-    suffix = ".pt" if rank is None else f".rank{rank}.pt"
+    suffix = ".pt" if rank is None else f".{rank}.pt"
     names = [p for p in store.fs.ls(d, detail=False) if p.endswith(suffix)]
     return sorted(p for p in names if rank is not None or ".rank" not in p.rsplit("/", 1)[-1])
 

@@ -7,9 +7,9 @@ columns and gets the whole layout's record. What the ranks write (files as in :m
 
 - rank 0: each step's record, its changed set (gathered from every rank's columns), the Hugging Face checkpoints
   (gathered whole onto rank 0) and the step's progress mark, in that order;
-- every rank: its shard's resume state ``state/step_{t}.rank{r}.pt`` every ``state_every`` steps; a rank deletes its
-  older state only after every rank has written step t's, so a rerun resumes all ranks from the newest step every
-  rank holds.
+- every rank: its shard's resume state ``state/step_{t}.rank{r}-of-{R}.pt`` every ``state_every`` steps; a rank
+  deletes its older state only after every rank has written step t's, so a rerun resumes all ranks from the newest
+  step every rank holds (a group of another size starts afresh).
 
 The task's process creates the store before the ranks start and writes the per-step arrays and the summary after
 they have finished, from the records, as without ranks.
@@ -54,6 +54,7 @@ from storage.trajectory import (
     checkpoint_name,
     create_changed,
     drop_older_states,
+    rank_label,
     read_state,
     state_steps,
     step_loss,
@@ -74,7 +75,7 @@ def _at_columns(array: Any, layout: ParamLayout) -> np.ndarray:
 
 def _resume_step(store: ArtifactStore, ref: ArtifactRef) -> int:
     """The newest step whose resume state every rank holds (0: none; collective)."""
-    mine = state_steps(store, ref, dist.get_rank())
+    mine = state_steps(store, ref, rank_label(dist.get_rank(), dist.get_world_size()))
     newest = torch.tensor([mine[-1] if mine else 0], dtype=torch.int64)
     dist.all_reduce(newest, op=dist.ReduceOp.MIN)
     return int(newest)
@@ -100,7 +101,7 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
     process has created: build the sharded stepper and this rank's tracker, resume from the newest state every rank
     holds, and step to ``settings.steps`` with the other ranks."""
     store, s = ArtifactStore(root), spec.settings
-    rank = dist.get_rank()
+    rank, label = dist.get_rank(), rank_label(dist.get_rank(), dist.get_world_size())
     st = store.open_group(up["stats"], STATS, mode="r")
     rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
     own = "" if spec.regime is None else f"_{s.regime}"
@@ -128,7 +129,7 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
     g = store.open_group(ref, STORE, mode="r+")
     resume = _resume_step(store, ref)
     if resume:
-        load_trajectory_state(read_state(store, ref, rank, resume), stepper, tracker, s.seed)
+        load_trajectory_state(read_state(store, ref, label, resume), stepper, tracker, s.seed)
     saved = set(checkpoint_steps(s.steps, s.checkpoint_ratio))
     for rec in run_trajectory(stepper, source, layout, s.steps, tracker, reference):
         t = rec["step"]
@@ -139,9 +140,9 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
             write_step(store, ref, g, t, packed, rec)
             mark_batch_done(g, t - 1)
         if t % s.state_every == 0 or t == s.steps:
-            write_state(store, ref, trajectory_state(stepper, tracker, s.seed), rank)
+            write_state(store, ref, trajectory_state(stepper, tracker, s.seed), label)
             dist.barrier()  # every rank holds step t's state
-            drop_older_states(store, ref, t, rank)
+            drop_older_states(store, ref, t, label)
 
 
 def run_ranks(store: ArtifactStore, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> ParamLayout:
