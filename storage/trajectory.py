@@ -92,10 +92,12 @@ def step_loss(
     name: str,
     r: RegimeSection | None,
     teacher: ArtifactRef | None = None,
+    meta: bool = False,
 ) -> StepLoss:
     """The loss regime ``name`` steps (None: rl), its teacher and reference loaded as fixed float32 models
     (``policy``: the start policy; ``stale``; ``trained``: the teacher stage's artifact ``teacher``; a model
-    directory); ValueError for another vocabulary."""
+    directory), on the meta device with ``meta`` (a rank that takes its shards from rank 0); ValueError for
+    another vocabulary."""
     if r is None:
         return StepLoss()
     if r.teacher_logprobs:
@@ -111,11 +113,11 @@ def step_loss(
             if teacher is None:
                 raise ValueError(f"regime {name}: teacher trained needs the teacher stage's artifact upstream")
             with store.local_dir(teacher, "teacher", write=False) as d:
-                model = load_model_and_tokenizer(d, policy.dtype, policy.trust_remote_code)[0].float().eval()
+                model = load_model_and_tokenizer(d, policy.dtype, policy.trust_remote_code, meta)[0].float().eval()
         else:
-            model = load_models(store, base, which, policy)[0].float().eval()
+            model = load_models(store, base, which, policy, meta)[0].float().eval()
         V = int(model.get_output_embeddings().weight.shape[0])
-        own = load_models(store, base, "policy", policy)[0]
+        own = load_models(store, base, "policy", policy, meta=True)[0]  # its shapes only
         if int(own.get_output_embeddings().weight.shape[0]) != V:
             raise ValueError(f"regime {name}: the {role} {which!r} has vocabulary {V}, unlike the policy")
         for p in model.parameters():

@@ -116,7 +116,7 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
     F, G, rho = (_at_columns(a, layout) for a in (st["F"], rg[f"G{own}"], rg[f"rho{own}"]))
     decay = s.weight_decay if s.optimizer == "adamw" else None
     opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
-    loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"))
+    loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"), rank > 0)
     loss.teacher = None if loss.teacher is None else shard_frozen(loss.teacher)
     loss.reference = None if loss.reference is None else shard_frozen(loss.reference)
     stepper = ShardedStepper(bf16_rounded(start, layout), opt, s.precision, loss)

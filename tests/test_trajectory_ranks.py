@@ -72,3 +72,37 @@ def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_bytes(runs, tm
     assert sorted(log.read_text().splitlines()) == ["0 4", "1 4"]
     want, got = digests(_artifact(in_process)), digests(_artifact(root, **RANKS))
     assert [name for name in want if got.get(name) != want[name]] == []
+
+
+# a distillation towards a sharpened copy of the policy (its teacher loaded without weights on rank 1) and SFT on the
+# stale sampler's rollouts (fixed data), as tests/test_trajectory_regime_stage.py runs them in-process
+REGIMES = {
+    "sharpen": {"kind": "distill_reverse_kl", "teacher": "policy", "teacher_temperature": 0.5},
+    "sft": {"kind": "sft_sampled", "sampler": "stale"},
+}
+REGIME_OVERRIDES = {
+    "tokens.enabled": False,
+    "update_check.enabled": False,
+    "regimes": REGIMES,
+    "trajectory.enabled": True,
+    "trajectory.steps": 3,
+    "trajectory.prompts_per_step": 2,
+    "trajectory.grid": {
+        "sharpen-adam-bf16": {"regime": "sharpen", "optimizer": "adam", "precision": "bf16", "lr": 1e-3},
+        "sft-sgd-fp32": {"regime": "sft", "optimizer": "sgd", "precision": "fp32", "lr": 1e-2},
+    },
+}
+
+
+@pytest.mark.slow
+def test_regime_trajectories_on_two_ranks_are_the_in_process_artifacts(tmp_path: Path):
+    in_process, ranks = tmp_path / "in-process", tmp_path / "ranks"
+    assert run_planned(tiny_config(str(in_process), **REGIME_OVERRIDES))
+    shutil.copytree(in_process, ranks, ignore=shutil.ignore_patterns("trajectory"))
+    results = run_planned(tiny_config(str(ranks), **REGIME_OVERRIDES, **RANKS))
+    cells = [f"trajectory.{cell}" for cell in REGIME_OVERRIDES["trajectory.grid"]]
+    assert all(results[c].computed for c in cells)
+    for cell in cells:
+        ref = plan(tiny_config(str(ranks), **REGIME_OVERRIDES, **RANKS))[cell].ref
+        want, got = digests(in_process / ref.stage / ref.key), digests(ranks / ref.stage / ref.key)
+        assert sorted(got) == sorted(want) and [n for n in want if got[n] != want[n]] == [], cell
