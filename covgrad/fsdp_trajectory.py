@@ -188,7 +188,6 @@ class ShardedStepper(Stepper):
         self.master = self.model = model
         self.dtype = dtype
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._pairs = [(p, p) for p in self._params]
         self.opt = optimizer.build(self._params)
 
     def backward(self, batch: Mapping[str, torch.Tensor], keep_logp: bool = False) -> dict:
@@ -224,10 +223,10 @@ class ShardedStepper(Stepper):
         parts = []
         for e in layout.entries:
             p = params[e.name]
-            local = p.to_local()
-            t = p.grad.to_local() if grad and p.grad is not None else local
-            if grad and p.grad is None:
-                t = torch.zeros_like(local)
+            if not grad:
+                t = p.to_local()
+            else:
+                t = torch.zeros_like(p.to_local()) if p.grad is None else p.grad.to_local()
             parts.append(t.detach().reshape(-1).to(self.dtype))
         return torch.cat(parts)
 

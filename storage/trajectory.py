@@ -29,13 +29,21 @@ from covgrad.config import RegimeSection
 from covgrad.layout import ParamLayout
 from covgrad.regimes import regime_of
 from covgrad.sampling import SamplerSpec
-from covgrad.trajectory import BATCH_KEYS, FixedBatches, OnPolicy, StepLoss, text_rewards
+from covgrad.trajectory import (
+    BATCH_KEYS,
+    FixedBatches,
+    OnPolicy,
+    OptimizerSpec,
+    StepLoss,
+    StepZeroStats,
+    text_rewards,
+)
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import ModelSource, load_model_and_tokenizer, load_models
 from storage.prompts import load_task
 from storage.regimes import IMPORTED
 from storage.rollouts import read_batch
-from storage.schema import ROLLOUTS, annotate, create, write
+from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, create, write
 from storage.schema import TRAJECTORY as STORE
 
 STATE_DIR = "state"
@@ -83,6 +91,29 @@ def checkpoint_series(path: str) -> list[tuple[int, str]]:
 
 
 FIXED_KINDS = ("sft_drift", "sft_sampled")  # regimes whose data are fixed responses, never fresh samples
+
+
+def optimizer_spec(s: Any) -> OptimizerSpec:
+    """The optimizer of trajectory settings ``s`` (weight decay only for AdamW)."""
+    decay = s.weight_decay if s.optimizer == "adamw" else None
+    return OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
+
+
+def step_zero_stats(store: ArtifactStore, spec: Any, up: dict[str, ArtifactRef], columns: Any = None) -> StepZeroStats:
+    """The step-0 predictors of trajectory spec ``spec``: F of the main statistics, G and ρ of the main statistics
+    for rl and of the regime's own (the ``regimes`` stage) otherwise; all P columns, or those of ``columns`` (a
+    ``covgrad.fsdp.RankColumns``), read run by run."""
+    st = store.open_group(up["stats"], STATS, mode="r")
+    rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
+    own = "" if spec.regime is None else f"_{spec.settings.regime}"
+
+    def read(array: Any) -> np.ndarray:
+        if columns is None:
+            return array[:]
+        parts = [np.asarray(array[a:b]) for a, b in zip(columns.starts, columns.stops, strict=True)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=array.dtype)
+
+    return StepZeroStats(F=read(st["F"]), G=read(rg[f"G{own}"]), rho=read(rg[f"rho{own}"]), seed=spec.settings.seed)
 
 
 def step_loss(

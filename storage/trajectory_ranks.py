@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,8 +36,6 @@ from covgrad.fsdp_trajectory import (
 from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.trajectory import (
     ChangeTracker,
-    OptimizerSpec,
-    StepZeroStats,
     bf16_rounded,
     checkpoint_steps,
     load_trajectory_state,
@@ -48,29 +45,24 @@ from covgrad.trajectory import (
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.models import load_models, load_rank_policy
-from storage.schema import REGIMES, STATS
+from storage.schema import STATS
 from storage.schema import TRAJECTORY as STORE
 from storage.trajectory import (
     checkpoint_name,
     create_changed,
     drop_older_states,
+    optimizer_spec,
     rank_label,
     read_state,
     state_steps,
     step_loss,
     step_source,
+    step_zero_stats,
     write_state,
     write_step,
 )
 
 log = logging.getLogger("covgrad")
-
-
-def _at_columns(array: Any, layout: ParamLayout) -> np.ndarray:
-    """A (P,) stored statistic at this rank's columns, (P_r,), read run by run."""
-    cols = rank_columns(layout)
-    parts = [np.asarray(array[a:b]) for a, b in zip(cols.starts, cols.stops, strict=True)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=array.dtype)
 
 
 def _resume_step(store: ArtifactStore, ref: ArtifactRef) -> int:
@@ -102,9 +94,6 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
     holds, and step to ``settings.steps`` with the other ranks."""
     store, s = ArtifactStore(root), spec.settings
     rank, label = dist.get_rank(), rank_label(dist.get_rank(), dist.get_world_size())
-    st = store.open_group(up["stats"], STATS, mode="r")
-    rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
-    own = "" if spec.regime is None else f"_{s.regime}"
 
     def policy() -> torch.nn.Module:
         return load_rank_policy(store, up["base_model"], spec.policy, rank_device()).float()
@@ -112,17 +101,14 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
     tokenizer = load_models(store, up["base_model"], "policy", spec.policy, meta=True)[1]
     start = policy()
     layout = select_parameters(start, spec.params)
-    check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
-    F, G, rho = (_at_columns(a, layout) for a in (st["F"], rg[f"G{own}"], rg[f"rho{own}"]))
-    decay = s.weight_decay if s.optimizer == "adamw" else None
-    opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
+    opt = optimizer_spec(s)
     loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"), rank > 0)
     loss.teacher = None if loss.teacher is None else shard_frozen(loss.teacher)
     loss.reference = None if loss.reference is None else shard_frozen(loss.reference)
     stepper = ShardedStepper(bf16_rounded(start, layout), opt, s.precision, loss)
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
     shard = rank_shard(layout)
-    stats = StepZeroStats(F=F, G=G, rho=rho, seed=s.seed)
+    stats = step_zero_stats(store, spec, up, rank_columns(layout))
     tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats, bound, shard=shard)
     reference = shard_frozen(bf16_rounded(policy()).to(stored_dtype(s.precision)))
     source = step_source(store, spec, up, tokenizer, loss)

@@ -38,7 +38,7 @@ from covgrad.trajectory import (
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.identity import check_computed_on
 from storage.models import load_models
-from storage.schema import REGIMES, STATS
+from storage.schema import STATS
 from storage.schema import TRAJECTORY as STORE
 from storage.trajectory import (
     checkpoint_name,
@@ -46,10 +46,12 @@ from storage.trajectory import (
     create_changed,
     drop_state,
     finish_store,
+    optimizer_spec,
     read_records,
     read_state,
     step_loss,
     step_source,
+    step_zero_stats,
     write_state,
     write_step,
     write_summary,
@@ -73,11 +75,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     start = start.float()
     layout = select_parameters(start, spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
-    rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
-    own = "" if spec.regime is None else f"_{s.regime}"  # a regime's G and ρ are in the regimes statistics
-    stats = StepZeroStats(F=st["F"][:], G=rg[f"G{own}"][:], rho=rg[f"rho{own}"][:], seed=s.seed)
-    decay = s.weight_decay if s.optimizer == "adamw" else None
-    opt = OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
+    stats, opt = step_zero_stats(store, spec, up), optimizer_spec(s)
     if s.checkpoints is not None:
         return _external(store, ref, spec, up, layout, stats, opt, start)
     loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"))
