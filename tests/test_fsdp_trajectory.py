@@ -170,6 +170,7 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
             with open(Path(outdir) / f"{i}-{rank}.pkl", "wb") as f:
                 pickle.dump(out, f)
         _ranks_of_interleaved_columns(rank, ranks, outdir)
+        dist.barrier()  # no rank tears its connections down while another is still in a collective
     finally:
         dist.destroy_process_group()
 
