@@ -5,8 +5,8 @@ passes of the summed objectives (Σ_t log p(y_t), and the regime's own objective
 grad: what a trainer pays for the two gradients.
 
 - "separate": the scores stage's streaming step (``PerSampleGrads.accumulate`` of the score into float64
-  moment state), then the regime fold's (``RegimeMoments.fold`` of the regime's g_n with its bound scalars):
-  two forwards, two per-sample backwards;
+  moment state), then the regime fold's (``RegimeMoments.fold`` of the regime's g_n, summed per prompt group of
+  8 samples by default, with its bound scalars): two forwards, two per-sample backwards;
 - "fused": one multi-cotangent pass (``RegimeMoments.fold(..., also=[score])``, i.e.
   ``PerSampleGrads.accumulate_many``): one forward, then one per-sample backward per cotangent, each folded
   into its own accumulator (the same bytes as "separate", checked after the timing);
@@ -22,6 +22,7 @@ enters wall time, not the process's own CPU time). Reported: median ratio over r
     python -m benchmarks.regimes --model small --reps 0 --profile 10   # cProfile of 10 fused steps
     python -m benchmarks.regimes --response 480                # responses of 480 tokens instead of 32
     python -m benchmarks.regimes --fold-only                   # the fold alone: native and torch.compile kernels
+    python -m benchmarks.regimes --group 1                     # every sample a prompt group of its own
 
 ``--fold-only`` times the compiled fold alone, side by side: one batch of the model's P columns in row-chunk
 sized blocks, zero advantages, into a state with the co-moment (the score's) and without it (a regime's),
@@ -48,7 +49,7 @@ from torch import Tensor
 
 from benchmarks.scores import MODELS, build, make_batch, objective
 from covgrad import accum
-from covgrad.accum import MomentAccumulator
+from covgrad.accum import GroupAccumulator, MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import Cotangent, PerSampleGrads, default_chunk_bytes, score_logit_grad
 from covgrad.regimes import Regime, RegimeGrad, RegimeMoments
@@ -73,6 +74,13 @@ class _Unfolded(MomentAccumulator):
         """Take the block and drop it."""
 
 
+class _UnfoldedGroups(GroupAccumulator):
+    """:class:`_Unfolded` for a regime's accumulator (which also takes the batch's prompt groups)."""
+
+    def fold(self, offset: int, block: Tensor) -> None:
+        """Take the block and drop it."""
+
+
 def run(
     name: str,
     kind: str,
@@ -81,9 +89,11 @@ def run(
     profile: int = 0,
     response: int | None = None,
     state_dtype: str = "float64",
+    group: int = 8,
 ) -> dict[str, float]:
     """Time both passes of ``kind`` on model ``name`` (responses of ``response`` tokens; None: the model's
-    default; moment state in ``state_dtype``) against the floor; returns the median ratio per pass."""
+    default; moment state in ``state_dtype``; prompt groups of ``group`` samples) against the floor; returns
+    the median ratio per pass."""
     device = torch.device("cpu")
     model = build(name, device)
     B, prompt, default_response = MODELS[name][8:11]
@@ -97,12 +107,13 @@ def run(
     with torch.no_grad():
         zq = teacher(input_ids=ids).logits
     adv = torch.randn(ids.shape, dtype=torch.float64) * (w != 0)
-    half = np.arange(B) % 2
+    groups = np.arange(B) // group
+    half = groups % 2
     psg = PerSampleGrads(model, layout, check=False)
     accs = {m: MomentAccumulator(layout.P, device, state_dtype, compiled=True) for m in ("separate", "fused")}
     moments = {m: RegimeMoments(layout.P, device, state_dtype, compiled=True) for m in ("separate", "fused")}
     accs["unfolded"], moments["unfolded"] = _Unfolded(layout.P, device), RegimeMoments(layout.P, device)
-    moments["unfolded"].acc = _Unfolded(layout.P, device, comoment=False)
+    moments["unfolded"].acc = _UnfoldedGroups(layout.P, device)
     seq_adv = np.random.default_rng(0).standard_normal(B)
     regime = Regime(kind)
 
@@ -116,11 +127,11 @@ def run(
 
     def separate() -> None:
         psg.accumulate(ids, mask, score, accs["separate"], seq_adv, half, position_ids=pos)
-        moments["separate"].fold(psg, ids, mask, regime_fn(), half, pos)
+        moments["separate"].fold(psg, ids, mask, regime_fn(), half, pos, group=groups)
 
     def fused(way: str = "fused") -> None:
         also = [Cotangent(score, accs[way], seq_adv, half)]
-        moments[way].fold(psg, ids, mask, regime_fn(), half, pos, also=also)
+        moments[way].fold(psg, ids, mask, regime_fn(), half, pos, group=groups, also=also)
 
     def floor() -> None:
         torch.autograd.grad(objective(model(input_ids=ids).logits, ids, w), plist)
@@ -203,6 +214,7 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=None, help="response tokens per sample (default: the model's)")
     ap.add_argument("--fold-only", action="store_true", help="time the regime fold with and without co-moment")
     ap.add_argument("--state-dtype", choices=("float64", "float32"), default="float64", help="moment state dtype")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt group (the clustered standard error)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -222,7 +234,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|"
     )
     for name in args.model:
-        run(name, args.regime, args.reps, args.clock, args.profile, args.response, args.state_dtype)
+        run(name, args.regime, args.reps, args.clock, args.profile, args.response, args.state_dtype, args.group)
 
 
 if __name__ == "__main__":

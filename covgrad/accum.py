@@ -469,3 +469,93 @@ class _Batch:
         self.order = torch.from_numpy(order.astype(np.int64))
         self.offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(self.nb)]).astype(np.int64))
         self.acen = torch.from_numpy(np.ascontiguousarray(weights[H + half, np.arange(self.B)]))
+
+
+class GroupAccumulator(MomentAccumulator):
+    """Moments of each prompt group's sum of the per-sample rows: the group c of a batch, with n_c samples, is
+    folded as one row S_c = Σ_{i∈c} x_i whose advantage is n_c.
+
+    The samples of one prompt are not independent (they share the prompt, and in RL a group-relative
+    advantage), so the standard error of a mean over them is the prompt-clustered one, from the spread of the
+    groups' sums: for the C groups of a half, n = Σ n_c samples and the mean G = Σ S_c / n,
+        se² = C/(C − 1) · Σ_c (S_c − n_c·G)² / n²,   Σ_c (S_c − n_c G)² = m2_S − 2G·c_nS + G²·m2_n
+    (:func:`covgrad.regimes.clustered_mean_se`; ``comoment`` keeps c_nS, needed for groups of several sizes:
+    with one size m2_n and c_nS are 0). With one sample per group it is the independent-samples error. The
+    state is a :class:`MomentAccumulator`'s over groups: ``count`` groups, ``mean_a`` the mean group size,
+    ``mean`` the mean S_c; G = mean / mean_a. Folding C group rows instead of B sample rows costs one
+    pass over each block for the sums (an ``index_add_``, in row order; on cuda a (C, B) @ (B, n) product,
+    whose ``index_add_`` is not deterministic) and a fold of C rows.
+
+    Before each batch, :meth:`set_groups` gives its samples' group ids; every group's samples lie in one
+    batch (``covgrad.batch.group_batches``) and one half.
+
+    Args:
+        P, device, state_dtype, halves, compiled, switch_P: as :class:`MomentAccumulator`.
+        comoment: keep c_nS (groups of several sizes); without it, groups of another size than the first
+            are refused.
+    """
+
+    def __init__(
+        self,
+        P: int,
+        device: torch.device | str,
+        state_dtype: str = "float64",
+        halves: int = 2,
+        compiled: bool | None = None,
+        switch_P: int | None = None,
+        comoment: bool = False,
+    ) -> None:
+        super().__init__(P, device, state_dtype, halves, compiled, switch_P, comoment)
+        self._next: np.ndarray | None = None
+        self._indicator: Tensor | None = None  # (C, B) float32 on cuda, else the (B,) int64 group index
+
+    def set_groups(self, group: Tensor | np.ndarray) -> None:
+        """The group id of each sample (B,) of the next batch."""
+        self._next = np.asarray(torch.as_tensor(group).cpu(), dtype=np.int64)
+
+    def begin_batch(self, advantages: Tensor | np.ndarray, half: Tensor | np.ndarray) -> None:
+        """Start a batch of B samples with halves ``half`` (B,) whose groups :meth:`set_groups` gave; the
+        samples' ``advantages`` are not used (each group's advantage is its size)."""
+        group, self._next = self._next, None
+        h = np.asarray(torch.as_tensor(half).cpu(), dtype=np.int64)
+        if group is None or group.shape != h.shape:
+            shape = None if group is None else group.shape
+            raise ValueError(f"set_groups before each batch with the (B,) = {h.shape} group ids; got {shape}")
+        ids, inverse = np.unique(group, return_inverse=True)
+        group_half = np.zeros(len(ids), np.int64)
+        group_half[inverse] = h
+        split = np.flatnonzero(group_half[inverse] != h)
+        if split.size:
+            raise ValueError(f"prompt group {ids[inverse[split[0]]]} has samples in two halves; give a group one half")
+        indicator = np.zeros((len(ids), len(h)), np.float32)
+        indicator[inverse, np.arange(len(h))] = 1.0
+        sizes = indicator.sum(1).astype(np.float64)
+        found = sorted(set(sizes.tolist()) | set(self.mean_a[self.count > 0].tolist()))
+        if not self.comoment and len(found) > 1:
+            raise ValueError(f"prompt groups of sizes {found}; make the accumulator with comoment=True")
+        super().begin_batch(sizes, group_half)
+        index = indicator if self.device.type == "cuda" else inverse.astype(np.int64)
+        self._indicator = torch.from_numpy(index).to(self.device)
+
+    def fold(self, offset: int, block: Tensor) -> None:
+        """Fold the groups' sums (C, n) of one tensor's per-sample block (B, n) into columns [offset, offset + n)."""
+        index, batch = self._indicator, self._batch
+        if index is None or batch is None:
+            raise ValueError("fold called outside a batch; call set_groups and begin_batch first")
+        rows = block.reshape(block.shape[0], -1).to(torch.float32)
+        if index.dim() == 2:
+            sums = index @ rows
+        else:
+            sums = torch.zeros(batch.B, rows.shape[1], dtype=torch.float32, device=rows.device)
+            sums.index_add_(0, index, rows)
+        super().fold(offset, sums)
+
+    def end_batch(self) -> None:
+        """Commit the batch."""
+        super().end_batch()
+        self._indicator = None
+
+    def abort_batch(self) -> None:
+        """Forget the batch."""
+        super().abort_batch()
+        self._indicator = None

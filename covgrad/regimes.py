@@ -49,7 +49,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from covgrad.accum import MomentAccumulator
+from covgrad.accum import GroupAccumulator
+from covgrad.stats import Moments, merge_moments
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -586,17 +587,18 @@ class RegimeGrad:
 class RegimeMoments:
     """One regime's per-sample gradients folded per parity half beside the score's moments, with its bound.
 
-    The g_n are folded by a :class:`covgrad.accum.MomentAccumulator` of their own through
-    :meth:`covgrad.persample.PerSampleGrads.accumulate` (no B × P rows), with zero advantages and no
-    co-moment: its ``mean`` row h is the half's G (mean of g_n), ``m2`` its Σ(g − ḡ)² (standard errors).
+    The g_n are folded through :meth:`covgrad.persample.PerSampleGrads.accumulate` (no B × P rows) by a
+    :class:`covgrad.accum.GroupAccumulator` of their own: each prompt group's sum as one row, from which
+    :meth:`gradient` (G) and :meth:`standard_error` (prompt-clustered) follow.
     The bound scalar ``bound_sq`` of each batch's :class:`RegimeGrad` is summed per half in float64.
 
     Args:
         P: parameter elements (the layout's flat axis); device: where the (H, P) state lives.
         state_dtype, halves, compiled: as :class:`covgrad.accum.MomentAccumulator`.
+        group_comoment: prompt groups of several sizes (the accumulator's ``comoment``).
 
     Attributes:
-        acc: the g_n moments.
+        acc: the moments of the groups' sums of g_n.
         bound_sum, bound_count: shape (H,) float64 numpy, Σ_n bound_sq and the samples that had one.
     """
 
@@ -607,8 +609,9 @@ class RegimeMoments:
         state_dtype: str = "float64",
         halves: int = 2,
         compiled: bool | None = None,
+        group_comoment: bool = False,
     ) -> None:
-        self.acc = MomentAccumulator(P, device, state_dtype, halves, compiled, comoment=False)
+        self.acc = GroupAccumulator(P, device, state_dtype, halves, compiled, comoment=group_comoment)
         self.bound_sum = np.zeros(halves)
         self.bound_count = np.zeros(halves)
 
@@ -621,6 +624,7 @@ class RegimeMoments:
         half: Tensor | np.ndarray,
         position_ids: Tensor | None = None,
         *,
+        group: Tensor | np.ndarray | None = None,
         out: Tensor | None = None,
         also: Sequence[Cotangent] = (),
     ) -> None:
@@ -631,25 +635,37 @@ class RegimeMoments:
             input_ids, attention_mask, position_ids: the batch, as :meth:`PerSampleGrads.accumulate`.
             fn: the batch's :class:`RegimeGrad`.
             half: shape (B,) integers in [0, H), each sample's half.
+            group: shape (B,) each sample's prompt group (None: every sample a group of its own).
             out: optional (B, P) float32 buffer that also receives the g_n rows.
             also: other objectives of the same batch folded in the same pass, before this one (the score's
                 :class:`covgrad.persample.Cotangent`, other regimes' :meth:`cotangent`): one forward for all,
                 each accumulator getting the same bytes as its own pass
                 (:meth:`PerSampleGrads.accumulate_many`).
         """
-        psg.accumulate_many(input_ids, attention_mask, [*also, self.cotangent(fn, half, out=out)], position_ids)
+        cotangent = self.cotangent(fn, half, group=group, out=out)
+        psg.accumulate_many(input_ids, attention_mask, [*also, cotangent], position_ids)
 
-    def cotangent(self, fn: RegimeGrad, half: Tensor | np.ndarray, *, out: Tensor | None = None) -> Cotangent:
+    def cotangent(
+        self,
+        fn: RegimeGrad,
+        half: Tensor | np.ndarray,
+        *,
+        group: Tensor | np.ndarray | None = None,
+        out: Tensor | None = None,
+    ) -> Cotangent:
         """This regime's objective on one batch for :meth:`PerSampleGrads.accumulate_many`: g_n folded into
-        :attr:`acc` with zero advantages, and (once the pass is done) ``fn``'s bound scalars per half.
+        :attr:`acc` with zero advantages, and (once the pass is done) ``fn``'s bound scalars per half. Make
+        it just before the pass that folds it (it gives :attr:`acc` the batch's groups).
 
         Args:
             fn: the batch's :class:`RegimeGrad`; half: shape (B,) integers in [0, H), each sample's half.
+            group: shape (B,) each sample's prompt group (None: every sample a group of its own).
             out: optional (B, P) float32 buffer that also receives the g_n rows.
         """
         from covgrad.persample import Cotangent  # here: covgrad.persample imports transformers
 
         B = fn.input_ids.shape[0]
+        self.acc.set_groups(np.arange(B) if group is None else group)
         return Cotangent(fn, self.acc, np.zeros(B), half, out, done=lambda: self._bounds(fn, half))
 
     def _bounds(self, fn: RegimeGrad, half: Tensor | np.ndarray) -> None:
@@ -662,17 +678,23 @@ class RegimeMoments:
     def _halves(self, halves: list[int] | None) -> list[int]:
         return list(range(self.acc.H)) if halves is None else halves
 
-    def gradient(self, halves: list[int] | None = None) -> Tensor:
-        """G = mean of g_n over the samples of ``halves`` (None: all): shape (P,) float64 on the device."""
+    def _clustered(self, halves: list[int] | None) -> tuple[np.ndarray, np.ndarray, float]:
         hs = self._halves(halves)
-        n = self.acc.count[hs]
-        if n.sum() == 0:
+        r = self.acc.rows()
+        if r["count"][hs].sum() == 0:
             raise ValueError(f"no samples folded in halves {hs}")
-        w = torch.as_tensor(n / n.sum(), dtype=torch.float64, device=self.acc.device)
-        mean = self.acc.mean[hs].to(torch.float64)
-        if self.acc.mean_lo is not None:
-            mean = mean + self.acc.mean_lo[hs].to(torch.float64)
-        return w @ mean
+        mean = r["mean_s"].astype(np.float64) + r.get("mean_s_lo", 0.0)
+        c = r["c_as"][hs].astype(np.float64) if "c_as" in r else None
+        return clustered_mean_se(r["count"][hs], r["mean_a"][hs], r["m2_a"][hs], mean[hs], r["m2_s"][hs], c)
+
+    def gradient(self, halves: list[int] | None = None) -> np.ndarray:
+        """G = mean of g_n over the samples of ``halves`` (None: all): shape (P,) float64."""
+        return self._clustered(halves)[0]
+
+    def standard_error(self, halves: list[int] | None = None) -> np.ndarray:
+        """The prompt-clustered standard error of :meth:`gradient` (:func:`clustered_mean_se`): shape (P,)
+        float64 (NaN with fewer than 2 groups)."""
+        return self._clustered(halves)[1]
 
     def bound_a2(self, halves: list[int] | None = None) -> float | None:
         """a² = mean of the bound scalar over the samples of ``halves`` (None when the regime has none)."""
@@ -708,9 +730,38 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     return np.where(ok, num / np.where(ok, den, 1.0), np.nan)
 
 
-UNSTABLE_F_RATIO = 10.0
-"""Halves whose F differ by more than this factor mark a coordinate whose F is carried by a few samples: two
-halves of 128 samples of Gaussian scores differ by more than 2× with probability below 1e-4."""
+def clustered_mean_se(
+    count: np.ndarray,
+    mean_a: np.ndarray,
+    m2_a: np.ndarray,
+    mean: np.ndarray,
+    m2: np.ndarray,
+    c: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """G = Σ_c S_c / Σ_c n_c and its prompt-clustered standard error, from the group moment rows of a
+    :class:`covgrad.accum.GroupedAccumulator` (each prompt group's sum S_c of g_n folded as one sample whose
+    advantage is its size n_c): se² = C/(C − 1)·Σ_c (S_c − n_c G)²/n², with
+    Σ_c (S_c − n_c G)² = m2_S − 2G·c_nS + G²·m2_n after Chan-merging the rows.
+
+    Args:
+        count, mean_a, m2_a: shape (R,) groups, mean group size and Σ(n_c − n̄)² per row (rows with 0 skipped).
+        mean, m2: shape (R, b) float64: mean(S_c) and Σ(S_c − mean)² per row; c: Σ(n_c − n̄)(S_c − mean),
+            None for groups of one size (then 0).
+
+    Returns:
+        G (b,), se (b,) float64 (NaN for fewer than 2 groups) and C, the number of groups.
+    """
+    keep = np.flatnonzero(count > 0)
+    if keep.size == 0:
+        nan = np.full(mean.shape[1], np.nan)
+        return nan, nan, 0.0
+    cs = np.zeros_like(mean) if c is None else c
+    m = merge_moments(Moments(count[keep], mean_a[keep], m2_a[keep], mean[keep], m2[keep], cs[keep]))
+    C, nbar = float(m.count[0]), float(m.mean_a[0])
+    G = m.mean_s[0] / nbar
+    resid = np.maximum(m.m2_s[0] - 2 * G * m.c_as[0] + G * G * m.m2_a[0], 0.0)
+    se = np.sqrt(C / (C - 1) * resid) / (C * nbar) if C >= 2 else np.full_like(G, np.nan)
+    return G, se, C
 
 
 def regime_block_stats(
@@ -727,10 +778,9 @@ def regime_block_stats(
     """A regime's bound statistics on one block of b parameters (docs/regimes.md, "Statistics").
 
     The bound is a·√F_i with a² = mean c²_n and F the policy's Fisher; outside ``rl`` on its own rollouts it
-    holds in expectation, so a violation counts against a sampling allowance: |G_i| > a√F_i + z·se_i.
-    The cross-fit takes G and a² from half h and F from half 1 − h; where the halves' F differ by more than
-    :data:`UNSTABLE_F_RATIO` the other half lacks the samples that carry the coordinate, and its exceedances
-    are counted apart.
+    holds in expectation, so a violation counts against a sampling allowance: |G_i| > a√F_i + z·se_i, se the
+    prompt-clustered standard error (:func:`clustered_mean_se`). The cross-fit takes G and a² from half h and F
+    from half 1 − h.
 
     Args:
         G, se, F: shape (b,) float64: the regime's gradient, its standard error, the policy's F.
@@ -742,9 +792,8 @@ def regime_block_stats(
     Returns:
         ``bound``, ``rho``, ``crossfit_ratio`` (b,) arrays (cross-fit: G even, F odd) and counts
         ``violations`` (|G| > bound·(1 + 1e-6)), ``violations_beyond`` (beyond the allowance),
-        ``crossfit_exceed`` and ``crossfit_exceed_beyond`` (2,) (G from half h), ``crossfit_beyond_unstable``
-        (2,): those beyond the allowance where the halves' F differ by more than :data:`UNSTABLE_F_RATIO`,
-        ``crossfit_defined`` (2,), ``max_abs_rho`` (NaN when undefined).
+        ``crossfit_exceed`` and ``crossfit_exceed_beyond`` (2,) (G from half h), ``crossfit_defined`` (2,),
+        ``max_abs_rho`` (NaN when undefined).
     """
     bound = np.sqrt(a2 * F) if a2 == a2 else np.full_like(G, np.nan)
     rho = _ratio(G, bound)
@@ -752,10 +801,8 @@ def regime_block_stats(
     absG = np.abs(G)
     out["violations"] = int(np.count_nonzero(absG > bound * (1 + 1e-6)))
     out["violations_beyond"] = int(np.count_nonzero(absG > bound + z * se))
-    ex, exb, exu, defined = (np.zeros(2, np.int64) for _ in range(4))
+    ex, exb, defined = (np.zeros(2, np.int64) for _ in range(3))
     ratios = []
-    lo, hi = np.minimum(F_h[0], F_h[1]), np.maximum(F_h[0], F_h[1])
-    unstable = hi > UNSTABLE_F_RATIO * lo
     for h in (0, 1):
         b_cf = np.sqrt(a2_h[h] * F_h[1 - h]) if a2_h[h] == a2_h[h] else np.full_like(G, np.nan)
         r = _ratio(np.abs(G_h[h]), b_cf)
@@ -763,12 +810,9 @@ def regime_block_stats(
         ok = r == r
         defined[h] = int(np.count_nonzero(ok))
         ex[h] = int(np.count_nonzero(r[ok] > 1))
-        beyond = np.abs(G_h[h]) > b_cf + z * se_h[h]
-        exb[h] = int(np.count_nonzero(beyond))
-        exu[h] = int(np.count_nonzero(beyond & unstable))
+        exb[h] = int(np.count_nonzero(np.abs(G_h[h]) > b_cf + z * se_h[h]))
     out["crossfit_ratio"] = ratios[0]
     out["crossfit_exceed"], out["crossfit_exceed_beyond"], out["crossfit_defined"] = ex, exb, defined
-    out["crossfit_beyond_unstable"] = exu
     finite = np.abs(rho[rho == rho])
     out["max_abs_rho"] = float(finite.max()) if finite.size else float("nan")
     return out

@@ -1,9 +1,10 @@
 """The fold of one regime stage: an analysed post-training objective's per-sample gradients in moment state.
 
-``regime.<name>`` folds the regime's g_n through the scores machinery: :func:`covgrad.fold.fold_batches`
-with :class:`covgrad.regimes.RegimeGrad` as the logit-gradient function, into a
+``regime.<name>`` folds the regime's g_n through the scores machinery (:class:`covgrad.regimes.RegimeGrad` as
+the logit-gradient function), each prompt group's sum S_c as one row whose advantage is the group's size
+(:class:`covgrad.accum.GroupAccumulator`: G and its prompt-clustered standard error), into a
 :class:`storage.scores.ScoresStore` (the same layout, checkpoints and resume as a scores artifact, one job,
-moment state only) with A = 0, so that ``mean_s`` is G; plus each batch's bound scalars per half
+moment state only); plus each batch's bound scalars per half
 (:mod:`storage.regimes`), written before its checkpoint. The teacher and the reference run one forward on
 the same padded batch; a teacher with a ``teacher_prompt`` (context distillation) runs on its own prompts
 followed by the same response tokens (:func:`covgrad.regimes.prefixed_batch`), its logits moved back to the
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from covgrad.accum import MomentAccumulator
+from covgrad.accum import GroupAccumulator
 from covgrad.batch import RolloutBatch, group_batches
 from covgrad.config import SamplerSection
 from covgrad.devices import check_state_fits, pick_device
@@ -89,7 +90,19 @@ class RegimeJob:
             if wanted and name not in self.ro:
                 raise ValueError(f"regime {spec.name}: the rollouts of {spec.sampler!r} hold no imported {field} field")
         N, nb, P = len(self.group), len(self.batches), self.layout.P
-        self.out = ScoresStore(store, ref, N, nb, B, 1, [P], spec.state_dtype, keep_rows=False, comoment=False)
+        self.group_comoment = len(set(np.unique(self.group, return_counts=True)[1].tolist())) > 1
+        self.out = ScoresStore(
+            store,
+            ref,
+            N,
+            nb,
+            B,
+            1,
+            [P],
+            spec.state_dtype,
+            keep_rows=False,
+            comoment=self.group_comoment,
+        )
 
     @staticmethod
     def _vocab(model: Any) -> int:
@@ -301,11 +314,13 @@ class RegimeJob:
         for job in jobs:
             job._prepare()
         P = self.layout.P
-        check_state_fits(self.device, P * len(jobs), self.spec.state_dtype, f"regime {self.spec.name}", comoment=False)
+        check_state_fits(
+            self.device, P * len(jobs), self.spec.state_dtype, f"regime {self.spec.name}", self.group_comoment
+        )
         psg = PerSampleGrads(self.model, self.layout, check=self.spec.self_check)
         label = "regime " + " + ".join(j.spec.name for j in jobs)
         with ExitStack() as stack:
-            accs = [MomentAccumulator(P, self.device, j.spec.state_dtype, comoment=False) for j in jobs]
+            accs = [GroupAccumulator(P, self.device, j.spec.state_dtype, comoment=self.group_comoment) for j in jobs]
             writers = [
                 stack.enter_context(j.out.job((0, 0), a, list(range(len(j.batches))), j.batches))
                 for j, a in zip(jobs, accs, strict=True)
@@ -317,7 +332,7 @@ class RegimeJob:
 
 
 def fold_pass(
-    lead: RegimeJob, psg: PerSampleGrads, folds: list[tuple[RegimeJob, MomentAccumulator, Any]], bar: Any
+    lead: RegimeJob, psg: PerSampleGrads, folds: list[tuple[RegimeJob, GroupAccumulator, Any]], bar: Any
 ) -> None:
     """Fold the remaining batches of every (job, accumulator, writer) of ``folds`` in one pass: per batch one
     policy forward and one per-sample backward per regime that still needs the batch
@@ -334,6 +349,8 @@ def fold_pass(
         active = [k for k, (_, _, w) in enumerate(folds) if b in w.todo]
         fns = {k: folds[k][0]._logit_grad(b, batch) for k in active}
         half = (batch.group % 2).numpy()
+        for k in active:
+            folds[k][1].set_groups(batch.group)
         cotangents = [Cotangent(fns[k], folds[k][1], batch.advantages, half) for k in active]
         psg.accumulate_many(
             batch.input_ids.to(dev), batch.attention_mask.to(dev), cotangents, batch.position_ids.to(dev)

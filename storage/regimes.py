@@ -85,6 +85,24 @@ def state_rows(g: Any, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return count, mean, g["m2_s"][:, cols].astype(np.float64), np.arange(len(count)) % 2
 
 
+def regime_gradient(g: Any, cols: slice) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """A regime fold's G, its prompt-clustered standard error (b,) float64 and its number of samples N over
+    parameters ``cols``, from the fold's group state (:class:`covgrad.accum.GroupAccumulator`,
+    :func:`covgrad.regimes.clustered_mean_se`): of all rows, then of each half."""
+    from covgrad.regimes import clustered_mean_se
+
+    count, mean_a, m2_a = (g[n][:] for n in ("count", "mean_a", "m2_a"))
+    _, mean, m2, half = state_rows(g, cols)
+    c = g["c_as"][:, cols].astype(np.float64) if "c_as" in g else None
+    out = []
+    for rows in (half >= 0, half == 0, half == 1):
+        G, se, _ = clustered_mean_se(
+            count[rows], mean_a[rows], m2_a[rows], mean[rows], m2[rows], None if c is None else c[rows]
+        )
+        out.append((G, se, float((count[rows] * mean_a[rows]).sum())))
+    return out
+
+
 def create_imported_token_arrays(g: Any, data: dict[str, np.ndarray], rows: int) -> None:
     """Create the imported per-token arrays that ``data`` (records_to_rollouts' output) holds, in the
     rollouts group ``g`` (their rows are written with the others)."""

@@ -298,8 +298,10 @@ SCORES_VARS = {
     **TENSOR_TABLE,
 }
 
-# a regime fold (tasks/regimes.py) is a scores store of g_n (mean_s = mean g, no c_as, A = 0) plus, dim
-# half = the prompt-group parity, the Σ of its bound scalar c²_n (covgrad.regimes) and the samples that had one
+# a regime fold (tasks/regimes.py) is a scores store of the prompt groups' sums S_c of g_n, each folded as one row
+# whose advantage is the group's size n_c (covgrad.accum.GroupAccumulator: count = groups, mean_a = mean size,
+# mean_s = mean S_c, c_as only for groups of several sizes) plus, dim half = the prompt-group parity, the Σ of its
+# bound scalar c²_n (covgrad.regimes) and the samples that had one
 SCORES_VARS.update(
     {
         f"bound_{what}": Var(("batch", "half"), "float64", (1, WHOLE), text, definition, units, fill=0)
@@ -531,7 +533,11 @@ OFFPOLICY_VARS = {
 _REGIME_STAT = {
     "F": ("policy Fisher of the bounds", "mean(s^2) of the main scores' state", "score^2"),
     "G_{regime}": ("regime gradient", "mean(g_n)", "grad"),
-    "se_{regime}": ("standard error of G", "sqrt(Var(g)/(N-1))", "grad"),
+    "se_{regime}": (
+        "prompt-clustered standard error of G",
+        "sqrt(C/(C-1) sum_c (S_c - n_c G)^2) / N over the C prompt groups c (S_c: sum of their g_n)",
+        "grad",
+    ),
     "bound_{regime}": (
         "regime bound",
         "a*sqrt(F), a^2 = mean c2_n, F of the main scores (an untied LM head of a full-distribution regime: its "

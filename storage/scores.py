@@ -73,8 +73,8 @@ def write_state(array: Any, rows: slice, cols: slice, values: np.ndarray) -> Non
 class ScoresStore:
     """The scores store of artifact ``ref``: N = ``n_samples`` samples in ``n_batches`` batches of at most
     ``batch_rows``, ``samples`` sample shards × the parameter blocks of ``block_sizes`` columns (P = their
-    sum), moment state in ``state_dtype`` (without ``c_as`` unless ``comoment``: a regime fold's advantages
-    are all 0), and the per-sample rows when ``keep_rows``."""
+    sum), moment state in ``state_dtype`` (without ``c_as`` unless ``comoment``: a regime fold of prompt
+    groups of one size), and the per-sample rows when ``keep_rows``."""
 
     def __init__(
         self,

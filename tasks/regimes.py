@@ -21,7 +21,7 @@ from covgrad.stats import OVERLAP_Q
 from covgrad.tables import to_csv, to_markdown
 from covgrad.topk import TopSets, Values, overlap_table
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.regimes import HEAD_FISHER, bound_a2, head_fisher, state_rows
+from storage.regimes import HEAD_FISHER, bound_a2, head_fisher, regime_gradient, state_rows
 from storage.schema import REGIMES, SCORES, annotate, create, param_chunk
 from tasks.common import StageResult, run_stage
 from tasks.specs import RegimeStatsSpec
@@ -72,7 +72,7 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
     }
     a2 = {name: bound_a2(f) for name, f in folds.items()}
     totals: dict[str, dict[str, Any]] = {
-        n: {"violations": 0, "violations_beyond": 0, **{k: np.zeros(2) for k in ("ex", "exb", "exu", "def")}}
+        n: {"violations": 0, "violations_beyond": 0, **{k: np.zeros(2) for k in ("ex", "exb", "def")}}
         for n in spec.names
     }
     max_rho = {n: math.nan for n in spec.names}
@@ -83,13 +83,12 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
         F, F_h = _fisher(*main[0]), np.stack([_fisher(*main[1 + h]) for h in (0, 1)])
         F_arr[cols] = F
         for name, fold in folds.items():
-            (G, se, n), *halves = _halves(*state_rows(fold, cols))
+            (G, se, n), *halves = regime_gradient(fold, cols)
             N[name] = n
             G_h, se_h = np.stack([h[0] for h in halves]), np.stack([h[1] for h in halves])
             F_r, F_rh = _bound_fisher(fold, cols, F, F_h)
-            out = regime_block_stats(
-                G, se, F_r, a2[name][0], G_h, se_h, F_rh, np.asarray(a2[name][1]), spec.allowance_z
-            )
+            a2_h = np.asarray(a2[name][1])
+            out = regime_block_stats(G, se, F_r, a2[name][0], G_h, se_h, F_rh, a2_h, spec.allowance_z)
             for stat, values in (("G", G), ("se", se), ("bound", out["bound"]), ("rho", out["rho"])):
                 arrays[stat, name][cols] = values
             arrays["crossfit_ratio", name][cols] = out["crossfit_ratio"]
@@ -98,7 +97,6 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
             t["violations_beyond"] += out["violations_beyond"]
             t["ex"] += out["crossfit_exceed"]
             t["exb"] += out["crossfit_exceed_beyond"]
-            t["exu"] += out["crossfit_beyond_unstable"]
             t["def"] += out["crossfit_defined"]
             max_rho[name] = float(np.fmax(max_rho[name], out["max_abs_rho"]))  # NaN: undefined in every block
     rows, overlap, tensors = [], [], []
@@ -125,7 +123,6 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
                 "crossfit_frac_exceed_G_even": float(t["ex"][0] / max(t["def"][0], 1)),
                 "crossfit_frac_exceed_G_odd": float(t["ex"][1] / max(t["def"][1], 1)),
                 "crossfit_beyond_allowance": int(t["exb"].sum()),
-                "crossfit_beyond_at_unstable_F": int(t["exu"].sum()),
                 "max_abs_rho": max_rho[name],
                 "abs_rho_median": q50,
                 "abs_rho_q90": q90,

@@ -302,7 +302,7 @@ class RegimeSpec(StageSpec):
     each artifact's bytes are those of its own pass)."""
 
     STAGE: ClassVar[str] = "regime"
-    VERSION: ClassVar[str] = "2"  # 2: the LM head token Fisher of full-distribution regimes
+    VERSION: ClassVar[str] = "3"  # 2: the LM head token Fisher of full-distribution regimes; 3: prompt-group state
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
         {"device", "self_check", "checkpoint_batches", "checkpoint_seconds", "pass_with"}
     )
@@ -347,7 +347,7 @@ class RegimeStatsSpec(StageSpec):
     tables at ``qs``; and the cross-regime comparison of the regimes ``names`` (in that order)."""
 
     STAGE: ClassVar[str] = "regimes"
-    VERSION: ClassVar[str] = "2"  # 2: bounds on the LM head by its token Fisher at the regime's rows
+    VERSION: ClassVar[str] = "3"  # 2: bounds on the LM head by its token Fisher at the regime's rows; 3: clustered se
     names: list[str]
     qs: list[float]
     allowance_z: float = 3.0

@@ -90,7 +90,7 @@ def test_one_forward_folds_the_same_bytes_as_separate_passes(name):
         _same_bytes(_state(m0.acc), _state(m1.acc))
         assert m0.bound_sum.tobytes() == m1.bound_sum.tobytes()
         assert m0.bound_count.tolist() == m1.bound_count.tolist() == [3.0, 5.0]
-        assert m1.acc.c is None and "c_as" not in m1.acc.rows()  # zero advantages: no co-moment kept
+        assert m1.acc.c is None and "c_as" not in m1.acc.rows()  # groups of one size: no co-moment kept
     for r0, r1 in zip(rows_sep, rows_fused, strict=True):
         assert r0.numpy().tobytes() == r1.numpy().tobytes()
     assert accs[1].count.tolist() == [3.0, 5.0]

@@ -11,7 +11,7 @@ import torch
 
 from storage.artifacts import ArtifactStore
 from storage.models import load_model_and_tokenizer, load_models
-from storage.regimes import state_rows, teacher_prompt_texts
+from storage.regimes import regime_gradient, teacher_prompt_texts
 from storage.schema import ROLLOUTS, SCORES
 from tests.helpers.pipeline import NO_OPTIONAL, run_planned, tiny_config
 
@@ -44,8 +44,7 @@ def _grad(J, params):
 
 
 def _fold_G(store, ref):
-    count, mean, _, _ = state_rows(store.open_group(ref, SCORES, mode="r"), slice(None))
-    return (count[:, None] * mean).sum(0) / count.sum()
+    return regime_gradient(store.open_group(ref, SCORES, mode="r"), slice(None))[0][0]
 
 
 def _naive(policy, teacher, tokenizer, rows, teacher_prompts, kind):

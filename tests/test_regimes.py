@@ -662,26 +662,31 @@ def test_regime_moments_fold_per_half_like_the_rows():
     layout = select_parameters(model)
     teacher = _teacher(11)
     psg = PerSampleGrads(model, layout, check=True)
-    mom = RegimeMoments(layout.P, "cpu")
-    rows, bounds, halves = [], [], []
-    for seed, half in ((43, [0, 1, 0, 1]), (44, [1, 1, 0, 1])):
+    mom = RegimeMoments(layout.P, "cpu", group_comoment=True)
+    rows, bounds, halves, groups = [], [], [], []
+    for seed, half, group in ((43, [0, 1, 0, 1], [4, 5, 4, 5]), (44, [1, 1, 0, 1], [7, 7, 6, 7])):
         batch = make_batch(seed, **BATCH)
         ids, L = batch["input_ids"], batch["input_ids"].shape[1]
         with torch.no_grad():
             zq = _padded([teacher(input_ids=s[None]).logits[0] for s in batch["seqs"]], L)
         args = (ids, batch["attention_mask"])
         fn = RegimeGrad(Regime("distill_reverse_kl", temperature=TAU), ids, batch["target_mask"], teacher_logits=zq)
-        mom.fold(psg, *args, fn, torch.tensor(half), position_ids=batch["position_ids"])
+        mom.fold(psg, *args, fn, torch.tensor(half), position_ids=batch["position_ids"], group=np.array(group))
         rows.append(psg(*args, fn, position_ids=batch["position_ids"]).double())
         bounds.append(fn.bound_sq)
-        halves += half
-    g, b, h = torch.cat(rows), torch.cat(bounds), torch.tensor(halves)
-    assert mom.acc.count.tolist() == [3.0, 5.0]
+        halves, groups = halves + half, groups + group
+    g, b, h, c = torch.cat(rows), torch.cat(bounds), torch.tensor(halves), np.array(groups)
+    assert mom.acc.count.tolist() == [2.0, 2.0]  # prompt groups per half (of 3 and 5 samples)
     for hs in ([0], [1], None):
         sel = torch.ones(len(h), dtype=torch.bool) if hs is None else h == hs[0]
         ref = g[sel].mean(0)
-        assert float((mom.gradient(hs) - ref).norm() / ref.norm()) < 1e-6, hs
+        assert np.linalg.norm(mom.gradient(hs) - ref.numpy()) / float(ref.norm()) < 1e-6, hs
         assert mom.bound_a2(hs) == pytest.approx(float(b[sel].mean()), rel=1e-12)
+        ids = np.unique(c[sel.numpy()])  # the prompt-clustered standard error, from the groups' sums
+        resid = sum((g[sel][torch.from_numpy(c[sel.numpy()] == k)] - ref).sum(0) ** 2 for k in ids)
+        se = torch.sqrt(len(ids) / (len(ids) - 1) * resid) / int(sel.sum())
+        err = np.abs(mom.standard_error(hs) - se.numpy()).max() / float(se.max())
+        assert err < 1e-5, (hs, err)
     assert RegimeMoments(layout.P, "cpu").bound_a2() is None
 
 

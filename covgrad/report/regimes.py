@@ -18,7 +18,6 @@ SUMMARY = (
     "violations_beyond_allowance",
     "crossfit_frac_exceed_G_even",
     "crossfit_beyond_allowance",
-    "crossfit_beyond_at_unstable_F",
     "max_abs_rho",
     "abs_rho_median",
     "abs_rho_q99",
@@ -50,10 +49,9 @@ def regimes(report: Report, run: Any) -> None:
             "p",
             "Each regime's G = mean g_n, its bound a·√F (F the policy's Fisher; on the tensor named in "
             "bound_token_fisher, its token Fisher at the regime's rows, with which the bound holds in-sample), "
-            "ρ = G / bound, and the coordinates over the bound, in-sample and beyond a 3-standard-error sampling "
-            "allowance. The cross-fit takes G from one half of the prompt groups and F from the other; of its "
-            "exceedances beyond the allowance, crossfit_beyond_at_unstable_F lie where the halves' F differ by "
-            "more than 10×, i.e. where F rests on a few samples.",
+            "ρ = G / bound, and the coordinates over the bound, in-sample and beyond a sampling allowance of 3 "
+            "standard errors clustered by prompt (the samples of one prompt are not independent). The cross-fit "
+            "takes G from one half of the prompt groups and F from the other.",
         )
     )
     report.blocks.append(("table", [{k: r.get(k) for k in SUMMARY} for r in rows]))
