@@ -542,7 +542,10 @@ class GroupAccumulator(MomentAccumulator):
         index, batch = self._indicator, self._batch
         if index is None or batch is None:
             raise ValueError("fold called outside a batch; call set_groups and begin_batch first")
-        rows = block.reshape(block.shape[0], -1).to(torch.float32)
+        B = index.shape[-1] if index.dim() == 2 else index.shape[0]
+        if block.shape[0] != B:
+            raise ValueError(f"block of {block.shape[0]} samples does not fit the batch of {B}")
+        rows = block.reshape(B, -1).to(torch.float32)
         if index.dim() == 2:
             sums = index @ rows
         else:

@@ -128,3 +128,7 @@ def test_group_accumulator_refuses_what_it_cannot_fold():
         acc.begin_batch(np.zeros(3), np.array([0, 0, 0]))
     with pytest.raises(ValueError, match="fold called outside a batch"):
         acc.fold(0, torch.zeros(2, 3))
+    acc.set_groups(np.array([4, 4, 6, 6]))
+    acc.begin_batch(np.zeros(4), np.zeros(4))
+    with pytest.raises(ValueError, match="block of 2 samples does not fit the batch of 4"):
+        acc.fold(0, torch.zeros(2, 3))
