@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from covgrad import accum
 from covgrad.accum import GroupAccumulator
 from covgrad.regimes import clustered_mean_se, moment_mean_se
 from tests.helpers.moments import assert_close, numpy_moments, state
@@ -51,10 +52,13 @@ def _clustered(S: np.ndarray, group: np.ndarray) -> np.ndarray:
     return np.sqrt(C / (C - 1) * ((sums - n_c[:, None] * G) ** 2).sum(0)) / N
 
 
+@pytest.mark.parametrize("sums", ["index_add", "product"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("state_dtype", ["float64", "float32"])
 @pytest.mark.parametrize("sizes", list(SIZES), ids=list(SIZES))
-def test_state_is_the_moments_of_the_groups_sums(sizes, state_dtype, compiled):
+def test_state_is_the_moments_of_the_groups_sums(sizes, state_dtype, compiled, sums, monkeypatch):
+    """Both ways of forming the groups' sums (the product is cuda's; run here on the CPU)."""
+    monkeypatch.setattr(accum, "PRODUCT_SUMS", ("cpu",) if sums == "product" else ())
     S, group, batches = _data(len(sizes), SIZES[sizes])
     equal = sizes == "equal"
     acc = GroupAccumulator(S.shape[1], "cpu", state_dtype, compiled=compiled, comoment=not equal)
