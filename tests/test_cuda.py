@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from covgrad.accum import MomentAccumulator
+from covgrad.accum import GroupAccumulator, MomentAccumulator
 from covgrad.layout import select_parameters
 from covgrad.persample import PerSampleGrads, score_logit_grad
 from covgrad.rules import _bmm_into, _flat
@@ -68,6 +68,28 @@ def test_cuda_compiled_fold_matches_numpy(state_dtype):
         acc.end_batch()
     assert acc.fold_path == "compiled"
     assert_close(state(acc), numpy_moments(S, A, half), 1e-9 if state_dtype == "float64" else 1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cuda_group_accumulator_matches_numpy(compiled):
+    """A regime fold's prompt-group state on cuda (the groups' sums as a product, then the fold of C rows)
+    against the float64 moments of the groups' sums, for groups of several sizes."""
+    rng = np.random.default_rng(43)
+    sizes = [3, 5, 1, 4, 2, 6, 3, 1]
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    offsets = 3 * rng.standard_normal((len(sizes), 3000))
+    S = (rng.standard_normal((len(group), 3000)) + offsets[group]).astype(np.float32)
+    acc = GroupAccumulator(3000, "cuda", compiled=compiled, comoment=True)
+    cuts = np.cumsum([0, *sizes])[::2]  # two groups per batch
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        acc.set_groups(group[lo:hi])
+        acc.begin_batch(np.zeros(hi - lo), group[lo:hi] % 2)
+        acc.fold(0, torch.from_numpy(S[lo:hi, :1000]).cuda())
+        acc.fold(1000, torch.from_numpy(S[lo:hi, 1000:]).cuda())
+        acc.end_batch()
+    sums = np.stack([S[group == c].astype(np.float64).sum(0) for c in range(len(sizes))])
+    want = numpy_moments(sums, np.asarray(sizes, np.float64), np.arange(len(sizes)) % 2)
+    assert_close(state(acc), want, 2e-6)  # the sums are float32 products of the float32 rows
 
 
 @pytest.mark.parametrize("name", ["llama-untied", "gpt2-conv1d"])
