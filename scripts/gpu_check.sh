@@ -2,8 +2,7 @@
 # The GPU checks of the scores stage in one run, for a machine with one CUDA device and PyTorch, Triton and
 # transformers but none of the pipeline's storage or orchestration packages (no zarr, dask, prefect,
 # pydantic): the cuda exactness tests (FSDP2 with one nccl rank against the plain path, and the regime folds'
-# prompt-group state, included), then
-# benchmarks.scores on the 134M fp32 and 0.85B bf16 Llamas.
+# prompt-group state, included), then benchmarks.scores on the 134M fp32 and 0.85B bf16 Llamas.
 # Everything printed is also written under $OUT (default ./gpu-check): env.txt, cuda_tests.txt,
 # bench_scores.txt.
 #
