@@ -739,7 +739,7 @@ def clustered_mean_se(
     c: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """G = Σ_c S_c / Σ_c n_c and its prompt-clustered standard error, from the group moment rows of a
-    :class:`covgrad.accum.GroupedAccumulator` (each prompt group's sum S_c of g_n folded as one sample whose
+    :class:`covgrad.accum.GroupAccumulator` (each prompt group's sum S_c of g_n folded as one sample whose
     advantage is its size n_c): se² = C/(C − 1)·Σ_c (S_c − n_c G)²/n², with
     Σ_c (S_c − n_c G)² = m2_S − 2G·c_nS + G²·m2_n after Chan-merging the rows.
 
