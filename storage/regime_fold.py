@@ -91,18 +91,8 @@ class RegimeJob:
                 raise ValueError(f"regime {spec.name}: the rollouts of {spec.sampler!r} hold no imported {field} field")
         N, nb, P = len(self.group), len(self.batches), self.layout.P
         self.group_comoment = len(set(np.unique(self.group, return_counts=True)[1].tolist())) > 1
-        self.out = ScoresStore(
-            store,
-            ref,
-            N,
-            nb,
-            B,
-            1,
-            [P],
-            spec.state_dtype,
-            keep_rows=False,
-            comoment=self.group_comoment,
-        )
+        state = spec.state_dtype
+        self.out = ScoresStore(store, ref, N, nb, B, 1, [P], state, keep_rows=False, comoment=self.group_comoment)
 
     @staticmethod
     def _vocab(model: Any) -> int:
