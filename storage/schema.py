@@ -269,10 +269,22 @@ ROLLOUTS_VARS.update(
 # 2i + h), param, sample, batch, shard, block. Checkpoint groups (ckpt/…, edges/…) hold the state arrays
 # and ``batches``.
 SCORES_VARS = {
-    "count": Var(("row",), "float64", (2,), "samples folded into the row", fill=0),
-    "mean_a": Var(("row",), "float64", (2,), "mean advantage of the row", "Chan-merged mean(A)", "advantage", fill=0),
+    "count": Var(("row",), "float64", (2,), "samples folded into the row", "a regime fold: prompt groups", fill=0),
+    "mean_a": Var(
+        ("row",),
+        "float64",
+        (2,),
+        "mean advantage of the row",
+        "Chan-merged mean(A); a regime fold: mean group size",
+        "advantage",
+        fill=0,
+    ),
     "m2_a": Var(("row",), "float64", (2,), "advantage second central moment sum", "sum((A - mean_a)^2)", fill=0),
-    "mean_s": _state("running mean score (moment state)", "Chan-merged mean(s) per row", "score"),
+    "mean_s": _state(
+        "running mean score (moment state)",
+        "Chan-merged mean(s) per row; a regime fold: mean of the groups' sums",
+        "score",
+    ),
     "mean_s_lo": _state("low half of mean_s", "mean(s) - mean_s, float32 state only", "score"),
     "m2_s": _state("score second central moment sum", "sum((s - mean_s)^2) per row", "score^2"),
     "c_as": _state("advantage-score co-moment sum", "sum((A - mean_a)(s - mean_s)) per row", "advantage*score"),
