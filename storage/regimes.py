@@ -85,10 +85,11 @@ def state_rows(g: Any, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return count, mean, g["m2_s"][:, cols].astype(np.float64), np.arange(len(count)) % 2
 
 
-def regime_gradient(g: Any, cols: slice) -> list[tuple[np.ndarray, np.ndarray, float]]:
-    """A regime fold's G, its prompt-clustered standard error (b,) float64 and its number of samples N over
-    parameters ``cols``, from the fold's group state (:class:`covgrad.accum.GroupAccumulator`,
-    :func:`covgrad.regimes.clustered_mean_se`): of all rows, then of each half."""
+def regime_gradient(g: Any, cols: slice) -> list[tuple[np.ndarray, np.ndarray, float, float]]:
+    """A regime fold's G, its prompt-clustered standard error (b,) float64 (NaN with fewer than 2 groups), its
+    number of samples N and of prompt groups C over parameters ``cols``, from the fold's group state
+    (:class:`covgrad.accum.GroupAccumulator`, :func:`covgrad.regimes.clustered_mean_se`): of all rows, then of
+    each half."""
     from covgrad.regimes import clustered_mean_se
 
     count, mean_a, m2_a = (g[n][:] for n in ("count", "mean_a", "m2_a"))
@@ -96,10 +97,10 @@ def regime_gradient(g: Any, cols: slice) -> list[tuple[np.ndarray, np.ndarray, f
     c = g["c_as"][:, cols].astype(np.float64) if "c_as" in g else None
     out = []
     for rows in (half >= 0, half == 0, half == 1):
-        G, se, _ = clustered_mean_se(
+        G, se, C = clustered_mean_se(
             count[rows], mean_a[rows], m2_a[rows], mean[rows], m2[rows], None if c is None else c[rows]
         )
-        out.append((G, se, float((count[rows] * mean_a[rows]).sum())))
+        out.append((G, se, float((count[rows] * mean_a[rows]).sum()), C))
     return out
 
 

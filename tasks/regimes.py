@@ -77,14 +77,15 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
     }
     max_rho = {n: math.nan for n in spec.names}
     N: dict[str, float] = {}
+    C: dict[str, list[float]] = {}  # prompt groups: all, per half (fewer than 2: no standard error, no allowance)
     for a in range(0, P, step):
         cols = slice(a, min(P, a + step))
         main = _halves(*state_rows(sc, cols))
         F, F_h = _fisher(*main[0]), np.stack([_fisher(*main[1 + h]) for h in (0, 1)])
         F_arr[cols] = F
         for name, fold in folds.items():
-            (G, se, n), *halves = regime_gradient(fold, cols)
-            N[name] = n
+            (G, se, n, c), *halves = regime_gradient(fold, cols)
+            N[name], C[name] = n, [c, *(h[3] for h in halves)]
             G_h, se_h = np.stack([h[0] for h in halves]), np.stack([h[1] for h in halves])
             F_r, F_rh = _bound_fisher(fold, cols, F, F_h)
             a2_h = np.asarray(a2[name][1])
@@ -116,13 +117,14 @@ def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: di
                 "kind": fold.attrs["kind"],
                 "sampler": fold.attrs["sampler"],
                 "N": int(N[name]),
+                "groups": int(C[name][0]),
                 "a2": a2[name][0],
                 "norm_G": G_norm,
                 "violations": t["violations"],
-                "violations_beyond_allowance": t["violations_beyond"],
+                "violations_beyond_allowance": t["violations_beyond"] if C[name][0] >= 2 else None,
                 "crossfit_frac_exceed_G_even": float(t["ex"][0] / max(t["def"][0], 1)),
                 "crossfit_frac_exceed_G_odd": float(t["ex"][1] / max(t["def"][1], 1)),
-                "crossfit_beyond_allowance": int(t["exb"].sum()),
+                "crossfit_beyond_allowance": int(t["exb"].sum()) if min(C[name][1:]) >= 2 else None,
                 "max_abs_rho": max_rho[name],
                 "abs_rho_median": q50,
                 "abs_rho_q90": q90,

@@ -153,3 +153,22 @@ def test_the_clustered_allowance_keeps_its_level_where_the_independent_one_does_
     iid = S.astype(np.float64).std(0, ddof=1) / np.sqrt(len(group))
     assert np.mean(np.abs(G) > 3 * se) < 0.015
     assert np.mean(np.abs(G) > 3 * iid) > 0.2
+
+
+def test_a_half_with_one_prompt_group_has_no_standard_error():
+    """regime_gradient of a fold whose half 0 holds one group: G of every half, C = (3, 1, 2), and no standard
+    error (NaN) where fewer than 2 groups are (so the regimes table reports no allowance count there)."""
+    from storage.regimes import regime_gradient
+
+    group = np.repeat([100, 101, 103], 4)  # one group in half 0, two in half 1
+    S = np.random.default_rng(2).standard_normal((12, 257)).astype(np.float32)
+    acc = GroupAccumulator(S.shape[1], "cpu")
+    _fold(acc, S, group, [(0, 4), (4, 12)])
+    (G, se, N, C), (G0, se0, N0, C0), (G1, se1, N1, C1) = regime_gradient(acc.rows(), slice(None))
+    assert (N, N0, N1) == (12.0, 4.0, 8.0) and (C, C0, C1) == (3.0, 1.0, 2.0)
+    assert np.isnan(se0).all() and np.isfinite(se).all() and np.isfinite(se1).all()
+    for got, rows in ((G, slice(None)), (G0, slice(0, 4)), (G1, slice(4, 12))):
+        mean = S[rows].astype(np.float64).mean(0)
+        np.testing.assert_allclose(got, mean, rtol=0, atol=GROUP_TOL * np.abs(mean).max())
+    want = _clustered(S[4:], group[4:])
+    np.testing.assert_allclose(se1, want, rtol=0, atol=GROUP_TOL * want.max())

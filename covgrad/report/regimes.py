@@ -12,6 +12,7 @@ SUMMARY = (
     "kind",
     "sampler",
     "N",
+    "groups",
     "a2",
     "norm_G",
     "violations",
