@@ -23,6 +23,7 @@ enters wall time, not the process's own CPU time). Reported: median ratio over r
     python -m benchmarks.regimes --response 480                # responses of 480 tokens instead of 32
     python -m benchmarks.regimes --fold-only                   # the fold alone: native and torch.compile kernels
     python -m benchmarks.regimes --group 1                     # every sample a prompt group of its own
+    python -m benchmarks.regimes --device cuda --model llama-134m llama-0.85b --reps 3   # on a GPU
 
 ``--fold-only`` times the compiled fold alone, side by side: one batch of the model's P columns in row-chunk
 sized blocks, zero advantages, into a state with the co-moment (the score's) and without it (a regime's),
@@ -90,23 +91,24 @@ def run(
     response: int | None = None,
     state_dtype: str = "float64",
     group: int = 8,
+    device_name: str = "cpu",
 ) -> dict[str, float]:
     """Time both passes of ``kind`` on model ``name`` (responses of ``response`` tokens; None: the model's
-    default; moment state in ``state_dtype``; prompt groups of ``group`` samples) against the floor; returns
-    the median ratio per pass."""
-    device = torch.device("cpu")
+    default; moment state in ``state_dtype``; prompt groups of ``group`` samples; on ``device_name``) against
+    the floor; returns the median ratio per pass. On cuda the clock is wall time after a synchronize."""
+    device = torch.device(device_name)
     model = build(name, device)
     B, prompt, default_response = MODELS[name][8:11]
     response = response or default_response
     ids, w = make_batch(MODELS[name][1], B, prompt, response, seed=0, device=device)
     layout = select_parameters(model, None)
     plist = [dict(model.named_parameters())[n] for n in layout.names]
-    mask, pos = torch.ones_like(ids), torch.arange(ids.shape[1]).expand_as(ids)
+    mask, pos = torch.ones_like(ids), torch.arange(ids.shape[1], device=device).expand_as(ids)
     torch.manual_seed(1)
     teacher = build(name, device)
     with torch.no_grad():
         zq = teacher(input_ids=ids).logits
-    adv = torch.randn(ids.shape, dtype=torch.float64) * (w != 0)
+    adv = torch.randn(ids.shape, dtype=torch.float64).to(device) * (w != 0)
     groups = np.arange(B) // group
     half = groups % 2
     psg = PerSampleGrads(model, layout, check=False)
@@ -137,7 +139,11 @@ def run(
         torch.autograd.grad(objective(model(input_ids=ids).logits, ids, w), plist)
         torch.autograd.grad(regime_objective(kind, model(input_ids=ids).logits, zq, ids, w, adv), plist)
 
-    timer = time.process_time if clock == "cpu" else time.perf_counter
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    timer = synced if device.type == "cuda" else time.process_time if clock == "cpu" else time.perf_counter
     ours = {"separate": separate, "fused": fused, "fused, fold skipped": lambda: fused("unfolded")}
     for fn in (*ours.values(), floor):  # warm-up (compiles the fold)
         fn()
@@ -205,7 +211,8 @@ def fold_only(name: str, reps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", nargs="+", default=["small", "large"], choices=["small", "large"])
+    ap.add_argument("--model", nargs="+", default=["small", "large"], choices=list(MODELS))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: wall time after a synchronize")
     ap.add_argument("--regime", default="distill_reverse_kl", choices=["distill_reverse_kl", "rl_token"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -219,7 +226,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = platform.processor() or platform.machine()
-    print(f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, clock={args.clock}")
+    if args.fold_only and args.device == "cuda":
+        ap.error("--fold-only times the CPU kernels; drop --device cuda")
+    if args.device == "cuda":
+        where = f"{torch.cuda.get_device_name()}, clock=wall after synchronize"
+    else:
+        where = f"{cpu}, {torch.get_num_threads()} torch threads, clock={args.clock}"
+    print(f"{where}, torch {torch.__version__}")
     if args.fold_only:
         print(
             "| model | P | blocks | native, with c (wall, CPU) | native, without c | torch.compile, with c | "
@@ -234,7 +247,17 @@ def main() -> None:
         "|---|---|---|---|---|---|---|"
     )
     for name in args.model:
-        run(name, args.regime, args.reps, args.clock, args.profile, args.response, args.state_dtype, args.group)
+        run(
+            name,
+            args.regime,
+            args.reps,
+            args.clock,
+            args.profile,
+            args.response,
+            args.state_dtype,
+            args.group,
+            args.device,
+        )
 
 
 if __name__ == "__main__":

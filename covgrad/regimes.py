@@ -50,7 +50,6 @@ import torch
 from torch import Tensor
 
 from covgrad.accum import GroupAccumulator
-from covgrad.stats import Moments, merge_moments
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -741,7 +740,8 @@ def clustered_mean_se(
     """G = Σ_c S_c / Σ_c n_c and its prompt-clustered standard error, from the group moment rows of a
     :class:`covgrad.accum.GroupAccumulator` (each prompt group's sum S_c of g_n folded as one sample whose
     advantage is its size n_c): se² = C/(C − 1)·Σ_c (S_c − n_c G)²/n², with
-    Σ_c (S_c − n_c G)² = m2_S − 2G·c_nS + G²·m2_n after Chan-merging the rows.
+    Σ_c (S_c − n_c G)² = m2_S − 2G·c_nS + G²·m2_n after Chan-merging the rows (as :func:`moment_mean_se`,
+    with the co-moment).
 
     Args:
         count, mean_a, m2_a: shape (R,) groups, mean group size and Σ(n_c − n̄)² per row (rows with 0 skipped).
@@ -751,15 +751,24 @@ def clustered_mean_se(
     Returns:
         G (b,), se (b,) float64 (NaN for fewer than 2 groups) and C, the number of groups.
     """
-    keep = np.flatnonzero(count > 0)
-    if keep.size == 0:
+    C, nbar, m2_n = 0.0, 0.0, 0.0
+    mS, m2S, cnS = (np.zeros(mean.shape[1]) for _ in range(3))
+    for k in np.flatnonzero(count > 0):  # Chan's merge of the rows, the co-moment included
+        tot = C + count[k]
+        f = C * count[k] / tot
+        d_n, d_S = mean_a[k] - nbar, mean[k] - mS
+        m2S = m2S + m2[k] + d_S * d_S * f
+        if c is not None:
+            cnS = cnS + c[k] + d_n * d_S * f
+        m2_n += m2_a[k] + d_n * d_n * f
+        nbar += d_n * count[k] / tot
+        mS = mS + d_S * (count[k] / tot)
+        C = tot
+    if C == 0:
         nan = np.full(mean.shape[1], np.nan)
         return nan, nan, 0.0
-    cs = np.zeros_like(mean) if c is None else c
-    m = merge_moments(Moments(count[keep], mean_a[keep], m2_a[keep], mean[keep], m2[keep], cs[keep]))
-    C, nbar = float(m.count[0]), float(m.mean_a[0])
-    G = m.mean_s[0] / nbar
-    resid = np.maximum(m.m2_s[0] - 2 * G * m.c_as[0] + G * G * m.m2_a[0], 0.0)
+    G = mS / nbar
+    resid = np.maximum(m2S - 2 * G * cnS + G * G * m2_n, 0.0)
     se = np.sqrt(C / (C - 1) * resid) / (C * nbar) if C >= 2 else np.full_like(G, np.nan)
     return G, se, C
 
