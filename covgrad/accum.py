@@ -533,14 +533,16 @@ class GroupAccumulator(MomentAccumulator):
         split = np.flatnonzero(group_half[inverse] != h)
         if split.size:
             raise ValueError(f"prompt group {ids[inverse[split[0]]]} has samples in two halves; give a group one half")
-        indicator = np.zeros((len(ids), len(h)), np.float32)
-        indicator[inverse, np.arange(len(h))] = 1.0
-        sizes = indicator.sum(1).astype(np.float64)
+        sizes = np.bincount(inverse, minlength=len(ids)).astype(np.float64)
         found = sorted(set(sizes.tolist()) | set(self.mean_a[self.count > 0].tolist()))
         if not self.comoment and len(found) > 1:
             raise ValueError(f"prompt groups of sizes {found}; make the accumulator with comoment=True")
         super().begin_batch(sizes, group_half)
-        index = indicator if self.device.type in PRODUCT_SUMS else inverse.astype(np.int64)
+        if self.device.type in PRODUCT_SUMS:
+            index = np.zeros((len(ids), len(h)), np.float32)  # (C, B) 0/1
+            index[inverse, np.arange(len(h))] = 1.0
+        else:
+            index = inverse.astype(np.int64)
         self._indicator = torch.from_numpy(index).to(self.device)
 
     def fold(self, offset: int, block: Tensor) -> None:

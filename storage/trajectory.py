@@ -256,10 +256,8 @@ def read_state(store: ArtifactStore, ref: ArtifactRef, rank: str | None = None, 
 def drop_state(store: ArtifactStore, ref: ArtifactRef) -> None:
     """Delete every stored resume state, the ranks' included (the stage's last write before its marker)."""
     d = store.path(ref, STATE_DIR)
-    for f in store.fs.ls(d, detail=False) if store.fs.exists(d) else []:
-        store.fs.rm(f)
-    if store.fs.exists(store.path(ref, STATE_DIR)):
-        store.fs.rm(store.path(ref, STATE_DIR), recursive=True)
+    if store.fs.exists(d):
+        store.fs.rm(d, recursive=True)
 
 
 def _state_files(store: ArtifactStore, ref: ArtifactRef, rank: str | None = None) -> list[str]:
