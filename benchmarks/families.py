@@ -3,15 +3,15 @@
 ``--suite arch`` (default): a Qwen3.5-shaped hybrid (three Gated DeltaNet layers to one full-attention
 layer; dt_bias, A_log, the short conv and the gated norm on the generic path) and a DeepSeek-V3-style MoE
 (MLA attention, sigmoid router with group top-k and a correction bias, shared expert, first layer dense),
-every parameter selected (the generic-path parameters by the op-level path of :mod:`covgrad.optaps`, and
+every parameter selected (the generic-path parameters by the op-level path of :mod:`covgrad.scores.optaps`, and
 again by the module replay), and again without the generic-path parameters (what their path costs). Each
 repetition times, interleaved after one warm-up, the floor (one forward and one batched backward of the
 summed objective with every parameter requiring grad: the ordinary training gradient) and the fused
-per-sample reduction (``PerSampleGrads.accumulate`` into a float64 :class:`covgrad.accum.MomentAccumulator`,
+per-sample reduction (``PerSampleGrads.accumulate`` into a float64 :class:`covgrad.moments.accum.MomentAccumulator`,
 self-check off), in process CPU time by default (``--clock wall``: wall time; on a shared machine other
 jobs' load enters wall time, not the process's own CPU time); the median ratio is reported (goal ≤ 1.5 with
 everything selected). ``--fold compiled`` (default): the compiled fold, which a run uses once samples × P
-reaches ``covgrad.accum._COMPILE_AFTER``; ``--fold eager``: the eager fold of a short run's batches.
+reaches ``covgrad.moments.accum._COMPILE_AFTER``; ``--fold eager``: the eager fold of a short run's batches.
 
 ``--suite norms``: the same Llama with its RMSNorms on the generic rule (torch.func vmap of each norm's own
 vector-Jacobian product, via a subclass whose forward is the same math written differently) against the
@@ -39,10 +39,9 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from benchmarks.tokens import build as perturbed_llama
-from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.rules import generic_rule, rmsnorm_rule, rule_for
+from covgrad.moments import MomentAccumulator
+from covgrad.scores import PerSampleGrads, generic_rule, rmsnorm_rule, rule_for, score_logit_grad
 
 
 class RewrittenRMSNorm(LlamaRMSNorm):
@@ -165,7 +164,7 @@ def run_arch(args: argparse.Namespace) -> None:
         f"B={B}, L={L}, reps={args.reps}, threads={torch.get_num_threads()}, torch {torch.__version__}, "
         f"clock={args.clock}, fold={args.fold}"
     )
-    # per model: every parameter with the op-level path (covgrad.optaps), with the module replay, and without
+    # per model: every parameter with the op-level path (covgrad.scores.optaps), with the module replay, and without
     # the generic-path parameters; all of one model's rows timed interleaved, repetition by repetition
     variants = (("", True, True), (" replay", True, False), (" -generic", False, True))
     print(

@@ -1,4 +1,5 @@
-"""Scores with the model sharded over R ranks (covgrad.fsdp, FSDP2 over gloo) against the single-process fold.
+"""Scores with the model sharded over R ranks (covgrad.distributed.fsdp, FSDP2 over gloo) against the single-process
+fold.
 
 Every configuration folds the same batches of ``benchmarks.scores``'s model (every parameter selected,
 float64 state, the eager fold) with ``PerSampleGrads.accumulate``; the time of a batch is the slowest
@@ -40,10 +41,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.scores import MODELS, build, make_batch
-from covgrad.accum import MomentAccumulator
 from covgrad.devices import PeakRSS
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.moments import MomentAccumulator
+from covgrad.scores import PerSampleGrads, score_logit_grad
 
 
 def _batches(name: str, n: int, shape: tuple[int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -79,7 +80,7 @@ def _rank(
     aligned: bool,
     out: str,
 ) -> None:
-    from covgrad.fsdp import rank_scores
+    from covgrad.distributed import rank_scores
 
     torch.set_num_threads(max(1, threads // ranks))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)

@@ -1,4 +1,4 @@
-"""Trajectory steps with the model sharded over R ranks (covgrad.fsdp_trajectory, FSDP2 over gloo) against the
+"""Trajectory steps with the model sharded over R ranks (covgrad.distributed.stepper, FSDP2 over gloo) against the
 single-process stepper.
 
 Every configuration takes the same steps of rl (Adam, bf16 weights: the stage's defaults) on fixed batches of
@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.scores import MODELS, build, make_batch
 from covgrad.layout import select_parameters
-from covgrad.trajectory import (
+from covgrad.updates import (
     ChangeTracker,
     FixedBatches,
     OptimizerSpec,
@@ -87,7 +87,7 @@ def single(name: str, n: int, threads: int) -> list[float]:
 
 
 def _rank(rank: int, ranks: int, init: str, name: str, n: int, threads: int, out: str) -> None:
-    from covgrad.fsdp_trajectory import ShardedStepper, gather_changed, rank_shard
+    from covgrad.distributed import ShardedStepper, gather_changed, rank_shard
 
     torch.set_num_threads(max(1, threads // ranks))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)

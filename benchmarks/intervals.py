@@ -21,8 +21,8 @@ from functools import partial
 
 import numpy as np
 
+from covgrad.moments import spearman
 from covgrad.report.uncertainty import group_bootstrap, interval, null_band
-from covgrad.topk import spearman
 
 QS = (0.01, 0.1)
 

@@ -28,8 +28,7 @@ import dask.array as da
 import numpy as np
 import torch
 
-from covgrad.stats import compute_stats, sample_moments
-from covgrad.topk import topk_indices
+from covgrad.moments import compute_stats, sample_moments, topk_indices
 
 
 def numpy_stats(S: np.ndarray, A: np.ndarray, block_rows: int) -> dict[str, Any]:

@@ -27,7 +27,7 @@ enters wall time, not the process's own CPU time). Reported: median ratio over r
 
 ``--fold-only`` times the compiled fold alone, side by side: one batch of the model's P columns in row-chunk
 sized blocks, zero advantages, into a state with the co-moment (the score's) and without it (a regime's),
-by the native CPU kernel (``covgrad.native_fold``) and by the torch.compile kernel; wall and process CPU
+by the native CPU kernel (``covgrad.moments.native_fold``) and by the torch.compile kernel; wall and process CPU
 time, median over repetitions.
 """
 
@@ -49,11 +49,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.scores import MODELS, build, make_batch, objective
-from covgrad import accum
-from covgrad.accum import GroupAccumulator, MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import Cotangent, PerSampleGrads, default_chunk_bytes, score_logit_grad
+from covgrad.moments import GroupAccumulator, MomentAccumulator, accum
 from covgrad.regimes import Regime, RegimeGrad, RegimeMoments
+from covgrad.scores import Cotangent, PerSampleGrads, default_chunk_bytes, score_logit_grad
 
 
 def regime_objective(kind: str, logits: Tensor, zq: Tensor, ids: Tensor, w: Tensor, adv: Tensor) -> Tensor:

@@ -46,9 +46,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from covgrad.accum import MomentAccumulator
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.persample import PerSampleGrads, default_chunk_bytes, score_logit_grad
+from covgrad.moments import MomentAccumulator
+from covgrad.scores import PerSampleGrads, default_chunk_bytes, score_logit_grad
 
 # name: (family, vocab, hidden, intermediate, layers, heads, kv heads, dtype, batch, prompt, response)
 MODELS = {

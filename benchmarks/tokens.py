@@ -40,14 +40,20 @@ import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from covgrad.accum import MomentAccumulator
-from covgrad.batch import RolloutBatch
 from covgrad.config import PipelineConfig
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.problems import build_char_tokenizer
-from covgrad.token_fisher import TokenBackward, candidates, response_positions, token_fisher
-from covgrad.token_study import TokenStudy, lm_head_entry, resolve_modes
+from covgrad.moments import MomentAccumulator
+from covgrad.rollouts import RolloutBatch, build_char_tokenizer
+from covgrad.scores import PerSampleGrads, score_logit_grad
+from covgrad.tokens import (
+    TokenBackward,
+    TokenStudy,
+    candidates,
+    lm_head_entry,
+    resolve_modes,
+    response_positions,
+    token_fisher,
+)
 
 
 def build(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool) -> nn.Module:

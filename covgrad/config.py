@@ -129,7 +129,7 @@ class TaskSection(Section):
         return self
 
 
-RolloutFormat = Literal["covgrad", "open_instruct", "trl", "verl", "responses"]  # covgrad.formats.READERS
+RolloutFormat = Literal["covgrad", "open_instruct", "trl", "verl", "responses"]  # covgrad.rollouts.formats.READERS
 SamplerDtype = Literal["float32", "bfloat16", "float16"]  # a sampler's own copy of its model
 
 
@@ -435,7 +435,7 @@ class MasksSection(Section):
 
 
 class TokensSection(Section):
-    """Token-level Fisher (estimators in covgrad/token_fisher.py).
+    """Token-level Fisher (estimators in covgrad/tokens/fisher.py).
 
     ``modes`` unset picks by vocabulary: exact, topk, mc and probe side by side when exact's T·V
     cotangent rows per sample fit ``exact_budget`` (T = the sampler's max_new_tokens), else probe
@@ -594,7 +594,7 @@ def fill_template(template: str, record: Mapping[str, Any]) -> str:
 
 RegimeKind = Literal[
     "rl", "rl_token", "distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift", "sft_sampled"
-]  # covgrad.regimes.REGIMES
+]  # covgrad.regimes.objectives.REGIMES
 TEACHER_KINDS = ("distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift")
 
 
@@ -612,14 +612,14 @@ class TeacherTraining(Section):
 class RegimeSection(Section):
     """One analysed post-training objective (docs/regimes.md), folded over the rollouts of ``sampler``.
 
-    Its options mirror ``covgrad.regimes.Regime``. ``teacher``: the model whose logits are q (distill) or
+    Its options mirror ``covgrad.regimes.objectives.Regime``. ``teacher``: the model whose logits are q (distill) or
     μ (sft_drift): ``stale`` (the demo's stale checkpoint), ``policy`` or a model directory;
     ``reference``: the KL-penalty reference of ``rl_token``; ``advantages``: ``sequence`` (the rollouts'
     A, broadcast over tokens), ``imported`` (the per-token ``advantages`` field of imported rollouts) or
     ``none`` (KL penalty only); ``teacher_logprobs``: distill_sampled reads the imported per-token
     ``teacher_logprobs`` field instead of a teacher model."""
 
-    kind: RegimeKind = Field("rl", description="the objective: one of covgrad.regimes.REGIMES")
+    kind: RegimeKind = Field("rl", description="the objective: one of covgrad.regimes.objectives.REGIMES")
     sampler: str | None = Field(
         None,
         description="whose rollouts (sft: the responses, e.g. a format: responses dataset); unset: rollouts.analyse",

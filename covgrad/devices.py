@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from covgrad.accum import state_bytes_per_param
+from covgrad.moments.accum import state_bytes_per_param
 
 
 def pick_device(choice: str) -> torch.device:

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from covgrad.config import DemoModel
-from covgrad.problems import DEMO_CONTEXT
+from covgrad.rollouts.problems import DEMO_CONTEXT
 
 
 def build_demo_model(

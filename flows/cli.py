@@ -230,9 +230,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_fsdp(args: argparse.Namespace, cfg: Any) -> int:
-    """The model-sharded scores plan (``covgrad.fsdp_plan``) of ``--shape`` on ``--ranks`` devices of
+    """The model-sharded scores plan (``covgrad.distributed.plan``) of ``--shape`` on ``--ranks`` devices of
     ``--device-memory`` GB, with the config's selection, batch, response length and state dtype."""
-    from covgrad.fsdp_plan import SHAPES, FsdpWork, fsdp_plan
+    from covgrad.distributed import SHAPES, FsdpWork, fsdp_plan
 
     if args.shape is None:
         raise ValueError(f"--ranks plans a model-sharded run of a --shape; give --shape {' or '.join(SHAPES)}")
@@ -279,9 +279,9 @@ def _prompt_tokens(cfg: Any) -> tuple[int, str]:
 def _run_lines(cfg: Any, prompt_tokens: int, chosen: Any, device: str) -> list[str]:
     """Every stage of the run in order, the scores stage from the shard plan ``chosen`` on ``device``:
     disk and peak host memory each (``flows.runplan``), the total disk, and the time (unknown)."""
+    from covgrad.distributed import ModelShape
     from covgrad.layout import select_parameters
-    from covgrad.shardplan import ModelShape
-    from covgrad.token_study import resolve_modes, row_names
+    from covgrad.tokens import resolve_modes, row_names
     from flows.runplan import RunShape, ScoresShape, human, stage_sizes
     from flows.shards import meta_model
     from storage.prompts import load_task
@@ -473,7 +473,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     import json
 
-    from covgrad.ckpt_diff import diff_state_dicts
+    from covgrad.updates import diff_state_dicts
     from storage.checkpoints import load_state_dict
 
     before, after = load_state_dict(args.before), load_state_dict(args.after)

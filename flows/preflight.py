@@ -4,7 +4,7 @@ line with nothing written.
 ``covgrad-pipeline`` calls :func:`preflight` first, so ``covgrad run`` and ``prefect deployment run``
 validate alike; ``covgrad run`` also calls it before Prefect starts (``architecture=False``), so bad
 files fail in well under 2 s. The checks themselves live where their layer says: pure checks in
-covgrad (``covgrad.inputs``, ``covgrad.rollout_import.require_mu_source``, ``covgrad.preflight``),
+covgrad (``covgrad.rollouts.inputs``, ``covgrad.rollouts.imports.require_mu_source``, ``covgrad.scores.preflight``),
 file reading in storage (``storage.models``, ``storage.readers``, ``storage.prompts``); the config's own
 validators ran when it was built.
 """
@@ -16,9 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from covgrad.config import PipelineConfig
-from covgrad.formats import convert, parse_reward_fields, rename_fields
-from covgrad.inputs import check_context, check_unrewarded
-from covgrad.rollout_import import records_to_rollouts, require_mu_source
+from covgrad.rollouts import (
+    check_context,
+    check_unrewarded,
+    convert,
+    parse_reward_fields,
+    records_to_rollouts,
+    rename_fields,
+    require_mu_source,
+)
 from storage.models import check_model_dir
 from storage.prompts import load_task, prompt_lengths, prompt_places
 from storage.readers import read_located_records, unrewarded
@@ -27,10 +33,10 @@ from storage.readers import read_located_records, unrewarded
 def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
     """Validate everything ``cfg`` points at, in this order: model directories, imported rollouts and
     their μ source (none for a dataset of responses), that a dataset without rewards is not analysed and is
-    folded only by sft regimes (``covgrad.inputs.check_unrewarded``), the regimes' inputs, the task file and
+    folded only by sft regimes (``covgrad.rollouts.inputs.check_unrewarded``), the regimes' inputs, the task file and
     its reward, that the prompts fit the policy's context with every generating sampler's
     ``max_new_tokens``, and (``architecture``, a user model) that per-sample scores support every selected
-    parameter (``covgrad.preflight.check_model``: seconds, imports torch).
+    parameter (``covgrad.scores.preflight.check_model``: seconds, imports torch).
     Raises ValueError or FileNotFoundError with a one-line message naming the bad value."""
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path, "model.path")
@@ -61,7 +67,7 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
     if architecture and cfg.model.path is None and cfg.model.params is not None:
         check_demo_selection(cfg)
     if architecture and (m := cfg.model).path is not None:  # unsupported modules fail in seconds, not after rollouts
-        from covgrad.preflight import check_model
+        from covgrad.scores import check_model
 
         check_model(m.path, m.params, m.trust_remote_code, m.self_check)
 
@@ -73,7 +79,7 @@ def check_demo_selection(cfg: PipelineConfig) -> None:
 
     from covgrad.layout import select_parameters
     from covgrad.models import build_demo_model
-    from covgrad.problems import build_char_tokenizer
+    from covgrad.rollouts import build_char_tokenizer
 
     with torch.device("meta"):
         model = build_demo_model(cfg.model.demo, build_char_tokenizer())

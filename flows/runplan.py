@@ -1,7 +1,7 @@
 """``covgrad plan`` for the whole run: every stage's disk and peak memory, from the stores' schemas and the
 stages' memory models, before anything runs.
 
-The scores stage's per-job memory comes from ``covgrad.shardplan`` (``flows.shards.plan_for_config``);
+The scores stage's per-job memory comes from ``covgrad.distributed.shardplan`` (``flows.shards.plan_for_config``);
 this module turns it into the stage's host peak and adds the other stages with the arithmetic below
 (bytes; N samples of a sampler, T = max_new_tokens, L = longest prompt + T, P selected parameters, n all
 parameters, V vocabulary, d the policy dtype's bytes, B_t the tokens stage's batch rows, R its batch-sum
@@ -44,7 +44,7 @@ from covgrad.report.uncertainty import REPLICATE_BUDGET
 PROCESS_BYTES = int(0.65 * 2**30)  # the pipeline process before a stage allocates (offpolicy's peak: 0.67 GiB)
 STATS_BYTES_PER_PARAM = 28.0  # (4.27 − 0.65) GiB over P = 134.5M, docs/memory.md
 MASKS_BYTES_PER_PARAM = 10.9  # (2.01 − 0.65) GiB over P = 134.5M, docs/memory.md
-TOKENS_BATCH_ROWS = 16  # covgrad.token_study.BATCH_ROWS
+TOKENS_BATCH_ROWS = 16  # covgrad.tokens.study.BATCH_ROWS
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,13 @@ class RunShape:
     demo: bool
     tokens_samples: int = 0  # samples of the token study (min(tokens.max_samples, N))
     tokens_modes: int = 1  # its estimators
-    tokens_rows: int = 4  # its batch-sum rows per batch (covgrad.token_study.row_names)
+    tokens_rows: int = 4  # its batch-sum rows per batch (covgrad.tokens.study.row_names)
 
 
 @dataclass(frozen=True)
 class ScoresShape:
-    """What the whole-run plan takes from the scores stage's shard plan (``covgrad.shardplan.ShardPlan``)."""
+    """What the whole-run plan takes from the scores stage's shard plan
+    (``covgrad.distributed.shardplan.ShardPlan``)."""
 
     job_bytes: int  # the largest job's bytes on its device (ShardPlan.need)
     store_bytes: int  # one finished scores artifact
@@ -82,7 +83,7 @@ class ScoresShape:
 
 def tokens_batches(samples: int) -> tuple[int, int]:
     """(rows per batch, batches) of the token study over ``samples`` samples, as
-    ``covgrad.token_study.batch_bounds`` splits them."""
+    ``covgrad.tokens.study.batch_bounds`` splits them."""
     if samples <= 0:
         return 0, 0
     rows = max(1, min(TOKENS_BATCH_ROWS, math.ceil(samples / 4)))

@@ -38,8 +38,8 @@ from prefect import flow
 
 from covgrad.config import PipelineConfig
 from covgrad.devices import PeakRSS
+from covgrad.distributed import ModelShape, ShardPlan, Workload, make_plan
 from covgrad.layout import select_parameters
-from covgrad.shardplan import ModelShape, ShardPlan, Workload, make_plan
 from flows.stop import rearm
 from storage.artifacts import ArtifactRef, ArtifactStore
 from tasks.common import run_stage
@@ -50,14 +50,14 @@ from tasks.specs import ScoresSpec, Step, plan
 def meta_model(cfg: PipelineConfig) -> torch.nn.Module:
     """The policy's architecture on the meta device (no weights read, no memory): from ``config.json``
     of ``model.path``, or the demo model's sizes."""
-    from covgrad import preflight
+    from covgrad.scores import preflight
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, cfg.model.dtype))
     try:
         if cfg.model.path is None:
             from covgrad.models import build_demo_model
-            from covgrad.problems import build_char_tokenizer
+            from covgrad.rollouts import build_char_tokenizer
 
             with torch.device("meta"):
                 return build_demo_model(cfg.model.demo, build_char_tokenizer())

@@ -1,4 +1,4 @@
-"""Imported rollouts into the rollouts store: a stack's dump read through ``covgrad.formats``, what it says
+"""Imported rollouts into the rollouts store: a stack's dump read through ``covgrad.rollouts.formats``, what it says
 about each record (policy version, the stack's advantage, per-token advantages, mixed sampling parameters) as
 extra arrays, and the optional re-scoring of records (``verify_records``) against the policy or ``mu_model``."""
 
@@ -10,13 +10,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from covgrad.centering import sampled_token_logp
 from covgrad.config import SamplerSection
-from covgrad.formats import import_records, parse_reward_fields
 from covgrad.models import context_length
-from covgrad.problems import response_texts
-from covgrad.rollout_import import record_mismatch, verification_warning
-from covgrad.sampling import SamplerSpec
+from covgrad.rollouts import (
+    SamplerSpec,
+    import_records,
+    parse_reward_fields,
+    record_mismatch,
+    response_texts,
+    verification_warning,
+)
+from covgrad.scores import sampled_token_logp
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.models import ModelSource, load_models
 from storage.readers import read_located_records
@@ -35,7 +39,7 @@ def sampler_source(policy: ModelSource, s: SamplerSection) -> ModelSource:
 
 
 def import_options(s: SamplerSection) -> dict[str, Any]:
-    """The options of ``covgrad.formats.import_records`` for sampler section ``s``: its sampling settings
+    """The options of ``covgrad.rollouts.formats.import_records`` for sampler section ``s``: its sampling settings
     stand for those of records that carry none; ``reward_fields`` name the reward columns."""
     options: dict[str, Any] = {"sampling_params": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}}
     if s.reward_fields:
@@ -154,7 +158,7 @@ IMPORT_EXTRAS = ("policy_version", "stack_advantage", "sampling_params_index", "
 
 
 def import_extra_arrays(data: dict, extras: dict[str, np.ndarray], sampling_index: np.ndarray | None) -> dict:
-    """The rollouts arrays of ``covgrad.formats.import_records``' extras: ``policy_version``,
+    """The rollouts arrays of ``covgrad.rollouts.formats.import_records``' extras: ``policy_version``,
     ``stack_advantage`` and, when the records mix sampling parameters, ``sampling_params_index`` (N,);
     the per-token advantages as the token-aligned ``token_advantage`` (N, L) float64 unless the records'
     own ``advantages`` field gave it."""

@@ -56,7 +56,7 @@ def load_model(
 ) -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` in eval mode; with ``meta`` the
     same model built from its config on the meta device (shapes, names and ties, no storage and no weights
-    read: a rank that receives its shard of the weights from rank 0, :func:`covgrad.fsdp.shard_from_rank0`).
+    read: a rank that receives its shard of the weights from rank 0, :func:`covgrad.distributed.fsdp.shard_from_rank0`).
 
     FileNotFoundError naming the path when it is missing; ValueError when it is not a causal LM.
     """
@@ -134,13 +134,14 @@ def load_rank_policy(
 ) -> PreTrainedModel:
     """The policy of one process of a stage: with no process group, loaded with its weights onto ``device``; in
     a group (a sharded stage), rank 0 loads the weights into host memory, where the group traces and shards it
-    (:func:`covgrad.fsdp.shard_from_rank0`: FSDP2 moves each module's shard to the rank's device as it shards
+    (:func:`covgrad.distributed.fsdp.shard_from_rank0`: FSDP2 moves each module's shard to the rank's device as it
+    shards
     it, so no device ever holds the whole model), and the other ranks build it on the meta device, as does every
     process with ``meta`` (one that needs only the model's modules and shapes: the task's process of a sharded
     stage)."""
     import torch.distributed as dist
 
-    from covgrad.fsdp import loads_weights
+    from covgrad.distributed import loads_weights
 
     weights = loads_weights() and not meta
     model = load_models(store, base, "policy", policy, meta=not weights)[0]

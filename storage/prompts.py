@@ -11,14 +11,14 @@ import json
 from pathlib import Path
 
 from covgrad.config import TaskSection
-from covgrad.inputs import max_positions
-from covgrad.problems import (
+from covgrad.rollouts import (
     DEMO_CONTEXT,
     Problem,
     RewardFn,
     addition_problems,
     addition_reward,
     char_tokenizer,
+    max_positions,
     problems_from_records,
     resolve_reward,
 )

@@ -1,6 +1,6 @@
 """Read rollout records and prompt files from a local path or any fsspec URL.
 
-``read_records`` feeds :func:`covgrad.rollout_import.records_to_rollouts`; ``read_prompt_file`` reads the
+``read_records`` feeds :func:`covgrad.rollouts.imports.records_to_rollouts`; ``read_prompt_file`` reads the
 task prompts that generation starts from. Both stream JSONL line by line and report the file and the
 1-based line number of a bad line.
 """
@@ -15,7 +15,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from covgrad.formats import parse_reward_fields, without_rewards
+from covgrad.rollouts import parse_reward_fields, without_rewards
 
 _PARQUET_BATCH_ROWS = 1024  # rows decoded at a time; bounds memory for large files
 
@@ -108,7 +108,7 @@ def first_record(path_or_url: str) -> tuple[str, dict[str, Any]] | None:
 
 def unrewarded(cfg: Any) -> dict[str, str]:
     """The samplers of a ``PipelineConfig`` that are datasets of responses without rewards
-    (``covgrad.formats.without_rewards`` of their first record), each with where that record is; such a
+    (``covgrad.rollouts.formats.without_rewards`` of their first record), each with where that record is; such a
     sampler has rollouts but no scores or stats (no rl analysis of it exists)."""
     out = {}
     for name, s in cfg.rollouts.samplers.items():

@@ -1,13 +1,13 @@
 """The fold of one regime stage: an analysed post-training objective's per-sample gradients in moment state.
 
-``regime.<name>`` folds the regime's g_n through the scores machinery (:class:`covgrad.regimes.RegimeGrad` as
+``regime.<name>`` folds the regime's g_n through the scores machinery (:class:`covgrad.regimes.objectives.RegimeGrad` as
 the logit-gradient function), each prompt group's sum S_c as one row whose advantage is the group's size
-(:class:`covgrad.accum.GroupAccumulator`: G and its prompt-clustered standard error), into a
+(:class:`covgrad.moments.accum.GroupAccumulator`: G and its prompt-clustered standard error), into a
 :class:`storage.scores.ScoresStore` (the same layout, checkpoints and resume as a scores artifact, one job,
 moment state only); plus each batch's bound scalars per half
 (:mod:`storage.regimes`), written before its checkpoint. The teacher and the reference run one forward on
 the same padded batch; a teacher with a ``teacher_prompt`` (context distillation) runs on its own prompts
-followed by the same response tokens (:func:`covgrad.regimes.prefixed_batch`), its logits moved back to the
+followed by the same response tokens (:func:`covgrad.regimes.objectives.prefixed_batch`), its logits moved back to the
 policy's positions. With ``responses: teacher`` the responses are the teacher's own samples, drawn once per
 run (seeded like the sampler's rollouts) and scored after the policy's prompts. Their statistics:
 :mod:`tasks.regimes`; the stage: :mod:`tasks.regime`.
@@ -23,15 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from covgrad.accum import GroupAccumulator
-from covgrad.batch import RolloutBatch, group_batches
 from covgrad.config import SamplerSection
 from covgrad.devices import check_state_fits, pick_device
-from covgrad.inputs import check_context
 from covgrad.layout import select_parameters
 from covgrad.models import context_length
-from covgrad.persample import Cotangent, PerSampleGrads
-from covgrad.problems import response_texts, score_rewards
+from covgrad.moments import GroupAccumulator
 from covgrad.regimes import (
     FULL_DISTRIBUTION_KINDS,
     RegimeGrad,
@@ -40,8 +36,17 @@ from covgrad.regimes import (
     prefixed_batch,
     regime_of,
 )
-from covgrad.sampling import SamplerSpec, generate
-from covgrad.token_fisher import head_forward
+from covgrad.rollouts import (
+    RolloutBatch,
+    SamplerSpec,
+    check_context,
+    generate,
+    group_batches,
+    response_texts,
+    score_rewards,
+)
+from covgrad.scores import Cotangent, PerSampleGrads
+from covgrad.tokens import head_forward
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer, load_models
 from storage.prompts import load_task, prompt_places

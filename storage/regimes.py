@@ -37,7 +37,7 @@ HEAD_FISHER = "head_token_fisher"
 
 
 def write_head_fisher(g: Any, entry: Any, sums: np.ndarray, counts: np.ndarray) -> None:
-    """The LM head's token-Fisher sums (2, numel) per half (``covgrad.regimes.head_token_fisher``) of a
+    """The LM head's token-Fisher sums (2, numel) per half (``covgrad.regimes.objectives.head_token_fisher``) of a
     full-distribution regime's fold, with attrs naming the tensor, its place on the param axis and the
     samples per half."""
     from storage.schema import SCORES, create
@@ -88,7 +88,8 @@ def state_rows(g: Any, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 def regime_gradient(g: Any, cols: slice) -> list[tuple[np.ndarray, np.ndarray, float, float]]:
     """A regime fold's G, its prompt-clustered standard error (b,) float64 (NaN with fewer than 2 groups), its
     number of samples N and of prompt groups C over parameters ``cols``, from the fold's group state
-    (:class:`covgrad.accum.GroupAccumulator`, :func:`covgrad.regimes.clustered_mean_se`): of all rows, then of
+    (:class:`covgrad.moments.accum.GroupAccumulator`, :func:`covgrad.regimes.objectives.clustered_mean_se`): of all
+    rows, then of
     each half."""
     from covgrad.regimes import clustered_mean_se
 
@@ -127,8 +128,7 @@ def check_teacher_prompts(cfg: Any, name: str, r: Any) -> None:
     """A context-distillation regime's teacher prompts, one-line errors: the template fills from every task
     record (``file:line`` of the first that lacks a field), and every teacher prompt with the sampler's
     ``max_new_tokens`` fits the teacher's context (counted with its ``tokenizer.json`` when it has one)."""
-    from covgrad.inputs import check_context
-    from covgrad.problems import Problem
+    from covgrad.rollouts import Problem, check_context
     from storage.prompts import prompt_lengths, prompt_places
 
     what = f"regimes.{name}.teacher_prompt"
@@ -156,7 +156,7 @@ def check_regime_inputs(cfg: Any) -> None:
     if cfg.model.path is not None:
         policy_vocab = _vocab_size(cfg.model.path)
     else:
-        from covgrad.problems import char_tokenizer
+        from covgrad.rollouts import char_tokenizer
 
         policy_vocab = char_tokenizer().get_vocab_size()
     for name, r in cfg.regimes.items():
@@ -207,7 +207,7 @@ def task_records(t: Any) -> list[dict[str, Any]]:
 
 def teacher_prompt_texts(template: str, t: Any, what: str) -> list[str]:
     """The teacher prompt of every prompt of task ``t``: ``template`` filled from its record
-    (:func:`covgrad.regimes.fill_template`); ValueError naming ``what`` and the record's ``file:line`` when a
+    (:func:`covgrad.regimes.objectives.fill_template`); ValueError naming ``what`` and the record's ``file:line`` when a
     record lacks a field the template names."""
     from covgrad.config import fill_template
     from storage.prompts import prompt_places

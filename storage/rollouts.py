@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from covgrad.batch import RolloutBatch
 from covgrad.config import SamplerSection
+from covgrad.rollouts import RolloutBatch
 from storage.schema import ROLLOUTS as STORE
 from storage.schema import create, var
 

@@ -215,7 +215,7 @@ ROLLOUTS_VARS = {
     **PROGRESS,
 }
 
-# per-token fields of imported rollouts (covgrad.rollout_import.PER_TOKEN), token-aligned like ``tokens``
+# per-token fields of imported rollouts (covgrad.rollouts.imports.PER_TOKEN), token-aligned like ``tokens``
 ROLLOUTS_VARS.update(
     {
         "token_advantage": Var(
@@ -227,7 +227,7 @@ ROLLOUTS_VARS.update(
     }
 )
 
-# what a stack's dump (covgrad.formats) says about each imported record, written only when every record says it
+# what a stack's dump (covgrad.rollouts.formats) says about each imported record, written only when every record says it
 ROLLOUTS_VARS.update(
     {
         "policy_version": Var(
@@ -311,9 +311,9 @@ SCORES_VARS = {
 }
 
 # a regime fold (tasks/regimes.py) is a scores store of the prompt groups' sums S_c of g_n, each folded as one row
-# whose advantage is the group's size n_c (covgrad.accum.GroupAccumulator: count = groups, mean_a = mean size,
+# whose advantage is the group's size n_c (covgrad.moments.accum.GroupAccumulator: count = groups, mean_a = mean size,
 # mean_s = mean S_c, c_as only for groups of several sizes) plus, dim half = the prompt-group parity, the Σ of its
-# bound scalar c²_n (covgrad.regimes) and the samples that had one
+# bound scalar c²_n (covgrad.regimes.objectives) and the samples that had one
 SCORES_VARS.update(
     {
         f"bound_{what}": Var(("batch", "half"), "float64", (1, WHOLE), text, definition, units, fill=0)
@@ -323,7 +323,7 @@ SCORES_VARS.update(
         )
     }
 )
-# a full-distribution regime's fold with an untied, selected LM head in closed form (covgrad.regimes)
+# a full-distribution regime's fold with an untied, selected LM head in closed form (covgrad.regimes.objectives)
 SCORES_VARS["head_token_fisher"] = Var(
     ("half", "head_param"),
     "float64",
@@ -419,7 +419,7 @@ TOKENS_VARS = {
 }
 
 # update.zarr — dims: cell (one per optimizer, precision, lr and steps), tensor. Columns of
-# ``covgrad.update.update_grid``; {metric} is bf16 (changed in bf16 / the weights' dtype) or abs (|Δ| > 1e-5).
+# ``covgrad.updates.check.update_grid``; {metric} is bf16 (changed in bf16 / the weights' dtype) or abs (|Δ| > 1e-5).
 UPDATE_VARS = {
     "regime": _cell("str", "regime whose loss the cell stepped (only with configured regimes)"),
     "optimizer": _cell("str", "optimizer", labels=("cell",)),
@@ -441,7 +441,7 @@ UPDATE_VARS = {
 
 # trajectory.zarr — dims: step (one per optimizer step, from 1), param_byte (ceil(P/8) bytes of a
 # bit-packed (param,) set), threshold, tensor, decile (of |w| at step 0), count (steps changed, 0..K).
-# Records of ``covgrad.trajectory.run_trajectory``; {scope} is step (w_t != w_{t-1}) or cum (w_t != w_0),
+# Records of ``covgrad.updates.trajectory.run_trajectory``; {scope} is step (w_t != w_{t-1}) or cum (w_t != w_0),
 # in the stored dtype; {predictor} a ranked predictor (F, absG, absrho, smallw, random, tensor_random,
 # each of size k = the changed count) or a rule (absorb, bound).
 def _per_step(dtype: str | None, long_name: str, definition: str = "", units: str = "", **kw: Any) -> Var:
@@ -459,7 +459,7 @@ TRAJECTORY_VARS = {
     ),
     "step": _per_step("int64", "optimizer step", "from 1", labels=("step",)),
     "lr": _per_step("float64", "learning rate of the step"),
-    "loss": _per_step("float64", "the regime's loss before the step", "covgrad.trajectory.StepLoss"),
+    "loss": _per_step("float64", "the regime's loss before the step", "covgrad.updates.trajectory.StepLoss"),
     "adv_rms": _per_step("float64", "the regime's bound scalar a on the step's samples", "rl: sqrt(mean A^2)"),
     "reward": _per_step("float64", "mean reward of the step's samples", "NaN on fixed data"),
     "kl": _per_step("float64", "KL to the start per token", "mean over response tokens of KL(p_t || p_0,t)", "nats"),

@@ -7,7 +7,7 @@ Layout (dims: sample, param, row, batch, shard, block):
 - moment state, always: ``count, mean_a, m2_a (row,)`` float64 and ``mean_s, m2_s, c_as (row, param)`` in
   the state dtype (float32 adds ``mean_s_lo``, the low half of the mean), two rows per sample shard: row
   2i + h holds shard i's samples of the prompt groups with parity h (the cross-fit). The rows are the
-  accumulators of :class:`covgrad.accum.MomentAccumulator`, so the store's size does not grow with the
+  accumulators of :class:`covgrad.moments.accum.MomentAccumulator`, so the store's size does not grow with the
   number of samples; a row with no samples has count 0;
 - ``shard_batches (shard, block)``: batches folded into job (i, k)'s final state, written after it (-1
   until then). A job owns the state chunks that lie inside its block; the columns of a chunk that a block
@@ -19,7 +19,7 @@ Layout (dims: sample, param, row, batch, shard, block):
   same bytes as an uninterrupted run. With one block a batch is marked in ``batch_done`` once a checkpoint
   that contains it is complete; with several, ``finalize`` marks them (a batch is done only when every
   block has folded it);
-- per-sample rows ``scores (sample, param)`` float32 when kept (:func:`covgrad.shardplan.keeps_rows`);
+- per-sample rows ``scores (sample, param)`` float32 when kept (:func:`covgrad.distributed.shardplan.keeps_rows`);
 - ``kl_sum, kl_tokens (batch,)`` under sampler centering; ``advantage``, ``group (sample,)``,
   ``batch_done (batch,)``; attrs: the tensor table, centering, shards.
 """
@@ -35,10 +35,9 @@ import dask.array as da
 import numpy as np
 import torch
 
-from covgrad.accum import MomentAccumulator
-from covgrad.centering import MuRecord
 from covgrad.layout import ParamLayout
-from covgrad.stats import Moments, sample_moments
+from covgrad.moments import MomentAccumulator, Moments, sample_moments
+from covgrad.scores import MuRecord
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from storage.identity import IDENTITY_ATTR
 from storage.schema import SCORES as STORE

@@ -1,7 +1,9 @@
-"""A scores artifact folded by R ranks with the model sharded over them (:mod:`covgrad.fsdp`), through the one
+"""A scores artifact folded by R ranks with the model sharded over them (:mod:`covgrad.distributed.fsdp`), through the
+one
 scores store of :mod:`storage.scores`.
 
-Each rank folds every batch of a sample shard into the columns of its FSDP shard (:class:`covgrad.fsdp.RankColumns`:
+Each rank folds every batch of a sample shard into the columns of its FSDP shard
+(:class:`covgrad.distributed.fsdp.RankColumns`:
 dim-0 rows of every selected tensor, one run of columns each) and writes them into the same arrays as an
 in-process run, so the artifact is the in-process artifact whatever R is. The ranks are local processes or a
 torchrun group on one or several machines (:func:`run_ranks`). What the store adds while ranks run
@@ -32,12 +34,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from covgrad.accum import MomentAccumulator
-from covgrad.batch import RolloutBatch
-from covgrad.centering import LogitGrad
 from covgrad.devices import check_state_fits, pick_device
-from covgrad.fold import fold_batches
-from covgrad.fsdp import (
+from covgrad.distributed import (
     RankColumns,
     RankFailedError,
     ShardAccumulator,
@@ -48,7 +46,9 @@ from covgrad.fsdp import (
 )
 from covgrad.identity import model_identity
 from covgrad.layout import ParamLayout
-from covgrad.persample import PerSampleGrads
+from covgrad.moments import MomentAccumulator
+from covgrad.rollouts import RolloutBatch
+from covgrad.scores import LogitGrad, PerSampleGrads, fold_batches
 from storage.artifacts import ArtifactRef, ArtifactStore, mark_batch_done
 from storage.schema import SCORES as STORE
 from storage.schema import write
@@ -225,7 +225,7 @@ def restore_rank(store: RankStore, g: Any, i: int, acc: MomentAccumulator) -> in
 
 def fold_rank(job: Job) -> None:
     """This rank's share of a scores job (in an initialised process group): shard the job's model
-    (:func:`covgrad.fsdp.rank_scores`) and fold every sample shard's batches into this rank's columns,
+    (:func:`covgrad.distributed.fsdp.rank_scores`) and fold every sample shard's batches into this rank's columns,
     checkpointing every ``spec.checkpoint_batches`` batches (by count only: a time-based checkpoint would
     differ between ranks) and resuming from the newest checkpoint every rank holds."""
     rank, spec, out = dist.get_rank(), job.spec, job.out
@@ -326,7 +326,7 @@ def _rank_main(make_job: Callable[..., Job], args: tuple) -> None:
     fold_rank(make_job(*args))
 
 
-# The module every torchrun rank runs (it calls covgrad.fsdp.torchrun_rank on the launch's payload).
+# The module every torchrun rank runs (it calls covgrad.distributed.fsdp.torchrun_rank on the launch's payload).
 RANK_ENTRY = "storage.rank_main"
 
 
@@ -336,8 +336,9 @@ def run_ranks(
     """Compute a scores artifact with the model sharded over ``ranks`` processes: ``make_job(*args)`` builds
     the job, here once to create the store's arrays and once in every rank (``make_job`` and ``args`` must
     pickle: a module-level function and plain values). The ranks are local gloo processes
-    (:func:`covgrad.fsdp.launch`), or with ``torchrun`` a group that torchrun starts
-    (:func:`covgrad.fsdp.launch_torchrun`; ``ranks`` = its world, every machine's ranks), whose ranks take the
+    (:func:`covgrad.distributed.fsdp.launch`), or with ``torchrun`` a group that torchrun starts
+    (:func:`covgrad.distributed.fsdp.launch_torchrun`; ``ranks`` = its world, every machine's ranks), whose ranks take
+    the
     columns of the world's split. Returns the job's provenance (None while batches are pending).
 
     With several machines every machine calls this with the same job against the same store root; node 0
@@ -346,7 +347,7 @@ def run_ranks(
     0 only starts its ranks (this process builds no job) and returns None.
 
     Raises:
-        covgrad.fsdp.RankFailedError: one line naming a rank that failed (its checkpoints stay; a rerun
+        covgrad.distributed.fsdp.RankFailedError: one line naming a rank that failed (its checkpoints stay; a rerun
             resumes every rank from the newest one they all hold).
         ValueError: when the job has more than one parameter block, its device is not the CPU (the local
             launcher) or ``ranks`` is not torchrun's world.

@@ -2,17 +2,17 @@
 
 Dims: sample, position (response position), param, batch, tensor.
 
-- ``trace_{mode}`` (:func:`covgrad.token_study.trace_names`), ``entropy``, ``p_drawn``, ``covered_mass``
+- ``trace_{mode}`` (:func:`covgrad.tokens.study.trace_names`), ``entropy``, ``p_drawn``, ``covered_mass``
   (sample, position) float64 (0 beyond a row's response; ``covered_mass`` is the top-k mass, 1 without
   topk); ``score_sum_relerr`` (sample,) float64, ‖Σ_t s_t − s‖ / ‖s‖ per sample;
 - batch rows (batch, param) float64, while the stage runs: ``rows_{name}`` for each name of
-  :func:`covgrad.token_study.row_names` (the batch's Σ_n Σ_t f_{n,t} per mode or half, Σ_n s_n² as
+  :func:`covgrad.tokens.study.row_names` (the batch's Σ_n Σ_t f_{n,t} per mode or half, Σ_n s_n² as
   ``seq_sq`` and Σ_n Σ_t s_{n,t}² as ``tok_sq``). They are the resume state and the summary's input, and
   are dropped once the summary is written (8 B × P per row and batch, most of the store);
   ``batch_count`` (batch,) rows per batch; ``lm_head_relerr`` (batch,) closed form vs exact (NaN when not
   checked);
 - ``fisher_{mode}`` (param,) = Σ f / N per mode and ``fisher_seq`` (param,) = mean(s²);
-- ``batch_done`` progress; attrs: ``scalars`` (:func:`covgrad.token_study.summarize`, set last by the
+- ``batch_done`` progress; attrs: ``scalars`` (:func:`covgrad.tokens.study.summarize`, set last by the
   summary; the errors against F with their jackknife intervals, ``relerr_{mode}_vs_seq_lo``/``_hi``,
   which need the batch rows and so are computed before the rows are dropped), ``errors_vs_seq`` (rows
   of the three-N table), the tensor table, sampler, modes and main mode.
@@ -26,7 +26,7 @@ import numpy as np
 import zarr
 
 from covgrad.layout import ParamLayout
-from covgrad.token_study import POSITION_ARRAYS, BatchResult, StudyRecord, row_names, trace_names
+from covgrad.tokens import POSITION_ARRAYS, BatchResult, StudyRecord, row_names, trace_names
 from storage.artifacts import create_progress, mark_batch_done, pending_batches
 from storage.schema import TOKENS, annotate, create, param_chunk
 
@@ -65,7 +65,7 @@ class TokensStore:
         return pending_batches(self.g)
 
     def write_row(self, b: int, name: str, row: np.ndarray) -> None:
-        """Batch ``b``'s (P,) float64 sum ``name`` (of :func:`~covgrad.token_study.row_names`)."""
+        """Batch ``b``'s (P,) float64 sum ``name`` (of :func:`~covgrad.tokens.study.row_names`)."""
         self.g[f"rows_{name}"][b] = row
 
     def write_batch(self, b: int, lo: int, hi: int, result: BatchResult) -> None:
@@ -86,7 +86,7 @@ class TokensStore:
     def summary_io(self, P: int, response_len: np.ndarray) -> tuple[StudyRecord, dict[str, zarr.Array]]:
         """The stored record of all batches (batch rows read lazily by column slices) with the samples'
         response lengths ``response_len`` (N,), and the (P,) Fisher arrays ``fisher_{mode}`` and
-        ``fisher_seq``, created afresh, for :func:`~covgrad.token_study.summarize` to write."""
+        ``fisher_seq``, created afresh, for :func:`~covgrad.tokens.study.summarize` to write."""
         g, modes = self.g, self.modes
         names = [*(f"fisher_{m}" for m in modes), "fisher_seq"]
         out = {name: create(g, TOKENS, name, (P,), overwrite=True) for name in names}

@@ -1,10 +1,12 @@
-"""A tokens artifact computed by R ranks with the model sharded over them (:mod:`covgrad.fsdp`), through the one
+"""A tokens artifact computed by R ranks with the model sharded over them (:mod:`covgrad.distributed.fsdp`), through
+the one
 tokens store of :mod:`storage.tokens`.
 
-Every rank runs every batch of the study (:meth:`covgrad.token_study.TokenStudy.build_sharded`): the forward and
+Every rank runs every batch of the study (:meth:`covgrad.tokens.study.TokenStudy.build_sharded`): the forward and
 the backward passes are collective (FSDP2 all-gathers each layer), the per-sample blocks are formed whole from the
 all-gathered layers, and each (param,) batch sum is kept only at the rank's columns
-(:class:`covgrad.fsdp.RankColumns`: dim-0 rows of every selected tensor). What the ranks write into the store
+(:class:`covgrad.distributed.fsdp.RankColumns`: dim-0 rows of every selected tensor). What the ranks write into the
+store
 (dims as in :mod:`storage.tokens`):
 
 - ``rows_{name}`` (batch, param): each rank its columns. The chunks inside a rank's runs are written by that rank
@@ -28,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from covgrad.fsdp import RankColumns, launch, launch_torchrun, rank_device
+from covgrad.distributed import RankColumns, launch, launch_torchrun, rank_device
 from covgrad.heap import release_free_memory
-from covgrad.token_study import TokenStudy, batch_bounds
+from covgrad.tokens import TokenStudy, batch_bounds
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_rank_policy
 from storage.rollouts import read_batch
@@ -108,7 +110,8 @@ def run_ranks(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]
     rendezvous once node 0's have joined, which node 0 starts after creating the store.
 
     Raises:
-        covgrad.fsdp.RankFailedError: one line naming the first rank that failed (a rerun recomputes the batches
+        covgrad.distributed.fsdp.RankFailedError: one line naming the first rank that failed (a rerun recomputes the
+        batches
             not marked done).
     """
     args = (root, ref, spec, up)

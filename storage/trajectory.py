@@ -24,12 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from covgrad.batch import group_batches
 from covgrad.config import RegimeSection
 from covgrad.layout import ParamLayout
 from covgrad.regimes import regime_of
-from covgrad.sampling import SamplerSpec
-from covgrad.trajectory import (
+from covgrad.rollouts import SamplerSpec, group_batches
+from covgrad.updates import (
     BATCH_KEYS,
     FixedBatches,
     OnPolicy,
@@ -102,7 +101,7 @@ def optimizer_spec(s: Any) -> OptimizerSpec:
 def step_zero_stats(store: ArtifactStore, spec: Any, up: dict[str, ArtifactRef], columns: Any = None) -> StepZeroStats:
     """The step-0 predictors of trajectory spec ``spec``: F of the main statistics, G and ρ of the main statistics
     for rl and of the regime's own (the ``regimes`` stage) otherwise; all P columns, or those of ``columns`` (a
-    ``covgrad.fsdp.RankColumns``), read run by run."""
+    ``covgrad.distributed.fsdp.RankColumns``), read run by run."""
     st = store.open_group(up["stats"], STATS, mode="r")
     rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
     own = "" if spec.regime is None else f"_{spec.settings.regime}"

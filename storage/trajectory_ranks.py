@@ -1,4 +1,4 @@
-"""A trajectory artifact stepped by R ranks with the model sharded over them (:mod:`covgrad.fsdp_trajectory`), into
+"""A trajectory artifact stepped by R ranks with the model sharded over them (:mod:`covgrad.distributed.stepper`), into
 the one trajectory store of :mod:`storage.trajectory`.
 
 Every rank loads the start policy (its weights on rank 0 only, the others on the meta device), shards it, the
@@ -25,16 +25,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from covgrad.fsdp import launch, rank_device
-from covgrad.fsdp_trajectory import (
+from covgrad.distributed import (
     ShardedStepper,
     gather_changed,
+    launch,
     rank_columns,
+    rank_device,
     rank_shard,
     shard_frozen,
 )
 from covgrad.layout import ParamLayout, check_layout, select_parameters
-from covgrad.trajectory import (
+from covgrad.updates import (
     ChangeTracker,
     bf16_rounded,
     checkpoint_steps,
@@ -136,7 +137,8 @@ def run_ranks(store: ArtifactStore, ref: ArtifactRef, spec: Any, up: dict[str, A
     (:func:`trajectory_rank` in each); returns the layout (the per-step arrays and the summary are the task's).
 
     Raises:
-        covgrad.fsdp.RankFailedError: one line naming the first rank that failed (a rerun resumes from the newest
+        covgrad.distributed.fsdp.RankFailedError: one line naming the first rank that failed (a rerun resumes from the
+        newest
             state every rank holds).
     """
     s = spec.settings

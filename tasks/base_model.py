@@ -9,8 +9,8 @@ import torch
 from prefect import task
 
 from covgrad.models import build_demo_model
-from covgrad.problems import addition_problems, answer_tokens, build_char_tokenizer
-from covgrad.sft import train_sft
+from covgrad.rollouts import addition_problems, answer_tokens, build_char_tokenizer
+from covgrad.updates import train_sft
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer
 from tasks.common import StageResult, log, progress_bar, run_stage

@@ -22,9 +22,8 @@ import numpy as np
 from prefect import task
 
 from covgrad.layout import ParamLayout
-from covgrad.stats import OVERLAP_Q
+from covgrad.moments import OVERLAP_Q, SCOPES, TopSets, Values, bound_mask_table, overlap_rows, spearman_blocked
 from covgrad.tables import to_csv, to_markdown
-from covgrad.topk import SCOPES, TopSets, Values, bound_mask_table, overlap_rows, spearman_blocked
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import MASKS as STORE
 from storage.schema import STATS, annotate, create, write

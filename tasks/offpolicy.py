@@ -15,7 +15,7 @@ blocks of ``block`` parameters with the sums of squares in float64, so memory ho
 ``rel_diff_stats``, the largest such difference over m, F, Fvar, G and Cov (the null test's number: ≈ 0
 when μ ≡ p),
 
-and the sampler–policy mismatch in the names RL stacks log (``covgrad.mismatch``, verl's definitions) from the
+and the sampler–policy mismatch in the names RL stacks log (``covgrad.rollouts.mismatch``, verl's definitions) from the
 sampled tokens' log-probabilities under the sampler (the rollouts' ``sampler_logp``) and under the policy
 (recomputed teacher-forced by this stage, temperature 1): :data:`MISMATCH_COLUMNS`, the same on both rows of
 a sampler (a property of its rollouts; ≈ 0 for the policy itself, up to the float differences between
@@ -34,10 +34,9 @@ import numpy as np
 import torch
 from prefect import task
 
-from covgrad.centering import sampled_token_logp
-from covgrad.mismatch import mismatch_metrics
-from covgrad.sampling import SamplerSpec
-from covgrad.stats import BLOCK_CHUNKS, rel_diff
+from covgrad.moments import BLOCK_CHUNKS, rel_diff
+from covgrad.rollouts import SamplerSpec, mismatch_metrics
+from covgrad.scores import sampled_token_logp
 from covgrad.tables import to_csv, to_markdown
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.identity import sampler_weights
@@ -102,7 +101,7 @@ MISMATCH_COLUMNS = {
     "chi2_seq": "rollout_corr/chi2_seq",
     "ppl_ratio": "rollout_corr/ppl_ratio",
 }
-"""Off-policy table column -> the key of ``covgrad.mismatch.mismatch_metrics`` (verl's logged name)."""
+"""Off-policy table column -> the key of ``covgrad.rollouts.mismatch.mismatch_metrics`` (verl's logged name)."""
 
 
 def _marker(store: ArtifactStore, stage: str, key: str) -> dict[str, Any]:

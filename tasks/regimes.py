@@ -16,10 +16,9 @@ import numpy as np
 from prefect import task
 
 from covgrad.layout import ParamLayout
+from covgrad.moments import OVERLAP_Q, TopSets, Values, overlap_table
 from covgrad.regimes import moment_mean_se, regime_block_stats
-from covgrad.stats import OVERLAP_Q
 from covgrad.tables import to_csv, to_markdown
-from covgrad.topk import TopSets, Values, overlap_table
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.regimes import HEAD_FISHER, bound_a2, head_fisher, regime_gradient, state_rows
 from storage.schema import REGIMES, SCORES, annotate, create, param_chunk
@@ -58,7 +57,7 @@ def _abs(arr: Any) -> Values:
 
 def _stats(store: ArtifactStore, ref: ArtifactRef, spec: RegimeStatsSpec, up: dict[str, ArtifactRef]) -> dict[str, Any]:
     """Write the regimes store and tables: per regime, block by block of parameters, the statistics of
-    :func:`covgrad.regimes.regime_block_stats`; then the overlap, tensor-share and pairwise tables."""
+    :func:`covgrad.regimes.objectives.regime_block_stats`; then the overlap, tensor-share and pairwise tables."""
     sc = store.open_group(up["scores"], SCORES, mode="r")
     layout = ParamLayout.from_records(sc.attrs["tensors"])
     P, step = layout.P, param_chunk(layout.P) * 16

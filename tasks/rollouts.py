@@ -6,7 +6,7 @@ lengths and texts, ``group``, ``prompt_index`` and ``sample_index`` (coordinates
 reward, advantage and the sampler's token log-probs; optionally μ (``mu_logp`` over the vocabulary, or
 ``mu_topk_ids`` / ``mu_topk_logp`` / ``mu_tail``); and the ``batch_done`` progress array. Generation
 is resumable by batch of prompts; advantages are written once all rewards exist (``global_mean`` needs
-them all). An import reads the sampler's ``format`` through ``covgrad.formats`` and adds what the dump
+them all). An import reads the sampler's ``format`` through ``covgrad.rollouts.formats`` and adds what the dump
 says about each record (``policy_version``, ``stack_advantage``, ``token_advantage``,
 ``sampling_params_index``, with ``verify_records`` the re-scored ``verify_kl`` / ``verify_k3_kl``; attrs
 ``import``); a μ record on a support adds attrs ``support_mu``, the bound of its centering error. A dataset of
@@ -24,11 +24,17 @@ import torch
 from prefect import task
 
 from covgrad.identity import model_identity
-from covgrad.inputs import check_context
 from covgrad.models import context_length
-from covgrad.problems import response_texts, score_rewards
-from covgrad.sampling import SamplerSpec, check_rewards, compute_advantages, generate
-from covgrad.support_mu import gradient_error_factor, tail_summary
+from covgrad.rollouts import (
+    SamplerSpec,
+    check_context,
+    check_rewards,
+    compute_advantages,
+    generate,
+    response_texts,
+    score_rewards,
+)
+from covgrad.scores import gradient_error_factor, tail_summary
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from storage.identity import SAMPLER_IDENTITY_ATTR
 from storage.imports import import_rollouts, sampler_source
@@ -109,7 +115,7 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: 
 
 
 def _support_bound(g: Any, advantage: np.ndarray, sampler: str) -> dict[str, float]:
-    """The centering-error bound of μ known on a support (``covgrad.support_mu``): τ's summary and the factor
+    """The centering-error bound of μ known on a support (``covgrad.scores.support_mu``): τ's summary and the factor
     β of |Ĝ_i − G_i| ≤ β · max R_i, logged in one line."""
     tail, rl = torch.from_numpy(g["mu_tail"][:]), torch.from_numpy(g["response_len"][:])
     out = {**tail_summary(tail, rl), "gradient_error_factor": gradient_error_factor(tail, torch.from_numpy(advantage))}

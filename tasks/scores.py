@@ -1,7 +1,7 @@
 """scores stage: exact per-sample scores of the policy, folded on the device into O(P) moment state.
 
 The work is ``scores.shards`` = S sample shards × K parameter blocks; job (i, k) folds the batches b with
-b % S == i (:func:`covgrad.fold.fold_batches`) into the columns of block k, with hooks on that block's
+b % S == i (:func:`covgrad.scores.fold.fold_batches`) into the columns of block k, with hooks on that block's
 tensors only. The store's layout, checkpoints and readers: :mod:`storage.scores`. With ``scores.ranks`` the model
 is sharded over a rank group (:mod:`storage.scores_ranks`): local processes, or a torchrun group on one or
 several machines, where machine 0 runs the stage and the others only start their ranks (:func:`scores_task`).
@@ -16,18 +16,13 @@ import torch
 import torch.distributed as dist
 from prefect import task
 
-from covgrad.accum import MomentAccumulator
-from covgrad.batch import RolloutBatch, group_batches
-from covgrad.centering import LogitGrad, SamplerCentering, policy_logit_grad
 from covgrad.devices import check_state_fits, device_memory, pick_device
-from covgrad.fold import fold_batches
-from covgrad.fsdp import on_meta
+from covgrad.distributed import keeps_rows, on_meta, resolve_shards
 from covgrad.identity import model_identity
 from covgrad.layout import select_parameters, split_blocks
-from covgrad.persample import PerSampleGrads
-from covgrad.rollout_import import require_mu_source
-from covgrad.sampling import SamplerSpec
-from covgrad.shardplan import keeps_rows, resolve_shards
+from covgrad.moments import MomentAccumulator
+from covgrad.rollouts import RolloutBatch, SamplerSpec, group_batches, require_mu_source
+from covgrad.scores import LogitGrad, PerSampleGrads, SamplerCentering, fold_batches, policy_logit_grad
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.identity import IDENTITY_ATTR
 from storage.imports import sampler_source
@@ -45,7 +40,8 @@ class ScoresJob:
     every array (once, before any job runs), ``run((i, k))`` folds sample shard i's batches into the
     columns of parameter block k, and ``finalize`` assembles the block edges and writes the attributes
     once every job is done. ``shards`` = (S, K) defaults to the spec's sample shards and blocks (``"auto"``
-    blocks: the fewest that fit ``workers`` devices like this process's, covgrad.shardplan.resolve_shards)."""
+    blocks: the fewest that fit ``workers`` devices like this process's,
+    covgrad.distributed.shardplan.resolve_shards)."""
 
     def __init__(
         self,

@@ -46,7 +46,7 @@ from covgrad.config import (
     UpdateCheckSection,
     report_layout,
 )
-from covgrad.inputs import check_unrewarded
+from covgrad.rollouts import check_unrewarded
 from storage.artifacts import ArtifactRef, ArtifactStore, stage_key
 from storage.digests import input_digest
 from storage.readers import unrewarded
@@ -147,7 +147,8 @@ class ScoresSpec(StageSpec):
     per-sample rows kept when N·P·4 bytes fit ``byte_budget``."""
 
     STAGE: ClassVar[str] = "scores"
-    VERSION: ClassVar[str] = "6"  # 6: generic-path parameters at the ops that use them (covgrad.optaps: last bits)
+    # 6: generic-path parameters at the ops that use them (covgrad.scores.optaps: last bits)
+    VERSION: ClassVar[str] = "6"
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
         {
             "blocks",
@@ -186,7 +187,8 @@ class ScoresSpec(StageSpec):
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
-    # ranks' row chunks on their own grids (covgrad.fsdp.ShardAccumulator): absent from the dump when unsharded
+    # ranks' row chunks on their own grids (covgrad.distributed.fsdp.ShardAccumulator): absent from the dump when
+    # unsharded
     rank_chunks: Literal["unsharded", "aligned"] = "unsharded"
 
     def hashed(self) -> dict[str, Any]:
@@ -579,7 +581,7 @@ def task_inputs(t: TaskSection) -> dict[str, str]:
 def plan(cfg: PipelineConfig) -> Plan:
     """Every artifact of ``cfg``'s pipeline run: specs built from the config, keys chained in DAG order. A dataset
     of responses without rewards (``storage.readers.unrewarded``) gets rollouts and no scores or stats;
-    ValueError (``covgrad.inputs.check_unrewarded``) when the config needs its rewards."""
+    ValueError (``covgrad.rollouts.inputs.check_unrewarded``) when the config needs its rewards."""
     store = ArtifactStore(cfg.root)
     policy = policy_spec(cfg)
     sc, m = cfg.scores, cfg.model

@@ -1,7 +1,7 @@
 """stats stage: Fisher, covariance, alignment, the bound and the cross-fit of a scores artifact.
 
 Opens the scores store lazily (per-sample rows when they were kept, else the moment-state rows, two per
-shard) and reduces it with ``covgrad.stats.blocked_stats`` in blocks along ``param``, on dask's threaded
+shard) and reduces it with ``covgrad.moments.stats.blocked_stats`` in blocks along ``param``, on dask's threaded
 scheduler or on the dask.distributed scheduler at ``dask.address``. Store ``stats.zarr``: (param,)
 float64 arrays m, F, Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries over dim ``tensor``; the
 scalars in attrs; ``degenerate``: why the run has no finding about G, else None; ``crossfit_undefined``:
@@ -21,7 +21,7 @@ import dask
 from prefect import task
 
 from covgrad.layout import ParamLayout
-from covgrad.stats import BLOCK_OUTPUTS, blocked_stats
+from covgrad.moments import BLOCK_OUTPUTS, blocked_stats
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import SCORES, annotate, create, param_chunk, write
 from storage.schema import STATS as STORE

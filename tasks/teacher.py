@@ -1,6 +1,6 @@
 """teacher stage: the demo's trained teacher, the base_model artifact's policy trained on by SFT.
 
-The policy is trained further by ``covgrad.sft.train_sft`` (AdamW at ``trained_teacher.lr``, batches of
+The policy is trained further by ``covgrad.updates.sft.train_sft`` (AdamW at ``trained_teacher.lr``, batches of
 ``trained_teacher.batch_size`` from a seed stream of its own) until its sampled accuracy on the base_model
 stage's evaluation prompts reaches ``trained_teacher.accuracy``; the result is saved as ``teacher/`` (model
 and tokenizer) with ``teacher.json`` (accuracy history). The base_model artifact and its key stay what they are.
@@ -13,8 +13,8 @@ from typing import Any
 
 from prefect import task
 
-from covgrad.problems import addition_problems, answer_tokens
-from covgrad.sft import train_sft
+from covgrad.rollouts import addition_problems, answer_tokens
+from covgrad.updates import train_sft
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from tasks.common import StageResult, log, progress_bar, run_stage

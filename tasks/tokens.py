@@ -1,13 +1,13 @@
 """tokens stage: how the sequence Fisher splits over response positions, in several estimators.
 
 Over the first ``tokens.max_samples`` samples of the analysed rollouts, batch by batch, the token-Fisher
-study (:mod:`covgrad.token_study`) computes the token Fisher of each mode of ``tokens.modes``, the sequence
+study (:mod:`covgrad.tokens.study`) computes the token Fisher of each mode of ``tokens.modes``, the sequence
 and token scores, and their summary; the store ``tokens.zarr`` (:mod:`storage.tokens`) holds the batch
 sums while the stage runs (its resume state) and the per-position arrays, the (param,) estimates and the
 scalars when it ends. Resumable by batch; same config and seed give identical stores. With ``spec.ranks`` > 1
 (``scores.ranks``: the local launcher, or torchrun on one machine) the batches run on that many processes with the
 model sharded over them (:mod:`storage.tokens_ranks`); the artifact is the in-process one. A model on the token
-engine's repeated-batch path (:func:`covgrad.token_fisher.repeated_batch`: MoE blocks, generic-path parameters)
+engine's repeated-batch path (:func:`covgrad.tokens.fisher.repeated_batch`: MoE blocks, generic-path parameters)
 runs in this process with a warning, as without ranks.
 """
 
@@ -20,13 +20,12 @@ from typing import Any
 from prefect import task
 
 from covgrad.devices import pick_device
-from covgrad.fsdp import on_meta
+from covgrad.distributed import on_meta
 from covgrad.heap import release_free_memory
 from covgrad.layout import select_parameters
-from covgrad.persample import bind_rules
-from covgrad.token_fisher import repeated_batch
-from covgrad.token_study import TokenStudy, batch_bounds, output_rows, study_setup, summarize
-from covgrad.token_study import draws as token_draws
+from covgrad.scores import bind_rules
+from covgrad.tokens import TokenStudy, batch_bounds, output_rows, repeated_batch, study_setup, summarize
+from covgrad.tokens import draws as token_draws
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from storage.rollouts import read_batch
@@ -41,7 +40,7 @@ from tasks.specs import TokensSpec
 
 def _sharded(model: Any, spec: TokensSpec, layout: Any) -> bool:
     """Whether the batches run on ``spec.ranks`` processes: more than one, and a model off the repeated-batch
-    path (:func:`covgrad.token_fisher.repeated_batch`, which every machine of a group decides alike from the
+    path (:func:`covgrad.tokens.fisher.repeated_batch`, which every machine of a group decides alike from the
     model's modules)."""
     if spec.ranks == 1:
         return False

@@ -1,6 +1,6 @@
 """trajectory stage: K optimizer steps of one regime from the policy, checked against step-0 predictions.
 
-Stepping, records and predictors: ``covgrad.trajectory``; files: ``storage/trajectory.py``. Loss: rl's REINFORCE
+Stepping, records and predictors: ``covgrad.updates.trajectory``; files: ``storage/trajectory.py``. Loss: rl's REINFORCE
 loss or that of the configured regime ``trajectory.regime`` (``StepLoss``). Data: ``"on_policy"`` draws fresh
 samples from the current policy every step (the analysed sampler's settings), rewards them with the task's reward
 and gives them group advantages; ``"fixed"`` steps on minibatches of ``scores.groups_per_batch`` prompt groups of
@@ -22,7 +22,7 @@ import torch
 from prefect import task
 
 from covgrad.layout import ParamLayout, check_layout, parameters_flat, select_parameters
-from covgrad.trajectory import (
+from covgrad.updates import (
     ChangeTracker,
     OptimizerSpec,
     Stepper,

@@ -4,10 +4,10 @@ Every (optimizer, precision, lr) cell of ``update_check`` trains a fresh copy of
 weights rounded to bf16, so every cell starts at the same bf16 point) for max(steps) steps on the loss
 ``-mean_n(A_n · log p(y_n))`` and compares the parameters that changed after each of ``steps`` with
 the top sets by F, |G|, |ρ|, random and small |w| and with the bf16 absorption and bound rules
-(``covgrad.update.update_grid``). F, G and ρ come from the main stats artifact over the same flat
+(``covgrad.updates.check.update_grid``). F, G and ρ come from the main stats artifact over the same flat
 parameter axis. A minibatch is ``scores.groups_per_batch`` whole prompt groups of the analysed
 rollouts (the scores stage's batches); the rl cells skip the minibatches whose advantages are all 0
-(``covgrad.update.rl_minibatches``: no rl gradient; a warning counts them); ``fresh_minibatches`` cycles
+(``covgrad.updates.check.rl_minibatches``: no rl gradient; a warning counts them); ``fresh_minibatches`` cycles
 through the others, otherwise every step reuses the first. The statistics describe all N samples, so the
 SGD bound rule is exact (recall 1 at one fp32 step) only when one minibatch holds every sample;
 ``summary.json`` records whether it does.
@@ -37,8 +37,7 @@ from prefect import task
 
 from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.tables import to_csv, to_markdown
-from covgrad.trajectory import StepLoss
-from covgrad.update import GRID_MD_COLUMNS, rl_minibatches, summarize, update_grid
+from covgrad.updates import GRID_MD_COLUMNS, StepLoss, rl_minibatches, summarize, update_grid
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
@@ -73,7 +72,7 @@ def _compute(
     # each (P,) float64 statistic is read when update_grid evaluates it and dropped after (8 bytes × P each)
     F, G, rho = (lambda name=name: torch.from_numpy(st[name][:]) for name in ("F", "G", "rho"))
     scalars = st.attrs["scalars"]
-    adv_rms = float(scalars["adv_rms"])  # √mean(A²), covgrad.stats.adv_rms
+    adv_rms = float(scalars["adv_rms"])  # √mean(A²), covgrad.moments.stats.adv_rms
     batches, no_gradient = rl_minibatches(fixed_batches(ro, spec.groups_per_batch, None))
     if no_gradient:
         log.warning(

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from covgrad import accum
-from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.rules import Slot, _embedding_rule
+from covgrad.moments import accum
+from covgrad.moments.accum import MomentAccumulator
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.rules import Slot, _embedding_rule
 from tests.helpers.moments import assert_close, check_row_chunks, fused, numpy_moments, state
 from tests.helpers.persample import BATCH, MODELS, doubled_up_proj, llama, make_batch, naive_scores
 
@@ -108,7 +108,7 @@ def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
     """Default accumulators switch to the compiled fold once samples × P reaches the threshold: the batches
     before it run eager, and a run resumed from a checkpoint, or split into parameter blocks, switches at the
     same batch (identical bytes)."""
-    import covgrad.accum as accum
+    import covgrad.moments.accum as accum
 
     monkeypatch.setattr(accum, "_COMPILE_AFTER", 24 * 40)  # from the fourth batch of 8 (24 samples × P = 40)
     rng = np.random.default_rng(13)
@@ -189,7 +189,7 @@ def test_state_without_comoment_keeps_the_mean_and_m2(state_dtype, compiled, ker
 
 def test_compiled_fold_falls_back_to_eager(monkeypatch):
     """A compiler that fails: a warning, the eager fold from then on, and the eager fold's exact bytes."""
-    import covgrad.accum as accum
+    import covgrad.moments.accum as accum
 
     def broken() -> object:
         def fail(*args: object) -> None:
@@ -237,11 +237,11 @@ def test_accumulator_state_round_trips_and_continues_identically():
 
 
 def test_fold_batches_checkpoints_and_resumes_with_the_same_bytes():
-    """covgrad.fold without a store: checkpoints every 2 batches and after the last, and a fold resumed
+    """covgrad.scores.fold without a store: checkpoints every 2 batches and after the last, and a fold resumed
     from the state of its second checkpoint ends with the bytes of the uninterrupted fold."""
-    from covgrad.batch import RolloutBatch
-    from covgrad.centering import policy_logit_grad
-    from covgrad.fold import fold_batches
+    from covgrad.rollouts.batch import RolloutBatch
+    from covgrad.scores.centering import policy_logit_grad
+    from covgrad.scores.fold import fold_batches
     from tests.helpers.models import tiny_llama
 
     model = tiny_llama(11, hidden=8, intermediate=16, layers=1, heads=2, kv_heads=1)

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from covgrad.problems import score_rewards
-from covgrad.rollout_import import records_to_rollouts
-from covgrad.sampling import compute_advantages
+from covgrad.rollouts.imports import records_to_rollouts
+from covgrad.rollouts.problems import score_rewards
+from covgrad.rollouts.sampling import compute_advantages
 from storage.readers import read_prompt_file
 from tests.helpers.pipeline import REPO
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import covgrad.persample as persample
+import covgrad.scores.persample as persample
 from covgrad.devices import l2_cache_bytes
 
 

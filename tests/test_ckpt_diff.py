@@ -1,4 +1,4 @@
-"""covgrad.ckpt_diff on synthetic pairs with known changed sets (float64 numpy references), and
+"""covgrad.updates.diff on synthetic pairs with known changed sets (float64 numpy references), and
 storage.checkpoints on every checkpoint format it reads."""
 
 import json
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from covgrad.ckpt_diff import diff_state_dicts
 from covgrad.layout import select_parameters
+from covgrad.updates.diff import diff_state_dicts
 from storage.checkpoints import load_state_dict
 
 

@@ -22,7 +22,7 @@ from covgrad.config import (
     report_layout,
 )
 from covgrad.models import build_demo_model
-from covgrad.problems import (
+from covgrad.rollouts.problems import (
     addition_problems,
     addition_reward,
     build_char_tokenizer,

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from covgrad.accum import GroupAccumulator, MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.rules import _bmm_into, _flat
+from covgrad.moments.accum import GroupAccumulator, MomentAccumulator
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.rules import _bmm_into, _flat
 from tests.helpers.moments import assert_close, check_row_chunks, fused, numpy_moments, state
 from tests.helpers.persample import BATCH, MODELS, make_batch, naive_scores
 
@@ -104,7 +104,7 @@ def test_fsdp2_one_rank_on_cuda_is_the_plain_path(name, tmp_path):
     same state bytes and the same kept rows (tests/test_fsdp.py runs 2 and 3 gloo ranks on the CPU)."""
     import torch.distributed as dist
 
-    from covgrad.fsdp import rank_scores
+    from covgrad.distributed.fsdp import rank_scores
 
     model = MODELS[name]().cuda()
     layout = select_parameters(model)

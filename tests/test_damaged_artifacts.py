@@ -212,7 +212,7 @@ def test_all_rewards_equal_is_a_finding_without_overlap_numbers(reference, tmp_p
 
 
 def test_degenerate_conditions():
-    from covgrad.stats import crossfit_gap, degenerate
+    from covgrad.moments.stats import crossfit_gap, degenerate
 
     assert degenerate(8, True, 0.5) is None
     assert degenerate(8, True, 0.0).startswith("no reward variance: G ≡ 0")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import covgrad.rules as rules
+import covgrad.scores.rules as rules
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families import FAMILIES
 from tests.helpers.families_hybrid import family_model
 from tests.helpers.persample import BATCH, make_batch, max_rel_err, naive_scores

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.token_fisher import TokenBackward
+from covgrad.moments.accum import MomentAccumulator
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.tokens.fisher import TokenBackward
 from tests.helpers.families import FAMILIES
 from tests.helpers.persample import BATCH, make_batch
 

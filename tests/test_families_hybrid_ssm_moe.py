@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import transformers as T
 from torch import nn
 
-from covgrad.accum import MomentAccumulator
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.moments.accum import MomentAccumulator
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families_hybrid import (
     FAMILIES,
     MAMBA,
@@ -287,7 +287,7 @@ def test_forward_that_cannot_run_per_sample_refused_naming_the_module():
 def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_path():
     """Experts with biases and transposed weights (GPT-OSS) get the fused-experts rule; a mixer's own small
     parameters and its short conv (Qwen3.5's Gated DeltaNet) share one generic-rule binding of the mixer."""
-    from covgrad.rules import _experts_rule, generic_rule, rule_for
+    from covgrad.scores.rules import _experts_rule, generic_rule, rule_for
 
     oss = FAMILIES["gpt-oss"]()
     assert rule_for(oss.model.layers[0].mlp.experts) == (
@@ -307,7 +307,7 @@ def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_pat
     replays = [set(local) for m, rule, local in psg.bindings() if m is mixer]
     assert replays == [{"dt_bias", "A_log", "conv1d.weight"}]
     assert all(rule is generic_rule for m, rule, _ in psg.bindings() if m is mixer)
-    # taken at the ops that use them (covgrad.optaps), not by replaying the mixer
+    # taken at the ops that use them (covgrad.scores.optaps), not by replaying the mixer
     paths = psg.generic_paths()
     assert {paths[f"model.layers.0.linear_attn.{n}"] for n in ("dt_bias", "A_log", "conv1d.weight")} == {"op"}
 
@@ -316,7 +316,7 @@ def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_pat
 def test_token_backward_rows_match_per_sample_grads(name):
     """The token-Fisher engine's batched logit cotangents (the repeated-batch path, which every family with
     a generic-path parameter takes) give, per row, the per-sample gradients of that cotangent alone."""
-    from covgrad.token_fisher import TokenBackward
+    from covgrad.tokens.fisher import TokenBackward
 
     model = FAMILIES[name]()
     layout = select_parameters(model)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from covgrad.formats import READERS, convert, import_records, parse_reward_fields
+from covgrad.rollouts.formats import READERS, convert, import_records, parse_reward_fields
 from storage.readers import read_located_records
 
 DATA = Path(__file__).parent / "data" / "formats"

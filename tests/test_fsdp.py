@@ -1,4 +1,4 @@
-"""Scores under FSDP2 (covgrad.fsdp): R ranks of gloo processes on the CPU against the single-process fold.
+"""Scores under FSDP2 (covgrad.distributed.fsdp): R ranks of gloo processes on the CPU against the single-process fold.
 
 Every rank shards the model (fully_shard per decoder layer), forms the per-sample blocks from the
 all-gathered layers (a weight's row chunks only where they hold some of its columns) and folds only its own
@@ -20,15 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from covgrad.accum import MomentAccumulator
-from covgrad.batch import RolloutBatch
-from covgrad.centering import policy_logit_grad
 from covgrad.config import DemoModel
-from covgrad.fold import fold_batches
-from covgrad.fsdp import RankColumns, ShardAccumulator, merge_states, shard_rows
-from covgrad.fsdp_plan import formed_columns
+from covgrad.distributed.fsdp import RankColumns, ShardAccumulator, merge_states, shard_rows
+from covgrad.distributed.plan import formed_columns
 from covgrad.layout import select_parameters, split_blocks
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.moments.accum import MomentAccumulator
+from covgrad.rollouts.batch import RolloutBatch
+from covgrad.scores.centering import policy_logit_grad
+from covgrad.scores.fold import fold_batches
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families import FAMILIES
 from tests.helpers.persample import make_batch
 
@@ -98,7 +98,7 @@ def _rank_model(family: str, rank: int, ranks: int) -> torch.nn.Module:
 
 
 def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
-    from covgrad.fsdp import rank_scores
+    from covgrad.distributed.fsdp import rank_scores
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
@@ -181,7 +181,7 @@ def test_shard_accumulator_folds_only_its_columns() -> None:
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("family", ["llama-tied", "llama-untied"])
 def test_plan_counts_the_columns_each_rank_forms(family: str, ranks: int) -> None:
-    """``covgrad.fsdp_plan.formed_columns`` against the engine: a rank's PerSampleGrads with its
+    """``covgrad.distributed.plan.formed_columns`` against the engine: a rank's PerSampleGrads with its
     ShardAccumulator leaves unformed exactly the columns the plan does not count."""
     model = _model(family)
     layout = select_parameters(model)
@@ -243,7 +243,7 @@ def test_shard_accumulator_keeps_the_tiles(
 ) -> None:
     """Random blocks folded through ShardAccumulators of 1..4 ranks, with column tiles of a few columns
     (shard boundaries inside tiles, pieces across two cut tiles), equal the unsharded fold's bytes."""
-    import covgrad.accum as accum
+    import covgrad.moments.accum as accum
 
     monkeypatch.setitem(accum.FOLD_ELEMENTS, "cpu", fold_elements)
     layout = select_parameters(torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Linear(9, 5, bias=False)))
@@ -298,7 +298,7 @@ def _rollout_batches(n: int) -> list[RolloutBatch]:
 def _fold_resumable(root: str, kill: tuple[int, int] | None) -> None:
     """One rank of a resumable sharded fold of 4 batches, checkpointed after every batch; ``kill`` =
     (rank, batches): that rank SIGKILLs itself right after checkpointing that many batches."""
-    from covgrad.fsdp import RankCheckpoints, rank_scores
+    from covgrad.distributed.fsdp import RankCheckpoints, rank_scores
 
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -325,7 +325,7 @@ def _fold_resumable(root: str, kill: tuple[int, int] | None) -> None:
 
 @pytest.mark.slow
 def test_killed_rank_is_named_and_the_rerun_resumes_to_the_same_bytes(tmp_path: Path) -> None:
-    from covgrad.fsdp import RankFailedError, launch
+    from covgrad.distributed.fsdp import RankFailedError, launch
 
     root = str(tmp_path / "ckpt")
     with pytest.raises(RankFailedError, match=r"^rank 1 of 2 was killed by SIGKILL; rerun") as info:
@@ -358,14 +358,14 @@ def _raises() -> None:
 
 @pytest.mark.slow
 def test_a_rank_that_raises_is_named_in_one_line(tmp_path: Path) -> None:
-    from covgrad.fsdp import RankFailedError, launch
+    from covgrad.distributed.fsdp import RankFailedError, launch
 
     with pytest.raises(RankFailedError, match=r"^rank 1 of 2 failed: ValueError: bad input on this rank$"):
         launch(2, _raises, (), tmp_path / "rendezvous")
 
 
 def _meta_on_rank0() -> None:
-    from covgrad.fsdp import rank_scores
+    from covgrad.distributed.fsdp import rank_scores
 
     with torch.device("meta"):
         model = _model("llama-untied")
@@ -374,7 +374,7 @@ def _meta_on_rank0() -> None:
 
 @pytest.mark.slow
 def test_rank0_without_weights_is_refused(tmp_path: Path) -> None:
-    from covgrad.fsdp import RankFailedError, launch
+    from covgrad.distributed.fsdp import RankFailedError, launch
 
     with pytest.raises(RankFailedError, match=r"^rank 0 of 2 failed: ValueError: rank 0 holds the model on the meta"):
         launch(2, _meta_on_rank0, (), tmp_path / "rendezvous")
@@ -384,9 +384,9 @@ def test_rank0_without_weights_is_refused(tmp_path: Path) -> None:
 def test_a_meta_load_has_the_loaded_models_names_shapes_dtypes_and_ties(tmp_path: Path, tied: bool) -> None:
     """``load_model(meta=True)`` (a rank other than 0) builds the directory's model from its config on the meta
     device: the same parameters and buffers, shapes and dtypes as ``from_pretrained``, the same ties, no storage."""
-    from covgrad.fsdp import on_meta
+    from covgrad.distributed.fsdp import on_meta
     from covgrad.models import build_demo_model
-    from covgrad.problems import build_char_tokenizer
+    from covgrad.rollouts.problems import build_char_tokenizer
     from storage.models import load_model
 
     tok = build_char_tokenizer()

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from covgrad.accum import MomentAccumulator
-from covgrad.fsdp import rank_scores
+from covgrad.distributed.fsdp import rank_scores
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.moments.accum import MomentAccumulator
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families import FAMILIES
 from tests.helpers.persample import make_batch
 

@@ -1,4 +1,4 @@
-"""The model-sharded scores plan (covgrad.fsdp_plan, `covgrad plan --shape --ranks`): its arithmetic by hand."""
+"""The model-sharded scores plan (covgrad.distributed.plan, `covgrad plan --shape --ranks`): its arithmetic by hand."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from covgrad.fsdp_plan import SHAPES, FsdpWork, LmShape, fixed_need, formed_columns, fsdp_plan, rank_need
+from covgrad.distributed.plan import SHAPES, FsdpWork, LmShape, fixed_need, formed_columns, fsdp_plan, rank_need
+from covgrad.distributed.shardplan import HEADROOM
 from covgrad.layout import split_blocks
-from covgrad.shardplan import HEADROOM
 
 LLAMA, QWEN = SHAPES["llama-3-70b"], SHAPES["qwen2.5-72b"]
 WORK = FsdpWork(B=2, L=512, N=4096)

@@ -13,10 +13,10 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from covgrad.accum import MomentAccumulator
 from covgrad.config import PipelineConfig
-from covgrad.fsdp import RankColumns, RankFailedError, Torchrun, merge_states
+from covgrad.distributed.fsdp import RankColumns, RankFailedError, Torchrun, merge_states
 from covgrad.layout import select_parameters
+from covgrad.moments.accum import MomentAccumulator
 from storage.artifacts import ArtifactStore
 from storage.identity import IDENTITY_ATTR
 from storage.schema import SCORES as SCORES_STORE

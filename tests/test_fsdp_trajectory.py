@@ -1,4 +1,4 @@
-"""Trajectories under FSDP2 (covgrad.fsdp_trajectory): R gloo ranks on the CPU against the single-process run.
+"""Trajectories under FSDP2 (covgrad.distributed.stepper): R gloo ranks on the CPU against the single-process run.
 
 Every rank steps the sharded model and tracks its shard's columns; each rank's records must be the single-process
 records, the gathered changed sets its bytes, each rank's weights the single-process weights at its columns, and a
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from covgrad.fsdp import RankColumns
+from covgrad.distributed.fsdp import RankColumns
 from covgrad.layout import parameters_flat, select_parameters
-from covgrad.regimes import Regime
-from covgrad.trajectory import (
+from covgrad.regimes.objectives import Regime
+from covgrad.updates.trajectory import (
     ChangeTracker,
     FixedBatches,
     OptimizerSpec,
@@ -116,7 +116,7 @@ def _loss(case: tuple[str, ...], rank: int = 0, ranks: int = 1) -> StepLoss:
         return StepLoss()
     fixed = _model(family, rank, ranks, seed=3 if kind.startswith("distill") else 0)
     if ranks > 1:
-        from covgrad.fsdp_trajectory import shard_frozen
+        from covgrad.distributed.stepper import shard_frozen
 
         fixed = shard_frozen(fixed)
     if kind == "rl_token":
@@ -137,7 +137,7 @@ def _single(case: tuple[str, ...]) -> tuple[list[dict], dict[str, torch.Tensor]]
 
 def _sharded(case: tuple[str, ...], rank: int, ranks: int) -> tuple[Stepper, ChangeTracker, object]:
     """A rank's stepper, tracker and layout of one case (collective)."""
-    from covgrad.fsdp_trajectory import ShardedStepper, rank_shard
+    from covgrad.distributed.stepper import ShardedStepper, rank_shard
 
     family, precision, optimizer, _ = case
     model = _model(family, rank, ranks)
@@ -149,7 +149,7 @@ def _sharded(case: tuple[str, ...], rank: int, ranks: int) -> tuple[Stepper, Cha
 
 
 def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
-    from covgrad.fsdp_trajectory import gather_changed
+    from covgrad.distributed.stepper import gather_changed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
@@ -227,7 +227,7 @@ def test_sharded_trajectory_and_ranks_are_the_single_process_ones(tmp_path: Path
 
 def _ranks_of_interleaved_columns(rank: int, ranks: int, outdir: str) -> None:
     """distributed_ranks of every column i with i % ranks == rank, with and without groups, both orders."""
-    from covgrad.fsdp_trajectory import distributed_ranks
+    from covgrad.distributed.stepper import distributed_ranks
 
     values, groups = _rank_inputs()
     index = np.flatnonzero(np.arange(values.shape[0]) % ranks == rank)

@@ -13,7 +13,7 @@ import pytest
 import transformers as T
 
 from covgrad.layout import select_parameters
-from covgrad.rules import _scaled_embedding_rule, rule_for
+from covgrad.scores.rules import _scaled_embedding_rule, rule_for
 from tests.helpers.families import build
 from tests.helpers.moments import assert_close, fused, numpy_moments, state
 from tests.helpers.persample import BATCH, hook_scores, make_batch, max_rel_err, naive_scores
@@ -70,7 +70,7 @@ def gemma3(tmp_path_factory):
 def test_converted_directory_is_an_ordinary_checkpoint(gemma3, tmp_path):
     from tokenizers import Tokenizer
 
-    from covgrad.preflight import check_model
+    from covgrad.scores.preflight import check_model
     from storage.models import load_model_and_tokenizer
 
     script, path = gemma3

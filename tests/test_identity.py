@@ -173,7 +173,7 @@ def test_check_computed_on_follows_the_upstream_of_any_artifact(tiny_run):
 def test_the_external_trajectory_refuses_statistics_of_other_weights(tmp_path):
     """An external run whose first checkpoint is model.path passes with its own step-0 statistics; given the
     statistics of a checkpoint that differs in one float32 ulp of one tensor, it is refused naming that tensor."""
-    from covgrad.problems import build_char_tokenizer
+    from covgrad.rollouts.problems import build_char_tokenizer
     from storage.models import load_model
     from tasks.specs import plan
     from tasks.trajectory import trajectory_task

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from covgrad.config import DemoModel
-from covgrad.rollout_import import record_mismatch, verification_warning
-from covgrad.sampling import SamplerSpec, generate, recompute_sampler_logp
+from covgrad.rollouts.imports import record_mismatch, verification_warning
+from covgrad.rollouts.sampling import SamplerSpec, generate, recompute_sampler_logp
 from storage.artifacts import ArtifactStore
 from storage.models import load_model_and_tokenizer
 from storage.schema import ROLLOUTS
@@ -71,7 +71,7 @@ def _records(policy_dir, other_dir) -> str:
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     from covgrad.models import build_demo_model
-    from covgrad.problems import build_char_tokenizer
+    from covgrad.rollouts.problems import build_char_tokenizer
 
     tmp = tmp_path_factory.mktemp("verify")
     ckpt = write_checkpoint(tmp / "ckpt")

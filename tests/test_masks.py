@@ -11,10 +11,10 @@ from unittest import mock
 import numpy as np
 import pytest
 
-import covgrad.topk as topk_module
+import covgrad.moments.topk as topk_module
 import storage.schema as schema_module
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.topk import (
+from covgrad.moments.topk import (
     SCOPES,
     TopSets,
     Values,

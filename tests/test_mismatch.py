@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from covgrad.mismatch import (
+from covgrad.rollouts.mismatch import (
     mismatch_metrics,
     prime_rl_mismatch_kl,
     trl_sampling_metrics,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from covgrad.report.sections import null_line, null_tests
-from covgrad.sampling import SamplerSpec, generate, recompute_sampler_logp
+from covgrad.rollouts.sampling import SamplerSpec, generate, recompute_sampler_logp
 from storage.artifacts import ArtifactStore
 from storage.models import load_model_and_tokenizer
 from tasks.specs import plan

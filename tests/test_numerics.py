@@ -1,11 +1,11 @@
-"""covgrad.numerics: sums whose bits do not depend on where the array lies in memory."""
+"""covgrad.moments.numerics: sums whose bits do not depend on where the array lies in memory."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from covgrad.numerics import sum64
+from covgrad.moments.numerics import sum64
 
 
 @pytest.mark.parametrize("offset", range(1, 8))

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from covgrad.stats import rel_diff
+from covgrad.moments.stats import rel_diff
 from storage.artifacts import ArtifactStore
 from tasks.offpolicy import COMPARED, offpolicy_rows, rel_diff_G
 
@@ -39,8 +39,8 @@ def test_rel_diff_in_blocks_equals_one_float64_pass():
 BLAS_PROBE = """
 import sys
 import numpy as np
-from covgrad.stats import rel_diff
-from covgrad.token_study import rel_l2
+from covgrad.moments.stats import rel_diff
+from covgrad.tokens.study import rel_l2
 rng = np.random.default_rng(0)
 a = rng.standard_normal(1 << 22)
 b = a + 1e-3 * rng.standard_normal(1 << 22)

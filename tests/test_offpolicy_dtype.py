@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from covgrad.mismatch import mismatch_metrics
 from covgrad.report.sections import null_line, null_tests
+from covgrad.rollouts.mismatch import mismatch_metrics
 from storage.artifacts import ArtifactStore
 from storage.models import load_models
 from tasks.specs import PolicySpec, centerings, plan

@@ -1,4 +1,4 @@
-"""The op-level path of generic-rule parameters (covgrad.optaps) against the naive per-sequence loop: the Gated
+"""The op-level path of generic-rule parameters (covgrad.scores.optaps) against the naive per-sequence loop: the Gated
 DeltaNet pattern (a functional depthwise conv on a child's weight, softplus(a + dt_bias), -exp(A_log) · …) planted
 in a tiny Llama takes the op path and is exact; a use whose data input does not split by sample falls back to the
 module replay, still exact; a use that mixes samples fails the separability check."""
@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from covgrad.layout import select_parameters
-from covgrad.optaps import _DERIVED, _SPLIT, OpTaps, _Derived, _Record, _Use
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.optaps import _DERIVED, _SPLIT, OpTaps, _Derived, _Record, _Use
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families import perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, make_batch, max_rel_err, naive_scores
@@ -90,7 +90,7 @@ def test_mixer_parameters_take_the_op_path_exactly(check):
 
 
 def test_fused_reduction_with_op_taps_matches_its_rows():
-    from covgrad.accum import MomentAccumulator
+    from covgrad.moments.accum import MomentAccumulator
 
     model = planted("mixer")
     layout = select_parameters(model)

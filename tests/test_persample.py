@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.persample import (
     BATCH,
     MODELS,

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import Cotangent, PerSampleGrads, score_logit_grad
-from covgrad.regimes import Regime, RegimeGrad, RegimeMoments
+from covgrad.moments.accum import MomentAccumulator
+from covgrad.regimes.objectives import Regime, RegimeGrad, RegimeMoments
+from covgrad.scores.persample import Cotangent, PerSampleGrads, score_logit_grad
 from tests.helpers.families import FAMILIES
 from tests.helpers.families_hybrid import family_model
 from tests.helpers.persample import BATCH, MODELS, V, make_batch

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers as T
 
-from covgrad.preflight import check_model
+from covgrad.scores.preflight import check_model
 from tests.helpers.arch_dirs import ARCH_GENERIC, SMALL, arch_dir, family_config
 from tests.helpers.pipeline import tiny_config
 
@@ -47,7 +47,7 @@ class BadLlamaForCausalLM(LlamaForCausalLM):
 
 def family_dir(path: Path, family: str, layers: int = 3) -> Path:
     """A random tiny ``family`` model with the character tokenizer, saved as a model directory."""
-    from covgrad.problems import build_char_tokenizer
+    from covgrad.rollouts.problems import build_char_tokenizer
 
     tok = build_char_tokenizer()
     special = {"pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}

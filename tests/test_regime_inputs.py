@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from covgrad.rollout_import import records_to_rollouts
+from covgrad.rollouts.imports import records_to_rollouts
 from tests.helpers.pipeline import tiny_config
 
 

@@ -1,4 +1,4 @@
-"""Regime cotangents (covgrad.regimes): per-sample gradients through the score's hooks against naive float64
+"""Regime cotangents (covgrad.regimes.objectives): per-sample gradients through the score's hooks against naive float64
 autograd of each regime's objective, the KL gradients and their vocabulary-covariance form against autograd
 of the KL, the sampled/full distillation identity with power against wrong variants, the bounds (random and
 nearly tight) by exact enumeration, and an independent numpy computation of every regime's G."""
@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.regimes import (
+from covgrad.regimes.objectives import (
     REGIMES,
     Regime,
     RegimeGrad,
@@ -29,13 +28,14 @@ from covgrad.regimes import (
     reverse_kl_var_sums,
     token_advantage_logit_grad,
 )
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families import FAMILIES
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, make_batch, max_rel_err
 
 TAU, TAU_Q, BETA = 0.8, 1.3, 0.3
 
-# (case id, regime) pairs of the family matrix; every regime of covgrad.regimes appears at least once
+# (case id, regime) pairs of the family matrix; every regime of covgrad.regimes.objectives appears at least once
 CASES = [
     ("rl", Regime("rl", temperature=TAU)),
     ("rl_token", Regime("rl_token", temperature=TAU, kl_beta=BETA, length_norm="response_length")),

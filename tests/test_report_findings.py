@@ -108,7 +108,7 @@ def test_bootstrap_interval_covers_a_rerun():
         return r.ravel()[:, None] * beta + rng.normal(size=(groups * g, P)) * sigma, A
 
     def stat(S, A):
-        from covgrad.topk import spearman
+        from covgrad.moments.topk import spearman
 
         return spearman((S * S).mean(0), np.abs((A[:, None] * S).mean(0)))
 

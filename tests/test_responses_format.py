@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from covgrad.config import SamplerSection
-from covgrad.formats import import_records
-from covgrad.problems import ADDITION_CHARS, build_char_tokenizer
+from covgrad.rollouts.formats import import_records
+from covgrad.rollouts.problems import ADDITION_CHARS, build_char_tokenizer
 from storage.readers import read_located_records
 
 DATA = Path(__file__).parent / "data" / "formats"

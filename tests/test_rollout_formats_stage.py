@@ -22,7 +22,7 @@ EXTRA_CHARS = "abcdefghijklmnop"  # 16 more characters: the sample files' token 
 def write_checkpoint32(path: Path) -> Path:
     """A random tiny Llama whose character tokenizer has 32 ids (the sample files' vocabulary)."""
     from covgrad.models import build_demo_model
-    from covgrad.problems import ADDITION_CHARS, build_char_tokenizer
+    from covgrad.rollouts.problems import ADDITION_CHARS, build_char_tokenizer
 
     tok = build_char_tokenizer(ADDITION_CHARS + EXTRA_CHARS)
     assert len(tok) == 32

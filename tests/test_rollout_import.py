@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from covgrad.rollout_import import records_to_rollouts
-from covgrad.sampling import SamplerSpec, generate, mu_from_topk
+from covgrad.rollouts.imports import records_to_rollouts
+from covgrad.rollouts.sampling import SamplerSpec, generate, mu_from_topk
 from storage.readers import read_prompt_file, read_records
 from tests.helpers.models import tiny_llama
 

@@ -15,9 +15,9 @@ import torch
 import transformers as T
 
 from covgrad.config import PipelineConfig
+from covgrad.distributed.shardplan import ModelShape, Workload, make_plan
 from covgrad.layout import ParamLayout, TensorEntry, select_parameters, split_blocks
-from covgrad.persample import PerSampleGrads
-from covgrad.shardplan import ModelShape, Workload, make_plan
+from covgrad.scores.persample import PerSampleGrads
 from storage.artifacts import ArtifactStore
 from storage.scores import load_moments
 from tasks.specs import plan
@@ -218,7 +218,7 @@ def test_self_check_sums_column_pieces_against_the_reference(monkeypatch: pytest
     """The self-check's sum over samples, added in column pieces of any size (the row-chunk fold) and summed
     in chunks of its own, reports the relative error of numpy's float64 sum, on a row-cut entry, and catches
     an error confined to the last piece."""
-    import covgrad.persample as ps
+    import covgrad.scores.persample as ps
 
     monkeypatch.setattr(ps, "_CHECK_COLUMNS", 24)  # several of the check's own chunks per piece
     gen = np.random.default_rng(seed)

@@ -47,8 +47,8 @@ def test_smollm2_full_plan_matches_the_measured_scores_peak():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from covgrad.distributed.shardplan import ModelShape, Workload, make_plan
     from covgrad.layout import select_parameters
-    from covgrad.shardplan import ModelShape, Workload, make_plan
 
     V = 49152
     config = LlamaConfig(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from covgrad.sampling import (
+from covgrad.rollouts.sampling import (
     SamplerSpec,
     check_rewards,
     compute_advantages,

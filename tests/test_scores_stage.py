@@ -115,7 +115,7 @@ def test_kl_recorded_and_equal_across_mu_sources(run):
 
 
 def test_kl_sampler_policy_against_numpy():
-    from covgrad.centering import kl_sampler_policy
+    from covgrad.scores.centering import kl_sampler_policy
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 5, 7, generator=gen)

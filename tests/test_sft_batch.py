@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from covgrad.problems import Problem, addition_problems, build_char_tokenizer
-from covgrad.sft import sft_batch
+from covgrad.rollouts.problems import Problem, addition_problems, build_char_tokenizer
+from covgrad.updates.sft import sft_batch
 
 
 def test_rows_labels_and_mask_match_a_row_by_row_construction():

@@ -66,7 +66,7 @@ def test_split_blocks_partition_the_layout():
 
 
 def test_per_sample_rows_are_kept_with_one_block_equal_batches_and_within_the_budget():
-    from covgrad.shardplan import keeps_rows
+    from covgrad.distributed.shardplan import keeps_rows
 
     N, P = 8, 100
     assert keeps_rows(N, P, N * P * 4, 1, True)
@@ -172,7 +172,7 @@ def qwen7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_plan_qwen7b_on_eight_80gb_gpus(qwen7b: Path):
     """The plan's arithmetic by hand: P from the config values, the fixed part of every job, the state per
     block; auto picks the fewest blocks that fit 90% of 80 GB."""
-    from covgrad.shardplan import HEADROOM
+    from covgrad.distributed.shardplan import HEADROOM
     from flows.cli import load_config
     from flows.shards import plan_for_config
 

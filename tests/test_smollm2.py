@@ -29,7 +29,7 @@ def smollm2(tmp_path_factory):
 
 
 def test_converted_directory_is_an_ordinary_checkpoint(smollm2, tmp_path):
-    from covgrad.preflight import check_model
+    from covgrad.scores.preflight import check_model
     from storage.models import load_model_and_tokenizer
 
     script, path = smollm2

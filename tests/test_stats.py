@@ -1,4 +1,4 @@
-"""covgrad.stats against naive float64 numpy on the same per-sample scores."""
+"""covgrad.moments.stats against naive float64 numpy on the same per-sample scores."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import covgrad.stats as stats_module
+import covgrad.moments.stats as stats_module
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.stats import (
+from covgrad.moments.stats import (
     BLOCK_OUTPUTS,
     Moments,
     adv_rms,
@@ -27,7 +27,7 @@ from covgrad.stats import (
     sample_moments,
     tensor_summary,
 )
-from covgrad.topk import overlap_table
+from covgrad.moments.topk import overlap_table
 
 RTOL = 1e-9
 N, P, B = 48, 300, 8  # samples, parameters, samples per batch

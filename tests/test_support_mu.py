@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from covgrad.centering import align_full_mu
-from covgrad.formats import import_records
-from covgrad.persample import score_logit_grad
-from covgrad.support_mu import (
+from covgrad.rollouts.formats import import_records
+from covgrad.scores.centering import align_full_mu
+from covgrad.scores.persample import score_logit_grad
+from covgrad.scores.support_mu import (
     add_sampled_token,
     align_support_mu,
     centering_error_bound,
@@ -183,9 +183,9 @@ def test_trl_support_imports_to_the_same_tail():
 
 
 def _centering_fn(b: dict, mu, adv: torch.Tensor):
-    from covgrad.batch import RolloutBatch
-    from covgrad.centering import SamplerCentering
-    from covgrad.sampling import SamplerSpec
+    from covgrad.rollouts.batch import RolloutBatch
+    from covgrad.rollouts.sampling import SamplerSpec
+    from covgrad.scores.centering import SamplerCentering
 
     B = len(b["prompt_len"])
     batch = RolloutBatch.from_arrays(
@@ -203,7 +203,7 @@ def _centering_fn(b: dict, mu, adv: torch.Tensor):
 def test_sampler_centering_of_a_whole_vocabulary_support_equals_full_mu():
     """The scores' μ path for an import's per-position token set (the top-k record) is full-μ centering when
     the set is the whole vocabulary."""
-    from covgrad.centering import MuRecord
+    from covgrad.scores.centering import MuRecord
 
     b = _batch(11, B=4, T=5)
     order = b["mu_logp"].argsort(-1, descending=True)
@@ -222,8 +222,8 @@ def test_reported_gradient_bound_holds_on_random_supports(seed):
     """|Ĝ − G| of the sampler-centred G = mean_n A_n c_n of a tiny Llama, with μ on random supports through the
     scores' centering, is within β · max_{n,t} R_{n,t,i} (β from ``gradient_error_factor``, the rollouts'
     reported factor)."""
-    from covgrad.centering import MuRecord
-    from covgrad.support_mu import gradient_error_factor
+    from covgrad.scores.centering import MuRecord
+    from covgrad.scores.support_mu import gradient_error_factor
 
     torch.manual_seed(seed)
     model = tiny_llama(V, hidden=16, intermediate=32, layers=1, heads=2, kv_heads=1, initializer_range=0.5)

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import zarr
 
-from covgrad.fsdp import RankColumns, launch
+from covgrad.distributed.fsdp import RankColumns, launch
 from covgrad.layout import select_parameters
-from covgrad.persample import bind_rules
-from covgrad.token_fisher import TokenBackward, repeated_batch
+from covgrad.scores.persample import bind_rules
+from covgrad.tokens.fisher import TokenBackward, repeated_batch
 from storage.artifacts import ArtifactStore
 from storage.schema import TOKENS as STORE
 from storage.schema import create, param_chunk

@@ -12,9 +12,9 @@ import zarr
 import storage.tokens
 import tasks.tokens
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
-from covgrad.token_fisher import cross_term_ratio, token_fisher, token_scores
-from covgrad.token_study import (
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.tokens.fisher import cross_term_ratio, token_fisher, token_scores
+from covgrad.tokens.study import (
     POSITION_ARRAYS,
     StudyRecord,
     TokenStudy,

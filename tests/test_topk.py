@@ -1,4 +1,4 @@
-"""covgrad.topk against stable argsort, naive average ranks and brute-force set counts."""
+"""covgrad.moments.topk against stable argsort, naive average ranks and brute-force set counts."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import covgrad.topk as topk_module
+import covgrad.moments.topk as topk_module
 from covgrad.layout import ParamLayout, TensorEntry
-from covgrad.topk import (
+from covgrad.moments.topk import (
     bound_mask_table,
     count_for_fraction,
     overlap_table,

@@ -1,4 +1,5 @@
-"""The scores stage on a torchrun group (scores.launcher: torchrun; covgrad.fsdp.launch_torchrun, the ranks running
+"""The scores stage on a torchrun group (scores.launcher: torchrun; covgrad.distributed.fsdp.launch_torchrun, the ranks
+running
 ``storage.rank_main``): the real torchrun (``python -m torch.distributed.run``) and real gloo ranks, no mocks.
 
 Two "machines" on this host (two torchrun processes of one rank each, meeting at a c10d rendezvous on 127.0.0.1)
@@ -13,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from covgrad.config import ScoresSection
-from covgrad.fsdp import RankFailedError, Torchrun, launch_torchrun
+from covgrad.distributed.fsdp import RankFailedError, Torchrun, launch_torchrun
 from storage.artifacts import ArtifactStore
 from storage.scores_ranks import RANK_ENTRY
 from tasks.scores import scores_task

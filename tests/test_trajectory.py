@@ -1,5 +1,5 @@
-"""covgrad.trajectory against references: hand-written optimizer steps on hand-built on-policy rows,
-an uninterrupted run against runs resumed from stored state, covgrad.ckpt_diff on the step weights,
+"""covgrad.updates.trajectory against references: hand-written optimizer steps on hand-built on-policy rows,
+an uninterrupted run against runs resumed from stored state, covgrad.updates.diff on the step weights,
 and a numpy brute force of every predictor metric."""
 
 import copy
@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from covgrad.ckpt_diff import diff_state_dicts
 from covgrad.layout import select_parameters
-from covgrad.topk import top_k_masks
-from covgrad.trajectory import (
+from covgrad.moments.topk import top_k_masks
+from covgrad.updates.check import run_update_cell
+from covgrad.updates.diff import diff_state_dicts
+from covgrad.updates.trajectory import (
     ADAM_EPS,
     DECILE_PREDICTORS,
     N_DECILES,
@@ -37,7 +38,6 @@ from covgrad.trajectory import (
     stored_dtype,
     trajectory_state,
 )
-from covgrad.update import run_update_cell
 from tests.helpers.trajectory import (
     LRS,
     SEED,
@@ -290,7 +290,7 @@ def test_predictor_metrics_equal_a_numpy_brute_force(layout, precision, name):
 
 @pytest.mark.parametrize("largest", [True, False])
 def test_stable_ranks_give_the_top_k_masks(largest):
-    """ranks < k equals covgrad.topk.top_k_masks for every k, on values with ties, ±0, ±inf and NaN."""
+    """ranks < k equals covgrad.moments.topk.top_k_masks for every k, on values with ties, ±0, ±inf and NaN."""
     rng = np.random.default_rng(3)
     v = rng.integers(-4, 5, 400).astype(np.float64) / 2
     v[rng.choice(400, 30, replace=False)] = np.nan
@@ -332,7 +332,7 @@ def test_bad_arguments():
 def test_random_values_drawn_in_chunks_are_the_whole_draw(monkeypatch, chunk: int):
     """A shard's random predictor values, drawn RANDOM_CHUNK at a time, are numpy's one draw of all P at its
     columns (odd chunk sizes split numpy's 64-bit outputs between calls)."""
-    monkeypatch.setattr("covgrad.trajectory.RANDOM_CHUNK", chunk)
+    monkeypatch.setattr("covgrad.updates.trajectory.RANDOM_CHUNK", chunk)
     P = 53
     whole = np.random.default_rng([5, 0]).random(P, dtype=np.float32)
     index = np.sort(np.random.default_rng(1).choice(P, 20, replace=False))

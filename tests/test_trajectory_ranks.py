@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from covgrad.fsdp import RankFailedError
+from covgrad.distributed.fsdp import RankFailedError
 from storage.artifacts import ArtifactStore
 from tasks.specs import plan
 from tests.helpers.fsdp_ranks import killing_trajectory_rank

@@ -1,6 +1,6 @@
 """Every regime's step against references: one stage step equals a hand-written step of the same loss,
 optimizer and precision (weights byte-identical), and each stepping loss's logit gradient is minus the
-regime's cotangent (``covgrad.regimes.RegimeGrad``) over N."""
+regime's cotangent (``covgrad.regimes.objectives.RegimeGrad``) over N."""
 
 import copy
 import math
@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from covgrad.layout import select_parameters
-from covgrad.regimes import Regime, RegimeGrad
-from covgrad.trajectory import (
+from covgrad.regimes.objectives import Regime, RegimeGrad
+from covgrad.updates.check import run_update_cell
+from covgrad.updates.trajectory import (
     ADAM_EPS,
     PRECISIONS,
     STEP_REGIMES,
@@ -24,7 +25,6 @@ from covgrad.trajectory import (
     run_trajectory,
     stored_dtype,
 )
-from covgrad.update import run_update_cell
 from tests.helpers.trajectory import LRS, hand_rows, on_policy, rollouts, tiny_llama
 
 TEACHER_TAU = 0.5

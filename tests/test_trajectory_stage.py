@@ -1,5 +1,5 @@
 """trajectory stage on the tiny pipeline: the store opens in plain xarray, the checkpoints at log-spaced
-steps agree with the packed sets (covgrad.ckpt_diff), and a run SIGKILLed at a random step and rerun
+steps agree with the packed sets (covgrad.updates.diff), and a run SIGKILLed at a random step and rerun
 ends byte-identical to an uninterrupted one."""
 
 import json
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from covgrad.ckpt_diff import diff_state_dicts
 from covgrad.layout import ParamLayout
-from covgrad.trajectory import checkpoint_steps
+from covgrad.updates.diff import diff_state_dicts
+from covgrad.updates.trajectory import checkpoint_steps
 from storage.checkpoints import load_state_dict
 from storage.schema import TRAJECTORY
 from tasks.specs import plan

@@ -12,9 +12,9 @@ import torch
 import xarray as xr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from covgrad.ckpt_diff import diff_state_dicts
 from covgrad.layout import ParamLayout
-from covgrad.problems import addition_reward
+from covgrad.rollouts.problems import addition_reward
+from covgrad.updates.diff import diff_state_dicts
 from storage.checkpoints import load_state_dict
 from storage.prompts import load_task
 from storage.schema import ROLLOUTS, TRAJECTORY

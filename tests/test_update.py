@@ -1,4 +1,4 @@
-"""covgrad.update against slow references: unpadded per-row log-probs, hand-made optimizer steps in
+"""covgrad.updates.check against slow references: unpadded per-row log-probs, hand-made optimizer steps in
 float64, numpy bit manipulation for bf16, and a per-sample loop for the score moments."""
 
 import math
@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from covgrad.layout import select_parameters
-from covgrad.update import (
+from covgrad.updates.check import (
     ABS_THRESHOLD,
     bf16_half_spacing,
     changed_sets,
@@ -327,7 +327,7 @@ def test_update_grid_in_chunks_of_the_flat_axis_equals_whole_tensors(layout, bat
                 want = set_metrics(pred, single[f"changed_{metric}"])
                 assert {s: row[f"{metric}_{rule}_{s}"] for s in want} == pytest.approx(want, nan_ok=True)
     assert layout.P % 48 and min(e.numel for e in layout.entries) < 48 < max(e.numel for e in layout.entries)
-    monkeypatch.setattr("covgrad.update.CHUNK", 48)
+    monkeypatch.setattr("covgrad.updates.check.CHUNK", 48)
     assert update_grid(tiny_llama, layout, batches, F, G, rho, adv_rms, steps=(2,), **cells) == rows
 
 

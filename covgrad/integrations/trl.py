@@ -14,7 +14,7 @@ Files under ``out_dir``:
   (the prompt without its left padding), ``response_ids`` (the completion up to and including its EOS, as
   TRL's ``completion_mask`` marks it), ``logprobs`` (the sampler's log-probability of each response token:
   TRL's ``sampling_per_token_logps`` when it has them (vLLM), else recomputed from the model that generated,
-  at the generation's temperature / top-k / top-p, ``covgrad.sampling.sampler_log_probs``), ``reward`` (the
+  at the generation's temperature / top-k / top-p, ``covgrad.rollouts.sampling.sampler_log_probs``), ``reward`` (the
   weighted sum over reward functions that TRL logs; reward functions returning None count 0), ``group``
   (``"{generation}-{prompt}"``: the completions of one prompt in one generation batch), ``advantage`` (TRL's
   sequence advantage) and ``advantages`` (it, once per response token), ``policy_version`` (the optimizer
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from covgrad.sampling import SamplerSpec, sampler_log_probs
+from covgrad.rollouts.sampling import SamplerSpec, sampler_log_probs
 
 MANIFEST = "manifest.json"
 ROLLOUTS = "rollouts.jsonl"

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from covgrad.quantiles import LEVEL, Z975, t975
-from covgrad.topk import count_for_fraction, rank_correlation, ranks_and_order
+from covgrad.moments.quantiles import LEVEL, Z975, t975
+from covgrad.moments.topk import count_for_fraction, rank_correlation, ranks_and_order
 
 METHOD = "prompt-group bootstrap (centred percentile interval, Fisher z for correlations, few-groups t factor)"
 REPLICATE_BUDGET = 50_000_000  # n_boot × P entries held per replicate array (float32: 200 MB each)

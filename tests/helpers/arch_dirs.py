@@ -21,7 +21,12 @@ def family_config(root: Path, model: Path, **overrides: object) -> PipelineConfi
         **{
             "name": "family",
             "model.path": str(model),
-            "task": {"kind": "jsonl", "path": str(task), "reward": "covgrad.problems:addition_reward", "n_prompts": 2},
+            "task": {
+                "kind": "jsonl",
+                "path": str(task),
+                "reward": "covgrad.rollouts.problems:addition_reward",
+                "n_prompts": 2,
+            },
             "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 8}},
             **overrides,
         },
@@ -30,7 +35,7 @@ def family_config(root: Path, model: Path, **overrides: object) -> PipelineConfi
 
 def arch_dir(path: Path, family: str) -> Path:
     """A tiny ``family`` model of tests.test_families_hybrid_ssm_moe with the character tokenizer, saved."""
-    from covgrad.problems import build_char_tokenizer
+    from covgrad.rollouts.problems import build_char_tokenizer
     from tests.helpers.families_hybrid import family_model
 
     tok = build_char_tokenizer()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from covgrad.accum import MomentAccumulator
 from covgrad.layout import select_parameters
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.moments.accum import MomentAccumulator
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.persample import BATCH, MODELS, make_batch
 
 

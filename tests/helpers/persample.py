@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from covgrad.layout import ParamLayout
-from covgrad.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.models import tiny_llama
 
 V = 32

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from covgrad.sampling import SamplerSpec, compute_advantages, generate
-from covgrad.trajectory import OnPolicy, step_seed
+from covgrad.rollouts.sampling import SamplerSpec, compute_advantages, generate
+from covgrad.updates.trajectory import OnPolicy, step_seed
 
 VOCAB, EOS, PAD, SEED = 16, 15, 0, 7
 GROUP, PER_STEP = 4, 2

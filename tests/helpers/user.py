@@ -19,7 +19,7 @@ def digit_reward(prompt: str, response: str, answer: str) -> float:
 def write_checkpoint(path: Path) -> Path:
     """A randomly initialised tiny Llama with the character tokenizer, saved as a model directory."""
     from covgrad.models import build_demo_model
-    from covgrad.problems import build_char_tokenizer
+    from covgrad.rollouts.problems import build_char_tokenizer
 
     tok = build_char_tokenizer()
     model = build_demo_model(DemoModel(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64), tok)

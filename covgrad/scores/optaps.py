@@ -1,0 +1,564 @@
+"""Op-level per-sample gradients of a module's small parameters, without replaying the module.
+
+:func:`covgrad.scores.rules.generic_rule` gets a parameter's per-sample gradient by re-running its whole module per
+sample. For a Gated DeltaNet's ``dt_bias``, ``A_log`` and short-conv weight that means re-running the mixer's
+forward and backing through its chunked delta rule, although each parameter meets the samples' data in one
+small op (``a + dt_bias``, ``-exp(A_log) * softplus(...)``, ``F.conv1d(x, w, groups=C)``).
+
+Here, during the real (batched) forward, a :class:`torch.overrides.TorchFunctionMode` active in the module's
+forward follows every torch function call of it:
+
+- a call whose tensor inputs are only the module's selected parameters, tensors derived from them alone and
+  constants (buffers, fresh tensors, Python numbers) is *derived*: it is computed on autograd leaves that stand
+  for the parameters (``shadows``), so its result keeps a small graph back to them (e.g. ``-exp(A_log)``);
+- a call that combines a derived tensor (or a parameter) with *data* (the module's call arguments and anything
+  computed from them, or any tensor in the autograd graph: parameters are frozen during the pass) is a *use*:
+  its inputs are kept, and a tensor hook on its output receives ∂objective/∂output in the backward. Then the
+  per-sample vector-Jacobian product of that op alone with respect to its derived inputs (torch.func.vmap over
+  the samples' rows: a data input with leading dimension B is split by sample, one with the module's verified
+  flattened B·k rows as each sample's k rows, a leading dimension 1 is shared) gives each sample's cotangent of
+  the derived tensors, which one batched backward through the derived graph turns into each sample's parameter
+  gradient (the derived graph has no data, so its Jacobian is the same for every sample);
+- any other call is followed only to mark its outputs as data when an input is data.
+
+Exactness rests on checks, not on a list of classes: every use is verified to be sample-separable by running it
+per sample (vmap) and comparing with the batched output (once per op position, function and input shapes);
+every selected parameter of the module must reach a use in the call, the module's output must not be derived,
+and every data input of a use must split by sample as above. A call that fails any of these falls back to the
+module replay (:func:`covgrad.scores.rules.generic_rule`) for that call and every later one of the module. The module
+itself is verified to keep samples apart as before (``PerSampleGrads._trace``).
+
+Shape notation: B samples, k rows per sample of a flattened batch, P the parameter's elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from covgrad.layout import TensorEntry
+from covgrad.scores.rules import float_outputs, generic_rule
+
+
+class Owner(Protocol):
+    """What the taps read of their :class:`covgrad.scores.persample.PerSampleGrads` (typed here, not imported: the
+    engine imports this module)."""
+
+    _B: int
+    _calls: Any
+    _flat_ok: Any
+    _outer: Any
+    _pending: Any
+    _probing: bool
+    _replaying: bool
+    _roots: Any
+
+    def _forward_hook(self, B: int, rule: Callable[..., None], local: Any) -> Callable[..., Any]: ...
+
+    def _run_rule(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _tap_view(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+# Tensor methods that read metadata, not values (an attribute getter, ``__get__``, is handled by its result;
+# covgrad.scores.persample's use recorder adds it).
+METADATA_READS = frozenset(
+    {
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "stride",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "is_contiguous",
+        "data_ptr",
+        "__len__",
+        "get_device",
+    }
+)
+
+# Separability tolerance: |per-sample forward − batched forward| ≤ rtol · max|batched| + atol (kernels for one
+# sample and for the batch may round differently; an op that mixes samples differs by O(1)).
+_SEP_RTOL, _SEP_ATOL = 1e-5, 1e-12
+
+_SPLIT, _FLAT, _SHARED, _DERIVED = 1, 2, 0, 3
+
+
+@dataclass
+class _Derived:
+    """A tensor computed from the call's parameters alone: its value (what the model sees) and the same
+    value on the parameters' shadows (with a graph), and which parameters (local names) it depends on."""
+
+    real: Tensor
+    shadow: Tensor
+    names: frozenset[str]
+    record: _Record
+
+
+@dataclass
+class _Use:
+    """One op that combines derived tensors with data, with what its per-sample vjp needs in the backward."""
+
+    func: Callable
+    spec: Any
+    leaves: list
+    modes: list[int]  # per leaf: _SPLIT, _FLAT, _SHARED or _DERIVED
+    derived: list[_Derived]  # in the order of the _DERIVED leaves
+    names: frozenset[str]
+    active: bool = False
+
+
+@dataclass
+class _Record:
+    """One call of a tapped module: its parameters, shadows, derived tensors and uses."""
+
+    module: nn.Module
+    local: dict[str, TensorEntry]
+    B: int
+    flat: int  # the call's flattened rows B·k (0: leading dimension B)
+    params: dict[int, str]  # id(parameter) → local name
+    inputs: list[Tensor] = field(default_factory=list)  # the call's (B, …) tensor arguments in the graph
+    shadows: dict[str, Tensor] = field(default_factory=dict)
+    uses: list[_Use] = field(default_factory=list)
+    reason: str = ""  # why the op-level capture does not hold for this call ("" while it does)
+
+
+class OpTaps:
+    """The op-level path of :class:`covgrad.scores.persample.PerSampleGrads` for its generic-rule bindings.
+
+    Args:
+        owner: the PerSampleGrads whose per-call state (B, the flattened-batch checks, the graph roots, the
+            per-sample blocks and their folding) the taps use.
+    """
+
+    def __init__(self, owner: Owner) -> None:
+        self.owner = owner
+        self.replay: dict[int, str] = {}  # id(module) → why it falls back to the module replay
+        self.verified: set[tuple] = set()  # signatures of uses shown sample-separable
+        self._mode = _Flow(self)
+        self._stack: list[_Record] = []
+        self._data: set[int] = set()
+        self._derived: dict[int, _Derived] = {}
+        self._entered = False
+
+    def path(self, module: nn.Module) -> str:
+        """ "op" while the module's calls take the op-level path, else "replay"."""
+        return "replay" if id(module) in self.replay else "op"
+
+    def hooks(self, module: nn.Module, local: dict[str, TensorEntry]) -> list:
+        """Register the pre- and post-forward hooks that tap one module's calls; returns their handles."""
+        replay_hook = self.owner._forward_hook(self.owner._B, generic_rule, local)
+        records: list[_Record | None] = []
+
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.owner._replaying or id(mod) in self.replay:
+                records.append(None)
+                return
+            record = self._begin(mod, local, args, kwargs)
+            records.append(record)
+            if record is not None:
+                self._push(record, args, kwargs)
+
+        def post(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+            record = records.pop() if records else None
+            if self.owner._replaying:
+                return None
+            if record is None:
+                return replay_hook(mod, args, kwargs, output)
+            self._pop(record)
+            if not record.reason:
+                if any(id(o) in self._derived for o in float_outputs(output)):
+                    record.reason = "its output is computed from its parameters alone"
+                missing = set(local) - {n for u in record.uses for n in u.names}
+                if missing:
+                    record.reason = record.reason or f"{sorted(missing)} reach no op the taps see"
+            if record.reason:
+                self.replay[id(mod)] = record.reason
+                return replay_hook(mod, args, kwargs, output)
+            self._activate(record)
+            return None
+
+        return [
+            module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True),
+        ]
+
+    def reset(self) -> None:
+        """Leave the mode and drop every per-forward record (end of a pass, or after an error)."""
+        if self._entered:
+            self._mode.__exit__(None, None, None)
+            self._entered = False
+        self._stack, self._data, self._derived = [], set(), {}
+
+    def _begin(self, module: nn.Module, local: dict[str, TensorEntry], args: tuple, kwargs: dict) -> _Record | None:
+        """A record for this call, or None when the call cannot be tapped (it then takes the replay)."""
+        owner, B = self.owner, self.owner._B
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        lead = first.shape[0] if isinstance(first, Tensor) and first.dim() else None
+        flat = 0
+        if lead != B:
+            if lead is None or lead % B or id(module) not in owner._flat_ok or id(module) in owner._outer:
+                return None
+            flat = lead
+        params = {id(module.get_parameter(pn)): pn for pn in local}
+        inputs = [t for t in _tensors(args, kwargs) if t.dim() and t.shape[0] == B and t.requires_grad]
+        return _Record(module, local, B, flat, params, inputs)
+
+    def _push(self, record: _Record, args: tuple, kwargs: dict) -> None:
+        for t in _tensors(args, kwargs):  # the call's arguments are data
+            self._data.add(id(t))
+        if not self._entered:
+            self._mode.__enter__()
+            self._entered = True
+        self._stack.append(record)
+
+    def _pop(self, record: _Record) -> None:
+        self._stack.remove(record)
+        if not self._stack:
+            self.reset()
+
+    def _activate(self, record: _Record) -> None:
+        """Count the call's uses as contributions of its tensors and let their backward hooks run."""
+        owner = self.owner
+        for use in record.uses:
+            use.active = True
+            for n in use.names:
+                name = record.local[n].name
+                owner._pending[name] = owner._pending.get(name, 0) + 1
+                owner._calls[name] = owner._calls.get(name, 0) + 1
+
+    # ---- the mode's three kinds of calls ----
+
+    def on_call(self, func: Callable, args: tuple, kwargs: dict) -> object:
+        """Run one torch function call of a tapped forward (see the module docstring)."""
+        name = getattr(func, "__name__", "")
+        if name in METADATA_READS:
+            return func(*args, **kwargs)
+        record_of = {}
+        derived, data = False, False
+        for t in _tensors(args, kwargs):
+            i = id(t)
+            if i in self._derived:
+                derived = True
+            elif (rec := self._owner_of(i)) is not None:
+                record_of[i] = rec
+                derived = True
+            elif t.requires_grad or i in self._data:
+                data = True
+        if not derived:
+            out = func(*args, **kwargs)
+            if data:
+                for t in _tensors((out,), {}):
+                    self._data.add(id(t))
+            return out
+        if name == "__get__":  # an attribute: metadata (.shape, .dtype) unless it returns a tensor (.T, .mT)
+            out = func(*args, **kwargs)
+            if not isinstance(out, Tensor):
+                return out
+        if not data:
+            return self._derive(func, args, kwargs, record_of)
+        return self._use(func, args, kwargs, record_of)
+
+    def _owner_of(self, i: int) -> _Record | None:
+        for rec in self._stack:
+            if i in rec.params:
+                return rec
+        return None
+
+    def _shadow(self, rec: _Record, t: Tensor) -> _Derived:
+        pn = rec.params[id(t)]
+        if pn not in rec.shadows:
+            rec.shadows[pn] = t.detach().requires_grad_()
+        return _Derived(t, rec.shadows[pn], frozenset({pn}), rec)
+
+    def _as_derived(self, t: Tensor, record_of: dict[int, _Record]) -> _Derived:
+        return self._derived[id(t)] if id(t) in self._derived else self._shadow(record_of[id(t)], t)
+
+    def _derive(self, func: Callable, args: tuple, kwargs: dict, record_of: dict[int, _Record]) -> object:
+        """A call on parameters, derived tensors and constants: computed on the shadows, its value detached."""
+        leaves, spec = tree_flatten((args, kwargs))
+        found = [self._as_derived(t, record_of) for t in leaves if _is_derived(t, self._derived, record_of)]
+        records = {id(d.record): d.record for d in found}
+        if len(records) > 1:  # parameters of two nested tapped calls combined: both take the replay
+            for rec in records.values():
+                rec.reason = rec.reason or f"{_name(func)} combines parameters of two tapped modules"
+            return func(*args, **kwargs)
+        record = found[0].record
+        names = frozenset(n for d in found for n in d.names)
+        shadows = iter(d.shadow for d in found)
+        sub = [next(shadows) if _is_derived(t, self._derived, record_of) else t for t in leaves]
+        a, k = tree_unflatten(sub, spec)
+        with torch.enable_grad():
+            shadow_out = func(*a, **k)
+        outs, out_spec = tree_flatten(shadow_out)
+        reals = []
+        for o in outs:
+            if isinstance(o, Tensor):
+                real = o.detach()
+                self._derived[id(real)] = _Derived(real, o, names, record)
+                reals.append(real)
+            else:
+                reals.append(o)
+        return tree_unflatten(reals, out_spec)
+
+    def _use(self, func: Callable, args: tuple, kwargs: dict, record_of: dict[int, _Record]) -> object:
+        """A call that combines derived tensors with data: run it, keep its inputs, hook its output."""
+        leaves, spec = tree_flatten((args, kwargs))
+        derived = [self._as_derived(t, record_of) for t in leaves if _is_derived(t, self._derived, record_of)]
+        records = {id(d.record): d.record for d in derived}
+        record = derived[0].record
+        modes, kept, inner = [], [], []
+        for t in leaves:
+            if _is_derived(t, self._derived, record_of):
+                modes.append(_DERIVED)
+                kept.append(t)
+            elif isinstance(t, Tensor) and (t.requires_grad or id(t) in self._data):
+                modes.append(self._split_mode(record, t))
+                kept.append(t.detach())
+                if modes[-1] == _FLAT and t.shape[0] != record.flat:
+                    inner.append(t)  # flattened inside the forward: its rows are checked below
+            else:
+                modes.append(_SHARED)
+                kept.append(t)
+        out = func(*args, **kwargs)
+        for t in _tensors((out,), {}):
+            self._data.add(id(t))
+        if len(records) > 1:
+            for rec in records.values():
+                rec.reason = rec.reason or f"{_name(func)} combines parameters of two tapped modules"
+            return out
+        if record.reason or not isinstance(out, Tensor) or not out.is_floating_point():
+            return out  # a failed record takes the replay; a non-float output carries no gradient
+        if not torch.is_grad_enabled():  # inside an autograd.Function's forward or no_grad: no hook would fire
+            record.reason = f"{_name(func)} runs where autograd does not record it"
+            return out
+        if any(m is None for m in modes):
+            record.reason = f"{_name(func)} has a data input that does not split by sample"
+            return out
+        if self._split_mode(record, out) not in (_SPLIT, _FLAT):
+            record.reason = f"{_name(func)}'s output does not split by sample"
+            return out
+        use = _Use(func, spec, kept, modes, derived, frozenset(n for d in derived for n in d.names))
+        sig = (id(record.module), len(record.uses), _name(func), tuple(modes), _shapes(kept))
+        if sig not in self.verified:
+            why = next((w for t in inner if (w := self._rows_apart(record, t))), "")
+            why = why or self._separable(use, out, record.B)
+            if why:
+                record.reason = f"{_name(func)} {why}"
+                return out
+            self.verified.add(sig)
+        record.uses.append(use)
+        if not out.requires_grad:  # no data input is in the graph: the output starts it
+            out = out.detach().requires_grad_()
+            self.owner._roots.append(out)
+            self._data.add(id(out))
+        out.register_hook(self._backward(record, use))
+        return out
+
+    def _split_mode(self, record: _Record, t: Tensor) -> int | None:
+        lead = t.shape[0] if t.dim() else None
+        if lead == record.B:
+            return _SPLIT
+        if lead is None or lead == 1:
+            return _SHARED
+        if lead % record.B == 0:  # (B·k, …): the module's verified flattened rows, or checked (_rows_apart)
+            return _FLAT
+        return None
+
+    def _rows_apart(self, record: _Record, t: Tensor) -> str:
+        """ "" when row block n of a tensor flattened inside the forward, ``t`` (B·k, …), depends on sample n's
+        rows of the call's inputs alone (for the first and last sample, by autograd on the forward's graph)."""
+        B = record.B
+        if B == 1:
+            return ""
+        if not t.requires_grad or not record.inputs:
+            return "has flattened (B·k, …) rows that cannot be traced to the samples"
+        gen = torch.Generator().manual_seed(0)
+        rows = t.reshape(B, -1, *t.shape[1:])
+        for n in (0, B - 1):
+            weights = torch.randn(rows[n].shape, generator=gen, dtype=torch.float64).to(t.device)
+            probe = (rows[n].double() * weights).sum()
+            self.owner._probing = True  # the hooks on the way stand aside
+            try:
+                grads = torch.autograd.grad(probe, record.inputs, retain_graph=True, allow_unused=True)
+            finally:
+                self.owner._probing = False
+            own = False
+            for gr in grads:
+                if gr is None:
+                    continue
+                gr = gr.nan_to_num(0.0, 0.0, 0.0)
+                if bool((torch.cat([gr[:n], gr[n + 1 :]]) != 0).any()):
+                    return "has flattened (B·k, …) rows that are not sample by sample"
+                own = own or bool((gr[n] != 0).any())
+            if not own:
+                return "has flattened (B·k, …) rows that cannot be traced to the samples"
+        return ""
+
+    def _separable(self, use: _Use, out: Tensor, B: int) -> str:
+        """ "" when the op run per sample (vmap) gives the batched output's rows, else why not."""
+        try:
+            per = torch.func.vmap(lambda mine: _run(use, [d.real for d in use.derived], mine, B))(_per_sample(use, B))
+        except Exception as exc:
+            return f"cannot be run per sample ({type(exc).__name__})"
+        if per.numel() != out.numel():
+            return "gives per-sample outputs of another size than the batch's"
+        ref = out.detach()
+        diff = (per.reshape(ref.shape).to(torch.float64) - ref.to(torch.float64)).abs().max()
+        scale = ref.abs().max().to(torch.float64) if ref.numel() else torch.tensor(0.0)
+        if bool(diff > _SEP_RTOL * scale + _SEP_ATOL):
+            return "mixes samples (its per-sample outputs differ from the batched one)"
+        return ""
+
+    def _backward(self, record: _Record, use: _Use) -> Callable[[Tensor], None]:
+        owner = self.owner
+        local = {n: record.local[n] for n in use.names}
+
+        def hook(g: Tensor) -> None:
+            if use.active:
+                owner._run_rule(lambda: _apply(owner, record, use, g), local)
+
+        return hook
+
+
+class _Flow(TorchFunctionMode):
+    """The mode of :class:`OpTaps` (entered while a tapped module's forward runs)."""
+
+    def __init__(self, taps: OpTaps) -> None:
+        super().__init__()
+        self.taps = taps
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
+        return self.taps.on_call(func, args, kwargs or {})
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
+    """The tensors among a call's arguments, one level into lists, tuples and dicts."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            yield a
+        elif isinstance(a, list | tuple):
+            for b in a:
+                if isinstance(b, Tensor):
+                    yield b
+        elif isinstance(a, dict):
+            for b in a.values():
+                if isinstance(b, Tensor):
+                    yield b
+
+
+def _is_derived(t: object, derived: dict[int, _Derived], record_of: dict[int, _Record]) -> bool:
+    return isinstance(t, Tensor) and (id(t) in derived or id(t) in record_of)
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+
+
+def _shapes(leaves: list) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__ for t in leaves)
+
+
+def _per_sample(use: _Use, B: int) -> list[Tensor]:
+    """The use's split data inputs as (B, …) tensors of each sample's rows."""
+    pairs = zip(use.leaves, use.modes, strict=True)
+    return [t.reshape(B, -1, *t.shape[1:]) if m == _FLAT else t for t, m in pairs if m in (_SPLIT, _FLAT)]
+
+
+def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
+    """The use's op on one sample: its rows of the split inputs, the derived values ``dvals``, the shared rest."""
+    own, dv = iter(mine), iter(dvals)
+    filled = []
+    for t, m in zip(use.leaves, use.modes, strict=True):
+        if m == _SPLIT:
+            filled.append(next(own).unsqueeze(0))
+        elif m == _FLAT:
+            filled.append(next(own))
+        elif m == _DERIVED:
+            filled.append(next(dv))
+        else:
+            filled.append(t)
+    a, k = tree_unflatten(filled, use.spec)
+    return use.func(*a, **k)
+
+
+def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
+    """Per-sample gradients of the use's parameters from its output gradient ``g``, into their blocks."""
+    B = record.B
+    gs = g if g.shape[0] == B else g.reshape(B, -1, *g.shape[1:])
+    dvals = [d.real for d in use.derived]
+
+    def one(dv: list[Tensor], mine: list[Tensor], cot: Tensor) -> list[Tensor]:
+        out, vjp = torch.func.vjp(lambda d: _run(use, d, mine, B), dv)
+        return vjp(cot.reshape(out.shape))[0]
+
+    cots = _elementwise_cots(use, g, B)
+    if cots is None:
+        with torch.enable_grad():
+            cots = torch.func.vmap(one, in_dims=(None, 0, 0))(dvals, _per_sample(use, B), gs)
+    grads: dict[str, Tensor] = {}
+    for d, cot in zip(use.derived, cots, strict=True):
+        names = sorted(d.names)
+        leaves = [record.shadows[n] for n in names]
+        if len(leaves) == 1 and d.shadow is leaves[0]:
+            parts = [cot]
+        else:
+            parts = _batched_grad(d.shadow, leaves, cot)
+        for n, part in zip(names, parts, strict=True):
+            if part is not None:
+                grads[n] = grads[n] + part if n in grads else part
+    for n, grad in grads.items():
+        s = owner._tap_view(record.local[n])
+        if s[1]:
+            s[0].copy_(grad.reshape(s[0].shape))
+        else:
+            s[0].add_(grad.reshape(s[0].shape).to(s[0].dtype))
+
+
+# Elementwise ops whose vjp with respect to one operand has a closed form: g (add) or g ⊙ other (mul).
+_ADD = frozenset({"add", "__add__", "__radd__"})
+_MUL = frozenset({"mul", "__mul__", "__rmul__"})
+
+
+def _elementwise_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
+    """The per-sample cotangent (B, *d.shape) of the derived operand of ``data + d`` or ``data * d`` (either
+    order, broadcasting), summed over the dimensions it was broadcast along; None for any other op (vmap)."""
+    name = getattr(use.func, "__name__", "")
+    if (name not in _ADD and name not in _MUL) or len(use.leaves) != 2 or use.spec.child(1).num_leaves:
+        return None
+    found = [i for i, m in enumerate(use.modes) if m == _DERIVED]
+    if len(found) != 1 or use.modes[1 - found[0]] not in (_SPLIT, _FLAT):
+        return None
+    i_d = found[0]
+    d, data = use.derived[0].real, use.leaves[1 - i_d]
+    out_n = (1 if g.shape[0] == B else g.shape[0] // B, *g.shape[1:])  # one sample's output shape
+    data_n = (1 if use.modes[1 - i_d] == _SPLIT else data.shape[0] // B, *data.shape[1:])
+    if len(data_n) != len(out_n) or d.dim() > len(out_n):
+        return None
+    prod = g.reshape(B, *out_n)
+    if name in _MUL:
+        prod = prod * data.reshape(B, *data_n)
+    lead = len(out_n) - d.dim()
+    if lead:
+        prod = prod.sum(tuple(range(1, lead + 1)))
+    dims = tuple(1 + i for i, n in enumerate(d.shape) if n == 1 and prod.shape[1 + i] != 1)
+    if dims:
+        prod = prod.sum(dims, keepdim=True)
+    return [prod.to(d.dtype)]
+
+
+def _batched_grad(out: Tensor, leaves: list[Tensor], cot: Tensor) -> list[Tensor | None]:
+    """Σ over ``out``'s elements of cot[n] · ∂out/∂leaves for every n: (B, *leaf.shape) each (None: unused)."""
+    try:
+        return list(torch.autograd.grad(out, leaves, cot, retain_graph=True, allow_unused=True, is_grads_batched=True))
+    except RuntimeError:
+        rows = [torch.autograd.grad(out, leaves, c, retain_graph=True, allow_unused=True) for c in cot]
+        return [None if r[0] is None else torch.stack(list(r)) for r in zip(*rows, strict=True)]

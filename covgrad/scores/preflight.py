@@ -1,0 +1,138 @@
+"""Per-sample machinery checked against a model before any stage runs.
+
+Two steps, seconds in all, so that an unsupported module or a rule that does not match its module's
+forward is reported before rollouts are sampled:
+
+1. the full architecture on the meta device (no memory, no weights): every selected parameter must have a
+   per-sample path (:class:`covgrad.scores.persample.PerSampleGrads` names every parameter without one at once,
+   with a ``model.params`` selection that runs);
+2. the same architecture cut to at most two layers, randomly initialised on the CPU in float32, runs
+   one checked per-sample pass on a two-sample, left-padded batch: the parameters of every module type
+   selected in step 1 go through their rules, the trace of where each parameter is used and whether the
+   modules keep the samples apart, and the self-check (Σ_n s_n against the batched gradient, every
+   selected tensor). This step always runs, whatever ``model.self_check`` says: a parameter that no rule
+   reaches would otherwise be served as rows of zeros.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from covgrad.layout import ParamLayout, select_parameters
+from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.rules import generic_rule
+
+_LAYERS = 2
+
+
+def _reduced(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """A copy of ``config`` with at most ``layers`` decoder layers (per-layer lists cut to match)."""
+    config = config.__class__.from_dict(config.to_dict())
+    text = config.get_text_config()
+    n = getattr(text, "num_hidden_layers", None)
+    if n is None or n <= layers:
+        return config
+    for key, value in list(vars(text).items()):
+        if isinstance(value, list) and len(value) == n:
+            setattr(text, key, value[:layers])
+    text.num_hidden_layers = layers
+    return config
+
+
+def _selected_types(model: nn.Module, names: set[str]) -> set[tuple[type, str]]:
+    """(module type, local parameter name) of every selected parameter."""
+    return {
+        (type(m), pn)
+        for mn, m in model.named_modules()
+        for pn, _ in m.named_parameters(recurse=False)
+        if (f"{mn}.{pn}" if mn else pn) in names
+    }
+
+
+def meta_model(path: str, trust_remote_code: bool = False) -> tuple[PretrainedConfig, nn.Module]:
+    """The config of the model directory ``path`` and its architecture on the meta device (only
+    ``config.json`` is read: no weights, no memory), in the current default dtype."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    with torch.device("meta"):
+        return config, AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def check_model(path: str, params: list[str] | None, trust_remote_code: bool = False, self_check: bool = True) -> str:
+    """Raise ValueError (one line, naming every unsupported parameter and module type) unless per-sample
+    scores of the model at ``path`` with the parameter selection ``params`` (globs, None = all trainable)
+    are supported; return a one-line summary of the parameters that take the generic path.
+
+    Args:
+        path: a Hugging Face model directory (only its config is read).
+        params: the ``model.params`` selection.
+        trust_remote_code: as for loading the model.
+        self_check: the run's ``model.self_check``; step 2 runs either way (see the module docstring).
+
+    Returns:
+        e.g. "generic path: 6 of 20 tensors, 0.4% of P (…); each replays its module's forward per sample".
+    """
+    del self_check  # the checked pass on the random copy runs whatever the run's own self-check is
+    config, full = meta_model(path, trust_remote_code)
+    layout = select_parameters(full, params)
+    try:
+        PerSampleGrads(full, layout, check=False)
+    except ValueError as exc:
+        raise ValueError(f"preflight ({path}): {exc}") from None
+    wanted = _selected_types(full, set(layout.names))
+    torch.manual_seed(0)
+    small = AutoModelForCausalLM.from_config(
+        _reduced(config, _LAYERS), trust_remote_code=trust_remote_code, dtype=torch.float32
+    ).eval()
+    names = [
+        f"{mn}.{pn}" if mn else pn
+        for mn, m in small.named_modules()
+        for pn, p in m.named_parameters(recurse=False)
+        if (type(m), pn) in wanted and p.requires_grad
+    ]
+    small_layout = select_parameters(small, sorted(set(names) & set(dict(small.named_parameters()))))
+    vocab = small.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 6), generator=gen)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    target = torch.zeros(2, 6)
+    target[:, 3:] = 1.0
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    where = f"preflight ({path}, {_LAYERS}-layer random copy)"
+    try:
+        psg = PerSampleGrads(small, small_layout, check=True)
+        psg(ids, mask, lambda z: score_logit_grad(z, ids, target), position_ids=pos)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    except Exception as exc:  # a crash inside a module's forward or a rule: one line naming what failed
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"{where}: the checked per-sample pass failed ({type(exc).__name__}: {first})") from None
+    return generic_summary(psg, layout)
+
+
+def generic_summary(psg: PerSampleGrads, layout: ParamLayout) -> str:
+    """One line: the parameters of ``layout`` (the full model's selection) that take the generic path in the
+    checked copy ``psg`` (a per-sample replay of their module's forward, about one forward and backward of
+    that module per sample, vectorised where torch.func can), matched across layers by name, and their
+    share of the tensors and of P."""
+    index = re.compile(r"\.\d+\.")
+    kinds = {
+        index.sub(".N.", e.name) for _, rule, local in psg.bindings() if rule is generic_rule for e in local.values()
+    }
+    generic = [n for n in layout.names if index.sub(".N.", n) in kinds]
+    numel = sum(layout.entry(n).numel for n in generic)
+    share = 100.0 * numel / max(layout.P, 1)
+    listed = ", ".join(sorted(kinds))
+    paths = {index.sub(".N.", n): path for n, path in psg.generic_paths().items()}
+    replayed = sorted(k for k, path in paths.items() if path == "replay")
+    how = (
+        "each at the ops that use it (no module replay)"
+        if not replayed
+        else f"{len(replayed)} of them by a per-sample replay of their module's forward ({', '.join(replayed)}), "
+        "the others at the ops that use them"
+    )
+    return f"generic path: {len(generic)} of {len(layout.names)} tensors, {share:.2g}% of P ({listed or 'none'}); {how}"
