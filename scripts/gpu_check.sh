@@ -19,7 +19,7 @@ status=0
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" 2>&1 | tee "$OUT/env.txt" || status=1
 # the tests' conftest sets up Prefect and the demo run; the cuda tests need neither
-"$PY" -m pytest -q --noconftest -p no:cacheprovider tests/test_cuda.py tests/test_token_fisher.py tests/test_fsdp_cuda.py -m gpu -rs \
+"$PY" -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_cuda.py tests/tokens/test_token_fisher.py tests/gpu/test_fsdp_cuda.py -m gpu -rs \
     2>&1 | tee "$OUT/cuda_tests.txt" || status=1
 if [ "${1:-}" != "--dry-run" ]; then
     "$PY" -m benchmarks.scores --device cuda --model llama-134m llama-0.85b --reps 3 2>&1 \

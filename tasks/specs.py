@@ -10,7 +10,7 @@ Key = sha256(stage name, stage code version, spec, upstream keys) (``storage.art
 Fields listed in a spec's ``PLACEMENT`` say where or how the work runs and never change a byte (device,
 checkpoint cadence, parameter blocks, the dask scheduler): the task reads them, the completion marker
 records them, the key leaves them out. Keys chain, so a changed setting changes the key of exactly the
-stages whose spec holds it and of everything below them (tests/test_specs.py walks every config field).
+stages whose spec holds it and of everything below them (tests/caching/test_specs.py walks every config field).
 
 Instances tell several artifacts of one stage apart: ``rollouts.<sampler>``, ``scores.<sampler>.<centering>``,
 ``stats.<sampler>.<centering>``; an :class:`Instance` is the typed name, its string form the name that run

@@ -1,5 +1,5 @@
 """What every column and quantity name of the report means: the HTML's tooltips and footnotes, and
-``docs/reading.md`` (which lists the same names; ``tests/test_report.py`` checks both).
+``docs/reading.md`` (which lists the same names; ``tests/report/test_report.py`` checks both).
 
 Notation as in DESIGN.md section 1: s = sequence score ∇θ log p(response), A = advantage, means over the N
 samples with 1/N; F = mean(s²), G = mean(A·s), Fvar = Var(s), Cov = Cov(A, s), ρ = Cov / (std(A)·√Fvar).

@@ -34,7 +34,7 @@ def family_config(root: Path, model: Path, **overrides: object) -> PipelineConfi
 
 
 def arch_dir(path: Path, family: str) -> Path:
-    """A tiny ``family`` model of tests.test_families_hybrid_ssm_moe with the character tokenizer, saved."""
+    """A tiny ``family`` model of tests.families.test_families_hybrid_ssm_moe with the character tokenizer, saved."""
     from covgrad.rollouts.problems import build_char_tokenizer
     from tests.helpers.families_hybrid import family_model
 

@@ -1,6 +1,6 @@
 """``covgrad run`` (the CLI, as a subprocess) completes every stage on a saved tiny Qwen3.5 directory (hybrid
 linear attention) with every parameter selected. GPT-OSS and DeepSeek-V3 run the same stages in process
-(tests/test_preflight.py): the CLI adds nothing per family."""
+(tests/scores/test_preflight.py): the CLI adds nothing per family."""
 
 from __future__ import annotations
 

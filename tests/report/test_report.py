@@ -84,7 +84,7 @@ def test_report_numbers_equal_the_stores(run):
     q1 = next(r for r in out["overlap"] if r["scope"] == "global" and r["q"] == 0.01)
     assert cells["overlap(q=0.01)"] == _fmt(q1["overlap"])
 
-    # the off-policy table as the offpolicy stage stored it (its numbers: tests/test_offpolicy.py)
+    # the off-policy table as the offpolicy stage stored it (its numbers: tests/stages/test_offpolicy.py)
     stored = json.loads(_read(store, refs["offpolicy"], "offpolicy.json"))
     assert out["off_policy"] == [{k: finite(v) for k, v in r.items()} for r in stored]
     rows = {(r["sampler"], r["centering"]): r for r in out["off_policy"]}

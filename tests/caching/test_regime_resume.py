@@ -1,5 +1,5 @@
 """A regime fold killed between checkpoints resumes byte-identical to an uninterrupted run (its moment state,
-checkpoint progress and bound arrays), like a scores artifact (tests/test_resume.py); so does a pass of two
+checkpoint progress and bound arrays), like a scores artifact (tests/caching/test_resume.py); so does a pass of two
 folds killed after the first fold's checkpoint and before the second's (they resume from different batches)."""
 
 import hashlib

@@ -169,7 +169,7 @@ def test_add_sampled_token_and_summary():
 
 def test_trl_support_imports_to_the_same_tail():
     """TRL's rank-sorted logprobs/logprob_token_ids become the (N, T, k) support; its τ is the importer's mu_tail."""
-    path = Path(__file__).parent / "data" / "formats" / "trl.jsonl"
+    path = Path(__file__).parents[1] / "data" / "formats" / "trl.jsonl"
     arrays, _, _ = import_records(
         read_located_records(str(path)), "trl", 32, None, options={"reward_fields": ["accuracy_reward"]}
     )

@@ -1,5 +1,5 @@
 """Stage specs are what each stage computes from and what its key covers; tasks see specs, never the config
-(the import graph's rules are tests/test_layering.py's).
+(the import graph's rules are tests/flows/test_layering.py's).
 
 The key-coverage test is derived, not listed: it walks every leaf field of ``PipelineConfig``, changes it,
 and checks that the artifact keys that change are exactly those of the stages whose (hashed) spec changed
@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from covgrad.config import PipelineConfig
 from tasks.specs import STAGES, Plan, StageSpec, plan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def leaves(model: BaseModel, prefix: tuple = ()) -> list[tuple[tuple, Any, Any]]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted(p.stem for p in (Path(__file__).parents[1] / "benchmarks").glob("*.py") if p.stem != "__init__")
+SCRIPTS = sorted(p.stem for p in (Path(__file__).parents[2] / "benchmarks").glob("*.py") if p.stem != "__init__")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -27,7 +27,7 @@ def test_gpu_check_runs_without_the_pipeline_packages(tmp_path: Path):
     import subprocess
     import sys
 
-    repo = Path(__file__).parents[1]
+    repo = Path(__file__).parents[2]
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(

@@ -15,7 +15,7 @@ from covgrad.rollouts.formats import import_records
 from covgrad.rollouts.problems import ADDITION_CHARS, build_char_tokenizer
 from storage.readers import read_located_records
 
-DATA = Path(__file__).parent / "data" / "formats"
+DATA = Path(__file__).parents[1] / "data" / "formats"
 V = 32
 SAMPLE = DATA / "responses.jsonl"
 SAMPLER_ONLY = {"sampler_logp"}  # the one array a dataset cannot have: NaN

@@ -11,7 +11,7 @@ import pytest
 from covgrad.rollouts.formats import READERS, convert, import_records, parse_reward_fields
 from storage.readers import read_located_records
 
-DATA = Path(__file__).parent / "data" / "formats"
+DATA = Path(__file__).parents[1] / "data" / "formats"
 V = 32
 OPTIONS = {
     "covgrad": {},

@@ -101,7 +101,7 @@ def test_cuda_weights_folded_in_row_chunks(name):
 @pytest.mark.parametrize("name", ["llama-untied", "llama-tied"])
 def test_fsdp2_one_rank_on_cuda_is_the_plain_path(name, tmp_path):
     """FSDP2 with R = 1 (nccl, this process, every parameter) against the plain path on the same device: the
-    same state bytes and the same kept rows (tests/test_fsdp.py runs 2 and 3 gloo ranks on the CPU)."""
+    same state bytes and the same kept rows (tests/distributed/test_fsdp.py runs 2 and 3 gloo ranks on the CPU)."""
     import torch.distributed as dist
 
     from covgrad.distributed.fsdp import rank_scores

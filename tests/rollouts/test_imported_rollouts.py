@@ -125,7 +125,7 @@ def test_a_config_file_lies_under_the_keys_a_run_sets(tmp_path):
     from covgrad.config import PipelineConfig
     from flows.deployment import run_config
 
-    file = Path(__file__).parents[1] / "configs" / "demo.yaml"
+    file = Path(__file__).parents[2] / "configs" / "demo.yaml"
     demo = yaml.safe_load(file.read_text())
     given = PipelineConfig.model_validate({"root": str(tmp_path), "scores": {"groups_per_batch": 3}})
     merged = run_config(given, str(file))  # outside a deployment run: no deployment defaults

@@ -1,7 +1,7 @@
 """The report's HTML in headless Chromium at 1400 px: every table column visible, no inner scroll bar.
 
 Skipped where no ``chromium`` is installed (``apt-get install -y chromium``); the CSS itself is checked
-without a browser in ``tests/test_report_findings.py``.
+without a browser in ``tests/report/test_report_findings.py``.
 """
 
 import json

@@ -15,7 +15,7 @@ from tasks.specs import plan
 from tests.helpers.pipeline import run_planned
 from tests.helpers.user import user_config
 
-DATA = Path(__file__).parent / "data" / "formats"
+DATA = Path(__file__).parents[1] / "data" / "formats"
 EXTRA_CHARS = "abcdefghijklmnop"  # 16 more characters: the sample files' token ids need a vocabulary of 32
 
 

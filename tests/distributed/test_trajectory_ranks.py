@@ -75,7 +75,7 @@ def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_bytes(runs, tm
 
 
 # a distillation towards a sharpened copy of the policy (its teacher loaded without weights on rank 1) and SFT on the
-# stale sampler's rollouts (fixed data), as tests/test_trajectory_regime_stage.py runs them in-process
+# stale sampler's rollouts (fixed data), as tests/stages/test_trajectory_regime_stage.py runs them in-process
 REGIMES = {
     "sharpen": {"kind": "distill_reverse_kl", "teacher": "policy", "teacher_temperature": 0.5},
     "sft": {"kind": "sft_sampled", "sampler": "stale"},

@@ -19,7 +19,7 @@ from tests.helpers.persample import make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda device")]
 CUDA = torch.device("cuda", 0)
-CHUNK_BYTES = 1 << 12  # several row chunks per weight, as tests/test_fsdp.py
+CHUNK_BYTES = 1 << 12  # several row chunks per weight, as tests/distributed/test_fsdp.py
 
 
 @pytest.fixture
