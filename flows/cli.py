@@ -174,8 +174,8 @@ def _print_summary(cfg: Any, result: dict[str, Any]) -> None:
     where the run index, the report and the full headline tables are."""
     from covgrad.report.document import summary_lines
     from storage.artifacts import ArtifactStore
-    from storage.reports import publish_report, report_numbers
     from storage.runs import read_run_index, run_index_url
+    from storage.stores.reports import publish_report, report_numbers
 
     store = ArtifactStore(cfg.root)
     index = read_run_index(store, result["run"])
@@ -267,7 +267,7 @@ def _plan_fsdp(args: argparse.Namespace, cfg: Any) -> int:
 def _prompt_tokens(cfg: Any) -> tuple[int, str]:
     """The longest prompt of the task in the policy's tokens, and where that number comes from (128,
     assumed, when the tokenizer cannot be read without loading the model)."""
-    from storage.prompts import load_task, prompt_lengths
+    from storage.stores.prompts import load_task, prompt_lengths
 
     problems, _ = load_task(cfg.task)
     counted = prompt_lengths(cfg.model.path, problems)
@@ -284,7 +284,7 @@ def _run_lines(cfg: Any, prompt_tokens: int, chosen: Any, device: str) -> list[s
     from covgrad.tokens import resolve_modes, row_names
     from flows.runplan import RunShape, ScoresShape, human, stage_sizes
     from flows.shards import meta_model
-    from storage.prompts import load_task
+    from storage.stores.prompts import load_task
     from tasks.specs import plan
 
     model = meta_model(cfg)
@@ -337,8 +337,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     import fsspec
 
     from storage.artifacts import ArtifactStore, join_url
-    from storage.reports import rebuilt_report_dir, write_report
     from storage.runs import read_run_index
+    from storage.stores.reports import rebuilt_report_dir, write_report
     from tasks.report import render_run
 
     store = ArtifactStore(args.root)
@@ -380,8 +380,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     """One line per run, newest first: name, key, date, complete stages, the headline finding."""
     from storage.artifacts import ArtifactStore
-    from storage.reports import rebuilt_report_dir
     from storage.runs import list_runs
+    from storage.stores.reports import rebuilt_report_dir
 
     store = ArtifactStore(args.root)
     rows = list_runs(store)
@@ -480,7 +480,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     masks = layout = None
     if args.masks:
         from storage.identity import artifact_location, check_computed_on
-        from storage.masks import load_masks
+        from storage.stores.masks import load_masks
 
         masks, layout = load_masks(args.masks, args.q)
         what = f"the masks {args.masks} were not computed on BEFORE {args.before}"

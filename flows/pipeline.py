@@ -15,19 +15,17 @@ from flows.preflight import preflight
 from flows.stop import rearm
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
-from tasks.base_model import base_model_task
 from tasks.common import StageResult, cache_options
 from tasks.masks import masks_task
 from tasks.offpolicy import offpolicy_task
-from tasks.regime import regime_task
-from tasks.regimes import regimes_task
+from tasks.regimes import regime_task, regimes_task
 from tasks.report import report_task
 from tasks.rollouts import rollouts_task
 from tasks.scores import scores_task
 from tasks.specs import Plan, Step, plan
 from tasks.stats import stats_task
-from tasks.teacher import teacher_task
 from tasks.tokens import tokens_task
+from tasks.training import base_model_task, teacher_task
 from tasks.trajectory import trajectory_task
 from tasks.update_check import update_check_task
 

@@ -5,7 +5,7 @@ line with nothing written.
 validate alike; ``covgrad run`` also calls it before Prefect starts (``architecture=False``), so bad
 files fail in well under 2 s. The checks themselves live where their layer says: pure checks in
 covgrad (``covgrad.rollouts.inputs``, ``covgrad.rollouts.imports.require_mu_source``, ``covgrad.scores.preflight``),
-file reading in storage (``storage.models``, ``storage.readers``, ``storage.prompts``); the config's own
+file reading in storage (``storage.models``, ``storage.readers``, ``storage.stores.prompts``); the config's own
 validators ran when it was built.
 """
 
@@ -26,8 +26,8 @@ from covgrad.rollouts import (
     require_mu_source,
 )
 from storage.models import check_model_dir
-from storage.prompts import load_task, prompt_lengths, prompt_places
 from storage.readers import read_located_records, unrewarded
+from storage.stores.prompts import load_task, prompt_lengths, prompt_places
 
 
 def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
@@ -52,8 +52,8 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
         if s.mu_model is not None:
             check_model_dir(s.mu_model, f"rollouts.samplers.{name}.mu_model")
     check_unrewarded(cfg, unrewarded(cfg))
-    if cfg.regimes:  # storage.regimes imports torch (its store layout): only when there are regimes
-        from storage.regimes import check_regime_inputs
+    if cfg.regimes:  # storage.stores.regimes imports torch (its store layout): only when there are regimes
+        from storage.stores.regimes import check_regime_inputs
 
         check_regime_inputs(cfg)
     problems, _ = load_task(cfg.task)

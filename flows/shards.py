@@ -1,7 +1,7 @@
 """Sharded score extraction: one ``scores`` artifact computed by the workers of a dask.distributed cluster.
 
 The artifact's partition is ``scores.shards`` = S sample shards × K parameter blocks (layout in
-``storage/scores.py``); job (i, k) folds the batches b with b % S == i into block k's columns, with hooks on
+``storage/stores/scores.py``); job (i, k) folds the batches b with b % S == i into block k's columns, with hooks on
 that block's tensors only, and owns its checkpoints and state chunks, so jobs never write the same chunk.
 Where the jobs run is not part of the artifact: S × K jobs on any number of workers, or one after another
 in one process (the pipeline's ``scores`` task), write the same bytes.

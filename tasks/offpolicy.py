@@ -41,9 +41,9 @@ from covgrad.tables import to_csv, to_markdown
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.identity import sampler_weights
 from storage.models import load_models
-from storage.rollouts import mu_known, require_mu
 from storage.schema import OFFPOLICY as STORE
 from storage.schema import OFFPOLICY_TABLE, OFFPOLICY_VARS, ROLLOUTS, STATS, param_chunk, write
+from storage.stores.rollouts import mu_known, require_mu
 from tasks.common import StageResult, run_stage
 from tasks.specs import Instance, OffPolicySpec, PolicySpec
 

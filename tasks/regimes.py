@@ -1,6 +1,17 @@
-"""regimes stage: per regime G, its bound, ρ, violations, cross-fit and overlap, and the cross-regime comparison.
+"""The regime stages: each regime's fold (regime) and their statistics (regimes).
 
-Reads every ``regime.<name>`` fold (:mod:`tasks.regime`) and the main scores' state: per regime G, se,
+regime stage: one analysed post-training objective's per-sample gradients folded into moment state
+(:class:`tasks.jobs.regime_fold.RegimeJob`: the regime's g_n through the scores machinery into a scores-layout
+store, with its bound scalars). Their statistics: :mod:`tasks.regimes`.
+
+The folds of one pass group (``tasks.specs.regime_pass_group``: the regimes over the same sampler's rollouts)
+share one pass: the first of them to run also folds every other one whose artifact is incomplete and that no
+other run is writing, and writes its completion marker (``pass_of`` names the fold that ran the pass). A
+complete artifact is never recomputed, so a changed regime recomputes only its own fold.
+
+regimes stage: per regime G, its bound, ρ, violations, cross-fit and overlap, and the cross-regime comparison.
+
+Reads every ``regime.<name>`` fold (:mod:`tasks.regimes`) and the main scores' state: per regime G, se,
 the bound a·√F with the policy's F, ρ, violations against a sampling allowance, the cross-fit, overlap
 with top-q F (both random baselines), each tensor's share of the top sets, and the cross-regime comparison
 (pairwise top-q overlap of |G|, cosines). Store ``regimes.zarr`` (storage/schema.py), tables
@@ -10,6 +21,7 @@ with top-q F (both random baselines), each tensor's share of the top sets, and t
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -20,10 +32,39 @@ from covgrad.moments import OVERLAP_Q, TopSets, Values, overlap_table
 from covgrad.regimes import moment_mean_se, regime_block_stats
 from covgrad.tables import to_csv, to_markdown
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.regimes import HEAD_FISHER, bound_a2, head_fisher, regime_gradient, state_rows
 from storage.schema import REGIMES, SCORES, annotate, create, param_chunk
-from tasks.common import StageResult, run_stage
-from tasks.specs import RegimeStatsSpec
+from storage.stores.regimes import HEAD_FISHER, bound_a2, head_fisher, regime_gradient, state_rows
+from tasks.common import StageResult, check_spec, progress_bar, run_stage
+from tasks.jobs.regime_fold import RegimeJob
+from tasks.specs import RegimeSpec, RegimeStatsSpec
+
+
+def _fold_pass(store: ArtifactStore, ref: ArtifactRef, spec: RegimeSpec, upstream: dict[str, ArtifactRef]) -> Any:
+    """Fold ``spec``'s regime and its incomplete pass members in one pass; mark the members complete."""
+    lead = RegimeJob(store, ref, spec, upstream)
+    with ExitStack() as stack:
+        members, claims = [], []
+        for m in spec.pass_with:
+            if store.is_complete(m.ref) or store.busy(m.ref):  # cached, or another run is writing it
+                continue
+            stack.enter_context(store.lock(m.ref))
+            if store.is_complete(m.ref):
+                continue
+            member = RegimeSpec.model_validate(m.spec)
+            check_spec(m.ref, member)
+            claims.append((m.ref, store.begin(m.ref, m.spec, resume=True)))
+            members.append(RegimeJob(store, m.ref, member, m.upstream, lead=lead))
+        infos = lead.run(progress_bar, members)
+        for (r, claim), info in zip(claims, infos[1:], strict=True):
+            store.complete(r, claim, {**(info or {}), "pass_of": spec.name})
+    return infos[0]
+
+
+@task(name="regime")
+def regime_task(ref: ArtifactRef, spec: RegimeSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
+    """The per-sample gradients of regime ``spec.name`` folded into moment state, with its bound scalars (and
+    those of its pass members, in the same pass)."""
+    return run_stage(ref, spec, lambda store, r: _fold_pass(store, r, spec, upstream), resumable=True)
 
 
 def _halves(count: np.ndarray, mean: np.ndarray, m2: np.ndarray, half: np.ndarray) -> list[tuple]:
@@ -40,7 +81,7 @@ def _fisher(g: np.ndarray, se: np.ndarray, n: float) -> np.ndarray:
 
 def _bound_fisher(fold: Any, cols: slice, F: np.ndarray, F_h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The F of a regime's bound on the block ``cols``: the policy's F (and per half F_h), but on an LM head
-    whose token Fisher the fold holds (a full-distribution regime, ``storage.regimes.head_fisher``) that token
+    whose token Fisher the fold holds (a full-distribution regime, ``storage.stores.regimes.head_fisher``) that token
     Fisher at the fold's own rows, with which the bound holds in-sample exactly."""
     found = head_fisher(fold, cols)
     if found is None:

@@ -1,5 +1,5 @@
 """report stage: render the run's report (``covgrad.report``) from every upstream artifact, write its
-files (``storage.reports``) and publish it as Prefect artifacts."""
+files (``storage.stores.reports``) and publish it as Prefect artifacts."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from covgrad.config import PipelineConfig, current_layout
 from covgrad.report import Report, render_report
 from covgrad.report.document import cell
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.reports import RunArtifacts, write_report
+from storage.stores.reports import RunArtifacts, write_report
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import ReportSpec, main_stats
 

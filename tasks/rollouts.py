@@ -37,13 +37,13 @@ from covgrad.rollouts import (
 from covgrad.scores import gradient_error_factor, tail_summary
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done, pending_batches
 from storage.identity import SAMPLER_IDENTITY_ATTR
-from storage.imports import import_rollouts, sampler_source
 from storage.models import load_models
-from storage.prompts import load_task, prompt_places
-from storage.rollouts import create_rollout_arrays, dataset_attrs, write_rollout_rows
 from storage.schema import ROLLOUTS as STORE
 from storage.schema import create
+from storage.stores.prompts import load_task, prompt_places
+from storage.stores.rollouts import create_rollout_arrays, dataset_attrs, write_rollout_rows
 from tasks.common import StageResult, log, progress_bar, run_stage
+from tasks.jobs.rollout_import import import_rollouts, sampler_source
 from tasks.specs import RolloutsSpec
 
 

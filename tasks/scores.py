@@ -2,8 +2,8 @@
 
 The work is ``scores.shards`` = S sample shards × K parameter blocks; job (i, k) folds the batches b with
 b % S == i (:func:`covgrad.scores.fold.fold_batches`) into the columns of block k, with hooks on that block's
-tensors only. The store's layout, checkpoints and readers: :mod:`storage.scores`. With ``scores.ranks`` the model
-is sharded over a rank group (:mod:`storage.scores_ranks`): local processes, or a torchrun group on one or
+tensors only. The store's layout, checkpoints and readers: :mod:`storage.stores.scores`. With ``scores.ranks`` the model
+is sharded over a rank group (:mod:`tasks.jobs.scores_ranks`): local processes, or a torchrun group on one or
 several machines, where machine 0 runs the stage and the others only start their ranks (:func:`scores_task`).
 """
 
@@ -25,13 +25,13 @@ from covgrad.rollouts import RolloutBatch, SamplerSpec, group_batches, require_m
 from covgrad.scores import LogitGrad, PerSampleGrads, SamplerCentering, fold_batches, policy_logit_grad
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.identity import IDENTITY_ATTR
-from storage.imports import sampler_source
 from storage.models import load_models, load_rank_policy
-from storage.rollouts import read_batch, require_mu
 from storage.schema import ROLLOUTS
-from storage.scores import ScoresStore, mu_recorded, read_mu
-from storage.scores_ranks import run_ranks, torchrun_group, wait_for_node0
+from storage.stores.rollouts import read_batch, require_mu
+from storage.stores.scores import ScoresStore, mu_recorded, read_mu
 from tasks.common import StageResult, check_spec, progress_bar, run_stage
+from tasks.jobs.rollout_import import sampler_source
+from tasks.jobs.scores_ranks import run_ranks, torchrun_group, wait_for_node0
 from tasks.specs import ScoresSpec
 
 
@@ -176,7 +176,7 @@ def _compute(
 def _join(ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]) -> StageResult:
     """Machine ``spec.node_rank`` > 0 of a torchrun group: start this machine's ranks, which fold their columns
     into the artifact that node 0 prepares, then wait until node 0 completes it
-    (:func:`storage.scores_ranks.wait_for_node0`)."""
+    (:func:`tasks.jobs.scores_ranks.wait_for_node0`)."""
     check_spec(ref, spec)
     store = ArtifactStore(ref.root)
     if store.is_complete(ref):

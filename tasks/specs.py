@@ -180,7 +180,7 @@ class ScoresSpec(StageSpec):
     checkpoint_batches: int
     checkpoint_seconds: float
     cut_tensors: bool = False  # blocks cut tensors at rows: hashed only when true (uncut keys stay as they were)
-    # the model sharded over ranks (storage.scores_ranks); absent from the dump when in-process
+    # the model sharded over ranks (tasks.jobs.scores_ranks); absent from the dump when in-process
     launcher: Literal["in-process", "local", "torchrun"] = "in-process"
     ranks: int = 1
     # a torchrun group's machines, this machine's index and node 0's rendezvous (absent from the dump unless torchrun)
@@ -263,7 +263,7 @@ class TokensSpec(StageSpec):
     policy: PolicySpec
     device: Device
     self_check: bool
-    # the model sharded over ranks (storage.tokens_ranks, scores.ranks); absent from the dump when in-process
+    # the model sharded over ranks (tasks.jobs.tokens_ranks, scores.ranks); absent from the dump when in-process
     launcher: Literal["in-process", "local", "torchrun"] = "in-process"
     ranks: int = 1
     # a torchrun group's machines, this machine's index and node 0's rendezvous (absent from the dump unless several)
@@ -399,7 +399,7 @@ class TrajectorySpec(StageSpec):
     inputs: dict[str, str] = {}  # content digests of the task files and teacher directories it reads
     regime: RegimeSection | None = None
     data_sampler: str | None = None
-    # the model sharded over the scores stage's local ranks (storage.trajectory_ranks); absent from the dump when
+    # the model sharded over the scores stage's local ranks (tasks.jobs.trajectory_ranks); absent from the dump when
     # in-process
     launcher: Literal["in-process", "local"] = "in-process"
     ranks: int = 1
@@ -732,7 +732,7 @@ def plan_update_check(
 def series_digest(path: str) -> str:
     """The digest of an external run's checkpoint series: its steps and each checkpoint's content digest
     (``"invalid"`` when ``path`` is no series: the stage names the problem)."""
-    from storage.trajectory import checkpoint_series  # torch: imported only for an external run
+    from storage.stores.trajectory import checkpoint_series  # torch: imported only for an external run
 
     try:
         series = checkpoint_series(path)

@@ -25,7 +25,7 @@ from covgrad.moments import BLOCK_OUTPUTS, blocked_stats
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.schema import SCORES, annotate, create, param_chunk, write
 from storage.schema import STATS as STORE
-from storage.scores import load_moments, sample_counts
+from storage.stores.scores import load_moments, sample_counts
 from tasks.common import StageResult, log, run_stage
 from tasks.specs import StatsSpec
 

@@ -2,11 +2,11 @@
 
 Over the first ``tokens.max_samples`` samples of the analysed rollouts, batch by batch, the token-Fisher
 study (:mod:`covgrad.tokens.study`) computes the token Fisher of each mode of ``tokens.modes``, the sequence
-and token scores, and their summary; the store ``tokens.zarr`` (:mod:`storage.tokens`) holds the batch
+and token scores, and their summary; the store ``tokens.zarr`` (:mod:`storage.stores.tokens`) holds the batch
 sums while the stage runs (its resume state) and the per-position arrays, the (param,) estimates and the
 scalars when it ends. Resumable by batch; same config and seed give identical stores. With ``spec.ranks`` > 1
 (``scores.ranks``: the local launcher, or torchrun on one machine) the batches run on that many processes with the
-model sharded over them (:mod:`storage.tokens_ranks`); the artifact is the in-process one. A model on the token
+model sharded over them (:mod:`tasks.jobs.tokens_ranks`); the artifact is the in-process one. A model on the token
 engine's repeated-batch path (:func:`covgrad.tokens.fisher.repeated_batch`: MoE blocks, generic-path parameters)
 runs in this process with a warning, as without ranks.
 """
@@ -28,13 +28,13 @@ from covgrad.tokens import TokenStudy, batch_bounds, output_rows, repeated_batch
 from covgrad.tokens import draws as token_draws
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
-from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS
 from storage.schema import TOKENS as STORE
-from storage.scores_ranks import wait_for_node0
-from storage.tokens import TokensStore, summary_step
-from storage.tokens_ranks import run_ranks
+from storage.stores.rollouts import read_batch
+from storage.stores.tokens import TokensStore, summary_step
 from tasks.common import StageResult, check_spec, log, progress_bar, run_stage
+from tasks.jobs.scores_ranks import wait_for_node0
+from tasks.jobs.tokens_ranks import run_ranks
 from tasks.specs import TokensSpec
 
 
@@ -115,7 +115,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
 def _join(ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> StageResult:
     """Machine ``spec.node_rank`` > 0 of a torchrun group: start this machine's ranks, which run every pending
     batch with node 0's and write their columns into the store node 0 created, then wait until node 0 completes
-    the artifact (:func:`storage.scores_ranks.wait_for_node0`). A model on the repeated-batch path starts no ranks
+    the artifact (:func:`tasks.jobs.scores_ranks.wait_for_node0`). A model on the repeated-batch path starts no ranks
     here: node 0 runs it in its own process."""
     check_spec(ref, spec)
     store = ArtifactStore(ref.root)

@@ -1,12 +1,13 @@
 """trajectory stage: K optimizer steps of one regime from the policy, checked against step-0 predictions.
 
-Stepping, records and predictors: ``covgrad.updates.trajectory``; files: ``storage/trajectory.py``. Loss: rl's REINFORCE
+Stepping, records and predictors: ``covgrad.updates.trajectory``; files: ``storage/stores/trajectory.py``. Loss: rl's
+REINFORCE
 loss or that of the configured regime ``trajectory.regime`` (``StepLoss``). Data: ``"on_policy"`` draws fresh
 samples from the current policy every step (the analysed sampler's settings), rewards them with the task's reward
 and gives them group advantages; ``"fixed"`` steps on minibatches of ``scores.groups_per_batch`` prompt groups of
 fixed rollouts (the analysed ones, or the regime's sampler's; the sft regimes always step on fixed data).
 Predictors: F of the main statistics; G and ρ of the main statistics for rl, of the regime's own otherwise. With
-``scores.ranks`` local ranks the model is sharded over them (``storage/trajectory_ranks.py``), same bytes.
+``scores.ranks`` local ranks the model is sharded over them (``tasks/jobs/trajectory_ranks.py``), same bytes.
 
 Resumable by step: each step's packed changed set and record are written, then its progress mark; every
 ``state_every`` steps (and at the last) the resume state (weights, optimizer and tracker state) is stored, so a
@@ -40,7 +41,7 @@ from storage.identity import check_computed_on
 from storage.models import load_models
 from storage.schema import STATS
 from storage.schema import TRAJECTORY as STORE
-from storage.trajectory import (
+from storage.stores.trajectory import (
     checkpoint_name,
     checkpoint_series,
     create_changed,
@@ -56,8 +57,8 @@ from storage.trajectory import (
     write_step,
     write_summary,
 )
-from storage.trajectory_ranks import run_ranks
 from tasks.common import StageResult, log, progress_bar, run_stage
+from tasks.jobs.trajectory_ranks import run_ranks
 from tasks.specs import TrajectorySpec
 
 
@@ -148,7 +149,7 @@ def _external(
     policy: torch.nn.Module,
 ) -> dict:
     """The trajectory analysis of an external run: the checkpoints of ``trajectory.checkpoints`` in step
-    order (``storage.trajectory.checkpoint_series``), the first of which must be the policy (its main
+    order (``storage.stores.trajectory.checkpoint_series``), the first of which must be the policy (its main
     statistics are the step-0 predictors); row i of the store is the change from checkpoint i − 1 to i,
     ``step`` the trainer's step. Recomputed whole on a rerun (no training state to resume)."""
     s = spec.settings

@@ -42,7 +42,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
-from storage.trajectory import fixed_batches, step_loss
+from storage.stores.trajectory import fixed_batches, step_loss
 from tasks.common import StageResult, log, progress_bar, run_stage
 from tasks.specs import UpdateCheckSpec
 

@@ -24,7 +24,7 @@ Files under ``out_dir``:
 - ``manifest.json``: ``{"checkpoints": [{"step": t, "path": "checkpoints/step_..."}, ...], "rollouts":
   "rollouts.jsonl", "trl_version": ..., "sampling_params": ...}``, rewritten after every checkpoint.
 
-``storage.trajectory.checkpoint_series`` reads the manifest; the rollouts import as any covgrad JSONL
+``storage.stores.trajectory.checkpoint_series`` reads the manifest; the rollouts import as any covgrad JSONL
 (``rollouts.samplers.<name>.import_path``). One process only (no distributed gather of the records).
 """
 

@@ -55,7 +55,7 @@ HEADLINE_NOTES = {
 
 
 class RunSource(Protocol):
-    """Read access to the complete artifacts of one run, by instance name (``storage.reports.RunArtifacts``)."""
+    """Read access to the complete artifacts of one run, by instance name (``storage.stores.reports.RunArtifacts``)."""
 
     refs: dict[str, Any]
     missing: list[str]

@@ -1,7 +1,7 @@
 """Pure checks of a run's inputs, made before any stage: do the prompts fit the policy's context, and is a
 dataset without rewards used only where rewards are not needed.
 
-No file is read here (``storage.prompts`` reads the task, the tokenizer and the model config) and
+No file is read here (``storage.stores.prompts`` reads the task, the tokenizer and the model config) and
 nothing heavy is imported, so the preflight (``flows.preflight``) stays well under 2 s; the rollouts
 stage repeats :func:`check_context` with the loaded tokenizer.
 """

@@ -65,7 +65,7 @@ def test_regime_fold_killed_then_resumed_is_byte_identical(reference, tmp_path, 
             ref = plan(cfg)[name].ref
             shutil.copytree(ref_root / ref.stage / ref.key, root / ref.stage / ref.key)
     with forked.start(
-        forked.seamed_run, str(root), overrides, {INSTANCE}, "storage.scores", kill_at_mark=kill_after
+        forked.seamed_run, str(root), overrides, {INSTANCE}, "storage.stores.scores", kill_at_mark=kill_after
     ) as child:
         assert child.wait() == forked.KILLED, child.output()
     names = [f"regime.{n}" for n in overrides["regimes"]]

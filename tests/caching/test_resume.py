@@ -30,7 +30,7 @@ OVERRIDES = {
 }
 
 # The module whose ``mark_batch_done`` (and, for scores, ``write_state``) a stage's writes go through.
-WRITERS = {"scores": "storage.scores", "rollouts": "tasks.rollouts"}
+WRITERS = {"scores": "storage.stores.scores", "rollouts": "tasks.rollouts"}
 
 STATE_ARRAYS = {"count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as", "shard_batches", "ckpt"}
 

@@ -194,13 +194,16 @@ def test_placement_fields_change_no_artifact_key_below_the_report(bases):
 
 def _stage_tasks() -> dict[str, Any]:
     import importlib
+    import pkgutil
 
     from prefect import Task
 
+    import tasks
+
     out = {}
-    for name in STAGES:  # each stage's task module is named after it
-        module = importlib.import_module(f"tasks.{name}")
-        out |= {f"{name}.{k}": v for k, v in vars(module).items() if isinstance(v, Task)}
+    for info in pkgutil.iter_modules(tasks.__path__):  # the stage modules and the shared ones (they hold no task)
+        module = importlib.import_module(f"tasks.{info.name}")
+        out |= {v.name: v for v in vars(module).values() if isinstance(v, Task)}
     return out
 
 

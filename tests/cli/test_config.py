@@ -30,7 +30,7 @@ from covgrad.rollouts.problems import (
     score_rewards,
 )
 from flows.preflight import preflight
-from storage.prompts import load_task
+from storage.stores.prompts import load_task
 from tests.helpers.pipeline import REPO, tiny_config
 
 
@@ -225,8 +225,8 @@ def test_sft_reaches_band_and_is_bit_identical(tmp_path, tiny_run):
     """The base_model stage on the tiny config: accuracy in the band, stale clearly worse, and the
     same seed gives bit-identical safetensors (a second training against the session's tiny run)."""
     from storage.artifacts import ArtifactStore
-    from tasks.base_model import base_model_task
     from tasks.specs import plan
+    from tasks.training import base_model_task
 
     files = []
     for root in (tiny_run[0], tmp_path / "again"):

@@ -132,7 +132,7 @@ class PauseAfterCheckpoint(WorkerPlugin):
         import os
         import time
 
-        from storage.scores import ScoresStore
+        from storage.stores.scores import ScoresStore
 
         real, flag = ScoresStore.drop_checkpoints, self.flag
         real_restore = ScoresStore.restore

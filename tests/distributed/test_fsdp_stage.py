@@ -1,4 +1,4 @@
-"""The scores stage with the model sharded over ranks (scores.ranks, storage/scores_ranks.py): the placement
+"""The scores stage with the model sharded over ranks (scores.ranks, tasks/jobs/scores_ranks.py): the placement
 fields leave in-process specs and keys as they were; the ranks' columns placed through the store's chunks and
 edge arrays are the merged state; a 2-rank artifact holds the in-process arrays (with aligned rank chunks: to the
 products' rounding, under a key of its own); a SIGKILLed rank is named in one line and the rerun resumes every rank
@@ -20,8 +20,8 @@ from covgrad.moments.accum import MomentAccumulator
 from storage.artifacts import ArtifactStore
 from storage.identity import IDENTITY_ATTR
 from storage.schema import SCORES as SCORES_STORE
-from storage.scores import ScoresStore
-from storage.scores_ranks import RankStore, assemble_edges, final_pieces, prepare_ranks, run_ranks
+from storage.stores.scores import ScoresStore
+from tasks.jobs.scores_ranks import RankStore, assemble_edges, final_pieces, prepare_ranks, run_ranks
 from tasks.specs import plan
 from tests.helpers.fsdp_ranks import SCORES, recording_job
 from tests.helpers.fsdp_ranks import assert_same_arrays as _assert_same_arrays

@@ -1,4 +1,4 @@
-"""The tokens stage with the model sharded over ranks (scores.ranks, storage/tokens_ranks.py): 2 gloo ranks (local
+"""The tokens stage with the model sharded over ranks (scores.ranks, tasks/jobs/tokens_ranks.py): 2 gloo ranks (local
 processes or a torchrun group) give the in-process artifact's key and arrays, bit for bit, for tied and untied
 embeddings; ranks are placement (no key changes, in-process dumps as before); the ranks' columns written through
 their own and shared chunks make up the whole batch sums; a model that needs the repeated-batch path is recognised
@@ -20,7 +20,7 @@ from covgrad.tokens.fisher import TokenBackward, repeated_batch
 from storage.artifacts import ArtifactStore
 from storage.schema import TOKENS as STORE
 from storage.schema import create, param_chunk
-from storage.tokens_ranks import RankRows
+from tasks.jobs.tokens_ranks import RankRows
 from tasks.specs import plan
 from tasks.tokens import tokens_task
 from tests.helpers.families import FAMILIES

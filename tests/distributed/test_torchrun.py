@@ -1,6 +1,6 @@
 """The scores stage on a torchrun group (scores.launcher: torchrun; covgrad.distributed.fsdp.launch_torchrun, the ranks
 running
-``storage.rank_main``): the real torchrun (``python -m torch.distributed.run``) and real gloo ranks, no mocks.
+``tasks.jobs.rank_main``): the real torchrun (``python -m torch.distributed.run``) and real gloo ranks, no mocks.
 
 Two "machines" on this host (two torchrun processes of one rank each, meeting at a c10d rendezvous on 127.0.0.1)
 give the in-process arrays, node 1 only folding; a rank that raises is named in one line; the config refuses
@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from covgrad.config import ScoresSection
 from covgrad.distributed.fsdp import RankFailedError, Torchrun, launch_torchrun
 from storage.artifacts import ArtifactStore
-from storage.scores_ranks import RANK_ENTRY
+from tasks.jobs.scores_ranks import RANK_ENTRY
 from tasks.scores import scores_task
 from tasks.specs import plan
 from tests.helpers.fsdp_ranks import SCORES, run_two_machines

@@ -1,4 +1,4 @@
-"""The trajectory stage with the model sharded over 2 gloo ranks (scores.ranks=2, storage/trajectory_ranks.py) on the
+"""The trajectory stage with the model sharded over 2 gloo ranks (scores.ranks=2, tasks/jobs/trajectory_ranks.py) on the
 tiny pipeline: the same key and the same bytes as in-process (records, changed sets, per-step arrays, checkpoints),
 on-policy sampling from the sharded model included; a rank SIGKILLed mid-run is named in one line and the rerun
 resumes every rank from the newest state all of them hold, to the same bytes."""
@@ -58,7 +58,7 @@ def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_bytes(runs, tm
     root = tmp_path / "root"
     shutil.copytree(ranks, root, ignore=shutil.ignore_patterns("trajectory"))
     log = tmp_path / "resumed.log"
-    rank_main = "storage.trajectory_ranks.trajectory_rank"
+    rank_main = "tasks.jobs.trajectory_ranks.trajectory_rank"
     monkeypatch.setattr(rank_main, partial(killing_trajectory_rank, log=str(log), kill=(1, 4)))
     cfg = tiny_config(str(root), **OVERRIDES, **RANKS)
     with pytest.raises(RankFailedError) as info:

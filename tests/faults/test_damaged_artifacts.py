@@ -243,7 +243,7 @@ def test_one_sample_is_a_finding_that_every_stage_records(user_model, tmp_path, 
     from flows.cli import main
     from flows.watch import finding
     from storage.artifacts import ArtifactStore
-    from storage.masks import load_masks
+    from storage.stores.masks import load_masks
     from tasks.specs import plan
     from tests.helpers.user import user_config
 

@@ -196,7 +196,7 @@ def test_full_disk_writing_scores_state_names_the_array(monkeypatch, tmp_path):
     import zarr
     from zarr.storage import LocalStore
 
-    from storage.scores import write_state
+    from storage.stores.scores import write_state
 
     group = zarr.open_group(LocalStore(str(tmp_path / "scores.zarr")), mode="w")
     array = group.create_array("mean_s", shape=(2, 4), dtype="f4")
@@ -218,7 +218,7 @@ def test_full_disk_in_the_row_writer_thread_names_the_array(monkeypatch, tmp_pat
     import zarr
     from zarr.storage import LocalStore
 
-    from storage.scores import RowWriter
+    from storage.stores.scores import RowWriter
 
     group = zarr.open_group(LocalStore(str(tmp_path / "scores.zarr")), mode="w")
     array = group.create_array("scores", shape=(4, 3), dtype="f4")

@@ -22,7 +22,7 @@ NEVER = {
     "storage": ("tasks", "flows"),
     "tasks": ("flows",),
 }
-SHARED_TASK_MODULES = ("tasks.common", "tasks.specs")
+SHARED_TASK_MODULES = ("tasks.common", "tasks.specs", "tasks.jobs")
 
 
 def imports(root: Path) -> dict[str, set[str]]:

@@ -16,9 +16,9 @@ from covgrad.layout import ParamLayout
 from covgrad.rollouts.problems import addition_reward
 from covgrad.updates.diff import diff_state_dicts
 from storage.checkpoints import load_state_dict
-from storage.prompts import load_task
 from storage.schema import ROLLOUTS, TRAJECTORY
-from storage.trajectory import checkpoint_series
+from storage.stores.prompts import load_task
+from storage.stores.trajectory import checkpoint_series
 from tasks.specs import plan
 from tests.helpers.pipeline import run_planned, tiny_config
 

@@ -42,7 +42,7 @@ PRELOAD = [
     "covgrad.config",
     "tasks.specs",
     "flows.pipeline",
-    "storage.scores",
+    "storage.stores.scores",
     "tasks.rollouts",
     "tasks.trajectory",
     "covgrad.report.plots",
@@ -231,7 +231,7 @@ def seamed_run(
 def paused_chain(root: str, ready: str, go: str) -> dict[str, str]:
     """The tiny chain on ``root``, paused in its first scores state write: writes its pid to ``ready`` and
     waits (up to 300 s) for ``go`` to exist; instance → computed/cached."""
-    import storage.scores as scores
+    import storage.stores.scores as scores
 
     real = scores.write_state
 

@@ -85,7 +85,7 @@ def run_two_machines(task: Callable, node0: Any, node1: Any, store: ArtifactStor
 
 
 def killing_trajectory_rank(root: str, ref, spec, up, log: str, kill: tuple[int, int] | None) -> None:
-    """``storage.trajectory_ranks.trajectory_rank`` that appends "rank step" to ``log`` where a rank resumes and,
+    """``tasks.jobs.trajectory_ranks.trajectory_rank`` that appends "rank step" to ``log`` where a rank resumes and,
     with ``kill`` = (rank, t), SIGKILLs that rank once every rank holds its state of step t (after the barrier
     that follows the ranks' state writes)."""
     from storage import trajectory_ranks

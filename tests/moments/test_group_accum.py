@@ -158,7 +158,7 @@ def test_the_clustered_allowance_keeps_its_level_where_the_independent_one_does_
 def test_a_half_with_one_prompt_group_has_no_standard_error():
     """regime_gradient of a fold whose half 0 holds one group: G of every half, C = (3, 1, 2), and no standard
     error (NaN) where fewer than 2 groups are (so the regimes table reports no allowance count there)."""
-    from storage.regimes import regime_gradient
+    from storage.stores.regimes import regime_gradient
 
     group = np.repeat([100, 101, 103], 4)  # one group in half 0, two in half 1
     S = np.random.default_rng(2).standard_normal((12, 257)).astype(np.float32)

@@ -16,8 +16,8 @@ import torch
 from flows.preflight import preflight
 from storage.artifacts import ArtifactStore
 from storage.models import load_models
-from storage.prompts import load_task
 from storage.schema import REGIMES, ROLLOUTS
+from storage.stores.prompts import load_task
 from tasks.offpolicy import policy_logp_of
 from tasks.specs import plan
 from tests.helpers.pipeline import run_planned, tiny_config

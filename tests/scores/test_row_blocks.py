@@ -19,7 +19,7 @@ from covgrad.distributed.shardplan import ModelShape, Workload, make_plan
 from covgrad.layout import ParamLayout, TensorEntry, select_parameters, split_blocks
 from covgrad.scores.persample import PerSampleGrads
 from storage.artifacts import ArtifactStore
-from storage.scores import load_moments
+from storage.stores.scores import load_moments
 from tasks.specs import plan
 from tests.helpers.families import FAMILIES, build
 from tests.helpers.moments import assert_close, fused

@@ -11,8 +11,8 @@ import torch
 
 from storage.artifacts import ArtifactStore
 from storage.models import load_model_and_tokenizer, load_models
-from storage.regimes import regime_gradient, teacher_prompt_texts
 from storage.schema import ROLLOUTS, SCORES
+from storage.stores.regimes import regime_gradient, teacher_prompt_texts
 from tests.helpers.pipeline import NO_OPTIONAL, run_planned, tiny_config
 
 TEMPLATE = "{answer}={prompt}"
@@ -84,7 +84,7 @@ def test_context_distillation_fold_is_the_naive_loop_with_the_prefixed_teacher(r
 
 @pytest.mark.slow
 def test_sft_on_the_trained_teachers_samples_is_the_naive_loop(run):
-    from storage.regime_fold import RegimeJob
+    from tasks.jobs.regime_fold import RegimeJob
 
     cfg, results = run
     store = ArtifactStore(cfg.root)

@@ -12,9 +12,9 @@ from covgrad.layout import select_parameters
 from covgrad.rollouts.batch import group_batches
 from storage.artifacts import ArtifactStore
 from storage.models import load_models
-from storage.regimes import bound_a2, regime_gradient
-from storage.rollouts import read_batch
 from storage.schema import REGIMES, ROLLOUTS, SCORES
+from storage.stores.regimes import bound_a2, regime_gradient
+from storage.stores.rollouts import read_batch
 from tests.helpers.pipeline import NO_OPTIONAL, run_planned, tiny_config
 
 REGIME_CFG = {

@@ -138,7 +138,7 @@ def test_kl_sampler_policy_against_numpy():
 def test_row_writer_writes_every_batch_in_the_background_and_reports_failures(tmp_path):
     import zarr
 
-    from storage.scores import RowWriter
+    from storage.stores.scores import RowWriter
 
     arr = zarr.open_group(str(tmp_path / "g.zarr"), mode="w").create_array(
         "scores", shape=(10, 7), chunks=(4, 7), dtype="float32"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import zarr
 
-import storage.tokens
+import storage.stores.tokens
 import tasks.tokens
 from covgrad.layout import select_parameters
 from covgrad.scores.persample import PerSampleGrads, score_logit_grad
@@ -115,7 +115,7 @@ def test_topk_with_k_equal_v_is_exact_and_resume_is_identical(run, monkeypatch):
             raise RuntimeError("killed")
         mark_batch_done(group, b)
 
-    monkeypatch.setattr(storage.tokens, "mark_batch_done", killed_at_batch_2)
+    monkeypatch.setattr(storage.stores.tokens, "mark_batch_done", killed_at_batch_2)
     with pytest.raises(RuntimeError, match="killed"):
         run_upto(cfg_v, "tokens")
     assert not store.is_complete(ref)

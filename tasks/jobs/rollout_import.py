@@ -24,10 +24,10 @@ from covgrad.scores import sampled_token_logp
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.models import ModelSource, load_models
 from storage.readers import read_located_records
-from storage.regimes import create_imported_token_arrays
-from storage.rollouts import create_rollout_arrays, write_rollout_rows
 from storage.schema import ROLLOUTS as STORE
 from storage.schema import create
+from storage.stores.regimes import create_imported_token_arrays
+from storage.stores.rollouts import create_rollout_arrays, write_rollout_rows
 
 
 def sampler_source(policy: ModelSource, s: SamplerSection) -> ModelSource:

@@ -3,14 +3,14 @@
 ``regime.<name>`` folds the regime's g_n through the scores machinery (:class:`covgrad.regimes.objectives.RegimeGrad` as
 the logit-gradient function), each prompt group's sum S_c as one row whose advantage is the group's size
 (:class:`covgrad.moments.accum.GroupAccumulator`: G and its prompt-clustered standard error), into a
-:class:`storage.scores.ScoresStore` (the same layout, checkpoints and resume as a scores artifact, one job,
+:class:`storage.stores.scores.ScoresStore` (the same layout, checkpoints and resume as a scores artifact, one job,
 moment state only); plus each batch's bound scalars per half
-(:mod:`storage.regimes`), written before its checkpoint. The teacher and the reference run one forward on
+(:mod:`storage.stores.regimes`), written before its checkpoint. The teacher and the reference run one forward on
 the same padded batch; a teacher with a ``teacher_prompt`` (context distillation) runs on its own prompts
 followed by the same response tokens (:func:`covgrad.regimes.objectives.prefixed_batch`), its logits moved back to the
 policy's positions. With ``responses: teacher`` the responses are the teacher's own samples, drawn once per
 run (seeded like the sampler's rollouts) and scored after the policy's prompts. Their statistics:
-:mod:`tasks.regimes`; the stage: :mod:`tasks.regime`.
+:mod:`tasks.regimes`; the stage: :mod:`tasks.regimes`.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from covgrad.scores import Cotangent, PerSampleGrads
 from covgrad.tokens import head_forward
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_model_and_tokenizer, load_models
-from storage.prompts import load_task, prompt_places
-from storage.regimes import IMPORTED, create_bound_arrays, teacher_prompt_texts, write_bound, write_head_fisher
-from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS
-from storage.scores import ScoresStore
+from storage.stores.prompts import load_task, prompt_places
+from storage.stores.regimes import IMPORTED, create_bound_arrays, teacher_prompt_texts, write_bound, write_head_fisher
+from storage.stores.rollouts import read_batch
+from storage.stores.scores import ScoresStore
 
 
 class RegimeJob:
@@ -279,7 +279,7 @@ class RegimeJob:
 
     def _head_fisher(self) -> None:
         """The LM head's token Fisher at this fold's rows (one policy forward per batch), summed per half into
-        the store (``storage.regimes.write_head_fisher``), when the head is selected and in closed form."""
+        the store (``storage.stores.regimes.write_head_fisher``), when the head is selected and in closed form."""
         sums, counts, found = None, np.zeros(2), None
         for b in range(len(self.batches)):
             batch, dev = self._read(b), self.device

@@ -39,11 +39,11 @@ from covgrad.updates import (
 )
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import ModelSource, load_model_and_tokenizer, load_models
-from storage.prompts import load_task
-from storage.regimes import IMPORTED
-from storage.rollouts import read_batch
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, create, write
 from storage.schema import TRAJECTORY as STORE
+from storage.stores.prompts import load_task
+from storage.stores.regimes import IMPORTED
+from storage.stores.rollouts import read_batch
 
 STATE_DIR = "state"
 RECORDS_DIR = "records"

@@ -1,9 +1,9 @@
 """A trajectory artifact stepped by R ranks with the model sharded over them (:mod:`covgrad.distributed.stepper`), into
-the one trajectory store of :mod:`storage.trajectory`.
+the one trajectory store of :mod:`storage.stores.trajectory`.
 
 Every rank loads the start policy (its weights on rank 0 only, the others on the meta device), shards it, the
 reference and the regime's teacher, and steps every step's rows with the others; each tracks its own shard's
-columns and gets the whole layout's record. What the ranks write (files as in :mod:`storage.trajectory`):
+columns and gets the whole layout's record. What the ranks write (files as in :mod:`storage.stores.trajectory`):
 
 - rank 0: each step's record, its changed set (gathered from every rank's columns), the Hugging Face checkpoints
   (gathered whole onto rank 0) and the step's progress mark, in that order;
@@ -48,7 +48,7 @@ from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_
 from storage.models import load_models, load_rank_policy
 from storage.schema import STATS
 from storage.schema import TRAJECTORY as STORE
-from storage.trajectory import (
+from storage.stores.trajectory import (
     checkpoint_name,
     create_changed,
     drop_older_states,

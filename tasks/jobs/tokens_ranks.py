@@ -1,13 +1,13 @@
 """A tokens artifact computed by R ranks with the model sharded over them (:mod:`covgrad.distributed.fsdp`), through
 the one
-tokens store of :mod:`storage.tokens`.
+tokens store of :mod:`storage.stores.tokens`.
 
 Every rank runs every batch of the study (:meth:`covgrad.tokens.study.TokenStudy.build_sharded`): the forward and
 the backward passes are collective (FSDP2 all-gathers each layer), the per-sample blocks are formed whole from the
 all-gathered layers, and each (param,) batch sum is kept only at the rank's columns
 (:class:`covgrad.distributed.fsdp.RankColumns`: dim-0 rows of every selected tensor). What the ranks write into the
 store
-(dims as in :mod:`storage.tokens`):
+(dims as in :mod:`storage.stores.tokens`):
 
 - ``rows_{name}`` (batch, param): each rank its columns. The chunks inside a rank's runs are written by that rank
   alone; a chunk that two ranks share is written by one rank after another (a barrier between), so no two
@@ -35,12 +35,12 @@ from covgrad.heap import release_free_memory
 from covgrad.tokens import TokenStudy, batch_bounds
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_rank_policy
-from storage.rollouts import read_batch
 from storage.schema import ROLLOUTS, param_chunk
 from storage.schema import TOKENS as STORE
-from storage.scores import column_split
-from storage.scores_ranks import RANK_ENTRY, runs, torchrun_group
-from storage.tokens import TokensStore
+from storage.stores.rollouts import read_batch
+from storage.stores.scores import column_split
+from storage.stores.tokens import TokensStore
+from tasks.jobs.scores_ranks import RANK_ENTRY, runs, torchrun_group
 
 
 class RankRows:
@@ -105,7 +105,7 @@ def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef
 def run_ranks(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> None:
     """Run the pending batches of a tokens artifact on ``spec.ranks`` processes (:func:`study_rank` in each; node
     0 has created the store): local gloo processes of this machine (``spec.launcher`` local), or this machine's
-    ranks of a torchrun group of ``spec.nnodes`` machines (:func:`storage.scores_ranks.torchrun_group`: nccl
+    ranks of a torchrun group of ``spec.nnodes`` machines (:func:`tasks.jobs.scores_ranks.torchrun_group`: nccl
     ranks, one CUDA device each, when ``spec.device`` is CUDA, else gloo). The other machines' ranks pass the
     rendezvous once node 0's have joined, which node 0 starts after creating the store.
 

@@ -1,13 +1,13 @@
 """A scores artifact folded by R ranks with the model sharded over them (:mod:`covgrad.distributed.fsdp`), through the
 one
-scores store of :mod:`storage.scores`.
+scores store of :mod:`storage.stores.scores`.
 
 Each rank folds every batch of a sample shard into the columns of its FSDP shard
 (:class:`covgrad.distributed.fsdp.RankColumns`:
 dim-0 rows of every selected tensor, one run of columns each) and writes them into the same arrays as an
 in-process run, so the artifact is the in-process artifact whatever R is. The ranks are local processes or a
 torchrun group on one or several machines (:func:`run_ranks`). What the store adds while ranks run
-(dims as in :mod:`storage.scores`):
+(dims as in :mod:`storage.stores.scores`):
 
 - ``ckpt/shard{i}/rank{r}/n{c}/``: rank r's checkpoint of sample shard i after c batches: ``count, mean_a, m2_a
   (row,)`` and the state ``(row, param)`` of its P_r columns, ``batches`` = c written last. The ranks fold every
@@ -52,7 +52,7 @@ from covgrad.scores import LogitGrad, PerSampleGrads, fold_batches
 from storage.artifacts import ArtifactRef, ArtifactStore, mark_batch_done
 from storage.schema import SCORES as STORE
 from storage.schema import write
-from storage.scores import SCALARS, RowWriter, ScoresStore, column_split, write_state
+from storage.stores.scores import SCALARS, RowWriter, ScoresStore, column_split, write_state
 
 
 class Job(Protocol):
@@ -327,7 +327,7 @@ def _rank_main(make_job: Callable[..., Job], args: tuple) -> None:
 
 
 # The module every torchrun rank runs (it calls covgrad.distributed.fsdp.torchrun_rank on the launch's payload).
-RANK_ENTRY = "storage.rank_main"
+RANK_ENTRY = "tasks.jobs.rank_main"
 
 
 def run_ranks(

@@ -1,6 +1,6 @@
 """The regime stores: a regime fold's bound scalars beside its scores-layout state, and the regimes store.
 
-A regime fold (``regime/<key>/scores.zarr``) is a :class:`storage.scores.ScoresStore` of the regime's g_n
+A regime fold (``regime/<key>/scores.zarr``) is a :class:`storage.stores.scores.ScoresStore` of the regime's g_n
 (``mean_s`` = mean g per row, ``advantage`` = 0) plus ``bound_sum, bound_count (batch, half)``: each batch's
 Σ of the bound scalar c²_n and its samples, per prompt-group parity, written before the batch's
 checkpoint (a resumed run rewrites the batches it refolds with the same numbers). The regimes store
@@ -129,7 +129,7 @@ def check_teacher_prompts(cfg: Any, name: str, r: Any) -> None:
     record (``file:line`` of the first that lacks a field), and every teacher prompt with the sampler's
     ``max_new_tokens`` fits the teacher's context (counted with its ``tokenizer.json`` when it has one)."""
     from covgrad.rollouts import Problem, check_context
-    from storage.prompts import prompt_lengths, prompt_places
+    from storage.stores.prompts import prompt_lengths, prompt_places
 
     what = f"regimes.{name}.teacher_prompt"
     texts = teacher_prompt_texts(r.teacher_prompt, cfg.task, what)
@@ -197,8 +197,8 @@ def check_regime_inputs(cfg: Any) -> None:
 def task_records(t: Any) -> list[dict[str, Any]]:
     """The records of task section ``t`` whose fields a teacher-prompt template reads: ``prompt`` and ``answer``
     of the built-in task, every field of a JSONL task's lines (the first ``n_prompts``)."""
-    from storage.prompts import load_task
     from storage.readers import read_prompt_file
+    from storage.stores.prompts import load_task
 
     if t.kind == "jsonl":
         return read_prompt_file(t.path)[: t.n_prompts]
@@ -210,7 +210,7 @@ def teacher_prompt_texts(template: str, t: Any, what: str) -> list[str]:
     (:func:`covgrad.regimes.objectives.fill_template`); ValueError naming ``what`` and the record's ``file:line`` when a
     record lacks a field the template names."""
     from covgrad.config import fill_template
-    from storage.prompts import prompt_places
+    from storage.stores.prompts import prompt_places
 
     records = task_records(t)
     where = prompt_places(t, len(records))

@@ -1,6 +1,6 @@
 """The module each rank of a torchrun group runs (``scores.launcher: torchrun``):
-``python -m torch.distributed.run <options> -m storage.rank_main PAYLOAD``, PAYLOAD being the file that
-:func:`covgrad.distributed.fsdp.launch_torchrun` wrote (for the scores stage: ``storage.scores_ranks``' per-rank body
+``python -m torch.distributed.run <options> -m tasks.jobs.rank_main PAYLOAD``, PAYLOAD being the file that
+:func:`covgrad.distributed.fsdp.launch_torchrun` wrote (for the scores stage: ``tasks.jobs.scores_ranks``' per-rank body
 and
 the job's arguments). The rank's exception is recorded by :func:`covgrad.distributed.fsdp.torchrun_rank` (written under
 a
