@@ -114,7 +114,7 @@ def sample_uniforms(seed: int, prompt_id: int, sample: int, num_steps: int) -> T
     Returns:
         shape (T,) float64 in [0, 1); entry j drives response step j.
     """
-    digest = hashlib.sha256(f"covgrad.rollouts.sampling:{seed}:{prompt_id}:{sample}".encode()).digest()
+    digest = hashlib.sha256(f"covgrad.sampling:{seed}:{prompt_id}:{sample}".encode()).digest()
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     return torch.rand(num_steps, generator=gen, dtype=torch.float64)

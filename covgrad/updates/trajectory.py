@@ -459,7 +459,7 @@ class FixedBatches:
 
 def step_seed(seed: int, step: int) -> int:
     """The sampler seed of step ``step``: 63 bits of sha256 of (seed, step)."""
-    digest = hashlib.sha256(f"covgrad.updates.trajectory:{seed}:{step}".encode()).digest()
+    digest = hashlib.sha256(f"covgrad.trajectory:{seed}:{step}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
