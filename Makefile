@@ -6,9 +6,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.covgrad-installed
 # A CPU build of torch, installed only when the venv has no torch (pyproject does not pin it).
 TORCH_SPEC ?= torch==2.13.0
-export HF_HUB_OFFLINE := 1
-export PREFECT_SERVER_ANALYTICS_ENABLED := false
-export DO_NOT_TRACK := 1
+# No offline settings here: the Python entry points set the offline environment themselves before Hugging Face
+# or Prefect loads (covgrad.offline: `covgrad run`, the tests' conftest, the benchmarks), and the Prefect scripts
+# source scripts/env.sh.
 
 .PHONY: install demo test test-fast lint bench server deploy worker clean
 

@@ -13,11 +13,9 @@ import os
 import tempfile
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from covgrad.offline import OFFLINE_ENV
+
+os.environ.update({**OFFLINE_ENV, **os.environ})  # the offline environment (unset values) before transformers loads
 
 import torch
 

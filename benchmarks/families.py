@@ -30,7 +30,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from covgrad.offline import OFFLINE_ENV
+
+os.environ.update({**OFFLINE_ENV, **os.environ})  # the offline environment (unset values) before transformers loads
 
 import numpy as np
 import torch
@@ -193,7 +195,7 @@ def run_arch(args: argparse.Namespace) -> None:
                 print(f"  fold: {acc.fold_path}")
             timer = _Timer(clock)
             acc.fold = timer.wrap("fold", acc.fold)
-            psg._run_rule = timer.wrap("rules", psg._run_rule)
+            psg._blocks.run_rule = timer.wrap("rules", psg._blocks.run_rule)
             runs.append((label, layout.P, n_generic, psg, acc, timer, [], [], []))
         batched_backward(model, ids, attn, pos, target)
         for _ in range(args.reps):

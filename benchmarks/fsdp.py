@@ -33,7 +33,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from covgrad.offline import OFFLINE_ENV
+
+os.environ.update({**OFFLINE_ENV, **os.environ})  # the offline environment (unset values) before transformers loads
 
 import numpy as np
 import torch

@@ -41,7 +41,9 @@ import pstats
 import statistics
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from covgrad.offline import OFFLINE_ENV
+
+os.environ.update({**OFFLINE_ENV, **os.environ})  # the offline environment (unset values) before transformers loads
 
 import numpy as np
 import torch

@@ -37,7 +37,9 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from covgrad.offline import OFFLINE_ENV
+
+os.environ.update({**OFFLINE_ENV, **os.environ})  # the offline environment (unset values) before transformers loads
 
 import numpy as np
 import torch

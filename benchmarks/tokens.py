@@ -31,7 +31,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from covgrad.offline import OFFLINE_ENV
+
+os.environ.update({**OFFLINE_ENV, **os.environ})  # the offline environment (unset values) before transformers loads
 
 from functools import partial
 

@@ -25,13 +25,16 @@ from pydantic import (
 
 from covgrad.choices import (  # the schema's choices and the defaults engines share, without pydantic
     MU_UNKNOWN_FORMATS,
+    TEACHER_KINDS,
     TOKENS_EXACT_BUDGET,
     TOKENS_ROW_BYTES,
     Advantage,
     Blocks,
     Device,
     Dtype,
+    LengthNorm,
     MuStore,
+    RegimeKind,
     StateDtype,
     TokenMode,
 )
@@ -503,7 +506,20 @@ class TrajectorySection(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/AdamW betas")
     weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay; SGD and Adam take none")
     warmup: int = Field(0, ge=0, description="steps of linear learning-rate warmup")
-    precision: Literal["bf16", "fp32_master", "fp32"] = Field("bf16", description="weight precision")
+    schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="learning rate after the warmup: constant, or cosine decay to 0 at the last step"
+    )
+    max_grad_norm: float | None = Field(
+        None, gt=0, description="clip the gradient's global L2 norm to this before each step; unset: no clipping"
+    )
+    minibatches: int = Field(
+        1, ge=1, description="gradient accumulation: each step's rows in this many equal minibatches, one backward each"
+    )
+    precision: Literal["bf16", "fp32_master", "fp32"] = Field(
+        "bf16",
+        description="bf16: weights and optimizer in bf16; fp32_master: float32 master weights and optimizer state, "
+        "forward/backward on a bf16 copy re-rounded after each step; fp32: everything float32",
+    )
     prompts_per_step: int = Field(8, ge=1, description="on_policy: prompts per step (group_size samples each)")
     checkpoint_ratio: float = Field(
         2.0, ge=0, description="Hugging Face checkpoints at steps floor(r**i) and the last; 0: none"
@@ -592,12 +608,6 @@ def fill_template(template: str, record: Mapping[str, Any]) -> str:
     return template.format_map({k: str(v) for k, v in record.items()})
 
 
-RegimeKind = Literal[
-    "rl", "rl_token", "distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift", "sft_sampled"
-]  # covgrad.regimes.objectives.REGIMES
-TEACHER_KINDS = ("distill_sampled", "distill_reverse_kl", "distill_forward_kl", "sft_drift")
-
-
 class TeacherTraining(Section):
     """The demo's trained teacher: the policy trained on by SFT (AdamW) until its sampled accuracy reaches
     ``accuracy``; the defaults reach 0.85 from the demo policy in about 600 steps (docs/regimes.md)."""
@@ -612,14 +622,14 @@ class TeacherTraining(Section):
 class RegimeSection(Section):
     """One analysed post-training objective (docs/regimes.md), folded over the rollouts of ``sampler``.
 
-    Its options mirror ``covgrad.regimes.objectives.Regime``. ``teacher``: the model whose logits are q (distill) or
+    Its options mirror ``covgrad.regimes.cotangents.Regime``. ``teacher``: the model whose logits are q (distill) or
     μ (sft_drift): ``stale`` (the demo's stale checkpoint), ``policy`` or a model directory;
     ``reference``: the KL-penalty reference of ``rl_token``; ``advantages``: ``sequence`` (the rollouts'
     A, broadcast over tokens), ``imported`` (the per-token ``advantages`` field of imported rollouts) or
     ``none`` (KL penalty only); ``teacher_logprobs``: distill_sampled reads the imported per-token
     ``teacher_logprobs`` field instead of a teacher model."""
 
-    kind: RegimeKind = Field("rl", description="the objective: one of covgrad.regimes.objectives.REGIMES")
+    kind: RegimeKind = Field("rl", description="the objective: one of covgrad.choices.REGIME_KINDS")
     sampler: str | None = Field(
         None,
         description="whose rollouts (sft: the responses, e.g. a format: responses dataset); unset: rollouts.analyse",
@@ -636,7 +646,7 @@ class RegimeSection(Section):
     teacher_temperature: float = Field(1.0, gt=0.0, description="τ_q of the teacher's logits")
     kl_beta: float = Field(0.0, ge=0.0, description="rl_token: β of the KL penalty to the reference")
     kl_reward_to_go: bool = Field(False, description="rl_token: sum the KL penalties to the end of the response")
-    length_norm: Literal["none", "response_length", "constant"] = Field(
+    length_norm: LengthNorm = Field(
         "none", description="rl_token: GRPO length normalisation of the per-token advantages"
     )
     max_length: int | None = Field(None, ge=1, description="length_norm=constant: the constant")

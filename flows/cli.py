@@ -17,22 +17,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from covgrad.offline import offline_env
+
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-
-
-def offline_env() -> None:
-    """Prefect settings for machines without internet; set before prefect is imported."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
-    os.environ.setdefault("PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also transformers' "Loading weights" bars
-    # The temporary server `covgrad run` starts without PREFECT_API_URL needs far more than the default
-    # 20 s on a loaded machine.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
 
 
 def quiet_prefect() -> None:

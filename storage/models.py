@@ -129,6 +129,45 @@ def load_models(
     return load_model_and_tokenizer(which, dtype, trust, meta)
 
 
+def vocab_size(model: PreTrainedModel) -> int:
+    """The rows of a model's output embedding: the vocabulary its logits cover."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def load_fixed_model(
+    store: ArtifactStore,
+    base: ArtifactRef,
+    which: str,
+    policy: ModelSource,
+    *,
+    regime: str,
+    role: str,
+    policy_vocab: int,
+    trained: ArtifactRef | None = None,
+    meta: bool = False,
+) -> PreTrainedModel:
+    """A regime's teacher or reference ``which``, loaded as ``policy`` says (:func:`load_models`: ``policy``,
+    ``stale`` or a model directory; ``trained``: the teacher stage's artifact ``trained``), in eval mode, on the
+    meta device with ``meta``.
+
+    Raises:
+        ValueError: naming regime ``regime`` and the ``role`` (teacher or reference), when ``which`` is
+            ``trained`` with no teacher artifact, or the model's vocabulary is not ``policy_vocab``.
+    """
+    if which == "trained":
+        if trained is None:
+            raise ValueError(f"regime {regime}: teacher trained needs the teacher stage's artifact upstream")
+        with store.local_dir(trained, "teacher", write=False) as d:
+            model = load_model_and_tokenizer(d, policy.dtype, policy.trust_remote_code, meta)[0]
+    else:
+        model = load_models(store, base, which, policy, meta)[0]
+    if vocab_size(model) != policy_vocab:
+        raise ValueError(
+            f"regime {regime}: the {role} {which!r} has vocabulary {vocab_size(model)}, the policy {policy_vocab}"
+        )
+    return model
+
+
 def load_rank_policy(
     store: ArtifactStore, base: ArtifactRef, policy: ModelSource, device: torch.device, meta: bool = False
 ) -> PreTrainedModel:

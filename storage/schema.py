@@ -313,7 +313,7 @@ SCORES_VARS = {
 # a regime fold (tasks/regimes.py) is a scores store of the prompt groups' sums S_c of g_n, each folded as one row
 # whose advantage is the group's size n_c (covgrad.moments.accum.GroupAccumulator: count = groups, mean_a = mean size,
 # mean_s = mean S_c, c_as only for groups of several sizes) plus, dim half = the prompt-group parity, the Σ of its
-# bound scalar c²_n (covgrad.regimes.objectives) and the samples that had one
+# bound scalar c²_n (covgrad.regimes.cotangents) and the samples that had one
 SCORES_VARS.update(
     {
         f"bound_{what}": Var(("batch", "half"), "float64", (1, WHOLE), text, definition, units, fill=0)
@@ -323,7 +323,7 @@ SCORES_VARS.update(
         )
     }
 )
-# a full-distribution regime's fold with an untied, selected LM head in closed form (covgrad.regimes.objectives)
+# a full-distribution regime's fold with an untied, selected LM head in closed form (covgrad.regimes.fold)
 SCORES_VARS["head_token_fisher"] = Var(
     ("half", "head_param"),
     "float64",
@@ -459,7 +459,7 @@ TRAJECTORY_VARS = {
     ),
     "step": _per_step("int64", "optimizer step", "from 1", labels=("step",)),
     "lr": _per_step("float64", "learning rate of the step"),
-    "loss": _per_step("float64", "the regime's loss before the step", "covgrad.updates.trajectory.StepLoss"),
+    "loss": _per_step("float64", "the regime's loss before the step", "covgrad.updates.stepping.StepLoss"),
     "adv_rms": _per_step("float64", "the regime's bound scalar a on the step's samples", "rl: sqrt(mean A^2)"),
     "reward": _per_step("float64", "mean reward of the step's samples", "NaN on fixed data"),
     "kl": _per_step("float64", "KL to the start per token", "mean over response tokens of KL(p_t || p_0,t)", "nats"),
@@ -481,8 +481,43 @@ TRAJECTORY_VARS = {
     "persist_hist": Var(
         ("step", "count"), "int64", (WHOLE, WHOLE), "parameters changed in exactly count of the first step steps"
     ),
+    "grad_norm": _per_step("float64", "global L2 norm of the step's gradient before clipping"),
     **PROGRESS,
     **TENSOR_TABLE,
+    # k-step persistence (covgrad.updates.kstep): windows w_t -> w_{t+k}, t = 0..K-k (NaN past the end), per
+    # grouping: all parameters, kind of tensor, tensor, |w_0| decile
+    "k": Var(("k",), "int64", (WHOLE,), "window length in steps", labels=("k",)),
+    "window": Var(("window",), "int64", (WHOLE,), "window start step t (0: the start weights)", labels=("window",)),
+    "kind_name": Var(
+        ("kind",), "str", (WHOLE,), "kind of tensor (embedding, attention, mlp, norm, other)", labels=("kind",)
+    ),
+    **{
+        f"{measure}{suffix}": Var(
+            ("k", "window", *dims), "float64", (WHOLE,) * (2 + len(dims)), long_name, definition, "1"
+        )
+        for suffix, dims in (("", ()), ("_kind", ("kind",)), ("_tensor", ("tensor",)), ("_decile", ("decile",)))
+        for measure, long_name, definition in (
+            ("dk", "k-step changed fraction d_k(t)", "fraction with w_{t+k} != w_t in the stored dtype"),
+            ("independent", "d_k(t) of independent per-step sets", "1 - prod_{j=t}^{t+k-1} (1 - d_1(j))"),
+        )
+    },
+    **{
+        f"jaccard{suffix}": Var(
+            ("step", dim),
+            "float64",
+            (WHOLE, WHOLE),
+            "Jaccard of this and the previous step's changed sets",
+            "within the group; NaN at step 1 and for empty unions",
+            "1",
+        )
+        for suffix, dim in (("_kind", "kind"), ("_tensor", "tensor"), ("_decile", "decile"))
+    },
+    **{
+        f"hist{suffix}": Var(
+            (dim, "count"), "int64", (WHOLE, WHOLE), "parameters changed in exactly count of the steps"
+        )
+        for suffix, dim in (("_kind", "kind"), ("_tensor", "tensor"), ("_decile", "decile"))
+    },
 }
 
 

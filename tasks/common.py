@@ -1,6 +1,6 @@
 """What every stage task shares: the artifact cache policy, the run-or-reuse protocol, progress.
 
-A stage task receives the ``ArtifactRef`` the flow planned for it, its spec (``tasks/specs.py``; the
+A stage task receives the ``ArtifactRef`` the flow planned for it, its spec (``tasks.specs``; the
 ref's key is the spec's key, checked here) and its upstream refs, and returns a ``StageResult``. Two
 layers keep reruns cheap and correct:
 

@@ -31,7 +31,7 @@ from storage.stores.rollouts import read_batch, require_mu
 from storage.stores.scores import ScoresStore, mu_recorded, read_mu
 from tasks.common import StageResult, check_spec, progress_bar, run_stage
 from tasks.jobs.rollout_import import sampler_source
-from tasks.jobs.scores_ranks import run_ranks, torchrun_group, wait_for_node0
+from tasks.jobs.scores_ranks import rank_placement, run_scores_ranks, wait_for_node0
 from tasks.specs import ScoresSpec
 
 
@@ -56,7 +56,8 @@ class ScoresJob:
         self._weights: dict[str, Any] | None = None
         self.ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
         self.device = pick_device(spec.device)
-        host = spec.launcher != "in-process" and not dist.is_initialized()  # a sharded run's task: shapes only
+        # a sharded run's task: shapes only
+        host = spec.placement.launcher != "in-process" and not dist.is_initialized()
         self.model = load_rank_policy(store, up["base_model"], spec.policy, self.device, meta=host)
         self.layout = select_parameters(self.model, spec.params)
         self.group, self.adv = self.ro["group"][:], self.ro["advantage"][:]
@@ -164,8 +165,8 @@ def _job(root: str, ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRe
 def _compute(
     store: ArtifactStore, ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]
 ) -> dict[str, Any] | None:
-    if spec.launcher != "in-process":  # the model sharded over spec.ranks processes
-        return run_ranks(_job, (store.root, ref, spec, up), spec.ranks, torchrun_group(ref.key, spec))
+    if spec.placement.launcher != "in-process":  # the model sharded over spec.placement.ranks processes
+        return run_scores_ranks(_job, (store.root, ref, spec, up), rank_placement(ref.key, spec))
     job = ScoresJob(store, ref, spec, up)
     job.prepare()
     for j in job.jobs():  # the partition of the spec's shards, one job after another in this process
@@ -174,16 +175,16 @@ def _compute(
 
 
 def _join(ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]) -> StageResult:
-    """Machine ``spec.node_rank`` > 0 of a torchrun group: start this machine's ranks, which fold their columns
-    into the artifact that node 0 prepares, then wait until node 0 completes it
+    """Machine ``spec.placement.node_rank`` > 0 of a torchrun group: start this machine's ranks, which fold their
+    columns into the artifact that node 0 prepares, then wait until node 0 completes it
     (:func:`tasks.jobs.scores_ranks.wait_for_node0`)."""
     check_spec(ref, spec)
     store = ArtifactStore(ref.root)
     if store.is_complete(ref):
         return StageResult(ref=ref, computed=False)
     t0 = time.perf_counter()
-    run_ranks(_job, (store.root, ref, spec, up), spec.ranks, torchrun_group(ref.key, spec))
-    wait_for_node0(store, ref, spec.nnodes)
+    run_scores_ranks(_job, (store.root, ref, spec, up), rank_placement(ref.key, spec))
+    wait_for_node0(store, ref, spec.placement.nnodes)
     return StageResult(ref=ref, computed=True, seconds=time.perf_counter() - t0)
 
 
@@ -191,6 +192,6 @@ def _join(ref: ArtifactRef, spec: ScoresSpec, up: dict[str, ArtifactRef]) -> Sta
 def scores_task(ref: ArtifactRef, spec: ScoresSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
     """Per-sample scores of the rollouts of ``spec.sampler`` under ``spec.centering`` (on a machine other
     than node 0 of a torchrun group: this machine's ranks of it, :func:`_join`)."""
-    if spec.launcher == "torchrun" and spec.node_rank > 0:
+    if spec.placement.launcher == "torchrun" and spec.placement.node_rank > 0:
         return _join(ref, spec, upstream)
     return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream), resumable=True)

@@ -4,10 +4,10 @@ Over the first ``tokens.max_samples`` samples of the analysed rollouts, batch by
 study (:mod:`covgrad.tokens.study`) computes the token Fisher of each mode of ``tokens.modes``, the sequence
 and token scores, and their summary; the store ``tokens.zarr`` (:mod:`storage.stores.tokens`) holds the batch
 sums while the stage runs (its resume state) and the per-position arrays, the (param,) estimates and the
-scalars when it ends. Resumable by batch; same config and seed give identical stores. With ``spec.ranks`` > 1
+scalars when it ends. Resumable by batch; same config and seed give identical stores. With ``spec.placement.ranks`` > 1
 (``scores.ranks``: the local launcher, or torchrun on one machine) the batches run on that many processes with the
 model sharded over them (:mod:`tasks.jobs.tokens_ranks`); the artifact is the in-process one. A model on the token
-engine's repeated-batch path (:func:`covgrad.tokens.fisher.repeated_batch`: MoE blocks, generic-path parameters)
+engine's repeated-batch path (:func:`covgrad.tokens.backward.repeated_batch`: MoE blocks, generic-path parameters)
 runs in this process with a warning, as without ranks.
 """
 
@@ -34,15 +34,15 @@ from storage.stores.rollouts import read_batch
 from storage.stores.tokens import TokensStore, summary_step
 from tasks.common import StageResult, check_spec, log, progress_bar, run_stage
 from tasks.jobs.scores_ranks import wait_for_node0
-from tasks.jobs.tokens_ranks import run_ranks
+from tasks.jobs.tokens_ranks import run_tokens_ranks
 from tasks.specs import TokensSpec
 
 
 def _sharded(model: Any, spec: TokensSpec, layout: Any) -> bool:
-    """Whether the batches run on ``spec.ranks`` processes: more than one, and a model off the repeated-batch
-    path (:func:`covgrad.tokens.fisher.repeated_batch`, which every machine of a group decides alike from the
+    """Whether the batches run on ``spec.placement.ranks`` processes: more than one, and a model off the repeated-batch
+    path (:func:`covgrad.tokens.backward.repeated_batch`, which every machine of a group decides alike from the
     model's modules)."""
-    if spec.ranks == 1:
+    if spec.placement.ranks == 1:
         return False
     if not repeated_batch(model, bind_rules(model, layout)):
         return True
@@ -50,7 +50,7 @@ def _sharded(model: Any, spec: TokensSpec, layout: Any) -> bool:
         "tokens: %s needs the repeated-batch path, which does not run on a sharded model; the stage runs the whole "
         "model in node 0's process (scores.ranks=%d shards only the scores stage)",
         type(model).__name__,
-        spec.ranks,
+        spec.placement.ranks,
     )
     return False
 
@@ -59,13 +59,13 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
     tb = spec.settings
     ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
     device = pick_device(spec.device)
-    if spec.launcher == "local" and device.type != "cpu":
+    if spec.placement.launcher == "local" and device.type != "cpu":
         raise ValueError(
-            f"scores.ranks={spec.ranks} runs the tokens stage on gloo ranks on the CPU, not on {device}; "
+            f"scores.ranks={spec.placement.ranks} runs the tokens stage on gloo ranks on the CPU, not on {device}; "
             "set model.device=cpu (or scores.launcher=torchrun: nccl ranks, one device each)"
         )
     # on ranks this process needs only the model's shapes: the weights are rank 0's
-    model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=spec.ranks > 1)
+    model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=spec.placement.ranks > 1)
     T = ro["sampler_logp"].shape[1]
     modes, layout, head = study_setup(model, tb, T, spec.params)
     V, draws = output_rows(model), {m: token_draws(tb, m) for m in modes}
@@ -74,8 +74,9 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
     out = TokensStore.create(store.open_group(ref, STORE, mode="a"), N, T, layout.P, batches, modes)
     if _sharded(model, spec, layout):
         del model
-        if out.pending() or spec.nnodes > 1:  # the other machines' ranks wait for this one's at the rendezvous
-            run_ranks(store.root, ref, spec, up)
+        # the other machines' ranks wait for this one's at the rendezvous
+        if out.pending() or spec.placement.nnodes > 1:
+            run_tokens_ranks(store.root, ref, spec, up)
     else:
         if on_meta(model):
             model, _ = load_models(store, up["base_model"], "policy", spec.policy)
@@ -113,7 +114,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TokensSpec, up: dict[
 
 
 def _join(ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> StageResult:
-    """Machine ``spec.node_rank`` > 0 of a torchrun group: start this machine's ranks, which run every pending
+    """Machine ``spec.placement.node_rank`` > 0 of a torchrun group: start this machine's ranks, which run every pending
     batch with node 0's and write their columns into the store node 0 created, then wait until node 0 completes
     the artifact (:func:`tasks.jobs.scores_ranks.wait_for_node0`). A model on the repeated-batch path starts no ranks
     here: node 0 runs it in its own process."""
@@ -125,8 +126,8 @@ def _join(ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> Sta
     model, _ = load_models(store, up["base_model"], "policy", spec.policy, meta=True)
     if _sharded(model, spec, select_parameters(model, spec.params)):
         del model
-        run_ranks(store.root, ref, spec, up)
-    wait_for_node0(store, ref, spec.nnodes)
+        run_tokens_ranks(store.root, ref, spec, up)
+    wait_for_node0(store, ref, spec.placement.nnodes)
     return StageResult(ref=ref, computed=True, seconds=time.perf_counter() - t0)
 
 
@@ -134,6 +135,6 @@ def _join(ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> Sta
 def tokens_task(ref: ArtifactRef, spec: TokensSpec, upstream: dict[str, ArtifactRef]) -> StageResult:
     """Token-level Fisher (exact / top-k / Monte Carlo / probes) of the analysed rollouts (on a machine other than
     node 0 of a torchrun group: this machine's ranks of it, :func:`_join`)."""
-    if spec.launcher == "torchrun" and spec.node_rank > 0:
+    if spec.placement.launcher == "torchrun" and spec.placement.node_rank > 0:
         return _join(ref, spec, upstream)
     return run_stage(ref, spec, lambda store, r: _compute(store, r, spec, upstream), resumable=True)

@@ -1,19 +1,19 @@
 """trajectory stage: K optimizer steps of one regime from the policy, checked against step-0 predictions.
 
-Stepping, records and predictors: ``covgrad.updates.trajectory``; files: ``storage/stores/trajectory.py``. Loss: rl's
-REINFORCE
-loss or that of the configured regime ``trajectory.regime`` (``StepLoss``). Data: ``"on_policy"`` draws fresh
-samples from the current policy every step (the analysed sampler's settings), rewards them with the task's reward
-and gives them group advantages; ``"fixed"`` steps on minibatches of ``scores.groups_per_batch`` prompt groups of
-fixed rollouts (the analysed ones, or the regime's sampler's; the sft regimes always step on fixed data).
-Predictors: F of the main statistics; G and ρ of the main statistics for rl, of the regime's own otherwise. With
-``scores.ranks`` local ranks the model is sharded over them (``tasks/jobs/trajectory_ranks.py``), same bytes.
+Stepping, records and predictors: ``covgrad.updates``; the step source (fixed models, step-0 statistics, data):
+``tasks/jobs/trajectory.py``; files: ``storage/stores/trajectory.py``. Loss: rl's REINFORCE loss or that of the
+configured regime ``trajectory.regime`` (``StepLoss``). Data: ``"on_policy"`` draws fresh samples from the current
+policy every step (the analysed sampler's settings), rewards them with the task's reward and gives them group
+advantages; ``"fixed"`` steps on minibatches of ``scores.groups_per_batch`` prompt groups of fixed rollouts (the
+analysed ones, or the regime's sampler's; the sft regimes always step on fixed data). Predictors: F of the main
+statistics; G and ρ of the main statistics for rl, of the regime's own otherwise. With ``scores.ranks`` local ranks
+the model is sharded over them (``tasks/jobs/trajectory_ranks.py``), same bytes.
 
-Resumable by step: each step's packed changed set and record are written, then its progress mark; every
-``state_every`` steps (and at the last) the resume state (weights, optimizer and tracker state) is stored, so a
-killed run restarts from the newest state and ends byte-identical to an uninterrupted one. Hugging Face
-checkpoints of the analysed model are written at ``checkpoint_steps`` (steps floor(r**i) and K, r =
-``checkpoint_ratio``).
+Resumable by step: each step's packed changed set, its new values and its record are written, then its progress
+mark; every ``state_every`` steps (and at the last) the resume state (weights, optimizer and tracker state) is
+stored, so a killed run restarts from the newest state and ends byte-identical to an uninterrupted one. Once every
+step is done, the k-step persistence arrays are counted from the stored trace. Hugging Face checkpoints of the
+analysed model are written at ``checkpoint_steps`` (steps floor(r**i) and K, r = ``checkpoint_ratio``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from covgrad.updates import (
     run_trajectory,
     stored_dtype,
     trajectory_state,
+    value_bits,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.identity import check_computed_on
@@ -47,18 +48,17 @@ from storage.stores.trajectory import (
     create_changed,
     drop_state,
     finish_store,
-    optimizer_spec,
     read_records,
     read_state,
-    step_loss,
-    step_source,
-    step_zero_stats,
+    write_persistence,
+    write_start,
     write_state,
     write_step,
     write_summary,
 )
 from tasks.common import StageResult, log, progress_bar, run_stage
-from tasks.jobs.trajectory_ranks import run_ranks
+from tasks.jobs.trajectory import optimizer_spec, step_loss, step_source, step_zero_stats
+from tasks.jobs.trajectory_ranks import run_trajectory_ranks
 from tasks.specs import TrajectorySpec
 
 
@@ -70,8 +70,8 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
             f"trajectory: the main statistics are degenerate ({st.attrs['degenerate']}); "
             "their predictors are undefined, so the trajectory is not run"
         )
-    if s.checkpoints is None and spec.ranks > 1:  # the model sharded over ranks
-        return _finish(store, ref, spec, run_ranks(store, ref, spec, up))
+    if s.checkpoints is None and spec.placement.ranks > 1:  # the model sharded over ranks
+        return _finish(store, ref, spec, run_trajectory_ranks(store, ref, spec, up))
     start, tokenizer = load_models(store, up["base_model"], "policy", spec.policy)
     start = start.float()
     layout = select_parameters(start, spec.params)
@@ -80,7 +80,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     if s.checkpoints is not None:
         return _external(store, ref, spec, up, layout, stats, opt, start)
     loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"))
-    stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss)
+    stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss, s.minibatches)
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
     tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats, bound)
     reference = load_models(store, up["base_model"], "policy", spec.policy)[0].float()
@@ -90,6 +90,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, s.steps, layout.P)
     create_progress(g, STORE, s.steps)
+    write_start(store, ref, value_bits(tracker.start))
     state = read_state(store, ref)
     if state is not None:
         load_trajectory_state(state, stepper, tracker, s.seed)
@@ -98,7 +99,7 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
         bar.update(stepper.step)
         for rec in run_trajectory(stepper, source, layout, s.steps, tracker, reference):
             t = rec["step"]
-            write_step(store, ref, g, t, rec.pop("changed"), rec)
+            write_step(store, ref, g, t, rec.pop("changed"), rec.pop("changed_values"), rec)
             if t in saved:
                 with store.local_dir(ref, checkpoint_name(t), write=True) as d:
                     stepper.model.save_pretrained(d)
@@ -115,6 +116,7 @@ def _finish(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, layout
     s, g = spec.settings, store.open_group(ref, STORE, mode="a")
     records = read_records(store, ref, s.steps)
     finish_store(g, records, layout)
+    persistence = write_persistence(store, ref, g, layout, s.steps)
     last = records[-1]
     summary = {
         "regime": s.regime,
@@ -130,6 +132,7 @@ def _finish(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, layout
         "reward_last": last["reward"],
         "kl_last": last["kl"],
         "checkpoints": checkpoint_steps(s.steps, s.checkpoint_ratio),
+        "persistence": persistence,
     }
     write_summary(store, ref, g, layout, summary)
     drop_state(store, ref)
@@ -171,14 +174,16 @@ def _external(
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, K, layout.P)
     create_progress(g, STORE, K)
+    write_start(store, ref, value_bits(start))
     with progress_bar(f"trajectory {ref.key[:8]}", K, unit="checkpoint") as bar:
         later = ((t, flat(d)) for t, d in series[1:])
         for i, rec in enumerate(checkpoint_records(later, tracker), start=1):
-            write_step(store, ref, g, i, rec.pop("changed"), rec)
+            write_step(store, ref, g, i, rec.pop("changed"), rec.pop("changed_values"), rec)
             mark_batch_done(g, i - 1)
             bar.update(1)
     records = read_records(store, ref, K)
     finish_store(g, records, layout)
+    persistence = write_persistence(store, ref, g, layout, K)
     summary = {
         "external": s.checkpoints,
         "trainer_steps": [t for t, _ in series],
@@ -186,6 +191,7 @@ def _external(
         "steps": K,
         "frac_changed_step_mean": float(np.mean([r["n_changed_step"] for r in records]) / layout.P),
         "frac_changed_cum_final": records[-1]["n_changed_cum"] / layout.P,
+        "persistence": persistence,
     }
     write_summary(store, ref, g, layout, summary)
     cum = summary["frac_changed_cum_final"]

@@ -42,8 +42,9 @@ from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_models
 from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, write
 from storage.schema import UPDATE as STORE
-from storage.stores.trajectory import fixed_batches, step_loss
+from storage.stores.trajectory import fixed_batches
 from tasks.common import StageResult, log, progress_bar, run_stage
+from tasks.jobs.trajectory import step_loss
 from tasks.specs import UpdateCheckSpec
 
 

@@ -5,9 +5,9 @@ URL for CLI subprocesses: ``cli_api``).
 
 Tiers: ``make test-fast`` (``-m "not slow and not integration"``, two xdist workers), ``make test`` (everything)."""
 
-from flows.cli import offline_env
+from covgrad.offline import offline_env
 
-offline_env()  # flows.cli imports nothing heavy at module level, so this runs before prefect loads
+offline_env()  # covgrad.offline imports only os, so this runs before prefect or transformers loads
 
 
 import pytest  # noqa: E402

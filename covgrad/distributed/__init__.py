@@ -1,30 +1,80 @@
-"""Sharded work: FSDP2 per-sample scores, rank launchers, the FSDP plan, shard plans and the sharded
+"""Sharded work: FSDP2 per-sample scores, the launch of rank groups, the FSDP plan, shard plans and the sharded
 trajectory stepper.
+
+The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
+a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
 """
 
-from covgrad.distributed.fsdp import (
-    RankColumns,
-    RankFailedError,
-    ShardAccumulator,
-    ShardedPerSampleGrads,
-    Torchrun,
-    launch,
-    launch_torchrun,
-    loads_weights,
-    on_meta,
-    rank_device,
-    rank_scores,
-    shard_from_rank0,
-    torchrun_rank,
-)
-from covgrad.distributed.plan import SHAPES, FsdpWork, fsdp_plan
-from covgrad.distributed.shardplan import ModelShape, ShardPlan, Workload, keeps_rows, make_plan, resolve_shards
-from covgrad.distributed.stepper import ShardedStepper, gather_changed, rank_columns, rank_shard, shard_frozen
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from covgrad.distributed.fsdp import (
+        RankColumns,
+        ShardAccumulator,
+        ShardedPerSampleGrads,
+        loads_weights,
+        on_meta,
+        rank_scores,
+        shard_from_rank0,
+    )
+    from covgrad.distributed.launch import (
+        Placement,
+        RankFailedError,
+        Torchrun,
+        launch_ranks,
+        rank_device,
+        torchrun_rank,
+    )
+    from covgrad.distributed.plan import SHAPES, FsdpWork, fsdp_plan
+    from covgrad.distributed.shardplan import ModelShape, ShardPlan, Workload, keeps_rows, make_plan, resolve_shards
+    from covgrad.distributed.stepper import (
+        ShardedStepper,
+        gather_changed,
+        gather_changed_values,
+        rank_columns,
+        rank_shard,
+        shard_frozen,
+    )
+
+_EXPORTS = {
+    "FsdpWork": "covgrad.distributed.plan",
+    "ModelShape": "covgrad.distributed.shardplan",
+    "Placement": "covgrad.distributed.launch",
+    "RankColumns": "covgrad.distributed.fsdp",
+    "RankFailedError": "covgrad.distributed.launch",
+    "SHAPES": "covgrad.distributed.plan",
+    "ShardAccumulator": "covgrad.distributed.fsdp",
+    "ShardPlan": "covgrad.distributed.shardplan",
+    "ShardedPerSampleGrads": "covgrad.distributed.fsdp",
+    "ShardedStepper": "covgrad.distributed.stepper",
+    "Torchrun": "covgrad.distributed.launch",
+    "Workload": "covgrad.distributed.shardplan",
+    "fsdp_plan": "covgrad.distributed.plan",
+    "gather_changed": "covgrad.distributed.stepper",
+    "gather_changed_values": "covgrad.distributed.stepper",
+    "keeps_rows": "covgrad.distributed.shardplan",
+    "launch_ranks": "covgrad.distributed.launch",
+    "loads_weights": "covgrad.distributed.fsdp",
+    "make_plan": "covgrad.distributed.shardplan",
+    "on_meta": "covgrad.distributed.fsdp",
+    "rank_columns": "covgrad.distributed.stepper",
+    "rank_device": "covgrad.distributed.launch",
+    "rank_scores": "covgrad.distributed.fsdp",
+    "rank_shard": "covgrad.distributed.stepper",
+    "resolve_shards": "covgrad.distributed.shardplan",
+    "shard_from_rank0": "covgrad.distributed.fsdp",
+    "shard_frozen": "covgrad.distributed.stepper",
+    "torchrun_rank": "covgrad.distributed.launch",
+}
 
 __all__ = [
     "SHAPES",
     "FsdpWork",
     "ModelShape",
+    "Placement",
     "RankColumns",
     "RankFailedError",
     "ShardAccumulator",
@@ -35,9 +85,9 @@ __all__ = [
     "Workload",
     "fsdp_plan",
     "gather_changed",
+    "gather_changed_values",
     "keeps_rows",
-    "launch",
-    "launch_torchrun",
+    "launch_ranks",
     "loads_weights",
     "make_plan",
     "on_meta",
@@ -50,3 +100,12 @@ __all__ = [
     "shard_frozen",
     "torchrun_rank",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The re-exported ``name``, imported from its module on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

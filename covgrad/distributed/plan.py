@@ -33,7 +33,7 @@ from covgrad.distributed.fsdp import shard_rows
 from covgrad.distributed.shardplan import HEADROOM, gb
 from covgrad.layout import ParamLayout, TensorEntry, split_blocks
 from covgrad.moments.accum import FOLD_ELEMENTS, state_bytes_per_param
-from covgrad.scores.persample import chunk_rows, default_chunk_bytes
+from covgrad.scores.blocks import chunk_rows, default_chunk_bytes
 
 
 @dataclass(frozen=True)
@@ -308,7 +308,7 @@ def fsdp_plan(
 
 
 def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int, aligned: bool = False) -> list[int]:
-    """Per rank, the per-sample columns it forms per batch under FSDP2 (``covgrad.scores.persample``'s row chunks).
+    """Per rank, the per-sample columns it forms per batch under FSDP2 (``covgrad.scores.blocks``' row chunks).
 
     A weight folded in row chunks (:func:`_chunked`) is cut into chunks of ``max(1, chunk_bytes // (B·row·4))``
     rows on the unsharded grid (so that every formed chunk is the unsharded run's); a rank forms each chunk

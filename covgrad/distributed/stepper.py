@@ -37,7 +37,8 @@ from torch import nn
 
 from covgrad.distributed.fsdp import RankColumns, on_meta, shard_model, weights_from_rank0
 from covgrad.layout import ParamLayout
-from covgrad.updates.trajectory import OptimizerSpec, Ranker, StepLoss, Stepper, TrackerShard, stored_dtype
+from covgrad.updates.stepping import OptimizerSpec, StepLoss, Stepper, stored_dtype
+from covgrad.updates.tracking import Ranker, TrackerShard
 
 
 def _before(mine: tuple[np.ndarray, ...], peer: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -61,9 +62,9 @@ def _sum(counts: np.ndarray, op: dist.ReduceOp = dist.ReduceOp.SUM) -> np.ndarra
 
 
 def distributed_ranks(index: np.ndarray) -> Ranker:
-    """The :data:`covgrad.updates.trajectory.Ranker` of a rank that holds the columns ``index`` (P_r,) of a layout whose
+    """The :data:`covgrad.updates.tracking.Ranker` of a rank that holds the columns ``index`` (P_r,) of a layout whose
     columns the ranks share: the rank of each of its values among every rank's values of the same group, in
-    :func:`covgrad.updates.trajectory.group_ranks`'s order (largest or smallest first, NaN last, −0 tied with +0, ties
+    :func:`covgrad.updates.tracking.group_ranks`'s order (largest or smallest first, NaN last, −0 tied with +0, ties
     by the lowest column), so it equals ``group_ranks`` of the whole layout at ``index``.
 
     Collective: each rank in turn broadcasts its (group, key, column) triples and every rank counts those below
@@ -105,7 +106,7 @@ def rank_columns(layout: ParamLayout) -> RankColumns:
 
 
 def rank_shard(layout: ParamLayout) -> TrackerShard:
-    """The :class:`covgrad.updates.trajectory.TrackerShard` of this rank: its FSDP2 shard's columns, counts summed with
+    """The :class:`covgrad.updates.tracking.TrackerShard` of this rank: its FSDP2 shard's columns, counts summed with
     an
     all-reduce, ranks over every rank (:func:`distributed_ranks`)."""
     index = rank_columns(layout).index()
@@ -131,6 +132,35 @@ def gather_changed(packed: np.ndarray, layout: ParamLayout) -> np.ndarray | None
         for a, b, at in zip(cols.starts, cols.stops, cols.local, strict=True):
             bits[a:b] = local[at : at + b - a]
     return np.packbits(bits)
+
+
+def gather_changed_values(values: np.ndarray, packed: np.ndarray, layout: ParamLayout) -> np.ndarray | None:
+    """The new values of the step's changed set over the whole layout, in flat index order, on rank 0 (None on
+    the others), from every rank's ``values`` (n_r,) uint16/uint32 stored-dtype bits of its changed columns in
+    its own order and ``packed`` (⌈P_r/8⌉,) its bit-packed changed set (collective)."""
+    R, rank = dist.get_world_size(), dist.get_rank()
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(R)]
+    dist.all_gather(counts, torch.tensor([values.shape[0]], dtype=torch.int64))
+    width = max(int(c) for c in counts)
+    mine = torch.zeros(width, dtype=torch.int64)
+    mine[: values.shape[0]] = torch.from_numpy(values.astype(np.int64))
+    parts = [torch.empty(width, dtype=torch.int64) for _ in range(R)] if rank == 0 else None
+    dist.gather(mine, parts, dst=0)
+    packed_parts = [torch.zeros(-(-layout.P // 8), dtype=torch.uint8) for _ in range(R)] if rank == 0 else None
+    own = torch.zeros(-(-layout.P // 8), dtype=torch.uint8)
+    own[: packed.shape[0]] = torch.from_numpy(packed)
+    dist.gather(own, packed_parts, dst=0)
+    if parts is None or packed_parts is None:
+        return None
+    index, bits = [], []
+    for r, cols in enumerate(RankColumns.of(layout, R, q) for q in range(R)):
+        local = np.flatnonzero(np.unpackbits(packed_parts[r].numpy(), count=cols.P))
+        spans = np.asarray(cols.local, dtype=np.int64)
+        span = np.searchsorted(spans, local, side="right") - 1
+        index.append(np.asarray(cols.starts, dtype=np.int64)[span] + local - spans[span])
+        bits.append(parts[r][: int(counts[r])].numpy())
+    order = np.argsort(np.concatenate(index), kind="stable")
+    return np.concatenate(bits)[order].astype(values.dtype)
 
 
 def shard_frozen(model: nn.Module) -> nn.Module:
@@ -160,7 +190,7 @@ def _to_local(value: object) -> object:
 
 
 class ShardedStepper(Stepper):
-    """:class:`covgrad.updates.trajectory.Stepper` over a model sharded across the process group's ranks (collective:
+    """:class:`covgrad.updates.stepping.Stepper` over a model sharded across the process group's ranks (collective:
     every rank builds one and calls each method for the same step).
 
     ``model``: the start on every rank (already on the grid the caller wants); rank 0 must hold its weights, the
@@ -174,7 +204,11 @@ class ShardedStepper(Stepper):
     ) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        self.spec, self.precision, self.step = optimizer, precision, 0
+        if optimizer.max_grad_norm is not None:
+            raise ValueError(
+                "trajectory.max_grad_norm runs in one process; unset scores.ranks (or max_grad_norm) for this run"
+            )
+        self.spec, self.precision, self.step, self.minibatches = optimizer, precision, 0, 1
         self.loss = StepLoss() if loss is None else loss
         dtype = stored_dtype(precision)
         meta = on_meta(model)
@@ -203,6 +237,11 @@ class ShardedStepper(Stepper):
         if keep_logp:
             out.update(logp=fwd["logp"].detach(), keep=fwd["keep"])
         return out
+
+    def clip(self) -> float:
+        """No clipping on ranks (the gradient norm is left NaN); a spec with ``max_grad_norm`` is refused when the
+        stepper is built."""
+        return float("nan")
 
     def update(self) -> None:
         """One optimizer step of every rank's shard at ``spec.lr_at(step + 1)``; the next forward all-gathers the

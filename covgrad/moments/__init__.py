@@ -1,36 +1,78 @@
 """Moment state and what is read off it: the accumulators and their native fold, blocked statistics,
 exact top-k sets and rank correlations, quantiles and float64 numerics.
+
+The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
+a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
 """
 
-from covgrad.moments.accum import FOLD_ELEMENTS, GroupAccumulator, MomentAccumulator, state_bytes_per_param
-from covgrad.moments.numerics import dot64
-from covgrad.moments.quantiles import LEVEL, Z975, t975
-from covgrad.moments.stats import (
-    BLOCK_CHUNKS,
-    BLOCK_OUTPUTS,
-    OVERLAP_Q,
-    Moments,
-    blocked_stats,
-    compute_stats,
-    rel_diff,
-    sample_moments,
-)
-from covgrad.moments.topk import (
-    SCOPES,
-    TopSets,
-    Values,
-    as_values,
-    bound_mask_table,
-    count_for_fraction,
-    overlap_rows,
-    overlap_table,
-    rank_correlation,
-    ranks_and_order,
-    spearman,
-    spearman_blocked,
-    top_k_masks,
-    topk_indices,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from covgrad.moments.accum import FOLD_ELEMENTS, GroupAccumulator, MomentAccumulator, state_bytes_per_param
+    from covgrad.moments.numerics import dot64
+    from covgrad.moments.quantiles import LEVEL, Z975, t975
+    from covgrad.moments.stats import (
+        BLOCK_CHUNKS,
+        BLOCK_OUTPUTS,
+        OVERLAP_Q,
+        Moments,
+        blocked_stats,
+        compute_stats,
+        rel_diff,
+        sample_moments,
+    )
+    from covgrad.moments.topk import (
+        SCOPES,
+        TopSets,
+        Values,
+        as_values,
+        bound_mask_table,
+        count_for_fraction,
+        overlap_rows,
+        overlap_table,
+        rank_correlation,
+        ranks_and_order,
+        spearman,
+        spearman_blocked,
+        top_k_masks,
+        topk_indices,
+    )
+
+_EXPORTS = {
+    "BLOCK_CHUNKS": "covgrad.moments.stats",
+    "BLOCK_OUTPUTS": "covgrad.moments.stats",
+    "FOLD_ELEMENTS": "covgrad.moments.accum",
+    "GroupAccumulator": "covgrad.moments.accum",
+    "LEVEL": "covgrad.moments.quantiles",
+    "MomentAccumulator": "covgrad.moments.accum",
+    "Moments": "covgrad.moments.stats",
+    "OVERLAP_Q": "covgrad.moments.stats",
+    "SCOPES": "covgrad.moments.topk",
+    "TopSets": "covgrad.moments.topk",
+    "Values": "covgrad.moments.topk",
+    "Z975": "covgrad.moments.quantiles",
+    "as_values": "covgrad.moments.topk",
+    "blocked_stats": "covgrad.moments.stats",
+    "bound_mask_table": "covgrad.moments.topk",
+    "compute_stats": "covgrad.moments.stats",
+    "count_for_fraction": "covgrad.moments.topk",
+    "dot64": "covgrad.moments.numerics",
+    "overlap_rows": "covgrad.moments.topk",
+    "overlap_table": "covgrad.moments.topk",
+    "rank_correlation": "covgrad.moments.topk",
+    "ranks_and_order": "covgrad.moments.topk",
+    "rel_diff": "covgrad.moments.stats",
+    "sample_moments": "covgrad.moments.stats",
+    "spearman": "covgrad.moments.topk",
+    "spearman_blocked": "covgrad.moments.topk",
+    "state_bytes_per_param": "covgrad.moments.accum",
+    "t975": "covgrad.moments.quantiles",
+    "top_k_masks": "covgrad.moments.topk",
+    "topk_indices": "covgrad.moments.topk",
+}
 
 __all__ = [
     "BLOCK_CHUNKS",
@@ -64,3 +106,12 @@ __all__ = [
     "top_k_masks",
     "topk_indices",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The re-exported ``name``, imported from its module on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

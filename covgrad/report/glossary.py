@@ -101,6 +101,12 @@ GLOSSARY: dict[str, str] = {
     "absG": "predictor: the changed-set-sized top set by |G|",
     "absrho": "predictor: the changed-set-sized top set by |ρ|",
     "F": "predictor: the changed-set-sized top set by F",
+    "drift": "predictor: the changed-set-sized top set by c/h(w_0), Adam's expected move per step (c from |ρ| "
+    "and the samples per step) over half the bf16 gap at w_0; as a rule, where the drift model's reach crosses it",
+    "k": "window length in optimizer steps",
+    "d_k": "fraction of parameters whose stored value at step t + k differs from step t, mean over windows t",
+    "independent": "d_k if every step changed an independent random set of its size: 1 − Π(1 − d_1) over the window",
+    "ratio": "d_k / independent: far below 1 when the same parameters change step after step",
 }
 # Names that stand for a family (overlap(q=0.01), overlap_q0.01, ...): pattern -> glossary name.
 PATTERNS = (

@@ -15,8 +15,9 @@ from covgrad.report.document import Report
 from covgrad.report.plots import _png
 
 STORE = "trajectory.zarr"
-PREDICTORS = ("F", "absG", "absrho", "smallw", "random", "tensor_random")
-PLOTTED = ("F", "absG", "smallw", "random")  # the predictor panels: statistics against the two baselines
+PREDICTORS = ("F", "absG", "absrho", "drift", "smallw", "random", "tensor_random")
+PLOTTED = ("F", "absG", "drift", "smallw", "random")  # the predictor panels: statistics against the baselines
+RULES = ("absorb", "bound", "drift")
 PERSIST_KS = (1, 2, 4, 8)
 
 
@@ -52,12 +53,50 @@ def read(run: Any, name: str) -> dict[str, Any]:
             key = f"{scope}_{p}_precision"
             if key in g:
                 out[f"{scope}_{p}"] = np.asarray(g[key][:], dtype=np.float64)
-        for rule in ("absorb", "bound"):
+        for rule in RULES:
             for stat in ("precision", "recall"):
                 key = f"{scope}_{rule}_{stat}"
                 if key in g:
                     out[f"{scope}_{rule}_{stat}"] = np.asarray(g[key][:], dtype=np.float64)
+    if "dk" in g:
+        out["k"] = np.asarray(g["k"][:])
+        out["dk"] = np.asarray(g["dk"][:], dtype=np.float64)  # (k, window)
+        out["independent"] = np.asarray(g["independent"][:], dtype=np.float64)
     return out
+
+
+def dk_rows(data: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per trajectory and window length k: the mean over windows of d_k (net change of the stored weights
+    over k steps), of the independent-sets value, and their ratio."""
+    rows = []
+    for name, d in data.items():
+        if "dk" not in d:
+            continue
+        for i, k in enumerate(d["k"]):
+            dk, ind = _nanmean(d["dk"][i]), _nanmean(d["independent"][i])
+            if math.isfinite(dk):
+                rows.append({"cell": _label(name), "k": int(k), "d_k": dk, "independent": ind, "ratio": dk / ind})
+    return rows
+
+
+def plot_dk(data: dict[str, dict[str, Any]]) -> bytes:
+    """Mean d_k against k (solid) beside the independent-sets curve (dashed), one colour per trajectory."""
+    fig = Figure(figsize=(5.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for i, (name, d) in enumerate(data.items()):
+        if "dk" not in d:
+            continue
+        dk = np.asarray([_nanmean(r) for r in d["dk"]])
+        ind = np.asarray([_nanmean(r) for r in d["independent"]])
+        ax.plot(d["k"], dk, "-o", color=f"C{i % 10}", label=_label(name), lw=1.2, ms=3)
+        ax.plot(d["k"], ind, "--", color=f"C{i % 10}", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("k (steps)")
+    ax.set_ylabel("fraction changed over k steps (mean over windows)")
+    ax.set_title("d_k (solid) and independent per-step sets (dashed)", fontsize=10)
+    ax.legend(fontsize=7)
+    return _png(fig)
 
 
 def _nanmean(x: np.ndarray) -> float:
@@ -191,3 +230,20 @@ def trajectories(report: Report, run: Any) -> None:
     report.blocks.append(("img", "trajectory_predictors.png", "Step-0 predictors' precision against step"))
     report.plots["trajectory_persistence.png"] = plot_persistence(data)
     report.blocks.append(("img", "trajectory_persistence.png", "Persistence of the changed sets"))
+    dk = dk_rows(data)
+    if dk:
+        report.numbers["trajectory_dk"] = dk
+        report.blocks.append(("h2", "Which parameters a run changes"))
+        report.blocks.append(
+            (
+                "p",
+                "d_k: the fraction of parameters whose stored value differs between steps t and t + k, averaged "
+                "over the windows t; independent: 1 − Π(1 − d_1) over the window, what per-step sets of the same "
+                "sizes drawn independently would give. A ratio far below 1 means the same parameters change step "
+                "after step. The drift predictor and rule follow from G, F and the bf16 gap at step 0 "
+                "(docs/trajectory.md).",
+            )
+        )
+        report.blocks.append(("table", dk))
+        report.plots["trajectory_dk.png"] = plot_dk(data)
+        report.blocks.append(("img", "trajectory_dk.png", "d_k against k beside independent per-step sets"))

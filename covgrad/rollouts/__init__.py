@@ -1,36 +1,83 @@
 """Rollouts: sampling and advantages, the typed batch, prompts and rewards, stack formats and imports,
 input checks and rollout-mismatch metrics.
+
+The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
+a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
 """
 
-from covgrad.rollouts.batch import RolloutBatch, group_batches
-from covgrad.rollouts.formats import convert, import_records, parse_reward_fields, rename_fields, without_rewards
-from covgrad.rollouts.imports import record_mismatch, records_to_rollouts, require_mu_source, verification_warning
-from covgrad.rollouts.inputs import check_context, check_unrewarded, max_positions
-from covgrad.rollouts.mismatch import mismatch_metrics
-from covgrad.rollouts.problems import (
-    DEMO_CONTEXT,
-    Problem,
-    RewardFn,
-    addition_problems,
-    addition_reward,
-    answer_tokens,
-    build_char_tokenizer,
-    char_tokenizer,
-    problems_from_records,
-    resolve_reward,
-    response_texts,
-    score_rewards,
-)
-from covgrad.rollouts.sampling import (
-    AdvantageKind,
-    SamplerSpec,
-    check_rewards,
-    compute_advantages,
-    generate,
-    mu_from_topk,
-    recompute_sampler_logp,
-    sampler_log_probs,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from covgrad.rollouts.batch import RolloutBatch, group_batches
+    from covgrad.rollouts.formats import convert, import_records, parse_reward_fields, rename_fields, without_rewards
+    from covgrad.rollouts.imports import record_mismatch, records_to_rollouts, require_mu_source, verification_warning
+    from covgrad.rollouts.inputs import check_context, check_unrewarded, max_positions
+    from covgrad.rollouts.mismatch import mismatch_metrics
+    from covgrad.rollouts.problems import (
+        DEMO_CONTEXT,
+        Problem,
+        RewardFn,
+        addition_problems,
+        addition_reward,
+        answer_tokens,
+        build_char_tokenizer,
+        char_tokenizer,
+        problems_from_records,
+        resolve_reward,
+        response_texts,
+        score_rewards,
+    )
+    from covgrad.rollouts.sampling import (
+        AdvantageKind,
+        SamplerSpec,
+        check_rewards,
+        compute_advantages,
+        generate,
+        mu_from_topk,
+        recompute_sampler_logp,
+        sampler_log_probs,
+    )
+
+_EXPORTS = {
+    "AdvantageKind": "covgrad.rollouts.sampling",
+    "DEMO_CONTEXT": "covgrad.rollouts.problems",
+    "Problem": "covgrad.rollouts.problems",
+    "RewardFn": "covgrad.rollouts.problems",
+    "RolloutBatch": "covgrad.rollouts.batch",
+    "SamplerSpec": "covgrad.rollouts.sampling",
+    "addition_problems": "covgrad.rollouts.problems",
+    "addition_reward": "covgrad.rollouts.problems",
+    "answer_tokens": "covgrad.rollouts.problems",
+    "build_char_tokenizer": "covgrad.rollouts.problems",
+    "char_tokenizer": "covgrad.rollouts.problems",
+    "check_context": "covgrad.rollouts.inputs",
+    "check_rewards": "covgrad.rollouts.sampling",
+    "check_unrewarded": "covgrad.rollouts.inputs",
+    "compute_advantages": "covgrad.rollouts.sampling",
+    "convert": "covgrad.rollouts.formats",
+    "generate": "covgrad.rollouts.sampling",
+    "group_batches": "covgrad.rollouts.batch",
+    "import_records": "covgrad.rollouts.formats",
+    "max_positions": "covgrad.rollouts.inputs",
+    "mismatch_metrics": "covgrad.rollouts.mismatch",
+    "mu_from_topk": "covgrad.rollouts.sampling",
+    "parse_reward_fields": "covgrad.rollouts.formats",
+    "problems_from_records": "covgrad.rollouts.problems",
+    "recompute_sampler_logp": "covgrad.rollouts.sampling",
+    "record_mismatch": "covgrad.rollouts.imports",
+    "records_to_rollouts": "covgrad.rollouts.imports",
+    "rename_fields": "covgrad.rollouts.formats",
+    "require_mu_source": "covgrad.rollouts.imports",
+    "resolve_reward": "covgrad.rollouts.problems",
+    "response_texts": "covgrad.rollouts.problems",
+    "sampler_log_probs": "covgrad.rollouts.sampling",
+    "score_rewards": "covgrad.rollouts.problems",
+    "verification_warning": "covgrad.rollouts.imports",
+    "without_rewards": "covgrad.rollouts.formats",
+}
 
 __all__ = [
     "DEMO_CONTEXT",
@@ -69,3 +116,12 @@ __all__ = [
     "verification_warning",
     "without_rewards",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The re-exported ``name``, imported from its module on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

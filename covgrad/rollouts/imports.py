@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -210,70 +211,146 @@ def records_to_rollouts(
     Raises:
         ValueError: one line naming the record (``where`` or its index) and the bad field or value.
     """
-    prompts: list[np.ndarray] = []
-    responses: list[np.ndarray] = []
-    rewards: list[float] = []
-    logps: list[np.ndarray] = []
-    tops: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    group_keys: list[tuple] = []
+    read = _RecordFields()
+    for i, item in enumerate(records):
+        at, rec = item if isinstance(item, tuple) else (f"record {i}", item)
+        read.first_at = read.first_at or at
+        if not isinstance(rec, dict):
+            raise ValueError(f"{at}: expected a dict; got {type(rec).__name__}")
+        read.add(rec, at, vocab_size, max_len, tokenizer, mu_known, eos_id)
+    if not read.prompts:
+        raise ValueError("no records to import; the input is empty")
+    tokens, prompt_len, response_len, response_mask, sampler_logp = _token_arrays(
+        read.prompts, read.responses, read.logps, pad_id, mu_known
+    )
+    group, prompt_index, sample_index = _group_arrays(read.group_keys, read.prompts)
+    out = {
+        "tokens": tokens,
+        "prompt_len": prompt_len,
+        "response_len": response_len,
+        "response_mask": response_mask,
+        "reward": np.array(read.rewards, dtype=np.float64),
+        "group": group,
+        "prompt_index": prompt_index,
+        "sample_index": sample_index,
+        "sampler_logp": sampler_logp,
+    }
+    if read.has_top:
+        out.update(_topk_arrays(read.tops, sampler_logp.shape[1]))
+    for key, (name, dtype) in PER_TOKEN.items():
+        if read.has_token[key]:
+            out[name] = _token_aligned(read.per_token[key], prompt_len, response_len, tokens.shape[1], dtype)
+    return out
+
+
+@dataclass
+class _RecordFields:
+    """The validated fields of the records read so far, in record order, and which optional fields they give
+    (None before the first record; every record must give an optional field or none may).
+
+    Attributes:
+        prompts, responses: per record, its prompt and response token ids, int64 (n,).
+        rewards: per record, its reward (NaN without rewards).
+        logps: per record with known μ, the sampled tokens' log μ, float32 (response_len,).
+        tops: per record with top-k, per response position (ids int64 (k_t,), logp float32 (k_t,)).
+        group_keys: per record, the key its group is labelled by (its ``group`` or its prompt tokens).
+        per_token: per optional per-token field, per record, its values (float64 (response_len,)).
+        first_at: how messages name the first record.
+    """
+
+    prompts: list[np.ndarray] = field(default_factory=list)
+    responses: list[np.ndarray] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    logps: list[np.ndarray] = field(default_factory=list)
+    tops: list[list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=list)
+    group_keys: list[tuple] = field(default_factory=list)
     has_group: bool | None = None
     has_top: bool | None = None
     has_reward: bool | None = None
-    per_token: dict[str, list[np.ndarray]] = {field: [] for field in PER_TOKEN}
-    has_token: dict[str, bool | None] = dict.fromkeys(PER_TOKEN)
-    first_at = ""
-    for i, item in enumerate(records):
-        at, rec = item if isinstance(item, tuple) else (f"record {i}", item)
-        first_at = first_at or at
-        if not isinstance(rec, dict):
-            raise ValueError(f"{at}: expected a dict; got {type(rec).__name__}")
+    per_token: dict[str, list[np.ndarray]] = field(default_factory=lambda: {f: [] for f in PER_TOKEN})
+    has_token: dict[str, bool | None] = field(default_factory=lambda: dict.fromkeys(PER_TOKEN))
+    first_at: str = ""
+
+    def add(
+        self,
+        rec: dict,
+        at: str,
+        vocab_size: int,
+        max_len: int | None,
+        tokenizer: TextEncoder | None,
+        mu_known: bool,
+        eos_id: int | None,
+    ) -> None:
+        """Validate the record ``rec`` (named ``at`` in messages; arguments as in :func:`records_to_rollouts`)
+        and append its fields.
+
+        Raises:
+            ValueError: one line naming the record and its bad field or value.
+        """
+        first_at = self.first_at
         prompt = _prompt(rec, at, vocab_size, tokenizer)
         if mu_known:
-            for field in ("response_ids", "reward", "logprobs"):
-                if field not in rec:
-                    raise ValueError(f"{at}: missing field '{field}'")
-            response = _token_ids(rec["response_ids"], at, "response_ids", vocab_size)
-            if len(response) == 0:
-                raise ValueError(f"{at}: 'response_ids' is empty; a response needs at least one token")
+            response = _sampled_response(rec, at, vocab_size)
         else:
             response = _response(rec, at, vocab_size, tokenizer, eos_id)
         if max_len is not None and len(prompt) + len(response) > max_len:
             raise ValueError(
                 f"{at}: prompt + response is {len(prompt)} + {len(response)} tokens, over max_len={max_len}"
             )
-        has_reward = _all_or_none("reward", "reward" in rec, has_reward, at, first_at)
-        reward = rec["reward"] if has_reward else math.nan
-        if has_reward and (not _is_number(reward) or not math.isfinite(reward)):
+        self.has_reward = _all_or_none("reward", "reward" in rec, self.has_reward, at, first_at)
+        reward = rec["reward"] if self.has_reward else math.nan
+        if self.has_reward and (not _is_number(reward) or not math.isfinite(reward)):
             raise ValueError(f"{at}: 'reward' must be a finite number; got {reward!r}")
         if mu_known:
             logp = _log_probs(rec["logprobs"], at, "logprobs", allow_neg_inf=False)
             if len(logp) != len(response):
                 raise ValueError(f"{at}: 'logprobs' has {len(logp)} entries for {len(response)} response tokens")
-            logps.append(logp)
-        has_top = _all_or_none("top_logprobs", "top_logprobs" in rec, has_top, at, first_at)
-        if has_top:
+            self.logps.append(logp)
+        self.has_top = _all_or_none("top_logprobs", "top_logprobs" in rec, self.has_top, at, first_at)
+        if self.has_top:
             top = rec["top_logprobs"]
             if not isinstance(top, list | tuple) or len(top) != len(response):
                 raise ValueError(f"{at}: 'top_logprobs' must be a list with one entry per response token")
-            tops.append([_top_position(entry, at, j, vocab_size) for j, entry in enumerate(top)])
-        for field in PER_TOKEN:
-            has_token[field] = _all_or_none(field, field in rec, has_token[field], at, first_at)
-            if has_token[field]:
-                per_token[field].append(_per_token(rec[field], at, field, len(response)))
-        has_group = _all_or_none("group", "group" in rec, has_group, at, first_at)
-        if has_group:
-            label = rec["group"]
-            if not isinstance(label, int | str) or isinstance(label, bool):
-                raise ValueError(f"{at}: 'group' must be an int or a string; got {label!r}")
-            group_keys.append(("group", label))
-        else:
-            group_keys.append(("prompt", *prompt.tolist()))
-        prompts.append(prompt)
-        responses.append(response)
-        rewards.append(float(reward))
-    if not prompts:
-        raise ValueError("no records to import; the input is empty")
+            self.tops.append([_top_position(entry, at, j, vocab_size) for j, entry in enumerate(top)])
+        for name in PER_TOKEN:
+            self.has_token[name] = _all_or_none(name, name in rec, self.has_token[name], at, first_at)
+            if self.has_token[name]:
+                self.per_token[name].append(_per_token(rec[name], at, name, len(response)))
+        self.group_keys.append(self._group_key(rec, at, prompt))
+        self.prompts.append(prompt)
+        self.responses.append(response)
+        self.rewards.append(float(reward))
 
+    def _group_key(self, rec: dict, at: str, prompt: np.ndarray) -> tuple:
+        """The key the record's group is labelled by: ``("group", label)``, or ``("prompt", *ids)`` without
+        ``group`` fields."""
+        self.has_group = _all_or_none("group", "group" in rec, self.has_group, at, self.first_at)
+        if not self.has_group:
+            return ("prompt", *prompt.tolist())
+        label = rec["group"]
+        if not isinstance(label, int | str) or isinstance(label, bool):
+            raise ValueError(f"{at}: 'group' must be an int or a string; got {label!r}")
+        return ("group", label)
+
+
+def _sampled_response(rec: dict, at: str, vocab_size: int) -> np.ndarray:
+    """A sampled record's response tokens (``response_ids``, after checking that the fields every sampled record
+    needs are there); int64 (n,), n ≥ 1."""
+    for field_name in ("response_ids", "reward", "logprobs"):
+        if field_name not in rec:
+            raise ValueError(f"{at}: missing field '{field_name}'")
+    response = _token_ids(rec["response_ids"], at, "response_ids", vocab_size)
+    if len(response) == 0:
+        raise ValueError(f"{at}: 'response_ids' is empty; a response needs at least one token")
+    return response
+
+
+def _token_arrays(
+    prompts: list[np.ndarray], responses: list[np.ndarray], logps: list[np.ndarray], pad_id: int, mu_known: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The token rows of N records: ``tokens`` (N, L) int32 right-padded with ``pad_id``, ``prompt_len`` and
+    ``response_len`` (N,) int64, ``response_mask`` (N, L) bool and ``sampler_logp`` (N, T) float32 (``logps``, 0
+    after the end; NaN when not ``mu_known``), in that order."""
     N = len(prompts)
     prompt_len = np.array([len(p) for p in prompts], dtype=np.int64)
     response_len = np.array([len(r) for r in responses], dtype=np.int64)
@@ -288,39 +365,36 @@ def records_to_rollouts(
         response_mask[n, lp : lp + lr] = True
         if mu_known:
             sampler_logp[n, :lr] = logps[n]
+    return tokens, prompt_len, response_len, response_mask, sampler_logp
 
+
+def _group_arrays(group_keys: list[tuple], prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``group`` (N,) int64 (dense labels of ``group_keys`` in order of first appearance), ``prompt_index`` (N,)
+    int64 (distinct prompts in order of first appearance) and ``sample_index`` (N,) int64 (rank within its
+    group), in that order."""
     group_ids: dict[tuple, int] = {}
     prompt_ids: dict[tuple, int] = {}
     group = np.array([group_ids.setdefault(key, len(group_ids)) for key in group_keys], dtype=np.int64)
     prompt_index = np.array(
         [prompt_ids.setdefault(tuple(p.tolist()), len(prompt_ids)) for p in prompts], dtype=np.int64
     )
-    sample_index = np.zeros(N, dtype=np.int64)
+    sample_index = np.zeros(len(prompts), dtype=np.int64)
     seen = np.zeros(len(group_ids), dtype=np.int64)
     for n, g in enumerate(group):
         sample_index[n] = seen[g]
         seen[g] += 1
+    return group, prompt_index, sample_index
 
-    out = {
-        "tokens": tokens,
-        "prompt_len": prompt_len,
-        "response_len": response_len,
-        "response_mask": response_mask,
-        "reward": np.array(rewards, dtype=np.float64),
-        "group": group,
-        "prompt_index": prompt_index,
-        "sample_index": sample_index,
-        "sampler_logp": sampler_logp,
-    }
-    if has_top:
-        out.update(_topk_arrays(tops, T))
-    for field, (name, dtype) in PER_TOKEN.items():
-        if has_token[field]:
-            arr = np.zeros((N, L), dtype=dtype)
-            for n, values in enumerate(per_token[field]):
-                arr[n, prompt_len[n] : prompt_len[n] + response_len[n]] = values
-            out[name] = arr
-    return out
+
+def _token_aligned(
+    values: list[np.ndarray], prompt_len: np.ndarray, response_len: np.ndarray, L: int, dtype: type
+) -> np.ndarray:
+    """Per-response-token ``values`` of N records placed at their tokens: (N, L) of ``dtype``, 0 outside the
+    response."""
+    arr = np.zeros((len(values), L), dtype=dtype)
+    for n, row in enumerate(values):
+        arr[n, prompt_len[n] : prompt_len[n] + response_len[n]] = row
+    return arr
 
 
 PER_TOKEN = {"advantages": ("token_advantage", np.float64), "teacher_logprobs": ("teacher_logprob", np.float32)}

@@ -1,30 +1,68 @@
-"""Exact per-sample scores: the batched engine (``persample``), its rules and op taps, centering under
-the policy or a sampler, the support μ, the fold loop into moment state and the preflight check.
+"""Exact per-sample scores: the batched engine (``engine``) with its forward hooks (``hooks``), per-sample blocks
+(``blocks``), first-call trace (``tracing``) and autograd self-check (``selfcheck``); its rules and op taps,
+centering under the policy or a sampler, the support μ, the fold loop into moment state and the preflight check.
+
+The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
+a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
 """
 
-from covgrad.scores.centering import LogitGrad, MuRecord, SamplerCentering, policy_logit_grad, sampled_token_logp
-from covgrad.scores.fold import fold_batches
-from covgrad.scores.persample import (
-    Binding,
-    Cotangent,
-    PerSampleGrads,
-    bind_rules,
-    chunk_rows,
-    default_chunk_bytes,
-    score_logit_grad,
-)
-from covgrad.scores.preflight import check_model
-from covgrad.scores.rules import (
-    FLATTENING_PARENTS,
-    Rule,
-    Slot,
-    folds_in_row_chunks,
-    generic_rule,
-    rmsnorm_rule,
-    rule_for,
-    writes_row_parts,
-)
-from covgrad.scores.support_mu import gradient_error_factor, tail_summary
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from covgrad.scores.blocks import chunk_rows, default_chunk_bytes
+    from covgrad.scores.centering import (
+        LogitGrad,
+        MuRecord,
+        SamplerCentering,
+        policy_logit_grad,
+        sampled_token_logp,
+        score_logit_grad,
+    )
+    from covgrad.scores.engine import Cotangent, PerSampleGrads
+    from covgrad.scores.fold import fold_batches
+    from covgrad.scores.preflight import check_model
+    from covgrad.scores.rules import (
+        FLATTENING_PARENTS,
+        Rule,
+        Slot,
+        folds_in_row_chunks,
+        generic_rule,
+        rmsnorm_rule,
+        rule_for,
+        writes_row_parts,
+    )
+    from covgrad.scores.support_mu import gradient_error_factor, tail_summary
+    from covgrad.scores.tracing import Binding, bind_rules
+
+_EXPORTS = {
+    "Binding": "covgrad.scores.tracing",
+    "Cotangent": "covgrad.scores.engine",
+    "FLATTENING_PARENTS": "covgrad.scores.rules",
+    "LogitGrad": "covgrad.scores.centering",
+    "MuRecord": "covgrad.scores.centering",
+    "PerSampleGrads": "covgrad.scores.engine",
+    "Rule": "covgrad.scores.rules",
+    "SamplerCentering": "covgrad.scores.centering",
+    "Slot": "covgrad.scores.rules",
+    "bind_rules": "covgrad.scores.tracing",
+    "check_model": "covgrad.scores.preflight",
+    "chunk_rows": "covgrad.scores.blocks",
+    "default_chunk_bytes": "covgrad.scores.blocks",
+    "fold_batches": "covgrad.scores.fold",
+    "folds_in_row_chunks": "covgrad.scores.rules",
+    "generic_rule": "covgrad.scores.rules",
+    "gradient_error_factor": "covgrad.scores.support_mu",
+    "policy_logit_grad": "covgrad.scores.centering",
+    "rmsnorm_rule": "covgrad.scores.rules",
+    "rule_for": "covgrad.scores.rules",
+    "sampled_token_logp": "covgrad.scores.centering",
+    "score_logit_grad": "covgrad.scores.centering",
+    "tail_summary": "covgrad.scores.support_mu",
+    "writes_row_parts": "covgrad.scores.rules",
+}
 
 __all__ = [
     "FLATTENING_PARENTS",
@@ -52,3 +90,12 @@ __all__ = [
     "tail_summary",
     "writes_row_parts",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The re-exported ``name``, imported from its module on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

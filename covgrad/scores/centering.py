@@ -1,5 +1,5 @@
-"""The logit-gradient functions of the scores: policy-centered, or centered by the sampler distribution μ
-aligned with the policy's logits.
+"""The logit-gradient functions of the scores (:func:`score_logit_grad`): policy-centered, or centered by the
+sampler distribution μ aligned with the policy's logits.
 
 Rollouts keep μ per response position (``(B, T, V)`` full, or a top-k record), or nothing (μ is then
 recomputed by the sampler model); the score needs it per logit position (``(B, L, V)``, index t =
@@ -20,9 +20,74 @@ from torch import Tensor, nn
 
 from covgrad.rollouts.batch import RolloutBatch
 from covgrad.rollouts.sampling import SamplerSpec, mu_from_topk, recompute_sampler_logp
-from covgrad.scores.persample import score_logit_grad
 
 LogitGrad = Callable[[Tensor], Tensor]  # logits (B, L, V) -> the (B, L, V) gradient the score backpropagates
+
+
+def score_logit_grad(
+    logits: Tensor,
+    input_ids: Tensor,
+    target_mask: Tensor,
+    mu: Tensor | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Gradient of every sample's score objective with respect to its logits.
+
+    The objective of sample n is Σ_t w_t [z_{t-1,y_t} − Σ_v q_v z_{t-1,v}] / τ, where position t-1's
+    logits predict token t. With ``mu=None``, q = softmax(z/τ) and this is exactly ∇ log p (policy
+    centering); otherwise q = mu, a constant (sampler centering, stop-gradient on the sampler).
+
+    Args:
+        logits: shape (B, L, V), any float dtype; ``logits[:, t]`` predicts ``input_ids[:, t + 1]``.
+        input_ids: shape (B, L), integer token ids.
+        target_mask: shape (B, L), bool or float; weight w_t of token position t as a scored response
+            token (prompt and padding positions 0; position 0 must be 0, nothing predicts it).
+        mu: shape (B, L, V) sampler probabilities aligned like ``logits`` (``mu[:, t - 1]`` is the
+            sampler's distribution for token t), or None for policy centering.
+        temperature: τ > 0 that divides the logits.
+
+    Returns:
+        shape (B, L, V) float32: w_{t+1} (e_{y_{t+1}} − q_t) / τ at position t, zero at position L-1.
+
+    Raises:
+        ValueError: on mismatched shapes, τ ≤ 0, a scored first position, token ids outside the
+            vocabulary, or sampler rows that are not probabilities.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape (B, L, V); got {tuple(logits.shape)}")
+    B, L, V = logits.shape
+    if input_ids.shape != (B, L) or target_mask.shape != (B, L):
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and target_mask {tuple(target_mask.shape)} must both "
+            f"have the logits' (B, L) = {(B, L)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    w = target_mask.to(torch.float32)
+    if bool((w[:, 0] != 0).any()):
+        raise ValueError("target_mask[:, 0] must be 0 (no logit predicts the first token); shift the mask")
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= V:
+        raise ValueError(f"input_ids must lie in [0, {V}); got range [{int(input_ids.min())}, {int(input_ids.max())}]")
+    if mu is None:
+        q = torch.softmax(logits[:, :-1].to(torch.float32) / temperature, dim=-1)  # (B, L-1, V)
+    else:
+        if mu.shape != logits.shape:
+            raise ValueError(f"mu must have the logits' shape {tuple(logits.shape)}; got {tuple(mu.shape)}")
+        q = mu[:, :-1].to(torch.float32)
+        scored = w[:, 1:] != 0
+        row_sums = q.sum(-1)[scored]
+        if bool((q[scored] < 0).any()) or bool(((row_sums - 1).abs() > 1e-3).any()):
+            raise ValueError(
+                "mu rows at scored positions must be probability vectors (non-negative, summing to 1); "
+                "got sums in "
+                f"[{float(row_sums.min()):.4g}, {float(row_sums.max()):.4g}]"
+            )
+    dlogits = torch.zeros(B, L, V, dtype=torch.float32, device=logits.device)
+    d = dlogits[:, :-1]
+    torch.neg(q, out=d)
+    d.scatter_add_(-1, input_ids[:, 1:, None].long(), torch.ones_like(d[..., :1]))  # e_y − q
+    d.mul_((w[:, 1:] / temperature)[..., None])
+    return dlogits
 
 
 @dataclass(frozen=True)

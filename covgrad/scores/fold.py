@@ -19,7 +19,7 @@ from torch import Tensor
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.rollouts.batch import RolloutBatch
 from covgrad.scores.centering import LogitGrad
-from covgrad.scores.persample import PerSampleGrads
+from covgrad.scores.engine import PerSampleGrads
 
 
 def fold_batches(

@@ -26,7 +26,7 @@ per sample (vmap) and comparing with the batched output (once per op position, f
 every selected parameter of the module must reach a use in the call, the module's output must not be derived,
 and every data input of a use must split by sample as above. A call that fails any of these falls back to the
 module replay (:func:`covgrad.scores.rules.generic_rule`) for that call and every later one of the module. The module
-itself is verified to keep samples apart as before (``PerSampleGrads._trace``).
+itself is verified to keep samples apart as before (:func:`covgrad.scores.tracing.check_apart`).
 
 Shape notation: B samples, k rows per sample of a flattened batch, P the parameter's elements.
 """
@@ -43,31 +43,26 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from covgrad.layout import TensorEntry
+from covgrad.scores.blocks import Blocks
 from covgrad.scores.rules import float_outputs, generic_rule
 
 
 class Owner(Protocol):
-    """What the taps read of their :class:`covgrad.scores.persample.PerSampleGrads` (typed here, not imported: the
+    """What the taps read of their :class:`covgrad.scores.engine.PerSampleGrads` (typed here, not imported: the
     engine imports this module)."""
 
-    _B: int
-    _calls: Any
+    _blocks: Blocks
     _flat_ok: Any
     _outer: Any
-    _pending: Any
     _probing: bool
     _replaying: bool
     _roots: Any
 
     def _forward_hook(self, B: int, rule: Callable[..., None], local: Any) -> Callable[..., Any]: ...
 
-    def _run_rule(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def _tap_view(self, *args: Any, **kwargs: Any) -> Any: ...
-
 
 # Tensor methods that read metadata, not values (an attribute getter, ``__get__``, is handled by its result;
-# covgrad.scores.persample's use recorder adds it).
+# covgrad.scores.tracing's use recorder adds it).
 METADATA_READS = frozenset(
     {
         "size",
@@ -132,7 +127,7 @@ class _Record:
 
 
 class OpTaps:
-    """The op-level path of :class:`covgrad.scores.persample.PerSampleGrads` for its generic-rule bindings.
+    """The op-level path of :class:`covgrad.scores.engine.PerSampleGrads` for its generic-rule bindings.
 
     Args:
         owner: the PerSampleGrads whose per-call state (B, the flattened-batch checks, the graph roots, the
@@ -155,7 +150,7 @@ class OpTaps:
 
     def hooks(self, module: nn.Module, local: dict[str, TensorEntry]) -> list:
         """Register the pre- and post-forward hooks that tap one module's calls; returns their handles."""
-        replay_hook = self.owner._forward_hook(self.owner._B, generic_rule, local)
+        replay_hook = self.owner._forward_hook(self.owner._blocks.B, generic_rule, local)
         records: list[_Record | None] = []
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -200,7 +195,7 @@ class OpTaps:
 
     def _begin(self, module: nn.Module, local: dict[str, TensorEntry], args: tuple, kwargs: dict) -> _Record | None:
         """A record for this call, or None when the call cannot be tapped (it then takes the replay)."""
-        owner, B = self.owner, self.owner._B
+        owner, B = self.owner, self.owner._blocks.B
         first = args[0] if args else next(iter(kwargs.values()), None)
         lead = first.shape[0] if isinstance(first, Tensor) and first.dim() else None
         flat = 0
@@ -231,9 +226,7 @@ class OpTaps:
         for use in record.uses:
             use.active = True
             for n in use.names:
-                name = record.local[n].name
-                owner._pending[name] = owner._pending.get(name, 0) + 1
-                owner._calls[name] = owner._calls.get(name, 0) + 1
+                owner._blocks.count(record.local[n].name)
 
     # ---- the mode's three kinds of calls ----
 
@@ -424,7 +417,7 @@ class OpTaps:
 
         def hook(g: Tensor) -> None:
             if use.active:
-                owner._run_rule(lambda: _apply(owner, record, use, g), local)
+                owner._blocks.run_rule(lambda: _apply(owner, record, use, g), local)
 
         return hook
 
@@ -516,7 +509,7 @@ def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
             if part is not None:
                 grads[n] = grads[n] + part if n in grads else part
     for n, grad in grads.items():
-        s = owner._tap_view(record.local[n])
+        s = owner._blocks.tap_view(record.local[n])
         if s[1]:
             s[0].copy_(grad.reshape(s[0].shape))
         else:

@@ -4,7 +4,7 @@ Two steps, seconds in all, so that an unsupported module or a rule that does not
 forward is reported before rollouts are sampled:
 
 1. the full architecture on the meta device (no memory, no weights): every selected parameter must have a
-   per-sample path (:class:`covgrad.scores.persample.PerSampleGrads` names every parameter without one at once,
+   per-sample path (:class:`covgrad.scores.engine.PerSampleGrads` names every parameter without one at once,
    with a ``model.params`` selection that runs);
 2. the same architecture cut to at most two layers, randomly initialised on the CPU in float32, runs
    one checked per-sample pass on a two-sample, left-padded batch: the parameters of every module type
@@ -23,7 +23,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.rules import generic_rule
 
 _LAYERS = 2

@@ -76,7 +76,7 @@ class Slot:
         Each item is (r0, r1, view) with view (B, r1 − r0, *param.shape[1:]) float32 to *write* rows r0:r1
         of every sample's gradient into; a chunk is consumed (folded) when the next one is asked for, so the
         rule must run the iteration to its end. This base class yields nothing to chunk (None); the fused
-        reduction (:mod:`covgrad.scores.persample`) chunks a parameter that gets one contribution per call.
+        reduction (:mod:`covgrad.scores.blocks`) chunks a parameter that gets one contribution per call.
         """
         return None
 
@@ -103,7 +103,7 @@ class Call:
 
     ``args``/``kwargs`` are the call's arguments as the module received them. ``flat`` says that the
     module ran on a flattened (B·L, …) batch (row n·L + t is sample n's position t, verified by
-    :class:`covgrad.scores.persample.PerSampleGrads`); ``length`` is L, so that :func:`generic_rule` splits a
+    :class:`covgrad.scores.engine.PerSampleGrads`); ``length`` is L, so that :func:`generic_rule` splits a
     tensor with leading dimension B·L into the samples' (L, …) rows. ``params`` are the local (dotted)
     names of the parameters the rule differentiates (empty: the module's own), ``where`` the module's
     qualified name for error messages. ``outer`` = m > 0: the flattened rows are outer-major instead, an
@@ -122,7 +122,7 @@ class Call:
 # Parents known to run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's
 # position t): OPT's decoder layer (final norm and MLP) and the MoE blocks (router, experts, shared expert).
 # PerSampleGrads does not rely on this list (it verifies every flattened call by a check, see
-# PerSampleGrads._trace); covgrad.tokens.fisher reads it to pick its repeated-batch path.
+# PerSampleGrads._trace); covgrad.tokens.backward reads it to pick its repeated-batch path.
 FLATTENING_PARENTS = frozenset(
     {OPTDecoderLayer, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, OlmoeSparseMoeBlock, Qwen2MoeSparseMoeBlock}
 )
@@ -240,7 +240,7 @@ def adds_rows(adder: Callable[[nn.Module, Tensor, Tensor], RowAdder]) -> Callabl
     """Mark a rule whose weight contribution can also be added chunk by chunk into rows another contribution
     wrote: ``adder(module, x, g)`` returns ``add(r0, r1, view)``, which adds rows r0 … r1 of every sample's
     contribution into ``view`` (B, r1 − r0, *shape[1:]). The fused reduction folds a tied embedding this way
-    (:meth:`covgrad.scores.persample.PerSampleGrads._row_chunks`: the LM head's chunk, then the embedding's rows
+    (:meth:`covgrad.scores.blocks.Blocks.row_chunks`: the LM head's chunk, then the embedding's rows
     added)."""
 
     def mark(rule: Rule) -> Rule:

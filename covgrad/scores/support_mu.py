@@ -79,7 +79,7 @@ def align_support_mu(
     prompt_len: Tensor,
     response_len: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """μ̂ aligned with the logits, for ``covgrad.scores.persample.score_logit_grad(mu=...)``.
+    """μ̂ aligned with the logits, for ``covgrad.scores.centering.score_logit_grad(mu=...)``.
 
     Args:
         policy_logits: (B, L, V) logits; ``policy_logits[:, t]`` predicts token t + 1.

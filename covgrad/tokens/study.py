@@ -9,8 +9,8 @@ that their disagreement estimates their own error. On the same samples it comput
 s_n and the token scores s_{n,t}, checks Σ_t s_{n,t} = s_n, and keeps Σ_n s_n² and Σ_n Σ_t s_{n,t}² for
 the sequence Fisher F = mean(s²) and the cross-term measure ‖mean(s² − Σ_t s_t²)‖ / ‖mean(s²)‖. All
 scores are centered under the policy p. Every batch runs one forward for all of it
-(:class:`~covgrad.tokens.fisher.TokenBackward`); the sequence scores come from
-:class:`~covgrad.scores.persample.PerSampleGrads` (self-checked against autograd), so the sum check also checks
+(:class:`~covgrad.tokens.backward.TokenBackward`); the sequence scores come from
+:class:`~covgrad.scores.engine.PerSampleGrads` (self-checked against autograd), so the sum check also checks
 the batched-cotangent path against it.
 
 Each batch hands out (param,) float64 batch sums, one per name of :func:`row_names`, as soon as each is
@@ -41,9 +41,10 @@ from covgrad.moments.numerics import dot64
 from covgrad.moments.quantiles import t975
 from covgrad.moments.topk import as_values, spearman, spearman_blocked
 from covgrad.rollouts.batch import RolloutBatch
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
+from covgrad.tokens.backward import TokenBackward
 from covgrad.tokens.fisher import (
-    TokenBackward,
     candidate_weights,
     check_exact_budget,
     default_mode,
@@ -411,32 +412,20 @@ class _Norms:
         return math.sqrt(self.sq[num] / self.sq[den]) if self.sq[den] > 0 else float("nan")
 
 
-def summarize(
-    record: StudyRecord, out: Mapping[str, Any], modes: list[str], draws_per_mode: dict[str, int], step: int
-) -> tuple[dict[str, Any], list[dict]]:
-    """Write the (param,) Fisher estimates into ``out`` and return the scalars and the three-N error table.
-
-    Args:
-        record: the batches' sums and per-sample outputs.
-        out: ``fisher_{mode}`` for each mode and ``fisher_seq`` -> writable (P,) float64 arrays (numpy, or
-            any array written and read by slices); ``fisher_{mode}`` = Σ f / N, ``fisher_seq`` = mean(s²).
-        modes: the modes, main mode first; ``draws_per_mode``: k of each mode (:func:`draws`).
-        step: columns of the parameter axis read and written at a time; every sum over the parameter
-            axis is accumulated in this order, Spearman's ρ reads ``out`` back in blocks.
-
-    Returns:
-        The scalars (cross-term ratio, errors against F at three N with the 95% jackknife interval of the
-        error at N, ``relerr_{mode}_vs_seq_lo``/``_hi`` (:func:`relerr_jackknife`), Spearman against F, mode agreement,
-        expected error of each halved mode, sum check, LM-head check, :func:`trace_entropy`) and the rows
-        (mode, n, relerr_vs_seq) of the three-N table.
-    """
+def _column_blocks(
+    record: StudyRecord,
+    out: Mapping[str, Any],
+    modes: list[str],
+    draws_per_mode: dict[str, int],
+    step: int,
+    at: dict[float, tuple[int, int]],
+) -> tuple[_Norms, dict[str, np.ndarray]]:
+    """The pass of :func:`summarize` over the parameter axis in column blocks of ``step``: writes the (param,)
+    Fisher estimates into ``out`` and returns the squared norms summed over the blocks (of the estimates, of
+    their differences against F and each other, of the halves' gaps, and against F at each target sample count
+    of ``at``: target → (batch index, cumulative count)) and the (g, g) Gram matrices of the batches' cumulative
+    sums (``seq``, each mode, and each mode against ``seq`` as ``{mode}_seq``)."""
     N = record.response_len.shape[0]
-    response = np.arange(record.positions["entropy"].shape[1])[None, :] < record.response_len[:, None]  # (N, T)
-    cum_n = np.cumsum(record.counts.astype(np.int64))
-    at = {}  # the batch whose cumulative count is nearest each target sample count, and that count
-    for target in (N / 4, N / 2, N):
-        i = int(np.argmin(np.abs(cum_n - target)))
-        at[target] = (i, int(cum_n[i]))
     norms = _Norms()
     P = out["fisher_seq"].shape[0]
     g = len(record.counts)
@@ -472,6 +461,36 @@ def summarize(
         if "exact" in modes:
             for m in modes[1:]:
                 norms.add(f"{m}-exact", fisher[f"fisher_{m}"] - fisher["fisher_exact"])
+    return norms, gram_cum
+
+
+def summarize(
+    record: StudyRecord, out: Mapping[str, Any], modes: list[str], draws_per_mode: dict[str, int], step: int
+) -> tuple[dict[str, Any], list[dict]]:
+    """Write the (param,) Fisher estimates into ``out`` and return the scalars and the three-N error table.
+
+    Args:
+        record: the batches' sums and per-sample outputs.
+        out: ``fisher_{mode}`` for each mode and ``fisher_seq`` -> writable (P,) float64 arrays (numpy, or
+            any array written and read by slices); ``fisher_{mode}`` = Σ f / N, ``fisher_seq`` = mean(s²).
+        modes: the modes, main mode first; ``draws_per_mode``: k of each mode (:func:`draws`).
+        step: columns of the parameter axis read and written at a time; every sum over the parameter
+            axis is accumulated in this order, Spearman's ρ reads ``out`` back in blocks.
+
+    Returns:
+        The scalars (cross-term ratio, errors against F at three N with the 95% jackknife interval of the
+        error at N, ``relerr_{mode}_vs_seq_lo``/``_hi`` (:func:`relerr_jackknife`), Spearman against F, mode agreement,
+        expected error of each halved mode, sum check, LM-head check, :func:`trace_entropy`) and the rows
+        (mode, n, relerr_vs_seq) of the three-N table.
+    """
+    N = record.response_len.shape[0]
+    response = np.arange(record.positions["entropy"].shape[1])[None, :] < record.response_len[:, None]  # (N, T)
+    cum_n = np.cumsum(record.counts.astype(np.int64))
+    at = {}  # the batch whose cumulative count is nearest each target sample count, and that count
+    for target in (N / 4, N / 2, N):
+        i = int(np.argmin(np.abs(cum_n - target)))
+        at[target] = (i, int(cum_n[i]))
+    norms, gram_cum = _column_blocks(record, out, modes, draws_per_mode, step, at)
     table = [
         {"mode": mode, "n": n, "relerr_vs_seq": norms.rel(f"{mode}-seq@{target}", f"seq@{target}")}
         for target, (_, n) in at.items()

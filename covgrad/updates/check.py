@@ -33,7 +33,7 @@ from torch import nn
 from covgrad.heap import release_free_memory
 from covgrad.layout import ParamLayout, parameters_flat
 from covgrad.moments.topk import top_k_masks
-from covgrad.updates.trajectory import (
+from covgrad.updates.stepping import (
     ADAM_EPS,
     OPTIMIZERS,
     PRECISIONS,
@@ -42,13 +42,12 @@ from covgrad.updates.trajectory import (
     StepLoss,
     Stepper,
     bf16_rounded,
-    count,
-    count_metrics,
 )
-from covgrad.updates.trajectory import BATCH_KEYS as BATCH_KEYS
-from covgrad.updates.trajectory import bf16_half_spacing as bf16_half_spacing
-from covgrad.updates.trajectory import sequence_logp as sequence_logp
-from covgrad.updates.trajectory import set_metrics as set_metrics
+from covgrad.updates.stepping import BATCH_KEYS as BATCH_KEYS
+from covgrad.updates.stepping import sequence_logp as sequence_logp
+from covgrad.updates.tracking import bf16_half_spacing as bf16_half_spacing
+from covgrad.updates.tracking import count, count_metrics
+from covgrad.updates.tracking import set_metrics as set_metrics
 
 ABS_THRESHOLD = 1e-5  # the |Δ| metric of Mukherjee et al. 2025
 RANKED_PREDICTORS = ("F", "absG", "absrho", "random", "smallw")
@@ -397,7 +396,7 @@ def _train(
     fresh_minibatches: bool,
     loss: StepLoss | None = None,
 ) -> Iterator[tuple[int, nn.Module]]:
-    """One run of max(snapshots) steps of ``loss`` on fixed batches (``covgrad.updates.trajectory.Stepper`` with
+    """One run of max(snapshots) steps of ``loss`` on fixed batches (``covgrad.updates.stepping.Stepper`` with
     ``FixedBatches``): yields (0, model) at the start, then (n, model) after each snapshot step n, in
     order; the model is the analysed one (its parameters change once the generator resumes)."""
     _check_optimizer(optimizer)

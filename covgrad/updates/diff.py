@@ -19,7 +19,7 @@ import torch
 
 from covgrad.layout import ParamLayout
 from covgrad.updates.check import set_metrics
-from covgrad.updates.trajectory import count
+from covgrad.updates.tracking import count
 
 CHUNK = 1 << 24  # elements per comparison block: bounds the float32 copies of a large tensor
 

@@ -11,9 +11,12 @@ imports torch, so the functions that write arrays import it when they run).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from covgrad.regimes import GroupRows
 
 BOUND = ("bound_sum", "bound_count")
 IMPORTED = {"advantages": "token_advantage", "teacher_logprobs": "teacher_logprob"}  # rollouts arrays
@@ -37,7 +40,7 @@ HEAD_FISHER = "head_token_fisher"
 
 
 def write_head_fisher(g: Any, entry: Any, sums: np.ndarray, counts: np.ndarray) -> None:
-    """The LM head's token-Fisher sums (2, numel) per half (``covgrad.regimes.objectives.head_token_fisher``) of a
+    """The LM head's token-Fisher sums (2, numel) per half (``covgrad.regimes.fold.head_token_fisher``) of a
     full-distribution regime's fold, with attrs naming the tensor, its place on the param axis and the
     samples per half."""
     from storage.schema import SCORES, create
@@ -51,10 +54,10 @@ def write_head_fisher(g: Any, entry: Any, sums: np.ndarray, counts: np.ndarray) 
     }
 
 
-def head_fisher(g: Any, cols: slice) -> tuple[slice, np.ndarray, np.ndarray] | None:
-    """Where the fold ``g``'s head token Fisher meets the param columns ``cols``: (the slice of ``cols``'
-    block it covers, its mean F_tok there (b,), per half (2, b)); None when the fold has none or it misses
-    ``cols``."""
+def head_fisher_sums(g: Any, cols: slice) -> tuple[slice, np.ndarray, np.ndarray] | None:
+    """Where the fold ``g``'s head token-Fisher sums meet the param columns ``cols``: (the slice of ``cols``'
+    block they cover, the sums there per half (2, b), the samples per half (2,) float64); None when the fold has
+    none or they miss ``cols`` (their means: ``covgrad.regimes.stats.regime_stats``)."""
     info = g.attrs.get(HEAD_FISHER)
     if info is None:
         return None
@@ -62,10 +65,7 @@ def head_fisher(g: Any, cols: slice) -> tuple[slice, np.ndarray, np.ndarray] | N
     if lo >= hi:
         return None
     sums = g[HEAD_FISHER][:, lo - info["offset"] : hi - info["offset"]]
-    n = np.asarray(info["count"], dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        per_half = sums / n[:, None]
-    return slice(lo - cols.start, hi - cols.start), sums.sum(0) / n.sum(), per_half
+    return slice(lo - cols.start, hi - cols.start), sums, np.asarray(info["count"], dtype=np.float64)
 
 
 def bound_a2(g: Any) -> tuple[float, list[float]]:
@@ -85,24 +85,23 @@ def state_rows(g: Any, cols: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return count, mean, g["m2_s"][:, cols].astype(np.float64), np.arange(len(count)) % 2
 
 
+def group_rows(g: Any, cols: slice) -> GroupRows:
+    """A regime fold's group moment rows over parameters ``cols`` (:class:`covgrad.regimes.stats.GroupRows`), from
+    its scores group ``g`` (or the ``rows()`` of a :class:`covgrad.moments.accum.GroupAccumulator`)."""
+    from covgrad.regimes import GroupRows
+
+    count, mean, m2, half = state_rows(g, cols)
+    c = g["c_as"][:, cols].astype(np.float64) if "c_as" in g else None
+    return GroupRows(count, g["mean_a"][:], g["m2_a"][:], mean, m2, c, half)
+
+
 def regime_gradient(g: Any, cols: slice) -> list[tuple[np.ndarray, np.ndarray, float, float]]:
     """A regime fold's G, its prompt-clustered standard error (b,) float64 (NaN with fewer than 2 groups), its
-    number of samples N and of prompt groups C over parameters ``cols``, from the fold's group state
-    (:class:`covgrad.moments.accum.GroupAccumulator`, :func:`covgrad.regimes.objectives.clustered_mean_se`): of all
-    rows, then of
-    each half."""
-    from covgrad.regimes import clustered_mean_se
+    number of samples N and of prompt groups C over parameters ``cols``: of all rows, then of each half
+    (:func:`covgrad.regimes.stats.regime_halves` of :func:`group_rows`)."""
+    from covgrad.regimes import regime_halves
 
-    count, mean_a, m2_a = (g[n][:] for n in ("count", "mean_a", "m2_a"))
-    _, mean, m2, half = state_rows(g, cols)
-    c = g["c_as"][:, cols].astype(np.float64) if "c_as" in g else None
-    out = []
-    for rows in (half >= 0, half == 0, half == 1):
-        G, se, C = clustered_mean_se(
-            count[rows], mean_a[rows], m2_a[rows], mean[rows], m2[rows], None if c is None else c[rows]
-        )
-        out.append((G, se, float((count[rows] * mean_a[rows]).sum()), C))
-    return out
+    return regime_halves(group_rows(g, cols))
 
 
 def create_imported_token_arrays(g: Any, data: dict[str, np.ndarray], rows: int) -> None:
@@ -207,7 +206,7 @@ def task_records(t: Any) -> list[dict[str, Any]]:
 
 def teacher_prompt_texts(template: str, t: Any, what: str) -> list[str]:
     """The teacher prompt of every prompt of task ``t``: ``template`` filled from its record
-    (:func:`covgrad.regimes.objectives.fill_template`); ValueError naming ``what`` and the record's ``file:line`` when a
+    (:func:`covgrad.config.fill_template`); ValueError naming ``what`` and the record's ``file:line`` when a
     record lacks a field the template names."""
     from covgrad.config import fill_template
     from storage.stores.prompts import prompt_places

@@ -11,6 +11,10 @@ Layout of ``{root}/trajectory/{key}/``:
 - ``state/step_{t:06d}.pt``: the newest resume state (``torch.save`` of a plain dict of tensors and ints),
   written atomically; older ones are deleted once a newer one exists, the last one when the stage ends.
 - ``checkpoints/step_{t:06d}/``: Hugging Face checkpoints (model and tokenizer) at the configured steps.
+- ``deltas/start.npy`` and ``deltas/step_{t:06d}.npy``: the run's change trace, the raw bits of the stored dtype
+  (bf16: uint16, float32: uint32; numpy has no bfloat16): the start weights (P,) and, per step, the new values
+  of the step's changed set in index order (its indices are the ``changed`` row). The k-step arrays
+  (``dk``, ``independent``, ``jaccard_*``, ``hist_*``; :func:`write_persistence`) are computed from it.
 """
 
 from __future__ import annotations
@@ -26,28 +30,25 @@ import torch
 
 from covgrad.config import RegimeSection
 from covgrad.layout import ParamLayout
-from covgrad.regimes import regime_of
-from covgrad.rollouts import SamplerSpec, group_batches
+from covgrad.rollouts import group_batches
 from covgrad.updates import (
     BATCH_KEYS,
-    FixedBatches,
-    OnPolicy,
-    OptimizerSpec,
-    StepLoss,
-    StepZeroStats,
-    text_rewards,
+    KS,
+    Cells,
+    StepDelta,
+    count_trace,
+    persistence_tables,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.models import ModelSource, load_model_and_tokenizer, load_models
-from storage.schema import REGIMES, ROLLOUTS, STATS, annotate, create, write
 from storage.schema import TRAJECTORY as STORE
-from storage.stores.prompts import load_task
+from storage.schema import annotate, create, write
 from storage.stores.regimes import IMPORTED
 from storage.stores.rollouts import read_batch
 
 STATE_DIR = "state"
 RECORDS_DIR = "records"
 CHECKPOINTS_DIR = "checkpoints"
+DELTAS_DIR = "deltas"
 
 
 MANIFEST = "manifest.json"  # covgrad.integrations.trl writes it beside its checkpoints
@@ -87,79 +88,6 @@ def checkpoint_series(path: str) -> list[tuple[int, str]]:
         if not (Path(d) / "config.json").is_file():
             raise ValueError(f"trajectory.checkpoints: {d} is not a Hugging Face checkpoint (no config.json)")
     return series
-
-
-FIXED_KINDS = ("sft_drift", "sft_sampled")  # regimes whose data are fixed responses, never fresh samples
-
-
-def optimizer_spec(s: Any) -> OptimizerSpec:
-    """The optimizer of trajectory settings ``s`` (weight decay only for AdamW)."""
-    decay = s.weight_decay if s.optimizer == "adamw" else None
-    return OptimizerSpec(s.optimizer, s.lr, tuple(s.betas), decay, s.warmup)
-
-
-def step_zero_stats(store: ArtifactStore, spec: Any, up: dict[str, ArtifactRef], columns: Any = None) -> StepZeroStats:
-    """The step-0 predictors of trajectory spec ``spec``: F of the main statistics, G and ρ of the main statistics
-    for rl and of the regime's own (the ``regimes`` stage) otherwise; all P columns, or those of ``columns`` (a
-    ``covgrad.distributed.fsdp.RankColumns``), read run by run."""
-    st = store.open_group(up["stats"], STATS, mode="r")
-    rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
-    own = "" if spec.regime is None else f"_{spec.settings.regime}"
-
-    def read(array: Any) -> np.ndarray:
-        if columns is None:
-            return array[:]
-        parts = [np.asarray(array[a:b]) for a, b in zip(columns.starts, columns.stops, strict=True)]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=array.dtype)
-
-    return StepZeroStats(F=read(st["F"]), G=read(rg[f"G{own}"]), rho=read(rg[f"rho{own}"]), seed=spec.settings.seed)
-
-
-def step_loss(
-    store: ArtifactStore,
-    base: ArtifactRef,
-    policy: ModelSource,
-    name: str,
-    r: RegimeSection | None,
-    teacher: ArtifactRef | None = None,
-    meta: bool = False,
-) -> StepLoss:
-    """The loss regime ``name`` steps (None: rl), its teacher and reference loaded as fixed float32 models
-    (``policy``: the start policy; ``stale``; ``trained``: the teacher stage's artifact ``teacher``; a model
-    directory), on the meta device with ``meta`` (a rank that takes its shards from rank 0); ValueError for
-    another vocabulary."""
-    if r is None:
-        return StepLoss()
-    if r.teacher_logprobs:
-        raise ValueError(
-            f"regime {name}: teacher_logprobs imports the teacher's log-probs of fixed samples; a step needs the "
-            "teacher model (set teacher to a model directory, stale or policy)"
-        )
-
-    def fixed(which: str | None, role: str) -> torch.nn.Module | None:
-        if which is None:
-            return None
-        if which == "trained":
-            if teacher is None:
-                raise ValueError(f"regime {name}: teacher trained needs the teacher stage's artifact upstream")
-            with store.local_dir(teacher, "teacher", write=False) as d:
-                model = load_model_and_tokenizer(d, policy.dtype, policy.trust_remote_code, meta)[0].float().eval()
-        else:
-            model = load_models(store, base, which, policy, meta)[0].float().eval()
-        V = int(model.get_output_embeddings().weight.shape[0])
-        own = load_models(store, base, "policy", policy, meta=True)[0]  # its shapes only
-        if int(own.get_output_embeddings().weight.shape[0]) != V:
-            raise ValueError(f"regime {name}: the {role} {which!r} has vocabulary {V}, unlike the policy")
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return model
-
-    return StepLoss(
-        regime_of(r),
-        teacher=fixed(r.teacher, "teacher"),
-        reference=fixed(r.reference if r.kl_beta else None, "reference"),
-        use_advantages=r.advantages != "none",
-    )
 
 
 def fixed_batches(ro: Any, groups_per_batch: int, r: RegimeSection | None) -> list[dict[str, torch.Tensor]]:
@@ -202,10 +130,74 @@ def create_changed(g: Any, steps: int, P: int) -> None:
     create(g, STORE, "changed", (steps, -(-P // 8)))
 
 
-def write_step(store: ArtifactStore, ref: ArtifactRef, g: Any, step: int, packed: np.ndarray, record: dict) -> None:
-    """Step ``step``'s data (from 1): its packed changed set as row step - 1 and its record file."""
+def write_step(
+    store: ArtifactStore, ref: ArtifactRef, g: Any, step: int, packed: np.ndarray, values: np.ndarray, record: dict
+) -> None:
+    """Step ``step``'s data (from 1): its packed changed set as row step - 1, the new values of that set
+    (``values``, stored-dtype bits) and its record file."""
     g["changed"][step - 1] = packed
+    _write_npy(store, ref, f"{DELTAS_DIR}/step_{step:06d}.npy", values)
     store.write_json(ref, record_name(step), _plain(record))
+
+
+def write_start(store: ArtifactStore, ref: ArtifactRef, bits: np.ndarray) -> None:
+    """The trace's start weights (P,) as stored-dtype bits (idempotent)."""
+    _write_npy(store, ref, f"{DELTAS_DIR}/start.npy", bits)
+
+
+def _write_npy(store: ArtifactStore, ref: ArtifactRef, name: str, values: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(values), allow_pickle=False)
+    target = store.path(ref, name)
+    store.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+    store.fs.pipe_file(target, buf.getvalue())
+
+
+def _read_npy(store: ArtifactStore, ref: ArtifactRef, name: str) -> np.ndarray:
+    return np.load(io.BytesIO(store.fs.cat_file(store.path(ref, name))), allow_pickle=False)
+
+
+def trace_reader(store: ArtifactStore, ref: ArtifactRef, g: Any, P: int) -> tuple[np.ndarray, StepDelta]:
+    """The run's change trace: the start bits (P,) and ``delta(t)`` -> (changed indices (n_t,) int64, their new
+    value bits (n_t,)) of step t, from the ``changed`` rows and ``deltas/`` files."""
+    changed = g["changed"]
+
+    def delta(t: int) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.flatnonzero(np.unpackbits(changed[t - 1], count=P))
+        values = _read_npy(store, ref, f"{DELTAS_DIR}/step_{t:06d}.npy")
+        if values.shape != idx.shape:
+            raise ValueError(
+                f"trajectory trace: step {t} has {idx.shape[0]} changed parameters, {values.shape[0]} values"
+            )
+        return idx, values
+
+    return _read_npy(store, ref, f"{DELTAS_DIR}/start.npy"), delta
+
+
+def write_persistence(store: ArtifactStore, ref: ArtifactRef, g: Any, layout: ParamLayout, steps: int) -> dict:
+    """The k-step persistence arrays of a finished run from its trace (:mod:`covgrad.updates.kstep`), written
+    into the store; returns the whole-layout summary: mean d_k and mean independent_k over the windows."""
+    start, delta = trace_reader(store, ref, g, layout.P)
+    floats = start.view(np.float32) if start.dtype == np.uint32 else (start.astype(np.uint32) << 16).view(np.float32)
+    cells = Cells.of([e.name for e in layout.entries], [e.numel for e in layout.entries], floats)
+    del floats
+    tables = persistence_tables(count_trace(start, delta, steps, cells), cells)
+    write(g, STORE, "k", np.asarray(KS, dtype=np.int64), overwrite=True)
+    write(g, STORE, "window", np.arange(steps, dtype=np.int64), overwrite=True)
+    write(g, STORE, "kind_name", np.asarray(tables["labels_kind"], dtype=str), overwrite=True)
+    for grouping, suffix in (("all", ""), ("kind", "_kind"), ("tensor", "_tensor"), ("decile", "_decile")):
+        for measure in ("dk", "independent"):
+            values = tables[f"{measure}_{grouping}"]
+            write(g, STORE, f"{measure}{suffix}", values[..., 0] if grouping == "all" else values, overwrite=True)
+        if grouping != "all":
+            write(g, STORE, f"jaccard{suffix}", tables[f"jaccard_{grouping}"], overwrite=True)
+            write(g, STORE, f"hist{suffix}", tables[f"hist_{grouping}"], overwrite=True)
+    dk, ind = tables["dk_all"][..., 0], tables["independent_all"][..., 0]
+    return {
+        f"k{k}": {"dk_mean": float(np.nanmean(dk[i])), "independent_mean": float(np.nanmean(ind[i]))}
+        for i, k in enumerate(KS)
+        if k <= steps
+    }
 
 
 def read_records(store: ArtifactStore, ref: ArtifactRef, steps: int) -> list[dict]:
@@ -294,36 +286,6 @@ def _dtype(values: list) -> type:
 def _plain(record: dict) -> dict:
     """A record as JSON values: arrays to lists, numpy scalars to Python numbers."""
     return {k: v.tolist() if isinstance(v, np.ndarray | np.generic) else v for k, v in record.items()}
-
-
-def step_source(
-    store: ArtifactStore, spec: Any, up: dict[str, ArtifactRef], tokenizer: Any, loss: StepLoss
-) -> FixedBatches | OnPolicy:
-    """The data of every step of trajectory spec ``spec`` (a ``tasks.specs.TrajectorySpec``): fresh on-policy
-    rows, or fixed minibatches of the upstream rollouts."""
-    s, r = spec.settings, spec.regime
-    if s.data == "fixed" or (r is not None and r.kind in FIXED_KINDS):
-        ro = store.open_group(up["rollouts"], ROLLOUTS, mode="r")
-        return FixedBatches(fixed_batches(ro, spec.groups_per_batch, r), True, loss.needs)
-    if r is not None and r.advantages == "imported":
-        raise ValueError(
-            f"trajectory: regime {s.regime} uses imported per-token advantages, which fresh samples lack; "
-            "set trajectory.data=fixed"
-        )
-    problems, reward_fn = load_task(spec.task)
-    sampler = spec.sampler
-    return OnPolicy(
-        prompts=[tokenizer(p.prompt)["input_ids"] for p in problems],
-        rewards=text_rewards(tokenizer, problems, reward_fn),
-        group_size=sampler.group_size,
-        sampler=SamplerSpec.of(sampler),
-        prompts_per_step=s.prompts_per_step,
-        seed=s.seed,
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        advantage=spec.advantage,
-        batch_size=sampler.batch_size,
-    )
 
 
 def write_summary(store: ArtifactStore, ref: ArtifactRef, g: Any, layout: ParamLayout, summary: dict) -> None:

@@ -1,16 +1,16 @@
 """The fold of one regime stage: an analysed post-training objective's per-sample gradients in moment state.
 
-``regime.<name>`` folds the regime's g_n through the scores machinery (:class:`covgrad.regimes.objectives.RegimeGrad` as
-the logit-gradient function), each prompt group's sum S_c as one row whose advantage is the group's size
+``regime.<name>`` folds the regime's g_n through the scores machinery (:class:`covgrad.regimes.cotangents.RegimeGrad`
+as the logit-gradient function), each prompt group's sum S_c as one row whose advantage is the group's size
 (:class:`covgrad.moments.accum.GroupAccumulator`: G and its prompt-clustered standard error), into a
 :class:`storage.stores.scores.ScoresStore` (the same layout, checkpoints and resume as a scores artifact, one job,
 moment state only); plus each batch's bound scalars per half
 (:mod:`storage.stores.regimes`), written before its checkpoint. The teacher and the reference run one forward on
 the same padded batch; a teacher with a ``teacher_prompt`` (context distillation) runs on its own prompts
-followed by the same response tokens (:func:`covgrad.regimes.objectives.prefixed_batch`), its logits moved back to the
+followed by the same response tokens (:func:`covgrad.regimes.context.prefixed_batch`), its logits moved back to the
 policy's positions. With ``responses: teacher`` the responses are the teacher's own samples, drawn once per
-run (seeded like the sampler's rollouts) and scored after the policy's prompts. Their statistics:
-:mod:`tasks.regimes`; the stage: :mod:`tasks.regimes`.
+run (seeded like the sampler's rollouts) and scored after the policy's prompts. The stage, and the regimes'
+statistics: :mod:`tasks.regimes`.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ from covgrad.rollouts import (
 from covgrad.scores import Cotangent, PerSampleGrads
 from covgrad.tokens import head_forward
 from storage.artifacts import ArtifactRef, ArtifactStore
-from storage.models import load_model_and_tokenizer, load_models
+from storage.models import load_fixed_model, load_models, vocab_size
 from storage.schema import ROLLOUTS
 from storage.stores.prompts import load_task, prompt_places
 from storage.stores.regimes import IMPORTED, create_bound_arrays, teacher_prompt_texts, write_bound, write_head_fisher
 from storage.stores.rollouts import read_batch
 from storage.stores.scores import ScoresStore
+from tasks.specs import RegimeSpec
 
 
 class RegimeJob:
@@ -64,7 +65,7 @@ class RegimeJob:
         self,
         store: ArtifactStore,
         ref: ArtifactRef,
-        spec: Any,
+        spec: RegimeSpec,
         up: dict[str, ArtifactRef],
         lead: RegimeJob | None = None,
     ) -> None:
@@ -79,7 +80,7 @@ class RegimeJob:
         else:  # a member of ``lead``'s pass: the same policy, rollouts and batches
             self.ro, self.device, self.tokenizer = lead.ro, lead.device, lead.tokenizer
             self.model, self.layout, self.loaded = lead.model, lead.layout, lead.loaded
-        r, V = spec.settings, self._vocab(self.model)
+        r, V = spec.settings, vocab_size(self.model)
         self.teacher = self._model(store, up, r.teacher, V, "teacher")
         self.reference = self._model(store, up, r.reference if r.kl_beta else None, V, "reference")
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
@@ -99,31 +100,25 @@ class RegimeJob:
         state = spec.state_dtype
         self.out = ScoresStore(store, ref, N, nb, B, 1, [P], state, keep_rows=False, comoment=self.group_comoment)
 
-    @staticmethod
-    def _vocab(model: Any) -> int:
-        return int(model.get_output_embeddings().weight.shape[0])
-
     def _model(self, store: ArtifactStore, up: dict[str, ArtifactRef], which: str | None, V: int, role: str) -> Any:
         """The teacher or reference ``which`` (None: none) on the device; ValueError for another vocabulary."""
         if which is None:
             return None
         if which == "policy":
-            model = self.model
-        elif which in self.loaded:  # loaded by another fold of the same pass
-            model = self.loaded[which]
-        elif which == "trained":
-            with store.local_dir(up["teacher"], "teacher", write=False) as d:
-                model = load_model_and_tokenizer(d, self.spec.policy.dtype, self.spec.policy.trust_remote_code)[0]
-        else:
-            model = load_models(store, up["base_model"], which, self.spec.policy)[0]
-        if self._vocab(model) != V:
-            raise ValueError(
-                f"regime {self.spec.name}: the {role} {which!r} has vocabulary {self._vocab(model)}, the policy {V}"
+            return self.model.to(self.device).eval()
+        if which not in self.loaded:  # else loaded by another fold of the same pass
+            model = load_fixed_model(
+                store,
+                up["base_model"],
+                which,
+                self.spec.policy,
+                regime=self.spec.name,
+                role=role,
+                policy_vocab=V,
+                trained=up.get("teacher"),
             )
-        model = model.to(self.device).eval()
-        if which != "policy":
-            self.loaded[which] = model
-        return model
+            self.loaded[which] = model.to(self.device).eval()
+        return self.loaded[which]
 
     def _teacher_prompts(self) -> list[list[int]]:
         """The token ids of the teacher's prompt for every prompt of the task (context distillation), each

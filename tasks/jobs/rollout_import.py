@@ -5,7 +5,7 @@ extra arrays, and the optional re-scoring of records (``verify_records``) agains
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,10 @@ from storage.schema import ROLLOUTS as STORE
 from storage.schema import create
 from storage.stores.regimes import create_imported_token_arrays
 from storage.stores.rollouts import create_rollout_arrays, write_rollout_rows
+from tasks.specs import RolloutsSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def sampler_source(policy: ModelSource, s: SamplerSection) -> ModelSource:
@@ -48,7 +52,7 @@ def import_options(s: SamplerSection) -> dict[str, Any]:
 
 
 def verify_import(
-    store: ArtifactStore, base: ArtifactRef, spec: Any, policy: Any, data: dict, where: list[str]
+    store: ArtifactStore, base: ArtifactRef, spec: RolloutsSpec, policy: PreTrainedModel, data: dict, where: list[str]
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Re-score ``verify_records`` of the imported records (chosen with the sampler's seed) with the policy,
     or with ``mu_model``, at the section's sampling settings; (N,) arrays ``verify_kl`` / ``verify_k3_kl``
@@ -82,9 +86,9 @@ def verify_import(
 
 
 def import_rollouts(
-    store: ArtifactStore, ref: ArtifactRef, spec: Any, base: ArtifactRef, warn: Callable[[str], None]
+    store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: ArtifactRef, warn: Callable[[str], None]
 ) -> tuple[Any, int, int]:
-    """Import the records of rollouts spec ``spec`` (a ``tasks.specs.RolloutsSpec`` with ``import_path``) into
+    """Import the records of rollouts spec ``spec`` (with ``import_path``) into
     the rollouts store of ``ref``, in its sampler's ``format``; warning lines go to ``warn``. Returns the store's
     group, the tokenizer's EOS and pad ids."""
     s = spec.settings

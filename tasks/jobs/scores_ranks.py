@@ -1,13 +1,11 @@
-"""A scores artifact folded by R ranks with the model sharded over them (:mod:`covgrad.distributed.fsdp`), through the
-one
-scores store of :mod:`storage.stores.scores`.
+"""A scores artifact folded by R ranks with the model sharded over them (:mod:`covgrad.distributed.fsdp`), through
+the one scores store of :mod:`storage.stores.scores`.
 
 Each rank folds every batch of a sample shard into the columns of its FSDP shard
-(:class:`covgrad.distributed.fsdp.RankColumns`:
-dim-0 rows of every selected tensor, one run of columns each) and writes them into the same arrays as an
-in-process run, so the artifact is the in-process artifact whatever R is. The ranks are local processes or a
-torchrun group on one or several machines (:func:`run_ranks`). What the store adds while ranks run
-(dims as in :mod:`storage.stores.scores`):
+(:class:`covgrad.distributed.fsdp.RankColumns`: dim-0 rows of every selected tensor, one run of columns each) and
+writes them into the same arrays as an in-process run, so the artifact is the in-process artifact whatever R is.
+The ranks are local processes or a torchrun group on one or several machines (:func:`run_scores_ranks`, placed by
+:func:`rank_placement`). What the store adds while ranks run (dims as in :mod:`storage.stores.scores`):
 
 - ``ckpt/shard{i}/rank{r}/n{c}/``: rank r's checkpoint of sample shard i after c batches: ``count, mean_a, m2_a
   (row,)`` and the state ``(row, param)`` of its P_r columns, ``batches`` = c written last. The ranks fold every
@@ -28,7 +26,6 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -36,12 +33,11 @@ import torch.distributed as dist
 
 from covgrad.devices import check_state_fits, pick_device
 from covgrad.distributed import (
+    Placement,
     RankColumns,
     RankFailedError,
     ShardAccumulator,
-    Torchrun,
-    launch,
-    launch_torchrun,
+    launch_ranks,
     rank_scores,
 )
 from covgrad.identity import model_identity
@@ -53,12 +49,13 @@ from storage.artifacts import ArtifactRef, ArtifactStore, mark_batch_done
 from storage.schema import SCORES as STORE
 from storage.schema import write
 from storage.stores.scores import SCALARS, RowWriter, ScoresStore, column_split, write_state
+from tasks.specs import ScoresSpec, TokensSpec
 
 
 class Job(Protocol):
     """What the ranks need of a scores job (``tasks.scores.ScoresJob``): its model, layout, batches and store."""
 
-    spec: Any
+    spec: ScoresSpec
     model: torch.nn.Module
     layout: ParamLayout
     device: torch.device
@@ -250,7 +247,8 @@ def fold_rank(job: Job) -> None:
         chunk_bytes=chunks,
         aligned=aligned,
     )
-    check_state_fits(job.device, rs.columns.P, spec.state_dtype, f"rank {rank}'s columns of scores.ranks={spec.ranks}")
+    what = f"rank {rank}'s columns of scores.ranks={spec.placement.ranks}"
+    check_state_fits(job.device, rs.columns.P, spec.state_dtype, what)
     store = RankStore(out, rs.columns)
     for i in range(job.S):
         if int(g["shard_batches"][i, 0]) >= 0:  # complete (written by rank 0 before a barrier of the last run)
@@ -326,20 +324,17 @@ def _rank_main(make_job: Callable[..., Job], args: tuple) -> None:
     fold_rank(make_job(*args))
 
 
-# The module every torchrun rank runs (it calls covgrad.distributed.fsdp.torchrun_rank on the launch's payload).
+# The module every torchrun rank runs (it calls covgrad.distributed.launch.torchrun_rank on the launch's payload).
 RANK_ENTRY = "tasks.jobs.rank_main"
 
 
-def run_ranks(
-    make_job: Callable[..., Job], args: tuple, ranks: int, torchrun: Torchrun | None = None
-) -> dict[str, Any] | None:
-    """Compute a scores artifact with the model sharded over ``ranks`` processes: ``make_job(*args)`` builds
-    the job, here once to create the store's arrays and once in every rank (``make_job`` and ``args`` must
-    pickle: a module-level function and plain values). The ranks are local gloo processes
-    (:func:`covgrad.distributed.fsdp.launch`), or with ``torchrun`` a group that torchrun starts
-    (:func:`covgrad.distributed.fsdp.launch_torchrun`; ``ranks`` = its world, every machine's ranks), whose ranks take
-    the
-    columns of the world's split. Returns the job's provenance (None while batches are pending).
+def run_scores_ranks(make_job: Callable[..., Job], args: tuple, placement: Placement) -> dict[str, Any] | None:
+    """Compute a scores artifact with the model sharded over ``placement.ranks`` processes: ``make_job(*args)``
+    builds the job, here once to create the store's arrays and once in every rank (``make_job`` and ``args`` must
+    pickle: a module-level function and plain values). The ranks are local gloo processes, or this machine's ranks
+    of a group that torchrun starts (``placement.ranks`` = its world, every machine's ranks), whose ranks take the
+    columns of the world's split (:func:`covgrad.distributed.launch.launch_ranks`). Returns the job's provenance
+    (None while batches are pending).
 
     With several machines every machine calls this with the same job against the same store root; node 0
     creates the arrays before its torchrun starts (the other nodes' ranks pass the rendezvous only once node
@@ -347,18 +342,19 @@ def run_ranks(
     0 only starts its ranks (this process builds no job) and returns None.
 
     Raises:
-        covgrad.distributed.fsdp.RankFailedError: one line naming a rank that failed (its checkpoints stay; a rerun
-            resumes every rank from the newest one they all hold).
+        covgrad.distributed.launch.RankFailedError: one line naming a rank that failed (its checkpoints stay; a
+            rerun resumes every rank from the newest one they all hold).
         ValueError: when the job has more than one parameter block, its device is not the CPU (the local
-            launcher) or ``ranks`` is not torchrun's world.
+            launcher) or ``placement.ranks`` is not torchrun's world.
     """
+    ranks, torchrun = placement.ranks, placement.torchrun
     if torchrun is not None and torchrun.world != ranks:
         raise ValueError(
             f"scores.ranks={ranks} but torchrun starts {torchrun.world} ranks; pass ranks={torchrun.world}"
         )
     if torchrun is not None and torchrun.node_rank > 0:
         with tempfile.TemporaryDirectory(prefix="covgrad-ranks-") as tmp:
-            launch_torchrun(torchrun, RANK_ENTRY, _rank_main, (make_job, args), tmp)
+            launch_ranks(placement, _rank_main, (make_job, args), tmp, RANK_ENTRY)
         return None
     job = make_job(*args)
     if job.K != 1:
@@ -372,25 +368,26 @@ def run_ranks(
     prepare_ranks(job.out, ranks)
     job.model = None  # built on the meta device (the ranks load the weights); this process keeps the layout
     with tempfile.TemporaryDirectory(prefix="covgrad-ranks-") as tmp:
-        if torchrun is None:
-            launch(ranks, _rank_main, (make_job, args), Path(tmp) / "rendezvous")
-        else:
-            launch_torchrun(torchrun, RANK_ENTRY, _rank_main, (make_job, args), tmp)
+        launch_ranks(placement, _rank_main, (make_job, args), tmp, RANK_ENTRY)
     assemble_edges(job.out, job.layout, ranks)
     return job.finalize()
 
 
-def torchrun_group(key: str, spec: Any, stage: str = "scores") -> Torchrun | None:
-    """This machine's part of the torchrun group that computes artifact ``key`` of ``stage`` with a spec of
-    ``launcher: torchrun`` (``tasks.specs.ScoresSpec`` or ``TokensSpec``; None for the other launchers): ranks /
-    nnodes ranks on each of nnodes machines (this one node_rank, node 0's rendezvous at rdzv_endpoint), meeting
-    under an id of the stage and the artifact's key (every machine plans the same key), nccl when the spec's
-    device is CUDA, else gloo."""
-    if spec.launcher != "torchrun":
-        return None
+def rank_placement(key: str, spec: ScoresSpec | TokensSpec, stage: str = "scores") -> Placement:
+    """Where this machine's ranks of artifact ``key`` of ``stage`` run, from a spec that places the stage on ranks
+    (``tasks.specs.ScoresSpec`` or ``TokensSpec``): with ``launcher`` torchrun, this machine's part of a torchrun
+    group of ``ranks`` / ``nnodes`` ranks on each of ``nnodes`` machines (this one ``node_rank``, node 0's
+    rendezvous at ``rdzv_endpoint``), meeting under an id of the stage and the artifact's key (every machine plans
+    the same key), nccl when the spec's device is CUDA, else gloo; with any other launcher, ``ranks`` local gloo
+    processes.
+
+    Raises:
+        ValueError: torchrun settings that cannot start a group (:class:`covgrad.distributed.Torchrun`).
+    """
+    if spec.placement.launcher != "torchrun":
+        return spec.placement.launched()
     backend = "nccl" if pick_device(spec.device).type == "cuda" else "gloo"
-    nproc = spec.ranks // spec.nnodes
-    return Torchrun(nproc, spec.nnodes, spec.node_rank, spec.rdzv_endpoint, f"covgrad-{stage}-{key}", backend)
+    return spec.placement.launched(f"covgrad-{stage}-{key}", backend)
 
 
 # How long, in seconds, a machine other than node 0 waits, after its ranks finish, for node 0 to complete the

@@ -1,13 +1,11 @@
 """A tokens artifact computed by R ranks with the model sharded over them (:mod:`covgrad.distributed.fsdp`), through
-the one
-tokens store of :mod:`storage.stores.tokens`.
+the one tokens store of :mod:`storage.stores.tokens`.
 
 Every rank runs every batch of the study (:meth:`covgrad.tokens.study.TokenStudy.build_sharded`): the forward and
 the backward passes are collective (FSDP2 all-gathers each layer), the per-sample blocks are formed whole from the
 all-gathered layers, and each (param,) batch sum is kept only at the rank's columns
 (:class:`covgrad.distributed.fsdp.RankColumns`: dim-0 rows of every selected tensor). What the ranks write into the
-store
-(dims as in :mod:`storage.stores.tokens`):
+store (dims as in :mod:`storage.stores.tokens`):
 
 - ``rows_{name}`` (batch, param): each rank its columns. The chunks inside a rank's runs are written by that rank
   alone; a chunk that two ranks share is written by one rank after another (a barrier between), so no two
@@ -24,13 +22,12 @@ from __future__ import annotations
 
 import tempfile
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
-from covgrad.distributed import RankColumns, launch, launch_torchrun, rank_device
+from covgrad.distributed import RankColumns, launch_ranks, rank_device
 from covgrad.heap import release_free_memory
 from covgrad.tokens import TokenStudy, batch_bounds
 from storage.artifacts import ArtifactRef, ArtifactStore
@@ -40,7 +37,8 @@ from storage.schema import TOKENS as STORE
 from storage.stores.rollouts import read_batch
 from storage.stores.scores import column_split
 from storage.stores.tokens import TokensStore
-from tasks.jobs.scores_ranks import RANK_ENTRY, runs, torchrun_group
+from tasks.jobs.scores_ranks import RANK_ENTRY, rank_placement, runs
+from tasks.specs import TokensSpec
 
 
 class RankRows:
@@ -76,7 +74,7 @@ class RankRows:
             dist.barrier()
 
 
-def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> None:
+def study_rank(root: str, ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> None:
     """One launched rank of a tokens artifact (``spec``: a ``tasks.specs.TokensSpec``) whose store the task's
     process has created: load the model (its weights on rank 0 only, the others on the meta device), shard it
     (:meth:`TokenStudy.build_sharded`, traced on the first batch) and run every pending batch with the other ranks,
@@ -102,22 +100,18 @@ def study_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef
         release_free_memory()
 
 
-def run_ranks(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> None:
-    """Run the pending batches of a tokens artifact on ``spec.ranks`` processes (:func:`study_rank` in each; node
-    0 has created the store): local gloo processes of this machine (``spec.launcher`` local), or this machine's
-    ranks of a torchrun group of ``spec.nnodes`` machines (:func:`tasks.jobs.scores_ranks.torchrun_group`: nccl
-    ranks, one CUDA device each, when ``spec.device`` is CUDA, else gloo). The other machines' ranks pass the
-    rendezvous once node 0's have joined, which node 0 starts after creating the store.
+def run_tokens_ranks(root: str, ref: ArtifactRef, spec: TokensSpec, up: dict[str, ArtifactRef]) -> None:
+    """Run the pending batches of a tokens artifact on the ``ranks`` processes of ``spec.placement``
+    (:func:`study_rank` in each; node 0 has created the store), placed by
+    :func:`tasks.jobs.scores_ranks.rank_placement`: local gloo processes of this machine (``launcher`` local), or
+    this machine's ranks of a torchrun group of ``nnodes`` machines (nccl ranks, one CUDA device each, when
+    ``spec.device`` is CUDA, else gloo). The other machines' ranks pass the rendezvous once node 0's have joined,
+    which node 0 starts after creating the store.
 
     Raises:
-        covgrad.distributed.fsdp.RankFailedError: one line naming the first rank that failed (a rerun recomputes the
-        batches
-            not marked done).
+        covgrad.distributed.launch.RankFailedError: one line naming the first rank that failed (a rerun recomputes
+            the batches not marked done).
     """
     args = (root, ref, spec, up)
     with tempfile.TemporaryDirectory(prefix="covgrad-tokens-ranks-") as tmp:
-        group = torchrun_group(ref.key, spec, "tokens")
-        if group is not None:
-            launch_torchrun(group, RANK_ENTRY, study_rank, args, tmp)
-        else:
-            launch(spec.ranks, study_rank, args, Path(tmp) / "rendezvous")
+        launch_ranks(rank_placement(ref.key, spec, "tokens"), study_rank, args, tmp, RANK_ENTRY)

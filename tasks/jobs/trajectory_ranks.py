@@ -1,5 +1,5 @@
-"""A trajectory artifact stepped by R ranks with the model sharded over them (:mod:`covgrad.distributed.stepper`), into
-the one trajectory store of :mod:`storage.stores.trajectory`.
+"""A trajectory artifact stepped by R ranks with the model sharded over them (:mod:`covgrad.distributed.stepper`),
+into the one trajectory store of :mod:`storage.stores.trajectory`.
 
 Every rank loads the start policy (its weights on rank 0 only, the others on the meta device), shards it, the
 reference and the regime's teacher, and steps every step's rows with the others; each tracks its own shard's
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,13 +27,14 @@ import torch.distributed as dist
 from covgrad.distributed import (
     ShardedStepper,
     gather_changed,
-    launch,
+    gather_changed_values,
+    launch_ranks,
     rank_columns,
     rank_device,
     rank_shard,
     shard_frozen,
 )
-from covgrad.layout import ParamLayout, check_layout, select_parameters
+from covgrad.layout import ParamLayout, check_layout, parameters_flat, select_parameters
 from covgrad.updates import (
     ChangeTracker,
     bf16_rounded,
@@ -43,6 +43,7 @@ from covgrad.updates import (
     run_trajectory,
     stored_dtype,
     trajectory_state,
+    value_bits,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.models import load_models, load_rank_policy
@@ -52,16 +53,15 @@ from storage.stores.trajectory import (
     checkpoint_name,
     create_changed,
     drop_older_states,
-    optimizer_spec,
     rank_label,
     read_state,
     state_steps,
-    step_loss,
-    step_source,
-    step_zero_stats,
+    write_start,
     write_state,
     write_step,
 )
+from tasks.jobs.trajectory import optimizer_spec, step_loss, step_source, step_zero_stats
+from tasks.specs import TrajectorySpec
 
 log = logging.getLogger("covgrad")
 
@@ -89,7 +89,7 @@ def _save_checkpoint(
             tokenizer.save_pretrained(d)
 
 
-def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> None:
+def trajectory_rank(root: str, ref: ArtifactRef, spec: TrajectorySpec, up: dict[str, ArtifactRef]) -> None:
     """One launched rank of a trajectory artifact (``spec``: a ``tasks.specs.TrajectorySpec``) whose store the task's
     process has created: build the sharded stepper and this rank's tracker, resume from the newest state every rank
     holds, and step to ``settings.steps`` with the other ranks."""
@@ -106,7 +106,10 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
     loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"), rank > 0)
     loss.teacher = None if loss.teacher is None else shard_frozen(loss.teacher)
     loss.reference = None if loss.reference is None else shard_frozen(loss.reference)
-    stepper = ShardedStepper(bf16_rounded(start, layout), opt, s.precision, loss)
+    rounded = bf16_rounded(start, layout)
+    if rank == 0:
+        write_start(store, ref, value_bits(parameters_flat(rounded, layout).to(stored_dtype(s.precision))))
+    stepper = ShardedStepper(rounded, opt, s.precision, loss)
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
     shard = rank_shard(layout)
     stats = step_zero_stats(store, spec, up, rank_columns(layout))
@@ -120,11 +123,13 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
     saved = set(checkpoint_steps(s.steps, s.checkpoint_ratio))
     for rec in run_trajectory(stepper, source, layout, s.steps, tracker, reference):
         t = rec["step"]
-        packed = gather_changed(rec.pop("changed"), layout)
+        local = rec.pop("changed")
+        packed = gather_changed(local, layout)
+        values = gather_changed_values(rec.pop("changed_values"), local, layout)
         if t in saved:
             _save_checkpoint(store, ref, t, stepper, tokenizer)
         if rank == 0:
-            write_step(store, ref, g, t, packed, rec)
+            write_step(store, ref, g, t, packed, values, rec)
             mark_batch_done(g, t - 1)
         if t % s.state_every == 0 or t == s.steps:
             write_state(store, ref, trajectory_state(stepper, tracker, s.seed), label)
@@ -132,16 +137,22 @@ def trajectory_rank(root: str, ref: ArtifactRef, spec: Any, up: dict[str, Artifa
             drop_older_states(store, ref, t, label)
 
 
-def run_ranks(store: ArtifactStore, ref: ArtifactRef, spec: Any, up: dict[str, ArtifactRef]) -> ParamLayout:
-    """Create the store of a trajectory artifact and step it on ``spec.ranks`` local gloo processes of this machine
-    (:func:`trajectory_rank` in each); returns the layout (the per-step arrays and the summary are the task's).
+def run_trajectory_ranks(
+    store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: dict[str, ArtifactRef]
+) -> ParamLayout:
+    """Create the store of a trajectory artifact and step it on the ``spec.placement.ranks`` local gloo processes of
+    this machine (:func:`trajectory_rank` in each); returns the layout (the per-step arrays and the summary are the
+    task's).
 
     Raises:
-        covgrad.distributed.fsdp.RankFailedError: one line naming the first rank that failed (a rerun resumes from the
-        newest
-            state every rank holds).
+        covgrad.distributed.launch.RankFailedError: one line naming the first rank that failed (a rerun resumes
+            from the newest state every rank holds).
     """
     s = spec.settings
+    if s.minibatches > 1 or s.max_grad_norm is not None:
+        raise ValueError(
+            "trajectory.minibatches and trajectory.max_grad_norm run in one process; unset scores.ranks for this run"
+        )
     meta = load_models(store, up["base_model"], "policy", spec.policy, meta=True)[0]
     layout = select_parameters(meta, spec.params)
     tensors = store.open_group(up["stats"], STATS, mode="r").attrs["tensors"]
@@ -149,7 +160,7 @@ def run_ranks(store: ArtifactStore, ref: ArtifactRef, spec: Any, up: dict[str, A
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, s.steps, layout.P)
     create_progress(g, STORE, s.steps)
-    log.info("trajectory %s: %d steps on %d ranks", ref.key, s.steps, spec.ranks)
+    log.info("trajectory %s: %d steps on %d ranks", ref.key, s.steps, spec.placement.ranks)
     with tempfile.TemporaryDirectory(prefix="covgrad-trajectory-ranks-") as tmp:
-        launch(spec.ranks, trajectory_rank, (store.root, ref, spec, up), Path(tmp) / "rendezvous")
+        launch_ranks(spec.placement.launched(), trajectory_rank, (store.root, ref, spec, up), tmp)
     return layout

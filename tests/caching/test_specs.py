@@ -65,7 +65,7 @@ def candidates(value: Any, annotation: Any, strings: list[str]) -> list[Any]:
     if isinstance(value, list):
         return [value[:-1]] if len(value) > 1 else [value * 2]
     if value is None:
-        return [*strings, ["probe"]]
+        return [*strings, ["probe"], 0.5]
     return [s for s in strings if s != value] + [f"{value}x"]
 
 

@@ -31,6 +31,7 @@ README_LIMIT = 15_000
 
 # Keys renamed to the section of the stages they drive: the old names must not appear in the docs.
 from covgrad.config import MOVED as RENAMED  # noqa: E402
+from covgrad.offline import OFFLINE_ENV  # noqa: E402
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 # configs/..., scripts/..., notebooks/..., docs/... mentioned anywhere (not inside an absolute path or URL)
@@ -75,7 +76,7 @@ def program(argv: list[str]) -> str:
 @cache
 def cli_help(*sub: str) -> str:
     """``python -m flows.cli [sub] --help`` as printed."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **OFFLINE_ENV}
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", *sub, "--help"],
         cwd=REPO,
@@ -212,7 +213,7 @@ def test_benchmark_commands_use_real_flags():
     argvs = [a for p in [README, *DOCS] for a in doc_commands(p)]
     runs = [a for a in argvs if program(a) in PYTHONS and a[1:2] == ["-m"] and a[2].startswith("benchmarks.")]
     assert runs
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **OFFLINE_ENV}
     modules = sorted({argv[2] for argv in runs})
     cmd = [sys.executable, "-c", HELPS, *modules]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -26,9 +26,9 @@ from covgrad.distributed.plan import formed_columns
 from covgrad.layout import select_parameters, split_blocks
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.rollouts.batch import RolloutBatch
-from covgrad.scores.centering import policy_logit_grad
+from covgrad.scores.centering import policy_logit_grad, score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.fold import fold_batches
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
 from tests.helpers.families import FAMILIES
 from tests.helpers.persample import make_batch
 
@@ -325,13 +325,13 @@ def _fold_resumable(root: str, kill: tuple[int, int] | None) -> None:
 
 @pytest.mark.slow
 def test_killed_rank_is_named_and_the_rerun_resumes_to_the_same_bytes(tmp_path: Path) -> None:
-    from covgrad.distributed.fsdp import RankFailedError, launch
+    from covgrad.distributed.launch import Placement, RankFailedError, launch_ranks
 
     root = str(tmp_path / "ckpt")
     with pytest.raises(RankFailedError, match=r"^rank 1 of 2 was killed by SIGKILL; rerun") as info:
-        launch(2, _fold_resumable, (root, (1, 2)), tmp_path / "rendezvous")
+        launch_ranks(Placement("local", 2), _fold_resumable, (root, (1, 2)), tmp_path)
     assert "\n" not in str(info.value)
-    launch(2, _fold_resumable, (root, None), tmp_path / "rendezvous")
+    launch_ranks(Placement("local", 2), _fold_resumable, (root, None), tmp_path)
     starts = sorted(p.name for p in Path(root).glob("start-*"))
     assert starts == ["start-0-0", "start-0-2", "start-1-0", "start-1-2"]  # the rerun resumed at batch 2
 
@@ -358,10 +358,10 @@ def _raises() -> None:
 
 @pytest.mark.slow
 def test_a_rank_that_raises_is_named_in_one_line(tmp_path: Path) -> None:
-    from covgrad.distributed.fsdp import RankFailedError, launch
+    from covgrad.distributed.launch import Placement, RankFailedError, launch_ranks
 
     with pytest.raises(RankFailedError, match=r"^rank 1 of 2 failed: ValueError: bad input on this rank$"):
-        launch(2, _raises, (), tmp_path / "rendezvous")
+        launch_ranks(Placement("local", 2), _raises, (), tmp_path)
 
 
 def _meta_on_rank0() -> None:
@@ -374,10 +374,10 @@ def _meta_on_rank0() -> None:
 
 @pytest.mark.slow
 def test_rank0_without_weights_is_refused(tmp_path: Path) -> None:
-    from covgrad.distributed.fsdp import RankFailedError, launch
+    from covgrad.distributed.launch import Placement, RankFailedError, launch_ranks
 
     with pytest.raises(RankFailedError, match=r"^rank 0 of 2 failed: ValueError: rank 0 holds the model on the meta"):
-        launch(2, _meta_on_rank0, (), tmp_path / "rendezvous")
+        launch_ranks(Placement("local", 2), _meta_on_rank0, (), tmp_path)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -14,14 +14,15 @@ import yaml
 from pydantic import ValidationError
 
 from covgrad.config import PipelineConfig
-from covgrad.distributed.fsdp import RankColumns, RankFailedError, Torchrun, merge_states
+from covgrad.distributed.fsdp import RankColumns, merge_states
+from covgrad.distributed.launch import Placement, RankFailedError
 from covgrad.layout import select_parameters
 from covgrad.moments.accum import MomentAccumulator
 from storage.artifacts import ArtifactStore
 from storage.identity import IDENTITY_ATTR
 from storage.schema import SCORES as SCORES_STORE
 from storage.stores.scores import ScoresStore
-from tasks.jobs.scores_ranks import RankStore, assemble_edges, final_pieces, prepare_ranks, run_ranks
+from tasks.jobs.scores_ranks import RankStore, assemble_edges, final_pieces, prepare_ranks, run_scores_ranks
 from tasks.specs import plan
 from tests.helpers.fsdp_ranks import SCORES, recording_job
 from tests.helpers.fsdp_ranks import assert_same_arrays as _assert_same_arrays
@@ -43,7 +44,7 @@ def test_in_process_specs_and_keys_are_what_they_were():
     assert "ranks" not in before[SCORES].spec.model_dump() and "launcher" not in before[SCORES].spec.model_dump()
     after = plan(_demo(ranks=2))
     assert [n for n in before if before[n].ref.key != after[n].ref.key] == ["report"]
-    assert after[SCORES].spec.model_dump()["launcher"] == "local" and after[SCORES].spec.ranks == 2
+    assert after[SCORES].spec.model_dump()["launcher"] == "local" and after[SCORES].spec.placement.ranks == 2
 
 
 def test_aligned_rank_chunks_are_keyed_with_the_rank_count():
@@ -132,7 +133,7 @@ def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_pat
     shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
     cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.launcher": launcher})
     names = {n for n, s in plan(cfg).items() if s.ref.stage == "scores"}
-    assert {plan(cfg)[n].spec.launcher for n in names} == {launcher}
+    assert {plan(cfg)[n].spec.placement.launcher for n in names} == {launcher}
     results = run_planned(cfg, names | {n for n, s in plan(cfg).items() if s.ref.stage in ("base_model", "rollouts")})
     assert all(results[n].computed for n in names)
     before, after = ArtifactStore(str(tiny_run[0])), ArtifactStore(cfg.root)
@@ -176,10 +177,12 @@ def test_two_ranks_with_aligned_chunks_agree_with_the_in_process_arrays(tiny_run
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("torchrun", "where"), [(None, "of 2"), (Torchrun(2), "of 2 (torchrun)")], ids=["local", "torchrun"]
+    ("placement", "where"),
+    [(Placement("local", 2), "of 2"), (Placement("torchrun", 2), "of 2 (torchrun)")],
+    ids=["local", "torchrun"],
 )
 def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(
-    tiny_run, tmp_path: Path, torchrun: Torchrun | None, where: str
+    tiny_run, tmp_path: Path, placement: Placement, where: str
 ):
     """Rank 1 of 2 (local processes or a torchrun group) SIGKILLs itself once both ranks hold their checkpoints
     of 2 batches: the run fails in one line naming it and the edges are not assembled; the rerun resumes both
@@ -192,11 +195,11 @@ def test_a_killed_rank_is_named_and_the_rerun_resumes_to_the_same_arrays(
     args = (cfg.root, node.ref, node.spec, node.upstream, str(log))
     store.begin(node.ref, node.spec.model_dump(mode="json"), resume=True)
     with pytest.raises(RankFailedError) as info:
-        run_ranks(recording_job, (*args, (1, 2)), 2, torchrun)
+        run_scores_ranks(recording_job, (*args, (1, 2)), placement)
     assert str(info.value) == f"rank 1 {where} was killed by SIGKILL; rerun to resume from the checkpoints"
     assert sorted(log.read_text().splitlines()) == ["0 0", "1 0"]
     assert "edges" in store.open_group(node.ref, "scores.zarr", mode="r")  # the edges were not assembled
     log.write_text("")
-    assert run_ranks(recording_job, (*args, None), 2, torchrun) is not None
+    assert run_scores_ranks(recording_job, (*args, None), placement) is not None
     assert sorted(log.read_text().splitlines()) == ["0 2", "1 2"]
     _assert_same_arrays(_arrays(ArtifactStore(str(tiny_run[0])), tiny_run[1][SCORES].ref), _arrays(store, node.ref))

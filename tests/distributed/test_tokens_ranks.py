@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 import zarr
 
-from covgrad.distributed.fsdp import RankColumns, launch
+from covgrad.distributed.fsdp import RankColumns
+from covgrad.distributed.launch import Placement, launch_ranks
 from covgrad.layout import select_parameters
-from covgrad.scores.persample import bind_rules
-from covgrad.tokens.fisher import TokenBackward, repeated_batch
+from covgrad.scores.tracing import bind_rules
+from covgrad.tokens.backward import TokenBackward, repeated_batch
 from storage.artifacts import ArtifactStore
 from storage.schema import TOKENS as STORE
 from storage.schema import create, param_chunk
@@ -52,16 +53,18 @@ def test_ranks_are_placement_and_in_process_dumps_are_unchanged(tmp_path: Path):
     before, after = plan(tiny_config(str(tmp_path))), plan(tiny_config(str(tmp_path), **{"scores.ranks": 2}))
     assert before["tokens"].ref.key == after["tokens"].ref.key
     assert "ranks" not in before["tokens"].spec.model_dump() and "launcher" not in before["tokens"].spec.model_dump()
-    assert after["tokens"].spec.launcher == "local" and after["tokens"].spec.ranks == 2
+    assert after["tokens"].spec.placement.launcher == "local" and after["tokens"].spec.placement.ranks == 2
     torchrun = plan(tiny_config(str(tmp_path), **{"scores.ranks": 2, "scores.launcher": "torchrun"}))
-    assert torchrun["tokens"].spec.launcher == "torchrun" and torchrun["tokens"].ref.key == before["tokens"].ref.key
+    assert torchrun["tokens"].spec.placement.launcher == "torchrun"
+    assert torchrun["tokens"].ref.key == before["tokens"].ref.key
     machines = {"scores.nnodes": 2, "scores.rdzv_endpoint": "127.0.0.1:29400"}
     nodes = [
         plan(tiny_config(str(tmp_path), **{"scores.ranks": 2, "scores.launcher": "torchrun", **machines, **node}))
         for node in ({}, {"scores.node_rank": 1})
     ]
-    assert [n["tokens"].spec.node_rank for n in nodes] == [0, 1]
-    assert all(n["tokens"].spec.nnodes == 2 and n["tokens"].ref.key == before["tokens"].ref.key for n in nodes)
+    assert [n["tokens"].spec.placement.node_rank for n in nodes] == [0, 1]
+    assert all(n["tokens"].spec.placement.nnodes == 2 for n in nodes)
+    assert all(n["tokens"].ref.key == before["tokens"].ref.key for n in nodes)
     assert "nnodes" not in torchrun["tokens"].spec.model_dump()  # one machine: the dump as before
 
 
@@ -77,7 +80,7 @@ def test_two_ranks_give_the_in_process_tokens_artifact(in_process, tmp_path: Pat
     shutil.copytree(root, tmp_path / "root", ignore=lambda d, names: ["tokens"] if Path(d) == root else [])
     ranks = {"model.demo.tie_embeddings": tied, "scores.ranks": 2, "scores.launcher": launcher}
     cfg = tiny_config(str(tmp_path / "root"), **SETTINGS, **ranks)
-    assert plan(cfg)["tokens"].spec.ranks == 2 and plan(cfg)["tokens"].spec.launcher == launcher
+    assert plan(cfg)["tokens"].spec.placement.ranks == 2 and plan(cfg)["tokens"].spec.placement.launcher == launcher
     got = run_upto(cfg, "tokens")["tokens"]
     assert got.key == ref.key
     before, after = ArtifactStore(str(root)), ArtifactStore(cfg.root)
@@ -105,7 +108,7 @@ def test_two_machines_give_the_in_process_tokens_artifact(in_process, tmp_path: 
         plan(tiny_config(str(tmp_path / "root"), **SETTINGS, **group, **{"scores.node_rank": i}))["tokens"]
         for i in (0, 1)
     )
-    assert node0.ref.key == node1.ref.key == ref.key and node1.spec.node_rank == 1
+    assert node0.ref.key == node1.ref.key == ref.key and node1.spec.placement.node_rank == 1
     store = ArtifactStore(str(tmp_path / "root"))
     run_two_machines(tokens_task.fn, node0, node1, store)
     a, b = _arrays(ArtifactStore(str(root)), ref), _arrays(store, node0.ref)
@@ -152,6 +155,6 @@ def test_rank_rows_written_through_own_and_shared_chunks_are_the_whole_rows(tmp_
     assert 2 * param_chunk(layout.P) < layout.P  # chunks of one rank and shared chunks both occur
     g = zarr.open_group(str(tmp_path / "tokens.zarr"), mode="w")
     create(g, STORE, "rows_exact", (2, layout.P))
-    launch(ranks, _write_rows, (str(tmp_path / "tokens.zarr"),), tmp_path / "rendezvous")
+    launch_ranks(Placement("local", ranks), _write_rows, (str(tmp_path / "tokens.zarr"),), tmp_path)
     expected = np.arange(layout.P)[None] + 1000.0 * np.arange(2)[:, None]
     np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "tokens.zarr"), mode="r")["rows_exact"][:], expected)

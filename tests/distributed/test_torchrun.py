@@ -1,6 +1,6 @@
-"""The scores stage on a torchrun group (scores.launcher: torchrun; covgrad.distributed.fsdp.launch_torchrun, the ranks
-running
-``tasks.jobs.rank_main``): the real torchrun (``python -m torch.distributed.run``) and real gloo ranks, no mocks.
+"""The scores stage on a torchrun group (scores.launcher: torchrun; covgrad.distributed.launch.launch_ranks, the
+ranks running ``tasks.jobs.rank_main``): the real torchrun (``python -m torch.distributed.run``) and real gloo ranks,
+no mocks.
 
 Two "machines" on this host (two torchrun processes of one rank each, meeting at a c10d rendezvous on 127.0.0.1)
 give the in-process arrays, node 1 only folding; a rank that raises is named in one line; the config refuses
@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from covgrad.config import ScoresSection
-from covgrad.distributed.fsdp import RankFailedError, Torchrun, launch_torchrun
+from covgrad.distributed.launch import Placement, RankFailedError, Torchrun, launch_ranks
 from storage.artifacts import ArtifactStore
 from tasks.jobs.scores_ranks import RANK_ENTRY
 from tasks.scores import scores_task
@@ -77,6 +77,18 @@ def test_torchrun_options():
         Torchrun(1, nnodes=2)
 
 
+def test_a_placement_names_its_group():
+    """A torchrun placement builds (and checks) this machine's torchrun group, ranks / nnodes per machine; a local
+    placement has none; a placement of no rank group is refused."""
+    placed = Placement("torchrun", 4, nnodes=2, node_rank=1, rdzv_endpoint="h:1", run_id="r", backend="nccl")
+    assert placed.torchrun == Torchrun(2, nnodes=2, node_rank=1, endpoint="h:1", run_id="r", backend="nccl")
+    assert Placement("local", 3).torchrun is None
+    with pytest.raises(ValueError, match="need a rendezvous endpoint"):
+        Placement("torchrun", 2, nnodes=2)
+    with pytest.raises(ValueError, match="starts no rank group"):
+        Placement("in-process", 1)  # type: ignore[arg-type]
+
+
 def _copy(tiny_run, tmp_path: Path) -> Path:
     shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
     return tmp_path / "root"
@@ -111,5 +123,5 @@ def _raises() -> None:
 @pytest.mark.slow
 def test_a_torchrun_rank_that_raises_is_named_in_one_line(tmp_path: Path):
     with pytest.raises(RankFailedError) as info:
-        launch_torchrun(Torchrun(2), RANK_ENTRY, _raises, (), tmp_path)
+        launch_ranks(Placement("torchrun", 2), _raises, (), tmp_path, RANK_ENTRY)
     assert str(info.value) == "rank 1 of 2 (torchrun) failed: ValueError: bad input on this rank"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from covgrad.distributed.fsdp import RankFailedError
+from covgrad.distributed.launch import RankFailedError
 from storage.artifacts import ArtifactStore
 from tasks.specs import plan
 from tests.helpers.fsdp_ranks import killing_trajectory_rank
@@ -40,7 +40,7 @@ def _artifact(root: Path, **extra: object) -> Path:
 def test_two_ranks_give_the_in_process_artifact(runs):
     in_process, ranks = runs
     spec = plan(tiny_config(str(ranks), **OVERRIDES, **RANKS))["trajectory"].spec
-    assert (spec.launcher, spec.ranks) == ("local", 2)
+    assert (spec.placement.launcher, spec.placement.ranks) == ("local", 2)
     assert "ranks" not in plan(tiny_config(str(in_process), **OVERRIDES))["trajectory"].spec.model_dump()
     assert _artifact(in_process).name == _artifact(ranks, **RANKS).name  # ranks are placement
     want, got = digests(_artifact(in_process)), digests(_artifact(ranks, **RANKS))

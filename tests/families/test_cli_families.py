@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from covgrad.offline import OFFLINE_ENV
 from tests.helpers.arch_dirs import SMALL, arch_dir, family_config
 from tests.helpers.pipeline import REPO
 
@@ -27,7 +28,7 @@ def test_cli_run_completes_every_stage(tmp_path, cli_api, family):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {**os.environ, "PREFECT_API_URL": cli_api}
-    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
+    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), **OFFLINE_ENV})
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(config)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,7 +8,8 @@ import pytest
 from torch import nn
 
 from covgrad.layout import ParamLayout, select_parameters
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.rules import _scaled_embedding_rule, generic_rule, rmsnorm_rule, rule_for
 from tests.helpers.families import FAMILIES, perturb
 from tests.helpers.models import tiny_llama

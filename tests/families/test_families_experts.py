@@ -8,7 +8,8 @@ import torch
 
 import covgrad.scores.rules as rules
 from covgrad.layout import select_parameters
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.families import FAMILIES
 from tests.helpers.families_hybrid import family_model
 from tests.helpers.persample import BATCH, make_batch, max_rel_err, naive_scores

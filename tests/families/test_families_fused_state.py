@@ -10,8 +10,9 @@ import torch
 
 from covgrad.layout import select_parameters
 from covgrad.moments.accum import MomentAccumulator
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
-from covgrad.tokens.fisher import TokenBackward
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
+from covgrad.tokens.backward import TokenBackward
 from tests.helpers.families import FAMILIES
 from tests.helpers.persample import BATCH, make_batch
 

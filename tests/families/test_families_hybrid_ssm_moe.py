@@ -18,7 +18,8 @@ from torch import nn
 
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.moments.accum import MomentAccumulator
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.families_hybrid import (
     FAMILIES,
     MAMBA,
@@ -316,7 +317,7 @@ def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_pat
 def test_token_backward_rows_match_per_sample_grads(name):
     """The token-Fisher engine's batched logit cotangents (the repeated-batch path, which every family with
     a generic-path parameter takes) give, per row, the per-sample gradients of that cotangent alone."""
-    from covgrad.tokens.fisher import TokenBackward
+    from covgrad.tokens.backward import TokenBackward
 
     model = FAMILIES[name]()
     layout = select_parameters(model)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from covgrad.offline import OFFLINE_ENV
 from tests.helpers.faults import error_line, tree
 from tests.helpers.pipeline import REPO
 
@@ -23,7 +24,7 @@ from tests.helpers.pipeline import REPO
 def covgrad_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """``python -m flows.cli run ARGS`` from the repository, without PREFECT_API_URL."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
+    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), **OFFLINE_ENV})
     cmd = [sys.executable, "-m", "flows.cli", "run", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from covgrad.offline import OFFLINE_ENV
 from tests.helpers.faults import OVERRIDES, digests, error_line, read_only_bind, resize_tmpfs, tmpfs, tree
 from tests.helpers.pipeline import REPO
 from tests.helpers.ports import free_ports
@@ -25,7 +26,7 @@ def covgrad_run(tmp_path: Path, root: Path, api: str | None = None, **env_extra:
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "COVGRAD_SERVER_PORTS")}
     if api is not None:
         env["PREFECT_API_URL"] = api
-    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), "HF_HUB_OFFLINE": "1"})
+    env.update({"PYTHONPATH": str(REPO), "COVGRAD_LOG_DIR": str(tmp_path / "logs"), **OFFLINE_ENV})
     env.update(env_extra)
     sets = [a for k, v in OVERRIDES.items() for a in ("--set", f"{k}={str(v).lower()}")]
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO / "configs" / "tiny.yaml")]

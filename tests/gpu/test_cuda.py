@@ -9,7 +9,8 @@ import torch
 
 from covgrad.layout import select_parameters
 from covgrad.moments.accum import GroupAccumulator, MomentAccumulator
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.rules import _bmm_into, _flat
 from tests.helpers.moments import assert_close, check_row_chunks, fused, numpy_moments, state
 from tests.helpers.persample import BATCH, MODELS, make_batch, naive_scores

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from covgrad.distributed.fsdp import rank_scores
 from covgrad.layout import select_parameters
 from covgrad.moments.accum import MomentAccumulator
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.families import FAMILIES
 from tests.helpers.persample import make_batch
 

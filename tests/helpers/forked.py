@@ -5,12 +5,12 @@ module in a fresh child with this process's environment, cwd and sys.path; the c
 (``Child.kill``, or by itself from a patched seam), its return value comes back through a pipe and its stdout
 and stderr (a traceback included) are kept in a file for assertion messages.
 
-Importing this module applies the test settings (``flows.cli.offline_env()`` before prefect loads, one torch
+Importing this module applies the test settings (``covgrad.offline.offline_env()`` before prefect loads, one torch
 thread); it is the first module the forkserver preloads."""
 
-from flows.cli import offline_env
+from covgrad.offline import offline_env
 
-offline_env()  # flows.cli imports nothing heavy at module level, so this runs before prefect loads
+offline_env()  # covgrad.offline imports only os, so this runs before prefect or transformers loads
 
 import atexit  # noqa: E402
 import contextlib  # noqa: E402

@@ -23,8 +23,8 @@ def recording_job(root: str, ref, spec, up, log: str, kill: tuple[int, int] | No
     with ``kill`` = (rank, c) that rank SIGKILLs itself once every rank has written its checkpoint of c batches (it
     joins the barrier that follows the other ranks' saves first, so whether the others' writes finish before the
     parent terminates them is not a race)."""
-    from storage import scores_ranks
     from storage.artifacts import ArtifactStore
+    from tasks.jobs import scores_ranks
     from tasks.scores import ScoresJob
 
     if dist.is_initialized():
@@ -88,7 +88,7 @@ def killing_trajectory_rank(root: str, ref, spec, up, log: str, kill: tuple[int,
     """``tasks.jobs.trajectory_ranks.trajectory_rank`` that appends "rank step" to ``log`` where a rank resumes and,
     with ``kill`` = (rank, t), SIGKILLs that rank once every rank holds its state of step t (after the barrier
     that follows the ranks' state writes)."""
-    from storage import trajectory_ranks
+    from tasks.jobs import trajectory_ranks
 
     rank = dist.get_rank()
     drop, resume = trajectory_ranks.drop_older_states, trajectory_ranks._resume_step

@@ -8,7 +8,8 @@ import torch
 
 from covgrad.layout import select_parameters
 from covgrad.moments.accum import MomentAccumulator
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.persample import BATCH, MODELS, make_batch
 
 

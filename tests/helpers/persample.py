@@ -18,7 +18,8 @@ from transformers import (
 )
 
 from covgrad.layout import ParamLayout
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.models import tiny_llama
 
 V = 32

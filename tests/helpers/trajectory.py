@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from covgrad.rollouts.sampling import SamplerSpec, compute_advantages, generate
-from covgrad.updates.trajectory import OnPolicy, step_seed
+from covgrad.updates.stepping import OnPolicy, step_seed
 
 VOCAB, EOS, PAD, SEED = 16, 15, 0, 7
 GROUP, PER_STEP = 4, 2

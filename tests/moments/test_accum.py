@@ -11,7 +11,8 @@ from torch import nn
 from covgrad.layout import select_parameters
 from covgrad.moments import accum
 from covgrad.moments.accum import MomentAccumulator
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.rules import Slot, _embedding_rule
 from tests.helpers.moments import assert_close, check_row_chunks, fused, numpy_moments, state
 from tests.helpers.persample import BATCH, MODELS, doubled_up_proj, llama, make_batch, naive_scores
@@ -393,7 +394,7 @@ def test_fused_reduction_never_holds_all_blocks():
     in_flight = []
     real_fold = acc.fold
     acc.fold = lambda offset, block: (
-        in_flight.append(sum(b.numel() for b in psg._blocks.values())),
+        in_flight.append(sum(b.numel() for b in psg._blocks.in_flight.values())),
         real_fold(offset, block),
     )
     fn = lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"])  # noqa: E731
@@ -420,7 +421,7 @@ def test_tied_embedding_block_is_never_whole_beside_another(chunk_bytes):
     acc = MomentAccumulator(layout.P, "cpu")
     seen = []
     real_fold = acc.fold
-    acc.fold = lambda offset, block: (seen.append((offset, set(psg._blocks))), real_fold(offset, block))
+    acc.fold = lambda offset, block: (seen.append((offset, set(psg._blocks.in_flight))), real_fold(offset, block))
     fn = lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"])  # noqa: E731
     a, half = np.arange(4.0), np.array([0, 1, 0, 1])
     psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, acc, a, half, batch["position_ids"])

@@ -11,8 +11,9 @@ import torch
 
 from covgrad.config import fill_template, template_fields
 from covgrad.layout import select_parameters
-from covgrad.regimes.objectives import Regime, RegimeGrad, align_prefixed_logits, prefixed_batch
-from covgrad.scores.persample import PerSampleGrads
+from covgrad.regimes.context import align_prefixed_logits, prefixed_batch
+from covgrad.regimes.cotangents import Regime, RegimeGrad
+from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import max_rel_err
 

@@ -1,4 +1,4 @@
-"""The LM head's token Fisher of the full-distribution regimes (covgrad.regimes.objectives.head_token_fisher): against
+"""The LM head's token Fisher of the full-distribution regimes (covgrad.regimes.fold.head_token_fisher): against
 autograd over the whole vocabulary, and the in-sample bound it gives, |G_i| ≤ a·√F_tok_i, on fresh random
 models with left padding, fractional response weights and a temperature."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from covgrad.regimes.objectives import Regime, RegimeGrad, head_token_fisher
+from covgrad.regimes.cotangents import Regime, RegimeGrad
+from covgrad.regimes.fold import head_token_fisher
 from covgrad.tokens.fisher import head_forward
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import V, make_batch

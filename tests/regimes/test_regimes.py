@@ -1,4 +1,4 @@
-"""Regime cotangents (covgrad.regimes.objectives): per-sample gradients through the score's hooks against naive float64
+"""Regime cotangents (covgrad.regimes.cotangents): per-sample gradients through the score's hooks against naive float64
 autograd of each regime's objective, the KL gradients and their vocabulary-covariance form against autograd
 of the KL, the sampled/full distillation identity with power against wrong variants, the bounds (random and
 nearly tight) by exact enumeration, and an independent numpy computation of every regime's G."""
@@ -14,12 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from covgrad.choices import REGIME_KINDS
 from covgrad.layout import select_parameters
-from covgrad.regimes.objectives import (
-    REGIMES,
+from covgrad.regimes.cotangents import (
     Regime,
     RegimeGrad,
-    RegimeMoments,
     advantage_sq_sums,
     chi2_sums,
     distill_sampled_advantages,
@@ -28,14 +27,16 @@ from covgrad.regimes.objectives import (
     reverse_kl_var_sums,
     token_advantage_logit_grad,
 )
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.regimes.fold import RegimeMoments
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.families import FAMILIES
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, make_batch, max_rel_err
 
 TAU, TAU_Q, BETA = 0.8, 1.3, 0.3
 
-# (case id, regime) pairs of the family matrix; every regime of covgrad.regimes.objectives appears at least once
+# (case id, regime) pairs of the family matrix; every regime kind appears at least once
 CASES = [
     ("rl", Regime("rl", temperature=TAU)),
     ("rl_token", Regime("rl_token", temperature=TAU, kl_beta=BETA, length_norm="response_length")),
@@ -50,7 +51,7 @@ CASES = [
     ("sft_drift", Regime("sft_drift", temperature=TAU)),
     ("sft_sampled", Regime("sft_sampled", temperature=TAU)),
 ]
-assert {r.kind for _, r in CASES} == set(REGIMES)
+assert {r.kind for _, r in CASES} == set(REGIME_KINDS)
 
 
 def _teacher(seed: int) -> nn.Module:

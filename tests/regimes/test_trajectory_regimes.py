@@ -1,6 +1,6 @@
 """Every regime's step against references: one stage step equals a hand-written step of the same loss,
 optimizer and precision (weights byte-identical), and each stepping loss's logit gradient is minus the
-regime's cotangent (``covgrad.regimes.objectives.RegimeGrad``) over N."""
+regime's cotangent (``covgrad.regimes.cotangents.RegimeGrad``) over N."""
 
 import copy
 import math
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from covgrad.layout import select_parameters
-from covgrad.regimes.objectives import Regime, RegimeGrad
+from covgrad.regimes.cotangents import Regime, RegimeGrad
 from covgrad.updates.check import run_update_cell
-from covgrad.updates.trajectory import (
+from covgrad.updates.stepping import (
     ADAM_EPS,
     PRECISIONS,
     STEP_REGIMES,
@@ -22,9 +22,9 @@ from covgrad.updates.trajectory import (
     StepLoss,
     Stepper,
     bf16_rounded,
-    run_trajectory,
     stored_dtype,
 )
+from covgrad.updates.trajectory import run_trajectory
 from tests.helpers.trajectory import LRS, hand_rows, on_policy, rollouts, tiny_llama
 
 TEACHER_TAU = 0.5

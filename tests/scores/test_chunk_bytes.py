@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import covgrad.scores.persample as persample
+import covgrad.scores.blocks as blocks
 from covgrad.devices import l2_cache_bytes
 
 
@@ -47,6 +47,6 @@ def test_l2_cache_bytes_without_sysfs(tmp_path):
     [(512 << 10, 2 << 20), (2 << 20, 8 << 20), (128 << 10, 1 << 20), (64 << 20, 64 << 20), (None, 2 << 20)],
 )
 def test_default_chunk_bytes_scales_with_l2_within_bounds(monkeypatch, l2, chunk):
-    monkeypatch.setattr(persample, "l2_cache_bytes", lambda: l2)
-    assert persample.default_chunk_bytes("cpu") == chunk
-    assert persample.default_chunk_bytes("cuda") == 256 << 20
+    monkeypatch.setattr(blocks, "l2_cache_bytes", lambda: l2)
+    assert blocks.default_chunk_bytes("cpu") == chunk
+    assert blocks.default_chunk_bytes("cuda") == 256 << 20

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from covgrad.layout import select_parameters
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.persample import (
     BATCH,
     MODELS,

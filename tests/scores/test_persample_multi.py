@@ -9,8 +9,10 @@ import torch
 
 from covgrad.layout import select_parameters
 from covgrad.moments.accum import MomentAccumulator
-from covgrad.regimes.objectives import Regime, RegimeGrad, RegimeMoments
-from covgrad.scores.persample import Cotangent, PerSampleGrads, score_logit_grad
+from covgrad.regimes.cotangents import Regime, RegimeGrad
+from covgrad.regimes.fold import RegimeMoments
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import Cotangent, PerSampleGrads
 from tests.helpers.families import FAMILIES
 from tests.helpers.families_hybrid import family_model
 from tests.helpers.persample import BATCH, MODELS, V, make_batch

@@ -17,7 +17,7 @@ import transformers as T
 from covgrad.config import PipelineConfig
 from covgrad.distributed.shardplan import ModelShape, Workload, make_plan
 from covgrad.layout import ParamLayout, TensorEntry, select_parameters, split_blocks
-from covgrad.scores.persample import PerSampleGrads
+from covgrad.scores.engine import PerSampleGrads
 from storage.artifacts import ArtifactStore
 from storage.stores.scores import load_moments
 from tasks.specs import plan
@@ -218,9 +218,9 @@ def test_self_check_sums_column_pieces_against_the_reference(monkeypatch: pytest
     """The self-check's sum over samples, added in column pieces of any size (the row-chunk fold) and summed
     in chunks of its own, reports the relative error of numpy's float64 sum, on a row-cut entry, and catches
     an error confined to the last piece."""
-    import covgrad.scores.persample as ps
+    import covgrad.scores.selfcheck as selfcheck
 
-    monkeypatch.setattr(ps, "_CHECK_COLUMNS", 24)  # several of the check's own chunks per piece
+    monkeypatch.setattr(selfcheck, "_CHECK_COLUMNS", 24)  # several of the check's own chunks per piece
     gen = np.random.default_rng(seed)
     rows, row, r0, r1, B = 10, 7, 2, 9, 3
     entry = TensorEntry("w", 0, (r1 - r0) * row, (r1 - r0, row), "float32", row0=r0, full_rows=rows)
@@ -229,7 +229,7 @@ def test_self_check_sums_column_pieces_against_the_reference(monkeypatch: pytest
     full[r0:r1] = block.astype(np.float64).sum(0).reshape(r1 - r0, row)
     full[r1 - 1, -1] += 0.5  # wrong in the last column only
     param = torch.zeros(rows, row)
-    check = ps._Check(ParamLayout([entry]), [param], (torch.from_numpy(full),))
+    check = selfcheck.SelfCheck(ParamLayout([entry]), [param], (torch.from_numpy(full),))
     cuts = sorted(gen.choice(np.arange(1, block.shape[1]), size=4, replace=False).tolist())
     for a, b in zip([0, *cuts], [*cuts, block.shape[1]], strict=True):
         check.add(entry, a, torch.from_numpy(block[:, a:b]))

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from covgrad.rollouts.formats import import_records
-from covgrad.scores.centering import align_full_mu
-from covgrad.scores.persample import score_logit_grad
+from covgrad.scores.centering import align_full_mu, score_logit_grad
 from covgrad.scores.support_mu import (
     add_sampled_token,
     align_support_mu,

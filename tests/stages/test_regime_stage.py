@@ -183,7 +183,7 @@ def test_regimes_only_add_stages():
 
 
 def test_moment_mean_se_merges_rows_like_numpy():
-    from covgrad.regimes.objectives import moment_mean_se
+    from covgrad.regimes.stats import moment_mean_se
 
     rng = np.random.default_rng(3)
     g = rng.normal(size=(11, 5))
@@ -198,7 +198,7 @@ def test_moment_mean_se_merges_rows_like_numpy():
 
 
 def test_regime_block_stats_counts_violations_against_the_allowance():
-    from covgrad.regimes.objectives import regime_block_stats
+    from covgrad.regimes.stats import regime_block_stats
 
     F = np.array([1.0, 1.0, 1.0, 0.0])
     G = np.array([0.5, 1.2, 3.0, 0.0])  # bound a·√F = 1: inside, over by 0.2 (within 3 se), over by 2

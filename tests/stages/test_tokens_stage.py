@@ -12,7 +12,8 @@ import zarr
 import storage.stores.tokens
 import tasks.tokens
 from covgrad.layout import select_parameters
-from covgrad.scores.persample import PerSampleGrads, score_logit_grad
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
 from covgrad.tokens.fisher import cross_term_ratio, token_fisher, token_scores
 from covgrad.tokens.study import (
     POSITION_ARRAYS,

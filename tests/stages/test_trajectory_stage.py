@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 import xarray as xr
 
 from covgrad.layout import ParamLayout
@@ -50,6 +51,37 @@ def test_store_checkpoints_and_packed_sets(reference):
     assert d["overlap"]["step2"]["exact"]["recall"] == 1.0
     assert d["overlap"]["step2"]["exact"]["precision"] == 1.0
     assert int(ds.n_changed_step.values[1]) == d["changed_exact"]
+
+
+@pytest.mark.slow
+def test_k_step_arrays_and_the_trace_agree_with_the_checkpoints(reference):
+    """The stored trace replayed to step 6 is checkpoint 6, bit for bit; d_k between checkpoints (steps 1 → 2,
+    2 → 4, 2 → 6) is what the stored d_k says for those windows; each grouping's histogram sums to the whole's."""
+    root, _, ref = reference
+    artifact = root / ref.stage / ref.key
+    ds = xr.open_zarr(artifact / TRAJECTORY)
+    layout = ParamLayout.from_records(json.loads(json.dumps(ds.attrs["tensors"])))
+    names = [e.name for e in layout.entries]
+
+    def bits(t: int) -> np.ndarray:
+        sd = load_state_dict(artifact / "checkpoints" / f"step_{t:06d}")
+        flat = torch.cat([sd[n].reshape(-1) for n in names])
+        return flat.view(torch.int16).numpy().view(np.uint16)
+
+    w = np.load(artifact / "deltas" / "start.npy")
+    for t in range(1, STEPS + 1):
+        idx = np.flatnonzero(np.unpackbits(ds.changed.values[t - 1], count=layout.P))
+        w[idx] = np.load(artifact / "deltas" / f"step_{t:06d}.npy")
+    assert np.array_equal(w, bits(STEPS))
+    ks = ds.k.values.tolist()
+    for t, k in ((1, 1), (2, 2), (2, 4)):
+        want = float(np.mean(bits(t) != bits(t + k)))
+        assert float(ds.dk.values[ks.index(k), t]) == want, (t, k)
+    assert np.isnan(ds.dk.values[ks.index(8), 0])  # a window longer than the run
+    for grouping in ("kind", "tensor", "decile"):
+        assert ds[f"hist_{grouping}"].values.sum(0).tolist() == ds.persist_hist.values[-1].tolist()
+    summary = ds.attrs["summary"]["persistence"]
+    assert summary["k1"]["dk_mean"] == pytest.approx(float(np.mean(ds.n_changed_step.values)) / layout.P, rel=1e-12)
 
 
 @pytest.mark.slow

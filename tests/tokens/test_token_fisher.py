@@ -8,9 +8,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from covgrad.layout import select_parameters
-from covgrad.scores.persample import PerSampleGrads
+from covgrad.scores.engine import PerSampleGrads
+from covgrad.tokens.backward import TokenBackward
 from covgrad.tokens.fisher import (
-    TokenBackward,
     candidate_weights,
     candidates,
     check_exact_budget,
@@ -298,7 +298,7 @@ def test_add_grads_in_place_equals_grads(arch):
 def test_square_sums_stream_equals_squared_grads(arch, chunk, monkeypatch):
     """square_sums_ (one tensor's block at a time, column chunks of ``chunk`` elements, tied tensors summed
     before squaring) against the float64 weighted squares of ``grads``, for one and for three rows."""
-    monkeypatch.setattr("covgrad.tokens.fisher.SQUARE_CHUNK", chunk)
+    monkeypatch.setattr("covgrad.tokens.backward.SQUARE_CHUNK", chunk)
     model = _tiny_gpt2() if arch == "gpt2" else _tiny_llama(arch == "llama-tied", seed=19)
     layout = select_parameters(model)
     input_ids, attention_mask = _batch(seed=23)

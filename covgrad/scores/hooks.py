@@ -1,0 +1,211 @@
+"""The forward hooks of :class:`covgrad.scores.engine.PerSampleGrads` on the modules bound to per-sample rules.
+
+A hook saves its module's input, checks that the call's leading dimension splits by sample (B, or a flattened
+(B·L, …) batch the first call's trace verified), makes the output a graph root when the graph does not reach it
+yet, and hooks the output's gradient: during the backward the module's rule turns the saved input and the output
+gradient into every sample's parameter gradient, written into the engine's blocks
+(:class:`covgrad.scores.blocks.Blocks`).
+
+Shape notation: B samples in the batch, L sequence positions, m the outer-major repeats of a flattened batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from covgrad.layout import TensorEntry
+from covgrad.scores.blocks import Blocks, FoldingSlot
+from covgrad.scores.rules import Call, Rule, Slot, float_outputs
+
+
+class Owner(Protocol):
+    """What the hooks read and set of their :class:`covgrad.scores.engine.PerSampleGrads` (typed here, not
+    imported: the engine imports this module)."""
+
+    _blocks: Blocks  # the per-sample blocks the rules write
+    _L: int  # the call's sequence length
+    _names: dict[int, str]  # id of each module → its qualified name
+    _flat_ok: set[int]  # modules verified to run on a flattened batch sample by sample
+    _outer: set[int]  # of those, the ones with outer-major rows
+    _replaying: bool  # a rule re-runs a module's forward: every hook stands aside
+    _probing: bool  # the op taps check rows by autograd mid-forward: the backward hooks stand aside
+    _roots: list[Tensor]  # the graph roots of the pass
+
+
+def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]) -> Callable:
+    """The forward hook (``with_kwargs``) of one module bound to ``rule`` for its parameters ``local``, in a call
+    of B samples of ``owner``: save the input, make the output a graph root if needed, hook its gradient."""
+    blocks = owner._blocks
+    parts = getattr(rule, "row_parts", False)
+
+    def view(name: str) -> tuple[Tensor, bool] | None:
+        entry = local.get(name)
+        if entry is None:
+            return None
+        first = entry.name not in blocks.written
+        blocks.written.add(entry.name)
+        if entry.is_part and not parts:
+            return blocks.whole_view(entry), first
+        return blocks.block(entry).view(B, *entry.shape), first
+
+    slot = FoldingSlot(blocks, view, local)
+    needs_call = getattr(rule, "needs_call", False)
+    rows = B * owner._L  # a flattened (B·L, …) batch
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple | None:
+        if owner._replaying:
+            return None
+        first_in = args[0] if args else next(iter(kwargs.values()), None)
+        outs = float_outputs(output)
+        flat, n_flat = _batch_rows(owner, module, needs_call, first_in, outs, B)
+        outer = needs_call and flat and id(module) in owner._outer and n_flat % rows == 0
+        unflat = _unflattener(owner, flat, n_flat, outer, B)
+        x = unflat(first_in.detach()) if isinstance(first_in, Tensor) else first_in
+        call = None
+        if needs_call:  # rules that read more than the first input (generic rule, fused experts)
+            detached = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (args, kwargs))
+            where = owner._names.get(id(module), type(module).__name__)
+            m = n_flat // rows if outer else 0
+            call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where, m)
+
+        def run(g: Tensor | tuple[Tensor, ...]) -> None:
+            if owner._probing:
+                return
+            g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
+            if needs_call:
+                blocks.run_rule(lambda: _replay(owner, rule, module, x, g, slot, call), local)
+            else:
+                adder = getattr(rule, "row_adder", None)
+                adds = None if adder is None else (lambda: adder(module, x, g))
+                blocks.run_rule(lambda: rule(module, x, g, slot), local, adds)
+
+        for entry in local.values():  # contributions the backward will bring (tied or repeated modules)
+            blocks.count(entry.name)
+        return _hooked_output(owner, module, output, outs, run)
+
+    return hook
+
+
+def _batch_rows(
+    owner: Owner,
+    module: nn.Module,
+    needs_call: bool,
+    first_in: object,
+    outs: tuple[Tensor, ...],
+    B: int,
+) -> tuple[bool, int | None]:
+    """Whether the call ran on a flattened batch, and its rows (k·B for a flattened batch).
+
+    A rule that reads the whole call (``needs_call``) looks at every floating output: leading dimension B, or
+    k·B for a flattened batch (k = L, L·heads, …); another rule at its first input and output.
+
+    Raises:
+        ValueError: when the leading dimensions do not split by sample, or the call ran flattened in a module
+            the first call's trace did not verify.
+    """
+    n_in = first_in.shape[0] if isinstance(first_in, Tensor) and first_in.dim() else None
+    n_out = outs[0].shape[0] if outs and outs[0].dim() else None
+    if needs_call:  # per tensor: leading dimension B, or k·B for a flattened batch (k = L, L·heads, …)
+        leads = [o.shape[0] if o.dim() else None for o in outs]
+        multiples = [n for n in (*leads, n_in) if n is not None and n != B and n % B == 0]
+        flat = bool(multiples)
+        n_flat = multiples[0] if flat else B * owner._L
+        ok = bool(leads) and all(n in (B, n_flat) for n in leads)
+    else:
+        flat = n_in is not None and n_in == n_out != B and n_in % B == 0
+        ok = flat or (n_in, n_out) == (B, B)
+        n_flat = n_in
+    if not ok:
+        _batch_dims_error(owner, module, n_in, n_out, B)
+    if flat and B > 1 and id(module) not in owner._flat_ok:
+        raise ValueError(
+            f"a hooked {type(module).__name__} ({owner._names.get(id(module), '?')}) ran on a flattened "
+            f"batch of {n_flat} = {B}·{n_flat // B} rows (its caller reshaped (B, L, …) to (B·L, …)) "
+            "whose rows were not verified to be sample by sample; deselect its parameters"
+        )
+    return flat, n_flat
+
+
+def _unflattener(owner: Owner, flat: bool, n_flat: int | None, outer: bool, B: int) -> Callable[[object], object]:
+    """The map of a call's tensors with the flattened rows ``n_flat`` to (B, n_flat / B, …), sample n's rows in
+    their order (from outer-major (m·B·L, …) rows with ``outer``); any other object unchanged."""
+
+    def unflat(t: object) -> object:
+        if flat and isinstance(t, Tensor) and t.dim() and t.shape[0] == n_flat:
+            if outer:  # (m·B·L, …) outer-major → (B, m·L, …): sample n's rows, in their order
+                rows = B * owner._L
+                return (
+                    t.reshape(n_flat // rows, B, owner._L, *t.shape[1:])
+                    .transpose(0, 1)
+                    .reshape(B, n_flat // B, *t.shape[1:])
+                )
+            return t.reshape(B, n_flat // B, *t.shape[1:])
+        return t
+
+    return unflat
+
+
+def _hooked_output(
+    owner: Owner, module: nn.Module, output: object, outs: tuple[Tensor, ...], run: Callable
+) -> Tensor | tuple | list:
+    """The module's output with ``run`` hooked on its gradient (one tensor) or on all its floating outputs' at
+    once (:class:`_Tap`), made graph roots of the pass when the graph does not reach them."""
+    if isinstance(output, Tensor):
+        if not output.requires_grad:
+            output = output.detach().requires_grad_()
+            owner._roots.append(output)
+        output.register_hook(run)
+        return output
+    if not isinstance(output, tuple | list) or not outs:
+        raise ValueError(
+            f"a hooked {type(module).__name__} returned {type(output).__name__}; per-sample rules need "
+            "a tensor or a tuple of tensors"
+        )
+    if not any(o.requires_grad for o in outs):
+        outs = tuple(o.detach().requires_grad_() for o in outs)
+        owner._roots.extend(outs)
+    tapped = iter(_Tap.apply(run, *outs))
+    return type(output)(next(tapped) if isinstance(t, Tensor) and t.is_floating_point() else t for t in output)
+
+
+def _replay(owner: Owner, rule: Rule, module: nn.Module, x: Tensor, g: object, slot: Slot, call: Call) -> None:
+    """Run a rule that may re-run the module's forward, with every hook standing aside meanwhile."""
+    owner._replaying = True
+    try:
+        rule(module, x, g, slot, call=call)
+    finally:
+        owner._replaying = False
+
+
+def _batch_dims_error(owner: Owner, module: nn.Module, n_in: int | None, n_out: int | None, B: int) -> None:
+    where = f"{type(module).__name__} ({owner._names.get(id(module), '?')})"
+    if B > 1 and 1 in (n_in, n_out):
+        raise ValueError(
+            f"a hooked {where} ran with batch dims {(n_in, n_out)} (input, output), not {B}: a tensor "
+            "broadcast over the batch (e.g. default position ids) has no per-sample gradient; pass "
+            "position_ids of shape (B, L)"
+        )
+    raise ValueError(
+        f"a hooked {where} ran with leading dims {(n_in, n_out)} (input, output), neither B = {B} nor "
+        f"B·L = {B * owner._L}: its rows cannot be split by sample; deselect its parameters"
+    )
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a module's floating outputs whose backward hands all their gradients to one callback
+    at once (missing ones as zeros), for modules that return tuples (MoE routers)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, fn: Callable, *outs: Tensor) -> tuple[Tensor, ...]:
+        ctx.fn = fn
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        ctx.fn(grads)
+        return (None, *grads)

@@ -1,0 +1,385 @@
+"""Which module's per-sample rule gives each selected parameter its gradient, and the first call's trace that
+checks it.
+
+:func:`bind_rules` binds every module that owns selected parameters to its rule (:func:`covgrad.scores.rules.rule_for`)
+and names, in one message, every parameter without one. The first call of
+:class:`covgrad.scores.engine.PerSampleGrads` then traces one forward of (at most) two samples
+(:func:`trace_forward`): a :class:`torch.overrides.TorchFunctionMode` records the module calls in which each
+selected parameter is used, so that a parameter used outside the forward of the module that owns it (a weight its
+parent hands to a functional conv) moves to the smallest module whose forward holds all its uses
+(:func:`rebind`), and autograd on the traced forward checks that every module that runs on a flattened (B·L, …)
+batch or whose forward a rule replays keeps the samples apart (:func:`check_apart`).
+
+Shape notation: B samples in the batch, L sequence positions.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from covgrad.layout import ParamLayout, TensorEntry
+from covgrad.scores.optaps import METADATA_READS
+from covgrad.scores.rules import Rule, float_outputs, generic_rule, rule_for
+
+# Positions of the first call's trace (trace_forward): the last ones of each row (real tokens under left padding).
+_TRACE_POSITIONS = 16
+
+# Tensor methods and attribute getters (``.dtype``, ``.shape``: ``__get__``) that read metadata, not values.
+_METADATA = METADATA_READS | {"__get__"}
+
+Binding = tuple[nn.Module, Rule, dict[str, TensorEntry]]
+
+# One module call of the traced forward: the module, its floating first input and its floating outputs.
+Record = tuple[nn.Module, list[Tensor], list[Tensor]]
+
+
+def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
+    """Every module owning selected parameters, with its per-sample rule and its selected parameters
+    (local name → layout entry), in ``named_modules`` order. A module whose fast rule covers only some of
+    its parameters gets a second binding, :func:`covgrad.scores.rules.generic_rule` over the others.
+
+    Raises:
+        ValueError: when a selected parameter is not in the model, or (one message naming every such
+            parameter, with a ``model.params`` selection without them) has no per-sample rule: owned by
+            the model's top-level module or by a module whose rule refuses it.
+    """
+    params = dict(model.named_parameters())
+    missing = [name for name in layout.names if name not in params]
+    if missing:
+        raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
+    by_id = {id(params[e.name]): e for e in layout.entries}
+    bindings: list[Binding] = []
+    refused: list[tuple[str, str]] = []
+    for module_name, module in model.named_modules():
+        local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
+        if not local:
+            continue
+        if not module_name:
+            refused += [
+                (
+                    e.name,
+                    f"{e.name!r} is owned by the model's top-level {type(module).__name__}, whose forward is "
+                    "the whole model",
+                )
+                for e in local.values()
+            ]
+            continue
+        found = rule_for(module)
+        if isinstance(found, str):
+            refused += [
+                (e.name, f"{e.name!r} (as {module_name}.{pn}, in a {type(module).__name__}): {found}")
+                for pn, e in local.items()
+            ]
+            continue
+        rule, covered = found
+        mine = {pn: e for pn, e in local.items() if pn in covered}
+        rest = {pn: e for pn, e in local.items() if pn not in covered}
+        if mine:
+            bindings.append((module, rule, mine))
+        if rest:
+            bindings.append((module, generic_rule, rest))
+    if refused:
+        raise ValueError(refusal(layout, refused))
+    return bindings
+
+
+def refusal(layout: ParamLayout, refused: list[tuple[str, str]]) -> str:
+    """One line naming every refused parameter (``(layout name, reason)`` pairs) and a ``model.params``
+    selection of the layout's other parameters that runs (globs over layer indices where they stay exact)."""
+    bad = {name for name, _ in refused}
+    keep = [name for name in layout.names if name not in bad]
+    head = (
+        f"no per-sample rule for parameter {refused[0][1]}"
+        if len(refused) == 1
+        else f"no per-sample rule for {len(refused)} selected parameters: " + "; ".join(r for _, r in refused)
+    )
+    if not keep:
+        return f"{head}; nothing else is selected"
+    return f"{head}; a selection without them that runs: model.params = {suggest_params(keep, layout.names)}"
+
+
+def suggest_params(keep: list[str], names: tuple[str, ...] | list[str]) -> list[str]:
+    """Glob patterns matching exactly ``keep`` among ``names``: each name with its layer indices replaced by
+    ``*`` where that pattern matches no other name, the name itself otherwise; deduplicated, in order."""
+    keep_set, out = set(keep), []
+    for name in keep:
+        pat = re.sub(r"\.\d+\.", ".*.", name)
+        if pat != name and not all(n in keep_set for n in names if fnmatch.fnmatchcase(n, pat)):
+            pat = name
+        if pat not in out:
+            out.append(pat)
+    return out
+
+
+@dataclass
+class TracedForward:
+    """What the first call's traced forward saw (:func:`trace_forward`).
+
+    Attributes:
+        n: samples traced (the batch's first, at most 2).
+        length: positions traced (each row's last, at most ``_TRACE_POSITIONS``).
+        uses: each used selected parameter (layout name) → the module call stacks it was used in, outermost first.
+        records: with two samples, the calls of the bound modules and of every module using a selected
+            parameter, in the order they finished.
+        emb: with two samples, the input embeddings' output made a graph leaf (empty when the model has none).
+    """
+
+    n: int
+    length: int
+    uses: dict[str, set[tuple[str, ...]]]
+    records: list[Record]
+    emb: list[Tensor]
+
+
+def trace_forward(
+    model: nn.Module,
+    layout: ParamLayout,
+    params: list[Tensor],
+    bindings: list[Binding],
+    names: dict[int, str],
+    inputs: dict[str, Tensor | None],
+) -> TracedForward:
+    """One forward of the batch's first (at most) two samples, cut to their last ``_TRACE_POSITIONS``
+    positions (the trace keeps a graph, and a real vocabulary's logits), recording where the selected
+    parameters (``params``, the model's tensors of the layout's entries) are used and, with two samples, the
+    calls of the ``bindings``' modules and of the parameters' users on a graph that starts at the input
+    embeddings. ``names``: id of each module → its qualified name."""
+    n = min(inputs["input_ids"].shape[0], 2)
+    sub = {k: v[:n, -_TRACE_POSITIONS:] if v is not None else None for k, v in inputs.items()}
+    wanted = {id(p): e.name for e, p in zip(layout.entries, params, strict=True)}
+    bound = {id(m) for m, _, _ in bindings}
+    stack: list[str] = []
+    uses: dict[str, set[tuple[str, ...]]] = {}
+    users: set[str] = set()
+    records: list[Record] = []
+    emb: list[Tensor] = []
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+
+    def pre(module: nn.Module, args: tuple) -> None:
+        stack.append(names[id(module)])
+
+    def post(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        name = stack.pop()
+        if n == 2 and (id(module) in bound or name in users):
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            ins = [first] if isinstance(first, Tensor) and first.is_floating_point() else []
+            records.append((module, ins, list(float_outputs(output))))
+
+    def leaf(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        out = output.detach().requires_grad_()
+        emb.append(out)
+        return out
+
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    if n == 2 and isinstance(embedding, nn.Module):
+        handles.append(embedding.register_forward_hook(leaf))
+    try:
+        with torch.enable_grad(), _ParamUses(wanted, stack, uses, users):
+            model(**sub, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return TracedForward(n, sub["input_ids"].shape[1], uses, records, emb)
+
+
+def rebind(
+    model: nn.Module,
+    layout: ParamLayout,
+    bindings: list[Binding],
+    names: dict[int, str],
+    uses: dict[str, set[tuple[str, ...]]],
+) -> list[Binding]:
+    """The bindings with every selected parameter that has a use outside its bound modules' forwards moved to
+    the smallest module whose forward holds all its uses, with :func:`covgrad.scores.rules.generic_rule` (merged
+    into that module's generic binding when it has one); ``bindings`` itself when nothing moves.
+
+    Raises:
+        ValueError: naming every parameter that only the model's top-level forward uses.
+    """
+    modules = dict(model.named_modules())
+    bound_in: dict[str, set[str]] = {}
+    for module, _, local in bindings:
+        for e in local.values():
+            bound_in.setdefault(e.name, set()).add(names[id(module)])
+    moves: dict[str, str] = {}
+    refused: list[tuple[str, str]] = []
+    for name, stacks in uses.items():
+        if all(st and st[-1] in bound_in.get(name, ()) for st in stacks):
+            continue
+        common = _common_prefix(stacks)
+        target = common[-1] if common else ""
+        if not target or not name.startswith(target + "."):
+            refused.append(
+                (
+                    name,
+                    f"{name!r} is used by the forward of {target or 'the top-level model'} outside any "
+                    "submodule that owns it, so no module's per-sample rule sees it (it would be served as zeros)",
+                )
+            )
+            continue
+        moves[name] = target
+    if refused:
+        raise ValueError(refusal(layout, refused))
+    if not moves:
+        return bindings
+    kept = []
+    for module, rule, local in bindings:
+        local = {pn: e for pn, e in local.items() if e.name not in moves}
+        if local:
+            kept.append((module, rule, local))
+    added: dict[str, dict[str, TensorEntry]] = {}
+    for name, target in moves.items():
+        added.setdefault(target, {})[name[len(target) + 1 :]] = layout.entry(name)
+    # a module's generic binding takes the moved parameters too: one replay of its forward for all of them
+    merged = []
+    for module, rule, local in kept:
+        extra = added.pop(names[id(module)], {}) if rule is generic_rule else {}
+        merged.append((module, rule, {**local, **extra}))
+    return merged + [(modules[t], generic_rule, local) for t, local in added.items()]
+
+
+def check_apart(
+    layout: ParamLayout,
+    bindings: list[Binding],
+    names: dict[int, str],
+    emb: Tensor,
+    records: list[Record],
+    L: int,
+) -> tuple[set[int], set[int]]:
+    """Verify that the recorded module calls keep the two traced samples apart: Σ of random projections of
+    sample b's rows of the checked modules' inputs and outputs must have a zero gradient on the other sample's
+    embeddings ``emb`` (one backward per sample; L: the traced positions).
+
+    Returns:
+        The ids of the bound modules that ran flattened, verified: sample-major rows (row n·k + j is sample
+        n's), or, for a rule that reads the whole call, outer-major ones (an (m·B·L, …) batch whose row
+        (i·B + n)·L + t is sample n's position t, as experts that see every token once per expert); and of
+        those, the outer-major ones.
+
+    Raises:
+        ValueError: naming every parameter of a module that mixes samples or whose flattened rows are not
+            sample by sample.
+    """
+    rules = {id(m): rule for m, rule, _ in bindings}
+    checked = []
+    for module, ins, outs in records:
+        if id(module) not in rules:
+            continue
+        needs = getattr(rules[id(module)], "needs_call", False)
+        flat = any(t.shape[0] > 2 for t in (*ins, *outs) if t.dim() and t.shape[0] % 2 == 0)
+        if needs or flat:
+            checked.append((module, ins, outs, flat))
+    leaks = _leak_test(emb, L)
+    every = [t for _, ins, outs, _ in checked for t in (*ins, *outs)]
+    outer: set[int] = set()
+    if any(leaks(every, b) for b in (0, 1)):
+        refused: list[tuple[str, str]] = []
+        for module, ins, outs, flat in checked:
+            where = f"{names[id(module)]} (a {type(module).__name__})"
+            if (
+                flat
+                and getattr(rules[id(module)], "needs_call", False)
+                and any(leaks(ins, b) for b in (0, 1))
+                and not any(leaks(ins + outs, b, outer=True) for b in (0, 1))
+            ):
+                outer.add(id(module))
+                continue
+            if any(leaks(ins, b) for b in (0, 1)):
+                what = (
+                    "runs on inputs whose leading dimension is not sample by sample (the batch is another "
+                    "dimension, or its caller orders or mixes the rows otherwise)"
+                    if flat
+                    else "receives an input that mixes samples"
+                )
+            elif any(leaks(outs, b) for b in (0, 1)):
+                what = "mixes samples (its output for one sample depends on another sample's input)"
+            else:
+                continue
+            refused += [
+                (e.name, f"{e.name!r}: {where} {what}, so no per-sample gradient exists")
+                for m, _, local in bindings
+                if m is module
+                for e in local.values()
+            ]
+        if refused:
+            raise ValueError(refusal(layout, refused))
+    return {id(module) for module, _, _, flat in checked if flat}, outer
+
+
+def _leak_test(emb: Tensor, L: int) -> Callable[..., bool]:
+    """``leaks(ts, b, outer=False)``: whether a random projection of sample b's rows of the tensors ``ts``
+    (sample-major halves of their leading dimension, or with ``outer`` the (m, 2, L) outer-major rows) has a
+    nonzero gradient on the other sample's embeddings ``emb`` (2, L, H). The projections come from one
+    generator seeded 0, drawn in the order of the calls."""
+    gen = torch.Generator().manual_seed(0)
+
+    def part(t: Tensor, b: int, outer: bool) -> Tensor:
+        if outer and t.shape[0] % (2 * L) == 0:
+            return t.reshape(t.shape[0] // (2 * L), 2, L, *t.shape[1:])[:, b]
+        k = t.shape[0] // 2
+        return t[b * k : (b + 1) * k]
+
+    def leaks(ts: list[Tensor], b: int, outer: bool = False) -> bool:
+        ts = [t for t in ts if t.requires_grad and t.dim() and t.shape[0] % 2 == 0]
+        if not ts:
+            return False
+        total = sum(
+            (part(t, b, outer).float() * torch.randn(part(t, b, outer).shape, generator=gen).to(t.device)).sum()
+            for t in ts
+        )
+        (grad,) = torch.autograd.grad(total, emb, retain_graph=True, allow_unused=True)
+        # NaN/inf entries (0·∞ through a zero-norm padding embedding) carry no evidence either way
+        return grad is not None and bool((grad[1 - b].nan_to_num(0.0, 0.0, 0.0) != 0).any())
+
+    return leaks
+
+
+class _ParamUses(TorchFunctionMode):
+    """Records, for every torch function called with a selected parameter, the stack of module calls it ran in.
+
+    Args:
+        wanted: id of each selected parameter → its name.
+        stack: the qualified names of the module calls in progress (kept by the caller's hooks).
+        uses: filled with name → set of call stacks (tuples of module names, outermost first).
+        users: filled with the innermost module name of every use.
+    """
+
+    def __init__(
+        self, wanted: dict[int, str], stack: list[str], uses: dict[str, set[tuple[str, ...]]], users: set[str]
+    ) -> None:
+        super().__init__()
+        self.wanted, self.stack, self.uses, self.users = wanted, stack, uses, users
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _METADATA:  # reads no values: not a use
+            return func(*args, **kwargs)
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, Tensor) and id(t) in self.wanted:
+                self.uses.setdefault(self.wanted[id(t)], set()).add(tuple(self.stack))
+                if self.stack:
+                    self.users.add(self.stack[-1])
+        return func(*args, **kwargs)
+
+
+def _common_prefix(stacks: set[tuple[str, ...]]) -> list[str]:
+    """The longest common prefix of module call stacks (outermost first)."""
+    common = list(min(stacks, key=len))
+    for st in stacks:
+        k = next((i for i, (a, b) in enumerate(zip(common, st, strict=False)) if a != b), len(common))
+        common = common[:k]
+    return common
