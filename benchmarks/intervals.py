@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 
 from covgrad.moments import spearman
-from covgrad.report.uncertainty import group_bootstrap, interval, null_band
+from covgrad.report.uncertainty import group_bootstrap, interval, resampled_band
 
 QS = (0.01, 0.1)
 
@@ -101,10 +101,10 @@ def main() -> None:
             covered[k] += lo <= at_n[k] <= hi
             covered_inf[k] += lo <= t <= hi
         S0 = rng.normal(size=S.shape) * sigma  # β = 0: the zero-mean null
-        b0 = group_bootstrap(partial(_cols, S0), A, grp, args.P, QS, n_boot=0)
+        b0 = group_bootstrap(partial(_cols, S0), A, grp, args.P, QS, n_boot=0, seed=seed)
         m0, var0 = S0.mean(0), S0.var(0)
         stat = S0.shape[0] * float((m0 * m0).sum()) / float(var0.sum())
-        lo, hi = null_band(b0["dof_trace"])
+        lo, hi = resampled_band(b0["null_trace"])
         in_band += lo <= stat <= hi
     n = args.trials
     print(

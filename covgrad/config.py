@@ -121,6 +121,11 @@ class TaskSection(Section):
     seed: int = Field(1234, description="seed of the prompt draw")
     path: str | None = Field(None, description="jsonl: file of prompt/answer lines")
     reward: str | None = Field(None, description="jsonl: reward function as an import path 'module:function'")
+    trust_reward_code: bool = Field(
+        False,
+        description="jsonl: import and run a task.reward outside covgrad.rewards (its module's code runs in every "
+        "process that scores rewards); off: such a reward is refused before anything is imported",
+    )
 
     @model_validator(mode="after")
     def _jsonl_needs_path_and_reward(self) -> Self:
@@ -130,6 +135,16 @@ class TaskSection(Section):
             if not self.reward or not re.fullmatch(r"[\w.]+:[\w]+", self.reward):
                 raise ValueError(f"task.reward {self.reward!r} must be an import path 'module:function'")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_trust_default(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``trust_reward_code`` is left out while off, so a task serialises (and keys its artifacts, and renders
+        its report config) as before the setting existed; the specs that hold a task leave it out of their keys
+        when on too (a permission changes no byte: ``tasks.specs.stages``)."""
+        out = handler(self)
+        if out.get("trust_reward_code") is False:
+            del out["trust_reward_code"]
+        return out
 
 
 RolloutFormat = Literal["covgrad", "open_instruct", "trl", "verl", "responses"]  # covgrad.rollouts.formats.READERS
@@ -529,8 +544,13 @@ class TrajectorySection(Section):
     regime: str = Field("rl", description="rl, or the name of an entry of regimes whose loss the steps follow")
     checkpoints: str | None = Field(
         None,
-        description="analyse an external run instead of stepping: a manifest.json or a folder of step-numbered "
-        "checkpoints (the first one is model.path)",
+        description="analyse an external run instead of stepping: a manifest.json or a folder of step-named "
+        "checkpoints (verl global_step_N, Trainer checkpoint-N, Hub step-N; starting at model.path)",
+    )
+    deltas: str | None = Field(
+        None,
+        description="analyse an external run from grail's delta trace instead: a folder of delta_NNNNNN.pt files "
+        "beside the start weights (base_weights.pt), which are model.path's",
     )
     grid: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="named cells overriding these fields, one trajectory each; none by default"
@@ -556,6 +576,15 @@ class TrajectorySection(Section):
             return {None: self}
         base = self.model_dump(exclude={"grid"})
         return {name: TrajectorySection.model_validate({**base, **cell}) for name, cell in self.grid.items()}
+
+    @model_validator(mode="after")
+    def _one_external_run(self) -> "TrajectorySection":
+        if self.checkpoints is not None and self.deltas is not None:
+            raise ValueError(
+                f"trajectory.checkpoints {self.checkpoints!r} and trajectory.deltas {self.deltas!r} are both set; "
+                "an external run is read from one of them"
+            )
+        return self
 
     @field_validator("checkpoint_ratio")
     @classmethod

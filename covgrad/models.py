@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -42,6 +44,27 @@ def check_causal_lm(model: object, where: str) -> PreTrainedModel:
     if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
         raise ValueError(f"{where} is not a causal language model (no LM head); give an AutoModelForCausalLM")
     return model
+
+
+def check_finite_weights(tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """ValueError naming ``where``, the first tensor with a NaN or ±inf value and how many there are, unless
+    every floating-point tensor of ``tensors`` (name, tensor of any shape) is finite; meta tensors (no values)
+    are skipped. One ``torch.isfinite(t).all()`` per tensor; only a bad tensor is counted element by element.
+
+    A single non-finite weight makes every score, and so every F, G and mask, NaN: it is refused, not served.
+    """
+    first, count, n_bad = "", 0, 0
+    for name, t in tensors:
+        if not t.is_floating_point() or t.is_meta or bool(torch.isfinite(t).all()):
+            continue
+        bad = int((~torch.isfinite(t)).sum())
+        first = first or f"{name} ({bad} of {t.numel()})"
+        count, n_bad = count + bad, n_bad + 1
+    if count:
+        raise ValueError(
+            f"{where} has {count} non-finite weight value(s) (NaN or inf) in {n_bad} tensor(s), the first "
+            f"{first}; every score would be NaN: use a checkpoint whose weights are all finite"
+        )
 
 
 def check_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, where: str) -> None:

@@ -1,8 +1,13 @@
-"""Reward functions for JSONL tasks (``task.reward: covgrad.rewards:<name>``)."""
+"""Reward functions for JSONL tasks (``task.reward: covgrad.rewards:<name>``): the only rewards that run without
+``task.trust_reward_code`` (``covgrad.rollouts.problems.resolve_reward``)."""
 
 from __future__ import annotations
 
 import re
+
+from covgrad.rollouts.problems import addition_reward
+
+__all__ = ["addition_reward", "mentions_answer"]
 
 
 def mentions_answer(prompt: str, response: str, answer: str) -> float:

@@ -254,9 +254,9 @@ def _plan_fsdp(args: argparse.Namespace, cfg: Any) -> int:
 def _prompt_tokens(cfg: Any) -> tuple[int, str]:
     """The longest prompt of the task in the policy's tokens, and where that number comes from (128,
     assumed, when the tokenizer cannot be read without loading the model)."""
-    from storage.stores.prompts import load_task, prompt_lengths
+    from storage.stores.prompts import load_problems, prompt_lengths
 
-    problems, _ = load_task(cfg.task)
+    problems = load_problems(cfg.task)  # the prompts only: a plan imports no reward code
     counted = prompt_lengths(cfg.model.path, problems)
     if counted is None or not counted[0]:
         return 128, "assumed: no tokenizer.json to count the task's prompts"
@@ -271,12 +271,12 @@ def _run_lines(cfg: Any, prompt_tokens: int, chosen: Any, device: str) -> list[s
     from covgrad.tokens import resolve_modes, row_names
     from flows.runplan import RunShape, ScoresShape, human, stage_sizes
     from flows.shards import meta_model
-    from storage.stores.prompts import load_task
+    from storage.stores.prompts import load_problems
     from tasks.specs import plan
 
     model = meta_model(cfg)
     shape = ModelShape.of(model)
-    prompts = len(load_task(cfg.task)[0])
+    prompts = len(load_problems(cfg.task))
     samplers = cfg.rollouts.samplers
     steps = plan(cfg)
     instances = list(steps)
@@ -460,10 +460,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     import json
 
+    from covgrad.models import check_finite_weights
     from covgrad.updates import diff_state_dicts
     from storage.checkpoints import load_state_dict
 
     before, after = load_state_dict(args.before), load_state_dict(args.after)
+    check_finite_weights(before.items(), f"checkpoint BEFORE {args.before!r}")
+    check_finite_weights(after.items(), f"checkpoint AFTER {args.after!r}")
     masks = layout = None
     if args.masks:
         from storage.identity import artifact_location, check_computed_on
@@ -483,6 +486,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(f"{row['name']:50s} {row['numel']:>10d} {row['frac_exact']:>20.4f} {row['frac_abs']:>18.4f}")
     tot = result
     print(f"{'global (numel-weighted)':50s} {tot['numel']:>10d} {tot['frac_exact']:>20.4f} {tot['frac_abs']:>18.4f}")
+    cast = sorted({(r["before_dtype"], r["dtype"]) for r in result["tensors"] if r["before_dtype"] != r["dtype"]})
+    for src, dst in cast:
+        print(f"compared in AFTER's {dst}: BEFORE's {src} tensors rounded to {dst} first")
     for m in result["mismatched"]:
         print(f"not compared: {m}")
     for name, sets in result.get("overlap", {}).items():
@@ -582,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         "diff",
         help="update sparsity between two checkpoints",
         description="Fraction of parameters changed between two checkpoints (bf16 value and |Δ| > atol), "
-        "per tensor and numel-weighted, optionally against the top-q masks of a masks artifact.",
+        "per tensor and numel-weighted, optionally against the top-q masks of a masks artifact; checkpoints of "
+        "different floating dtypes are compared in AFTER's (BEFORE rounded to it).",
         formatter_class=defaults,
     )
     p.add_argument("before", help="checkpoint before (model directory or state-dict file)")

@@ -25,24 +25,29 @@ from covgrad.rollouts import (
     rename_fields,
     require_mu_source,
 )
-from storage.models import check_model_dir
+from storage.models import check_model_dir, warn_custom_code
 from storage.readers import read_located_records, unrewarded
 from storage.stores.prompts import load_task, prompt_lengths, prompt_places
 
 
 def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
-    """Validate everything ``cfg`` points at, in this order: model directories, imported rollouts and
-    their μ source (none for a dataset of responses), that a dataset without rewards is not analysed and is
-    folded only by sft regimes (``covgrad.rollouts.inputs.check_unrewarded``), the regimes' inputs, the task file and
-    its reward, that the prompts fit the policy's context with every generating sampler's
-    ``max_new_tokens``, and (``architecture``, a user model) that per-sample scores support every selected
-    parameter (``covgrad.scores.preflight.check_model``: seconds, imports torch).
+    """Validate everything ``cfg`` points at, in this order: model directories (with a warning line for one that
+    names custom code ``model.trust_remote_code`` does not run: ``storage.models.warn_custom_code``), imported
+    rollouts and their μ source (none for a dataset of responses), that a dataset without rewards is not analysed
+    and is folded only by sft regimes (``covgrad.rollouts.inputs.check_unrewarded``), the regimes' inputs, the task
+    file and its reward (one outside ``covgrad.rewards`` only with ``task.trust_reward_code``), that the prompts fit
+    the policy's context with every generating sampler's ``max_new_tokens``, and (``architecture``, a user model)
+    that per-sample scores support every selected parameter (``covgrad.scores.preflight.check_model``: seconds,
+    imports torch).
     Raises ValueError or FileNotFoundError with a one-line message naming the bad value."""
+    trust = cfg.model.trust_remote_code
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path, "model.path")
+        warn_custom_code(cfg.model.path, trust)
     for name, s in cfg.rollouts.samplers.items():
         if s.model not in ("policy", "stale"):
             check_model_dir(s.model, f"rollouts.samplers.{name}.model")
+            warn_custom_code(s.model, trust)
         if s.import_path is not None and not Path(s.import_path).is_file() and "://" not in s.import_path:
             raise FileNotFoundError(f"rollouts.samplers.{name}.import_path {s.import_path!r} does not exist")
         if s.import_path is not None:

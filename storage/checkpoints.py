@@ -3,25 +3,73 @@
 Accepted: a Hugging Face model directory (``model.safetensors``, a sharded ``model.safetensors.index.json``,
 ``pytorch_model.bin`` or a sharded ``pytorch_model.bin.index.json``, tried in that order, as
 transformers does), or one such file given directly (``*.safetensors``, ``*.bin``/``*.pt``/``*.pth``,
-``*.index.json``). ``.bin`` files are read with ``torch.load(weights_only=True)``.
+``*.index.json``). ``.bin`` files are read with ``torch.load(weights_only=True)``. :func:`checkpoint_dtype` reads only
+safetensors headers where it can.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-_DIR_FILES = (
+WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+# safetensors dtype names of the floating dtypes
+_SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def weights_file(directory: str | os.PathLike) -> Path | None:
+    """The weight file a Hugging Face model directory is loaded from (:data:`WEIGHT_FILES`, first found), or None."""
+    return next((Path(directory) / n for n in WEIGHT_FILES if (Path(directory) / n).is_file()), None)
+
+
+def checkpoint_dtype(path: str | os.PathLike, names: Collection[str] | None = None) -> torch.dtype:
+    """The floating dtype a checkpoint (directory or weight file) stores its tensors in (those of ``names`` that
+    it holds, when it holds any), from the safetensors headers (a ``.bin`` checkpoint is loaded); ValueError
+    naming the file when they are in several floating dtypes or none, FileNotFoundError as :func:`load_state_dict`."""
+    root = Path(path)
+    file = weights_file(root) if root.is_dir() else root
+    if file is None:
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} holds none of {', '.join(WEIGHT_FILES)}")
+    shards = [file]
+    if file.name.endswith(".index.json"):
+        shards = [file.parent / s for s in dict.fromkeys(json.loads(file.read_text())["weight_map"].values())]
+    if all(s.suffix == ".safetensors" for s in shards):
+        dtypes = {k: _header_dtype(h) for s in shards for k, h in _safetensors_header(s).items()}
+    else:
+        dtypes = {k: str(t.dtype).removeprefix("torch.") for k, t in load_state_dict(path).items()}
+    if names is not None and any(n in dtypes for n in names):
+        dtypes = {k: v for k, v in dtypes.items() if k in set(names)}
+    floats = sorted({n for n in dtypes.values() if n in _SAFETENSORS_FLOATS.values()})
+    if len(floats) != 1:
+        raise ValueError(
+            f"checkpoint {str(file)!r} stores its floating tensors in {floats or 'no floating dtype'}; "
+            "covgrad compares a checkpoint in one stored dtype"
+        )
+    return getattr(torch, floats[0])
+
+
+def _safetensors_header(file: Path) -> dict[str, dict]:
+    """The tensor entries (name -> {dtype, shape, data_offsets}) of a safetensors file's JSON header."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
+def _header_dtype(entry: dict) -> str:
+    """The torch name of a safetensors header entry's dtype (its own name when it is not floating)."""
+    return _SAFETENSORS_FLOATS.get(entry["dtype"], entry["dtype"])
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -35,10 +83,10 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not root.exists():
         raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist")
     if root.is_dir():
-        for name in _DIR_FILES:
-            if (root / name).is_file():
-                return _load_file(root / name)
-        raise FileNotFoundError(f"checkpoint directory {str(path)!r} holds none of {', '.join(_DIR_FILES)}")
+        file = weights_file(root)
+        if file is None:
+            raise FileNotFoundError(f"checkpoint directory {str(path)!r} holds none of {', '.join(WEIGHT_FILES)}")
+        return _load_file(file)
     return _load_file(root)
 
 

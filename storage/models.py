@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -51,6 +52,30 @@ def check_model_dir(path: str, what: str) -> None:
     check_weights(root)
 
 
+_WARNED: set[str] = set()
+
+
+def warn_custom_code(path: str, trust_remote_code: bool) -> str | None:
+    """When the model directory ``path`` names custom code (``auto_map`` in its config.json) and
+    ``trust_remote_code`` is off, the one warning line saying that transformers' built-in class of its
+    ``model_type`` is used instead, logged to the ``covgrad`` logger once per directory and process and returned
+    (None otherwise)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    auto_map = config.get("auto_map")
+    if trust_remote_code or not auto_map:
+        return None
+    classes = ", ".join(sorted(str(v) for v in auto_map.values())) if isinstance(auto_map, dict) else str(auto_map)
+    line = (
+        f"model path {path!r} names custom code (auto_map: {classes}) but model.trust_remote_code is off: "
+        f"transformers' built-in {config.get('model_type')!r} class runs instead, which may not be this model; set "
+        "model.trust_remote_code: true to run the directory's code"
+    )
+    if (where := str(Path(path).resolve())) not in _WARNED:
+        _WARNED.add(where)
+        logging.getLogger("covgrad").warning(line)
+    return line
+
+
 def load_model(
     path: str | Path, dtype: str = "float32", trust_remote_code: bool = False, meta: bool = False
 ) -> PreTrainedModel:
@@ -58,15 +83,17 @@ def load_model(
     same model built from its config on the meta device (shapes, names and ties, no storage and no weights
     read: a rank that receives its shard of the weights from rank 0, :func:`covgrad.distributed.fsdp.shard_from_rank0`).
 
-    FileNotFoundError naming the path when it is missing; ValueError when it is not a causal LM.
+    FileNotFoundError naming the path when it is missing; ValueError when it is not a causal LM, or (checked once
+    per load of the weights, :func:`covgrad.models.check_finite_weights`) when a weight is NaN or ±inf.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
-    from covgrad.models import check_causal_lm
+    from covgrad.models import check_causal_lm, check_finite_weights
 
     check_model_dir(str(path), "model path")
+    warn_custom_code(str(path), trust_remote_code)
     transformers_logging.disable_progress_bar()  # no "Loading weights" bar in a worker's log
     root = Path(path)
     options = {"trust_remote_code": trust_remote_code, "dtype": getattr(torch, dtype), "attn_implementation": "eager"}
@@ -81,6 +108,8 @@ def load_model(
         arch = json.loads((root / "config.json").read_text()).get("architectures")
         raise ValueError(f"model path {str(path)!r} ({arch}) is not a causal LM: {str(exc).splitlines()[0]}") from None
     check_causal_lm(model, f"model path {str(path)!r}")
+    if not meta:
+        check_finite_weights(model.named_parameters(), f"model path {str(path)!r}")
     return model.eval()
 
 

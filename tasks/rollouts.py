@@ -29,6 +29,7 @@ from covgrad.rollouts import (
     SamplerSpec,
     check_context,
     check_rewards,
+    check_sampler_logp,
     compute_advantages,
     generate,
     response_texts,
@@ -142,6 +143,8 @@ def rollouts_task(ref: ArtifactRef, spec: RolloutsSpec, upstream: dict[str, Arti
             if s.import_path
             else _generate(store, r, spec, base)
         )
+        if s.mu_known:  # a dataset of responses records no μ (NaN): nothing to check
+            check_sampler_logp(g["sampler_logp"][:], f"rollouts.samplers.{spec.sampler}")
         rewards = g["reward"][:]
         rewarded = s.mu_known or not np.isnan(rewards).all()  # a dataset without rewards imports NaN
         if rewarded:

@@ -6,7 +6,8 @@ scheduler or on the dask.distributed scheduler at ``dask.address``. Store ``stat
 float64 arrays m, F, Fvar, G, Cov, rho, crossfit_ratio; per-tensor summaries over dim ``tensor``; the
 scalars in attrs; ``degenerate``: why the run has no finding about G, else None; ``crossfit_undefined``:
 why the cross-fit is undefined, else None. Degenerate runs are findings, not errors: the stage completes
-and says why in its log and attrs.
+and says why in its log and attrs. A NaN or ±inf F or G is an error: the stage fails in one line naming the
+scores artifact and how many coordinates, and marks nothing complete.
 """
 
 from __future__ import annotations
@@ -51,7 +52,14 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: StatsSpec, up: Artifa
     g = store.open_group(ref, STORE, mode="w")
     out = {name: create(g, STORE, name, (layout.P,)) for name in BLOCK_OUTPUTS}
     with dask_scheduler(spec.dask_address):
-        result = blocked_stats(partial(load_moments, sc), sample_counts(sc), layout, out, chunk=param_chunk(layout.P))
+        result = blocked_stats(
+            partial(load_moments, sc),
+            sample_counts(sc),
+            layout,
+            out,
+            chunk=param_chunk(layout.P),
+            where=f"scores artifact {up.stage}/{up.key}",
+        )
     for note in result.notes:
         log.warning("stats %s: %s", ref.key, note)
     for name, values in result.tensors.items():

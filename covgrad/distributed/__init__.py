@@ -1,14 +1,14 @@
 """Sharded work: FSDP2 per-sample scores, the launch of rank groups, the FSDP plan, shard plans and the sharded
 trajectory stepper.
 
-The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
-a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
+Names re-exported lazily (:mod:`covgrad.lazy`).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from covgrad.lazy import exports
 
 if TYPE_CHECKING:
     from covgrad.distributed.fsdp import (
@@ -101,11 +101,4 @@ __all__ = [
     "torchrun_rank",
 ]
 
-
-def __getattr__(name: str) -> object:
-    """The re-exported ``name``, imported from its module on first use."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _EXPORTS)

@@ -1,14 +1,14 @@
 """Moment state and what is read off it: the accumulators and their native fold, blocked statistics,
 exact top-k sets and rank correlations, quantiles and float64 numerics.
 
-The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
-a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
+Names re-exported lazily (:mod:`covgrad.lazy`).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from covgrad.lazy import exports
 
 if TYPE_CHECKING:
     from covgrad.moments.accum import FOLD_ELEMENTS, GroupAccumulator, MomentAccumulator, state_bytes_per_param
@@ -107,11 +107,4 @@ __all__ = [
     "topk_indices",
 ]
 
-
-def __getattr__(name: str) -> object:
-    """The re-exported ``name``, imported from its module on first use."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _EXPORTS)

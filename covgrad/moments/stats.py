@@ -478,6 +478,8 @@ class _Totals:
     coord_n: int = 0  # coordinates with Fvar_i > 0
     max_rho: float = -1.0  # max |ρ_i| over finite ρ_i; −1 while there is none
     any_score: bool = False  # some F_i > 0
+    nonfinite_F: int = 0  # coordinates whose F_i is NaN or ±inf
+    nonfinite_G: int = 0  # coordinates whose G_i is NaN or ±inf
     n_exceed: list[int] = field(default_factory=lambda: [0, 0])  # cross-fit (even F, odd G), (odd F, even G)
     n_finite: list[int] = field(default_factory=lambda: [0, 0])
 
@@ -486,6 +488,8 @@ class _Totals:
         m, Fvar, rho = (np.asarray(stats[k]) for k in ("m", "Fvar", "rho"))  # (b,) each
         varies = Fvar > 0
         self.any_score = self.any_score or bool((np.asarray(stats["F"]) > 0).any())
+        self.nonfinite_F += int((~np.isfinite(np.asarray(stats["F"]))).sum())
+        self.nonfinite_G += int((~np.isfinite(np.asarray(stats["G"]))).sum())
         self.bound_violations += int(stats["bound_violations"])
         self.m2_sum += sum64(m * m)
         self.fvar_sum += sum64(Fvar)
@@ -532,6 +536,7 @@ def blocked_stats(
     out: Mapping[str, Array],
     *,
     chunk: int,
+    where: str = "the moments",
 ) -> BlockedStats:
     """All statistics of a run, reduced in blocks along the parameter axis, so memory is bounded by a
     block (``BLOCK_CHUNKS`` chunks), not P, except the overlap at ``OVERLAP_Q`` (it ranks F and |G|).
@@ -550,9 +555,15 @@ def blocked_stats(
         out: (P,) float64 arrays chunked by ``chunk`` (numpy, or a store's arrays), one for each name of
             ``BLOCK_OUTPUTS``: filled block by block, then read back for the per-tensor summaries.
         chunk: the outputs' chunk length along P.
+        where: what the moments are, for the error (the stats stage names its scores artifact).
 
     Returns:
         The scalars, cross-fit counts, per-tensor summaries and findings (``BlockedStats``).
+
+    Raises:
+        ValueError: naming ``where`` and how many coordinates, when N ≥ 2 and some F_i or G_i is NaN or ±inf
+            (non-finite scores: a non-finite weight or log-prob, or an overflow); checked once every block is
+            written, before anything is ranked or summarised.
     """
     N, n_even, n_odd = counts
     P = layout.P
@@ -582,6 +593,12 @@ def blocked_stats(
             # 3. Add the block to the totals
             first = first or stats
             totals.add(stats, cross)
+        if totals.nonfinite_F or totals.nonfinite_G:
+            raise ValueError(
+                f"{where}: F is NaN or inf at {totals.nonfinite_F} and G at {totals.nonfinite_G} of P = {P} "
+                "coordinates, so no statistics are served; check the policy's weights and the sampler's log-probs, "
+                "or set scores.state_dtype float64 if the scores overflow float32"
+            )
         # 4. Per-tensor summaries of the written arrays
         stored = {k: da.from_array(out[k], chunks=(chunk,)) for k in ("F", "Fvar", "G", "rho")}
         (summary,) = da.compute(tensor_summary(stored, layout))

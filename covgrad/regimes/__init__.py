@@ -2,14 +2,14 @@
 its gradient fold (:mod:`covgrad.regimes.fold`), its moments and statistics (:mod:`covgrad.regimes.stats`), and
 the teacher context (:mod:`covgrad.regimes.context`). The regime kinds are :data:`covgrad.choices.REGIME_KINDS`.
 
-The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
-a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
+Names re-exported lazily (:mod:`covgrad.lazy`).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from covgrad.lazy import exports
 
 if TYPE_CHECKING:
     from covgrad.choices import FULL_DISTRIBUTION_KINDS
@@ -95,11 +95,4 @@ __all__ = [
     "token_advantages",
 ]
 
-
-def __getattr__(name: str) -> object:
-    """The re-exported ``name``, imported from its module on first use."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _EXPORTS)

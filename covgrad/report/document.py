@@ -224,7 +224,8 @@ def findings(numbers: dict[str, Any]) -> list[str]:
         verdict = (
             "consistent with E[s] = 0"
             if inside
-            else "not consistent with E[s] = 0 under the χ² approximation (which assumes near-Gaussian scores)"
+            else "not consistent with E[s] = 0 at the 95% level (sparse scores put a true null above the band more "
+            "often than 1 run in 20: docs/reading.md)"
         )
         side = "inside" if inside else "outside"
         band_text = f"{band[0]:.3g}–{band[1]:.3g}"

@@ -33,7 +33,7 @@ from covgrad.report.plots import (
 )
 from covgrad.report.regimes import regimes as regimes_section
 from covgrad.report.trajectory import trajectories as trajectories_section
-from covgrad.report.uncertainty import LEVEL, METHOD, group_bootstrap, interval, null_band
+from covgrad.report.uncertainty import LEVEL, METHOD, group_bootstrap, interval, null_band, resampled_band
 
 STATS = "stats.zarr"
 TOKENS = "tokens.zarr"
@@ -195,14 +195,13 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
             out["overlap"] = {
                 r["q"]: interval(r["overlap"], boot["overlap"][:, i], 0.0, 1.0, groups=G) for i, r in enumerate(overlap)
             }
-        dof = {"trace": boot["dof_trace"], "coord": boot["dof_coord"]}
+        bands = {k: resampled_band(boot[f"null_{k}"]) for k in ("trace", "coord")}
+        out["null_draws"] = len(boot["null_trace"])
     else:
         out["method"] = "none: the scores store kept only moment state (two parity halves), too few to resample"
-        dof = {"trace": 1.0, "coord": 1.0}
-    for k, d in dof.items():
-        if d == d:
-            out[f"null_band_{k}"] = null_band(d)
-            out[f"dof_{k}"] = d
+        bands = {"trace": None, "coord": None}
+    for k, band in bands.items():
+        out[f"null_band_{k}"] = band if band is not None else null_band(1.0)
     report.numbers["intervals"] = out
     table = [
         {"quantity": k, "value": report.numbers.get(k), "lo": v[0], "hi": v[1]}
@@ -225,8 +224,13 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
         + (f", {out['n_boot']} replicates of {out['groups']} groups" if out.get("n_boot") else "")
         + ". lo/hi of the overlap, Spearman and max |ρ| rows: where the statistic of a rerun with fresh seeds "
         "falls, 95% (finite-N bias not removed; see docs/reading.md). lo/hi of the zero_mean rows: the 95% null "
-        "band, the range of the statistic when E[s] = 0 (χ²_d / d with d effective degrees of freedom"
-        + (f": d = {out['dof_trace']:.3g} and {out['dof_coord']:.3g}" if "dof_trace" in out else "")
+        "band, the range of the statistic when E[s] = 0 ("
+        + (
+            f"over {out['null_draws']} data sets of each prompt's responses redrawn from its own scores minus their "
+            "mean"
+            if out.get("null_draws")
+            else "χ²₁, the widest: no responses to redraw"
+        )
         + ")."
     )
     report.blocks.append(("p", text))

@@ -1,4 +1,4 @@
-"""Uncertainty of the headline statistics: a prompt-group bootstrap and a χ² null band.
+"""Uncertainty of the headline statistics: a prompt-group bootstrap and a resampled null band.
 
 **Intervals** (``group_bootstrap``, ``interval``): the G prompt groups are resampled with replacement
 ``n_boot`` times (a group keeps all its samples and their stored advantages, so a group-relative
@@ -19,13 +19,19 @@ against their values at N → ∞, and the replicates (which add that noise a se
 bias only in part. Only the per-sample score rows support it: the moment state is two parity halves,
 too few to resample, so a run that kept only moments has no intervals (``covgrad.report`` says so).
 
-**Null band** (``null_band``): under E[s] = 0 the zero-mean trace statistic N·‖m‖² / tr Σ is
-Σ_k λ_k χ²₁ / Σ_k λ_k over the eigenvalues λ of Σ = Var(s), with mean 1 and variance
-2 tr(Σ²) / (tr Σ)²; it is matched to χ²_d / d with d = (tr Σ)² / tr(Σ²) (Satterthwaite), and tr(Σ²) is
-‖Sc Scᵀ‖²_F / N² of the centred rows Sc (N, P), an N × N Gram matrix, never P × P. The coordinate
-statistic is the same with Σ replaced by the correlation matrix (rows standardised per coordinate). The
-band is the central 95% of χ²_d / d (Wilson–Hilferty quantiles). Without rows tr(Σ²) is unknown and the
-conservative d = 1 band (the widest) is returned.
+**Null band** (``group_bootstrap``'s ``null_trace`` / ``null_coord``, ``resampled_band``): the central 95% of
+the zero-mean statistics N·‖m‖² / tr Var(s) and mean_i N·m_i² / Var_i over ``n_null`` data sets drawn where
+E[s] = 0 holds and everything else is as observed: each prompt keeps its responses' number, and its responses are
+drawn with replacement from its own score rows minus their prompt's mean (rescaled by √(n_g / (n_g − 1)), so a
+group of n_g keeps its variance). The score of a sampler's own samples has zero mean given the prompt (under
+either centering), so this is the null the statistics test, and the prompts stay what they were, as in a rerun
+with fresh seeds. The band inherits what the data have and a χ² approximation lacks: the correlation between
+coordinates, the samples' heavy-tailed norms and the skew of sparse coordinates (embedding and LM-head rows of rare
+tokens), whose per-coordinate t² = N·m_i² / Var_i has a mean above 1 at finite N. What no resampling of the sample
+can add is an event the sample lacks: a sparse coordinate whose rare token was never drawn has a nonzero mean and a
+small spread, as a biased one has, so on sparse scores a true null still lands above the band more often than 1 in
+20 (docs/reading.md has the demo's measurements). Without rows, or without a prompt of two responses, nothing can be
+resampled and the χ²_1 band (``null_band(1)``, the widest) stands in.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from covgrad.moments.topk import count_for_fraction, rank_correlation, ranks_and
 METHOD = "prompt-group bootstrap (centred percentile interval, Fisher z for correlations, few-groups t factor)"
 REPLICATE_BUDGET = 50_000_000  # n_boot × P entries held per replicate array (float32: 200 MB each)
 REPLICATE_SLICE = 1024  # parameters per pass over the replicates' (B, slice) float64 temporaries
+VAR_FLOOR = 1e-12  # a null data set's Var_i at most this fraction of its mean(s_i²) is rounding: constant s_i
 # replicates ranked at once (about 60 bytes per parameter each: the sort's order, the ranks, the sorted values)
 SORT_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -58,6 +65,69 @@ def null_band(d: float) -> tuple[float, float]:
     """Central 95% of χ²_d / d: where a zero-mean statistic with d effective degrees of freedom falls
     when E[s] = 0."""
     return chi2_quantile(d, -Z975) / d, chi2_quantile(d, Z975) / d
+
+
+def resampled_band(replicates: np.ndarray) -> tuple[float, float] | None:
+    """Central 95% of the null replicates of a zero-mean statistic (NaN ignored), or None when fewer than 2."""
+    r = replicates[np.isfinite(replicates)]
+    if r.size < 2:
+        return None
+    lo, hi = np.quantile(r, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return float(lo), float(hi)
+
+
+class NullDraws:
+    """The zero-mean statistics of ``n`` data sets drawn under E[s] = 0 (module docstring), accumulated block by
+    block of parameters: the same draws of responses for every block.
+
+    Args:
+        gidx: (N,) prompt group of each sample, 0..G−1.
+        n: data sets B₀ (none when 0 or when no group has two samples: nothing varies within a prompt).
+        rng: the draws' generator.
+    """
+
+    def __init__(self, gidx: np.ndarray, n: int, rng: np.random.Generator) -> None:
+        N = gidx.size
+        sizes = np.bincount(gidx)  # (G,)
+        self.gidx, self.N = gidx, N
+        self.scale = np.sqrt(sizes / np.maximum(sizes - 1, 1))[gidx] * (sizes[gidx] > 1)  # (N,): n_g = 1 adds 0
+        self.n = n if bool((sizes > 1).any()) else 0
+        self.W = np.zeros((self.n, N))  # (B₀, N): how often each response is drawn
+        order = np.argsort(gidx, kind="stable")
+        for members in np.split(order, np.cumsum(sizes)[:-1]):
+            if members.size:
+                picks = members[rng.integers(0, members.size, size=(self.n, members.size))]  # (B₀, n_g)
+                np.add.at(self.W, (np.arange(self.n)[:, None], picks), 1.0)
+        self.m2 = np.zeros(self.n)  # Σ_i m_i²
+        self.var = np.zeros(self.n)  # Σ_i Var_i
+        self.coord = np.zeros(self.n)  # Σ_i m_i² / Var_i over varying coordinates
+        self.varying = np.zeros(self.n)  # coordinates that vary
+
+    def add(self, S: np.ndarray) -> None:
+        """Add the block of score rows ``S`` (N, b), float64."""
+        if not self.n:
+            return
+        means = np.zeros((int(self.gidx.max()) + 1, S.shape[1]))
+        np.add.at(means, self.gidx, S)
+        means /= np.bincount(self.gidx)[:, None]
+        R = (S - means[self.gidx]) * self.scale[:, None]  # (N, b): residuals given the prompt
+        for c in range(0, S.shape[1], REPLICATE_SLICE):
+            r = R[:, c : c + REPLICATE_SLICE]
+            m = self.W @ r / self.N  # (B₀, slice)
+            second = self.W @ (r * r) / self.N
+            var = second - m * m
+            varies = var > VAR_FLOOR * second  # zero up to rounding: a coordinate constant in the data set
+            self.m2 += (m * m).sum(axis=1)
+            self.var += np.where(varies, var, 0.0).sum(axis=1)
+            self.coord += np.where(varies, m * m / np.where(varies, var, 1.0), 0.0).sum(axis=1)
+            self.varying += varies.sum(axis=1)
+
+    def statistics(self) -> dict[str, np.ndarray]:
+        """``null_trace`` = N·Σ m² / Σ Var and ``null_coord`` = N·mean of m_i² / Var_i of each data set, (B₀,)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            trace = np.where(self.var > 0, self.N * self.m2 / self.var, np.nan)
+            coord = np.where(self.varying > 0, self.N * self.coord / self.varying, np.nan)
+        return {"null_trace": trace, "null_coord": coord}
 
 
 def few_groups_factor(groups: int) -> float:
@@ -117,9 +187,10 @@ def group_bootstrap(
     n_boot: int = 200,
     seed: int = 0,
     block: int = 16384,
+    n_null: int = 200,
 ) -> dict[str, Any]:
-    """Bootstrap replicates of the global overlap at each q, Spearman(F, |G|) and max |ρ|, and the
-    effective degrees of freedom of the two zero-mean statistics.
+    """Bootstrap replicates of the global overlap at each q, Spearman(F, |G|) and max |ρ|, and null replicates of
+    the two zero-mean statistics (module docstring: resampled within each prompt, recentred per prompt).
 
     Args:
         read: ``read(a, b)``, the score rows of parameters a..b, shape (N, b − a), float32 or float64.
@@ -128,15 +199,17 @@ def group_bootstrap(
         P: parameters.
         qs: top fractions for the overlap.
         n_boot: replicates B (fewer when B × P exceeds ``REPLICATE_BUDGET``; 0 disables).
-        seed: seed of the group draws (the report is deterministic).
+        seed: seed of the group draws and of the null draws (the report is deterministic).
         block: parameters per read.
+        n_null: null data sets B₀ (their statistics are (B₀,) sums over blocks, so P does not limit them; 0, or no
+            prompt with two samples, disables).
 
     Returns:
         ``n_boot`` (replicates used), ``groups`` (G, the resampled units), ``overlap`` (B, len(qs)),
         ``spearman`` (B,), ``max_abs_rho`` (B,),
-        ``dof_trace`` and ``dof_coord`` (d of the null bands; NaN when undefined).
+        ``null_trace`` and ``null_coord`` (B₀,), the zero-mean statistics of the null data sets (NaN where a data
+        set has no varying coordinate).
     """
-    N = advantage.size
     A = np.asarray(advantage, dtype=np.float64)
     labels, gidx = np.unique(group, return_inverse=True)
     B = replicates_for(P, n_boot) if len(labels) >= 2 else 0
@@ -154,23 +227,13 @@ def group_bootstrap(
     F_b = np.full((B, P), np.nan, dtype=np.float32)
     absG_b = np.full((B, P), np.nan, dtype=np.float32)
     max_rho = np.full(B, -1.0)
-    gram_t = np.zeros((N, N))
-    gram_c = np.zeros((N, N))
-    n_coord = 0
-    tr_t = 0.0
+    null = NullDraws(gidx, n_null, np.random.default_rng([seed, 1]))
     with np.errstate(invalid="ignore", divide="ignore"):
         for a in range(0, P, block):
             b = min(P, a + block)
             S = np.asarray(read(a, b), dtype=np.float64)  # (N, b)
-            # 1. the null band's Gram matrices of the centred and of the standardised rows
-            Sc = S - S.mean(axis=0)
-            var = (Sc * Sc).mean(axis=0)
-            tr_t += float(var.sum())
-            gram_t += Sc @ Sc.T
-            varies = var > 0
-            Z = Sc / np.sqrt(var) if varies.all() else Sc[:, varies] / np.sqrt(var[varies])
-            gram_c += Z @ Z.T
-            n_coord += int(varies.sum())
+            # 1. the null data sets' sums of this block
+            null.add(S)
             if not B:
                 continue
             # 2. the replicates' statistics of this block, from per-group sums (a replicate's sample weights
@@ -194,14 +257,11 @@ def group_bootstrap(
         for i, (ov, rk) in zip(varied, pool.map(lambda i: _replicate(F_b[i], absG_b[i], ks), varied), strict=True):
             overlap[i], rank[i] = ov, rk
     max_rho[(max_rho < 0) | (std_a[:, 0] <= 0)] = np.nan
-    tr_sq = float((gram_t * gram_t).sum()) / N**2
-    tr_csq = float((gram_c * gram_c).sum()) / N**2
     return {
         "n_boot": B,
         "groups": len(labels),
         "overlap": overlap,
         "spearman": rank,
         "max_abs_rho": max_rho,
-        "dof_trace": tr_t**2 / tr_sq if tr_sq > 0 else math.nan,
-        "dof_coord": n_coord**2 / tr_csq if tr_csq > 0 else math.nan,
+        **null.statistics(),
     }

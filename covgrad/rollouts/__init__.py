@@ -1,14 +1,14 @@
 """Rollouts: sampling and advantages, the typed batch, prompts and rewards, stack formats and imports,
 input checks and rollout-mismatch metrics.
 
-The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
-a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
+Names re-exported lazily (:mod:`covgrad.lazy`).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from covgrad.lazy import exports
 
 if TYPE_CHECKING:
     from covgrad.rollouts.batch import RolloutBatch, group_batches
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         AdvantageKind,
         SamplerSpec,
         check_rewards,
+        check_sampler_logp,
         compute_advantages,
         generate,
         mu_from_topk,
@@ -55,6 +56,7 @@ _EXPORTS = {
     "char_tokenizer": "covgrad.rollouts.problems",
     "check_context": "covgrad.rollouts.inputs",
     "check_rewards": "covgrad.rollouts.sampling",
+    "check_sampler_logp": "covgrad.rollouts.sampling",
     "check_unrewarded": "covgrad.rollouts.inputs",
     "compute_advantages": "covgrad.rollouts.sampling",
     "convert": "covgrad.rollouts.formats",
@@ -93,6 +95,7 @@ __all__ = [
     "char_tokenizer",
     "check_context",
     "check_rewards",
+    "check_sampler_logp",
     "check_unrewarded",
     "compute_advantages",
     "convert",
@@ -117,11 +120,4 @@ __all__ = [
     "without_rewards",
 ]
 
-
-def __getattr__(name: str) -> object:
-    """The re-exported ``name``, imported from its module on first use."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _EXPORTS)

@@ -97,11 +97,21 @@ def build_char_tokenizer(chars: str = ADDITION_CHARS) -> PreTrainedTokenizerFast
     )
 
 
-def resolve_reward(spec: str) -> RewardFn:
-    """Import a reward function from ``module:function``; ValueError naming the path when it fails."""
+BUILTIN_REWARDS = "covgrad.rewards"  # the module whose rewards run without task.trust_reward_code
+
+
+def resolve_reward(spec: str, trusted: bool = False) -> RewardFn:
+    """Import a reward function from ``module:function``; ValueError naming the path when it fails, or, before
+    anything is imported, when the module is not :data:`BUILTIN_REWARDS` and ``trusted`` (the config's
+    ``task.trust_reward_code``) is off: importing a module runs its code."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"reward {spec!r} must be an import path 'module:function'")
+    if module_name != BUILTIN_REWARDS and not trusted:
+        raise ValueError(
+            f"task.reward {spec!r} would import and run module {module_name!r}, code outside {BUILTIN_REWARDS}; "
+            f"set task.trust_reward_code: true to allow it, or use a {BUILTIN_REWARDS}:<name> reward"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -428,6 +428,20 @@ def check_rewards(rewards: np.ndarray) -> None:
         raise ValueError(f"reward[{i}] = {rewards[i]} is not finite; fix the reward function for that sample")
 
 
+def check_sampler_logp(logp: np.ndarray, where: str) -> None:
+    """ValueError naming ``where`` (the sampler), the first sample and position whose log μ is NaN or ±inf and how
+    many are, unless every entry of ``logp`` (N, T) float, the sampler's log-probability of each drawn token in nats
+    (0 after a response's end), is finite: a non-finite μ would centre every score on NaN."""
+    bad = ~np.isfinite(np.asarray(logp))  # (N, T)
+    if bad.any():
+        n, t = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{where}: the sampler's log-probability of sample {n}, token {t} is {logp[n, t]} ({int(bad.sum())} "
+            "non-finite of the drawn tokens' log-probs); fix the sampler's weights or settings, or the imported "
+            "logprobs"
+        )
+
+
 def compute_advantages(rewards: np.ndarray, group: np.ndarray, kind: AdvantageKind, eps: float = 1e-6) -> np.ndarray:
     """Advantages A_n from rewards (DESIGN.md §1).
 

@@ -2,14 +2,14 @@
 (``blocks``), first-call trace (``tracing``) and autograd self-check (``selfcheck``); its rules and op taps,
 centering under the policy or a sampler, the support μ, the fold loop into moment state and the preflight check.
 
-The names below are re-exported lazily (PEP 562): importing the package loads none of its modules, so
-a caller that needs one engine (the GPU image: no pydantic, zarr or dask) pulls in only that module's imports.
+Names re-exported lazily (:mod:`covgrad.lazy`).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from covgrad.lazy import exports
 
 if TYPE_CHECKING:
     from covgrad.scores.blocks import chunk_rows, default_chunk_bytes
@@ -91,11 +91,4 @@ __all__ = [
     "writes_row_parts",
 ]
 
-
-def __getattr__(name: str) -> object:
-    """The re-exported ``name``, imported from its module on first use."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _EXPORTS)

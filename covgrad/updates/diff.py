@@ -2,8 +2,11 @@
 
 ``diff_state_dicts`` compares two state dicts tensor by tensor: exact inequality in the stored dtype
 (bf16 against bf16, as their ``check_sparsity.py`` does) and ``|Δ| > atol`` with Δ taken in float32.
-Unlike that script it weights global fractions by numel and lists every tensor it cannot compare
-(present on one side only, or of another shape or dtype) instead of skipping it.
+Checkpoints of different floating dtypes are one model: each tensor is compared in the *after* checkpoint's
+stored dtype, the before tensor rounded to it (a bf16 checkpoint against a float32 start: changed means
+bf16(start) != checkpoint). Unlike that script it weights global fractions by numel and lists every tensor it
+cannot compare (present on one side only, of another shape, or not floating in another dtype) instead of
+skipping it.
 
 Optionally it measures how well predicted masks on the flat parameter axis (``covgrad.layout``)
 match the changed set: precision, recall and Jaccard of each mask against the changed parameters.
@@ -33,13 +36,15 @@ def diff_state_dicts(
 ) -> dict:
     """Per-tensor and global changed counts between two state dicts.
 
-    A tensor is *comparable* when both sides hold it with the same shape and dtype; every other name is
-    listed in ``mismatched`` (name, before_shape, after_shape, before_dtype, after_dtype; None for a
+    A tensor is *comparable* when both sides hold it with the same shape and either the same dtype or two
+    floating dtypes (then compared in the after side's dtype, the before tensor rounded to it); every other
+    name is listed in ``mismatched`` (name, before_shape, after_shape, before_dtype, after_dtype; None for a
     missing side). Two checkpoints of different architectures (fewer than half of all names comparable,
     e.g. no common names) raise ValueError naming the first mismatched tensor.
 
-    Returns ``tensors`` (one row per comparable tensor, in ``before`` order: name, shape, dtype, numel,
-    changed_exact, changed_abs, frac_exact, frac_abs), the global numel-weighted ``numel``,
+    Returns ``tensors`` (one row per comparable tensor, in ``before`` order: name, shape, dtype (the dtype
+    compared in: the after side's), before_dtype, numel, changed_exact, changed_abs, frac_exact, frac_abs),
+    the global numel-weighted ``numel``,
     ``changed_exact``, ``changed_abs``, ``frac_exact``, ``frac_abs``, ``atol`` and ``mismatched``.
     With ``masks`` (name -> bool array of shape (P,)) and ``layout``, also ``overlap``:
     mask name -> {"exact": set_metrics(mask, changed), "abs": ...} over the layout's P parameters.
@@ -63,7 +68,7 @@ def diff_state_dicts(
         first = mismatched[0]
         raise ValueError(
             f"the checkpoints look like different architectures: only {len(comparable)} of {len(names)} "
-            f"tensors agree in name, shape and dtype; first mismatch {first['name']!r}: "
+            f"tensors are comparable (one name and shape, floating or one dtype); first mismatch {first['name']!r}: "
             f"before {first['before_shape']} {first['before_dtype']}, "
             f"after {first['after_shape']} {first['after_dtype']}"
         )
@@ -79,7 +84,8 @@ def diff_state_dicts(
             {
                 "name": name,
                 "shape": tuple(before[name].shape),
-                "dtype": str(before[name].dtype).removeprefix("torch."),
+                "dtype": str(after[name].dtype).removeprefix("torch."),
+                "before_dtype": str(before[name].dtype).removeprefix("torch."),
                 "numel": numel,
                 "changed_exact": n_exact,
                 "changed_abs": n_abs,
@@ -109,7 +115,8 @@ def diff_state_dicts(
 
 
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype
+    """One shape, and one dtype or two floating ones (compared in the after side's)."""
+    return a.shape == b.shape and (a.dtype == b.dtype or (a.is_floating_point() and b.is_floating_point()))
 
 
 def _mismatch_row(name: str, b: torch.Tensor | None, a: torch.Tensor | None) -> dict:
@@ -123,12 +130,13 @@ def _mismatch_row(name: str, b: torch.Tensor | None, a: torch.Tensor | None) -> 
 
 
 def _changed(b: torch.Tensor, a: torch.Tensor, atol: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat bool masks (numel,): a != b in the stored dtype, and |float32(a) - float32(b)| > atol."""
+    """Flat bool masks (numel,): a != b in a's stored dtype (b rounded to it), and |float32(a) - float32(b')| >
+    atol with b' that rounding of b."""
     b_flat, a_flat = b.detach().reshape(-1), a.detach().reshape(-1)
     exact = torch.empty(b_flat.numel(), dtype=torch.bool)
     absolute = torch.empty(b_flat.numel(), dtype=torch.bool)
     for lo in range(0, b_flat.numel(), CHUNK):
-        bs, as_ = b_flat[lo : lo + CHUNK], a_flat[lo : lo + CHUNK]
+        bs, as_ = b_flat[lo : lo + CHUNK].to(a_flat.dtype), a_flat[lo : lo + CHUNK]
         exact[lo : lo + CHUNK] = as_ != bs
         absolute[lo : lo + CHUNK] = (as_.float() - bs.float()).abs() > atol
     return exact, absolute

@@ -123,6 +123,7 @@ class StepZeroStats:
     samples_per_step: int = 0
 
 
+MAX_CROSSINGS = float(1 << 30)  # the drift model's crossing count saturates here (weights of 0 have h ≈ 1e-40)
 RANDOM_CHUNK = 1 << 24  # values drawn per call by random_values
 
 
@@ -307,7 +308,7 @@ class ChangeTracker:
         self.tensor_ranks = rank(values["random"][0], True, self.tensor_of)
         small = rank(start.float().abs().numpy(), False, None)
         self.decile = (small.astype(np.int64) * N_DECILES // max(layout.P, 1)).astype(np.int8)  # (n,) |w_0| decile
-        self.decile_idx = [np.flatnonzero(self.decile == d) for d in range(N_DECILES)]
+        self.decile_idx = [np.flatnonzero(self.decile == d).astype(np.int32) for d in range(N_DECILES)]
         edges = -(-np.arange(N_DECILES + 1, dtype=np.int64) * layout.P // N_DECILES)  # ⌈d·P/10⌉
         self.decile_sizes = np.diff(edges)  # (N_DECILES,) columns of each decile over the whole layout
         self.decile_ranks = {}
@@ -359,7 +360,7 @@ class ChangeTracker:
         if "drift" in self.rules:
             assert self.drift_c is not None
             reach = drift_reach(self.drift_c, self.lr_sum + lr, self.lr_sq_sum + lr * lr)
-            crossings = torch.floor((reach / self.h0 + 1.0) / 2.0).to(torch.int32)
+            crossings = torch.floor(((reach / self.h0 + 1.0) / 2.0).clamp(max=MAX_CROSSINGS)).to(torch.int32)
             masks["drift"] = crossings > self.crossings
             self.crossings = crossings
         return masks

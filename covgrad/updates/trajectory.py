@@ -67,14 +67,24 @@ def run_trajectory(
         yield rec
 
 
-def checkpoint_records(series: Iterable[tuple[int, torch.Tensor]], tracker: ChangeTracker) -> Iterator[dict]:
+def checkpoint_records(
+    series: Iterable[tuple[int, torch.Tensor]],
+    tracker: ChangeTracker,
+    logged: Mapping[int, Mapping[str, float]] | None = None,
+) -> Iterator[dict]:
     """The records of an external run from its checkpoints after the first: ``series`` yields (trainer step,
-    (P,) selected weights in the checkpoint's stored dtype) in step order, starting after the tracker's
-    start. Each record is :meth:`ChangeTracker.record` (no rule predictors: the steps' gradients are
-    unknown) with ``step`` the trainer's step and ``lr``, ``loss``, ``adv_rms``, ``reward``, ``kl`` NaN."""
+    (P,) selected weights in the run's stored dtype) in step order, starting after the tracker's start. Each
+    record is :meth:`ChangeTracker.record` (no rule predictors: the steps' gradients are unknown) with ``step``
+    the trainer's step, ``adv_rms``, ``reward``, ``kl`` NaN, and ``lr``, ``loss`` as the trainer logged them at
+    that step in ``logged`` (step -> {"lr", "loss", "grad_norm"}; NaN where it logged none), with a
+    ``grad_norm`` column when ``logged`` is given."""
     nan = float("nan")
     for step, flat in series:
-        rec = {"step": int(step), "lr": nan, "loss": nan, "adv_rms": nan, "reward": nan, "kl": nan}
+        log = {} if logged is None else logged.get(int(step), {})
+        rec = {"step": int(step), "lr": log.get("lr", nan), "loss": log.get("loss", nan)}
+        rec.update({"adv_rms": nan, "reward": nan, "kl": nan})
+        if logged is not None:
+            rec["grad_norm"] = log.get("grad_norm", nan)
         rec.update(tracker.record(flat, None, nan, nan))
         yield rec
 

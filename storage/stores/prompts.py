@@ -25,14 +25,22 @@ from covgrad.rollouts import (
 from storage.readers import prompt_locations, read_prompt_file
 
 
-def load_task(t: TaskSection) -> tuple[list[Problem], RewardFn]:
-    """The prompts and reward function of task section ``t``."""
+def load_problems(t: TaskSection) -> list[Problem]:
+    """The prompts of task section ``t``, without its reward (nothing of the reward's module is imported)."""
     if t.kind == "addition":
-        return addition_problems(t.n_prompts, t.digits, t.seed), addition_reward
-    assert t.path is not None and t.reward is not None
-    reward = resolve_reward(t.reward)
-    problems = problems_from_records(read_prompt_file(t.path))
-    return problems[: t.n_prompts], reward
+        return addition_problems(t.n_prompts, t.digits, t.seed)
+    assert t.path is not None
+    return problems_from_records(read_prompt_file(t.path))[: t.n_prompts]
+
+
+def load_task(t: TaskSection) -> tuple[list[Problem], RewardFn]:
+    """The prompts and reward function of task section ``t``; a reward outside ``covgrad.rewards`` is imported
+    only with ``t.trust_reward_code`` (else ValueError naming it and the setting, before the prompts are read)."""
+    if t.kind == "addition":
+        return load_problems(t), addition_reward
+    assert t.reward is not None
+    reward = resolve_reward(t.reward, t.trust_reward_code)
+    return load_problems(t), reward
 
 
 def prompt_places(t: TaskSection, n: int) -> list[str]:

@@ -197,11 +197,11 @@ def task_records(t: Any) -> list[dict[str, Any]]:
     """The records of task section ``t`` whose fields a teacher-prompt template reads: ``prompt`` and ``answer``
     of the built-in task, every field of a JSONL task's lines (the first ``n_prompts``)."""
     from storage.readers import read_prompt_file
-    from storage.stores.prompts import load_task
+    from storage.stores.prompts import load_problems
 
     if t.kind == "jsonl":
         return read_prompt_file(t.path)[: t.n_prompts]
-    return [{"prompt": p.prompt, "answer": p.answer} for p in load_task(t)[0]]
+    return [{"prompt": p.prompt, "answer": p.answer} for p in load_problems(t)]
 
 
 def teacher_prompt_texts(template: str, t: Any, what: str) -> list[str]:

@@ -20,9 +20,7 @@ Layout of ``{root}/trajectory/{key}/``:
 from __future__ import annotations
 
 import io
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,45 +47,6 @@ STATE_DIR = "state"
 RECORDS_DIR = "records"
 CHECKPOINTS_DIR = "checkpoints"
 DELTAS_DIR = "deltas"
-
-
-MANIFEST = "manifest.json"  # covgrad.integrations.trl writes it beside its checkpoints
-
-
-def checkpoint_series(path: str) -> list[tuple[int, str]]:
-    """(step, directory) of a series of Hugging Face checkpoints written by any trainer, ordered by step.
-
-    ``path`` is a ``manifest.json`` (``{"checkpoints": [{"step": t, "path": dir}, ...]}``, paths relative to
-    the manifest's folder: ``covgrad.integrations.trl.CovgradRecorder`` writes one), a folder holding one,
-    or a folder of checkpoint subfolders whose names end in their step (``step_000128``, ``checkpoint-128``,
-    ``global_step128``) and that hold a ``config.json``. At least two checkpoints, distinct steps.
-    """
-    p = Path(path)
-    manifest = p if p.is_file() else p / MANIFEST
-    if manifest.is_file():
-        try:
-            entries = json.loads(manifest.read_text())["checkpoints"]
-            series = [(int(e["step"]), str((manifest.parent / e["path"]).resolve())) for e in entries]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{manifest}: not a checkpoint manifest ({err}); need checkpoints: [...]") from None
-    elif p.is_dir():
-        series = []
-        for d in p.iterdir():
-            m = re.search(r"(\d+)$", d.name)
-            if m and d.is_dir() and (d / "config.json").is_file():
-                series.append((int(m.group(1)), str(d.resolve())))
-    else:
-        raise ValueError(f"trajectory.checkpoints {path!r} is neither a manifest nor a folder of checkpoints")
-    series.sort()
-    steps = [t for t, _ in series]
-    if len(series) < 2:
-        raise ValueError(f"trajectory.checkpoints {path!r} holds {len(series)} checkpoint(s); a series needs >= 2")
-    if len(set(steps)) != len(steps):
-        raise ValueError(f"trajectory.checkpoints {path!r}: two checkpoints share a step ({steps})")
-    for _, d in series:
-        if not (Path(d) / "config.json").is_file():
-            raise ValueError(f"trajectory.checkpoints: {d} is not a Hugging Face checkpoint (no config.json)")
-    return series
 
 
 def fixed_batches(ro: Any, groups_per_batch: int, r: RegimeSection | None) -> list[dict[str, torch.Tensor]]:

@@ -370,6 +370,7 @@ def plan_trajectories(
                 **task_inputs(cfg.task),
                 **({} if r is None else regime_inputs(r)),
                 **({} if t.checkpoints is None else {"checkpoints": series_digest(t.checkpoints)}),
+                **({} if t.deltas is None else {"deltas": input_digest(t.deltas)}),
             },
             regime=None if r is None else r.model_copy(deep=True),
             data_sampler=None if r is None else data_sampler,

@@ -35,6 +35,10 @@ from tasks.specs.base import (
     machines_recorded,
 )
 
+TRUST = "task.trust_reward_code"
+"""The permission to import a task's reward code: a spec that holds a task records it and its key leaves it out
+(a permission changes no byte; off, the task's dump leaves it out too: ``covgrad.config.TaskSection``)."""
+
 
 class BaseModelSpec(StageSpec):
     """base_model: train the demo model (``demo`` on the ``digits``-digit addition task) or register the
@@ -67,6 +71,7 @@ class RolloutsSpec(StageSpec):
 
     STAGE: ClassVar[str] = "rollouts"
     VERSION: ClassVar[str] = "1"
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset({TRUST})
     sampler: str
     settings: SamplerSection
     task: TaskSection
@@ -195,7 +200,7 @@ class RegimeSpec(StageSpec):
     STAGE: ClassVar[str] = "regime"
     VERSION: ClassVar[str] = "3"  # 2: the LM head token Fisher of full-distribution regimes; 3: prompt-group state
     PLACEMENT: ClassVar[frozenset[str]] = frozenset(
-        {"device", "self_check", "checkpoint_batches", "checkpoint_seconds", "pass_with"}
+        {"device", "self_check", "checkpoint_batches", "checkpoint_seconds", "pass_with", TRUST}
     )
     name: str
     # the settings of context distillation, the teacher's samples and the trained teacher arrived later
@@ -258,13 +263,14 @@ class TrajectorySpec(StageSpec):
     STAGE: ClassVar[str] = "trajectory"
     # 2: the change trace (deltas/), the k-step arrays, the Adam drift predictor and rule, the trainer's step options
     VERSION: ClassVar[str] = "2"
-    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"placement"})
-    # the grid (its cells are planned one by one), the external run and the regime arrived later; an rl trajectory's
-    # key is the one it had before trajectories stepped other regimes
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"placement", TRUST})
+    # the grid (its cells are planned one by one), the external run (checkpoints, then delta traces) and the regime
+    # arrived later; an rl trajectory's key is the one it had before trajectories stepped other regimes
     settings: Annotated[
         TrajectorySection,
         Later({}, at="grid"),
         Later(None, at="checkpoints"),
+        Later(None, at="deltas"),
         Later(None, at="regime", when="regime"),
     ]
     params: list[str] | None
@@ -287,6 +293,6 @@ class ReportSpec(StageSpec):
     ``covgrad.config.report_layout``)."""
 
     STAGE: ClassVar[str] = "report"
-    VERSION: ClassVar[str] = "9"
+    VERSION: ClassVar[str] = "10"  # 10: the zero-mean null bands resampled within each prompt
     name: str
     config: dict[str, Any]

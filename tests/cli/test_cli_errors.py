@@ -120,7 +120,7 @@ def test_nan_reward_is_one_line_naming_the_task_file_line(reference, cli_api, tm
     task = tmp_path / "task.jsonl"
     task.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n' for a, b in [(1, 2), (2, 2), (3, 4)]))
     reward = "task.reward=tests.helpers.user:nan_on_seven"
-    jsonl = ["task.kind=jsonl", f"task.path={task}", reward, "task.n_prompts=3"]
+    jsonl = ["task.kind=jsonl", f"task.path={task}", reward, "task.trust_reward_code=true", "task.n_prompts=3"]
     proc = covgrad(root, *(a for s in jsonl for a in ("--set", s)), api=cli_api)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err[-3000:]

@@ -80,7 +80,12 @@ def test_user_jsonl_task_with_import_path_reward(tmp_path, monkeypatch):
     task_file.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
     cfg = tiny_config(
         str(tmp_path / "runs"),
-        **{"task.kind": "jsonl", "task.path": str(task_file), "task.reward": "myreward:exact"},
+        **{
+            "task.kind": "jsonl",
+            "task.path": str(task_file),
+            "task.reward": "myreward:exact",
+            "task.trust_reward_code": True,
+        },
     )
     problems, reward = load_task(cfg.task)
     assert [p.prompt for p in problems] == ["1+1=", "2+2="]
@@ -95,9 +100,9 @@ def test_reward_errors_name_the_record():
     with pytest.raises(ValueError, match="record 0"):
         score_rewards(lambda p, r, a: "1.0", ["a"], ["b"], [""])
     with pytest.raises(ValueError, match="nosuchmodule_xyz"):
-        resolve_reward("nosuchmodule_xyz:f")
+        resolve_reward("nosuchmodule_xyz:f", trusted=True)
     with pytest.raises(ValueError, match="has no function 'nope'"):
-        resolve_reward("math:nope")
+        resolve_reward("math:nope", trusted=True)
 
 
 def test_config_validation():
@@ -188,15 +193,30 @@ def _cli(args, cwd):
             "/nonexistent/model",
         ),
         (
-            ["--set", "task.kind=jsonl", "--set", "task.path=BADFILE", "--set", "task.reward=nosuchmod:f"],
-            "nosuchmod",
+            ["--set", "task.kind=jsonl", "--set", "task.path=BADFILE", "--set", "task.reward=nosuchmod:f"]
+            + ["--set", "task.trust_reward_code=true"],
+            "cannot import module 'nosuchmod'",
         ),
         (
-            ["--set", "task.kind=jsonl", "--set", "task.path=BADFILE", "--set", "task.reward=json:loads"],
+            [
+                "--set",
+                "task.kind=jsonl",
+                "--set",
+                "task.path=BADFILE",
+                "--set",
+                "task.reward=covgrad.rewards:mentions_answer",
+            ],
             "bad.jsonl:2",
         ),
         (
-            ["--set", "task.kind=jsonl", "--set", "task.path=NOPROMPT", "--set", "task.reward=json:loads"],
+            [
+                "--set",
+                "task.kind=jsonl",
+                "--set",
+                "task.path=NOPROMPT",
+                "--set",
+                "task.reward=covgrad.rewards:mentions_answer",
+            ],
             "prompt",
         ),
     ],

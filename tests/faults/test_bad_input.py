@@ -96,6 +96,7 @@ def test_a_huge_reward_ends_the_run_with_one_line_and_exit_2(tmp_path, cli_api):
         "model.path": model,
         "task.path": task,
         "task.reward": "huge_reward:reward",
+        "task.trust_reward_code": "true",
         "task.n_prompts": 4,
         "rollouts.samplers": json.dumps({"policy": {"group_size": 2, "max_new_tokens": 2, "batch_size": 8}}),
         "tokens.enabled": "false",

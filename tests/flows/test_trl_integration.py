@@ -1,7 +1,7 @@
 """A real TRL GRPOTrainer run on CPU recorded by covgrad.integrations.trl.CovgradRecorder, then analysed by
 covgrad end to end: its step-0 rollouts imported, scores and statistics of the step-0 checkpoint, and the
-trajectory over the run's checkpoints (trajectory.checkpoints); plus the checkpoint-series reader on
-step-numbered folders. Skipped without the ``trl`` extra."""
+trajectory over the run's checkpoints (trajectory.checkpoints). Skipped without the ``trl`` extra (the series
+layouts: tests/stages/test_external_runs.py)."""
 
 import json
 from pathlib import Path
@@ -17,8 +17,8 @@ from covgrad.rollouts.problems import addition_reward
 from covgrad.updates.diff import diff_state_dicts
 from storage.checkpoints import load_state_dict
 from storage.schema import ROLLOUTS, TRAJECTORY
+from storage.stores.external import checkpoint_series
 from storage.stores.prompts import load_task
-from storage.stores.trajectory import checkpoint_series
 from tasks.specs import plan
 from tests.helpers.pipeline import run_planned, tiny_config
 
@@ -92,7 +92,7 @@ def test_a_trl_run_analysed_end_to_end(tmp_path):
     imported = tmp_path / "step0.jsonl"
     imported.write_text("".join(json.dumps(r) + "\n" for r in step0))
 
-    series = checkpoint_series(str(rec_dir))
+    series = checkpoint_series(str(rec_dir)).checkpoints
     cfg = tiny_config(
         str(tmp_path / "root"),
         **{
@@ -144,19 +144,3 @@ def test_a_trl_run_analysed_end_to_end(tmp_path):
         assert d["overlap"]["set"]["exact"]["precision"] == d["overlap"]["set"]["exact"]["recall"] == 1.0
         assert int(ds.n_changed_cum.values[i - 1]) == diff_state_dicts(weights[0], weights[i])["changed_exact"]
     assert np.isfinite(ds.cum_F_precision.values).all()
-
-
-def test_checkpoint_series_orders_step_named_folders(tmp_path):
-    for name in ("checkpoint-10", "checkpoint-2", "global_step0", "notes"):
-        (tmp_path / name).mkdir()
-        if name != "notes":
-            (tmp_path / name / "config.json").write_text("{}")
-    assert [t for t, _ in checkpoint_series(str(tmp_path))] == [0, 2, 10]
-    (tmp_path / "manifest.json").write_text(json.dumps({"checkpoints": [{"step": 5, "path": "checkpoint-2"}]}))
-    with pytest.raises(ValueError, match="1 checkpoint"):
-        checkpoint_series(str(tmp_path))
-    (tmp_path / "manifest.json").write_text("{}")
-    with pytest.raises(ValueError, match="not a checkpoint manifest"):
-        checkpoint_series(str(tmp_path))
-    with pytest.raises(ValueError, match="neither"):
-        checkpoint_series(str(tmp_path / "missing"))

@@ -24,7 +24,7 @@ def family_config(root: Path, model: Path, **overrides: object) -> PipelineConfi
             "task": {
                 "kind": "jsonl",
                 "path": str(task),
-                "reward": "covgrad.rollouts.problems:addition_reward",
+                "reward": "covgrad.rewards:addition_reward",
                 "n_prompts": 2,
             },
             "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 8}},

@@ -16,13 +16,22 @@ def digit_reward(prompt: str, response: str, answer: str) -> float:
     return float(response[:1].isdigit())
 
 
-def write_checkpoint(path: Path) -> Path:
-    """A randomly initialised tiny Llama with the character tokenizer, saved as a model directory."""
+NAN_TENSOR = "model.layers.0.mlp.up_proj.weight"  # (64, 32): where ``write_checkpoint(nan=True)`` plants its NaN
+
+
+def write_checkpoint(path: Path, nan: bool = False) -> Path:
+    """A randomly initialised tiny Llama with the character tokenizer, saved as a model directory; with ``nan``
+    one weight (the first of :data:`NAN_TENSOR`) is NaN."""
+    import torch
+
     from covgrad.models import build_demo_model
     from covgrad.rollouts.problems import build_char_tokenizer
 
     tok = build_char_tokenizer()
     model = build_demo_model(DemoModel(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64), tok)
+    if nan:
+        with torch.no_grad():
+            model.get_parameter(NAN_TENSOR)[0, 0] = float("nan")
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -38,7 +47,12 @@ def user_config(root: Path, checkpoint: Path, task_file: Path, **overrides: obje
         **{
             "name": "user",
             "model.path": str(checkpoint),
-            "task": {"kind": "jsonl", "path": str(task_file), "reward": "tests.helpers.user:digit_reward"},
+            "task": {
+                "kind": "jsonl",
+                "path": str(task_file),
+                "reward": "tests.helpers.user:digit_reward",
+                "trust_reward_code": True,
+            },
             "rollouts.samplers": {"policy": {"group_size": 4, "max_new_tokens": 3, "batch_size": 16}},
             "tokens.enabled": False,
             "update_check.enabled": False,

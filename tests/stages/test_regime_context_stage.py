@@ -134,7 +134,7 @@ def test_preflight_refuses_unfillable_and_too_long_teacher_prompts(tmp_path):
 
     task = tmp_path / "task.jsonl"
     task.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4)))
-    jsonl = {"task.kind": "jsonl", "task.path": str(task), "task.reward": "covgrad.rollouts.problems:addition_reward"}
+    jsonl = {"task.kind": "jsonl", "task.path": str(task), "task.reward": "covgrad.rewards:addition_reward"}
     bad = tiny_config("runs", **jsonl, regimes={"d": {**CFG["ctx"], "teacher_prompt": "{hint} {prompt}"}})
     with pytest.raises(ValueError) as err:
         preflight(bad, architecture=False)

@@ -7,12 +7,13 @@ import re
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from covgrad.layout import select_parameters
 from covgrad.updates.diff import diff_state_dicts
-from storage.checkpoints import load_state_dict
+from storage.checkpoints import checkpoint_dtype, load_state_dict
 
 
 def fp32_pair():
@@ -91,12 +92,9 @@ def test_architecture_mismatch_names_the_first_mismatched_tensor():
     after = {"y": torch.zeros(4), "z": torch.zeros(2)}
     with pytest.raises(ValueError, match=r"different architectures.*0 of 3.*first mismatch 'x'"):
         diff_state_dicts(before, after)
-    mostly_other_dtype = {
-        "x": torch.zeros(2, 2, dtype=torch.bfloat16),
-        "y": torch.zeros(3, dtype=torch.bfloat16),
-    }
-    with pytest.raises(ValueError, match=r"'x': before \(2, 2\) float32, after \(2, 2\) bfloat16"):
-        diff_state_dicts(before, mostly_other_dtype)
+    mostly_integer = {"x": torch.zeros(2, 2, dtype=torch.int64), "y": torch.zeros(3, dtype=torch.int64)}
+    with pytest.raises(ValueError, match=r"'x': before \(2, 2\) float32, after \(2, 2\) int64"):
+        diff_state_dicts(before, mostly_integer)
     one_of_three = {"x": torch.zeros(2, 2), "y": torch.zeros(4), "w": torch.zeros(1)}
     with pytest.raises(ValueError, match=r"only 1 of 3 tensors.*first mismatch 'y'"):
         diff_state_dicts(before, one_of_three)
@@ -104,6 +102,27 @@ def test_architecture_mismatch_names_the_first_mismatched_tensor():
         diff_state_dicts({}, {})
     with pytest.raises(ValueError, match="atol"):
         diff_state_dicts(before, before, atol=-1.0)
+
+
+def test_a_float32_start_against_a_bf16_checkpoint_is_compared_in_bf16():
+    """Checkpoints of different dtypes are one model: changed means bf16(before) != after, |Δ| from bf16(before);
+    the rows say both dtypes."""
+    g = torch.Generator().manual_seed(2)
+    before = {"w": torch.randn(50, 20, generator=g), "b": torch.randn(20, generator=g)}
+    after = {n: t.to(torch.bfloat16) for n, t in before.items()}
+    moved = torch.randperm(1000, generator=g)[:37]
+    bits = after["w"].view(torch.int16).reshape(-1).clone()
+    bits[moved] += 1  # one bf16 ulp each
+    after["w"] = bits.view(torch.bfloat16).reshape(50, 20)
+    out = diff_state_dicts(before, after, atol=0.0)
+    rows = {r["name"]: r for r in out["tensors"]}
+    assert out["mismatched"] == [] and out["changed_exact"] == out["changed_abs"] == 37
+    assert rows["w"]["dtype"] == "bfloat16" and rows["w"]["before_dtype"] == "float32"
+    assert (rows["w"]["changed_exact"], rows["b"]["changed_exact"]) == (37, 0)
+    back = diff_state_dicts(after, before)  # compared in float32: the bf16 values are exact there
+    assert back["changed_exact"] == int(
+        (before["w"] != after["w"].float()).sum() + (before["b"] != after["b"].float()).sum()
+    )
 
 
 def test_mask_overlap_against_numpy_sets():
@@ -173,6 +192,26 @@ def test_load_sharded_safetensors(tmp_path):
     (tmp_path / sorted(shards)[-1]).unlink()
     with pytest.raises(FileNotFoundError, match=re.escape(sorted(shards)[-1])):
         load_state_dict(tmp_path)
+
+
+def test_the_stored_dtype_of_every_format(tmp_path):
+    """checkpoint_dtype reads safetensors headers (single and sharded) and .bin state dicts; a mix of floating
+    dtypes is refused naming the file unless the tensors asked about share one."""
+    tiny_llama(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tiny_llama().save_pretrained(tmp_path / "sharded", max_shard_size="4KB")
+    torch.save(tiny_llama().state_dict(), tmp_path / "pytorch_model.bin")
+    assert checkpoint_dtype(tmp_path / "bf16") == torch.bfloat16
+    assert checkpoint_dtype(tmp_path / "sharded") == torch.float32
+    assert checkpoint_dtype(tmp_path / "pytorch_model.bin") == torch.float32
+    mixed = tmp_path / "mixed.safetensors"
+    save_file(
+        {"w": torch.zeros(2, dtype=torch.bfloat16), "norm": torch.zeros(2), "n": torch.zeros(1, dtype=torch.int64)},
+        mixed,
+    )
+    with pytest.raises(ValueError, match=r"mixed\.safetensors.*\['bfloat16', 'float32'\]"):
+        checkpoint_dtype(mixed)
+    assert checkpoint_dtype(mixed, ["w", "absent"]) == torch.bfloat16
+    assert checkpoint_dtype(mixed, ["norm"]) == torch.float32
 
 
 def test_load_pytorch_bin(tmp_path):
