@@ -485,7 +485,7 @@ class GroupAccumulator(MomentAccumulator):
     advantage), so the standard error of a mean over them is the prompt-clustered one, from the spread of the
     groups' sums: for the C groups of a half, n = Σ n_c samples and the mean G = Σ S_c / n,
         se² = C/(C − 1) · Σ_c (S_c − n_c·G)² / n²,   Σ_c (S_c − n_c G)² = m2_S − 2G·c_nS + G²·m2_n
-    (:func:`covgrad.regimes.stats.clustered_mean_se`; ``comoment`` keeps c_nS, needed for groups of several sizes:
+    (:func:`covgrad.regimes.errors.clustered_mean_se`; ``comoment`` keeps c_nS, needed for groups of several sizes:
     with one size m2_n and c_nS are 0). With one sample per group it is the independent-samples error. The
     state is a :class:`MomentAccumulator`'s over groups: ``count`` groups, ``mean_a`` the mean group size,
     ``mean`` the mean S_c; G = mean / mean_a. Folding C group rows instead of B sample rows costs one

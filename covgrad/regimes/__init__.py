@@ -26,14 +26,13 @@ if TYPE_CHECKING:
         reverse_kl_var_sums,
         token_advantages,
     )
+    from covgrad.regimes.errors import clustered_mean_se, moment_mean_se
     from covgrad.regimes.fold import RegimeMoments, head_token_fisher
     from covgrad.regimes.stats import (
         REGIME_OUTPUTS,
         GroupRows,
         RegimeFold,
         RegimeStats,
-        clustered_mean_se,
-        moment_mean_se,
         regime_block_stats,
         regime_halves,
         regime_stats,
@@ -52,12 +51,12 @@ _EXPORTS = {
     "advantage_sq_sums": "covgrad.regimes.cotangents",
     "align_prefixed_logits": "covgrad.regimes.context",
     "chi2_sums": "covgrad.regimes.cotangents",
-    "clustered_mean_se": "covgrad.regimes.stats",
+    "clustered_mean_se": "covgrad.regimes.errors",
     "distill_sampled_advantages": "covgrad.regimes.cotangents",
     "head_token_fisher": "covgrad.regimes.fold",
     "kl_penalty": "covgrad.regimes.cotangents",
     "length_normalise": "covgrad.regimes.cotangents",
-    "moment_mean_se": "covgrad.regimes.stats",
+    "moment_mean_se": "covgrad.regimes.errors",
     "prefixed_batch": "covgrad.regimes.context",
     "regime_block_stats": "covgrad.regimes.stats",
     "regime_halves": "covgrad.regimes.stats",

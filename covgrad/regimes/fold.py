@@ -17,7 +17,7 @@ from torch import Tensor
 
 from covgrad.moments import GroupAccumulator
 from covgrad.regimes.cotangents import RegimeGrad, ScoredRows
-from covgrad.regimes.stats import clustered_mean_se
+from covgrad.regimes.errors import clustered_mean_se
 
 if TYPE_CHECKING:
     from covgrad.scores.engine import Cotangent, PerSampleGrads

@@ -24,15 +24,17 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from covgrad.config import Advantage as AdvantageKind
-from covgrad.config import MuStore as MuMode
-from covgrad.config import SamplerSection
+from covgrad.choices import Advantage as AdvantageKind
+from covgrad.choices import MuStore as MuMode
+
+if TYPE_CHECKING:  # the GPU image imports this module without pydantic
+    from covgrad.config import SamplerSection
 
 _MU_MODES = get_args(MuMode)
 _ADVANTAGE_KINDS = get_args(AdvantageKind)

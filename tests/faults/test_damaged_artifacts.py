@@ -191,7 +191,14 @@ def test_all_rewards_equal_is_a_finding_without_overlap_numbers(reference, tmp_p
     copy(reference, root)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n' for a, b in [(1, 2), (3, 4)]))
-    task = {"kind": "jsonl", "digits": 1, "n_prompts": 2, "path": str(prompts), "reward": f"{__name__}:zero_reward"}
+    task = {
+        "kind": "jsonl",
+        "digits": 1,
+        "n_prompts": 2,
+        "path": str(prompts),
+        "reward": f"{__name__}:zero_reward",
+        "trust_reward_code": True,
+    }
     cfg = tiny_config(str(root), **OVERRIDES, name="flat", task=task)
     with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="covgrad"):
         warnings.simplefilter("error", RuntimeWarning)

@@ -1,5 +1,5 @@
 """The prompt-group moments of GroupAccumulator against numpy float64 of the groups' sums, and the clustered
-standard error of covgrad.regimes.stats.clustered_mean_se against its formula."""
+standard error of covgrad.regimes.errors.clustered_mean_se against its formula."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from covgrad.moments import accum
 from covgrad.moments.accum import GroupAccumulator
-from covgrad.regimes.stats import clustered_mean_se, moment_mean_se
+from covgrad.regimes.errors import clustered_mean_se, moment_mean_se
 from tests.helpers.moments import assert_close, numpy_moments, state
 
 TOL = {"float64": 1e-9, "float32": 1e-5}

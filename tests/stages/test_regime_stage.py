@@ -183,7 +183,7 @@ def test_regimes_only_add_stages():
 
 
 def test_moment_mean_se_merges_rows_like_numpy():
-    from covgrad.regimes.stats import moment_mean_se
+    from covgrad.regimes.errors import moment_mean_se
 
     rng = np.random.default_rng(3)
     g = rng.normal(size=(11, 5))
