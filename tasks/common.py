@@ -40,8 +40,7 @@ from prefect.logging import get_run_logger
 from prefect.transactions import IsolationLevel
 from pydantic import BaseModel
 
-from covgrad.devices import PeakRSS
-from covgrad.heap import release_free_memory
+from covgrad.devices import PeakRSS, release_free_memory
 from covgrad.progress import Progress
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.integrity import name_full_disk

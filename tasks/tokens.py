@@ -19,9 +19,8 @@ from typing import Any
 
 from prefect import task
 
-from covgrad.devices import pick_device
+from covgrad.devices import pick_device, release_free_memory
 from covgrad.distributed import on_meta
-from covgrad.heap import release_free_memory
 from covgrad.layout import select_parameters
 from covgrad.scores import bind_rules
 from covgrad.tokens import TokenStudy, batch_bounds, output_rows, repeated_batch, study_setup, summarize

@@ -22,22 +22,14 @@ each of its states after the start is one row.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
-from dataclasses import dataclass
-
 import numpy as np
-import torch
 from prefect import task
 
-from covgrad.layout import ParamLayout, check_layout, parameters_flat, select_parameters
+from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.updates import (
     ChangeTracker,
-    OptimizerSpec,
     Stepper,
-    StepZeroStats,
     bf16_rounded,
-    checkpoint_records,
     checkpoint_steps,
     load_trajectory_state,
     run_trajectory,
@@ -46,12 +38,9 @@ from covgrad.updates import (
     value_bits,
 )
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
-from storage.checkpoints import checkpoint_dtype, load_state_dict
-from storage.identity import check_computed_on
-from storage.models import load_model, load_models
+from storage.models import load_models
 from storage.schema import STATS
 from storage.schema import TRAJECTORY as STORE
-from storage.stores.external import checkpoint_series, delta_trace, replay_deltas
 from storage.stores.trajectory import (
     checkpoint_name,
     create_changed,
@@ -66,6 +55,7 @@ from storage.stores.trajectory import (
     write_summary,
 )
 from tasks.common import StageResult, log, progress_bar, run_stage
+from tasks.jobs.external_run import external_run
 from tasks.jobs.trajectory import optimizer_spec, step_loss, step_source, step_zero_stats
 from tasks.jobs.trajectory_ranks import run_trajectory_ranks
 from tasks.specs import TrajectorySpec
@@ -88,7 +78,9 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
     stats, opt = step_zero_stats(store, spec, up), optimizer_spec(s)
     if external:
-        return _external(store, ref, spec, up, layout, stats, opt, start)
+        summary = external_run(store, ref, spec, up, layout, stats, opt, start, progress_bar)
+        _log_external(ref, summary)
+        return summary
     loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"))
     stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss, s.minibatches)
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
@@ -151,168 +143,16 @@ def _finish(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, layout
     return summary
 
 
-@dataclass(frozen=True)
-class _ExternalRun:
-    """An external run as the stage analyses it: ``layout`` (the series' layout, or ``grail deltas``), the
-    ``start`` (its label, its step and its (P,) selected weights in the run's stored dtype), the trainer ``steps``
-    after it and ``later``, (step, (P,) weights) in that order, and the trainer's ``logged`` values per step."""
-
-    layout: str
-    start: str
-    start_step: int
-    start_weights: torch.Tensor
-    steps: list[int]
-    later: Iterator[tuple[int, torch.Tensor]]
-    logged: dict[int, dict[str, float]] | None = None
-
-
-def _external(
-    store: ArtifactStore,
-    ref: ArtifactRef,
-    spec: TrajectorySpec,
-    up: dict[str, ArtifactRef],
-    layout: ParamLayout,
-    stats: StepZeroStats,
-    opt: OptimizerSpec,
-    policy: torch.nn.Module,
-) -> dict:
-    """The trajectory analysis of an external run, from the checkpoints of ``trajectory.checkpoints``
-    (:func:`_series_run`) or the delta trace of ``trajectory.deltas`` (:func:`_delta_run`), which start at the
-    policy (its main statistics are the step-0 predictors); row i of the store is the change from the run's
-    (i − 1)-th state to its i-th, ``step`` the trainer's step. Recomputed whole on a rerun (no training state)."""
-    s = spec.settings
-    run = _series_run(spec, layout, policy) if s.deltas is None else _delta_run(spec, layout, policy)
-    source = s.checkpoints if s.deltas is None else s.deltas
-    setting = "trajectory.checkpoints" if s.deltas is None else "trajectory.deltas"
-    what = f"{setting}: the step-0 statistics were not computed on the first checkpoint {run.start}"
-    fix = "set model.path to it so the step-0 statistics are the first checkpoint's"
-    check_computed_on(store, up["stats"].key, dict(policy.named_parameters()), what, fix)
-    K = len(run.steps)
-    tracker = ChangeTracker(layout, run.start_weights, opt, stats)
-    g = store.open_group(ref, STORE, mode="a")
-    create_changed(g, K, layout.P)
-    create_progress(g, STORE, K)
-    write_start(store, ref, value_bits(run.start_weights))
-    with progress_bar(f"trajectory {ref.key[:8]}", K, unit="checkpoint") as bar:
-        for i, rec in enumerate(checkpoint_records(run.later, tracker, run.logged), start=1):
-            write_step(store, ref, g, i, rec.pop("changed"), rec.pop("changed_values"), rec)
-            mark_batch_done(g, i - 1)
-            bar.update(1)
-    records = read_records(store, ref, K)
-    finish_store(g, records, layout)
-    persistence = write_persistence(store, ref, g, layout, K)
-    summary = {
-        "external": source,
-        "external_layout": run.layout,
-        "start": run.start,
-        "trainer_steps": [run.start_step, *run.steps],
-        "P": layout.P,
-        "steps": K,
-        "frac_changed_step_mean": float(np.mean([r["n_changed_step"] for r in records]) / layout.P),
-        "frac_changed_cum_final": records[-1]["n_changed_cum"] / layout.P,
-        "persistence": persistence,
-    }
-    write_summary(store, ref, g, layout, summary)
-    cum = summary["frac_changed_cum_final"]
+def _log_external(ref: ArtifactRef, summary: dict) -> None:
     log.info(
         "trajectory %s: external run (%s layout, %d steps from %s, %s), cumulative %.4f",
         ref.key,
-        run.layout,
-        K,
-        run.start,
-        str(run.start_weights.dtype).removeprefix("torch."),
-        cum,
+        summary["external_layout"],
+        summary["steps"],
+        summary["start"],
+        summary["dtype"],
+        summary["frac_changed_cum_final"],
     )
-    return summary
-
-
-def _series_run(spec: TrajectorySpec, layout: ParamLayout, policy: torch.nn.Module) -> _ExternalRun:
-    """The checkpoint series of ``trajectory.checkpoints`` (``storage.stores.external.checkpoint_series``),
-    compared in the stored dtype of its last checkpoint (which every checkpoint after the start shares; the start
-    is rounded to it). The start is the first checkpoint when it is model.path in that dtype, else model.path
-    itself at step 0 when the series has no step 0 (the trainer's own checkpoints begin after a step)."""
-    setting = f"trajectory.checkpoints {spec.settings.checkpoints!r}"
-    series = checkpoint_series(spec.settings.checkpoints)
-    names = [e.name for e in layout.entries]
-    dtype = _compared_dtype(series.checkpoints[-1][1], names)
-
-    def flat(directory: str, start: bool = False) -> torch.Tensor:
-        """(P,) the checkpoint's selected weights in ``dtype``, which it must store unless it is the ``start``."""
-        if not start:
-            _check_dtype(directory, names, dtype)
-        model = load_model(directory, "float32", spec.policy.trust_remote_code)  # bf16 and float32 both exact
-        return _selected(model, layout, f"checkpoint {directory}").to(dtype)
-
-    t0, d0 = series.checkpoints[0]
-    first = flat(d0, start=True)
-    origin = parameters_flat(policy, layout).to(dtype)
-    if torch.equal(first, origin):
-        start, start_step, rest = d0, t0, series.checkpoints[1:]
-        later: Iterator[tuple[int, torch.Tensor]] = ((t, flat(d)) for t, d in rest)
-    elif t0 > 0:
-        _check_dtype(d0, names, dtype)
-        start, start_step, rest = spec.policy.path or "model.path (the demo policy)", 0, series.checkpoints
-        later = itertools.chain([(t0, first)], ((t, flat(d)) for t, d in rest[1:]))
-    else:
-        raise ValueError(
-            f"trajectory.checkpoints: the first checkpoint {d0} is not model.path in {dtype}; set model.path to it "
-            "so the step-0 statistics are the first checkpoint's"
-        )
-    if not rest:
-        raise ValueError(f"{setting} holds only the start {start}; a series needs a checkpoint after it")
-    steps = [t for t, _ in rest]
-    return _ExternalRun(series.layout, start, start_step, origin, steps, later, series.logged)
-
-
-def _delta_run(spec: TrajectorySpec, layout: ParamLayout, policy: torch.nn.Module) -> _ExternalRun:
-    """The grail delta trace of ``trajectory.deltas`` (``storage.stores.external.delta_trace``), replayed from its
-    start weights, which must be model.path's in the trace's dtype."""
-    trace = delta_trace(spec.settings.deltas)
-    base = load_state_dict(trace.start)
-    for e in layout.entries:
-        if e.name not in base or tuple(base[e.name].shape) != e.shape:
-            raise ValueError(
-                f"trajectory.deltas: the start weights {trace.start} hold no tensor {e.name!r} of shape {e.shape}, "
-                "which model.path has"
-            )
-    start = torch.cat([base[e.name].detach().reshape(-1).to(trace.dtype) for e in layout.entries])
-    if not torch.equal(start, parameters_flat(policy, layout).to(trace.dtype)):
-        raise ValueError(
-            f"trajectory.deltas: the start weights {trace.start} are not model.path's in {trace.dtype}; set "
-            "model.path to the model the traced run started from"
-        )
-    shapes = {name: tuple(p.shape) for name, p in policy.named_parameters()}
-    steps = [t + 1 for t, _ in trace.files]
-    return _ExternalRun("grail deltas", trace.start, 0, start, steps, replay_deltas(trace, shapes, layout, start))
-
-
-def _compared_dtype(directory: str, names: list[str]) -> torch.dtype:
-    """The stored dtype of checkpoint ``directory``'s tensors ``names``: bf16 or float32 (ValueError naming it
-    otherwise)."""
-    dtype = checkpoint_dtype(directory, names)
-    if dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"trajectory.checkpoints: {directory} stores {dtype}; covgrad compares bf16 or float32")
-    return dtype
-
-
-def _check_dtype(directory: str, names: list[str], dtype: torch.dtype) -> None:
-    """ValueError naming checkpoint ``directory`` unless it stores its tensors ``names`` in ``dtype``, the
-    series' dtype."""
-    own = checkpoint_dtype(directory, names)
-    if own != dtype:
-        raise ValueError(
-            f"trajectory.checkpoints: {directory} stores {own}, the series' last checkpoint {dtype}; the "
-            "checkpoints after the start share one stored dtype"
-        )
-
-
-def _selected(model: torch.nn.Module, layout: ParamLayout, what: str) -> torch.Tensor:
-    """(P,) the layout's parameters of ``model``; ValueError naming ``what`` when one is missing or reshaped."""
-    params = dict(model.named_parameters())
-    for e in layout.entries:
-        if e.name not in params or tuple(params[e.name].shape) != e.shape:
-            raise ValueError(f"trajectory.checkpoints: {what} has no parameter {e.name!r} of shape {e.shape}")
-    return parameters_flat(model, layout)
 
 
 @task(name="trajectory")

@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from covgrad.devices import l2_cache_bytes
-from covgrad.heap import release_free_memory
+from covgrad.devices import l2_cache_bytes, release_free_memory
 from covgrad.layout import TensorEntry
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.rules import RowAdder, Slot

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from covgrad.heap import release_free_memory
+from covgrad.devices import release_free_memory
 from covgrad.layout import ParamLayout, parameters_flat
 from covgrad.moments.topk import top_k_masks
 from covgrad.updates.stepping import (

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from covgrad.devices import release_free_memory
 from covgrad.distributed import RankColumns, launch_ranks, rank_device
-from covgrad.heap import release_free_memory
 from covgrad.tokens import TokenStudy, batch_bounds
 from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.models import load_rank_policy
