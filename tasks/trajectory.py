@@ -22,9 +22,12 @@ each of its states after the start is one row.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from prefect import task
 
+from covgrad.devices import release_free_memory
 from covgrad.layout import ParamLayout, check_layout, select_parameters
 from covgrad.updates import (
     ChangeTracker,
@@ -62,29 +65,49 @@ from tasks.specs import TrajectorySpec
 
 
 def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: dict[str, ArtifactRef]) -> dict:
-    s = spec.settings
     st = store.open_group(up["stats"], STATS, mode="r")
     if st.attrs.get("degenerate"):
         raise ValueError(
             f"trajectory: the main statistics are degenerate ({st.attrs['degenerate']}); "
             "their predictors are undefined, so the trajectory is not run"
         )
-    external = s.checkpoints is not None or s.deltas is not None
-    if not external and spec.placement.ranks > 1:  # the model sharded over ranks
+    s = spec.settings
+    if s.checkpoints is not None or s.deltas is not None:
+        start, _, layout = _policy(store, spec, up, st)
+        stats, opt = step_zero_stats(store, spec, up), optimizer_spec(s)
+        summary = external_run(store, ref, spec, up, layout, stats, opt, start, progress_bar)
+        _log_external(ref, summary)
+        return summary
+    if spec.placement.ranks > 1:  # the model sharded over ranks
         return _finish(store, ref, spec, run_trajectory_ranks(store, ref, spec, up))
+    layout = _step(store, ref, spec, up, st)  # the model, optimizer and tracker are freed when it returns
+    release_free_memory()
+    return _finish(store, ref, spec, layout)
+
+
+def _policy(
+    store: ArtifactStore, spec: TrajectorySpec, up: dict[str, ArtifactRef], st: Any
+) -> tuple[Any, Any, ParamLayout]:
+    """The start policy (float32), its tokenizer and the selected layout, checked against the statistics' ``st``."""
     start, tokenizer = load_models(store, up["base_model"], "policy", spec.policy)
     start = start.float()
     layout = select_parameters(start, spec.params)
     check_layout(layout, ParamLayout.from_records(st.attrs["tensors"]), "trajectory")
-    stats, opt = step_zero_stats(store, spec, up), optimizer_spec(s)
-    if external:
-        summary = external_run(store, ref, spec, up, layout, stats, opt, start, progress_bar)
-        _log_external(ref, summary)
-        return summary
+    return start, tokenizer, layout
+
+
+def _step(
+    store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: dict[str, ArtifactRef], st: Any
+) -> ParamLayout:
+    """Step the run from its newest resume state (or step 0) to its last step, writing every step's data."""
+    s, opt = spec.settings, optimizer_spec(spec.settings)
+    start, tokenizer, layout = _policy(store, spec, up, st)
     loss = step_loss(store, up["base_model"], spec.policy, s.regime, spec.regime, up.get("teacher"))
     stepper = Stepper(bf16_rounded(start, layout), opt, s.precision, loss, s.minibatches)
+    del start
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
-    tracker = ChangeTracker(layout, stepper.flat(layout), opt, stats, bound)
+    start_flat = stepper.flat(layout)
+    tracker = ChangeTracker(layout, start_flat, opt, step_zero_stats(store, spec, up), bound)
     reference = load_models(store, up["base_model"], "policy", spec.policy)[0].float()
     reference = bf16_rounded(reference).to(stored_dtype(s.precision))
     source = step_source(store, spec, up, tokenizer, loss)
@@ -92,10 +115,12 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, s.steps, layout.P)
     create_progress(g, STORE, s.steps)
-    write_start(store, ref, value_bits(tracker.start))
+    write_start(store, ref, value_bits(start_flat))
+    del start_flat
     state = read_state(store, ref)
     if state is not None:
         load_trajectory_state(state, stepper, tracker, s.seed)
+        del state
     saved = set(checkpoint_steps(s.steps, s.checkpoint_ratio))
     with progress_bar(f"trajectory {ref.key[:8]}", s.steps, unit="step") as bar:
         bar.update(stepper.step)
@@ -110,7 +135,8 @@ def _compute(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, up: d
             if t % s.state_every == 0 or t == s.steps:
                 write_state(store, ref, trajectory_state(stepper, tracker, s.seed))
             bar.update(1)
-    return _finish(store, ref, spec, layout)
+    tracker.close()
+    return layout
 
 
 def _finish(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, layout: ParamLayout) -> dict:

@@ -12,6 +12,7 @@ from covgrad.lazy import exports
 
 if TYPE_CHECKING:
     from covgrad.updates.check import GRID_MD_COLUMNS, rl_minibatches, summarize, update_grid
+    from covgrad.updates.columns import Ranker
     from covgrad.updates.diff import diff_state_dicts
     from covgrad.updates.kstep import KS, Cells, StepDelta, count_trace, persistence_tables, tensor_kind
     from covgrad.updates.sft import train_sft
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
         stored_dtype,
         text_rewards,
     )
-    from covgrad.updates.tracking import ChangeTracker, Ranker, StepZeroStats, TrackerShard, value_bits
+    from covgrad.updates.tracking import ChangeTracker, StepZeroStats, TrackerShard, value_bits
     from covgrad.updates.trajectory import (
         checkpoint_records,
         checkpoint_steps,
@@ -44,7 +45,7 @@ _EXPORTS = {
     "KS": "covgrad.updates.kstep",
     "OnPolicy": "covgrad.updates.stepping",
     "OptimizerSpec": "covgrad.updates.stepping",
-    "Ranker": "covgrad.updates.tracking",
+    "Ranker": "covgrad.updates.columns",
     "StepDelta": "covgrad.updates.kstep",
     "StepLoss": "covgrad.updates.stepping",
     "StepZeroStats": "covgrad.updates.tracking",

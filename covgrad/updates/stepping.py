@@ -90,15 +90,14 @@ def log_probs(
     return torch.where(keep, token_logp, torch.zeros_like(token_logp)).sum(-1), logp, keep
 
 
-def token_kl(logp: torch.Tensor, ref_logp: torch.Tensor, keep: torch.Tensor) -> float:
-    """Mean over response positions of KL(p_t ‖ p_ref,t) = Σ_v p_v (log p_v − log p_ref,v), in nats per token.
+def token_kl_sum(logp: torch.Tensor, ref_logp: torch.Tensor, keep: torch.Tensor) -> float:
+    """Σ over response positions of KL(p_t ‖ p_ref,t) = Σ_v p_v (log p_v − log p_ref,v), nats, in float64.
 
     ``logp``, ``ref_logp``: (N, L-1, V) float32 log-softmax of the current and the start model; ``keep``
-    (N, L-1) bool marks the response positions. Summed in float64.
+    (N, L-1) bool marks the response positions.
     """
     kl = (logp.exp() * (logp - ref_logp)).sum(-1).double()  # (N, L-1)
-    n = int(keep.sum())
-    return float(kl[keep].sum() / n) if n else float("nan")
+    return float(kl[keep].sum())
 
 
 STEP_REGIMES = REGIME_KINDS  # every regime steps its own loss
@@ -415,11 +414,12 @@ class Stepper:
         return torch.cat(parts)
 
     def state_dict(self) -> dict:
-        """Plain dict: ``step`` int, ``weights`` {name: tensor} of the master, ``optimizer`` torch's state."""
+        """Plain dict: ``step`` int, ``weights`` {name: tensor} of the master, ``optimizer`` torch's state; the
+        tensors are the live ones (as ``nn.Module.state_dict`` gives them): save or copy it before the next step."""
         return {
             "step": self.step,
-            "weights": {n: p.detach().clone() for n, p in self.master.named_parameters()},
-            "optimizer": copy.deepcopy(self.opt.state_dict()),
+            "weights": {n: p.detach() for n, p in self.master.named_parameters()},
+            "optimizer": self.opt.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping) -> None:

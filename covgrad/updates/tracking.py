@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from covgrad.layout import ParamLayout
+from covgrad.updates.columns import CHUNK, ColumnFiles, Ranker, Ranking
 from covgrad.updates.stepping import ADAM_EPS, OptimizerSpec
 
 THRESHOLDS = (0.0, 1e-8, 1e-6, 1e-5, 1e-4)  # |Δ| > threshold counts, Δ in float32
@@ -112,13 +113,14 @@ def set_metrics(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class StepZeroStats:
-    """Step-0 predictors: F, G, ρ (P,) from the stats stage of the start policy, the seed of the random
+    """Step-0 predictors: F, G, ρ (P,) from the stats stage of the start policy (arrays, or readers that return
+    them, so that a tracker holds one at a time), the seed of the random
     baselines, and B = ``samples_per_step``, the rows each optimizer step averages over (0: unknown; the
     Adam drift predictor, :func:`sign_consistency`, needs it)."""
 
-    F: np.ndarray
-    G: np.ndarray
-    rho: np.ndarray
+    F: np.ndarray | Callable[[], np.ndarray]
+    G: np.ndarray | Callable[[], np.ndarray]
+    rho: np.ndarray | Callable[[], np.ndarray]
     seed: int = 0
     samples_per_step: int = 0
 
@@ -142,26 +144,6 @@ def random_values(seed: int, P: int, index: np.ndarray | None = None) -> np.ndar
         n = int(np.searchsorted(index, hi)) - at
         out[at : at + n] = chunk[index[at : at + n] - lo]
         at += n
-    return out
-
-
-def _ranked_values(
-    stats: StepZeroStats | None, start: torch.Tensor, seed: int, P: int, index: np.ndarray | None
-) -> dict[str, tuple[np.ndarray, bool]]:
-    """Predictor name -> ((n,) values at the tracker's columns, largest first?) of the ranked predictors: |w|
-    and the seeded random values in float32, the statistics (already at those columns) in their own floating
-    dtype."""
-    n = start.numel()
-    out = {
-        "smallw": (start.float().abs().numpy(), False),
-        "random": (random_values(seed, P, index), True),
-    }
-    if stats is not None:
-        for name, v in (("F", stats.F), ("absG", np.abs(stats.G)), ("absrho", np.abs(stats.rho))):
-            values = np.asarray(v).reshape(-1)
-            if values.shape != (n,) or values.dtype not in (np.float32, np.float64):
-                raise ValueError(f"step-0 statistic {name} is {values.dtype} {values.shape}, expected float ({n},)")
-            out[name] = (values, True)
     return out
 
 
@@ -223,16 +205,12 @@ def count_metrics(n_pred: int, n_true: int, n_both: int) -> dict[str, float]:
     }
 
 
-# (values (n,), largest first?, groups (n,) int or None) -> (n,) int rank of each value within its group over
-# every tracker's columns (group_ranks of the whole layout at these columns)
-Ranker = Callable[[np.ndarray, bool, "np.ndarray | None"], np.ndarray]
-
-
 @dataclass(frozen=True)
 class TrackerShard:
     """The columns one :class:`ChangeTracker` of several keeps (a rank's shard of the layout,
     ``covgrad.distributed.stepper``) and how the trackers combine: ``total`` sums an int64 array over all of
-    them (every tracker calls it in the same order), ``ranks`` ranks values over all their columns.
+    them (every tracker calls it in the same order), ``ranks`` ranks values over all their columns (None: the
+    tracker keeps every column and ranks them itself).
 
     Attributes:
         index: (n,) int64 global columns of the layout's flat axis, ascending; None: all of them.
@@ -240,10 +218,18 @@ class TrackerShard:
 
     index: np.ndarray | None
     total: Callable[[np.ndarray], np.ndarray]
-    ranks: Ranker
+    ranks: Ranker | None
 
 
-WHOLE_LAYOUT = TrackerShard(None, lambda counts: counts, group_ranks)  # one tracker keeps every column
+WHOLE_LAYOUT = TrackerShard(None, lambda counts: counts, None)  # one tracker keeps every column
+
+
+def _stat(values: np.ndarray | Callable[[], np.ndarray], n: int, name: str) -> np.ndarray:
+    """A step-0 statistic (n,) float, read now when it is a reader."""
+    out = np.asarray(values() if callable(values) else values).reshape(-1)
+    if out.shape != (n,) or out.dtype not in (np.float32, np.float64):
+        raise ValueError(f"step-0 statistic {name} is {out.dtype} {out.shape}, expected float ({n},)")
+    return out
 
 
 class ChangeTracker:
@@ -251,15 +237,20 @@ class ChangeTracker:
 
     ``start``: (n,) the analysed model's selected values at step 0 at the tracker's columns (``shard``; None:
     all P), stored dtype. ``stats``: step-0 F, G, ρ at the same columns for the F / |G| / |ρ| predictors and
-    the bound rule (None: those are left out). ``optimizer``: which absorption rule applies. ``bound``:
-    whether the regime has a bound (False for ``sft_sampled``: no bound rule).
+    the bound rule (None: those are left out; arrays or readers, read one at a time). ``optimizer``: which
+    absorption rule applies. ``bound``: whether the regime has a bound (False for ``sft_sampled``: no bound
+    rule). ``scratch``: where the column files go (:class:`~covgrad.updates.columns.ColumnFiles`; None: the
+    system's temporary directory). ``chunk``: columns processed at a time.
 
     The ranked predictors are fixed for the whole run, so they are ranked once (globally, within each tensor
-    for per-tensor random, within each |w_0| decile; over every shard's columns with ``shard.ranks``): a top-k
-    set is then ``ranks < k``. With several shards every count is summed over them (``shard.total``, twice a
-    step), so each shard's record is the whole layout's. Memory per column: 4 or 8 bytes for each of the 5
-    global, 1 per-tensor and 4 decile rank arrays, the tensor and decile of each column (5 B), plus F in
-    float64 for the SGD bound rule.
+    for per-tensor random, within each |w_0| decile; over every shard's columns with ``shard.ranks``) into
+    :class:`~covgrad.updates.columns.Ranking` files. With several shards every count is summed over them
+    (``shard.total``, twice a step), so each shard's record is the whole layout's.
+
+    Memory per column: the previous weights (stored dtype, 2 or 4 B), change counts (uint16, 2 B), the last
+    step's set and the rule unions (bool, 1 B each); the start, the deciles, the drift model's c, F for the
+    SGD bound rule and every ranking (a 1-byte bucket and a 4-byte order) stay in the column files, about
+    60 B per column on disk, read a chunk at a time. A step adds its weights and gradient and two bool sets.
     """
 
     def __init__(
@@ -270,99 +261,148 @@ class ChangeTracker:
         stats: StepZeroStats | None = None,
         bound: bool = True,
         shard: TrackerShard | None = None,
+        scratch: str | None = None,
+        chunk: int = CHUNK,
     ) -> None:
         self.shard = WHOLE_LAYOUT if shard is None else shard
         index = self.shard.index
         n = layout.P if index is None else index.shape[0]
         if start.shape != (n,):
             raise ValueError(f"start has shape {tuple(start.shape)}, expected ({n},)")
-        self.layout, self.spec, self.stats = layout, optimizer, stats
-        self.start, self.prev = start.clone(), start.clone()
-        self.counts = torch.zeros(n, dtype=torch.int32)  # steps that changed each coordinate
-        self.last = torch.zeros(n, dtype=torch.bool)  # the previous step's changed set
+        if chunk < 8 or chunk % 8:
+            raise ValueError(f"chunk must be a positive multiple of 8, got {chunk}")
+        self.layout, self.spec, self.n, self.chunk, self.dtype = layout, optimizer, n, chunk, start.dtype
+        self.files = ColumnFiles(scratch)
+        self.files.write("start", value_bits(start))
+        self.prev = start.clone()
+        self.counts = np.zeros(n, dtype=np.uint16)  # steps that changed each coordinate
+        self.last = np.zeros(n, dtype=bool)  # the previous step's changed set
         self.steps = 0  # steps recorded
-        seed = 0 if stats is None else stats.seed
-        values = _ranked_values(stats, start, seed, layout.P, index)
-        self.rules = ("absorb", "bound") if optimizer.name == "sgd" and stats is not None and bound else ("absorb",)
         self.lr_sum, self.lr_sq_sum = 0.0, 0.0  # Σ lr_j and Σ lr_j² over the steps recorded
-        self.drift_c: torch.Tensor | None = None
-        if optimizer.name != "sgd" and stats is not None and stats.samples_per_step > 0:
-            c = sign_consistency(stats.rho, stats.samples_per_step)
-            h0 = half_spacing(start)
-            values["drift"] = (c / h0.numpy(), True)
-            self.drift_c, self.h0 = torch.from_numpy(c.astype(np.float32)), h0.float()
-            self.crossings = torch.zeros(n, dtype=torch.int32)  # half-gap crossings of the drift model so far
+        self._ends = np.asarray([e.offset + e.numel for e in layout.entries], dtype=np.int64)
+        self.rules: tuple[str, ...] = ("absorb",)
+        if optimizer.name == "sgd" and stats is not None and bound:
+            self.rules = ("absorb", "bound")
+            self.files.write("F", _stat(stats.F, n, "F").astype(np.float64))
+        self.drift = optimizer.name != "sgd" and stats is not None and stats.samples_per_step > 0
+        if self.drift:
             self.rules = (*self.rules, "drift")
-        self.union = {r: torch.zeros(n, dtype=torch.bool) for r in self.rules}
-        self.F = (
-            None if "bound" not in self.rules else torch.from_numpy(np.asarray(stats.F, dtype=np.float64).reshape(-1))
-        )
-        rank = self.shard.ranks
-        self.ranks = {name: rank(*values[name], None) for name in RANKED if name in values}
-        E = len(layout.entries)
-        if index is None:  # (n,) the layout tensor of each column
-            self.tensor_of = np.repeat(np.arange(E, dtype=np.int32), [e.numel for e in layout.entries])
-        else:
-            ends = np.asarray([e.offset + e.numel for e in layout.entries], dtype=np.int64)
-            self.tensor_of = np.searchsorted(ends, index, side="right").astype(np.int32)
-        self.tensor_ranks = rank(values["random"][0], True, self.tensor_of)
-        small = rank(start.float().abs().numpy(), False, None)
-        self.decile = (small.astype(np.int64) * N_DECILES // max(layout.P, 1)).astype(np.int8)  # (n,) |w_0| decile
-        self.decile_idx = [np.flatnonzero(self.decile == d).astype(np.int32) for d in range(N_DECILES)]
-        edges = -(-np.arange(N_DECILES + 1, dtype=np.int64) * layout.P // N_DECILES)  # ⌈d·P/10⌉
+        self.union = {r: np.zeros(n, dtype=bool) for r in self.rules}
+        self._rank(start, stats)
+
+    def _rank(self, start: torch.Tensor, stats: StepZeroStats | None) -> None:
+        """Build every predictor's ranking (``rankings``: global, ``decile_rankings``: within |w_0| deciles)
+        and the column files of the deciles and the drift model's c."""
+        P, n = self.layout.P, self.n
+        ranker = self.shard.ranks if self.shard.index is not None else None
+        whole = np.asarray([P], dtype=np.int64)
+        self.rankings: dict[str, Ranking] = {}
+        self.decile_rankings: dict[str, Ranking] = {}
+        small = Ranking.build(self.files, "smallw", start.float().abs().numpy(), False, None, whole, ranker)
+        decile = small.per_column(self.files, n, lambda r: (r * N_DECILES // max(P, 1)).astype(np.int8))
+        self.files.write("decile", decile)
+        edges = -(-np.arange(N_DECILES + 1, dtype=np.int64) * P // N_DECILES)  # ⌈d·P/10⌉
         self.decile_sizes = np.diff(edges)  # (N_DECILES,) columns of each decile over the whole layout
-        self.decile_ranks = {}
-        for name in DECILE_PREDICTORS:
-            if name in values:
-                within = rank(*values[name], self.decile)
-                self.decile_ranks[name] = [within[idx] for idx in self.decile_idx]
+        tensor_sizes = np.asarray([e.numel for e in self.layout.entries], dtype=np.int64)
+        seed = 0 if stats is None else stats.seed
+        values: dict[str, tuple[Callable[[], np.ndarray], bool]] = {}
+        if stats is not None:
+            values["F"] = (lambda: _stat(stats.F, n, "F"), True)
+            values["absG"] = (lambda: np.abs(_stat(stats.G, n, "G")), True)
+            values["absrho"] = (lambda: np.abs(_stat(stats.rho, n, "rho")), True)
+        if self.drift:
+            assert stats is not None
+
+            def drift() -> np.ndarray:
+                c = sign_consistency(_stat(stats.rho, n, "rho"), stats.samples_per_step)
+                self.files.write("c", c.astype(np.float32))
+                return c / half_spacing(start).numpy()
+
+            values["drift"] = (drift, True)
+        values["random"] = (lambda: random_values(seed, P, self.shard.index), True)
+        for name in RANKED:
+            if name == "smallw":
+                self.rankings[name] = small
+            elif name == "tensor_random":
+                v = random_values(seed, P, self.shard.index)
+                self.rankings[name] = Ranking.build(
+                    self.files, name, v, True, self._tensor_of(0, n), tensor_sizes, ranker
+                )
+            elif name in values:
+                v, largest = values[name][0](), values[name][1]
+                self.rankings[name] = Ranking.build(self.files, name, v, largest, None, whole, ranker)
+                if name in DECILE_PREDICTORS:
+                    self.decile_rankings[name] = Ranking.build(
+                        self.files, f"decile_{name}", v, largest, decile, self.decile_sizes, ranker
+                    )
+                del v
+
+    def _tensor_of(self, lo: int, hi: int) -> np.ndarray:
+        """(hi − lo,) int32 the layout tensor of the tracker's columns [lo, hi)."""
+        index = self.shard.index
+        cols = np.arange(lo, hi, dtype=np.int64) if index is None else index[lo:hi]
+        return np.searchsorted(self._ends, cols, side="right").astype(np.int32)
+
+    def _start(self, lo: int, hi: int) -> torch.Tensor:
+        """The start weights at columns [lo, hi), stored dtype."""
+        bits = self.files.read("start", lo, hi)
+        as_int = torch.from_numpy(bits.view(np.int16 if bits.dtype == np.uint16 else np.int32))
+        return as_int.view(self.dtype)
+
+    def close(self) -> None:
+        """Remove the column files (the tracker records nothing more)."""
+        self.files.close()
 
     def state_dict(self) -> dict:
-        """Plain dict of tensors, ints and floats (steps, start, prev, counts, last set, rule unions, the
-        learning-rate sums and the drift model's crossings)."""
-        out = {
+        """Plain dict of tensors, ints and floats (steps, previous weights, counts, last set, rule unions and the
+        learning-rate sums; the drift model's crossings follow from the sums)."""
+        return {
             "steps": self.steps,
-            "start": self.start.clone(),
             "prev": self.prev.clone(),
-            "counts": self.counts.clone(),
-            "last": self.last.clone(),
-            "union": {r: u.clone() for r, u in self.union.items()},
+            "counts": torch.from_numpy(self.counts.copy()),
+            "last": torch.from_numpy(self.last.copy()),
+            "union": {r: torch.from_numpy(u.copy()) for r, u in self.union.items()},
             "lr_sum": self.lr_sum,
             "lr_sq_sum": self.lr_sq_sum,
         }
-        if self.drift_c is not None:
-            out["crossings"] = self.crossings.clone()
-        return out
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore :meth:`state_dict`'s output."""
-        self.start, self.prev = state["start"].clone(), state["prev"].clone()
-        self.counts, self.last = state["counts"].clone(), state["last"].clone()
+        self.prev = state["prev"].clone()
+        self.counts = state["counts"].numpy().astype(np.uint16)
+        self.last = state["last"].numpy().copy()
         self.steps = int(state["steps"])
-        self.union = {r: state["union"][r].clone() for r in self.rules}
+        self.union = {r: state["union"][r].numpy().copy() for r in self.rules}
         self.lr_sum, self.lr_sq_sum = float(state["lr_sum"]), float(state["lr_sq_sum"])
-        if self.drift_c is not None:
-            self.crossings = state["crossings"].clone()
 
-    def rule_masks(self, prev: torch.Tensor, grad: torch.Tensor, lr: float, adv_rms: float) -> dict[str, torch.Tensor]:
-        """(n,) bool predicted step sets from the weights ``prev`` before the step and its gradient ``grad``:
-        ``absorb`` SGD lr·|ĝ| ≥ h(w), Adam/AdamW lr·|ĝ|/(|ĝ| + eps) ≥ h(w) (their first step);
-        ``bound`` (SGD) lr·adv_rms·√F ≥ h(w); ``drift`` (Adam/AdamW) the step at which the drift model's reach
-        (:func:`drift_reach` at the learning-rate sums including this step's) crosses w_0 ± h, ± 3h, … (its
-        cumulative set: reach ≥ h(w_0)); h = :func:`half_spacing` in the stored dtype, float64."""
+    def _crossings(self, c: torch.Tensor, h0: torch.Tensor, lr_sum: float, lr_sq_sum: float) -> torch.Tensor:
+        """(m,) int32 midpoints crossed by the drift model (:func:`drift_reach`) at the learning-rate sums; 0
+        before any step."""
+        if lr_sum == 0 and lr_sq_sum == 0:
+            return torch.zeros(c.shape, dtype=torch.int32)
+        reach = drift_reach(c, lr_sum, lr_sq_sum)
+        return torch.floor(((reach / h0 + 1.0) / 2.0).clamp(max=MAX_CROSSINGS)).to(torch.int32)
+
+    def rule_masks(
+        self, lo: int, hi: int, prev: torch.Tensor, grad: torch.Tensor, lr: float, adv_rms: float
+    ) -> dict[str, torch.Tensor]:
+        """(hi − lo,) bool predicted step sets at columns [lo, hi) from the weights ``prev`` before the step and
+        its gradient ``grad`` there: ``absorb`` SGD lr·|ĝ| ≥ h(w), Adam/AdamW lr·|ĝ|/(|ĝ| + eps) ≥ h(w) (their
+        first step); ``bound`` (SGD) lr·adv_rms·√F ≥ h(w); ``drift`` (Adam/AdamW) the step at which the drift
+        model's reach (:func:`drift_reach` at the learning-rate sums including this step's) crosses w_0 ± h,
+        ± 3h, … (its cumulative set: reach ≥ h(w_0)); h = :func:`half_spacing` in the stored dtype, float64."""
         h = half_spacing(prev)
         g = grad.double().abs()
         step = lr * g if self.spec.name == "sgd" else lr * g / (g + ADAM_EPS)
         masks = {"absorb": step >= h}
         if "bound" in self.rules:
-            assert self.F is not None
-            masks["bound"] = lr * adv_rms * self.F.clamp(min=0).sqrt() >= h
-        if "drift" in self.rules:
-            assert self.drift_c is not None
-            reach = drift_reach(self.drift_c, self.lr_sum + lr, self.lr_sq_sum + lr * lr)
-            crossings = torch.floor(((reach / self.h0 + 1.0) / 2.0).clamp(max=MAX_CROSSINGS)).to(torch.int32)
-            masks["drift"] = crossings > self.crossings
-            self.crossings = crossings
+            F = torch.from_numpy(self.files.read("F", lo, hi))
+            masks["bound"] = lr * adv_rms * F.clamp(min=0).sqrt() >= h
+        if self.drift:
+            c = torch.from_numpy(self.files.read("c", lo, hi))
+            h0 = half_spacing(self._start(lo, hi)).float()
+            before = self._crossings(c, h0, self.lr_sum, self.lr_sq_sum)
+            masks["drift"] = self._crossings(c, h0, self.lr_sum + lr, self.lr_sq_sum + lr * lr) > before
         return masks
 
     def record(self, now: torch.Tensor, grad: torch.Tensor | None, lr: float, adv_rms: float) -> dict:
@@ -381,35 +421,15 @@ class ChangeTracker:
         """
         if now.shape != self.prev.shape or now.dtype != self.prev.dtype:
             raise ValueError(f"weights {tuple(now.shape)} {now.dtype} differ from the start's layout or dtype")
-        rules = self.rule_masks(self.prev, grad, lr, adv_rms) if grad is not None else {}
+        if self.steps >= np.iinfo(np.uint16).max:
+            raise ValueError(f"a tracker records at most {np.iinfo(np.uint16).max} steps")
+        true = {scope: np.empty(self.n, dtype=bool) for scope in SCOPES}
+        local = self._first_pass(now, grad, lr, adv_rms, true)
         if grad is not None:
             self.lr_sum, self.lr_sq_sum = self.lr_sum + lr, self.lr_sq_sum + lr * lr
-        sets = {"step": now != self.prev, "cum": now != self.start}
-        true = {scope: sets[scope].numpy() for scope in SCOPES}
-        by_decile = {scope: [true[scope][idx] for idx in self.decile_idx] for scope in SCOPES}
-        for r, m in rules.items():
-            self.union[r] |= m
-        preds = {
-            (scope, r): (m if scope == "step" else self.union[r]).numpy() for r, m in rules.items() for scope in SCOPES
-        }
-        self.counts += sets["step"].to(torch.int32)
-        now32, E = now.float(), len(self.layout.entries)
-        local: list[np.ndarray] = []  # the first sum's parts, in this order
-        for scope, base in (("step", self.prev), ("cum", self.start)):
-            base32 = base.float()
-            delta = (now32 - base32).abs()
-            local.append(np.asarray([count(sets[scope]), count(torch.sign(now32) != torch.sign(base32))]))
-            local.append(np.asarray([count(delta > t) for t in THRESHOLDS]))
-            local.append(np.bincount(self.tensor_of[true[scope]], minlength=E))
-            local.append(np.asarray([np.count_nonzero(t) for t in by_decile[scope]]))
-            local.extend(
-                np.asarray([np.count_nonzero(preds[scope, r]), np.count_nonzero(preds[scope, r] & true[scope])])
-                for r in rules
-            )
-        local.append(np.asarray([count(self.last), count(sets["step"] & self.last)]))
-        local.append(np.bincount(self.counts.numpy(), minlength=self.steps + 2))
         sums = iter(self._split(self.shard.total(np.concatenate(local).astype(np.int64)), local))
-        rec: dict = {"changed": np.packbits(true["step"]), "changed_values": value_bits(now[sets["step"]])}
+        moved = now[torch.from_numpy(true["step"])]
+        rec: dict = {"changed": np.packbits(true["step"]), "changed_values": value_bits(moved)}
         tensor_k, decile_k, rule_counts = {}, {}, {}
         for scope in SCOPES:
             n_true, flips = (int(x) for x in next(sums))
@@ -418,52 +438,113 @@ class ChangeTracker:
             rec[f"sign_flips_{scope}"] = flips
             rec[f"per_tensor_{scope}"] = tensor_k[scope] = next(sums)
             decile_k[scope] = next(sums)
-            rule_counts[scope] = {r: [int(x) for x in next(sums)] for r in rules}
+            rule_counts[scope] = {r: [int(x) for x in next(sums)] for r in self._rules_of(grad)}
         n_last, both = (int(x) for x in next(sums))
         rec["jaccard_prev"] = (
             count_metrics(rec["n_changed_step"], n_last, both)["jaccard"] if self.steps else float("nan")
         )
         self.steps += 1
         rec["persist_hist"] = next(sums)[: self.steps + 1]
-        ranked = [self._ranked(true[s], by_decile[s], rec[f"n_changed_{s}"], tensor_k[s], decile_k[s]) for s in SCOPES]
+        ranked = [self._ranked(true[s], rec[f"n_changed_{s}"], tensor_k[s], decile_k[s]) for s in SCOPES]
         for scope, part in zip(SCOPES, self._split(self.shard.total(np.concatenate(ranked)), ranked), strict=True):
             n_true = rec[f"n_changed_{scope}"]
             rec.update(self._metrics(scope, part, n_true, rule_counts[scope], decile_k[scope]))
-        self.prev, self.last = now.clone(), sets["step"]
+        self.prev, self.last = now.clone(), true["step"]
         return rec
+
+    def _rules_of(self, grad: torch.Tensor | None) -> tuple[str, ...]:
+        return self.rules if grad is not None else ()
+
+    def _first_pass(
+        self, now: torch.Tensor, grad: torch.Tensor | None, lr: float, adv_rms: float, true: dict[str, np.ndarray]
+    ) -> list[np.ndarray]:
+        """One pass over the columns in chunks: fills the step and cumulative sets ``true`` ((n,) bool each),
+        updates the rule unions and the change counts; returns the tracker's counts to sum over the shards, in
+        the order :meth:`record` reads them."""
+        E, rules = len(self.layout.entries), self._rules_of(grad)
+        T = len(THRESHOLDS)
+        acc = {
+            scope: {
+                "n": np.zeros(2, dtype=np.int64),
+                "above": np.zeros(T, dtype=np.int64),
+                "tensor": np.zeros(E, dtype=np.int64),
+                "decile": np.zeros(N_DECILES, dtype=np.int64),
+                **{r: np.zeros(2, dtype=np.int64) for r in rules},
+            }
+            for scope in SCOPES
+        }
+        last_counts = np.zeros(2, dtype=np.int64)
+        hist = np.zeros(self.steps + 2, dtype=np.int64)
+        for lo in range(0, self.n, self.chunk):
+            hi = min(self.n, lo + self.chunk)
+            nw, pv, st = now[lo:hi], self.prev[lo:hi], self._start(lo, hi)
+            sets = {"step": (nw != pv).numpy(), "cum": (nw != st).numpy()}
+            tensor_of, decile = self._tensor_of(lo, hi), self.files.read("decile", lo, hi)
+            masks = self.rule_masks(lo, hi, pv, grad[lo:hi], lr, adv_rms) if grad is not None else {}
+            for r, m in masks.items():
+                self.union[r][lo:hi] |= m.numpy()
+            nw32 = nw.float()
+            for scope, base in (("step", pv), ("cum", st)):
+                s, a, base32 = sets[scope], acc[scope], base.float()
+                true[scope][lo:hi] = s
+                delta = (nw32 - base32).abs()
+                a["n"] += [np.count_nonzero(s), count(torch.sign(nw32) != torch.sign(base32))]
+                a["above"] += [count(delta > t) for t in THRESHOLDS]
+                a["tensor"] += np.bincount(tensor_of[s], minlength=E)
+                a["decile"] += np.bincount(decile[s], minlength=N_DECILES)
+                for r, m in masks.items():
+                    pred = m.numpy() if scope == "step" else self.union[r][lo:hi]
+                    a[r] += [np.count_nonzero(pred), np.count_nonzero(pred & s)]
+            last = self.last[lo:hi]
+            last_counts += [np.count_nonzero(last), np.count_nonzero(sets["step"] & last)]
+            self.counts[lo:hi] += sets["step"]
+            hist += np.bincount(self.counts[lo:hi], minlength=self.steps + 2)
+        local: list[np.ndarray] = []
+        for scope in SCOPES:
+            a = acc[scope]
+            local += [a["n"], a["above"], a["tensor"], a["decile"], *(a[r] for r in rules)]
+        return [*local, last_counts, hist]
 
     @staticmethod
     def _split(values: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
         """``values`` cut into pieces of the lengths of ``like``'s arrays."""
         return np.split(values, np.cumsum([len(x) for x in like])[:-1])
 
-    def _ranked(
-        self, true: np.ndarray, by_decile: list[np.ndarray], k: int, tensor_k: np.ndarray, decile_k: np.ndarray
-    ) -> np.ndarray:
-        """The tracker's |pred ∩ true| counts at the changed set ``true`` (n,) (``by_decile``: its parts in each
-        decile): each ranked predictor's at k (tensor_random at each tensor's changed count ``tensor_k`` (E,)),
-        then each decile predictor's at every decile's changed count ``decile_k`` (N_DECILES,); int64."""
-        out = []
-        for name in RANKED:
-            if name == "tensor_random":
-                out.append(np.count_nonzero(true & (self.tensor_ranks < tensor_k[self.tensor_of])))
-            elif name in self.ranks:
-                out.append(np.count_nonzero(self.ranks[name][true] < k))
-        for ranks in self.decile_ranks.values():
-            out.extend(np.count_nonzero(ranks[d][t] < decile_k[d]) for d, t in enumerate(by_decile))
+    def _ranked(self, true: np.ndarray, k: int, tensor_k: np.ndarray, decile_k: np.ndarray) -> np.ndarray:
+        """The tracker's |pred ∩ true| counts at the changed set ``true`` (n,): each ranked predictor's at k
+        (tensor_random at each tensor's changed count ``tensor_k`` (E,)), then each decile predictor's at every
+        decile's changed count ``decile_k`` (N_DECILES,); int64."""
+        jobs = [(r, np.asarray([k]), None) for name, r in self.rankings.items() if name != "tensor_random"]
+        if "tensor_random" in self.rankings:
+            jobs.append((self.rankings["tensor_random"], np.asarray(tensor_k), "tensor"))
+        jobs += [(r, np.asarray(decile_k), "decile") for r in self.decile_rankings.values()]
+        counts = [r.boundary(self.files, kk, true) for r, kk, _ in jobs]
+        thresholds = [r.thresholds(kk) for r, kk, _ in jobs]
+        for lo in range(0, self.n, self.chunk):
+            hi = min(self.n, lo + self.chunk)
+            s = true[lo:hi]
+            if not s.any():
+                continue
+            groups = {"tensor": self._tensor_of(lo, hi)[s], "decile": self.files.read("decile", lo, hi)[s], None: None}
+            for (r, _, grouping), b, c in zip(jobs, thresholds, counts, strict=True):
+                c += r.below(self.files.read(f"{r.name}.bucket", lo, hi)[s], groups[grouping], b)
+        by_name = dict(zip([r.name for r, _, _ in jobs], counts, strict=True))
+        out = [int(by_name[name].sum()) for name in RANKED if name in self.rankings]
+        for name in self.decile_rankings:
+            out.extend(by_name[f"decile_{name}"].tolist())
         return np.asarray(out, dtype=np.int64)
 
     def _metrics(self, scope: str, both: np.ndarray, k: int, rules: dict[str, list[int]], decile_k: np.ndarray) -> dict:
         """One scope's set metrics: the ranked predictors' and the deciles' from the summed counts of
         :meth:`_ranked`, the rules' from their summed (|pred|, |pred ∩ true|) ``rules``."""
         rec: dict = {}
-        names = [n for n in RANKED if n == "tensor_random" or n in self.ranks]
+        names = [n for n in RANKED if n in self.rankings]
         for name, n_both in zip(names, both, strict=False):
             rec.update({f"{scope}_{name}_{s}": v for s, v in count_metrics(k, k, int(n_both)).items()})
         for r, (n_pred, n_both) in rules.items():
             rec.update({f"{scope}_{r}_{s}": v for s, v in count_metrics(n_pred, k, n_both).items()})
         at = len(names)
-        for name in self.decile_ranks:
+        for name in self.decile_rankings:
             table = np.full((len(SET_STATS), N_DECILES), np.nan)
             for d in np.flatnonzero(self.decile_sizes):
                 m = count_metrics(int(decile_k[d]), int(decile_k[d]), int(both[at + d]))

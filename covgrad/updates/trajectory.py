@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from covgrad.layout import ParamLayout
-from covgrad.updates.stepping import FixedBatches, OnPolicy, Stepper, log_probs, token_kl
+from covgrad.updates.stepping import FixedBatches, OnPolicy, Stepper, log_probs, token_kl_sum
 from covgrad.updates.tracking import ChangeTracker
 
 
@@ -44,12 +44,7 @@ def run_trajectory(
         t = stepper.step + 1
         batch = source.batch(t, stepper.model)
         out = stepper.backward(batch, keep_logp=reference is not None)
-        kl = float("nan")
-        if reference is not None:
-            with torch.no_grad():
-                rows = (batch["input_ids"], batch["attention_mask"], batch["response_mask"])
-                ref_logp = log_probs(reference, *rows)[1]
-            kl = token_kl(out["logp"], ref_logp, out["keep"])
+        kl = float("nan") if reference is None else reference_kl(reference, batch, out.pop("logp"), out.pop("keep"))
         rec = {
             "step": t,
             "lr": stepper.spec.lr_at(t),
@@ -65,6 +60,28 @@ def run_trajectory(
         if tracker is not None:
             rec.update(tracker.record(stepper.flat(layout), grad, rec["lr"], rec["adv_rms"]))
         yield rec
+
+
+KL_ROWS = 4  # rows of the reference's log-softmax (rows, L-1, V) held at a time
+
+
+def reference_kl(
+    reference: nn.Module, batch: Mapping[str, torch.Tensor], logp: torch.Tensor, keep: torch.Tensor
+) -> float:
+    """Mean per-token KL(p_t ‖ p_ref,t) over the response positions ``keep`` (N, L-1), nats: the step's
+    log-softmax ``logp`` (N, L-1, V) against that of ``reference`` on the same rows, summed in float64 over row
+    blocks of KL_ROWS (:func:`~covgrad.updates.stepping.token_kl_sum`; the reference's log-softmax is never held
+    for all N rows); NaN without response positions."""
+    total, positions = 0.0, int(keep.sum())
+    if positions == 0:
+        return float("nan")
+    rows = (batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+    for lo in range(0, logp.shape[0], KL_ROWS):
+        part = slice(lo, lo + KL_ROWS)
+        with torch.no_grad():
+            ref_logp = log_probs(reference, *(r[part] for r in rows))[1]
+        total += token_kl_sum(logp[part], ref_logp, keep[part])
+    return total / positions
 
 
 def checkpoint_records(

@@ -168,16 +168,14 @@ def write_state(store: ArtifactStore, ref: ArtifactRef, state: dict, rank: str |
     """Store the resume state of step ``state["step"]`` atomically (of the rank labelled ``rank``'s shard:
     ``state/step_{t}.rank{r}-of-{R}.pt``), then, for the whole run, delete the older states (a rank's go in
     :func:`drop_older_states`, once every rank has written its own)."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
     step = int(state["step"])
     target = store.path(ref, _state_name(step, rank))
     store.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+    partial = target + ".partial" if store.local else target
+    with store.fs.open(partial, "wb") as f:  # streamed: no second copy of the weights and optimizer state
+        torch.save(state, f)
     if store.local:
-        store.fs.pipe_file(target + ".partial", buf.getvalue())
-        store.fs.mv(target + ".partial", target)
-    else:
-        store.fs.pipe_file(target, buf.getvalue())
+        store.fs.mv(partial, target)
     if rank is None:
         drop_older_states(store, ref, step)
 

@@ -4,6 +4,7 @@ the data every step takes, from a trajectory spec (the in-process stage and ever
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,16 +44,20 @@ def step_zero_stats(
     """The step-0 predictors of trajectory spec ``spec``: F of the main statistics, G and ρ of the main statistics
     for rl and of the regime's own (the ``regimes`` stage) otherwise; all P columns, or those of ``columns`` (a
     ``covgrad.distributed.fsdp.RankColumns``), read run by run; the samples per step of its data (prompt groups
-    per step times the sampler's group size) for the Adam drift predictor."""
+    per step times the sampler's group size) for the Adam drift predictor. F, G and ρ are readers: each is read
+    when the tracker ranks it, so that one (P,) float64 array is in memory at a time."""
     st = store.open_group(up["stats"], STATS, mode="r")
     rg = st if spec.regime is None else store.open_group(up["regimes"], REGIMES, mode="r")
     own = "" if spec.regime is None else f"_{spec.settings.regime}"
 
-    def read(array: Any) -> np.ndarray:
-        if columns is None:
-            return array[:]
-        parts = [np.asarray(array[a:b]) for a, b in zip(columns.starts, columns.stops, strict=True)]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=array.dtype)
+    def read(array: Any) -> Callable[[], np.ndarray]:
+        def values() -> np.ndarray:
+            if columns is None:
+                return array[:]
+            parts = [np.asarray(array[a:b]) for a, b in zip(columns.starts, columns.stops, strict=True)]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=array.dtype)
+
+        return values
 
     s = spec.settings
     fixed = s.data == "fixed" or (spec.regime is not None and spec.regime.kind in FIXED_KINDS)

@@ -314,13 +314,16 @@ def np_top(values: np.ndarray, k: int, largest: bool) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("precision", "name", "samples"), [("bf16", "sgd", 0), ("fp32", "adam", 0), ("fp32_master", "adamw", 8)]
+    ("precision", "name", "samples", "chunk"),
+    [("bf16", "sgd", 0, 1 << 22), ("fp32", "adam", 0, 64), ("fp32_master", "adamw", 8, 120)],
 )
-def test_predictor_metrics_equal_a_numpy_brute_force(layout, precision, name, samples):
+def test_predictor_metrics_equal_a_numpy_brute_force(layout, precision, name, samples, chunk):
+    """Every count of the tracker (column files read in chunks of ``chunk``, top-k sets from rank buckets and
+    the order on disk) equals a whole-array numpy recount."""
     stats = dataclasses.replace(stats_for(layout), samples_per_step=samples)
     stepper = Stepper(bf16_rounded(tiny_llama()), spec(name), precision)
     start = stepper.flat(layout)
-    tracker = Capturing(layout, start, spec(name), stats)
+    tracker = Capturing(layout, start, spec(name), stats, chunk=chunk)
     batches = FixedBatches([rollouts(1), rollouts(2)])
     recs = list(run_trajectory(stepper, batches, layout, 3, tracker))
     w0 = start.float().numpy().astype(np.float64)
