@@ -7,7 +7,10 @@ from typing import Literal, get_args
 Dtype = Literal["float32", "bfloat16"]  # dtype a model is loaded in
 Device = Literal["auto", "cpu", "cuda"]  # where per-sample passes run; auto: cuda when visible
 StateDtype = Literal["float64", "float32"]  # moment state of the scores stage
-Advantage = Literal["group_mean", "group_zscore", "global_mean", "none"]  # advantage A from rewards r
+Advantage = Literal["group_mean", "group_zscore", "batch_zscore", "rloo", "global_mean", "none"]
+"""Advantage A from rewards r (covgrad.rollouts.sampling.compute_advantages), named as the trainers name them:
+group_mean, group_zscore and batch_zscore are TRL GRPOTrainer's scale_rewards "none", "group" and "batch"; rloo is
+the leave-one-out baseline of TRL RLOOTrainer."""
 MuStore = Literal["none", "full", "topk"]  # how much of the sampler's distribution μ the rollouts keep
 TokenMode = Literal["exact", "topk", "mc", "probe", "probe_seq"]  # token-Fisher estimators
 MU_UNKNOWN_FORMATS = frozenset({"responses"})  # import formats of datasets whose data distribution μ is unknown

@@ -265,7 +265,8 @@ class RolloutsSection(Section):
 
     advantage: Advantage = Field(
         "group_mean",
-        description="advantage A from rewards r: r − group mean, group z-score, r − global mean, or r itself",
+        description="advantage A from rewards r: r − group mean, TRL's group or batch z-score, the leave-one-out "
+        "baseline (RLOO), r − global mean, or r itself (docs/regimes.md)",
     )
     samplers: dict[str, SamplerSection] = Field(
         default_factory=lambda: {"policy": SamplerSection()}, description="samplers by name"

@@ -18,7 +18,10 @@ Files under ``out_dir``:
   weighted sum over reward functions that TRL logs; reward functions returning None count 0), ``group``
   (``"{generation}-{prompt}"``: the completions of one prompt in one generation batch), ``advantage`` (TRL's
   sequence advantage) and ``advantages`` (it, once per response token), ``policy_version`` (the optimizer
-  steps taken before the generation) and ``sampling_params``.
+  steps taken before the generation) and ``sampling_params``. With ``mask_truncated_completions`` a truncated
+  completion, which TRL leaves out of the loss, is recorded whole with ``advantage`` 0 (what TRL trains it on;
+  its reward still counts in its group's statistics, as in TRL): regime ``rl_token`` with ``advantages:
+  imported`` steps on exactly what TRL trained on.
 - ``checkpoints/step_{t:06d}``: ``save_pretrained`` of the model and its tokenizer after t optimizer steps
   (t = 0: before the first step), for the steps in ``checkpoint_steps`` (every step when None);
 - ``manifest.json``: ``{"checkpoints": [{"step": t, "path": "checkpoints/step_..."}, ...], "rollouts":
@@ -61,6 +64,16 @@ def _sampling(args: Any) -> dict[str, Any]:
             "use temperature, top_p and top_k only"
         )
     return params
+
+
+def _before_padding(completion_ids: torch.Tensor, processing_class: Any) -> torch.Tensor:
+    """(N, C) bool: the positions of right-padded completion rows ``completion_ids`` (N, C) up to their last
+    non-pad token. A truncated completion ends in a token that is neither EOS nor pad (TRL's test for
+    ``mask_truncated_completions``), so this is exactly its tokens."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor holds its tokenizer
+    real = completion_ids != tokenizer.pad_token_id  # (N, C)
+    last = torch.where(real, torch.arange(completion_ids.shape[1]), -1).amax(1)  # (N,)
+    return torch.arange(completion_ids.shape[1])[None, :] <= last[:, None]
 
 
 class CovgradRecorder(TrainerCallback):
@@ -114,6 +127,10 @@ class CovgradRecorder(TrainerCallback):
         prompt_ids, prompt_mask = out["prompt_ids"].cpu(), out["prompt_mask"].cpu().bool()
         comp_ids, comp_mask = out["completion_ids"].cpu(), out["completion_mask"].cpu().bool()
         advantages = out["advantages"].detach().double().cpu()
+        if trainer.mask_truncated_completions:
+            masked = ~comp_mask.any(1)  # (N,) truncated completions whose loss mask TRL zeroed
+            comp_mask = comp_mask | (masked[:, None] & _before_padding(comp_ids, trainer.processing_class))
+            advantages = advantages.masked_fill(masked, 0.0)  # what TRL trains them on: nothing
         prompts = [p[m].tolist() for p, m in zip(prompt_ids, prompt_mask, strict=True)]
         responses = [c[m].tolist() for c, m in zip(comp_ids, comp_mask, strict=True)]
         if "sampling_per_token_logps" in out:

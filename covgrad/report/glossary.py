@@ -28,7 +28,8 @@ GLOSSARY: dict[str, str] = {
     "temperature": "sampling temperature of the sampler",
     "top_p": "nucleus truncation of the sampler (1 = none)",
     "top_k": "top-k truncation of the sampler (0 = none)",
-    "advantage": "advantage mode: group_mean (reward minus its group's mean), group_zscore, global_mean, none",
+    "advantage": "advantage mode: group_mean (reward minus its group's mean; TRL scale_rewards none), group_zscore "
+    "(TRL group), batch_zscore (TRL batch), rloo (leave-one-out baseline), global_mean, none",
     "mean_reward": "mean reward over all N responses",
     "groups_with_reward_variance": "prompt groups whose rewards are not all equal (only they give A ≠ 0)",
     "finding": "why the run has no finding about G (degenerate), or an off-policy finding, in words",

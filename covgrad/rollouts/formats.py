@@ -10,7 +10,8 @@ importer does not keep:
 - ``policy_version`` (int or None): the training step / weight version the sampler ran;
 - ``sampling_params`` (dict): temperature, top_p, ... (from the record, else ``options["sampling_params"]``);
 - ``advantage`` (float or None): the stack's sequence advantage;
-- ``token_advantages`` (list of float or None): the stack's per-token advantages, one per response token.
+- ``token_advantages`` (list of float or None): the stack's per-token advantages, one per response token (TRL:
+  its sequence advantage on every completion token, what ``GRPOTrainer``'s loss multiplies each token by).
 
 Formats (field names from the stacks' sources; docs/formats.md has the tables):
 
@@ -44,7 +45,9 @@ Formats (field names from the stacks' sources; docs/formats.md has the tables):
   ``records_to_rollouts(..., mu_known=False)``).
 
 :func:`import_records` converts a whole file, validates through ``records_to_rollouts`` (its messages
-name the stack's own field) and summarises the policy versions and sampling parameters.
+name the stack's own field) and summarises the policy versions and sampling parameters (one line when they mix, or
+when a record's own sampling parameters disagree with the sampler section's: :func:`sampling_disagreement`).
+:func:`check_imported_field` is the preflight's check of the per-token field a regime imports.
 """
 
 from __future__ import annotations
@@ -177,7 +180,9 @@ def column_reward(rec: Record, at: str, options: dict[str, Any]) -> float:
 
 
 def trl(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record, Record]:
-    """A TRL completion row (``rollout_func`` / ``vllm_serve`` output plus the completions table)."""
+    """A TRL completion row (``rollout_func`` / ``vllm_serve`` output plus the completions table); its sequence
+    ``advantage`` is also every completion token's (``extras["token_advantages"]``: what ``GRPOTrainer``'s loss
+    multiplies each token's ratio by, and what regime ``rl_token`` with ``advantages: imported`` reads)."""
     completion = _require(rec, at, "completion_ids")
     logprobs = _require(rec, at, "logprobs")
     if not isinstance(completion, list) or not isinstance(logprobs, list) or len(logprobs) != len(completion):
@@ -217,7 +222,10 @@ def trl(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record, Record]:
     step = _int_field(rec, at, "step")
     if step is not None and isinstance(out["prompt_ids"], list):
         out["group"] = f"{step}/" + ",".join(str(t) for t in out["prompt_ids"])
-    return out, _extras(step, _sampling_params(rec, at, options), rec.get("advantage"), None, at)
+    extras = _extras(step, _sampling_params(rec, at, options), rec.get("advantage"), None, at)
+    if extras["advantage"] is not None:  # what GRPOTrainer trains every token of the completion on
+        extras["token_advantages"] = [extras["advantage"]] * len(completion)
+    return out, extras
 
 
 def verl(rec: Record, at: str, options: dict[str, Any]) -> tuple[Record, Record]:
@@ -313,6 +321,36 @@ FIELD_NAMES: dict[str, dict[str, str]] = {
 }
 
 
+IMPORTED_SOURCES: dict[str, dict[str, str]] = {"trl": {"advantages": "advantage"}}
+"""Per format, the stack's record field that gives an imported per-token field (``advantages``,
+``teacher_logprobs``) where it is not the field of the same name: TRL's per-completion ``advantage``."""
+
+
+def check_imported_field(fmt: str, rec: Any, at: str, field: str) -> None:
+    """ValueError naming the record ``at`` and the stack's field unless record ``rec`` of format ``fmt`` gives the
+    imported per-token ``field`` that a regime reads (``advantages: imported``, ``teacher_logprobs: true``): a list
+    with one number per response token, or for ``trl`` advantages the completion's ``advantage`` (one number, which
+    every completion token trains on)."""
+    source = IMPORTED_SOURCES.get(fmt, {}).get(field, field)
+    got = rec.get(source) if isinstance(rec, dict) else None
+    if got is None and source == field:
+        raise ValueError(f"{at} has no '{field}' field (the regime reads it)")
+    if got is None:
+        raise ValueError(
+            f"{at} has no '{source}' field (format {fmt}: the advantage column of its completions table), which the "
+            f"regime reads as its imported {field}"
+        )
+    if source != field:
+        if not _is_number(got) or not math.isfinite(got):
+            raise ValueError(f"{at}: '{source}' must be a finite number; got {got!r:.80}")
+        return
+    response = rec.get(FIELD_NAMES.get(fmt, {}).get("response_ids", "response_ids"), [])
+    n = len(response) if isinstance(response, list) else 0
+    if not isinstance(got, list) or len(got) != n:
+        size = len(got) if isinstance(got, list) else type(got).__name__
+        raise ValueError(f"{at}: '{field}' has {size} entries for {n} response tokens")
+
+
 def without_rewards(fmt: str, record: Record, options: dict[str, Any]) -> bool:
     """Whether a dump of format ``fmt`` whose first record is ``record`` has no rewards: a dataset of
     responses (``covgrad.choices.MU_UNKNOWN_FORMATS``) whose records carry no ``reward`` and no reward
@@ -354,8 +392,41 @@ def rename_fields(message: str, fmt: str) -> str:
     return message
 
 
-def version_summary(versions: list[int | None], sampling: list[dict], fmt: str, source: str) -> dict[str, Any]:
-    """Counts of policy versions and distinct sampling parameters; ``message`` is one line when they mix.
+SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+"""The sampling parameters a sampler section sets, at the values that mean "unchanged" (a record's None)."""
+
+
+def sampling_disagreement(records: list[dict], configured: dict | None) -> str | None:
+    """One clause when a record's own sampling parameters (``records``: the distinct dicts) disagree with the
+    sampler section's ``configured`` ones on temperature, top_p or top_k (None: nothing to compare), else None."""
+    if not configured:
+        return None
+
+    def value(params: dict, key: str) -> float:
+        v = params.get(key)
+        if v is None or (key == "top_k" and v < 0):  # vLLM's top_k -1 is covgrad's 0: no truncation
+            return SAMPLING_DEFAULTS[key]
+        return float(v)
+
+    for params in records:
+        keys = [k for k in SAMPLING_DEFAULTS if k in params and (params[k] is None or _is_number(params[k]))]
+        if any(value(params, k) != value(configured, k) for k in keys):
+            theirs = {k: params[k] for k in keys}
+            ours = {k: configured.get(k, SAMPLING_DEFAULTS[k]) for k in keys}
+            return (
+                f"records were sampled with {json.dumps(theirs)} but the sampler section says {json.dumps(ours)}; "
+                "the sampler's μ (mu_model, on_policy) follows the section and a regime's policy temperature is "
+                "its own temperature (TRL's loss uses the generation temperature): set both to the records'"
+            )
+    return None
+
+
+def version_summary(
+    versions: list[int | None], sampling: list[dict], fmt: str, source: str, configured: dict | None = None
+) -> dict[str, Any]:
+    """Counts of policy versions and distinct sampling parameters; ``message`` is one line when they mix, or when
+    the records' own sampling parameters disagree with ``configured`` (the sampler section's, see
+    :func:`sampling_disagreement`).
 
     Returns:
         ``format``, ``records``, ``policy_versions`` ({version: count}, None for records without one),
@@ -377,6 +448,9 @@ def version_summary(versions: list[int | None], sampling: list[dict], fmt: str, 
         )
     if len(distinct) > 1:
         parts.append(f"{len(distinct)} different sampling parameter sets: {json.dumps(distinct)}")
+    disagreement = sampling_disagreement(distinct, configured)
+    if disagreement:
+        parts.append(disagreement)
     return {
         "format": fmt,
         "records": len(versions),
@@ -461,7 +535,7 @@ def import_records(
             out_extras[key] = adv
     versions = [e["policy_version"] for e in extras]
     sampling = [e["sampling_params"] for e in extras]
-    summary = version_summary(versions, sampling, fmt, source)
+    summary = version_summary(versions, sampling, fmt, source, options.get("sampling_params") if options else None)
     summary["where"] = [at for at, _ in converted]
     summary["sampling_index"] = [summary["sampling_params"].index(p) for p in sampling]
     return arrays, out_extras, summary

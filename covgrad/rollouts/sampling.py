@@ -444,18 +444,39 @@ def check_sampler_logp(logp: np.ndarray, where: str) -> None:
         )
 
 
-def compute_advantages(rewards: np.ndarray, group: np.ndarray, kind: AdvantageKind, eps: float = 1e-6) -> np.ndarray:
-    """Advantages A_n from rewards (DESIGN.md §1).
+ADVANTAGE_EPS = 1e-4
+"""The eps that TRL's GRPOTrainer adds to the reward std before dividing (``advantages / (std_rewards + 1e-4)`` in
+``trl/trainer/grpo_trainer.py``, TRL 1.16), the default of :func:`compute_advantages`."""
 
-    ``group_mean``: r − mean of its group. ``group_zscore``: (r − group mean) / (group std + eps), std
-    with 1/n; a group whose rewards are all equal gets advantage 0. ``global_mean``: r − mean(r).
-    ``none``: r.
+
+def compute_advantages(
+    rewards: np.ndarray, group: np.ndarray, kind: AdvantageKind, eps: float = ADVANTAGE_EPS
+) -> np.ndarray:
+    """Advantages A_n from rewards r (DESIGN.md §1), named as the trainers name them (docs/regimes.md).
+
+    With n the size of sample n's group, m its group mean Σ r / n and s_{n−1} the group's sample std
+    √(Σ (r − m)² / n · n / (n − 1)) (TRL's ``nanstd``, Bessel-corrected):
+
+    - ``group_mean``: r − m (TRL ``scale_rewards="none"``).
+    - ``group_zscore``: (r − m) / (s_{n−1} + eps) (TRL's default ``scale_rewards="group"``; eps is added to the
+      std, not to the variance).
+    - ``batch_zscore``: (r − m) / (S_{N−1} + eps), S_{N−1} the sample std of all N rewards about their global
+      mean (TRL ``scale_rewards="batch"``: TRL takes it over one generation batch, so N rewards of one generation
+      batch give TRL's values).
+    - ``rloo``: r − (Σ_group r − r) / (n − 1), the mean of the other n − 1 rewards of the group as baseline (TRL
+      RLOOTrainer). It is n / (n − 1) · (r − m), so with groups of one size n, group_mean's G = mean(A·s) is
+      (n − 1)/n of RLOO's.
+    - ``global_mean``: r − mean(r). ``none``: r.
+
+    In ``group_zscore``, ``batch_zscore`` and ``rloo`` a group whose rewards are all equal (a group of one
+    included) gets advantage exactly 0; TRL gives the same up to its rounding of the mean of equal rewards,
+    (r − m) / eps ≤ ulp(r) / eps, and 0 for a group of one (its NaN std, zeroed).
 
     Args:
         rewards: shape (N,) float, finite.
         group: shape (N,) int, group label of each sample (any integers).
-        kind: one of the four rules above.
-        eps: > 0, added to the group std for ``group_zscore``.
+        kind: one of the rules above.
+        eps: > 0, added to the std of ``group_zscore`` and ``batch_zscore``.
 
     Returns:
         shape (N,) float64.
@@ -471,21 +492,39 @@ def compute_advantages(rewards: np.ndarray, group: np.ndarray, kind: AdvantageKi
     check_rewards(r)
     if kind == "none":
         return r.copy()
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         if kind == "global_mean":
             return _finite_advantages(r - r.mean(), r, g)
         _, inv = np.unique(g, return_inverse=True)
         counts = np.bincount(inv).astype(np.float64)
-        centred = _finite_advantages(r - (np.bincount(inv, weights=r) / counts)[inv], r, g)
+        sums = np.bincount(inv, weights=r)
+        centred = _finite_advantages(r - (sums / counts)[inv], r, g)
         if kind == "group_mean":
             return centred
-        std = _finite_advantages(np.sqrt(np.bincount(inv, weights=centred**2) / counts)[inv], r, g)
+        n = counts[inv]
+        if kind == "rloo":
+            adv = r - (sums[inv] - r) / np.maximum(n - 1, 1)
+        else:
+            if kind == "group_zscore":
+                std = np.sqrt(np.bincount(inv, weights=centred**2) / counts * (counts / (counts - 1)))[inv]
+            else:
+                std = np.full_like(r, _sample_std(r))
+            adv = centred / (_finite_advantages(np.where(n > 1, std, 0.0), r, g) + eps)
+        adv = _finite_advantages(adv, r, g)
     r_max = np.full(counts.shape, -np.inf)
     r_min = np.full(counts.shape, np.inf)
     np.maximum.at(r_max, inv, r)
     np.minimum.at(r_min, inv, r)
     constant = (r_max == r_min)[inv]  # exact test: a float std of equal values need not be 0
-    return np.where(constant, 0.0, centred / (std + eps))
+    return np.where(constant, 0.0, adv)
+
+
+def _sample_std(r: np.ndarray) -> float:
+    """TRL's ``nanstd`` of all N rewards ``r`` (N,): √(mean((r − mean r)²) · N / (N − 1)); 0 when N = 1 (TRL's
+    batch std of a single reward)."""
+    if r.size < 2:
+        return 0.0
+    return float(np.sqrt(np.mean((r - r.mean()) ** 2) * (r.size / (r.size - 1))))
 
 
 def _finite_advantages(values: np.ndarray, rewards: np.ndarray, group: np.ndarray) -> np.ndarray:

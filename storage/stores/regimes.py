@@ -149,6 +149,7 @@ def check_regime_inputs(cfg: Any) -> None:
     directory is a causal LM with the policy's vocabulary size, every teacher prompt fills from the task and
     fits the teacher's context (:func:`check_teacher_prompts`), and every imported per-token field a regime
     reads is in every record of its sampler's file with one entry per response token (``file:line``)."""
+    from covgrad.rollouts.formats import check_imported_field
     from storage.models import check_model_dir
     from storage.readers import read_located_records
 
@@ -183,14 +184,13 @@ def check_regime_inputs(cfg: Any) -> None:
             raise ValueError(
                 f"regimes.{name}: imported {fields[0]} need a sampler with import_path; {sampler!r} has none"
             )
+        fmt = cfg.rollouts.samplers[sampler].format
         for at, rec in read_located_records(source):
             for field in fields:
-                if field not in rec:
-                    raise ValueError(f"regimes.{name}: {at} has no '{field}' field (the regime reads it)")
-                n, got = len(rec.get("response_ids", [])), rec[field]
-                if not isinstance(got, list) or len(got) != n:
-                    size = len(got) if isinstance(got, list) else type(got).__name__
-                    raise ValueError(f"{at}: '{field}' has {size} entries for {n} response tokens")
+                try:
+                    check_imported_field(fmt, rec, at, field)
+                except ValueError as err:
+                    raise ValueError(f"regimes.{name}: {err}") from None
 
 
 def task_records(t: Any) -> list[dict[str, Any]]:

@@ -65,9 +65,35 @@ class TeacherSpec(StageSpec):
     training: TeacherTraining
 
 
+ADVANTAGES_AS_TRL = "advantages_as_trl"
+"""The revision of the advantages: ``group_zscore`` became TRL's ``scale_rewards="group"`` (the sample std, eps 1e-4
+added to it; it was the population std + 1e-6), and ``batch_zscore`` and ``rloo`` arrived
+(:func:`covgrad.rollouts.sampling.compute_advantages`); the kinds it left as they were keep their keys."""
+TRL_TOKEN_ADVANTAGES = "trl_token_advantages"
+"""The revision of ``format: trl`` imports: TRL's sequence advantage is also stored per token (``token_advantage``,
+what ``advantages: imported`` reads)."""
+UNREVISED_ADVANTAGES = ("group_mean", "global_mean", "none")  # the advantage kinds whose values stayed as they were
+
+
+def _advantage_revisions(data: dict[str, Any]) -> list[str]:
+    """The revisions since keys existed that change the artifact of a spec with the validated fields ``data``
+    (its ``advantage``): [ADVANTAGES_AS_TRL] for a revised advantage kind, else none."""
+    kind = data.get("advantage")
+    return [] if kind is None or kind in UNREVISED_ADVANTAGES else [ADVANTAGES_AS_TRL]
+
+
+def _rollouts_revisions(data: dict[str, Any]) -> list[str]:
+    """:func:`_advantage_revisions`, and TRL_TOKEN_ADVANTAGES for the rollouts of a ``format: trl`` import (the
+    validated ``settings``)."""
+    settings = data.get("settings")
+    trl = settings is not None and settings.import_path is not None and settings.format == "trl"
+    return _advantage_revisions(data) + ([TRL_TOKEN_ADVANTAGES] if trl else [])
+
+
 class RolloutsSpec(StageSpec):
     """rollouts: responses of sampler ``sampler`` (settings ``settings``) to the prompts of ``task``, rewards
-    and ``advantage``-kind advantages."""
+    and ``advantage``-kind advantages; ``revisions``: the code revisions since keys existed that change this
+    artifact (derived from the other fields)."""
 
     STAGE: ClassVar[str] = "rollouts"
     VERSION: ClassVar[str] = "1"
@@ -78,6 +104,8 @@ class RolloutsSpec(StageSpec):
     advantage: Advantage
     policy: PolicySpec
     inputs: Inputs = Field(default_factory=dict)  # the task, reward source and sampler files
+    # left out while none applies, so the keys of the artifacts they leave as they were stay what they were
+    revisions: Annotated[list[str], Later([], recorded=True)] = Field(default_factory=_rollouts_revisions)
 
 
 class ScoresSpec(StageSpec):
@@ -258,7 +286,8 @@ class TrajectorySpec(StageSpec):
     ``params``: rl (``regime`` None) or the configured regime ``settings.regime`` (``regime``: its
     settings; ``data_sampler``: whose rollouts its fixed data are), on fresh samples of the analysed
     sampler's ``sampler`` settings rewarded by ``task`` with ``advantage`` advantages, or on minibatches of
-    ``groups_per_batch`` prompt groups of fixed rollouts (``settings.data = "fixed"``, the sft regimes)."""
+    ``groups_per_batch`` prompt groups of fixed rollouts (``settings.data = "fixed"``, the sft regimes);
+    ``revisions``: the code revisions since keys existed that change its fresh samples' advantages (derived)."""
 
     STAGE: ClassVar[str] = "trajectory"
     # 2: the change trace (deltas/), the k-step arrays, the Adam drift predictor and rule, the trainer's step options
@@ -282,6 +311,8 @@ class TrajectorySpec(StageSpec):
     inputs: Inputs = Field(default_factory=dict)  # the task files and teacher directories
     regime: Annotated[RegimeSection | None, Later(None)] = None
     data_sampler: Annotated[str | None, Later(None, when="regime")] = None
+    # the revisions of fresh samples' advantages (left out while none applies, so other keys stay)
+    revisions: Annotated[list[str], Later([], recorded=True)] = Field(default_factory=_advantage_revisions)
     # the model sharded over the scores stage's local ranks (tasks.jobs.trajectory_ranks)
     placement: Annotated[PlacementSpec, *PLACED_AS_BEFORE, *machines_recorded(1, when="placement.nnodes")] = (
         PlacementSpec()

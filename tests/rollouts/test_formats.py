@@ -170,3 +170,53 @@ def test_reward_fields_apply_to_every_format():
     options = parse_reward_fields(["acc:4", "fmt"])
     assert options == {"reward_fields": ["acc", "fmt"], "reward_weights": [4.0, 1.0]}
     assert convert("open_instruct", rec, "r:1", options)[0]["reward"] == 2.0
+
+
+def test_trl_advantage_is_the_imported_per_token_advantage():
+    """TRL's completion advantage is every completion token's: the per-token advantages that ``advantages:
+    imported`` reads, besides the sequence advantage (stack_advantage)."""
+    arrays, extras, _ = _import("trl")
+    live = np.arange(arrays["sampler_logp"].shape[1])[None, :] < arrays["response_len"][:, None]
+    want = np.where(live, extras["advantage"][:, None], 0.0)
+    np.testing.assert_array_equal(extras["token_advantages"], want)
+    assert extras["advantage"].any()
+    from tasks.jobs.rollout_import import import_extra_arrays
+
+    stored = import_extra_arrays(arrays, extras, None)  # the rollouts store's arrays, token-aligned
+    np.testing.assert_array_equal(stored["stack_advantage"], extras["advantage"])
+    per_token = np.where(arrays["response_mask"], extras["advantage"][:, None], 0.0)
+    np.testing.assert_array_equal(stored["token_advantage"], per_token)
+
+
+def test_trl_records_without_advantage_are_refused_for_imported_advantages(tmp_path):
+    from covgrad.rollouts.formats import check_imported_field
+
+    rec = json.loads((DATA / "trl.jsonl").read_text().splitlines()[0])
+    check_imported_field("trl", rec, "t.jsonl:1", "advantages")
+    with pytest.raises(ValueError, match=r"^t\.jsonl:1 has no 'advantage' field \(format trl: .*advantages$"):
+        check_imported_field("trl", {k: v for k, v in rec.items() if k != "advantage"}, "t.jsonl:1", "advantages")
+    with pytest.raises(ValueError, match=r"^t\.jsonl:1: 'advantage' must be a finite number; got 'x'$"):
+        check_imported_field("trl", {**rec, "advantage": "x"}, "t.jsonl:1", "advantages")
+    path = _planted(tmp_path, "trl", 2, _drop("advantage"))  # some records with it, some without
+    with pytest.raises(ValueError, match=r"trl\.jsonl:2: lacks 'advantage' unlike .*trl\.jsonl:1"):
+        _import("trl", path)
+
+
+def test_records_sampled_at_another_temperature_say_so_in_one_line(tmp_path):
+    """A record's own sampling_params that disagree with the sampler section's are named in the import's message
+    (one log line); agreeing ones (vLLM's top_k -1 is covgrad's 0) or absent ones add nothing."""
+    records = [json.loads(x) for x in (DATA / "covgrad.jsonl").read_text().splitlines()]
+    for rec in records:
+        rec.pop("policy_version", None)
+        rec["sampling_params"] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
+    path = tmp_path / "hot.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    located = read_located_records(str(path))
+    section = {"sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": 0}}
+    message = import_records(located, "covgrad", V, None, options=section, source="hot")[2]["message"]
+    assert message is not None and "\n" not in message
+    assert 'sampled with {"temperature": 0.7, "top_p": 1.0, "top_k": -1}' in message
+    assert '"temperature": 1.0' in message and "regime's policy temperature" in message
+    section["sampling_params"]["temperature"] = 0.7
+    located = read_located_records(str(path))
+    assert import_records(located, "covgrad", V, None, options=section, source="hot")[2]["message"] is None

@@ -66,11 +66,11 @@ def test_each_format_imports_to_the_covgrad_store(ckpt, reference, fmt):
     g = import_store(cfg_for(tmp, path, fmt))
     ref = {name: a for name, a in reference.arrays()}
     got = {name: a for name, a in g.arrays()}
-    # what each dump holds beyond the common arrays: open-instruct and TRL a sequence advantage, verl per-token
-    # advantages, TRL μ on its logprob_token_ids support
+    # what each dump holds beyond the common arrays: open-instruct a sequence advantage, TRL one it also stores per
+    # token (advantages: imported), verl per-token advantages, TRL μ on its logprob_token_ids support
     only_ref = {
         "open_instruct": {"token_advantage", "mu_topk_ids", "mu_topk_logp", "mu_tail"},
-        "trl": {"token_advantage"},
+        "trl": set(),
         "verl": {"stack_advantage", "mu_topk_ids", "mu_topk_logp", "mu_tail"},
     }[fmt]
     assert set(ref) - set(got) == only_ref and set(got) <= set(ref)
