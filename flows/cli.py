@@ -11,6 +11,8 @@ import datetime as dt
 import errno
 import logging
 import os
+import pickle
+import re
 import sys
 import tempfile
 import traceback
@@ -610,10 +612,85 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         return fail(exc, 2, entry)
-    except OSError as exc:  # an unwritable root or a full disk is expected; any other OSError is a bug
-        return fail(exc, 2 if exc.errno in _WRITE_ERRNOS else 1, entry)
-    except Exception as exc:  # a bug: still one line, the traceback in the log
-        return fail(exc, 1, entry)
+    except Exception as exc:  # one line either way, the traceback in the log
+        known = known_failure(exc)
+        if known is not None:
+            return fail(exc, 2, entry, known)
+        if isinstance(exc, OSError):  # an unwritable root or a full disk is expected; any other OSError is a bug
+            return fail(exc, 2 if exc.errno in _WRITE_ERRNOS else 1, entry)
+        return fail(exc, 1, entry)  # a bug
+
+
+def known_failure(exc: BaseException) -> str | None:
+    """The one line (what failed, how to proceed) of an expected failure that is not a ValueError, FileNotFoundError
+    or KeyError, or None for a bug: weights that ``torch.load(weights_only=True)`` refuses (an UnpicklingError
+    anywhere in the chain), a rank group's failure (:func:`rank_failure`), or a fork server of ``multiprocessing``
+    that died under a launch (an EOFError or a refused connection raised in its code)."""
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in seen:
+        seen.append(e)
+        if isinstance(e, pickle.UnpicklingError):
+            from storage.inputs import pickle_message
+
+            return pickle_message(_loaded_file(e), e)
+        e = e.__cause__ or e.__context__
+    launch = sys.modules.get("covgrad.distributed.launch")  # not imported: no rank group ran
+    if launch is not None and isinstance(exc, launch.RankFailedError):
+        return rank_failure(str(exc))
+    if isinstance(exc, (EOFError, ConnectionError)) and _raised_in_multiprocessing(exc):
+        return (
+            f"a worker process's fork server (multiprocessing) ended under the run ({type(exc).__name__}: {exc}); "
+            "it was killed or ran out of memory: rerun to resume from the checkpoints"
+        )
+    return None
+
+
+# the exceptions a rank may raise on bad input, as its failure line names them (``rank 1 of 2 failed: ValueError: …``)
+_RANK_INPUT_ERRORS = {"ValueError", "FileNotFoundError", "KeyError", "UnpicklingError"}
+# what a rank raises when a peer rank or a whole torchrun node vanished: gloo's and nccl's closed connections,
+# torch.distributed's store and network errors, a collective's timeout
+_LOST_PEER = re.compile(
+    r"Dist(Backend|Network|Store)Error|EOFError|Connection(Reset|Aborted|Refused)Error|BrokenPipeError|"
+    r"TimeoutError|connection (closed|reset|refused)|broken pipe|timed out",
+    re.IGNORECASE,
+)
+
+
+def rank_failure(line: str) -> str | None:
+    """The line of a ``covgrad.distributed.launch.RankFailedError`` as the error to report, or None (a bug) when it
+    names a rank that raised anything but bad input or a lost peer. A rank killed by a signal or ended with an exit
+    code, a torchrun that failed (its rendezvous, or a killed node), and a rank that lost its peers are expected:
+    the line, with how to proceed where it does not say."""
+    raised = re.match(r"rank \d+ .*? failed: ([\w.]+): ", line)
+    lost = _LOST_PEER.search(line) is not None
+    if raised is not None and raised[1].rsplit(".", 1)[-1] not in _RANK_INPUT_ERRORS and not lost:
+        return None
+    if "rerun" in line or (raised is not None and not lost):
+        return line
+    return f"{line}; a rank or node of the group was lost: rerun to resume from the checkpoints"
+
+
+def _loaded_file(exc: BaseException) -> str | None:
+    """The file ``torch.load`` was reading when it raised ``exc`` (its frame's ``f``), or None."""
+    tb = exc.__traceback__
+    found = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "load" and code.co_filename.endswith(os.path.join("torch", "serialization.py")):
+            f = tb.tb_frame.f_locals.get("f")
+            found = os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", found)
+        tb = tb.tb_next
+    return found
+
+
+def _raised_in_multiprocessing(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc``'s traceback is code of a ``multiprocessing`` package (the standard
+    library's or torch's)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}multiprocessing{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 _WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EEXIST}
@@ -628,9 +705,10 @@ def describe_os_error(exc: OSError) -> str:
     return f"cannot write{where}: {why}; make the root writable or pass --root to a writable directory"
 
 
-def fail(exc: BaseException, status: int, stop_server: bool = True) -> int:
-    """Write the traceback to the log file and one line naming the cause to stderr; return ``status``.
-    With ``stop_server`` the temporary Prefect server this process started is stopped first."""
+def fail(exc: BaseException, status: int, stop_server: bool = True, text: str | None = None) -> int:
+    """Write the traceback to the log file and one line naming the cause (``text``, else the exception's first
+    line) to stderr; return ``status``. With ``stop_server`` the temporary Prefect server this process started is
+    stopped first."""
     from covgrad.config import format_validation_error
 
     if stop_server:
@@ -638,12 +716,13 @@ def fail(exc: BaseException, status: int, stop_server: bool = True) -> int:
     path = log_path()
     with open(path, "a") as f:
         f.write("".join(traceback.format_exception(exc)))
-    lines = format_validation_error(exc).strip().splitlines() if isinstance(exc, Exception) else []
-    text = lines[0] if lines else type(exc).__name__
-    if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
-        text = describe_os_error(exc)
-    if isinstance(exc, KeyError) and not lines[1:]:
-        text = f"missing key {text}"
+    if text is None:
+        lines = format_validation_error(exc).strip().splitlines() if isinstance(exc, Exception) else []
+        text = lines[0] if lines else type(exc).__name__
+        if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
+            text = describe_os_error(exc)
+        if isinstance(exc, KeyError) and not lines[1:]:
+            text = f"missing key {text}"
     kind = "error" if status == 2 else f"internal error ({type(exc).__name__})"
     print(f"covgrad: {kind}: {text} (traceback: {path})", file=sys.stderr)
     return status

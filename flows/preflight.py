@@ -5,8 +5,8 @@ line with nothing written.
 validate alike; ``covgrad run`` also calls it before Prefect starts (``architecture=False``), so bad
 files fail in well under 2 s. The checks themselves live where their layer says: pure checks in
 covgrad (``covgrad.rollouts.inputs``, ``covgrad.rollouts.imports.require_mu_source``, ``covgrad.scores.preflight``),
-file reading in storage (``storage.models``, ``storage.readers``, ``storage.stores.prompts``); the config's own
-validators ran when it was built.
+file reading in storage (``storage.models``, ``storage.inputs``, ``storage.readers``, ``storage.stores.prompts``,
+``storage.stores.external``); the config's own validators ran when it was built.
 """
 
 from __future__ import annotations
@@ -25,37 +25,37 @@ from covgrad.rollouts import (
     rename_fields,
     require_mu_source,
 )
+from storage.inputs import PolicyRef, check_companion, check_input_file, check_pickle_free, check_series
 from storage.models import check_model_dir, warn_custom_code
 from storage.readers import read_located_records, unrewarded
+from storage.stores.external import delta_files
 from storage.stores.prompts import load_task, prompt_lengths, prompt_places
 
 
 def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
-    """Validate everything ``cfg`` points at, in this order: model directories (with a warning line for one that
-    names custom code ``model.trust_remote_code`` does not run: ``storage.models.warn_custom_code``), imported
-    rollouts and their μ source (none for a dataset of responses), that a dataset without rewards is not analysed
-    and is folded only by sft regimes (``covgrad.rollouts.inputs.check_unrewarded``), the regimes' inputs, the task
-    file and its reward (one outside ``covgrad.rewards`` only with ``task.trust_reward_code``), that the prompts fit
-    the policy's context with every generating sampler's ``max_new_tokens``, and (``architecture``, a user model)
-    that per-sample scores support every selected parameter (``covgrad.scores.preflight.check_model``: seconds,
-    imports torch).
+    """Validate everything ``cfg`` points at, in this order: the policy's directory (with a warning line for one
+    that names custom code ``model.trust_remote_code`` does not run: ``storage.models.warn_custom_code``; weights
+    that need pickle refused), the input files (:func:`check_input_files`), every other model directory against the
+    policy (:func:`check_companions`), imported rollouts and their μ source (none for a dataset of responses), that a
+    dataset without rewards is not analysed and is folded only by sft regimes
+    (``covgrad.rollouts.inputs.check_unrewarded``), the regimes' inputs, the task file and its reward (one outside
+    ``covgrad.rewards`` only with ``task.trust_reward_code``), that the prompts fit the policy's context with every
+    generating sampler's ``max_new_tokens``, an external run's checkpoints or delta trace
+    (:func:`check_external_runs`), and (``architecture``, a user model) that per-sample scores support every selected
+    parameter (``covgrad.scores.preflight.check_model``: seconds, imports torch).
     Raises ValueError or FileNotFoundError with a one-line message naming the bad value."""
-    trust = cfg.model.trust_remote_code
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path, "model.path")
-        warn_custom_code(cfg.model.path, trust)
+        warn_custom_code(cfg.model.path, cfg.model.trust_remote_code)
+        check_pickle_free(cfg.model.path, "model.path")
+    check_input_files(cfg)
+    policy = PolicyRef.of(cfg.model.path, cfg.model.demo)
+    check_companions(cfg, policy)
     for name, s in cfg.rollouts.samplers.items():
-        if s.model not in ("policy", "stale"):
-            check_model_dir(s.model, f"rollouts.samplers.{name}.model")
-            warn_custom_code(s.model, trust)
-        if s.import_path is not None and not Path(s.import_path).is_file() and "://" not in s.import_path:
-            raise FileNotFoundError(f"rollouts.samplers.{name}.import_path {s.import_path!r} does not exist")
         if s.import_path is not None:
             first = check_first_record(s, _vocab_size(cfg))
             if s.mu_known:
                 require_mu_source(f"rollouts.samplers.{name}", first, s.on_policy, s.mu_model)
-        if s.mu_model is not None:
-            check_model_dir(s.mu_model, f"rollouts.samplers.{name}.mu_model")
     check_unrewarded(cfg, unrewarded(cfg))
     if cfg.regimes:  # storage.stores.regimes imports torch (its store layout): only when there are regimes
         from storage.stores.regimes import check_regime_inputs
@@ -69,12 +69,53 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
         where = prompt_places(cfg.task, len(problems))
         for name, s in generating.items():
             check_context(lengths, where, s.max_new_tokens, limit, f"rollouts.samplers.{name}")
+    check_external_runs(cfg, policy)
     if architecture and cfg.model.path is None and cfg.model.params is not None:
         check_demo_selection(cfg)
     if architecture and (m := cfg.model).path is not None:  # unsupported modules fail in seconds, not after rollouts
         from covgrad.scores import check_model
 
         check_model(m.path, m.params, m.trust_remote_code, m.self_check)
+
+
+def check_input_files(cfg: PipelineConfig) -> None:
+    """The task's prompt file and every sampler's ``import_path``: each exists and is a regular file, not gzip'd
+    (``storage.inputs.check_input_file``)."""
+    if cfg.task.kind == "jsonl" and cfg.task.path is not None:
+        check_input_file(cfg.task.path, "task.path")
+    for name, s in cfg.rollouts.samplers.items():
+        if s.import_path is not None:
+            check_input_file(s.import_path, f"rollouts.samplers.{name}.import_path")
+
+
+def check_companions(cfg: PipelineConfig, policy: PolicyRef) -> None:
+    """Every model directory a run loads besides the policy: a sampler's ``model`` (with the custom-code warning)
+    and ``mu_model``, a regime's ``teacher`` and ``reference``; each a causal LM with the policy's vocabulary size
+    and tokenizer, weights that need no pickle (``storage.inputs.check_companion``)."""
+    for name, s in cfg.rollouts.samplers.items():
+        if s.model not in ("policy", "stale"):
+            check_companion(s.model, f"rollouts.samplers.{name}.model", policy)
+            warn_custom_code(s.model, cfg.model.trust_remote_code)
+        if s.mu_model is not None:
+            check_companion(s.mu_model, f"rollouts.samplers.{name}.mu_model", policy)
+    for name, r in cfg.regimes.items():
+        for role in ("teacher", "reference"):
+            path = getattr(r, role)
+            if path is not None and path not in ("policy", "stale", "trained"):
+                check_companion(path, f"regimes.{name}.{role}", policy)
+
+
+def check_external_runs(cfg: PipelineConfig, policy: PolicyRef) -> None:
+    """With the trajectory stage on, each trajectory's (``trajectory.grid`` cell's) external run: a checkpoint
+    series of the policy's architecture and vocabulary (``storage.inputs.check_series``), or a delta trace's folder,
+    files and start weights (``storage.stores.external.delta_files``)."""
+    if not cfg.trajectory.enabled:
+        return
+    cells = cfg.trajectory.cells().values()
+    for path in dict.fromkeys(t.checkpoints for t in cells if t.checkpoints is not None):
+        check_series(path, "trajectory.checkpoints", policy)
+    for path in dict.fromkeys(t.deltas for t in cells if t.deltas is not None):
+        delta_files(path)
 
 
 def check_demo_selection(cfg: PipelineConfig) -> None:

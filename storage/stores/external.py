@@ -30,12 +30,12 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the series reader and the trace's file checks run in the preflight, before torch loads
+    import torch
 
-from covgrad.layout import ParamLayout
-from storage.checkpoints import WEIGHT_FILES, weights_file
+    from covgrad.layout import ParamLayout
 
 MANIFEST = "manifest.json"  # covgrad.integrations.trl writes it beside its checkpoints
 TRAINER_STATE = "trainer_state.json"  # the Hugging Face Trainer's state in each checkpoint-N/
@@ -51,9 +51,18 @@ VERL_SHARDS = "model_world_size_*_rank_*.pt"  # a verl actor's FSDP model shards
 # the trainer_state.json log_history keys read, by record column
 TRAINER_LOG = {"lr": "learning_rate", "loss": "loss", "grad_norm": "grad_norm"}
 
+# the Hugging Face weight files in transformers' order: storage.checkpoints.WEIGHT_FILES, spelt out here because that
+# module imports torch (tests/faults/test_inputs_preflight.py checks that the two agree)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
 DELTA_FILE = re.compile(r"delta_(\d+)\.pt")
 START_WEIGHTS = ("base_weights.pt", *WEIGHT_FILES)  # the trace's start weights, first found
-TRACE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+TRACE_DTYPES = ("bfloat16", "float32")  # the torch dtype names a trace may store
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,7 @@ def _check_checkpoint(step: int, d: Path) -> None:
     holds only FSDP shards: verl's merge command)."""
     if not d.is_dir() and d.name != "huggingface":
         raise ValueError(f"trajectory.checkpoints: checkpoint {d} (step {step}) does not exist")
-    if weights_file(d) is None:
+    if _weights_file(d) is None:
         actor = d.parent
         if d.name == "huggingface" and any(actor.glob(VERL_SHARDS)):
             raise ValueError(
@@ -156,6 +165,11 @@ def _check_checkpoint(step: int, d: Path) -> None:
         raise ValueError(
             f"trajectory.checkpoints: {d / 'config.json'} does not exist; a checkpoint is a model directory"
         )
+
+
+def _weights_file(directory: Path) -> Path | None:
+    """The weight file a Hugging Face model directory is loaded from (:data:`WEIGHT_FILES`, first found), or None."""
+    return next((directory / n for n in WEIGHT_FILES if (directory / n).is_file()), None)
 
 
 def _trainer_log(found: list[tuple[int, Path]]) -> dict[int, dict[str, float]] | None:
@@ -193,9 +207,10 @@ class DeltaTrace:
     dtype: torch.dtype
 
 
-def delta_trace(path: str) -> DeltaTrace:
-    """The delta trace at ``path``; ValueError in one line naming the file when it holds no delta files, two
-    files of one step, a gap in the steps, no start weights, or a first file that is not grail's format."""
+def delta_files(path: str) -> tuple[list[tuple[int, Path]], Path]:
+    """The (grail step, file) pairs of the delta trace at ``path``, steps 0, 1, …, and its start weights file, read
+    from the file names alone (no torch: the preflight's check); ValueError in one line naming the file when the
+    folder does not exist or holds no delta files, two files of one step, a gap in the steps or no start weights."""
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"trajectory.deltas {path!r} is not a folder of grail delta files (delta_NNNNNN.pt)")
@@ -217,18 +232,31 @@ def delta_trace(path: str) -> DeltaTrace:
             f"trajectory.deltas {path!r} has no start weights: save the weights training started from beside the "
             "deltas as base_weights.pt (a dict name -> tensor, as grail's README does) or model.safetensors"
         )
+    return files, start
+
+
+def delta_trace(path: str) -> DeltaTrace:
+    """The delta trace at ``path`` (:func:`delta_files`) with its dtype; ValueError in one line naming the file as
+    :func:`delta_files` does, or for a first file that is not grail's format or stores another dtype."""
+    import torch
+
+    files, start = delta_files(path)
     first = _read_delta(files[0][1], 0)
     name = (first.get("metadata") or {}).get("dtype")
     name = name.removeprefix("torch.") if isinstance(name, str) else None
     values = [layer.get("values") for layer in first["layers"].values() if isinstance(layer, Mapping)]
-    dtype = TRACE_DTYPES.get(name) if name is not None else next((v.dtype for v in values if torch.is_tensor(v)), None)
-    if dtype not in TRACE_DTYPES.values():
+    dtype = (
+        getattr(torch, name, None) if name is not None else next((v.dtype for v in values if torch.is_tensor(v)), None)
+    )
+    if dtype not in [getattr(torch, n) for n in TRACE_DTYPES]:
         raise ValueError(f"{files[0][1]}: values in {name or dtype}; covgrad replays bfloat16 or float32 traces")
-    return DeltaTrace(str(p), str(start), tuple((t, str(f)) for t, f in files), dtype)
+    return DeltaTrace(str(Path(path)), str(start), tuple((t, str(f)) for t, f in files), dtype)
 
 
 def _read_delta(file: Path | str, step: int) -> dict[str, Any]:
     """A grail delta file's dict, checked to be the ``values`` format of step ``step``."""
+    import torch
+
     try:
         delta = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # torch.load raises many kinds on a foreign or truncated file
@@ -273,6 +301,8 @@ def _layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One tensor's entry of a delta file, checked against the start model: (flat row-major indices (nnz,) int64,
     values (nnz,))."""
+    import torch
+
     where = f"{file}: tensor {name!r}"
     if name not in shapes:
         raise ValueError(f"{where} is not a parameter of the start model (model.path)")

@@ -77,7 +77,7 @@ def series_digest(path: str) -> str:
     """The digest of an external run's checkpoint series: its steps and each checkpoint's content digest (a
     Trainer checkpoint's with its trainer_state.json; ``"invalid"`` when ``path`` is no series: the stage names
     the problem)."""
-    from storage.stores.external import checkpoint_series  # torch: imported only for an external run
+    from storage.stores.external import checkpoint_series  # only for an external run
 
     try:
         series = checkpoint_series(path)

@@ -293,3 +293,97 @@ def test_check_root_refuses_what_cannot_be_written_and_creates_nothing(monkeypat
         check_root(tiny_config(str(refusing / "a" / "root")))
     assert info.value.errno == errno.EPERM and info.value.filename == str(refusing / "a" / "root")
     assert list(refusing.iterdir()) == []
+
+
+def test_weights_that_need_pickle_exit_2_naming_the_file(monkeypatch, capsys, tmp_path):
+    """A pytorch_model.bin that ``torch.load(weights_only=True)`` refuses, met by a stage or ``covgrad diff``
+    (``storage.checkpoints.load_state_dict``) rather than the preflight: exit 2, one line naming the file, the global
+    it holds, and to convert it to safetensors."""
+    import argparse
+
+    import torch
+
+    import flows.cli as cli
+    from storage.checkpoints import load_state_dict
+
+    monkeypatch.setenv("COVGRAD_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(cli, "_LOG_PATH", None)
+    torch.save({"w": torch.zeros(2), "args": argparse.Namespace(lr=1.0)}, tmp_path / "pytorch_model.bin")
+    monkeypatch.setattr(cli, "cmd_run", lambda args: load_state_dict(tmp_path))
+    assert cli.main(["run"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    said = f"covgrad: error: weights file {tmp_path / 'pytorch_model.bin'} needs pickle to load"
+    assert lines[0].startswith(said) and "argparse.Namespace" in lines[0] and "convert it to safetensors" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("line", "status", "said"),
+    [
+        ("rank 1 of 2 was killed by SIGKILL; rerun to resume from the checkpoints", 2, "error: rank 1 of 2 was killed"),
+        (
+            "rank 3 of 4 (torchrun node 1 of 2) exited with code 137; rerun to resume from the checkpoints",
+            2,
+            "code 137",
+        ),
+        ("torchrun (4 ranks, node 1 of 2) exited with code -9: ", 2, "a rank or node of the group was lost: rerun"),
+        (
+            "rank 0 of 4 (torchrun node 0 of 2) failed: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection "
+            "closed by peer [10.0.0.2]:36077",
+            2,
+            "closed by peer [10.0.0.2]:36077; a rank or node of the group was lost: rerun",
+        ),
+        ("rank 1 of 2 failed: ValueError: bad input on this rank", 2, "error: rank 1 of 2 failed: ValueError: bad"),
+        ("rank 1 of 2 failed: IndexError: list index out of range", 1, "internal error (RankFailedError): rank 1"),
+    ],
+    ids=["rank killed", "node's rank ended", "torchrun killed", "peer lost", "bad input in a rank", "bug in a rank"],
+)
+def test_a_killed_rank_or_torchrun_node_exits_2_in_one_line(monkeypatch, capsys, tmp_path, line, status, said):
+    """A rank group's failure (``covgrad.distributed.launch.RankFailedError``, one line naming the rank) is expected,
+    exit 2, when a rank was killed or ended, torchrun or a node of it died, or a rank lost its peers or raised on
+    bad input; a rank that raised anything else is a bug, exit 1."""
+    import flows.cli as cli
+    from covgrad.distributed.launch import RankFailedError
+
+    monkeypatch.setenv("COVGRAD_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(cli, "_LOG_PATH", None)
+
+    def boom(args):
+        raise RankFailedError(line)
+
+    monkeypatch.setattr(cli, "cmd_run", boom)
+    assert cli.main(["run"]) == status
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], lines
+
+
+def test_a_killed_fork_server_exits_2_in_one_line(monkeypatch, capsys, tmp_path):
+    """The EOFError ``multiprocessing``'s fork server connection raises when the server died before it forked a
+    rank (``popen_forkserver.Popen._launch`` reading the child's pid): exit 2, one line saying to rerun. An EOFError
+    raised anywhere else stays an internal error."""
+    import pickle
+    import socket
+    from multiprocessing import forkserver
+
+    import flows.cli as cli
+
+    monkeypatch.setenv("COVGRAD_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(cli, "_LOG_PATH", None)
+
+    def killed_server(args):
+        ours, server = socket.socketpair()
+        server.close()  # the fork server's end of the connection, closed as its death closes it
+        with ours:
+            forkserver.read_signed(ours.fileno())
+
+    def elsewhere(args):
+        pickle.loads(b"")
+
+    for fn, status, said in (
+        (killed_server, 2, "error: a worker process's fork server (multiprocessing) ended under the run (EOFError"),
+        (elsewhere, 1, "internal error (EOFError)"),
+    ):
+        monkeypatch.setattr(cli, "cmd_run", fn)
+        assert cli.main(["run"]) == status
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], lines
