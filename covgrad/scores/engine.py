@@ -15,9 +15,11 @@ traces one forward of two samples (:mod:`covgrad.scores.tracing`): a parameter u
 module that owns it (a weight its parent hands to a functional conv) moves to the smallest module whose forward
 holds all its uses, and every module that runs on a flattened (B·L, …) batch or whose forward a rule replays must
 keep the samples apart (checked by autograd, not by a list of classes). During the call all parameters are frozen
-and the backward is taken with respect to the outputs of the first hooked modules, so autograd never computes a
-batched weight gradient: the per-sample products replace those GEMMs instead of adding to them. A parameter shared
-by several modules (tied embedding and LM head) gets the sum of their contributions per sample.
+and the backward is taken with respect to the outputs of the first hooked modules (leaves standing for them; the
+model goes on with copies it may update in place, :func:`covgrad.scores.hooks.graph_root`), so autograd never
+computes a batched weight gradient: the per-sample products replace those GEMMs instead of adding to them. A
+parameter shared by several modules (tied embedding and LM head) gets the sum of their contributions per sample; one
+registered by a module and again inside it (an LM head's bias that is its decoder's) is bound once.
 
 Two outputs: ``__call__`` returns the (B, P) float32 rows; ``accumulate`` (the scores stage's fused
 reduction) folds each tensor's (B, numel) block into a :class:`covgrad.moments.accum.MomentAccumulator` as soon
@@ -34,6 +36,7 @@ vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,7 +51,7 @@ from covgrad.scores.hooks import forward_hook
 from covgrad.scores.optaps import OpTaps
 from covgrad.scores.rules import Rule, generic_rule
 from covgrad.scores.selfcheck import SelfCheck
-from covgrad.scores.tracing import Binding, bind_rules, check_apart, rebind, trace_forward
+from covgrad.scores.tracing import Binding, RefusalError, Refusals, bind_rules, check_apart, rebind, trace_forward
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,13 @@ class PerSampleGrads:
             False: always the module replay (:func:`covgrad.scores.rules.generic_rule`).
 
     Raises:
-        ValueError: when a selected parameter is not in the model, or has no per-sample rule (one message
-            naming every such parameter and its module type, with a selection that runs). The first call
-            refuses, the same way, a parameter only the model's top-level forward uses and a module that
-            mixes samples or whose flattened rows are not sample by sample (see :meth:`_trace`).
+        ValueError: when a selected parameter is not in the model, or has no per-sample rule (a
+            :class:`covgrad.scores.tracing.RefusalError`: one message naming every such parameter and its module
+            type, with a selection that runs). The first call refuses, the same way, every parameter that only
+            the model's top-level forward uses, of a module that mixes samples or whose flattened rows are not
+            sample by sample (see :meth:`_trace`), of a module whose call cannot be split by sample, and of a
+            module whose forward cannot be differentiated per sample: the pass goes on without them, so that one
+            refusal names them all and proposes a selection whose pass ran, and every later call raises it.
     """
 
     def __init__(
@@ -129,6 +135,7 @@ class PerSampleGrads:
         # covgrad.scores.optaps checks rows by autograd mid-forward: the backward hooks stand aside
         self._probing = False
         self._roots: list[Tensor] = []
+        self._refused = Refusals(layout)
         self._blocks = Blocks()
         self._taps = OpTaps(self) if op_taps else None
 
@@ -295,6 +302,7 @@ class PerSampleGrads:
     def _checked_inputs(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None
     ) -> dict[str, Tensor | None]:
+        self._refused.raise_any()  # refused by an earlier call: never served as zeros
         training = [name for name, m in self.model.named_modules() if m.training]
         if training:
             raise ValueError(f"model must be in eval mode (dropout off); {training[0] or 'the model'} is training")
@@ -333,7 +341,9 @@ class PerSampleGrads:
             for p, _ in flags:
                 p.requires_grad_(False)
             if not self._traced or (B >= 2 and not self._verified):
-                self._trace(inputs)
+                # a refusal is named with the pass's own ones once it is over (self._refused keeps it)
+                with contextlib.suppress(RefusalError):
+                    self._trace(inputs)
             for module, rule, local in self._bindings:
                 if rule is generic_rule and self._taps is not None:
                     handles += self._taps.hooks(module, local)
@@ -355,6 +365,7 @@ class PerSampleGrads:
                         )
                         del dlogits
                     blocks.finish_target(self.layout.entries)
+            self._refused.raise_any()
             return targets[0][1]
         finally:
             if self._taps is not None:
@@ -384,19 +395,23 @@ class PerSampleGrads:
         the other sample's embeddings (one backward per sample).
 
         Raises:
-            ValueError: naming the parameter when only the model's top-level forward uses it, or the module
-                that mixes samples or whose flattened rows are not sample by sample.
+            RefusalError: naming every parameter only the model's top-level forward uses, and every parameter of
+                a module that mixes samples or whose flattened rows are not sample by sample, once the trace is
+                done: they are left out of the bindings and kept refused (a pass goes on without them).
         """
         seen = trace_forward(self.model, self.layout, self._params, self._bindings, self._names, inputs)
-        self._bindings = rebind(self.model, self.layout, self._bindings, self._names, seen.uses)
+        self._bindings, refused = rebind(self.model, self.layout, self._bindings, self._names, seen.uses)
+        self._refused.add(refused)
         self._traced = True
-        if seen.n < 2:
-            return
-        if seen.emb:
-            self._flat_ok, self._outer = check_apart(
-                self.layout, self._bindings, self._names, seen.emb[0], seen.records, seen.length
-            )
-        self._verified = True
+        if seen.n >= 2:
+            if seen.emb:
+                self._flat_ok, self._outer, refused = check_apart(
+                    self._bindings, self._names, seen.emb[0], seen.records, seen.length
+                )
+                self._refused.add(refused)
+                self._bindings = self._refused.drop(self._bindings)
+            self._verified = True
+        self._refused.raise_any()
 
     def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> SelfCheck:
         """The self-check's reference: the batched autograd gradient of the summed objective (one extra

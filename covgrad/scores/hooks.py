@@ -16,11 +16,19 @@ from typing import Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from covgrad.layout import TensorEntry
 from covgrad.scores.blocks import Blocks, FoldingSlot
-from covgrad.scores.rules import Call, Rule, Slot, float_outputs
+from covgrad.scores.rules import Call, Rule, RuleError, Slot, float_outputs
+
+
+class Refusals(Protocol):
+    """What the hooks do with :class:`covgrad.scores.tracing.Refusals` (typed here: tracing imports the hooks)."""
+
+    def any_of(self, local: dict[str, TensorEntry]) -> bool: ...
+
+    def refuse(self, local: dict[str, TensorEntry], why: str) -> None: ...
 
 
 class Owner(Protocol):
@@ -35,6 +43,21 @@ class Owner(Protocol):
     _replaying: bool  # a rule re-runs a module's forward: every hook stands aside
     _probing: bool  # the op taps check rows by autograd mid-forward: the backward hooks stand aside
     _roots: list[Tensor]  # the graph roots of the pass
+    _refused: Refusals  # the parameters refused so far (named together once the pass is over)
+
+
+def graph_root(t: Tensor, roots: list[Tensor]) -> Tensor:
+    """A graph root standing for ``t``, a tensor the graph does not reach: a leaf that requires grad, appended to
+    ``roots`` (the backward is taken with respect to it), and returned as a copy for the model to go on with.
+
+    The copy is not a leaf, so the model may update it in place (``inputs_embeds *= √d``, ``embeddings +=
+    positions``), which autograd refuses on a leaf that requires grad; a hook registered on the copy before such
+    an update receives the gradient with respect to its value before it, the module's own output.
+    """
+    leaf = t.detach().requires_grad_()
+    roots.append(leaf)
+    with torch.enable_grad():  # also under no_grad (the copy must take the hook; nothing downstream records it)
+        return leaf.clone()
 
 
 def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]) -> Callable:
@@ -58,11 +81,15 @@ def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]
     rows = B * owner._L  # a flattened (B·L, …) batch
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple | None:
-        if owner._replaying:
+        if owner._replaying or owner._refused.any_of(local):
             return None
         first_in = args[0] if args else next(iter(kwargs.values()), None)
         outs = float_outputs(output)
-        flat, n_flat = _batch_rows(owner, module, needs_call, first_in, outs, B)
+        why = _batch_rows(owner, module, needs_call, first_in, outs, B) if _returns_tensors(output, outs) else None
+        if not isinstance(why, tuple):
+            owner._refused.refuse(local, why or _returns_error(owner, module, output))
+            return None  # the pass goes on without this module's parameters, to find every refusal at once
+        flat, n_flat = why
         outer = needs_call and flat and id(module) in owner._outer and n_flat % rows == 0
         unflat = _unflattener(owner, flat, n_flat, outer, B)
         x = unflat(first_in.detach()) if isinstance(first_in, Tensor) else first_in
@@ -72,13 +99,16 @@ def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]
             where = owner._names.get(id(module), type(module).__name__)
             m = n_flat // rows if outer else 0
             call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where, m)
+        saved = Versions((x, (call.args, call.kwargs) if call is not None else None))
 
         def run(g: Tensor | tuple[Tensor, ...]) -> None:
-            if owner._probing:
+            if owner._probing or owner._refused.any_of(local):
+                return
+            if saved.refused(owner, module, local):
                 return
             g = unflat(g) if isinstance(g, Tensor) else tuple(unflat(t) for t in g)
             if needs_call:
-                blocks.run_rule(lambda: _replay(owner, rule, module, x, g, slot, call), local)
+                blocks.run_rule(lambda: _replay(owner, rule, module, x, g, slot, call, local), local)
             else:
                 adder = getattr(rule, "row_adder", None)
                 adds = None if adder is None else (lambda: adder(module, x, g))
@@ -98,15 +128,15 @@ def _batch_rows(
     first_in: object,
     outs: tuple[Tensor, ...],
     B: int,
-) -> tuple[bool, int | None]:
-    """Whether the call ran on a flattened batch, and its rows (k·B for a flattened batch).
+) -> tuple[bool, int | None] | str:
+    """Whether the call ran on a flattened batch, and its rows (k·B for a flattened batch); or why its rows cannot
+    be split by sample (they do not, or the call ran flattened in a module the first call's trace did not verify).
 
     A rule that reads the whole call (``needs_call``) looks at every floating output: leading dimension B, or
     k·B for a flattened batch (k = L, L·heads, …); another rule at its first input and output.
 
     Raises:
-        ValueError: when the leading dimensions do not split by sample, or the call ran flattened in a module
-            the first call's trace did not verify.
+        ValueError: when a tensor broadcast over the batch reaches the module (default position ids).
     """
     n_in = first_in.shape[0] if isinstance(first_in, Tensor) and first_in.dim() else None
     n_out = outs[0].shape[0] if outs and outs[0].dim() else None
@@ -120,13 +150,22 @@ def _batch_rows(
         flat = n_in is not None and n_in == n_out != B and n_in % B == 0
         ok = flat or (n_in, n_out) == (B, B)
         n_flat = n_in
+    where = f"{owner._names.get(id(module), '?')} (a {type(module).__name__})"
     if not ok:
-        _batch_dims_error(owner, module, n_in, n_out, B)
+        if B > 1 and 1 in (n_in, n_out):
+            raise ValueError(
+                f"a hooked {where} ran with batch dims {(n_in, n_out)} (input, output), not {B}: a tensor "
+                "broadcast over the batch (e.g. default position ids) has no per-sample gradient; pass "
+                "position_ids of shape (B, L)"
+            )
+        return (
+            f"{where} ran with leading dims {(n_in, n_out)} (input, output), neither B = {B} nor "
+            f"B·L = {B * owner._L}, so its rows cannot be split by sample"
+        )
     if flat and B > 1 and id(module) not in owner._flat_ok:
-        raise ValueError(
-            f"a hooked {type(module).__name__} ({owner._names.get(id(module), '?')}) ran on a flattened "
-            f"batch of {n_flat} = {B}·{n_flat // B} rows (its caller reshaped (B, L, …) to (B·L, …)) "
-            "whose rows were not verified to be sample by sample; deselect its parameters"
+        return (
+            f"{where} ran on a flattened batch of {n_flat} = {B}·{n_flat // B} rows (its caller reshaped "
+            "(B, L, …) to (B·L, …)) whose rows the first call's trace did not verify to be sample by sample"
         )
     return flat, n_flat
 
@@ -157,15 +196,9 @@ def _hooked_output(
     once (:class:`_Tap`), made graph roots of the pass when the graph does not reach them."""
     if isinstance(output, Tensor):
         if not output.requires_grad:
-            output = output.detach().requires_grad_()
-            owner._roots.append(output)
+            output = graph_root(output, owner._roots)
         output.register_hook(run)
         return output
-    if not isinstance(output, tuple | list) or not outs:
-        raise ValueError(
-            f"a hooked {type(module).__name__} returned {type(output).__name__}; per-sample rules need "
-            "a tensor or a tuple of tensors"
-        )
     if not any(o.requires_grad for o in outs):
         outs = tuple(o.detach().requires_grad_() for o in outs)
         owner._roots.extend(outs)
@@ -173,27 +206,62 @@ def _hooked_output(
     return type(output)(next(tapped) if isinstance(t, Tensor) and t.is_floating_point() else t for t in output)
 
 
-def _replay(owner: Owner, rule: Rule, module: nn.Module, x: Tensor, g: object, slot: Slot, call: Call) -> None:
-    """Run a rule that may re-run the module's forward, with every hook standing aside meanwhile."""
+def _replay(
+    owner: Owner,
+    rule: Rule,
+    module: nn.Module,
+    x: Tensor,
+    g: object,
+    slot: Slot,
+    call: Call,
+    local: dict[str, TensorEntry],
+) -> None:
+    """Run a rule that may re-run the module's forward, with every hook standing aside meanwhile; a forward that
+    cannot be differentiated per sample refuses the binding's parameters (``local``)."""
     owner._replaying = True
     try:
         rule(module, x, g, slot, call=call)
+    except RuleError as exc:
+        owner._refused.refuse(local, str(exc))
     finally:
         owner._replaying = False
 
 
-def _batch_dims_error(owner: Owner, module: nn.Module, n_in: int | None, n_out: int | None, B: int) -> None:
-    where = f"{type(module).__name__} ({owner._names.get(id(module), '?')})"
-    if B > 1 and 1 in (n_in, n_out):
-        raise ValueError(
-            f"a hooked {where} ran with batch dims {(n_in, n_out)} (input, output), not {B}: a tensor "
-            "broadcast over the batch (e.g. default position ids) has no per-sample gradient; pass "
-            "position_ids of shape (B, L)"
-        )
-    raise ValueError(
-        f"a hooked {where} ran with leading dims {(n_in, n_out)} (input, output), neither B = {B} nor "
-        f"B·L = {B * owner._L}: its rows cannot be split by sample; deselect its parameters"
+def _returns_tensors(output: object, outs: tuple[Tensor, ...]) -> bool:
+    """Whether a module's output is a tensor or a tuple or list holding floating tensors (what rules take)."""
+    return isinstance(output, Tensor) or (isinstance(output, tuple | list) and bool(outs))
+
+
+def _returns_error(owner: Owner, module: nn.Module, output: object) -> str:
+    """Why a module whose output no rule takes is refused."""
+    return (
+        f"{owner._names.get(id(module), '?')} (a {type(module).__name__}) returned {type(output).__name__}, and "
+        "per-sample rules need a tensor or a tuple of tensors"
     )
+
+
+class Versions:
+    """The version counters of the tensors a hook saved (its module's input, the call's arguments), to tell in
+    the backward whether the model updated one of them in place after the call: the saved tensors share their
+    storage with the model's, and a rule reading an updated one would compute another gradient."""
+
+    def __init__(self, saved: object) -> None:
+        self.tensors = [t for t in tree_flatten(saved)[0] if isinstance(t, Tensor)]
+        self.versions = [t._version for t in self.tensors]
+
+    def refused(self, owner: Owner, module: nn.Module, local: dict[str, TensorEntry]) -> bool:
+        """Whether a saved tensor was updated since, which refuses the parameters ``local`` of ``module``'s rule."""
+        for t, v in zip(self.tensors, self.versions, strict=True):
+            if t._version != v:
+                where = f"{owner._names.get(id(module), '?')} (a {type(module).__name__})"
+                what = f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor"
+                owner._refused.refuse(
+                    local,
+                    f"an input of {where} ({what}) was updated in place after its call, so the values its rule "
+                    "reads are not the ones its forward saw",
+                )
+                return True
+        return False
 
 
 class _Tap(torch.autograd.Function):

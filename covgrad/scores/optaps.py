@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from covgrad.layout import TensorEntry
 from covgrad.scores.blocks import Blocks
+from covgrad.scores.hooks import Versions, graph_root
 from covgrad.scores.rules import float_outputs, generic_rule
 
 
@@ -57,6 +58,8 @@ class Owner(Protocol):
     _probing: bool
     _replaying: bool
     _roots: Any
+    _names: dict[int, str]
+    _refused: Any
 
     def _forward_hook(self, B: int, rule: Callable[..., None], local: Any) -> Callable[..., Any]: ...
 
@@ -109,6 +112,8 @@ class _Use:
     derived: list[_Derived]  # in the order of the _DERIVED leaves
     names: frozenset[str]
     active: bool = False
+    # the kept data inputs' versions: one updated in place after the op refuses the use's parameters
+    saved: Versions = field(default_factory=lambda: Versions(()))
 
 
 @dataclass
@@ -339,7 +344,9 @@ class OpTaps:
         if self._split_mode(record, out) not in (_SPLIT, _FLAT):
             record.reason = f"{_name(func)}'s output does not split by sample"
             return out
-        use = _Use(func, spec, kept, modes, derived, frozenset(n for d in derived for n in d.names))
+        names = frozenset(n for d in derived for n in d.names)
+        data = [t for t, m in zip(kept, modes, strict=True) if m != _DERIVED]
+        use = _Use(func, spec, kept, modes, derived, names, saved=Versions(data))
         sig = (id(record.module), len(record.uses), _name(func), tuple(modes), _shapes(kept))
         if sig not in self.verified:
             why = next((w for t in inner if (w := self._rows_apart(record, t))), "")
@@ -350,8 +357,7 @@ class OpTaps:
             self.verified.add(sig)
         record.uses.append(use)
         if not out.requires_grad:  # no data input is in the graph: the output starts it
-            out = out.detach().requires_grad_()
-            self.owner._roots.append(out)
+            out = graph_root(out, self.owner._roots)
             self._data.add(id(out))
         out.register_hook(self._backward(record, use))
         return out
@@ -416,7 +422,10 @@ class OpTaps:
         local = {n: record.local[n] for n in use.names}
 
         def hook(g: Tensor) -> None:
-            if use.active:
+            # not for a probe of _rows_apart (mid-forward, no blocks yet)
+            if not use.active or owner._probing or owner._refused.any_of(local):
+                return
+            if not use.saved.refused(owner, record.module, local):
                 owner._blocks.run_rule(lambda: _apply(owner, record, use, g), local)
 
         return hook

@@ -12,6 +12,9 @@ forward is reported before rollouts are sampled:
    modules keep the samples apart, and the self-check (Σ_n s_n against the batched gradient, every
    selected tensor). This step always runs, whatever ``model.self_check`` says: a parameter that no rule
    reaches would otherwise be served as rows of zeros.
+
+A parameter refused in step 1 does not stop step 2, which runs the other ones: one refusal names every
+parameter either step refuses, with a ``model.params`` selection of the full model without them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from covgrad.layout import ParamLayout, select_parameters
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.rules import generic_rule
+from covgrad.scores.tracing import RefusalError
 
 _LAYERS = 2
 
@@ -67,6 +71,10 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
     scores of the model at ``path`` with the parameter selection ``params`` (globs, None = all trainable)
     are supported; return a one-line summary of the parameters that take the generic path.
 
+    The refusals of both steps are named together, with one ``model.params`` selection of the full model
+    without them: a parameter refused in the random copy refuses every parameter of the full model with its name
+    up to the layer index (every layer of that kind).
+
     Args:
         path: a Hugging Face model directory (only its config is read).
         params: the ``model.params`` selection.
@@ -79,11 +87,36 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
     del self_check  # the checked pass on the random copy runs whatever the run's own self-check is
     config, full = meta_model(path, trust_remote_code)
     layout = select_parameters(full, params)
+    refused: dict[str, str] = {}
     try:
         PerSampleGrads(full, layout, check=False)
+    except RefusalError as exc:
+        refused.update(exc.reasons)
     except ValueError as exc:
         raise ValueError(f"preflight ({path}): {exc}") from None
-    wanted = _selected_types(full, set(layout.names))
+    wanted = _selected_types(full, set(layout.names) - set(refused))
+    psg = None
+    if wanted:
+        try:
+            psg = _checked_copy(config, wanted, trust_remote_code)
+        except RefusalError as exc:
+            refused.update(_across_layers(exc.reasons, layout))
+        except ValueError as exc:
+            raise ValueError(f"preflight ({path}, {_LAYERS}-layer random copy): {exc}") from None
+    if refused or psg is None:
+        raise ValueError(f"preflight ({path}): {RefusalError(layout, list(refused.items()))}")
+    return generic_summary(psg, layout)
+
+
+def _checked_copy(config: PretrainedConfig, wanted: set[tuple[type, str]], trust_remote_code: bool) -> PerSampleGrads:
+    """Step 2: the architecture cut to ``_LAYERS`` layers, randomly initialised in float32, with the parameters
+    of the ``wanted`` (module type, local name) kinds selected, through one checked per-sample pass of a
+    two-sample, left-padded batch; returns the engine.
+
+    Raises:
+        RefusalError: naming the copy's parameters without an exact per-sample gradient.
+        ValueError: the self-check's mismatch, or a crash in a module's forward or a rule, in one line.
+    """
     torch.manual_seed(0)
     small = AutoModelForCausalLM.from_config(
         _reduced(config, _LAYERS), trust_remote_code=trust_remote_code, dtype=torch.float32
@@ -103,16 +136,31 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
     target = torch.zeros(2, 6)
     target[:, 3:] = 1.0
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    where = f"preflight ({path}, {_LAYERS}-layer random copy)"
+    psg = PerSampleGrads(small, small_layout, check=True)
     try:
-        psg = PerSampleGrads(small, small_layout, check=True)
         psg(ids, mask, lambda z: score_logit_grad(z, ids, target), position_ids=pos)
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
+    except ValueError:  # a refusal or the self-check's mismatch: already one line
+        raise
     except Exception as exc:  # a crash inside a module's forward or a rule: one line naming what failed
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise ValueError(f"{where}: the checked per-sample pass failed ({type(exc).__name__}: {first})") from None
-    return generic_summary(psg, layout)
+        raise ValueError(f"the checked per-sample pass failed ({type(exc).__name__}: {first})") from None
+    return psg
+
+
+def _across_layers(reasons: dict[str, str], layout: ParamLayout) -> dict[str, str]:
+    """The random copy's refusals (its parameter name → reason) for every parameter of the full selection
+    ``layout`` with the same name up to the layer index (the copy's own name when none matches)."""
+    index = re.compile(r"\.\d+\.")
+    kinds: dict[str, list[str]] = {}
+    for name in layout.names:
+        kinds.setdefault(index.sub(".N.", name), []).append(name)
+    out: dict[str, str] = {}
+    for name, reason in reasons.items():
+        prefix = f"{name!r}: "
+        why = reason[len(prefix) :] if reason.startswith(prefix) else reason
+        for full in kinds.get(index.sub(".N.", name), [name]):
+            out.setdefault(full, f"{full!r}: {why} (in the {_LAYERS}-layer random copy, as {name})")
+    return out
 
 
 def generic_summary(psg: PerSampleGrads, layout: ParamLayout) -> str:

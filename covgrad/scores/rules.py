@@ -90,6 +90,11 @@ class Slot:
 Rule = Callable[[nn.Module, Tensor, Tensor, Slot], None]
 
 
+class RuleError(Exception):
+    """A rule cannot differentiate its module's forward per sample (the message says why); the engine refuses
+    the parameters of the binding, naming them."""
+
+
 def row_parts(rule: Callable[..., None]) -> Callable[..., None]:
     """Mark a rule that writes only the rows ``slot.first_row(name) …`` of its views' leading dimension (a
     row-cut parameter block); other rules are handed whole-tensor views and the block keeps its rows."""
@@ -592,7 +597,7 @@ def generic_rule(module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], s
     are constants here), so their parameters keep their own rules and are not counted twice.
 
     Raises:
-        ValueError: naming the module when neither vmap nor the loop can differentiate its forward.
+        RuleError: naming the module when neither vmap nor the loop can differentiate its forward.
     """
     cots = (g,) if isinstance(g, Tensor) else tuple(g)
     B = cots[0].shape[0]
@@ -611,7 +616,7 @@ def generic_rule(module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], s
             (next(own).unsqueeze(0) if m == 1 else next(own)) if m else t for t, m in zip(leaves, modes, strict=True)
         ]
         args, kwargs = tree_unflatten(filled, spec)
-        with _reparametrize_module(module, p):
+        with _reparametrize_module(module, p, tie_weights=True):  # every name of a tensor registered twice
             return float_outputs(module.forward(*args, **kwargs))
 
     def one(params: dict[str, Tensor], mine: list[Tensor], cot: tuple[Tensor, ...]) -> dict[str, Tensor]:
@@ -657,11 +662,11 @@ def _looped_vjp(
                 )
             for (pn, t), gr in zip(p.items(), grads, strict=True):
                 rows[pn].append(torch.zeros_like(t) if gr is None else gr)
-    except Exception as exc:  # reported as a refusal naming the module
+    except Exception as exc:  # reported as a refusal naming the module's parameters
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise ValueError(
+        raise RuleError(
             f"the per-sample vector-Jacobian product of {where or 'a module'} (a {type(module).__name__}) failed "
-            f"({type(exc).__name__}: {first[:200]}); deselect {[f'{where}.{pn}' if where else pn for pn in primals]}"
+            f"({type(exc).__name__}: {first[:200]})"
         ) from None
     return {pn: torch.stack(r) for pn, r in rows.items()}
 

@@ -10,6 +10,10 @@ parent hands to a functional conv) moves to the smallest module whose forward ho
 (:func:`rebind`), and autograd on the traced forward checks that every module that runs on a flattened (B·L, …)
 batch or whose forward a rule replays keeps the samples apart (:func:`check_apart`).
 
+A refused parameter is named once, with its first reason, in one line with a ``model.params`` selection without
+the refused ones (:func:`refusal`, :class:`RefusalError`); the engine collects the refusals of its trace, its hooks
+and its rules over a whole pass (:class:`Refusals`), so the selection proposed is one whose pass ran.
+
 Shape notation: B samples in the batch, L sequence positions.
 """
 
@@ -26,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from covgrad.layout import ParamLayout, TensorEntry
+from covgrad.scores.hooks import graph_root
 from covgrad.scores.optaps import METADATA_READS
 from covgrad.scores.rules import Rule, float_outputs, generic_rule, rule_for
 
@@ -46,20 +51,40 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
     (local name → layout entry), in ``named_modules`` order. A module whose fast rule covers only some of
     its parameters gets a second binding, :func:`covgrad.scores.rules.generic_rule` over the others.
 
+    A tensor registered by a module and again by a module inside it (an LM head's bias that is also its
+    decoder Linear's) is bound once, to the inner module, whose forward holds the use: two rules would each
+    count it (the first call's trace moves it back out if the outer module's forward uses it directly). A tensor
+    registered by two modules apart from each other (a tied embedding and LM head) keeps both bindings, one
+    per use.
+
     Raises:
-        ValueError: when a selected parameter is not in the model, or (one message naming every such
-            parameter, with a ``model.params`` selection without them) has no per-sample rule: owned by
-            the model's top-level module or by a module whose rule refuses it.
+        ValueError: when a selected parameter is not in the model.
+        RefusalError: one message naming every selected parameter without a per-sample rule (owned by the
+            model's top-level module or by a module whose rule refuses it), with a ``model.params`` selection
+            without them.
     """
     params = dict(model.named_parameters())
     missing = [name for name in layout.names if name not in params]
     if missing:
         raise ValueError(f"layout parameters {missing[:3]} are not in the model; build the layout from it")
     by_id = {id(params[e.name]): e for e in layout.entries}
+    owners: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module_name)
+
+    def inner_owner(module_name: str, p: Tensor) -> bool:
+        """Whether a module inside ``module_name`` registers ``p`` too."""
+        return any(o != module_name and (not module_name or o.startswith(module_name + ".")) for o in owners[id(p)])
+
     bindings: list[Binding] = []
     refused: list[tuple[str, str]] = []
     for module_name, module in model.named_modules():
-        local = {pn: by_id[id(p)] for pn, p in module.named_parameters(recurse=False) if id(p) in by_id}
+        local = {
+            pn: by_id[id(p)]
+            for pn, p in module.named_parameters(recurse=False)
+            if id(p) in by_id and not inner_owner(module_name, p)
+        }
         if not local:
             continue
         if not module_name:
@@ -87,23 +112,94 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
         if rest:
             bindings.append((module, generic_rule, rest))
     if refused:
-        raise ValueError(refusal(layout, refused))
+        raise RefusalError(layout, refused)
     return bindings
 
 
 def refusal(layout: ParamLayout, refused: list[tuple[str, str]]) -> str:
-    """One line naming every refused parameter (``(layout name, reason)`` pairs) and a ``model.params``
-    selection of the layout's other parameters that runs (globs over layer indices where they stay exact)."""
-    bad = {name for name, _ in refused}
-    keep = [name for name in layout.names if name not in bad]
+    """One line naming every refused parameter once (``(layout name, reason)`` pairs, the first reason of a
+    name kept) and a ``model.params`` selection of the layout's other parameters (globs over layer indices
+    where they stay exact)."""
+    first: dict[str, str] = {}
+    for name, reason in refused:
+        first.setdefault(name, reason)
+    keep = [name for name in layout.names if name not in first]
     head = (
-        f"no per-sample rule for parameter {refused[0][1]}"
-        if len(refused) == 1
-        else f"no per-sample rule for {len(refused)} selected parameters: " + "; ".join(r for _, r in refused)
+        f"no per-sample rule for parameter {next(iter(first.values()))}"
+        if len(first) == 1
+        else f"no per-sample rule for {len(first)} selected parameters: " + "; ".join(_grouped(first))
     )
     if not keep:
         return f"{head}; nothing else is selected"
     return f"{head}; a selection without them that runs: model.params = {suggest_params(keep, layout.names)}"
+
+
+def _grouped(reasons: dict[str, str]) -> list[str]:
+    """The reasons of refused parameters, those of the form ``'name': why`` with the same ``why`` joined into one
+    (``'a', 'b': why``), in the order first found."""
+    groups: dict[str, list[str]] = {}
+    for name, reason in reasons.items():
+        prefix = f"{name!r}: "
+        if reason.startswith(prefix):
+            groups.setdefault(reason[len(prefix) :], []).append(repr(name))
+        else:
+            groups.setdefault(reason, [])
+    return [f"{', '.join(names)}: {why}" if names else why for why, names in groups.items()]
+
+
+class RefusalError(ValueError):
+    """Selected parameters without an exact per-sample gradient: one line (:func:`refusal`) naming each once.
+
+    Attributes:
+        reasons: layout name → why it is refused (the first reason found), in the order found.
+    """
+
+    def __init__(self, layout: ParamLayout, refused: list[tuple[str, str]]) -> None:
+        self.reasons: dict[str, str] = {}
+        for name, reason in refused:
+            self.reasons.setdefault(name, reason)
+        super().__init__(refusal(layout, refused))
+
+
+class Refusals:
+    """The parameters a :class:`covgrad.scores.engine.PerSampleGrads` refused so far (by its first call's trace,
+    its forward hooks or its rules), collected so that one refusal names all of them, with a selection without
+    them whose pass was seen to run; once any is refused, every call raises.
+
+    Args:
+        layout: the engine's selection.
+    """
+
+    def __init__(self, layout: ParamLayout) -> None:
+        self.layout = layout
+        self.reasons: dict[str, str] = {}
+
+    def add(self, refused: list[tuple[str, str]]) -> None:
+        """Refuse each ``(layout name, reason)`` (a name already refused keeps its first reason)."""
+        for name, reason in refused:
+            self.reasons.setdefault(name, reason)
+
+    def any_of(self, local: dict[str, TensorEntry]) -> bool:
+        """Whether any parameter of a binding's ``local`` entries is refused."""
+        return any(e.name in self.reasons for e in local.values())
+
+    def refuse(self, local: dict[str, TensorEntry], why: str) -> None:
+        """Refuse every parameter of a binding's ``local`` entries for the same reason ``why``."""
+        self.add([(e.name, f"{e.name!r}: {why}") for e in local.values()])
+
+    def drop(self, bindings: list[Binding]) -> list[Binding]:
+        """``bindings`` without the refused parameters (a binding left with none is dropped)."""
+        kept = []
+        for module, rule, local in bindings:
+            local = {pn: e for pn, e in local.items() if e.name not in self.reasons}
+            if local:
+                kept.append((module, rule, local))
+        return kept
+
+    def raise_any(self) -> None:
+        """Raise one :class:`RefusalError` naming every refused parameter, if any."""
+        if self.reasons:
+            raise RefusalError(self.layout, list(self.reasons.items()))
 
 
 def suggest_params(keep: list[str], names: tuple[str, ...] | list[str]) -> list[str]:
@@ -129,7 +225,8 @@ class TracedForward:
         uses: each used selected parameter (layout name) → the module call stacks it was used in, outermost first.
         records: with two samples, the calls of the bound modules and of every module using a selected
             parameter, in the order they finished.
-        emb: with two samples, the input embeddings' output made a graph leaf (empty when the model has none).
+        emb: with two samples, the graph leaf standing for the input embeddings' output (empty when the model
+            has none; the model sees a copy, which it may update in place: :func:`covgrad.scores.hooks.graph_root`).
     """
 
     n: int
@@ -177,9 +274,7 @@ def trace_forward(
             records.append((module, ins, list(float_outputs(output))))
 
     def leaf(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
-        out = output.detach().requires_grad_()
-        emb.append(out)
-        return out
+        return graph_root(output, emb)
 
     handles = []
     for m in model.modules():
@@ -202,14 +297,11 @@ def rebind(
     bindings: list[Binding],
     names: dict[int, str],
     uses: dict[str, set[tuple[str, ...]]],
-) -> list[Binding]:
+) -> tuple[list[Binding], list[tuple[str, str]]]:
     """The bindings with every selected parameter that has a use outside its bound modules' forwards moved to
     the smallest module whose forward holds all its uses, with :func:`covgrad.scores.rules.generic_rule` (merged
-    into that module's generic binding when it has one); ``bindings`` itself when nothing moves.
-
-    Raises:
-        ValueError: naming every parameter that only the model's top-level forward uses.
-    """
+    into that module's generic binding when it has one), and the refused parameters ``(layout name, reason)``:
+    every one that only the model's top-level forward uses, left out of the bindings returned."""
     modules = dict(model.named_modules())
     bound_in: dict[str, set[str]] = {}
     for module, _, local in bindings:
@@ -232,13 +324,12 @@ def rebind(
             )
             continue
         moves[name] = target
-    if refused:
-        raise ValueError(refusal(layout, refused))
-    if not moves:
-        return bindings
+    if not moves and not refused:
+        return bindings, refused
+    gone = set(moves) | {name for name, _ in refused}
     kept = []
     for module, rule, local in bindings:
-        local = {pn: e for pn, e in local.items() if e.name not in moves}
+        local = {pn: e for pn, e in local.items() if e.name not in gone}
         if local:
             kept.append((module, rule, local))
     added: dict[str, dict[str, TensorEntry]] = {}
@@ -249,17 +340,16 @@ def rebind(
     for module, rule, local in kept:
         extra = added.pop(names[id(module)], {}) if rule is generic_rule else {}
         merged.append((module, rule, {**local, **extra}))
-    return merged + [(modules[t], generic_rule, local) for t, local in added.items()]
+    return merged + [(modules[t], generic_rule, local) for t, local in added.items()], refused
 
 
 def check_apart(
-    layout: ParamLayout,
     bindings: list[Binding],
     names: dict[int, str],
     emb: Tensor,
     records: list[Record],
     L: int,
-) -> tuple[set[int], set[int]]:
+) -> tuple[set[int], set[int], list[tuple[str, str]]]:
     """Verify that the recorded module calls keep the two traced samples apart: Σ of random projections of
     sample b's rows of the checked modules' inputs and outputs must have a zero gradient on the other sample's
     embeddings ``emb`` (one backward per sample; L: the traced positions).
@@ -268,11 +358,9 @@ def check_apart(
         The ids of the bound modules that ran flattened, verified: sample-major rows (row n·k + j is sample
         n's), or, for a rule that reads the whole call, outer-major ones (an (m·B·L, …) batch whose row
         (i·B + n)·L + t is sample n's position t, as experts that see every token once per expert); and of
-        those, the outer-major ones.
-
-    Raises:
-        ValueError: naming every parameter of a module that mixes samples or whose flattened rows are not
-            sample by sample.
+        those, the outer-major ones; and the refused parameters ``(layout name, reason)``: every parameter of a
+        module that mixes samples or whose flattened rows are not sample by sample (a module called several
+        times names its parameters once).
     """
     rules = {id(m): rule for m, rule, _ in bindings}
     checked = []
@@ -286,9 +374,12 @@ def check_apart(
     leaks = _leak_test(emb, L)
     every = [t for _, ins, outs, _ in checked for t in (*ins, *outs)]
     outer: set[int] = set()
+    refused: list[tuple[str, str]] = []
+    seen: set[int] = set()  # modules refused already (a module called several times is named once)
     if any(leaks(every, b) for b in (0, 1)):
-        refused: list[tuple[str, str]] = []
         for module, ins, outs, flat in checked:
+            if id(module) in seen:
+                continue
             where = f"{names[id(module)]} (a {type(module).__name__})"
             if (
                 flat
@@ -309,15 +400,14 @@ def check_apart(
                 what = "mixes samples (its output for one sample depends on another sample's input)"
             else:
                 continue
+            seen.add(id(module))
             refused += [
                 (e.name, f"{e.name!r}: {where} {what}, so no per-sample gradient exists")
                 for m, _, local in bindings
                 if m is module
                 for e in local.values()
             ]
-        if refused:
-            raise ValueError(refusal(layout, refused))
-    return {id(module) for module, _, _, flat in checked if flat}, outer
+    return {id(module) for module, _, _, flat in checked if flat}, outer, refused
 
 
 def _leak_test(emb: Tensor, L: int) -> Callable[..., bool]:

@@ -28,6 +28,7 @@ from covgrad.choices import TOKENS_ROW_BYTES
 from covgrad.distributed.fsdp import RankColumns
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.scores.engine import PerSampleGrads
+from covgrad.scores.hooks import graph_root
 from covgrad.scores.rules import FLATTENING_PARENTS, Rule, Slot
 from covgrad.scores.tracing import Binding, bind_rules
 
@@ -121,10 +122,11 @@ class TokenBackward:
                         f"a hooked {type(module).__name__} ran without the batch dimension {self.B}; "
                         "pass position_ids of shape (B, L)"
                     )
-                if not output.requires_grad:
-                    output = output.detach().requires_grad_()
+                if output.requires_grad:
+                    outputs.append(output)
+                else:  # a graph root the model may update in place (inputs_embeds *= √d)
+                    output = graph_root(output, outputs)
                 self._calls.append((module, rule, local, args[0].detach()))
-                outputs.append(output)
                 if module is head:
                     head_io.append((args[0].detach(), output))
                 return output

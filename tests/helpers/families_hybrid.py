@@ -284,6 +284,27 @@ FAMILIES = {
         conv1d_width=4,
         block_types=["recurrent", "attention"],
     ),
+    "nemotron-h-moe": lambda: build(
+        T.NemotronHConfig,
+        T.NemotronHForCausalLM,
+        layers_block_type=["mamba", "moe", "attention"],
+        head_dim=8,
+        ssm_state_size=8,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        n_groups=1,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=8,
+        use_mamba_kernels=False,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    ),
 }
 
 

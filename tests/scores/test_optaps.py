@@ -54,12 +54,40 @@ class TimeMajorGain(nn.Module):
         return (x.transpose(0, 1) * self.weight).transpose(0, 1)
 
 
+class Gain(nn.Module):
+    """x ⊙ w: a generic-rule parameter taken at its op, whose output gradient hook sits on the next module's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(H))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class FlatRouter(nn.Module):
+    """NemotronH's router pattern: its own weight applied to a (B·L, H) view made inside its forward (the op taps
+    probe those rows back to the call's input by autograd, through the Gain's hook), around the wrapped MLP."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.weight = nn.Parameter(0.3 * torch.randn(4, H))
+
+    def forward(self, x):
+        logits = F.linear(x.reshape(-1, H), self.weight).sigmoid()  # (B·L, 4)
+        return self.mlp(x) * (1.0 + logits.sum(-1).reshape(*x.shape[:-1], 1))
+
+
 def planted(kind: str) -> nn.Module:
     torch.manual_seed(0)
     model = tiny_llama(V, intermediate=48, pad_token_id=PAD)
     for layer in model.model.layers:
         if kind == "mixer":
             layer.mlp = GatedConvMixer(layer.mlp)
+        elif kind == "router":
+            layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, Gain())
+            layer.mlp = FlatRouter(layer.mlp)
         else:
             layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, TimeMajorGain())
     return perturb(model)
@@ -109,6 +137,20 @@ def test_fused_reduction_with_op_taps_matches_its_rows():
         assert torch.allclose(acc.mean[h], rows[sel].mean(0), rtol=1e-5, atol=1e-7)
         m2 = ((rows[sel] - rows[sel].mean(0)) ** 2).sum(0)
         assert torch.allclose(acc.m2[h], m2, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_rows_probe_passes_the_previous_taps_hook_without_running_it(check):
+    """The router's flattened rows are probed by autograd mid-forward, through the gain's output, whose tap hook
+    must stand aside (it once ran its rule there, before the pass had blocks: an AttributeError)."""
+    model = planted("router")
+    layout = select_parameters(model)
+    batch = make_batch(44, **BATCH)
+    psg, rows = scores(model, batch, check=check)
+    taken = {n: p for n, p in psg.generic_paths().items() if n.endswith(("1.weight", "mlp.weight"))}
+    assert len(taken) == 4 and set(taken.values()) == {"op"}, taken
+    err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)
 
 
 def test_use_that_does_not_split_by_sample_falls_back_to_the_replay_exactly():

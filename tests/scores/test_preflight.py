@@ -3,6 +3,7 @@ and GPT-2 directories."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -125,7 +126,8 @@ def test_pipeline_completes_every_stage(prefect_server, tmp_path, family):
 
 
 # A Llama whose top-level forward multiplies the final hidden states by a child module's weight with
-# F.linear: the child's forward never runs, so no hook would see the weight (its rows would be zeros).
+# F.linear: the child's forward never runs, so no hook would see the weight (its rows would be zeros); and
+# adds a logit bias the top-level module owns (refused before any pass).
 PLANTED_MODELING = """
 import torch
 import torch.nn.functional as F
@@ -144,10 +146,11 @@ class PlantedLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self.mix = Mix(config.hidden_size)
+        self.logit_bias = nn.Parameter(torch.zeros(()))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
         h = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-        return CausalLMOutputWithPast(logits=self.lm_head(F.linear(h, self.mix.weight)))
+        return CausalLMOutputWithPast(logits=self.lm_head(F.linear(h, self.mix.weight)) + self.logit_bias)
 """
 
 
@@ -161,15 +164,20 @@ def planted_dir(path: Path) -> Path:
 
 
 def test_parameter_used_outside_its_module_refused_without_self_check(tmp_path):
+    """Refused in the random copy's pass ('mix.weight') and before it ('logit_bias'): one refusal names both,
+    with a selection of the full model that runs."""
     path = str(planted_dir(tmp_path))
     with pytest.raises(
         ValueError,
-        match=r"preflight .*'mix\.weight' is used by the forward of the top-level model.*"
-        r"zeros.*model\.params = \[",
+        match=r"preflight .*'logit_bias' is owned by the model's top-level .*'mix\.weight' is used by the forward "
+        r"of the top-level model.*zeros.*model\.params = \[",
     ) as info:
         check_model(path, None, trust_remote_code=True, self_check=False)
-    assert "\n" not in str(info.value)
-    check_model(path, ["model.*", "lm_head.weight"], trust_remote_code=True, self_check=False)
+    msg = str(info.value)
+    assert "\n" not in msg and "2 selected parameters" in msg
+    selection = ast.literal_eval(msg.split("model.params = ")[1])
+    assert "model.layers.*.mlp.up_proj.weight" in selection and "mix.weight" not in selection
+    check_model(path, selection, trust_remote_code=True, self_check=False)
 
 
 def test_check_model_reports_the_generic_path(tmp_path):

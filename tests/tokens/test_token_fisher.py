@@ -423,3 +423,17 @@ def test_cuda_matches_cpu():
     for mode, want in cpu.items():
         got = token_fisher(model, layout, input_ids.cuda(), attention_mask.cuda(), PROMPT_LEN, RESPONSE_LEN, mode, 4, 2)
         assert _rel(got["fisher_sum"].cpu(), want["fisher_sum"]) < 1e-4, mode
+
+
+def test_embedding_output_updated_in_place_is_exact():
+    """A forward that scales the embedding output in place (Gemma's ``inputs_embeds *= √d``) keeps the token
+    Fisher exact: the engine hands the model a copy of its graph root, never a leaf that requires grad."""
+    torch.set_num_threads(1)
+    model = _tiny_llama(False, seed=4)
+    model.model.layers[0].register_forward_pre_hook(lambda layer, args: args[0].mul_(1.5))
+    layout = select_parameters(model)
+    input_ids, attention_mask = _batch(seed=6)
+    ref = _reference(model, layout, input_ids)
+    exact = token_fisher(model, layout, input_ids, attention_mask, PROMPT_LEN, RESPONSE_LEN, "exact")
+    f = (ref["p"][..., None] * ref["g"].square()).sum(2)  # (B, T, P)
+    assert _rel(exact["fisher_sum"], f.sum((0, 1))) < 1e-5
