@@ -46,7 +46,9 @@ from storage.schema import STATS
 from storage.schema import TRAJECTORY as STORE
 from storage.stores.trajectory import (
     checkpoint_name,
+    column_scratch,
     create_changed,
+    drop_scratch,
     drop_state,
     finish_store,
     read_records,
@@ -107,7 +109,8 @@ def _step(
     del start
     bound = spec.regime is None or spec.regime.kind != "sft_sampled"
     start_flat = stepper.flat(layout)
-    tracker = ChangeTracker(layout, start_flat, opt, step_zero_stats(store, spec, up), bound)
+    scratch = column_scratch(store, ref)
+    tracker = ChangeTracker(layout, start_flat, opt, step_zero_stats(store, spec, up), bound, scratch=scratch)
     reference = load_models(store, up["base_model"], "policy", spec.policy)[0].float()
     reference = bf16_rounded(reference).to(stored_dtype(s.precision))
     source = step_source(store, spec, up, tokenizer, loss)
@@ -122,7 +125,7 @@ def _step(
         load_trajectory_state(state, stepper, tracker, s.seed)
         del state
     saved = set(checkpoint_steps(s.steps, s.checkpoint_ratio))
-    with progress_bar(f"trajectory {ref.key[:8]}", s.steps, unit="step") as bar:
+    with tracker, progress_bar(f"trajectory {ref.key[:8]}", s.steps, unit="step") as bar:
         bar.update(stepper.step)
         for rec in run_trajectory(stepper, source, layout, s.steps, tracker, reference):
             t = rec["step"]
@@ -135,7 +138,6 @@ def _step(
             if t % s.state_every == 0 or t == s.steps:
                 write_state(store, ref, trajectory_state(stepper, tracker, s.seed))
             bar.update(1)
-    tracker.close()
     return layout
 
 
@@ -164,6 +166,7 @@ def _finish(store: ArtifactStore, ref: ArtifactRef, spec: TrajectorySpec, layout
     }
     write_summary(store, ref, g, layout, summary)
     drop_state(store, ref)
+    drop_scratch(store, ref)
     fractions = summary["frac_changed_step_mean"], summary["frac_changed_cum_final"]
     log.info("trajectory %s: %d steps, per-step changed %.4f, cumulative %.4f", ref.key, s.steps, *fractions)
     return summary

@@ -89,12 +89,54 @@ def sort_key(values: np.ndarray, largest: bool) -> np.ndarray:
     return key
 
 
-def _order(values: np.ndarray, largest: bool, groups: np.ndarray | None) -> np.ndarray:
-    """(n,) the columns sorted by (group, key, column): each group's columns in rank order, groups ascending."""
-    key = sort_key(values, largest)
-    if groups is None:
+def _by_key(key: np.ndarray, float32: bool) -> np.ndarray:
+    """(n,) int64 the positions of ``key`` (n,) float64 (:func:`sort_key`) sorted by (key, position), exactly as
+    a stable argsort orders them, from unique 64-bit integer keys that an unstable sort orders fast: the key
+    rounded to float32 (a monotone map), its bits made order-preserving (sign bit flipped, negative values' bits
+    inverted, −0 made +0) in the high 32 bits, the position in the low 32. Unless the keys are exact in float32
+    (``float32``), runs of equal float32 keys are then re-sorted by (float64 key, position)."""
+    n = key.shape[0]
+    if n >= 2**32:
         return np.argsort(key, kind="stable")
-    return np.lexsort((key, groups))
+    k32 = key.astype(np.float32)
+    k32[k32 == 0] = 0.0  # −0 ties with +0
+    bits = k32.view(np.uint32)
+    ordered = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(1 << 31)).astype(np.uint64)
+    del k32, bits
+    ordered <<= np.uint64(32)
+    ordered |= np.arange(n, dtype=np.uint64)
+    ordered.sort()
+    order = (ordered & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    if float32:
+        return order
+    high = ordered >> np.uint64(32)
+    del ordered
+    tie = high[1:] == high[:-1]  # (n - 1,) sorted position i + 1 has the float32 key of position i
+    del high
+    if tie.any():
+        tied = np.zeros(n, dtype=bool)
+        tied[1:] |= tie
+        tied[:-1] |= tie
+        run = np.cumsum(np.concatenate([[True], ~tie]))  # (n,) run of equal float32 keys of each sorted position
+        at = np.flatnonzero(tied)
+        cols = order[at]
+        order[at] = cols[np.lexsort((cols, key[cols], run[at]))]
+    return order
+
+
+def _order(values: np.ndarray, largest: bool, groups: np.ndarray | None) -> np.ndarray:
+    """(n,) the columns sorted by (group, key, column): each group's columns in rank order, groups ascending
+    (the order of a stable argsort of :func:`sort_key` within groups, computed by :func:`_by_key`)."""
+    float32 = np.asarray(values).dtype == np.float32
+    if groups is None:
+        return _by_key(sort_key(values, largest), float32)
+    by_group = np.argsort(groups, kind="stable")
+    bounds = np.flatnonzero(np.diff(groups[by_group])) + 1
+    v = np.asarray(values).reshape(-1)
+    for part in np.split(np.arange(by_group.shape[0]), bounds):
+        cols = by_group[part]
+        by_group[part] = cols[_by_key(sort_key(v[cols], largest), float32)]
+    return by_group
 
 
 def _bucket_of(ranks: np.ndarray, sizes: np.ndarray) -> np.ndarray:

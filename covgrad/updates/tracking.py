@@ -353,6 +353,12 @@ class ChangeTracker:
         """Remove the column files (the tracker records nothing more)."""
         self.files.close()
 
+    def __enter__(self) -> ChangeTracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def state_dict(self) -> dict:
         """Plain dict of tensors, ints and floats (steps, previous weights, counts, last set, rule unions and the
         learning-rate sums; the drift model's crossings follow from the sums)."""

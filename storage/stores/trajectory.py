@@ -11,6 +11,7 @@ Layout of ``{root}/trajectory/{key}/``:
 - ``state/step_{t:06d}.pt``: the newest resume state (``torch.save`` of a plain dict of tensors and ints),
   written atomically; older ones are deleted once a newer one exists, the last one when the stage ends.
 - ``checkpoints/step_{t:06d}/``: Hugging Face checkpoints (model and tokenizer) at the configured steps.
+- ``scratch/``: the tracker's column files while the run steps (removed before the marker).
 - ``deltas/start.npy`` and ``deltas/step_{t:06d}.npy``: the run's change trace, the raw bits of the stored dtype
   (bf16: uint16, float32: uint32; numpy has no bfloat16): the start weights (P,) and, per step, the new values
   of the step's changed set in index order (its indices are the ``changed`` row). The k-step arrays
@@ -47,6 +48,7 @@ STATE_DIR = "state"
 RECORDS_DIR = "records"
 CHECKPOINTS_DIR = "checkpoints"
 DELTAS_DIR = "deltas"
+SCRATCH_DIR = "scratch"
 
 
 def fixed_batches(ro: Any, groups_per_batch: int, r: RegimeSection | None) -> list[dict[str, torch.Tensor]]:
@@ -76,6 +78,26 @@ def checkpoint_name(step: int) -> str:
 def rank_label(rank: int, ranks: int) -> str:
     """The name of rank ``rank`` of ``ranks``' resume states (a group of another size does not read them)."""
     return f"rank{rank}-of-{ranks}"
+
+
+def column_scratch(store: ArtifactStore, ref: ArtifactRef) -> str | None:
+    """Where the tracker's column files go (``covgrad.updates.columns.ColumnFiles``): ``scratch/`` of a local
+    artifact, emptied first (a killed run's files are never read again; ``covgrad gc`` removes a partial artifact
+    with them); None for a remote store (the system's temporary directory)."""
+    if not store.local:
+        return None
+    d = store.path(ref, SCRATCH_DIR)
+    if store.fs.exists(d):
+        store.fs.rm(d, recursive=True)
+    store.fs.makedirs(d, exist_ok=True)
+    return d
+
+
+def drop_scratch(store: ArtifactStore, ref: ArtifactRef) -> None:
+    """Delete the artifact's ``scratch/`` (before its marker)."""
+    d = store.path(ref, SCRATCH_DIR)
+    if store.local and store.fs.exists(d):
+        store.fs.rm(d, recursive=True)
 
 
 def _state_name(step: int, rank: str | None = None) -> str:
