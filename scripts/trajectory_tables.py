@@ -118,7 +118,7 @@ def predictor_rows(items: list[tuple[str, xr.Dataset, Path]], steps: list[int]) 
                 key = f"cum_{p}_precision"
                 if key in ds:
                     row[p] = float(ds[key].values[t - 1])
-            for rule in ("drift", "absorb"):
+            for rule in ("drift_rule", "absorb"):
                 if f"cum_{rule}_precision" in ds:
                     pr, rc = ds[f"cum_{rule}_precision"].values[t - 1], ds[f"cum_{rule}_recall"].values[t - 1]
                     row[f"{rule} rule P / R"] = f"{pr:.3f} / {rc:.3f}"

@@ -103,7 +103,9 @@ GLOSSARY: dict[str, str] = {
     "absrho": "predictor: the changed-set-sized top set by |ρ|",
     "F": "predictor: the changed-set-sized top set by F",
     "drift": "predictor: the changed-set-sized top set by c/h(w_0), Adam's expected move per step (c from |ρ| "
-    "and the samples per step) over half the bf16 gap at w_0; as a rule, where the drift model's reach crosses it",
+    "and the samples per step) over half the bf16 gap at w_0",
+    "drift_rule": "rule: the steps at which the drift model's reach √((Σlr·c)² + Σlr²(1 − c²)) crosses the next "
+    "midpoint w_0 ± h, ± 3h, … between bf16 neighbours",
     "k": "window length in optimizer steps",
     "d_k": "fraction of parameters whose stored value at step t + k differs from step t, mean over windows t",
     "independent": "d_k if every step changed an independent random set of its size: 1 − Π(1 − d_1) over the window",

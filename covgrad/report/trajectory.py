@@ -17,7 +17,7 @@ from covgrad.report.plots import _png
 STORE = "trajectory.zarr"
 PREDICTORS = ("F", "absG", "absrho", "drift", "smallw", "random", "tensor_random")
 PLOTTED = ("F", "absG", "drift", "smallw", "random")  # the predictor panels: statistics against the baselines
-RULES = ("absorb", "bound", "drift")
+RULES = ("absorb", "bound", "drift_rule")
 PERSIST_KS = (1, 2, 4, 8)
 
 

@@ -34,7 +34,7 @@ RANKED = ("F", "absG", "absrho", "drift", "smallw", "random", "tensor_random")
 DECILE_PREDICTORS = ("F", "absG", "absrho", "drift", "random")
 
 
-RULES = ("absorb", "bound", "drift")
+RULES = ("absorb", "bound", "drift_rule")
 
 
 SET_STATS = ("precision", "recall", "jaccard", "size")
@@ -81,6 +81,28 @@ def half_spacing(w: torch.Tensor) -> torch.Tensor:
     up = torch.nextafter(w, torch.tensor(math.inf)).double() - w.double()
     down = w.double() - torch.nextafter(w, torch.tensor(-math.inf)).double()
     return torch.minimum(up, down) / 2
+
+
+_BF16_HALF: np.ndarray | None = None
+
+
+def half_spacing_fast(w: torch.Tensor) -> torch.Tensor:
+    """:func:`half_spacing` (float64, same values): for bf16 a lookup of the 65,536 bit patterns' half gaps
+    (:func:`bf16_half_spacing` of each, built once), one gather instead of the bit arithmetic; ValueError for
+    inf or NaN entries."""
+    global _BF16_HALF
+    if w.dtype != torch.bfloat16:
+        return half_spacing(w)
+    if _BF16_HALF is None:
+        patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        finite = torch.isfinite(patterns)
+        table = torch.full((1 << 16,), math.nan, dtype=torch.float64)
+        table[finite] = bf16_half_spacing(patterns[finite]).double()
+        _BF16_HALF = table.numpy()
+    h = _BF16_HALF[w.view(torch.int16).numpy().view(np.uint16)]
+    if np.isnan(h).any():
+        raise ValueError("bf16_half_spacing: bf16(w) has inf or NaN entries; pass finite weights within bf16 range")
+    return torch.from_numpy(h)
 
 
 def value_bits(values: torch.Tensor) -> np.ndarray:
@@ -286,7 +308,7 @@ class ChangeTracker:
             self.files.write("F", _stat(stats.F, n, "F").astype(np.float64))
         self.drift = optimizer.name != "sgd" and stats is not None and stats.samples_per_step > 0
         if self.drift:
-            self.rules = (*self.rules, "drift")
+            self.rules = (*self.rules, "drift_rule")
         self.union = {r: np.zeros(n, dtype=bool) for r in self.rules}
         self._rank(start, stats)
 
@@ -326,7 +348,7 @@ class ChangeTracker:
             elif name == "tensor_random":
                 v = random_values(seed, P, self.shard.index)
                 self.rankings[name] = Ranking.build(
-                    self.files, name, v, True, self._tensor_of(0, n), tensor_sizes, ranker
+                    self.files, name, v, True, self._tensor_at(np.arange(n)), tensor_sizes, ranker
                 )
             elif name in values:
                 v, largest = values[name][0](), values[name][1]
@@ -337,10 +359,10 @@ class ChangeTracker:
                     )
                 del v
 
-    def _tensor_of(self, lo: int, hi: int) -> np.ndarray:
-        """(hi − lo,) int32 the layout tensor of the tracker's columns [lo, hi)."""
+    def _tensor_at(self, positions: np.ndarray) -> np.ndarray:
+        """(m,) int32 the layout tensor of the tracker's columns at ``positions`` (m,) int (its own, 0..n−1)."""
         index = self.shard.index
-        cols = np.arange(lo, hi, dtype=np.int64) if index is None else index[lo:hi]
+        cols = positions if index is None else index[positions]
         return np.searchsorted(self._ends, cols, side="right").astype(np.int32)
 
     def _start(self, lo: int, hi: int) -> torch.Tensor:
@@ -394,21 +416,30 @@ class ChangeTracker:
     ) -> dict[str, torch.Tensor]:
         """(hi − lo,) bool predicted step sets at columns [lo, hi) from the weights ``prev`` before the step and
         its gradient ``grad`` there: ``absorb`` SGD lr·|ĝ| ≥ h(w), Adam/AdamW lr·|ĝ|/(|ĝ| + eps) ≥ h(w) (their
-        first step); ``bound`` (SGD) lr·adv_rms·√F ≥ h(w); ``drift`` (Adam/AdamW) the step at which the drift
+        first step); ``bound`` (SGD) lr·adv_rms·√F ≥ h(w); ``drift_rule`` (Adam/AdamW) the step at which the drift
         model's reach (:func:`drift_reach` at the learning-rate sums including this step's) crosses w_0 ± h,
         ± 3h, … (its cumulative set: reach ≥ h(w_0)); h = :func:`half_spacing` in the stored dtype, float64."""
-        h = half_spacing(prev)
-        g = grad.double().abs()
-        step = lr * g if self.spec.name == "sgd" else lr * g / (g + ADAM_EPS)
-        masks = {"absorb": step >= h}
+        h = half_spacing_fast(prev)
+        if self.spec.name == "sgd":
+            masks = {"absorb": lr * grad.double().abs() >= h}
+        else:  # lr·|ĝ|/(|ĝ| + eps) < lr: only columns with h ≤ lr can be absorbed
+            masks = {"absorb": torch.zeros(h.shape, dtype=torch.bool)}
+            at = torch.nonzero(h <= lr).squeeze(1)
+            g = grad[at].double().abs()
+            masks["absorb"][at] = lr * g / (g + ADAM_EPS) >= h[at]
         if "bound" in self.rules:
             F = torch.from_numpy(self.files.read("F", lo, hi))
             masks["bound"] = lr * adv_rms * F.clamp(min=0).sqrt() >= h
         if self.drift:
-            c = torch.from_numpy(self.files.read("c", lo, hi))
-            h0 = half_spacing(self._start(lo, hi)).float()
-            before = self._crossings(c, h0, self.lr_sum, self.lr_sq_sum)
-            masks["drift"] = self._crossings(c, h0, self.lr_sum + lr, self.lr_sq_sum + lr * lr) > before
+            h0 = half_spacing_fast(self._start(lo, hi)).float()
+            masks["drift_rule"] = torch.zeros(h0.shape, dtype=torch.bool)
+            after = (self.lr_sum + lr, self.lr_sq_sum + lr * lr)
+            # reach ≤ √(Σlr² + Σlr_j²) for any c: columns with h(w_0) beyond it cross no midpoint yet
+            at = torch.nonzero(h0.double() <= math.sqrt(after[0] ** 2 + after[1]) * (1 + 1e-9)).squeeze(1)
+            if at.numel():
+                c = torch.from_numpy(self.files.read("c", lo, hi))[at]
+                before = self._crossings(c, h0[at], self.lr_sum, self.lr_sq_sum)
+                masks["drift_rule"][at] = self._crossings(c, h0[at], *after) > before
         return masks
 
     def record(self, now: torch.Tensor, grad: torch.Tensor | None, lr: float, adv_rms: float) -> dict:
@@ -451,7 +482,7 @@ class ChangeTracker:
         )
         self.steps += 1
         rec["persist_hist"] = next(sums)[: self.steps + 1]
-        ranked = [self._ranked(true[s], rec[f"n_changed_{s}"], tensor_k[s], decile_k[s]) for s in SCOPES]
+        ranked = self._ranked(true, {s: rec[f"n_changed_{s}"] for s in SCOPES}, tensor_k, decile_k)
         for scope, part in zip(SCOPES, self._split(self.shard.total(np.concatenate(ranked)), ranked), strict=True):
             n_true = rec[f"n_changed_{scope}"]
             rec.update(self._metrics(scope, part, n_true, rule_counts[scope], decile_k[scope]))
@@ -466,13 +497,13 @@ class ChangeTracker:
     ) -> list[np.ndarray]:
         """One pass over the columns in chunks: fills the step and cumulative sets ``true`` ((n,) bool each),
         updates the rule unions and the change counts; returns the tracker's counts to sum over the shards, in
-        the order :meth:`record` reads them."""
+        the order :meth:`record` reads them. What depends on |Δ| (thresholds, sign flips, tensors, deciles) is
+        counted on each set's columns only: elsewhere Δ = 0."""
         E, rules = len(self.layout.entries), self._rules_of(grad)
-        T = len(THRESHOLDS)
         acc = {
             scope: {
                 "n": np.zeros(2, dtype=np.int64),
-                "above": np.zeros(T, dtype=np.int64),
+                "above": np.zeros(len(THRESHOLDS), dtype=np.int64),
                 "tensor": np.zeros(E, dtype=np.int64),
                 "decile": np.zeros(N_DECILES, dtype=np.int64),
                 **{r: np.zeros(2, dtype=np.int64) for r in rules},
@@ -485,24 +516,26 @@ class ChangeTracker:
             hi = min(self.n, lo + self.chunk)
             nw, pv, st = now[lo:hi], self.prev[lo:hi], self._start(lo, hi)
             sets = {"step": (nw != pv).numpy(), "cum": (nw != st).numpy()}
-            tensor_of, decile = self._tensor_of(lo, hi), self.files.read("decile", lo, hi)
             masks = self.rule_masks(lo, hi, pv, grad[lo:hi], lr, adv_rms) if grad is not None else {}
             for r, m in masks.items():
                 self.union[r][lo:hi] |= m.numpy()
-            nw32 = nw.float()
+            decile = self.files.read("decile", lo, hi)
             for scope, base in (("step", pv), ("cum", st)):
-                s, a, base32 = sets[scope], acc[scope], base.float()
+                s, a = sets[scope], acc[scope]
                 true[scope][lo:hi] = s
-                delta = (nw32 - base32).abs()
-                a["n"] += [np.count_nonzero(s), count(torch.sign(nw32) != torch.sign(base32))]
+                at = np.flatnonzero(s)
+                rows = torch.from_numpy(at)
+                new32, old32 = nw[rows].float(), base[rows].float()
+                delta = (new32 - old32).abs()
+                a["n"] += [at.shape[0], count(torch.sign(new32) != torch.sign(old32))]
                 a["above"] += [count(delta > t) for t in THRESHOLDS]
-                a["tensor"] += np.bincount(tensor_of[s], minlength=E)
-                a["decile"] += np.bincount(decile[s], minlength=N_DECILES)
+                a["tensor"] += np.bincount(self._tensor_at(lo + at), minlength=E)
+                a["decile"] += np.bincount(decile[at], minlength=N_DECILES)
                 for r, m in masks.items():
                     pred = m.numpy() if scope == "step" else self.union[r][lo:hi]
-                    a[r] += [np.count_nonzero(pred), np.count_nonzero(pred & s)]
+                    a[r] += [np.count_nonzero(pred), np.count_nonzero(pred[at])]
             last = self.last[lo:hi]
-            last_counts += [np.count_nonzero(last), np.count_nonzero(sets["step"] & last)]
+            last_counts += [np.count_nonzero(last), np.count_nonzero(last[sets["step"]])]
             self.counts[lo:hi] += sets["step"]
             hist += np.bincount(self.counts[lo:hi], minlength=self.steps + 2)
         local: list[np.ndarray] = []
@@ -516,29 +549,39 @@ class ChangeTracker:
         """``values`` cut into pieces of the lengths of ``like``'s arrays."""
         return np.split(values, np.cumsum([len(x) for x in like])[:-1])
 
-    def _ranked(self, true: np.ndarray, k: int, tensor_k: np.ndarray, decile_k: np.ndarray) -> np.ndarray:
-        """The tracker's |pred ∩ true| counts at the changed set ``true`` (n,): each ranked predictor's at k
-        (tensor_random at each tensor's changed count ``tensor_k`` (E,)), then each decile predictor's at every
-        decile's changed count ``decile_k`` (N_DECILES,); int64."""
-        jobs = [(r, np.asarray([k]), None) for name, r in self.rankings.items() if name != "tensor_random"]
+    def _ranked(
+        self, true: dict[str, np.ndarray], k: dict[str, int], tensor_k: dict[str, np.ndarray], decile_k: dict
+    ) -> list[np.ndarray]:
+        """Per scope, the tracker's |pred ∩ true| counts at the changed set ``true[scope]`` (n,): each ranked
+        predictor's at k (tensor_random at each tensor's changed count ``tensor_k`` (E,)), then each decile
+        predictor's at every decile's changed count ``decile_k`` (N_DECILES,); int64. Each ranking's buckets
+        are read once for both scopes, and only at the sets' columns."""
+        jobs = [(r, None) for name, r in self.rankings.items() if name != "tensor_random"]
         if "tensor_random" in self.rankings:
-            jobs.append((self.rankings["tensor_random"], np.asarray(tensor_k), "tensor"))
-        jobs += [(r, np.asarray(decile_k), "decile") for r in self.decile_rankings.values()]
-        counts = [r.boundary(self.files, kk, true) for r, kk, _ in jobs]
-        thresholds = [r.thresholds(kk) for r, kk, _ in jobs]
+            jobs.append((self.rankings["tensor_random"], "tensor"))
+        jobs += [(r, "decile") for r in self.decile_rankings.values()]
+        sizes = {None: lambda s: np.asarray([k[s]]), "tensor": lambda s: tensor_k[s], "decile": lambda s: decile_k[s]}
+        thresholds = {s: [r.thresholds(sizes[g](s)) for r, g in jobs] for s in SCOPES}
+        counts = {s: [r.boundary(self.files, sizes[g](s), true[s]) for r, g in jobs] for s in SCOPES}
         for lo in range(0, self.n, self.chunk):
             hi = min(self.n, lo + self.chunk)
-            s = true[lo:hi]
-            if not s.any():
+            at = {s: np.flatnonzero(true[s][lo:hi]) for s in SCOPES}
+            if not any(a.shape[0] for a in at.values()):
                 continue
-            groups = {"tensor": self._tensor_of(lo, hi)[s], "decile": self.files.read("decile", lo, hi)[s], None: None}
-            for (r, _, grouping), b, c in zip(jobs, thresholds, counts, strict=True):
-                c += r.below(self.files.read(f"{r.name}.bucket", lo, hi)[s], groups[grouping], b)
-        by_name = dict(zip([r.name for r, _, _ in jobs], counts, strict=True))
-        out = [int(by_name[name].sum()) for name in RANKED if name in self.rankings]
-        for name in self.decile_rankings:
-            out.extend(by_name[f"decile_{name}"].tolist())
-        return np.asarray(out, dtype=np.int64)
+            decile = self.files.read("decile", lo, hi)
+            groups = {s: {"tensor": self._tensor_at(lo + at[s]), "decile": decile[at[s]], None: None} for s in SCOPES}
+            for j, (r, grouping) in enumerate(jobs):
+                bucket = self.files.read(f"{r.name}.bucket", lo, hi)
+                for s in SCOPES:
+                    counts[s][j] += r.below(bucket[at[s]], groups[s][grouping], thresholds[s][j])
+        out = []
+        for s in SCOPES:
+            by_name = dict(zip([r.name for r, _ in jobs], counts[s], strict=True))
+            part = [int(by_name[name].sum()) for name in RANKED if name in self.rankings]
+            for name in self.decile_rankings:
+                part.extend(by_name[f"decile_{name}"].tolist())
+            out.append(np.asarray(part, dtype=np.int64))
+        return out
 
     def _metrics(self, scope: str, both: np.ndarray, k: int, rules: dict[str, list[int]], decile_k: np.ndarray) -> dict:
         """One scope's set metrics: the ranked predictors' and the deciles' from the summed counts of

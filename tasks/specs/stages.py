@@ -290,16 +290,19 @@ class TrajectorySpec(StageSpec):
     ``revisions``: the code revisions since keys existed that change its fresh samples' advantages (derived)."""
 
     STAGE: ClassVar[str] = "trajectory"
-    # 2: the change trace (deltas/), the k-step arrays, the Adam drift predictor and rule, the trainer's step options
-    VERSION: ClassVar[str] = "2"
+    # 2: the change trace (deltas/), the k-step arrays, the Adam drift predictor and rule, the trainer's step options;
+    # 3: the drift rule's records as {step,cum}_drift_rule_* (the ranked drift predictor's had been overwritten)
+    VERSION: ClassVar[str] = "3"
     PLACEMENT: ClassVar[frozenset[str]] = frozenset({"placement", TRUST})
-    # the grid (its cells are planned one by one), the external run (checkpoints, then delta traces) and the regime
-    # arrived later; an rl trajectory's key is the one it had before trajectories stepped other regimes
+    # the grid (its cells are planned one by one), the external run (checkpoints, then delta traces, then its
+    # tracker history) and the regime arrived later; an rl trajectory's key is the one it had before trajectories
+    # stepped other regimes
     settings: Annotated[
         TrajectorySection,
         Later({}, at="grid"),
         Later(None, at="checkpoints"),
         Later(None, at="deltas"),
+        Later(None, at="history"),
         Later(None, at="regime", when="regime"),
     ]
     params: list[str] | None

@@ -358,7 +358,7 @@ def test_predictor_metrics_equal_a_numpy_brute_force(layout, precision, name, sa
             lr_sum, lr_sq = lr_sum + lr, lr_sq + lr * lr
             reach = np.sqrt((lr_sum * c32) ** 2 + lr_sq * (1.0 - c32 * c32))
             now_crossings = np.floor(np.minimum((reach / h32 + 1.0) / 2.0, 2.0**30)).astype(np.int64)
-            rules["drift"] = now_crossings > crossings
+            rules["drift_rule"] = now_crossings > crossings
             crossings = now_crossings
         for r, m in rules.items():
             union[r] = union.get(r, np.zeros(layout.P, dtype=bool)) | m
