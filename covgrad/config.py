@@ -97,10 +97,17 @@ class ModelSection(Section):
     path: str | None = Field(None, description="local Hugging Face causal-LM directory; unset: the built-in demo")
     trust_remote_code: bool = Field(False, description="allow the model directory's own modelling code")
     dtype: Dtype = Field("float32", description="dtype the policy is loaded in")
+    max_length: int | None = Field(
+        None,
+        ge=1,
+        description="the policy's context in tokens (prompt plus response), for a model whose config.json gives no "
+        "max_position_embeddings (or n_positions, ...) and whose tokenizer no model_max_length (state-space and "
+        "some older families); ignored for a model that tells its own; unset: such a model is refused",
+    )
     params: list[str] | None = Field(
         None,
         description="parameter names or glob patterns analysed by scores, tokens and the update check; "
-        "unset: every trainable one",
+        "unset: every trainable one (of a multimodal checkpoint, the language model's)",
     )
     device: Device = Field("auto", description="where scores and tokens compute; auto: cuda when visible")
     self_check: bool = Field(
@@ -550,8 +557,15 @@ class TrajectorySection(Section):
     )
     deltas: str | None = Field(
         None,
-        description="analyse an external run from grail's delta trace instead: a folder of delta_NNNNNN.pt files "
-        "beside the start weights (base_weights.pt), which are model.path's",
+        description="analyse an external run from a weight-delta trace instead: grail's delta_NNNNNN.pt files beside "
+        "base_weights.pt, TRL's async-GRPO anchors/ and deltas/, or slime's weight_vNNNNNN/ folders (the format is "
+        "detected; docs/formats.md); the start weights are model.path's",
+    )
+    history: str | None = Field(
+        None,
+        description="with checkpoints: the run's logged history (lr, loss, grad norm, KL, reward, rollout-mismatch "
+        "metrics per step): verl's file-logger JSONL, a TensorBoard event folder or file, or a trainer_state.json "
+        "(format detected; docs/formats.md); with every step's lr the Adam drift rule runs",
     )
     grid: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="named cells overriding these fields, one trajectory each; none by default"
@@ -584,6 +598,15 @@ class TrajectorySection(Section):
             raise ValueError(
                 f"trajectory.checkpoints {self.checkpoints!r} and trajectory.deltas {self.deltas!r} are both set; "
                 "an external run is read from one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _history_of_external_run(self) -> "TrajectorySection":
+        if self.history is not None and self.checkpoints is None:
+            raise ValueError(
+                f"trajectory.history {self.history!r} is the logged history of a checkpoint series; set "
+                "trajectory.checkpoints to the run it belongs to (a grail delta trace's steps are not the trainer's)"
             )
         return self
 
@@ -729,6 +752,18 @@ class DaskSection(Section):
     address: str | None = Field(None, description="dask.distributed scheduler address; unset: threads in-process")
 
 
+class TrackersSection(Section):
+    """Experiment trackers that ``covgrad run`` logs the run's scalars to after its stages (docs/formats.md): the
+    headline statistics at step 0 and every trajectory's per-step metrics at the run's own steps, tags under
+    ``covgrad/``. Each is an optional extra; none by default."""
+
+    tensorboard: str | None = Field(
+        None,
+        description="a folder for TensorBoard event files, one subfolder <name>-<run key> per run (extra "
+        "tensorboard: pip install 'covgrad[tensorboard]'); unset: no TensorBoard logging",
+    )
+
+
 class PipelineConfig(Section):
     """Everything one pipeline run needs. ``root`` is a local path or an fsspec URL."""
 
@@ -743,6 +778,7 @@ class PipelineConfig(Section):
     update_check: UpdateCheckSection = UpdateCheckSection()
     trajectory: TrajectorySection = TrajectorySection()
     dask: DaskSection = DaskSection()
+    trackers: TrackersSection = TrackersSection()
     regimes: dict[str, RegimeSection] = Field(
         default_factory=dict, description="analysed post-training objectives by name (docs/regimes.md); none by default"
     )

@@ -118,12 +118,15 @@ class ParamLayout:
 
 
 def select_parameters(model: nn.Module, patterns: Sequence[str] | None = None) -> ParamLayout:
-    """Layout of the trainable parameters whose names match any glob in ``patterns`` (all if None).
+    """Layout of the trainable parameters whose names match any glob in ``patterns`` (if None: every one of
+    the language model, :func:`language_parameters`).
 
     Raises ValueError naming the pattern when a pattern matches no trainable parameter.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if patterns:
+    if not patterns:
+        named = language_parameters(model, named)
+    else:
         for pat in patterns:
             if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named):
                 raise ValueError(
@@ -139,6 +142,20 @@ def select_parameters(model: nn.Module, patterns: Sequence[str] | None = None) -
         entries.append(TensorEntry(name, offset, p.numel(), tuple(p.shape), str(p.dtype).removeprefix("torch.")))
         offset += p.numel()
     return ParamLayout(tuple(entries))
+
+
+def language_parameters(model: nn.Module, named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    """The (name, parameter) pairs of ``named`` that a text-only forward of ``model`` uses: for a multimodal
+    model (a config whose ``get_text_config()`` is a sub-config: Gemma 3 ``Gemma3ForConditionalGeneration``,
+    Gemma 3n, Gemma 4), those of its language model (``get_decoder()``) and output embedding, not its vision or
+    audio towers and projectors (no gradient without images or audio); ``named`` itself for any other model."""
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "get_text_config", None)
+    if text_config is None or text_config() is config or not hasattr(model, "get_decoder"):
+        return named
+    modules = [model.get_decoder(), model.get_output_embeddings()]
+    language = {id(p) for m in modules if m is not None for p in m.parameters()}
+    return [(n, p) for n, p in named if id(p) in language] or named
 
 
 def parameters_flat(model: nn.Module, layout: ParamLayout) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from covgrad.config import DemoModel
+from covgrad.rollouts.inputs import context_of, no_context
 from covgrad.rollouts.problems import DEMO_CONTEXT
 
 
@@ -77,11 +78,16 @@ def check_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, wher
         )
 
 
-def context_length(model: PreTrainedModel) -> int:
-    """The model's maximum sequence length (positions), from its config."""
-    cfg = model.config
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(cfg, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ValueError(f"cannot tell the context length of {type(model).__name__}; its config has no max positions")
+def context_length(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, setting: int | None = None
+) -> int:
+    """The model's maximum sequence length (positions): from its config (a multimodal model's ``text_config``
+    included), else ``tokenizer``'s ``model_max_length`` unless unbounded, else ``setting`` (the run's
+    ``model.max_length``): :func:`covgrad.rollouts.inputs.context_of`.
+
+    Raises ValueError (one line naming ``model.max_length``) when none of them tells it.
+    """
+    limit = context_of(model.config.to_dict(), getattr(tokenizer, "model_max_length", None), setting)
+    if limit is None:
+        raise ValueError(no_context(type(model).__name__))
+    return limit

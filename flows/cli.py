@@ -259,7 +259,7 @@ def _prompt_tokens(cfg: Any) -> tuple[int, str]:
     from storage.stores.prompts import load_problems, prompt_lengths
 
     problems = load_problems(cfg.task)  # the prompts only: a plan imports no reward code
-    counted = prompt_lengths(cfg.model.path, problems)
+    counted = prompt_lengths(cfg.model.path, problems, cfg.model.max_length)
     if counted is None or not counted[0]:
         return 128, "assumed: no tokenizer.json to count the task's prompts"
     return max(counted[0]), f"longest of the task's {len(counted[0])} prompts"

@@ -13,6 +13,7 @@ from covgrad.config import PipelineConfig
 from flows.deployment import run_config
 from flows.preflight import preflight
 from flows.stop import rearm
+from flows.trackers import check_trackers, log_trackers
 from storage.artifacts import ArtifactStore
 from storage.runs import write_run_index
 from tasks.common import StageResult, cache_options
@@ -64,6 +65,7 @@ def covgrad_pipeline(config: PipelineConfig = PipelineConfig(), config_file: str
     rearm()  # `covgrad run`'s SIGINT/SIGTERM handler over the one Prefect's flow engine installed
     config = run_config(config, config_file)  # a deployment's partial config keeps its defaults
     preflight(config)  # bad input fails here, in one line, before any stage
+    check_trackers(config)  # so does a selected tracker whose extra is not installed
     p = plan(config)
     store = ArtifactStore(config.root)
     refs: dict[str, Any] = {}
@@ -84,4 +86,5 @@ def covgrad_pipeline(config: PipelineConfig = PipelineConfig(), config_file: str
         return result
 
     run_stages(p, run)
+    log_trackers(config, store, refs, p.run_key)  # the run's scalars to the selected trackers
     return {"run": p.run_key, "name": config.name, "root": config.root, "status": status}

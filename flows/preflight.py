@@ -20,34 +20,39 @@ from covgrad.rollouts import (
     check_context,
     check_unrewarded,
     convert,
+    no_context,
     parse_reward_fields,
     records_to_rollouts,
     rename_fields,
     require_mu_source,
 )
 from storage.inputs import PolicyRef, check_companion, check_input_file, check_pickle_free, check_series
-from storage.models import check_model_dir, warn_custom_code
+from storage.models import check_model_dir, model_context, warn_custom_code
 from storage.readers import read_located_records, unrewarded
 from storage.stores.external import delta_files
+from storage.stores.history import read_history
 from storage.stores.prompts import load_task, prompt_lengths, prompt_places
 
 
 def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
-    """Validate everything ``cfg`` points at, in this order: the policy's directory (with a warning line for one
-    that names custom code ``model.trust_remote_code`` does not run: ``storage.models.warn_custom_code``; weights
-    that need pickle refused), the input files (:func:`check_input_files`), every other model directory against the
-    policy (:func:`check_companions`), imported rollouts and their μ source (none for a dataset of responses), that a
-    dataset without rewards is not analysed and is folded only by sft regimes
-    (``covgrad.rollouts.inputs.check_unrewarded``), the regimes' inputs, the task file and its reward (one outside
-    ``covgrad.rewards`` only with ``task.trust_reward_code``), that the prompts fit the policy's context with every
-    generating sampler's ``max_new_tokens``, an external run's checkpoints or delta trace
-    (:func:`check_external_runs`), and (``architecture``, a user model) that per-sample scores support every selected
-    parameter (``covgrad.scores.preflight.check_model``: seconds, imports torch).
+    """Validate everything ``cfg`` points at, in this order: the policy's directory (a model
+    ``AutoModelForCausalLM`` builds, with a warning line for one that names custom code ``model.trust_remote_code``
+    does not run: ``storage.models.warn_custom_code``; weights that need pickle refused; a context its config, its
+    tokenizer or ``model.max_length`` tells: ``storage.models.model_context``), the input files
+    (:func:`check_input_files`), every other model directory against the policy (:func:`check_companions`), imported
+    rollouts and their μ source (none for a dataset of responses), that a dataset without rewards is not analysed
+    and is folded only by sft regimes (``covgrad.rollouts.inputs.check_unrewarded``), the regimes' inputs, the task
+    file and its reward (one outside ``covgrad.rewards`` only with ``task.trust_reward_code``), that the prompts fit
+    the policy's context with every generating sampler's ``max_new_tokens``, an external run's checkpoints or delta
+    trace (:func:`check_external_runs`), and (``architecture``, a user model) that per-sample scores support every
+    selected parameter (``covgrad.scores.preflight.check_model``: seconds, imports torch).
     Raises ValueError or FileNotFoundError with a one-line message naming the bad value."""
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path, "model.path")
         warn_custom_code(cfg.model.path, cfg.model.trust_remote_code)
         check_pickle_free(cfg.model.path, "model.path")
+        if model_context(cfg.model.path, cfg.model.max_length) is None:
+            raise ValueError(no_context(f"model.path {cfg.model.path!r}"))
     check_input_files(cfg)
     policy = PolicyRef.of(cfg.model.path, cfg.model.demo)
     check_companions(cfg, policy)
@@ -63,8 +68,8 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
         check_regime_inputs(cfg)
     problems, _ = load_task(cfg.task)
     generating = {name: s for name, s in cfg.rollouts.samplers.items() if s.import_path is None}
-    counted = prompt_lengths(cfg.model.path, problems) if generating else None
-    if counted is not None:
+    counted = prompt_lengths(cfg.model.path, problems, cfg.model.max_length) if generating else None
+    if counted is not None and counted[1] is not None:  # a user model's context: refused above when untold
         lengths, limit = counted
         where = prompt_places(cfg.task, len(problems))
         for name, s in generating.items():
@@ -108,7 +113,8 @@ def check_companions(cfg: PipelineConfig, policy: PolicyRef) -> None:
 def check_external_runs(cfg: PipelineConfig, policy: PolicyRef) -> None:
     """With the trajectory stage on, each trajectory's (``trajectory.grid`` cell's) external run: a checkpoint
     series of the policy's architecture and vocabulary (``storage.inputs.check_series``), or a delta trace's folder,
-    files and start weights (``storage.stores.external.delta_files``)."""
+    files and start weights (``storage.stores.external.delta_files``); its logged history, read whole
+    (``storage.stores.history.read_history``)."""
     if not cfg.trajectory.enabled:
         return
     cells = cfg.trajectory.cells().values()
@@ -116,6 +122,8 @@ def check_external_runs(cfg: PipelineConfig, policy: PolicyRef) -> None:
         check_series(path, "trajectory.checkpoints", policy)
     for path in dict.fromkeys(t.deltas for t in cells if t.deltas is not None):
         delta_files(path)
+    for path in dict.fromkeys(t.history for t in cells if t.history is not None):
+        read_history(path)
 
 
 def check_demo_selection(cfg: PipelineConfig) -> None:
@@ -136,12 +144,14 @@ def check_demo_selection(cfg: PipelineConfig) -> None:
 
 
 def _vocab_size(cfg: PipelineConfig) -> int:
-    """The policy's vocabulary size from its config.json; unbounded (the stage checks ids) when it does not say
-    or for the demo, whose tokenizer is not built here (the preflight stays fast)."""
+    """The policy's vocabulary size from its config.json (a multimodal model's ``text_config``'s); unbounded (the
+    stage checks ids) when it does not say or for the demo, whose tokenizer is not built here (the preflight stays
+    fast)."""
     if cfg.model.path is not None:
-        v = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("vocab_size")
-        if isinstance(v, int):
-            return v
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        for section in (config, config.get("text_config") or {}):
+            if isinstance(v := section.get("vocab_size"), int):
+                return v
     return 2**62
 
 

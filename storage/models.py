@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from storage.weights import check_weights
 
@@ -25,7 +28,8 @@ _WEIGHT_FILES = (
 
 def check_model_dir(path: str, what: str) -> None:
     """FileNotFoundError / ValueError naming ``path`` (as ``what``) unless it is a Hugging Face causal-LM
-    directory with complete weights; reads only config.json, the file listing and safetensors headers."""
+    directory (:func:`is_causal_lm`) with complete weights; reads only config.json, the file listing and
+    safetensors headers."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{what} {path!r} does not exist; give a Hugging Face model directory")
@@ -36,20 +40,70 @@ def check_model_dir(path: str, what: str) -> None:
         config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} {path!r}: config.json is not valid JSON ({exc.msg})") from None
-    archs = config.get("architectures") or []
-    if archs:
-        causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
-    else:  # no architectures listed: ask transformers' registry (the only case that imports it)
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        causal = config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if not causal:
+    if not is_causal_lm(config):
         raise ValueError(
-            f"{what} {path!r} is not a causal LM (model_type={config.get('model_type')!r}, architectures={archs})"
+            f"{what} {path!r} is not a causal LM (model_type={config.get('model_type')!r}, "
+            f"architectures={config.get('architectures') or []}): transformers' AutoModelForCausalLM does not "
+            "build it, or its weights are another head's"
         )
     if not any((root / w).is_file() for w in _WEIGHT_FILES):
         raise ValueError(f"{what} {path!r} has no weights ({', '.join(_WEIGHT_FILES)})")
     check_weights(root)
+
+
+def is_causal_lm(config: dict[str, Any]) -> bool:
+    """Whether ``AutoModelForCausalLM`` loads the model of config.json ``config`` with its own weights: its
+    ``auto_map`` names an ``AutoModelForCausalLM`` (custom code), or its ``model_type`` is in transformers'
+    mapping (:func:`causal_lm_classes`) and its ``architectures``, when listed, hold a class with an LM head: one of
+    that mapping (``LlamaForCausalLM``, ``Gemma3ForConditionalGeneration``) or a name an older transformers gave
+    one (``…ForCausalLM``, ``…LMHeadModel``); not ``LlamaForSequenceClassification``, whose checkpoint has no LM
+    head."""
+    auto_map = config.get("auto_map")
+    if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
+        return True
+    mapping = causal_lm_classes()
+    archs = config.get("architectures") or []
+    classes = set(mapping.values())
+    headed = not archs or any(a in classes or a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    return config.get("model_type") in mapping and headed
+
+
+@functools.cache
+def causal_lm_classes() -> dict[str, str]:
+    """transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (model_type -> the class ``AutoModelForCausalLM``
+    builds), read from the installed transformers' ``models/auto/modeling_auto.py`` without importing it (importing
+    transformers' auto classes imports torch: seconds, where a directory check takes milliseconds); imported when
+    that file does not hold it as a literal."""
+    spec = importlib.util.find_spec("transformers")
+    source = Path(spec.origin).parent / "models" / "auto" / "modeling_auto.py" if spec and spec.origin else None
+    if source is not None and source.is_file():
+        for node in ast.parse(source.read_text()).body:
+            names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            if "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES" in names and isinstance(node.value, ast.Call) and node.value.args:
+                try:
+                    return dict(ast.literal_eval(node.value.args[0]))
+                except (ValueError, TypeError):
+                    break
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def model_context(path: str, setting: int | None = None) -> int | None:
+    """The context (positions) of the model directory ``path``: its config.json's, else its
+    tokenizer_config.json's ``model_max_length`` unless unbounded, else ``setting`` (the run's
+    ``model.max_length``): :func:`covgrad.rollouts.inputs.context_of`, as the stages tell it from the loaded
+    model and tokenizer (:func:`covgrad.models.context_length`); None when none of them does."""
+    from covgrad.rollouts.inputs import context_of
+
+    root = Path(path)
+    config = json.loads((root / "config.json").read_text())
+    tok_file = root / "tokenizer_config.json"
+    try:
+        tok = json.loads(tok_file.read_text()) if tok_file.is_file() else {}
+    except json.JSONDecodeError:
+        tok = {}
+    return context_of(config, tok.get("model_max_length") if isinstance(tok, dict) else None, setting)
 
 
 _WARNED: set[str] = set()

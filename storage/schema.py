@@ -482,6 +482,11 @@ TRAJECTORY_VARS = {
         ("step", "count"), "int64", (WHOLE, WHOLE), "parameters changed in exactly count of the first step steps"
     ),
     "grad_norm": _per_step("float64", "global L2 norm of the step's gradient before clipping"),
+    "mismatch_{metric}": _per_step(
+        "float64",
+        "a rollout-mismatch metric the external run's trainer logged",
+        "trajectory.history; the summary's history.keys names the stack's metric (storage.stores.history)",
+    ),
     **PROGRESS,
     **TENSOR_TABLE,
     # k-step persistence (covgrad.updates.kstep): windows w_t -> w_{t+k}, t = 0..K-k (NaN past the end), per

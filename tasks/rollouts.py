@@ -70,7 +70,11 @@ def _generate(store: ArtifactStore, ref: ArtifactRef, spec: RolloutsSpec, base: 
     where = prompt_places(spec.task, len(problems))
     # preflight checked the same with tokenizer.json; this is the loaded tokenizer's word
     check_context(
-        [len(p) for p in prompts], where, s.max_new_tokens, context_length(policy), f"rollouts.samplers.{name}"
+        [len(p) for p in prompts],
+        where,
+        s.max_new_tokens,
+        context_length(policy, tokenizer, spec.policy.max_length),
+        f"rollouts.samplers.{name}",
     )
     G, T = s.group_size, s.max_new_tokens
     per_batch = max(1, s.batch_size // G)

@@ -72,8 +72,9 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
-        """Read the shape of a Hugging Face causal LM (weights may live on the meta device)."""
-        c = model.config
+        """Read the shape of a Hugging Face causal LM (weights may live on the meta device): a multimodal model's
+        sizes are its text model's (``get_text_config()``); a model without attention (state-space) has 0 heads."""
+        c = model.config.get_text_config()
         params = list(model.parameters())
         emb = model.get_input_embeddings().weight
         out = model.get_output_embeddings()
@@ -97,7 +98,7 @@ class ModelShape:
             hidden=c.hidden_size,
             intermediate=getattr(c, "intermediate_size", 4 * c.hidden_size),
             layers=c.num_hidden_layers,
-            heads=c.num_attention_heads,
+            heads=getattr(c, "num_attention_heads", 0),
             vocab=c.vocab_size,
             tied_embedding=name,
             chunked=chunked,

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from covgrad.rollouts.batch import RolloutBatch, group_batches
     from covgrad.rollouts.formats import convert, import_records, parse_reward_fields, rename_fields, without_rewards
     from covgrad.rollouts.imports import record_mismatch, records_to_rollouts, require_mu_source, verification_warning
-    from covgrad.rollouts.inputs import check_context, check_unrewarded, max_positions
+    from covgrad.rollouts.inputs import check_context, check_unrewarded, max_positions, no_context
     from covgrad.rollouts.mismatch import mismatch_metrics
     from covgrad.rollouts.problems import (
         DEMO_CONTEXT,
@@ -66,6 +66,7 @@ _EXPORTS = {
     "max_positions": "covgrad.rollouts.inputs",
     "mismatch_metrics": "covgrad.rollouts.mismatch",
     "mu_from_topk": "covgrad.rollouts.sampling",
+    "no_context": "covgrad.rollouts.inputs",
     "parse_reward_fields": "covgrad.rollouts.formats",
     "problems_from_records": "covgrad.rollouts.problems",
     "recompute_sampler_logp": "covgrad.rollouts.sampling",
@@ -105,6 +106,7 @@ __all__ = [
     "max_positions",
     "mismatch_metrics",
     "mu_from_topk",
+    "no_context",
     "parse_reward_fields",
     "problems_from_records",
     "recompute_sampler_logp",

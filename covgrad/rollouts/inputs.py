@@ -11,18 +11,67 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-_MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+_MAX_POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_ctx",
+    "context_length",
+)
+"""Config fields that give a model's context in positions, in the order they are read. A config's ``max_length``
+is not one of them: in older configs it is a generation default (20), not the context."""
+
+UNBOUNDED_TOKENIZER = 10**18
+"""A tokenizer ``model_max_length`` at or above this is transformers' "no limit" sentinel (``int(1e30)``), not a
+context."""
+
+CONTEXT_SETTING = "model.max_length"
+"""The config setting that gives the policy's context when neither its config nor its tokenizer does."""
 
 
 def max_positions(config: Mapping[str, Any]) -> int | None:
-    """The longest sequence a Hugging Face model config allows (``max_position_embeddings``,
-    ``n_positions`` or ``max_sequence_length``, at the top level or in ``text_config``), or None."""
+    """The longest sequence a Hugging Face model config allows (the first of :data:`_MAX_POSITION_KEYS` it sets
+    to a positive integer, at the top level or in ``text_config``), or None."""
     for section in (config, config.get("text_config") or {}):
         for key in _MAX_POSITION_KEYS:
             value = section.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None
+
+
+def tokenizer_limit(model_max_length: object) -> int | None:
+    """A tokenizer's ``model_max_length`` as a context in tokens: None when it is missing, not a positive whole
+    number, or the unbounded sentinel (:data:`UNBOUNDED_TOKENIZER` or above)."""
+    if isinstance(model_max_length, bool) or not isinstance(model_max_length, int | float):
+        return None
+    if not 0 < model_max_length < UNBOUNDED_TOKENIZER or model_max_length != int(model_max_length):
+        return None
+    return int(model_max_length)
+
+
+def context_of(config: Mapping[str, Any], model_max_length: object = None, setting: int | None = None) -> int | None:
+    """The context (positions) of a model: what its config says (:func:`max_positions`), else its tokenizer's
+    ``model_max_length`` (:func:`tokenizer_limit`), else ``setting`` (:data:`CONTEXT_SETTING`, which only fills
+    in for a model that tells neither); None when none of them gives one.
+
+    Args:
+        config: the model's config.json as a dict (``PretrainedConfig.to_dict()`` for a loaded model).
+        model_max_length: the tokenizer's ``model_max_length`` (tokenizer_config.json's, or the loaded one's).
+        setting: the run's ``model.max_length``.
+    """
+    return max_positions(config) or tokenizer_limit(model_max_length) or setting
+
+
+def no_context(what: str) -> str:
+    """The one line that refuses a model (``what``: where it comes from) whose context nothing tells."""
+    keys = ", ".join(_MAX_POSITION_KEYS)
+    return (
+        f"cannot tell the context length of {what}: its config has none of {keys} and its tokenizer no "
+        f"model_max_length; set {CONTEXT_SETTING} to the most tokens (prompt and response) the model may take"
+    )
 
 
 def check_context(lengths: Sequence[int], where: Sequence[str], max_new_tokens: int, limit: int, what: str) -> None:

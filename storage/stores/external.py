@@ -1,4 +1,4 @@
-"""External runs as the training stacks leave them: checkpoint series and grail's weight-delta traces.
+"""External runs as the training stacks leave them: checkpoint series and weight-delta traces.
 
 A **checkpoint series** (``trajectory.checkpoints``, :func:`checkpoint_series`) is read in one of these layouts,
 detected from the folder and named in the trajectory stage's log line:
@@ -17,9 +17,9 @@ Every checkpoint is a Hugging Face model directory (``config.json`` and weights)
 two folders of one step, two layouts in one folder and manifest paths outside the series folder are refused in
 one line naming the file.
 
-A **delta trace** (``trajectory.deltas``, :func:`delta_trace`, :func:`replay_deltas`) is a folder of grail's
-``delta_NNNNNN.pt`` files (``research/trl/delta_checkpoint_callback.py`` in one-covenant/grail at 54d6342; format:
-docs/formats.md, "Weight-delta traces") beside the weights training started from.
+A **delta trace** (``trajectory.deltas``: grail's delta files, TRL's async-GRPO anchors and deltas, slime's delta
+versions) is read by :mod:`storage.stores.deltas`; :func:`delta_files`, :func:`delta_trace` and :func:`replay_deltas`
+are re-exported here.
 """
 
 from __future__ import annotations
@@ -27,15 +27,20 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the series reader and the trace's file checks run in the preflight, before torch loads
-    import torch
+from storage.stores.deltas import WEIGHT_FILES, DeltaTrace, delta_files, delta_trace, replay_deltas
 
-    from covgrad.layout import ParamLayout
+__all__ = [
+    "WEIGHT_FILES",
+    "CheckpointSeries",
+    "DeltaTrace",
+    "checkpoint_series",
+    "delta_files",
+    "delta_trace",
+    "replay_deltas",
+]
 
 MANIFEST = "manifest.json"  # covgrad.integrations.trl writes it beside its checkpoints
 TRAINER_STATE = "trainer_state.json"  # the Hugging Face Trainer's state in each checkpoint-N/
@@ -50,19 +55,6 @@ STEP_FOLDERS: tuple[tuple[str, re.Pattern[str]], ...] = (
 VERL_SHARDS = "model_world_size_*_rank_*.pt"  # a verl actor's FSDP model shards
 # the trainer_state.json log_history keys read, by record column
 TRAINER_LOG = {"lr": "learning_rate", "loss": "loss", "grad_norm": "grad_norm"}
-
-# the Hugging Face weight files in transformers' order: storage.checkpoints.WEIGHT_FILES, spelt out here because that
-# module imports torch (tests/faults/test_inputs_preflight.py checks that the two agree)
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-DELTA_FILE = re.compile(r"delta_(\d+)\.pt")
-START_WEIGHTS = ("base_weights.pt", *WEIGHT_FILES)  # the trace's start weights, first found
-TRACE_DTYPES = ("bfloat16", "float32")  # the torch dtype names a trace may store
 
 
 @dataclass(frozen=True)
@@ -187,144 +179,3 @@ def _trainer_log(found: list[tuple[int, Path]]) -> dict[int, dict[str, float]] |
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{states[-1]}: not a Trainer state with a log_history list ({err})") from None
     return out
-
-
-@dataclass(frozen=True)
-class DeltaTrace:
-    """A folder of grail delta files.
-
-    Attributes:
-        path: the folder.
-        start: the start weights file (``base_weights.pt``, or a Hugging Face weights file).
-        files: (grail step, file) for steps 0, 1, …, T − 1; file s takes the weights from after trainer step s to
-            after step s + 1 (grail's ``reconstruct_weights_at_step``).
-        dtype: the dtype of every file's values (bf16 or float32): the trace's stored dtype.
-    """
-
-    path: str
-    start: str
-    files: tuple[tuple[int, str], ...]
-    dtype: torch.dtype
-
-
-def delta_files(path: str) -> tuple[list[tuple[int, Path]], Path]:
-    """The (grail step, file) pairs of the delta trace at ``path``, steps 0, 1, …, and its start weights file, read
-    from the file names alone (no torch: the preflight's check); ValueError in one line naming the file when the
-    folder does not exist or holds no delta files, two files of one step, a gap in the steps or no start weights."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ValueError(f"trajectory.deltas {path!r} is not a folder of grail delta files (delta_NNNNNN.pt)")
-    files = sorted((int(m[1]), f) for f in p.iterdir() if (m := DELTA_FILE.fullmatch(f.name)))
-    if not files:
-        raise ValueError(f"trajectory.deltas {path!r} holds no delta_NNNNNN.pt files")
-    for (t, a), (u, b) in zip(files, files[1:], strict=False):
-        if t == u:
-            raise ValueError(f"trajectory.deltas: {a} and {b} are both step {t}; keep one file per step")
-    for i, (t, _) in enumerate(files):
-        if t != i:
-            raise ValueError(
-                f"trajectory.deltas: {p / f'delta_{i:06d}.pt'} is missing (the trace holds steps {files[0][0]}..."
-                f"{files[-1][0]}); every step from delta_000000.pt is replayed"
-            )
-    start = next((p / n for n in START_WEIGHTS if (p / n).is_file()), None)
-    if start is None:
-        raise ValueError(
-            f"trajectory.deltas {path!r} has no start weights: save the weights training started from beside the "
-            "deltas as base_weights.pt (a dict name -> tensor, as grail's README does) or model.safetensors"
-        )
-    return files, start
-
-
-def delta_trace(path: str) -> DeltaTrace:
-    """The delta trace at ``path`` (:func:`delta_files`) with its dtype; ValueError in one line naming the file as
-    :func:`delta_files` does, or for a first file that is not grail's format or stores another dtype."""
-    import torch
-
-    files, start = delta_files(path)
-    first = _read_delta(files[0][1], 0)
-    name = (first.get("metadata") or {}).get("dtype")
-    name = name.removeprefix("torch.") if isinstance(name, str) else None
-    values = [layer.get("values") for layer in first["layers"].values() if isinstance(layer, Mapping)]
-    dtype = (
-        getattr(torch, name, None) if name is not None else next((v.dtype for v in values if torch.is_tensor(v)), None)
-    )
-    if dtype not in [getattr(torch, n) for n in TRACE_DTYPES]:
-        raise ValueError(f"{files[0][1]}: values in {name or dtype}; covgrad replays bfloat16 or float32 traces")
-    return DeltaTrace(str(Path(path)), str(start), tuple((t, str(f)) for t, f in files), dtype)
-
-
-def _read_delta(file: Path | str, step: int) -> dict[str, Any]:
-    """A grail delta file's dict, checked to be the ``values`` format of step ``step``."""
-    import torch
-
-    try:
-        delta = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch.load raises many kinds on a foreign or truncated file
-        raise ValueError(
-            f"{file}: not a readable delta file ({type(err).__name__}: {str(err).splitlines()[0]})"
-        ) from None
-    if not isinstance(delta, dict) or not isinstance(delta.get("layers"), dict):
-        raise ValueError(f"{file}: not a grail delta file (a dict with a layers dict)")
-    if delta.get("format") != "values":
-        raise ValueError(
-            f"{file}: format {delta.get('format')!r}; covgrad replays format 'values' (the new weights at the "
-            "changed positions, grail's DeltaCheckpointCallback): differences rounded to bf16 replay inexactly"
-        )
-    if delta.get("step") != step:
-        raise ValueError(f"{file}: its step field is {delta.get('step')!r}, its name says step {step}")
-    return delta
-
-
-def replay_deltas(
-    trace: DeltaTrace, shapes: Mapping[str, tuple[int, ...]], layout: ParamLayout, start: torch.Tensor
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """(trainer step s + 1, (P,) the selected weights after it, trace dtype) for each delta file s in order, from
-    ``start`` (P,), the start weights in the trace dtype; each file's values replace the weights at its indices
-    (COO (ndim, nnz) per tensor, raveled in row-major order at the tensor's layout offset). Tensors outside the
-    layout are checked and skipped. The yielded tensor is updated in place by the next step: use it first.
-
-    ``shapes``: every parameter of the start model by name. ValueError in one line naming the file and tensor
-    for a tensor the start model lacks or holds in another shape, malformed or out-of-range indices, or values
-    of another dtype or count."""
-    entries = {e.name: e for e in layout.entries}
-    w = start.clone()
-    for t, file in trace.files:
-        for name, layer in _read_delta(file, t)["layers"].items():
-            flat, values = _layer(file, name, layer, shapes, trace.dtype)
-            if name in entries:
-                w[entries[name].offset + flat] = values
-        yield t + 1, w
-
-
-def _layer(
-    file: str, name: str, layer: Any, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tensor's entry of a delta file, checked against the start model: (flat row-major indices (nnz,) int64,
-    values (nnz,))."""
-    import torch
-
-    where = f"{file}: tensor {name!r}"
-    if name not in shapes:
-        raise ValueError(f"{where} is not a parameter of the start model (model.path)")
-    try:
-        idx, values, given = layer["indices"], layer["values"], tuple(int(n) for n in layer["shape"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{where}: not a delta entry with indices, values and shape ({err})") from None
-    shape = tuple(shapes[name])
-    if given != shape:
-        raise ValueError(f"{where} has shape {given} in the delta, {shape} in the start model (model.path)")
-    ok = torch.is_tensor(idx) and not idx.is_floating_point() and idx.dim() == 2 and idx.shape[0] == len(shape)
-    if not ok:
-        got = f"{idx.dtype} {tuple(idx.shape)}" if torch.is_tensor(idx) else type(idx).__name__
-        raise ValueError(f"{where}: indices must be an integer COO tensor of shape ({len(shape)}, nnz), got {got}")
-    if not torch.is_tensor(values) or values.shape != (idx.shape[1],) or values.dtype != dtype:
-        got = f"{values.dtype} {tuple(values.shape)}" if torch.is_tensor(values) else type(values).__name__
-        raise ValueError(f"{where}: values must be {dtype} of shape ({idx.shape[1]},) like the trace's, got {got}")
-    idx = idx.long()
-    bounds = torch.tensor(shape, dtype=torch.long).reshape(-1, 1)
-    bad = ((idx < 0) | (idx >= bounds)).any(0)
-    if bad.any():
-        j = int(bad.nonzero()[0])
-        raise ValueError(f"{where}: index {idx[:, j].tolist()} is out of range for its shape {shape}")
-    strides = torch.tensor([int(torch.tensor(shape[d + 1 :]).prod()) for d in range(len(shape))], dtype=torch.long)
-    return (idx * strides.reshape(-1, 1)).sum(0), values

@@ -7,7 +7,6 @@ prompt text as it is), so the preflight counts them before torch or transformers
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from covgrad.config import TaskSection
@@ -18,10 +17,10 @@ from covgrad.rollouts import (
     addition_problems,
     addition_reward,
     char_tokenizer,
-    max_positions,
     problems_from_records,
     resolve_reward,
 )
+from storage.models import model_context
 from storage.readers import prompt_locations, read_prompt_file
 
 
@@ -51,19 +50,21 @@ def prompt_places(t: TaskSection, n: int) -> list[str]:
     return [f"prompt {i}" for i in range(n)]
 
 
-def prompt_lengths(model_path: str | None, problems: list[Problem]) -> tuple[list[int], int] | None:
-    """Token counts of the prompts and the policy's context (the demo's when ``model_path`` is None), or
-    None when they cannot be told without loading the model (no tokenizer.json, no max positions in
-    config.json): the rollouts stage checks then."""
+def prompt_lengths(
+    model_path: str | None, problems: list[Problem], max_length: int | None = None
+) -> tuple[list[int], int | None] | None:
+    """Token counts of the prompts and the policy's context (the demo's when ``model_path`` is None; else
+    ``storage.models.model_context``: config.json, tokenizer_config.json, then ``max_length``, the run's
+    ``model.max_length``; None when none of them tells it), or None when the prompts cannot be counted without
+    loading the model (no tokenizer.json): the rollouts stage checks then."""
     if model_path is None:
         tokenizer, limit = char_tokenizer(), DEMO_CONTEXT
     else:
         root = Path(model_path)
-        limit = max_positions(json.loads((root / "config.json").read_text()))
-        if limit is None or not (root / "tokenizer.json").is_file():
+        if not (root / "tokenizer.json").is_file():
             return None
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        tokenizer, limit = Tokenizer.from_file(str(root / "tokenizer.json")), model_context(model_path, max_length)
     encodings = tokenizer.encode_batch([p.prompt for p in problems])
     return [len(e.ids) for e in encodings], limit

@@ -135,8 +135,8 @@ def check_teacher_prompts(cfg: Any, name: str, r: Any) -> None:
     section = f"rollouts.samplers.{r.sampler or cfg.rollouts.analyse}"
     sampler = cfg.rollouts.samplers[r.sampler or cfg.rollouts.analyse]
     model = cfg.model.path if r.teacher in ("policy", "stale", "trained") else r.teacher
-    counted = prompt_lengths(model, [Problem(t, "") for t in texts])
-    if counted is not None:
+    counted = prompt_lengths(model, [Problem(t, "") for t in texts], cfg.model.max_length)
+    if counted is not None and counted[1] is not None:  # an untold context: the stage checks with the loaded model
         lengths, limit = counted
         try:
             check_context(lengths, prompt_places(cfg.task, len(texts)), sampler.max_new_tokens, limit, section)

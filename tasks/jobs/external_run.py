@@ -1,11 +1,15 @@
 """An external run for the trajectory stage: its checkpoint series (``trajectory.checkpoints``) or grail delta
 trace (``trajectory.deltas``) read in step order, starting at the policy, and its records and k-step arrays
-written into the trajectory store (:func:`external_run`). Recomputed whole on a rerun: no training state.
+written into the trajectory store (:func:`external_run`); with ``trajectory.history``, the trainer's logged
+columns and, where the history gives every step's learning rate, the Adam drift rule (:class:`DriftRule`).
+Recomputed whole on a rerun: no training state.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -21,12 +25,15 @@ from covgrad.updates import (
     checkpoint_records,
     value_bits,
 )
+from covgrad.updates.columns import CHUNK
+from covgrad.updates.tracking import SCOPES, count_metrics, half_spacing
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.checkpoints import checkpoint_dtype, load_state_dict
 from storage.identity import check_computed_on
 from storage.models import load_model
 from storage.schema import TRAJECTORY as STORE
 from storage.stores.external import checkpoint_series, delta_trace, replay_deltas
+from storage.stores.history import History, read_history
 from storage.stores.trajectory import (
     create_changed,
     finish_store,
@@ -38,10 +45,13 @@ from storage.stores.trajectory import (
 )
 from tasks.specs import TrajectorySpec
 
+log = logging.getLogger("covgrad")
+LOGGED = ("lr", "loss", "grad_norm")  # the history columns covgrad.updates.checkpoint_records writes itself
+
 
 @dataclass(frozen=True)
 class ExternalRun:
-    """An external run as the stage analyses it: ``layout`` (the series' layout, or ``grail deltas``), the
+    """An external run as the stage analyses it: ``layout`` (the series' layout, or the delta trace's), the
     ``start`` (its label, its step and its (P,) selected weights in the run's stored dtype), the trainer ``steps``
     after it and ``later``, (step, (P,) weights) in that order, and the trainer's ``logged`` values per step."""
 
@@ -71,6 +81,7 @@ def external_run(
     (i − 1)-th state to its i-th, ``step`` the trainer's step; ``progress`` the stage's progress bar factory.
     Returns the summary written into the store."""
     s = spec.settings
+    history = None if s.history is None else read_history(s.history)  # a malformed file fails before any load
     run = series_run(spec, layout, policy) if s.deltas is None else delta_run(spec, layout, policy)
     source = s.checkpoints if s.deltas is None else s.deltas
     setting = "trajectory.checkpoints" if s.deltas is None else "trajectory.deltas"
@@ -79,12 +90,19 @@ def external_run(
     check_computed_on(store, up["stats"].key, dict(policy.named_parameters()), what, fix)
     K = len(run.steps)
     tracker = ChangeTracker(layout, run.start_weights, opt, stats)
+    drift, notes = rule_notes(tracker, history, run)
+    logged = run.logged if history is None else history.values
+    columns = [] if history is None else [c for c in history.keys if c not in LOGGED]
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, K, layout.P)
     create_progress(g, STORE, K)
     write_start(store, ref, value_bits(run.start_weights))
     with progress(f"trajectory {ref.key[:8]}", K, unit="checkpoint") as bar:
-        for i, rec in enumerate(checkpoint_records(run.later, tracker, run.logged), start=1):
+        for i, rec in enumerate(checkpoint_records(run.later, tracker, logged), start=1):
+            step_log = {} if history is None else history.values.get(rec["step"], {})
+            rec.update({c: step_log.get(c, math.nan) for c in columns})
+            if drift is not None:
+                rec.update(drift.record(rec["step"]))
             write_step(store, ref, g, i, rec.pop("changed"), rec.pop("changed_values"), rec)
             mark_batch_done(g, i - 1)
             bar.update(1)
@@ -103,8 +121,91 @@ def external_run(
         "persistence": persistence,
         "dtype": str(run.start_weights.dtype).removeprefix("torch."),
     }
+    if history is not None:
+        summary["history"] = {"path": history.path, "format": history.format, "keys": history.keys}
+        summary["rules"] = notes
+        log.info("trajectory %s: history %s (%s), rules: %s", ref.key, history.path, history.format, notes)
     write_summary(store, ref, g, layout, summary)
     return summary
+
+
+ABSORB = (
+    "not run: it predicts a step's set from that step's minibatch gradient g (lr·|g| ≥ h(w) with SGD, "
+    "lr·|g|/(|g| + eps) ≥ h(w) with Adam), which no tracker logs"
+)
+BOUND = (
+    "not run: lr·a·√F ≥ h(w) needs each step's advantage RMS a, which no tracker logs, at the weights before each step"
+)
+
+
+def rule_notes(
+    tracker: ChangeTracker, history: History | None, run: ExternalRun
+) -> tuple[DriftRule | None, dict[str, str]]:
+    """The rules of ``tracker``'s optimizer an external run with ``history`` gets: the drift rule (Adam/AdamW) when
+    the history logs the learning rate of every step from the run's start to its last (:class:`DriftRule`), else
+    None; and per rule ``run: ...`` or ``not run: <why>``. The absorption and SGD bound rules need what no tracker
+    logs (each step's gradient, its advantage RMS)."""
+    notes = {"absorb": ABSORB}
+    if "bound" in tracker.rules:
+        notes["bound"] = BOUND
+    if not tracker.drift or history is None:
+        return None, notes
+    steps = range(run.start_step + 1, run.steps[-1] + 1)
+    lrs = {t: history.values.get(t, {}).get("lr", math.nan) for t in steps}
+    missing = [t for t, lr in lrs.items() if not math.isfinite(lr)]
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (", …" if len(missing) > 5 else "")
+        notes["drift"] = (
+            f"not run: the history has no lr at {len(missing)} of steps {steps[0]}..{steps[-1]} ({shown}); the "
+            "drift model sums every step's lr"
+        )
+        return None, notes
+    notes["drift"] = (
+        f"run: reach at Σ lr and Σ lr² over the logged lr of steps {steps[0]}..{steps[-1]}, one optimizer step per "
+        "logged step (records {step,cum}_drift_rule_*)"
+    )
+    return DriftRule(tracker, run.start_weights, run.start_step, lrs), notes
+
+
+class DriftRule:
+    """The Adam drift rule of an external run from its logged learning rates: a coordinate is predicted changed by
+    trainer step t when the drift model's reach (``covgrad.updates.tracking.drift_reach``) at the sums Σ lr_j and
+    Σ lr_j² over steps j ≤ t has crossed a midpoint w_0 ± h(w_0), and in the step set of a checkpoint when it
+    crossed one more since the previous checkpoint: the union, over the steps between two checkpoints, of the
+    stepped run's per-step rule (``ChangeTracker.rule_masks``, its crossings ``ChangeTracker._crossings``).
+
+    ``tracker``: the run's tracker with the drift model (its column file ``c``), read after each record for the
+    changed sets; ``start``: (P,) the start weights, stored dtype; ``lrs``: trainer step -> lr for every step
+    after ``start_step``."""
+
+    def __init__(self, tracker: ChangeTracker, start: torch.Tensor, start_step: int, lrs: dict[int, float]) -> None:
+        self.tracker, self.start, self.lrs = tracker, start, lrs
+        self.last = start_step  # the step of the previous checkpoint
+        self.sums = (0.0, 0.0)  # Σ lr and Σ lr² through it
+
+    def record(self, step: int) -> dict[str, float]:
+        """``{scope}_drift_rule_{precision,recall,jaccard,size}`` of checkpoint ``step`` (the tracker has recorded
+        it), for scope in (step, cum), and the sums moved on to it."""
+        gap = [self.lrs[t] for t in range(self.last + 1, step + 1)]
+        after = (self.sums[0] + sum(gap), self.sums[1] + sum(lr * lr for lr in gap))
+        counts = {scope: np.zeros(3, dtype=np.int64) for scope in SCOPES}  # |pred|, |true|, |pred ∩ true|
+        t = self.tracker
+        for lo in range(0, t.n, CHUNK):
+            hi = min(t.n, lo + CHUNK)
+            c = torch.from_numpy(t.files.read("c", lo, hi))
+            h0 = half_spacing(self.start[lo:hi]).float()
+            before_x, after_x = (t._crossings(c, h0, *sums) for sums in (self.sums, after))
+            pred = {"step": (after_x > before_x).numpy(), "cum": (after_x > 0).numpy()}
+            true = {"step": t.last[lo:hi], "cum": (t.prev[lo:hi] != self.start[lo:hi]).numpy()}
+            for scope in SCOPES:
+                p, s = pred[scope], true[scope]
+                counts[scope] += [np.count_nonzero(p), np.count_nonzero(s), np.count_nonzero(p & s)]
+        self.last, self.sums = step, after
+        return {
+            f"{scope}_drift_rule_{stat}": value
+            for scope in SCOPES
+            for stat, value in count_metrics(*(int(x) for x in counts[scope])).items()
+        }
 
 
 def series_run(spec: TrajectorySpec, layout: ParamLayout, policy: torch.nn.Module) -> ExternalRun:
@@ -146,7 +247,7 @@ def series_run(spec: TrajectorySpec, layout: ParamLayout, policy: torch.nn.Modul
 
 
 def delta_run(spec: TrajectorySpec, layout: ParamLayout, policy: torch.nn.Module) -> ExternalRun:
-    """The grail delta trace of ``trajectory.deltas`` (``storage.stores.external.delta_trace``), replayed from its
+    """The delta trace of ``trajectory.deltas`` (``storage.stores.external.delta_trace``), replayed from its
     start weights, which must be model.path's in the trace's dtype."""
     trace = delta_trace(spec.settings.deltas)
     base = load_state_dict(trace.start)
@@ -164,7 +265,8 @@ def delta_run(spec: TrajectorySpec, layout: ParamLayout, policy: torch.nn.Module
         )
     shapes = {name: tuple(p.shape) for name, p in policy.named_parameters()}
     steps = [t + 1 for t, _ in trace.files]
-    return ExternalRun("grail deltas", trace.start, 0, start, steps, replay_deltas(trace, shapes, layout, start))
+    later = replay_deltas(trace, shapes, layout, start)
+    return ExternalRun(trace.layout, trace.start, trace.start_step, start, steps, later)
 
 
 def _compared_dtype(directory: str, names: list[str]) -> torch.dtype:

@@ -129,10 +129,9 @@ class RegimeJob:
         prompts = [self.tokenizer(t)["input_ids"] for t in teacher_prompt_texts(r.teacher_prompt, spec.task, what)]
         T = int(self.ro.attrs["sampler_spec"]["max_new_tokens"])
         where = prompt_places(spec.task, len(prompts))
+        limit = context_length(self.teacher, self.tokenizer, spec.policy.max_length)
         try:
-            check_context(
-                [len(p) for p in prompts], where, T, context_length(self.teacher), f"rollouts.samplers.{spec.sampler}"
-            )
+            check_context([len(p) for p in prompts], where, T, limit, f"rollouts.samplers.{spec.sampler}")
         except ValueError as err:
             raise ValueError(f"{what}: {err}") from None
         return prompts

@@ -99,7 +99,7 @@ def import_rollouts(
         read_located_records(s.import_path),
         s.format,
         V,
-        context_length(policy),
+        context_length(policy, tokenizer, spec.policy.max_length),
         tokenizer=tokenizer,
         pad_id=tokenizer.pad_token_id,
         options=import_options(s),

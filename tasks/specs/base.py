@@ -204,8 +204,18 @@ class StageSpec(Spec):
 
 class PolicySpec(Spec):
     """How a stage loads the policy (and other model directories): a user model directory (resolved) or
-    the demo model that the base_model artifact holds, in ``dtype``."""
+    the demo model that the base_model artifact holds, in ``dtype``; ``max_length``: the run's ``model.max_length``,
+    the context of a policy whose config and tokenizer tell none."""
 
     path: str | None
     dtype: Dtype
     trust_remote_code: bool
+    max_length: int | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_length(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``max_length`` is left out while unset, so a spec dumps (and keys its artifact) as before it existed."""
+        out = handler(self)
+        if out.get("max_length") is None:
+            out.pop("max_length", None)
+        return out

@@ -139,7 +139,8 @@ def _step(store: ArtifactStore, instance: Instance, spec: StageSpec, upstream: d
 def policy_spec(cfg: PipelineConfig) -> PolicySpec:
     """How every stage loads the policy of ``cfg``."""
     path = None if cfg.model.path is None else str(Path(cfg.model.path).resolve())
-    return PolicySpec(path=path, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    m = cfg.model
+    return PolicySpec(path=path, dtype=m.dtype, trust_remote_code=m.trust_remote_code, max_length=m.max_length)
 
 
 def base_model_spec(cfg: PipelineConfig) -> BaseModelSpec:
@@ -161,15 +162,20 @@ REPORT_LATER = {
     "trajectory.schedule": Later("constant"),
     "trajectory.max_grad_norm": Later(None),
     "trajectory.minibatches": Later(1),
+    "trajectory.history": Later(None),
+    "model.max_length": Later(None),
 }
 """Config fields that arrived after report keys existed, as the report's config leaves them out: a disabled section
-the report does not render, uncut blocks, unsharded rank chunks, a trajectory without the trainer's step options."""
+the report does not render, uncut blocks, unsharded rank chunks, a trajectory without the trainer's step options or
+an external run's history, an unset ``model.max_length``."""
 
 
 def report_config(cfg: PipelineConfig) -> dict[str, Any]:
-    """The config the report renders and its key hashes: ``cfg`` as JSON without ``root`` (a location), without the
+    """The config the report renders and its key hashes: ``cfg`` as JSON without ``root`` and ``trackers``
+    (locations: where the artifacts are stored and where ``covgrad run`` logs their scalars), without the
     :data:`REPORT_LATER` fields whose conditions hold, in ``covgrad.config.report_layout``."""
-    return report_layout(leave_out_later(cfg.model_dump(mode="json", exclude={"root"}), REPORT_LATER.items()))
+    dumped = cfg.model_dump(mode="json", exclude={"root", "trackers"})
+    return report_layout(leave_out_later(dumped, REPORT_LATER.items()))
 
 
 def plan(cfg: PipelineConfig) -> Plan:
@@ -371,6 +377,7 @@ def plan_trajectories(
                 **({} if r is None else regime_inputs(r)),
                 **({} if t.checkpoints is None else {"checkpoints": series_digest(t.checkpoints)}),
                 **({} if t.deltas is None else {"deltas": input_digest(t.deltas)}),
+                **({} if t.history is None else {"history": input_digest(t.history)}),
             },
             regime=None if r is None else r.model_copy(deep=True),
             data_sampler=None if r is None else data_sampler,

@@ -99,7 +99,8 @@ def _expected(p0: Plan, p1: Plan) -> set[str]:
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     """Two base configs that between them let every leaf change validly: the demo (three samplers, the
-    stale checkpoint) and a user model with a JSONL task and imported rollouts, scored by two torchrun machines."""
+    stale checkpoint) and a user model with a JSONL task and imported rollouts, scored by two torchrun machines, with
+    an external run's trajectory."""
     tmp = tmp_path_factory.mktemp("specs")
     dirs = []
     for name in ("model-a", "model-b"):
@@ -114,7 +115,7 @@ def bases(tmp_path_factory):
     demo["regimes"] = {"stale": {"kind": "distill_sampled", "teacher": "stale", "max_length": 4, "kl_beta": 0.5}}
     user = {
         "root": str(tmp / "root"),
-        "model": {"path": dirs[0]},
+        "model": {"path": dirs[0], "max_length": 2048},  # set: it can change
         "task": {"kind": "jsonl", "path": "task.jsonl", "reward": "m:f"},
         "rollouts": {
             "samplers": {
@@ -125,6 +126,8 @@ def bases(tmp_path_factory):
         },
         # two torchrun machines: the fields only a torchrun group has can change
         "scores": {"launcher": "torchrun", "ranks": 2, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"},
+        # an external run, whose history only it can have
+        "trajectory": {"enabled": True, "checkpoints": "series"},
     }
     strings = [*dirs, "m:g", "stale", "engine", "tcp://127.0.0.1:1", "127.0.0.1:29401"]
     return [PipelineConfig.model_validate(d).model_dump(mode="json") for d in (demo, user)], strings
@@ -132,7 +135,8 @@ def bases(tmp_path_factory):
 
 def test_every_config_leaf_changes_exactly_the_keys_of_the_specs_that_hold_it(bases):
     """For every leaf of PipelineConfig: the keys that change are those of the stages whose spec holds it
-    (placement fields aside) and of their descendants; only ``root`` (a location) is in no spec."""
+    (placement fields aside) and of their descendants; only ``root`` and the trackers (locations: where artifacts
+    are stored, where ``covgrad run`` logs their scalars) are in no spec."""
     datas, strings = bases
     tried: dict[str, str] = {}
     in_no_spec = set()
@@ -159,7 +163,7 @@ def test_every_config_leaf_changes_exactly_the_keys_of_the_specs_that_hold_it(ba
     every = {".".join(map(str, path)) for data in datas for path, _, _ in leaves(PipelineConfig.model_validate(data))}
     missed = {_field(x) for x in every} - {_field(x) for x in tried}
     assert not missed, f"leaves no candidate value could change: {sorted(missed)}"
-    assert in_no_spec == {"root"}, in_no_spec
+    assert in_no_spec == {"root", "trackers.tensorboard"}, in_no_spec
 
 
 def _field(label: str) -> str:

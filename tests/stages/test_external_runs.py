@@ -1,8 +1,8 @@
 """External runs where the stacks leave them: checkpoint series in the verl, Trainer/TRL, Hub and covgrad layouts
 and their refusals, grail's delta traces and theirs (fast, on files built here), and, on the tiny pipeline's own
 6-step trajectory: ``covgrad diff`` of its fp32 policy against its bf16 checkpoints, a Trainer-layout series of those
-checkpoints starting at model.path with the trainer's logged lr and loss, and a delta trace in grail's format that
-gives the very bytes of the equivalent checkpoint series."""
+checkpoints starting at model.path with the trainer's logged lr and loss, and delta traces in grail's, TRL's and
+slime's formats that give the very bytes of the equivalent checkpoint series."""
 
 import json
 import logging
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
-from torch import nn
 
-from covgrad.layout import ParamLayout, parameters_flat, select_parameters
+from covgrad.layout import ParamLayout, parameters_flat
 from flows.cli import main
 from storage.models import load_model
 from storage.schema import TRAJECTORY
 from storage.stores.external import checkpoint_series, delta_trace, replay_deltas
 from tasks.specs import plan
+from tests.helpers.deltas import one_line_error, slime_trace, tiny_net, trl_trace
 from tests.helpers.pipeline import run_planned, tiny_config
 from tests.helpers.trajectory import OVERRIDES, STEPS, digests
 
@@ -33,15 +33,6 @@ def model_dir(path: Path, *, weights: bool = True, config: bool = True) -> Path:
     if weights:
         (path / "model.safetensors").write_bytes(b"")
     return path
-
-
-def one_line_error(fn, *args) -> str:
-    """The one-line ValueError message ``fn(*args)`` raises."""
-    with pytest.raises(ValueError) as err:
-        fn(*args)
-    msg = str(err.value)
-    assert "\n" not in msg, msg
-    return msg
 
 
 def test_series_layouts_are_detected_and_ordered_by_step(tmp_path):
@@ -117,13 +108,6 @@ def test_malformed_series_are_refused_naming_the_file(tmp_path):
     (series / "manifest.json").write_text("{}")
     assert "not a checkpoint manifest" in one_line_error(checkpoint_series, str(series))
     assert "neither" in one_line_error(checkpoint_series, str(tmp_path / "missing"))
-
-
-def tiny_net() -> tuple[nn.Module, ParamLayout]:
-    """Two linear layers (0.weight (4, 3), 0.bias (4,), 1.weight (2, 4), 1.bias (2,)) and their layout."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    return net, select_parameters(net)
 
 
 def grail_delta(step: int, layers: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]]) -> dict:
@@ -240,10 +224,12 @@ def test_a_trainer_layout_series_starts_at_model_path_with_the_logged_lr(referen
 
 
 @pytest.mark.slow
-def test_a_grail_delta_trace_gives_the_bytes_of_its_checkpoint_series(reference, tmp_path):
+def test_delta_traces_in_every_format_give_the_bytes_of_their_checkpoint_series(reference, tmp_path, caplog):
     """From the stepped trajectory's own trace: a Hub series step-0..step-6 of bf16 checkpoints and the same run as
-    grail's delta files beside the fp32 start weights. Both analyses write identical bytes (changed sets, records,
-    trace, d_k), and their changed sets and d_k are the stepped run's."""
+    grail's delta files beside the fp32 start weights, as TRL's anchors and deltas (raw and gap-encoded indices, an
+    anchor at version 4) and as slime's versions (one per encoding: xor, overwrite, indices, deltas, deltas_zstd, a
+    whole checkpoint). Every analysis writes the series' bytes (changed sets, records, trace, d_k), names its layout
+    in the stage's log line, and their changed sets and d_k are the stepped run's."""
     root, ref, policy = reference
     artifact = root / ref.stage / ref.key
     stepped = xr.open_zarr(artifact / TRAJECTORY)
@@ -263,10 +249,12 @@ def test_a_grail_delta_trace_gives_the_bytes_of_its_checkpoint_series(reference,
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, trace / "base_weights.pt")
     hub = tmp_path / "hub"
     params = dict(model.named_parameters())
+    states = []  # every parameter after each step, bf16
     for t, w in enumerate(weights):
         with torch.no_grad():
             for e in layout.entries:
                 params[e.name].copy_(w[e.offset : e.offset + e.numel].reshape(e.shape))
+        states.append({n: x.detach().to(torch.bfloat16) for n, x in params.items()})
         model.to(torch.bfloat16).save_pretrained(hub / f"step-{t}")
         model.float()
         if t:
@@ -278,16 +266,27 @@ def test_a_grail_delta_trace_gives_the_bytes_of_its_checkpoint_series(reference,
                     layers[e.name] = (mask.nonzero().t().to(torch.int32), after[mask], e.shape)
             torch.save(grail_delta(t - 1, layers), trace / f"delta_{t - 1:06d}.pt")
 
+    trl_trace(tmp_path / "trl", states, ["raw", "gap_delta", "anchor", "gap_delta", "raw", "gap_delta"])
+    slime_trace(tmp_path / "slime", states, ["xor", "overwrite", "indices", "deltas", "deltas_zstd", "full"])
+
     a, a_dir = external(root, checkpoints=str(hub))
-    b, b_dir = external(root, deltas=str(trace))
-    assert a.attrs["summary"]["external_layout"] == "hub" and b.attrs["summary"]["external_layout"] == "grail deltas"
-    assert a.step.values.tolist() == b.step.values.tolist() == list(range(1, STEPS + 1))
-    assert set(a.variables) == set(b.variables)
-    for name in a.variables:
-        np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
-    assert {k: v for k, v in digests(a_dir).items() if k != "summary.json"} == {
-        k: v for k, v in digests(b_dir).items() if k != "summary.json"
-    }
+    assert a.attrs["summary"]["external_layout"] == "hub"
+    series = {k: v for k, v in digests(a_dir).items() if k != "summary.json"}
+    for folder, name in (
+        (trace, "grail deltas"),
+        (tmp_path / "trl", "trl deltas (raw)"),
+        (tmp_path / "slime", "slime deltas (xor)"),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="covgrad"):
+            b, b_dir = external(root, deltas=str(folder))
+        assert f"external run ({name} layout, {STEPS} steps from " in caplog.text
+        assert b.attrs["summary"]["external_layout"] == name
+        assert a.step.values.tolist() == b.step.values.tolist() == list(range(1, STEPS + 1))
+        assert set(a.variables) == set(b.variables)
+        for var in a.variables:
+            np.testing.assert_array_equal(a[var].values, b[var].values, err_msg=f"{name}: {var}")
+        assert {k: v for k, v in digests(b_dir).items() if k != "summary.json"} == series, name
     for name in ("changed", "n_changed_step", "n_changed_cum", "dk", "dk_tensor", "jaccard_prev", "persist_hist"):
         np.testing.assert_array_equal(a[name].values, stepped[name].values, err_msg=name)
 

@@ -1,0 +1,199 @@
+"""An external run's tracker history (``trajectory.history``): what its trainer logged per step, read from the
+files the stacks write, format detected from what the path holds (:func:`read_history`):
+
+- ``verl``: verl's ``file`` logger (``trainer.logger=[file]``, ``verl/utils/tracking.py`` ``FileLogger``), one JSON
+  object a line, ``{"step": global_step, "data": {metric: value, ...}}`` (orjson: NaN as ``null``), written to
+  ``$VERL_FILE_LOGGER_PATH`` or ``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``; lines of one step merge
+  (validation metrics come on their own line);
+- ``tensorboard``: a folder of TensorBoard event files (``events.out.tfevents.*``) or one such file, read with
+  TensorBoard's ``EventAccumulator`` (extra ``tensorboard``): verl's ``tensorboard`` logger (the same metric names)
+  or the Hugging Face Trainer's ``TensorBoardCallback`` (``train/`` before its log keys);
+- ``trainer``: a Hugging Face Trainer's (TRL's) ``trainer_state.json``, or a folder holding one: its
+  ``log_history`` entries by ``step``.
+
+Each format's records become per-step columns (:data:`COLUMNS`: the first key of a column found in the file is the
+one read) and a ``mismatch_*`` column for every rollout-mismatch metric the stack logged (:data:`MISMATCH`, the
+names ``covgrad.rollouts.mismatch`` computes). A step is the trainer's step: verl's ``global_steps`` and the
+Trainer's ``global_step`` both count optimizer steps from 1, and both log at step t the learning rate step t used.
+Malformed input is refused in one line naming the file (and line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storage.stores.external import TRAINER_STATE
+
+# covgrad column -> the keys the stacks log it under (verl's first, then the Trainer's / TRL's)
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "lr": ("actor/lr", "learning_rate"),
+    "loss": ("actor/pg_loss", "loss"),
+    "grad_norm": ("actor/grad_norm", "grad_norm"),
+    "kl": ("actor/kl_loss", "kl"),
+    "reward": ("critic/score/mean", "reward"),
+}
+# the key prefixes of rollout-mismatch metrics: verl's debug metrics and rollout correction, prime-rl's mismatch KL,
+# TRL's vLLM importance sampling (covgrad.rollouts.mismatch computes each under the same name)
+MISMATCH = (
+    "training/rollout_probs_diff_",
+    "training/rollout_actor_probs_pearson_corr",
+    "rollout_corr/",
+    "mismatch_kl/",
+    "sampling/sampling_logp_difference/",
+    "sampling/importance_sampling_ratio/",
+)
+TRAINER_PREFIX = "train/"  # transformers' rewrite_logs puts it before every training log key in TensorBoard
+EVENTS = "events.out.tfevents."  # the name of every TensorBoard event file begins so
+FORMATS = ("verl", "tensorboard", "trainer")
+
+
+@dataclass(frozen=True)
+class History:
+    """A run's logged history.
+
+    Attributes:
+        path: the file or folder read.
+        format: one of :data:`FORMATS`.
+        values: trainer step -> {column: value} (the columns logged at that step; NaN where the stack logged a
+            non-finite value), steps ascending.
+        keys: column -> the key the stack logged it under (``mismatch_*`` columns: their metric name).
+    """
+
+    path: str
+    format: str
+    values: dict[int, dict[str, float]]
+    keys: dict[str, str]
+
+
+def mismatch_column(key: str) -> str:
+    """The store column of rollout-mismatch metric ``key``: ``mismatch_`` and its name with every run of other
+    characters than letters and digits as one ``_`` (``rollout_corr/k3_kl`` -> ``mismatch_rollout_corr_k3_kl``)."""
+    return "mismatch_" + re.sub(r"[^0-9A-Za-z]+", "_", key).strip("_")
+
+
+def read_history(path: str) -> History:
+    """The history at ``path`` in the format its contents show (module docstring); ValueError in one line naming
+    the file for a path that holds none of them, a malformed record or a history without a known column."""
+    p = Path(path)
+    if p.is_dir():
+        if any(p.glob(f"{EVENTS}*")):
+            return tensorboard_history(str(p))
+        if (p / TRAINER_STATE).is_file():
+            return trainer_history(str(p / TRAINER_STATE))
+        runs = sorted(d.name for d in p.iterdir() if d.is_dir() and any(d.glob(f"{EVENTS}*")))
+        hint = f"; its subfolders {runs} do: give one run's" if runs else ""
+        raise ValueError(
+            f"trajectory.history {path!r} holds no TensorBoard event files ({EVENTS}*) and no {TRAINER_STATE}{hint}"
+        )
+    if not p.is_file():
+        raise ValueError(f"trajectory.history {path!r} does not exist")
+    if p.name.startswith(EVENTS):
+        return tensorboard_history(str(p))
+    text = p.read_text(encoding="utf-8-sig", errors="replace")
+    try:
+        whole = json.loads(text)
+    except ValueError:
+        whole = None
+    if isinstance(whole, dict) and "log_history" in whole:
+        return trainer_history(str(p))
+    return verl_history(str(p))
+
+
+def verl_history(path: str) -> History:
+    """A verl ``file`` logger JSONL (module docstring); ValueError naming ``path:line`` for a line that is not a
+    JSON object with an integer ``step`` and a ``data`` object, or a known column whose value is not a number."""
+    raw: dict[int, dict[str, Any]] = {}
+    lines = Path(path).read_text(encoding="utf-8-sig", errors="replace").splitlines()
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"{where}: not a JSON line of verl's file logger ({err})") from None
+        ok = isinstance(obj, dict) and _is_step(obj.get("step")) and isinstance(obj.get("data"), dict)
+        if not ok:
+            raise ValueError(f'{where}: not a verl file-logger record {{"step": <int>, "data": {{...}}}}')
+        raw.setdefault(int(obj["step"]), {}).update({k: (where, v) for k, v in obj["data"].items()})
+    return _history(path, "verl", raw)
+
+
+def tensorboard_history(path: str) -> History:
+    """The scalars of a TensorBoard event folder (its own event files, not its subfolders') or event file, by
+    TensorBoard's ``EventAccumulator`` (the last value of a step that was logged twice); ``train/`` before a tag is
+    dropped (the Trainer's). ImportError in one line naming the extra without the ``tensorboard`` package;
+    ValueError naming ``path`` when the reader fails (it skips records it cannot parse: a truncated or foreign
+    file reads as no scalars, refused as a history without a known column)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    except ImportError:
+        raise ImportError(
+            f"trajectory.history {path!r} is TensorBoard's; reading it needs the tensorboard package: "
+            "pip install 'covgrad[tensorboard]'"
+        ) from None
+    accumulator = EventAccumulator(path, size_guidance={SCALARS: 0})
+    try:
+        accumulator.Reload()
+        tags = accumulator.Tags()["scalars"]
+        events = {tag: accumulator.Scalars(tag) for tag in tags}
+    except Exception as err:  # the event reader raises many kinds on a truncated or foreign file
+        raise ValueError(f"{path}: not readable TensorBoard event data ({type(err).__name__}: {err})") from None
+    raw: dict[int, dict[str, Any]] = {}
+    for tag, scalars in events.items():
+        key = tag.removeprefix(TRAINER_PREFIX)
+        for e in scalars:
+            raw.setdefault(int(e.step), {})[key] = (f"{path} (tag {tag!r}, step {e.step})", float(e.value))
+    return _history(path, "tensorboard", raw)
+
+
+def trainer_history(path: str) -> History:
+    """A Hugging Face Trainer's ``trainer_state.json``: its ``log_history`` entries with a ``step``; ValueError naming
+    ``path`` for a file that is not a Trainer state or an entry whose known column is not a number."""
+    try:
+        entries = json.loads(Path(path).read_text())["log_history"]
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise TypeError("log_history is not a list of objects")
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a Trainer state with a log_history list ({err})") from None
+    raw: dict[int, dict[str, Any]] = {}
+    for i, entry in enumerate(entries):
+        if _is_step(entry.get("step")):
+            where = f"{path} (log_history[{i}])"
+            raw.setdefault(int(entry["step"]), {}).update({k: (where, v) for k, v in entry.items() if k != "step"})
+    return _history(path, "trainer", raw)
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _history(path: str, fmt: str, raw: dict[int, dict[str, tuple[str, Any]]]) -> History:
+    """The :class:`History` of ``raw`` (step -> key -> (where it was read, value)): each :data:`COLUMNS` column
+    under its first key found anywhere in the file, a ``mismatch_*`` column per :data:`MISMATCH` key; ``null``
+    values are left out (a key logged only as ``null`` is no column); ValueError naming where for another
+    non-number, or when no column is found."""
+    found = {k for logged in raw.values() for k, (_, v) in logged.items() if v is not None}
+    keys = {col: next(k for k in options if k in found) for col, options in COLUMNS.items() if found & set(options)}
+    keys |= {mismatch_column(k): k for k in sorted(found) if k.startswith(MISMATCH)}
+    if not keys:
+        wanted = ", ".join(k for options in COLUMNS.values() for k in options)
+        raise ValueError(f"trajectory.history {path!r} ({fmt}) logs none of {wanted} and no rollout-mismatch metric")
+    values: dict[int, dict[str, float]] = {}
+    for step in sorted(raw):
+        row = {}
+        for col, key in keys.items():
+            if key not in raw[step] or raw[step][key][1] is None:
+                continue
+            where, v = raw[step][key]
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ValueError(f"{where}: {key!r} is {v!r}, not a number")
+            row[col] = float(v) if math.isfinite(v) else float("nan")
+        if row:
+            values[step] = row
+    return History(path, fmt, values, keys)
