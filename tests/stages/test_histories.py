@@ -23,6 +23,7 @@ from storage.schema import STATS
 from storage.stores.history import mismatch_column, read_history
 from tasks.jobs.external_run import ExternalRun, rule_notes
 from tasks.specs import plan
+from tests.helpers.deltas import one_line_error
 from tests.helpers.histories import (
     CHECKPOINTS,
     LR,
@@ -39,14 +40,6 @@ from tests.helpers.histories import (
 from tests.helpers.pipeline import tiny_config
 
 MISMATCH = mismatch_column(MISMATCH_KEY)
-
-
-def one_line_error(fn, *args) -> str:
-    with pytest.raises(ValueError) as err:
-        fn(*args)
-    msg = str(err.value)
-    assert "\n" not in msg, msg
-    return msg
 
 
 def test_the_three_formats_give_one_history(tmp_path):
