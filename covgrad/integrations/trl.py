@@ -29,6 +29,17 @@ Files under ``out_dir``:
 
 ``storage.stores.trajectory.checkpoint_series`` reads the manifest; the rollouts import as any covgrad JSONL
 (``rollouts.samplers.<name>.import_path``). One process only (no distributed gather of the records).
+
+``CovgradInRun`` computes the statistics inside the run instead (:mod:`covgrad.integrations.inrun`)::
+
+    inrun = CovgradInRun("run/inrun", every_n=10)
+    trainer = GRPOTrainer(..., callbacks=[inrun])
+    inrun.attach(trainer)
+
+Every ``every_n`` steps it folds the generation batch the trainer is about to train on, at the weights that
+generated it (the step's θ_t): rows prompt + completion as TRL forms them, TRL's loss mask (``completion_mask``,
+times ``tool_mask`` when present: a completion ``mask_truncated_completions`` left out scores 0), TRL's sequence
+advantages, its prompt groups of ``num_generations`` and its temperature.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from covgrad.integrations.inrun import VECTORS, InRunFolder
 from covgrad.rollouts.sampling import SamplerSpec, sampler_log_probs
 
 MANIFEST = "manifest.json"
@@ -217,3 +229,63 @@ class CovgradRecorder(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Checkpoint after optimizer step ``state.global_step`` when it is one of the chosen steps."""
         self._save(int(state.global_step), kwargs["model"], kwargs.get("processing_class"))
+
+
+class CovgradInRun(TrainerCallback):
+    """In-run statistics of a ``GRPOTrainer`` run (see the module docstring and :class:`InRunFolder`).
+
+    Args:
+        out_dir: where the per-step files go (created).
+        every_n: fold the generation batch of the first step, then of the first step ``every_n`` after the last.
+        params: globs of the parameters to analyse; None: every trainable one.
+        q: the fraction of the top sets.
+        vectors: the (P,) statistics written per step.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        every_n: int = 10,
+        params: Iterable[str] | None = None,
+        q: float = 0.01,
+        vectors: Iterable[str] = VECTORS,
+    ) -> None:
+        self.out, self.every_n, self.q = Path(out_dir), every_n, q
+        self.params = None if params is None else list(params)
+        self.vectors = tuple(vectors)
+        self.folder: InRunFolder | None = None
+
+    def attach(self, trainer: Any) -> CovgradInRun:
+        """Wrap ``trainer``'s generation so that every due training generation batch is folded."""
+        if getattr(trainer.accelerator, "num_processes", 1) != 1:
+            raise ValueError("CovgradInRun folds in one process; run the trainer on one process")
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        self.folder = folder = InRunFolder(
+            model, self.params, self.every_n, self.out, q=self.q, temperature=trainer.temperature, vectors=self.vectors
+        )
+        generate_fn = trainer._generate_and_score_completions
+
+        def generate_and_score(inputs: Any) -> dict[str, Any]:
+            out = generate_fn(inputs)
+            step = int(trainer.state.global_step)
+            if trainer.model.training and folder.due(step):  # evaluation generations are not the run's samples
+                prompt_mask, comp_mask = out["prompt_mask"], out["completion_mask"]
+                loss_mask = comp_mask if "tool_mask" not in out else comp_mask * out["tool_mask"]
+                B = comp_mask.shape[0]
+                folder.fold(
+                    step,
+                    torch.cat([out["prompt_ids"], out["completion_ids"]], 1),
+                    torch.cat([prompt_mask, comp_mask], 1),
+                    torch.cat([torch.zeros_like(prompt_mask), loss_mask], 1),
+                    out["advantages"],
+                    group=torch.arange(B) // int(trainer.num_generations),
+                )
+            return out
+
+        trainer._generate_and_score_completions = generate_and_score
+        return self
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Refuse a run whose trainer was not attached."""
+        if self.folder is None:
+            raise RuntimeError("CovgradInRun: call inrun.attach(trainer) before trainer.train()")

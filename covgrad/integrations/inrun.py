@@ -1,0 +1,270 @@
+"""In-run statistics: the policy's exact per-sample scores on the trainer's own batch, folded inside the training
+process and on the model's device every ``every_n`` steps, with no second job and no checkpoint.
+
+Any trainer calls it between its steps::
+
+    folder = InRunFolder(model, params=None, every_n=10, out_dir="run/inrun")
+    for step, batch in enumerate(loader):
+        folder.fold(step, batch.input_ids, batch.attention_mask, batch.response_mask, batch.advantages)
+        loss = ...; loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+A due step (the first call, then the first step ≥ the last folded step + ``every_n``) runs one forward and one
+per-sample backward of the scores stage's engine (:meth:`covgrad.scores.engine.PerSampleGrads.accumulate`, policy
+centering :func:`covgrad.scores.centering.score_logit_grad` at the trainer's temperature, each sample's accumulator
+row its prompt group's parity, as :func:`covgrad.scores.fold.fold_batches` passes them) into fresh float64 moment
+state (:class:`covgrad.moments.accum.MomentAccumulator`), reads the statistics off it with the stats stage's
+:func:`covgrad.moments.stats.compute_stats` (every estimator divides by N: F = mean(s²), G = mean(A·s),
+Cov = Cov(A, s), ρ = Cov / (std(A)·√Var(s))) and the exact top-q sets by F, |G| and |ρ| with
+:func:`covgrad.moments.topk.topk_indices` (ties to the lowest index, NaN never selected). The step's state is its
+batch alone: the statistics of θ_t on θ_t's samples, never mixed across steps.
+
+The trainer is left as it was: the engine freezes the parameters during the pass and restores every
+``requires_grad`` flag, takes its backward with ``torch.autograd.grad`` (no ``.grad`` is read or written), removes
+its hooks when the pass ends (or fails), and draws random numbers from its own generators; the fold runs in eval
+mode (dropout off; Hugging Face gradient checkpointing runs in training mode only) and puts every module's own
+``training`` flag back; the leaf that ``enable_input_require_grads`` makes of the input embedding's output is
+detached during the pass.
+
+Files under ``out_dir`` (plain numpy and JSON: ``covgrad`` writes no stores):
+
+- ``step_{t:06d}.npz``: the (P,) float64 vectors named in ``vectors`` (default F, G, rho), and ``top_F``,
+  ``top_absG``, ``top_absrho``: the sorted int64 flat indices of the top ceil(q·P) by F, |G|, |ρ|;
+- ``step_{t:06d}.json``: ``step``, ``N``, ``mean_A``, ``std_A``, ``rho_undefined``, ``bound_violations``, ``q``,
+  ``k``, ``seconds`` (the fold and its statistics, not the writes), and per metric the overlap |S_t ∩ S_u| / |S_t|
+  with the previous folded step's set (``overlap_prev``, step ``prev_step``) and the first folded step's
+  (``overlap_first``, step ``first_step``): NaN when a set is empty (ρ is undefined when std(A) = 0);
+- ``inrun.json``: ``every_n``, ``q``, ``temperature``, ``vectors``, ``steps`` (the folded steps) and ``tensors``
+  (:meth:`covgrad.layout.ParamLayout.to_records`: the flat axis), rewritten after every fold.
+
+Memory on the model's device: 48 B per selected parameter for the state (``state_dtype="float32"``: 32 B) and the
+engine's blocks in flight; the statistics and sets are formed on the host (about 100 B per parameter).
+
+Shape notation: B rows of L tokens, P selected parameter elements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from covgrad.layout import select_parameters
+from covgrad.moments.accum import MomentAccumulator
+from covgrad.moments.stats import Moments, compute_stats
+from covgrad.moments.topk import count_for_fraction, topk_indices
+from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.engine import PerSampleGrads
+
+INDEX = "inrun.json"
+METRICS = {"F": "F", "absG": "G", "absrho": "rho"}  # top-set name -> the statistic whose |value| ranks it
+VECTORS = ("F", "G", "rho")
+
+
+@dataclass(frozen=True)
+class InRunStep:
+    """One folded step.
+
+    Attributes:
+        step: the trainer's step (optimizer steps taken before the batch).
+        stats: :func:`covgrad.moments.stats.compute_stats` of the batch: ``N``, ``mean_A``, ``std_A`` (),
+            ``m``, ``F``, ``Fvar``, ``G``, ``Cov``, ``rho`` (P,) float64, and its scalar checks.
+        top: ``F``, ``absG``, ``absrho`` -> sorted (≤ k,) int64 flat indices of the top ceil(q·P).
+        summary: what ``step_{t:06d}.json`` holds (scalars and overlaps).
+    """
+
+    step: int
+    stats: dict[str, Any]
+    top: dict[str, np.ndarray]
+    summary: dict[str, Any]
+
+
+def _detach_leaf(module: nn.Module, args: tuple, output: Any) -> Any:
+    """Forward hook: a tensor output that is a leaf requiring grad, detached (None: the output as it is)."""
+    if isinstance(output, Tensor) and output.requires_grad and output.grad_fn is None:
+        return output.detach()
+    return None
+
+
+def _overlap(a: np.ndarray, b: np.ndarray | None) -> float:
+    """|a ∩ b| / |a| of two sorted index sets; NaN when ``a`` is empty or ``b`` is None or empty."""
+    if b is None or len(a) == 0 or len(b) == 0:
+        return math.nan
+    return len(np.intersect1d(a, b, assume_unique=True)) / len(a)
+
+
+class InRunFolder:
+    """Exact per-sample score statistics of the trainer's batch, every ``every_n`` steps (module docstring).
+
+    Args:
+        model: the policy (a Hugging Face causal LM, or any module the engine takes), on its device.
+        params: globs of the parameters to analyse (:func:`covgrad.layout.select_parameters`); None: every
+            trainable one.
+        every_n: fold the first step, then the first step at least ``every_n`` after the last folded one.
+        out_dir: where the per-step files go (created); None: nothing is written (``fold`` still returns).
+        q: the fraction of the top sets, in (0, 1].
+        temperature: τ of the trainer's log-probabilities (the score is ∇ log softmax(z/τ)).
+        vectors: the (P,) statistics written per step (any of ``m, F, Fvar, G, Cov, rho``; () for the sets only).
+        state_dtype: ``"float64"`` or ``"float32"`` moment state (:class:`covgrad.moments.accum.MomentAccumulator`).
+        check: compare the first fold's summed scores with autograd (one extra forward and backward).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[str] | None = None,
+        every_n: int = 1,
+        out_dir: str | Path | None = None,
+        *,
+        q: float = 0.01,
+        temperature: float = 1.0,
+        vectors: Sequence[str] = VECTORS,
+        state_dtype: str = "float64",
+        check: bool = False,
+    ) -> None:
+        if every_n < 1:
+            raise ValueError(f"every_n must be >= 1; got {every_n}")
+        count_for_fraction(q, 1)  # refuses q outside (0, 1]
+        self.model, self.every_n, self.q, self.temperature = model, int(every_n), float(q), float(temperature)
+        self.layout = select_parameters(model, params)
+        self.vectors, self.state_dtype, self.check = tuple(vectors), state_dtype, check
+        self.out = None if out_dir is None else Path(out_dir)
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.steps: list[int] = []
+        self._psg: PerSampleGrads | None = None
+        self._first: dict[str, np.ndarray] | None = None
+        self._prev: dict[str, np.ndarray] | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether ``fold`` at ``step`` computes: the first call, or ``every_n`` steps after the last fold."""
+        return not self.steps or step >= self.steps[-1] + self.every_n
+
+    def fold(
+        self,
+        step: int,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_mask: Tensor,
+        advantages: Tensor | np.ndarray,
+        *,
+        position_ids: Tensor | None = None,
+        group: Tensor | np.ndarray | None = None,
+    ) -> InRunStep | None:
+        """The statistics of one batch at the model's current weights when ``step`` is due (else None).
+
+        Args:
+            step: the trainer's step (optimizer steps taken before this batch).
+            input_ids: (B, L) token ids, any padding side.
+            attention_mask: (B, L), 1 on real tokens.
+            response_mask: (B, L) weight of each token position as a scored response token (the trainer's loss
+                mask, aligned with the tokens: position 0 is never scored).
+            advantages: (B,) each row's sequence advantage.
+            position_ids: (B, L), or None: each row counts from its first real token (cumsum(mask) − 1), the
+                positions of covgrad's rollouts and of an unpadded forward.
+            group: (B,) prompt group of each row (the accumulator row is its parity); None: one row.
+
+        Raises:
+            ValueError: the batch holds fewer than 2 rows, the shapes disagree, or the engine refuses a parameter.
+        """
+        if not self.due(step):
+            return None
+        start = time.perf_counter()
+        acc = self._fold(input_ids, attention_mask, response_mask, advantages, position_ids, group)
+        rows = acc.rows()
+        keep = rows["count"] > 0
+        moments = Moments(*(rows[k][keep] for k in ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as")))
+        with warnings.catch_warnings():  # std(A) = 0 (one reward for the whole batch): rho NaN, reported below
+            warnings.simplefilter("ignore", RuntimeWarning)
+            stats = compute_stats(moments)
+        k = count_for_fraction(self.q, self.layout.P)
+        top = {name: topk_indices(np.abs(stats[src]), k) for name, src in METRICS.items()}
+        summary = {
+            "step": int(step),
+            "N": int(stats["N"]),
+            "mean_A": float(stats["mean_A"]),
+            "std_A": float(stats["std_A"]),
+            "rho_undefined": bool(stats["rho_undefined"]),
+            "bound_violations": int(stats["bound_violations"]),
+            "q": self.q,
+            "k": k,
+            "seconds": time.perf_counter() - start,
+            "prev_step": self.steps[-1] if self.steps else None,
+            "overlap_prev": {m: _overlap(top[m], None if self._prev is None else self._prev[m]) for m in top},
+            "first_step": self.steps[0] if self.steps else int(step),
+            "overlap_first": {m: _overlap(top[m], (self._first or top)[m]) for m in top},
+        }
+        self.steps.append(int(step))
+        self._prev = top
+        self._first = self._first or top
+        result = InRunStep(int(step), stats, top, summary)
+        if self.out is not None:
+            self._write(result)
+        return result
+
+    def _fold(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_mask: Tensor,
+        advantages: Tensor | np.ndarray,
+        position_ids: Tensor | None,
+        group: Tensor | np.ndarray | None,
+    ) -> MomentAccumulator:
+        """One engine pass of the batch into fresh state on the model's device, in eval mode."""
+        device = dict(self.model.named_parameters())[self.layout.entries[0].name].device
+        ids, mask = input_ids.to(device), attention_mask.to(device)
+        if position_ids is None:
+            position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
+        a = torch.as_tensor(advantages).detach().double().cpu()
+        if a.shape != (ids.shape[0],) or ids.shape[0] < 2:
+            raise ValueError(f"advantages must be (B,) for B >= 2 rows of input_ids {tuple(ids.shape)}; got {a.shape}")
+        half = np.zeros(len(a), dtype=np.int64) if group is None else np.asarray(torch.as_tensor(group).cpu()) % 2
+        if self._psg is None:
+            self._psg = PerSampleGrads(self.model, self.layout, check=self.check)
+        acc = MomentAccumulator(self.layout.P, device, self.state_dtype, halves=2)
+        fn = partial(
+            score_logit_grad, input_ids=ids, target_mask=response_mask.to(device), temperature=self.temperature
+        )
+        modes = [(m, m.training) for m in self.model.modules()]
+        # Hugging Face's enable_input_require_grads (TRL with gradient checkpointing, PEFT) makes the embedding's
+        # output a leaf that requires grad: the engine would take it for part of the graph and never root its
+        # backward there, so during the pass a last hook of the embedding hands the model its detached value.
+        embedding = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        cut = None if embedding is None else embedding.register_forward_hook(_detach_leaf)
+        self.model.eval()
+        try:
+            self._psg.accumulate(ids, mask, fn, acc, a, half, position_ids=position_ids.to(device))
+        finally:
+            for m, training in modes:
+                m.training = training
+            if cut is not None:
+                cut.remove()
+        return acc
+
+    def _write(self, result: InRunStep) -> None:
+        """``step_{t:06d}.npz`` and ``.json`` of one fold, then the index."""
+        assert self.out is not None
+        name = f"step_{result.step:06d}"
+        arrays = {v: np.asarray(result.stats[v], dtype=np.float64) for v in self.vectors}
+        arrays.update({f"top_{m}": idx for m, idx in result.top.items()})
+        np.savez(self.out / f"{name}.npz", **arrays)
+        (self.out / f"{name}.json").write_text(json.dumps(result.summary, indent=1))
+        index = {
+            "every_n": self.every_n,
+            "q": self.q,
+            "temperature": self.temperature,
+            "vectors": list(self.vectors),
+            "steps": self.steps,
+            "tensors": self.layout.to_records(),
+        }
+        (self.out / INDEX).write_text(json.dumps(index))
