@@ -195,11 +195,11 @@ def _hooked_output(
     """The module's output with ``run`` hooked on its gradient (one tensor) or on all its floating outputs' at
     once (:class:`_Tap`), made graph roots of the pass when the graph does not reach them."""
     if isinstance(output, Tensor):
-        if not output.requires_grad:
+        if output.grad_fn is None:  # also a leaf that requires grad (enable_input_require_grads): not in the graph
             output = graph_root(output, owner._roots)
         output.register_hook(run)
         return output
-    if not any(o.requires_grad for o in outs):
+    if not any(o.grad_fn is not None for o in outs):
         outs = tuple(o.detach().requires_grad_() for o in outs)
         owner._roots.extend(outs)
     tapped = iter(_Tap.apply(run, *outs))

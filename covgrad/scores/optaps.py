@@ -356,7 +356,7 @@ class OpTaps:
                 return out
             self.verified.add(sig)
         record.uses.append(use)
-        if not out.requires_grad:  # no data input is in the graph: the output starts it
+        if out.grad_fn is None:  # no data input is in the graph (or a leaf made to require grad): it starts it
             out = graph_root(out, self.owner._roots)
             self._data.add(id(out))
         out.register_hook(self._backward(record, use))

@@ -122,9 +122,9 @@ class TokenBackward:
                         f"a hooked {type(module).__name__} ran without the batch dimension {self.B}; "
                         "pass position_ids of shape (B, L)"
                     )
-                if output.requires_grad:
+                if output.grad_fn is not None:
                     outputs.append(output)
-                else:  # a graph root the model may update in place (inputs_embeds *= √d)
+                else:  # a graph root the model may update in place (inputs_embeds *= √d); also a leaf requiring grad
                     output = graph_root(output, outputs)
                 self._calls.append((module, rule, local, args[0].detach()))
                 if module is head:
