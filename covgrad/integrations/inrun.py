@@ -22,8 +22,8 @@ The trainer is left as it was: the engine freezes the parameters during the pass
 ``requires_grad`` flag, takes its backward with ``torch.autograd.grad`` (no ``.grad`` is read or written), removes
 its hooks when the pass ends (or fails), and draws random numbers from its own generators; the fold runs in eval
 mode (dropout off; Hugging Face gradient checkpointing runs in training mode only) and puts every module's own
-``training`` flag back; the leaf that ``enable_input_require_grads`` makes of the input embedding's output is
-detached during the pass.
+``training`` flag back (the leaf that ``enable_input_require_grads`` makes of the input embedding's output is a
+graph root of the engine's pass, as any output outside the graph).
 
 Files under ``out_dir`` (plain numpy and JSON: ``covgrad`` writes no stores):
 
@@ -86,13 +86,6 @@ class InRunStep:
     stats: dict[str, Any]
     top: dict[str, np.ndarray]
     summary: dict[str, Any]
-
-
-def _detach_leaf(module: nn.Module, args: tuple, output: Any) -> Any:
-    """Forward hook: a tensor output that is a leaf requiring grad, detached (None: the output as it is)."""
-    if isinstance(output, Tensor) and output.requires_grad and output.grad_fn is None:
-        return output.detach()
-    return None
 
 
 def _overlap(a: np.ndarray, b: np.ndarray | None) -> float:
@@ -236,19 +229,12 @@ class InRunFolder:
             score_logit_grad, input_ids=ids, target_mask=response_mask.to(device), temperature=self.temperature
         )
         modes = [(m, m.training) for m in self.model.modules()]
-        # Hugging Face's enable_input_require_grads (TRL with gradient checkpointing, PEFT) makes the embedding's
-        # output a leaf that requires grad: the engine would take it for part of the graph and never root its
-        # backward there, so during the pass a last hook of the embedding hands the model its detached value.
-        embedding = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
-        cut = None if embedding is None else embedding.register_forward_hook(_detach_leaf)
         self.model.eval()
         try:
             self._psg.accumulate(ids, mask, fn, acc, a, half, position_ids=position_ids.to(device))
         finally:
             for m, training in modes:
                 m.training = training
-            if cut is not None:
-                cut.remove()
         return acc
 
     def _write(self, result: InRunStep) -> None:
