@@ -28,7 +28,11 @@ weight with one contribution is not even formed whole (:mod:`covgrad.scores.bloc
 compares the two). ``accumulate_many`` does the same for K objectives of one batch (the score and regimes' g, each
 a :class:`Cotangent` with its own accumulator): one forward, then one backward per logit-space cotangent through
 the same hooks, the graph kept until the last, each accumulator folded exactly as a separate ``accumulate`` would
-fold it. With ``check``, the first call compares each tensor's Σ_n s_n with autograd (:mod:`covgrad.scores.selfcheck`).
+fold it. With ``check``, the first call compares each tensor's Σ_n s_n with autograd and proves the samples apart in
+the whole model (:mod:`covgrad.scores.selfcheck`): a random sample's rows against the gradient of its own objective,
+and one forward with that sample's tokens replaced, after which no other sample's logits may move; where they
+move, every selected tensor whose gradient flows through the place where the samples mix is refused
+(:func:`covgrad.scores.tracing.locate_mixing`).
 
 Shape notation: B samples in the batch, L sequence positions (prompt, response and padding), V
 vocabulary, P selected parameter elements (the flat axis of :class:`covgrad.layout.ParamLayout`).
@@ -50,8 +54,17 @@ from covgrad.scores.blocks import Blocks
 from covgrad.scores.hooks import forward_hook
 from covgrad.scores.optaps import OpTaps
 from covgrad.scores.rules import Rule, generic_rule
-from covgrad.scores.selfcheck import SelfCheck
-from covgrad.scores.tracing import Binding, RefusalError, Refusals, bind_rules, check_apart, rebind, trace_forward
+from covgrad.scores.selfcheck import Mixing, SelfCheck, probe_sample, separation
+from covgrad.scores.tracing import (
+    Binding,
+    RefusalError,
+    Refusals,
+    bind_rules,
+    check_apart,
+    locate_mixing,
+    rebind,
+    trace_forward,
+)
 
 
 @dataclass(frozen=True)
@@ -88,7 +101,10 @@ class PerSampleGrads:
         layout: the selected parameters (:func:`covgrad.layout.select_parameters` on this model).
         check: on the first call, compare Σ_n s_n per tensor with the ordinary batched gradient of the
             summed objective and raise if they differ (catches a module whose forward a rule does not
-            match, e.g. a Linear subclass that rescales its weight). Costs one extra forward and backward.
+            match, e.g. a Linear subclass that rescales its weight), and (B ≥ 2) prove the samples apart: a
+            random sample's rows against its own objective's gradient, and no other sample's logits moved by
+            replacing its tokens (a refusal of the tensors upstream of a place where they mix). Costs two extra
+            forwards and two backwards (one more forward and backward where the samples mix).
         chunk_bytes: bytes of one row chunk of a Linear/Conv1D weight's per-sample block in the fused
             reduction (None: :func:`covgrad.scores.blocks.default_chunk_bytes` of the device; 0: fold whole
             blocks). Chunks change the GEMM shapes, so the fp32 products may differ in their last bits from
@@ -136,6 +152,8 @@ class PerSampleGrads:
         self._probing = False
         self._roots: list[Tensor] = []
         self._refused = Refusals(layout)
+        self._probe_next = False  # the next self-check reference also probes the separation of the samples
+        self._mixing: Mixing | None = None  # what that probe found, located by the next pass (_per_sample)
         self._blocks = Blocks()
         self._taps = OpTaps(self) if op_taps else None
 
@@ -197,6 +215,7 @@ class PerSampleGrads:
             out = torch.empty(B, self.layout.P, dtype=torch.float32, device=device)
         else:
             self._check_out(out, B, device)
+        self._probe_next = self.check
         check = self._reference(inputs, dlogits_fn) if self.check else None
         scores = self._per_sample(inputs, [(dlogits_fn, out, None, None)])
         if check is not None:
@@ -277,6 +296,7 @@ class PerSampleGrads:
                 )
             if c.out is not None:
                 self._check_out(c.out, B, device)
+        self._probe_next = self.check  # with the first cotangent's reference
         checks = [self._reference(inputs, c.fn) if self.check else None for c in cotangents]
         begun: list[MomentAccumulator] = []
         try:
@@ -344,6 +364,15 @@ class PerSampleGrads:
                 # a refusal is named with the pass's own ones once it is over (self._refused keeps it)
                 with contextlib.suppress(RefusalError):
                     self._trace(inputs)
+            if self._mixing is not None:
+                mixing, self._mixing = self._mixing, None
+                flat = (self._flat_ok, self._outer)
+                self._refused.add(
+                    locate_mixing(
+                        self.model, self.layout, self._params, self._bindings, self._names, flat, inputs, mixing
+                    )
+                )
+                self._bindings = self._refused.drop(self._bindings)
             for module, rule, local in self._bindings:
                 if rule is generic_rule and self._taps is not None:
                     handles += self._taps.hooks(module, local)
@@ -416,12 +445,25 @@ class PerSampleGrads:
     def _reference(self, inputs: dict[str, Tensor | None], dlogits_fn: Callable[[Tensor], Tensor]) -> SelfCheck:
         """The self-check's reference: the batched autograd gradient of the summed objective (one extra
         forward and backward, before the per-sample pass), compared tensor by tensor as each one's
-        per-sample block completes and dropped then, so it never holds more than the model's gradient."""
+        per-sample block completes and dropped then, so it never holds more than the model's gradient.
+
+        With ``_probe_next`` (once per checked pass, B ≥ 2), also the gradient of a random sample j's objective
+        alone (one more backward of the same graph: twice the model's gradient held), and the separation probe
+        (:func:`covgrad.scores.selfcheck.separation`, one more forward without a graph), whose finding the pass
+        locates after its trace."""
+        probe, self._probe_next = self._probe_next and inputs["input_ids"].shape[0] >= 2, False
         with torch.enable_grad():
             logits = self.model(**inputs, use_cache=False).logits
             dlogits = _checked_dlogits(dlogits_fn, logits).to(logits.dtype)
-            grads = torch.autograd.grad(logits, self._params, dlogits, allow_unused=True)
-        return SelfCheck(self.layout, self._params, grads)
+            grads = torch.autograd.grad(logits, self._params, dlogits, allow_unused=True, retain_graph=probe)
+            if not probe:
+                return SelfCheck(self.layout, self._params, grads)
+            j = probe_sample(logits.shape[0])
+            alone = torch.zeros_like(dlogits)
+            alone[j] = dlogits[j]
+            own = torch.autograd.grad(logits, self._params, alone, allow_unused=True)
+        self._mixing = separation(self.model, inputs, logits.detach(), j)
+        return SelfCheck(self.layout, self._params, grads, (j, own))
 
 
 def _checked_dlogits(dlogits_fn: Callable[[Tensor], Tensor], logits: Tensor) -> Tensor:

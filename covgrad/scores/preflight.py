@@ -10,8 +10,9 @@ forward is reported before rollouts are sampled:
    one checked per-sample pass on a two-sample, left-padded batch: the parameters of every module type
    selected in step 1 go through their rules, the trace of where each parameter is used and whether the
    modules keep the samples apart, and the self-check (Σ_n s_n against the batched gradient, every
-   selected tensor). This step always runs, whatever ``model.self_check`` says: a parameter that no rule
-   reaches would otherwise be served as rows of zeros.
+   selected tensor; a sample's rows against its own gradient, and the whole model's separation of the two
+   samples, whose failure refuses every tensor upstream of where they mix). This step always runs, whatever
+   ``model.self_check`` says: a parameter that no rule reaches would otherwise be served as rows of zeros.
 
 A parameter refused in step 1 does not stop step 2, which runs the other ones: one refusal names every
 parameter either step refuses, with a ``model.params`` selection of the full model without them.
@@ -95,12 +96,13 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
     except ValueError as exc:
         raise ValueError(f"preflight ({path}): {exc}") from None
     wanted = _selected_types(full, set(layout.names) - set(refused))
+    cut = (getattr(config.get_text_config(), "num_hidden_layers", None) or 0) > _LAYERS
     psg = None
     if wanted:
         try:
-            psg = _checked_copy(config, wanted, trust_remote_code)
+            psg = _checked_copy(config, wanted, trust_remote_code, set(layout.names) - set(refused), cut)
         except RefusalError as exc:
-            refused.update(_across_layers(exc.reasons, layout))
+            refused.update(_across_layers(exc.reasons, layout, cut))
         except ValueError as exc:
             raise ValueError(f"preflight ({path}, {_LAYERS}-layer random copy): {exc}") from None
     if refused or psg is None:
@@ -108,10 +110,16 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
     return generic_summary(psg, layout)
 
 
-def _checked_copy(config: PretrainedConfig, wanted: set[tuple[type, str]], trust_remote_code: bool) -> PerSampleGrads:
+def _checked_copy(
+    config: PretrainedConfig, wanted: set[tuple[type, str]], trust_remote_code: bool, selected: set[str], cut: bool
+) -> PerSampleGrads:
     """Step 2: the architecture cut to ``_LAYERS`` layers, randomly initialised in float32, with the parameters
     of the ``wanted`` (module type, local name) kinds selected, through one checked per-sample pass of a
     two-sample, left-padded batch; returns the engine.
+
+    Of each kind, the copy selects the full model's ``selected`` names: the same ones when it is the whole
+    architecture (not ``cut``), else those with the same name up to the layer index, and every one of a kind none
+    of whose names match: a tensor upstream of a place where the samples mix is refused for itself, not its kind.
 
     Raises:
         RefusalError: naming the copy's parameters without an exact per-sample gradient.
@@ -121,12 +129,17 @@ def _checked_copy(config: PretrainedConfig, wanted: set[tuple[type, str]], trust
     small = AutoModelForCausalLM.from_config(
         _reduced(config, _LAYERS), trust_remote_code=trust_remote_code, dtype=torch.float32
     ).eval()
-    names = [
-        f"{mn}.{pn}" if mn else pn
+    kinds = {
+        f"{mn}.{pn}" if mn else pn: (type(m), pn)
         for mn, m in small.named_modules()
         for pn, p in m.named_parameters(recurse=False)
         if (type(m), pn) in wanted and p.requires_grad
-    ]
+    }
+    index = re.compile(r"\.\d+\.")
+    same = {index.sub(".N.", n) for n in selected} if cut else selected
+    matched = [n for n in kinds if (index.sub(".N.", n) if cut else n) in same]
+    covered = {kinds[n] for n in matched}
+    names = matched + [n for n, kind in kinds.items() if kind not in covered]
     small_layout = select_parameters(small, sorted(set(names) & set(dict(small.named_parameters()))))
     vocab = small.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
@@ -147,19 +160,22 @@ def _checked_copy(config: PretrainedConfig, wanted: set[tuple[type, str]], trust
     return psg
 
 
-def _across_layers(reasons: dict[str, str], layout: ParamLayout) -> dict[str, str]:
+def _across_layers(reasons: dict[str, str], layout: ParamLayout, cut: bool = True) -> dict[str, str]:
     """The random copy's refusals (its parameter name → reason) for every parameter of the full selection
-    ``layout`` with the same name up to the layer index (the copy's own name when none matches)."""
+    ``layout`` with the same name up to the layer index (the copy's own name when none matches); when the copy was
+    not ``cut`` (the full model has at most ``_LAYERS`` layers) for the same name only: the copy is the full
+    architecture, and a refusal of the tensors upstream of a layer that mixes samples holds for those alone."""
     index = re.compile(r"\.\d+\.")
     kinds: dict[str, list[str]] = {}
     for name in layout.names:
-        kinds.setdefault(index.sub(".N.", name), []).append(name)
+        kinds.setdefault(index.sub(".N.", name) if cut else name, []).append(name)
     out: dict[str, str] = {}
     for name, reason in reasons.items():
         prefix = f"{name!r}: "
         why = reason[len(prefix) :] if reason.startswith(prefix) else reason
-        for full in kinds.get(index.sub(".N.", name), [name]):
-            out.setdefault(full, f"{full!r}: {why} (in the {_LAYERS}-layer random copy, as {name})")
+        for full in kinds.get(index.sub(".N.", name) if cut else name, [name]):
+            copy = f"the {_LAYERS}-layer random copy" + (f", as {name}" if full != name else "")
+            out.setdefault(full, f"{full!r}: {why} (in {copy})")
     return out
 
 

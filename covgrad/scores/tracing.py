@@ -33,6 +33,7 @@ from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.scores.hooks import graph_root
 from covgrad.scores.optaps import METADATA_READS
 from covgrad.scores.rules import Rule, float_outputs, generic_rule, rule_for
+from covgrad.scores.selfcheck import Mixing
 
 # Positions of the first call's trace (trace_forward): the last ones of each row (real tokens under left padding).
 _TRACE_POSITIONS = 16
@@ -42,8 +43,9 @@ _METADATA = METADATA_READS | {"__get__"}
 
 Binding = tuple[nn.Module, Rule, dict[str, TensorEntry]]
 
-# One module call of the traced forward: the module, its floating first input and its floating outputs.
-Record = tuple[nn.Module, list[Tensor], list[Tensor]]
+# One module call of the traced forward: the module, its floating first input, its floating outputs and its other
+# floating inputs.
+Record = tuple[nn.Module, list[Tensor], list[Tensor], list[Tensor]]
 
 
 def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
@@ -269,9 +271,11 @@ def trace_forward(
     def post(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         name = stack.pop()
         if n == 2 and (id(module) in bound or name in users):
+            floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.is_floating_point()]
             first = args[0] if args else next(iter(kwargs.values()), None)
             ins = [first] if isinstance(first, Tensor) and first.is_floating_point() else []
-            records.append((module, ins, list(float_outputs(output))))
+            rest = [t for t in floats if t is not first]
+            records.append((module, ins, list(float_outputs(output)), rest))
 
     def leaf(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
         return graph_root(output, emb)
@@ -360,24 +364,27 @@ def check_apart(
         (i·B + n)·L + t is sample n's position t, as experts that see every token once per expert); and of
         those, the outer-major ones; and the refused parameters ``(layout name, reason)``: every parameter of a
         module that mixes samples or whose flattened rows are not sample by sample (a module called several
-        times names its parameters once).
+        times names its parameters once). A module reading its whole call whose outputs reach the other sample
+        only as far as another of its inputs already does (routing weights a mixing router made) is downstream of
+        the mixing and kept: the checked pass's separation probe refuses the tensors upstream of it
+        (:func:`locate_mixing`).
     """
     rules = {id(m): rule for m, rule, _ in bindings}
     checked = []
-    for module, ins, outs in records:
+    for module, ins, outs, rest in records:
         if id(module) not in rules:
             continue
         needs = getattr(rules[id(module)], "needs_call", False)
         flat = any(t.shape[0] > 2 for t in (*ins, *outs) if t.dim() and t.shape[0] % 2 == 0)
         if needs or flat:
-            checked.append((module, ins, outs, flat))
+            checked.append((module, ins, outs, flat, rest if needs else []))
     leaks = _leak_test(emb, L)
-    every = [t for _, ins, outs, _ in checked for t in (*ins, *outs)]
+    every = [t for _, ins, outs, _, _ in checked for t in (*ins, *outs)]
     outer: set[int] = set()
     refused: list[tuple[str, str]] = []
     seen: set[int] = set()  # modules refused already (a module called several times is named once)
     if any(leaks(every, b) for b in (0, 1)):
-        for module, ins, outs, flat in checked:
+        for module, ins, outs, flat, rest in checked:
             if id(module) in seen:
                 continue
             where = f"{names[id(module)]} (a {type(module).__name__})"
@@ -396,7 +403,7 @@ def check_apart(
                     if flat
                     else "receives an input that mixes samples"
                 )
-            elif any(leaks(outs, b) for b in (0, 1)):
+            elif any(leaks(outs, b) for b in (0, 1)) and not any(leaks(rest, b) for b in (0, 1)):
                 what = "mixes samples (its output for one sample depends on another sample's input)"
             else:
                 continue
@@ -407,7 +414,7 @@ def check_apart(
                 if m is module
                 for e in local.values()
             ]
-    return {id(module) for module, _, _, flat in checked if flat}, outer, refused
+    return {id(module) for module, _, _, flat, _ in checked if flat}, outer, refused
 
 
 def _leak_test(emb: Tensor, L: int) -> Callable[..., bool]:
@@ -473,3 +480,169 @@ def _common_prefix(stacks: set[tuple[str, ...]]) -> list[str]:
         k = next((i for i, (a, b) in enumerate(zip(common, st, strict=False)) if a != b), len(common))
         common = common[:k]
     return common
+
+
+@dataclass
+class _Made:
+    """The probe forward of :func:`locate_mixing`: the floating tensors made by module calls and by the ops that use a
+    selected parameter on data, in the order they were made.
+
+    Attributes:
+        tensors: each made tensor and the id of the module that returned it (None for an op's output).
+        calls: every module call: its qualified name, module, first index into ``tensors`` made inside it, end
+            index, the indices of its own outputs and of its floating inputs made before it.
+        uses: each selected parameter (layout name) → the indices of the outputs of the ops that use it on data.
+    """
+
+    tensors: list[tuple[Tensor, int | None]]
+    calls: list[tuple[str, nn.Module, int, int, list[int], list[int]]]
+    uses: dict[str, list[int]]
+
+
+class _UseOutputs(TorchFunctionMode):
+    """Records the floating outputs of every torch function called with a selected parameter and a floating tensor
+    that is no parameter (data), in ``made`` (``wanted``: id of each selected parameter → its name; ``params``: the
+    ids of all the model's parameters)."""
+
+    def __init__(self, wanted: dict[int, str], params: set[int], made: _Made) -> None:
+        super().__init__()
+        self.wanted, self.params, self.made = wanted, params, made
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "__name__", "") in _METADATA:
+            return out
+        ts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        names = {self.wanted[id(t)] for t in ts if id(t) in self.wanted}
+        if names and any(t.is_floating_point() and id(t) not in self.params for t in ts):
+            for t in float_outputs(out):
+                for name in names:
+                    self.made.uses.setdefault(name, []).append(len(self.made.tensors))
+                self.made.tensors.append((t, None))
+        return out
+
+
+def _probe_forward(
+    model: nn.Module, layout: ParamLayout, params: list[Tensor], names: dict[int, str], inputs: dict[str, Tensor | None]
+) -> tuple[Tensor, _Made]:
+    """One forward of the batch with every floating parameter requiring grad (restored after), recording what
+    :class:`_Made` holds; returns the logits (B, L, V) and the record."""
+    made = _Made([], [], {})
+    starts: list[tuple[int, list[int]]] = []
+
+    at: dict[int, int] = {}  # id of each made tensor → its last index, for the first done[0] ones
+    done = [0]
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        at.update((id(t), k) for k, (t, _) in enumerate(made.tensors[done[0] :], done[0]))
+        done[0] = len(made.tensors)
+        ins = [at[id(t)] for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and id(t) in at]
+        starts.append((len(made.tensors), ins))
+
+    def post(module: nn.Module, args: tuple, output: object) -> None:
+        own = []
+        for t in float_outputs(output):
+            own.append(len(made.tensors))
+            made.tensors.append((t, id(module)))
+        start, ins = starts.pop()
+        made.calls.append((names[id(module)], module, start, len(made.tensors), own, ins))
+
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    handles = [
+        h
+        for m in model.modules()
+        for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))
+    ]
+    wanted = {id(p): e.name for e, p in zip(layout.entries, params, strict=True)}
+    try:
+        for p, _ in flags:
+            p.requires_grad_(p.is_floating_point())
+        with torch.enable_grad(), _UseOutputs(wanted, {id(p) for p, _ in flags} | set(wanted), made):
+            logits = model(**inputs, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    return logits, made
+
+
+def locate_mixing(
+    model: nn.Module,
+    layout: ParamLayout,
+    params: list[Tensor],
+    bindings: list[Binding],
+    names: dict[int, str],
+    flat: tuple[set[int], set[int]],
+    inputs: dict[str, Tensor | None],
+    mixing: Mixing,
+) -> list[tuple[str, str]]:
+    """The selected parameters whose gradient flows through a place where the samples mix, ``(layout name,
+    reason)``: :func:`covgrad.scores.selfcheck.separation` found that sample ``mixing.j``'s tokens move the logits
+    of ``mixing.targets``. One forward of the batch records every module call's outputs and every output of an op
+    that uses a selected parameter on data (:func:`_probe_forward`); one backward of a random projection of the
+    targets' logits finds those whose sample-j rows reach them (they are upstream of the mixing). Refused: every
+    parameter with such an op output, every parameter of a bound module with such an output or inside whose call
+    the mixing happens (every one when no tensor reaches them: the logits depend on sample j through no path a
+    gradient follows, e.g. a routing choice). The place named is the innermost call around the last such tensor
+    made whose own outputs reach no other sample, or the first call inside it, after that tensor, that takes such
+    a tensor (a final norm that averages over the batch).
+
+    Args:
+        flat: the ids of the bound modules the trace verified on a flattened batch, and of those the outer-major
+            ones (:func:`check_apart`): their rows are split that way; other tensors only when their leading
+            dimension is B or B·L.
+    """
+    B, L = inputs["input_ids"].shape
+    logits, made = _probe_forward(model, layout, params, names, inputs)
+    gen = torch.Generator().manual_seed(0)
+    mask = inputs["attention_mask"]
+    total = sum(
+        (logits[i].float() * torch.randn(logits[i].shape, generator=gen).to(logits.device) * mask[i, :, None]).sum()
+        for i in mixing.targets
+    )
+    idx = [k for k, (t, _) in enumerate(made.tensors) if t.requires_grad]
+    grads = torch.autograd.grad(total, [made.tensors[k][0] for k in idx], allow_unused=True)
+    leaking = set()
+    for k, g in zip(idx, grads, strict=True):
+        rows = None if g is None else _rows_of(g, mixing.j, B, L, made.tensors[k][1], flat)
+        if rows is not None and bool((rows.nan_to_num(0.0, 0.0, 0.0) != 0).any()):
+            leaking.add(k)
+    where = f"sample {mixing.j}'s tokens move sample {mixing.targets[0]}'s logits by {mixing.rel:.2g} of their scale"
+    if not leaking:
+        why = f"{where} through no path a gradient follows (a routing or other choice that depends on the batch)"
+        return [(name, f"{name!r}: {why}, so no per-sample score exists") for name in layout.names]
+    last = max(leaking)
+    around = [c for c in made.calls if c[2] <= last < c[3] and not leaking & set(c[4])]
+    outer = max(around, key=lambda c: (c[2], -c[3])) if around else None
+    takers = [c for c in made.calls if outer and last < c[2] < outer[3] and leaking & set(c[5])]
+    mixer = min(takers, key=lambda c: (c[2], -c[3]))[0] if takers else outer[0] if outer else ""
+    place = f"{mixer} (a {type(model.get_submodule(mixer)).__name__})" if mixer else "the model's top-level forward"
+    why = (
+        f"its gradient flows through {place}, which mixes the samples ({where}), so its per-sample rows would "
+        "take other samples' objectives"
+    )
+    hit = {name for name, ks in made.uses.items() if leaking & set(ks)}
+    for module, _, local in bindings:
+        name = names[id(module)]
+        inside = bool(name) and (mixer == name or mixer.startswith(name + "."))
+        outs = {k for c in made.calls if c[1] is module for k in c[4]}
+        if inside or leaking & outs:
+            hit |= {e.name for e in local.values()}
+    return [(name, f"{name!r}: {why}") for name in layout.names if name in hit]
+
+
+def _rows_of(g: Tensor, j: int, B: int, L: int, module: int | None, flat: tuple[set[int], set[int]]) -> Tensor | None:
+    """Sample j's rows of a made tensor's gradient ``g``: leading dimension B, or B·L rows (sample-major), or the
+    flattened rows of a module the trace verified (outer-major (m·B·L, …) ones for the outer-major modules); None
+    when its rows cannot be split by sample."""
+    n = g.shape[0] if g.dim() else 0
+    if n == B:
+        return g[j]
+    if module in flat[1] and n % (B * L) == 0:
+        return g.reshape(n // (B * L), B, L, *g.shape[1:])[:, j]
+    if n == B * L or (module in flat[0] and n % B == 0):
+        k = n // B
+        return g[j * k : (j + 1) * k]
+    return None

@@ -28,7 +28,7 @@ from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.tracing import RefusalError
 from tests.helpers.families_hybrid import FAMILIES
-from tests.helpers.persample import BATCH, PAD, V, llama, make_batch, naive_scores
+from tests.helpers.persample import BATCH, PAD, V, llama, make_batch, naive_scores, right_padded
 
 H = 32
 
@@ -53,16 +53,6 @@ def worst(layout: ParamLayout, got: torch.Tensor, ref: torch.Tensor) -> tuple[fl
     for e in layout.entries:
         a, b = got[:, e.offset : e.offset + e.numel].double(), ref[:, e.offset : e.offset + e.numel]
         out = max(out, (float((a - b).norm()) / max(float(b.norm()), floor), e.name))
-    return out
-
-
-def right_padded(batch: dict) -> dict:
-    """The same sequences padded on the right."""
-    out = dict(batch)
-    ids, mask, target = (torch.zeros_like(batch[k]) for k in ("input_ids", "attention_mask", "target_mask"))
-    for n, (s, w) in enumerate(zip(batch["seqs"], batch["weights"], strict=True)):
-        ids[n, : len(s)], mask[n, : len(s)], target[n, : len(s)] = s, 1, w
-    out.update(input_ids=ids, attention_mask=mask, target_mask=target, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
     return out
 
 

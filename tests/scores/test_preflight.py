@@ -94,7 +94,12 @@ def test_check_model_names_parameter_and_module_type(tmp_path):
     path = str(bad_dir(tmp_path))
     with pytest.raises(ValueError, match=r"preflight .*'model\.norm\.weight'.*WrappedNorm"):
         check_model(path, None, trust_remote_code=True)
-    check_model(path, ["model.layers.*"], trust_remote_code=True)  # deselected: fine
+    # the layers are upstream of the norm that averages over the batch: their rows would take other samples' objectives
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*flows through model\.norm \(a WrappedNorm\)"
+    ):
+        check_model(path, ["model.layers.*"], trust_remote_code=True)
+    check_model(path, ["lm_head.weight", "model.norm.inner.weight"], trust_remote_code=True)  # downstream: fine
 
 
 @pytest.mark.slow
