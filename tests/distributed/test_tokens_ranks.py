@@ -39,13 +39,28 @@ def _arrays(store: ArtifactStore, ref) -> dict[str, np.ndarray]:
     return {name: a[:] for name, a in g.members(max_depth=None) if isinstance(a, zarr.Array)}
 
 
+_BUILT: dict[bool, tuple] = {}
+
+
+def _in_process(tied: bool, factory) -> tuple:
+    """(root, tied, the in-process tokens ref) of a tiny pipeline run up to the tokens stage, built once per process."""
+    if tied not in _BUILT:
+        torch.set_num_threads(1)
+        root = factory.mktemp("tokens-in-process") / "root"
+        cfg = tiny_config(str(root), **SETTINGS, **{"model.demo.tie_embeddings": tied})
+        _BUILT[tied] = (root, tied, run_upto(cfg, "tokens")["tokens"])
+    return _BUILT[tied]
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def in_process(request, tmp_path_factory):
-    """(root, tied, the in-process tokens ref) of a tiny pipeline run up to the tokens stage."""
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("tokens-in-process") / "root"
-    cfg = tiny_config(str(root), **SETTINGS, **{"model.demo.tie_embeddings": request.param})
-    return root, request.param, run_upto(cfg, "tokens")["tokens"]
+    return _in_process(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def in_process_tied(tmp_path_factory):
+    """The tied run only: two machines are checked on the harder case (the tied embedding's two contributions)."""
+    return _in_process(True, tmp_path_factory)
 
 
 def test_ranks_are_placement_and_in_process_dumps_are_unchanged(tmp_path: Path):
@@ -94,13 +109,13 @@ def test_two_ranks_give_the_in_process_tokens_artifact(in_process, tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_two_machines_give_the_in_process_tokens_artifact(in_process, tmp_path: Path, monkeypatch):
+def test_two_machines_give_the_in_process_tokens_artifact(in_process_tied, tmp_path: Path, monkeypatch):
     """Two "machines" on this host (scores.nnodes=2, one torchrun rank each, a c10d rendezvous on 127.0.0.1), the
     tokens task of node 1 started first: it creates nothing and waits at the rendezvous; node 0 creates the store,
     runs every batch with it and completes the artifact; node 1 returns once it is complete. The artifact is the
     in-process one, array for array, under the same key."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    root, tied, ref = in_process
+    root, tied, ref = in_process_tied
     shutil.copytree(root, tmp_path / "root", ignore=lambda d, names: ["tokens"] if Path(d) == root else [])
     group = {"scores.ranks": 2, "scores.launcher": "torchrun", "scores.nnodes": 2}
     group |= {"scores.rdzv_endpoint": f"127.0.0.1:{free_port()}", "model.demo.tie_embeddings": tied}
