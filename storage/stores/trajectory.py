@@ -193,11 +193,13 @@ def write_state(store: ArtifactStore, ref: ArtifactRef, state: dict, rank: str |
     step = int(state["step"])
     target = store.path(ref, _state_name(step, rank))
     store.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-    partial = target + ".partial" if store.local else target
-    with store.fs.open(partial, "wb") as f:  # streamed: no second copy of the weights and optimizer state
-        torch.save(state, f)
-    if store.local:
-        store.fs.mv(partial, target)
+    if store.local:  # torch writes the file itself: no second copy of the weights and optimizer state in memory
+        torch.save(state, target + ".partial")
+        store.fs.mv(target + ".partial", target)
+    else:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        store.fs.pipe_file(target, buf.getvalue())
     if rank is None:
         drop_older_states(store, ref, step)
 
