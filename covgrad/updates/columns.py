@@ -98,7 +98,8 @@ def _by_key(key: np.ndarray, float32: bool) -> np.ndarray:
     n = key.shape[0]
     if n >= 2**32:
         return np.argsort(key, kind="stable")
-    k32 = key.astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond float32's range: ±inf, a run re-sorted by the float64 key below
+        k32 = key.astype(np.float32)
     k32[k32 == 0] = 0.0  # −0 ties with +0
     bits = k32.view(np.uint32)
     ordered = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(1 << 31)).astype(np.uint64)
