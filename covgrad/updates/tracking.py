@@ -403,13 +403,35 @@ class ChangeTracker:
         self.union = {r: state["union"][r].numpy().copy() for r in self.rules}
         self.lr_sum, self.lr_sq_sum = float(state["lr_sum"]), float(state["lr_sq_sum"])
 
-    def _crossings(self, c: torch.Tensor, h0: torch.Tensor, lr_sum: float, lr_sq_sum: float) -> torch.Tensor:
+    def drift_crossings(self, c: torch.Tensor, h0: torch.Tensor, lr_sum: float, lr_sq_sum: float) -> torch.Tensor:
         """(m,) int32 midpoints crossed by the drift model (:func:`drift_reach`) at the learning-rate sums; 0
         before any step."""
         if lr_sum == 0 and lr_sq_sum == 0:
             return torch.zeros(c.shape, dtype=torch.int32)
         reach = drift_reach(c, lr_sum, lr_sq_sum)
         return torch.floor(((reach / h0 + 1.0) / 2.0).clamp(max=MAX_CROSSINGS)).to(torch.int32)
+
+    def drift_rule_counts(
+        self, start: torch.Tensor, before: tuple[float, float], after: tuple[float, float]
+    ) -> dict[str, np.ndarray]:
+        """The drift rule of a record that spans several optimizer steps (an external run's checkpoint): per scope,
+        int64 (3,) ``|pred|, |true|, |pred ∩ true|``. ``step``: predicted when the drift model's reach crossed one
+        more midpoint w_0 ± h(w_0), ± 3h, … between the learning-rate sums ``before`` and ``after`` (Σ lr, Σ lr²
+        through the previous and this record), true = the last recorded step set; ``cum``: at least one crossing
+        at ``after``, true = the weights differ from ``start``. ``start``: (P,) the start weights, stored dtype;
+        reads the drift model's column ``c`` in chunks."""
+        counts = {scope: np.zeros(3, dtype=np.int64) for scope in SCOPES}
+        for lo in range(0, self.n, CHUNK):
+            hi = min(self.n, lo + CHUNK)
+            c = torch.from_numpy(self.files.read("c", lo, hi))
+            h0 = half_spacing(start[lo:hi]).float()
+            before_x, after_x = (self.drift_crossings(c, h0, *sums) for sums in (before, after))
+            pred = {"step": (after_x > before_x).numpy(), "cum": (after_x > 0).numpy()}
+            true = {"step": self.last[lo:hi], "cum": (self.prev[lo:hi] != start[lo:hi]).numpy()}
+            for scope in SCOPES:
+                p, s = pred[scope], true[scope]
+                counts[scope] += [np.count_nonzero(p), np.count_nonzero(s), np.count_nonzero(p & s)]
+        return counts
 
     def rule_masks(
         self, lo: int, hi: int, prev: torch.Tensor, grad: torch.Tensor, lr: float, adv_rms: float
@@ -438,8 +460,8 @@ class ChangeTracker:
             at = torch.nonzero(h0.double() <= math.sqrt(after[0] ** 2 + after[1]) * (1 + 1e-9)).squeeze(1)
             if at.numel():
                 c = torch.from_numpy(self.files.read("c", lo, hi))[at]
-                before = self._crossings(c, h0[at], self.lr_sum, self.lr_sq_sum)
-                masks["drift_rule"][at] = self._crossings(c, h0[at], *after) > before
+                before = self.drift_crossings(c, h0[at], self.lr_sum, self.lr_sq_sum)
+                masks["drift_rule"][at] = self.drift_crossings(c, h0[at], *after) > before
         return masks
 
     def record(self, now: torch.Tensor, grad: torch.Tensor | None, lr: float, adv_rms: float) -> dict:

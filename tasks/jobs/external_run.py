@@ -25,8 +25,7 @@ from covgrad.updates import (
     checkpoint_records,
     value_bits,
 )
-from covgrad.updates.columns import CHUNK
-from covgrad.updates.tracking import SCOPES, count_metrics, half_spacing
+from covgrad.updates.tracking import SCOPES, count_metrics
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.checkpoints import checkpoint_dtype, load_state_dict
 from storage.identity import check_computed_on
@@ -172,7 +171,7 @@ class DriftRule:
     trainer step t when the drift model's reach (``covgrad.updates.tracking.drift_reach``) at the sums Σ lr_j and
     Σ lr_j² over steps j ≤ t has crossed a midpoint w_0 ± h(w_0), and in the step set of a checkpoint when it
     crossed one more since the previous checkpoint: the union, over the steps between two checkpoints, of the
-    stepped run's per-step rule (``ChangeTracker.rule_masks``, its crossings ``ChangeTracker._crossings``).
+    stepped run's per-step rule (``ChangeTracker.drift_rule_counts``).
 
     ``tracker``: the run's tracker with the drift model (its column file ``c``), read after each record for the
     changed sets; ``start``: (P,) the start weights, stored dtype; ``lrs``: trainer step -> lr for every step
@@ -188,18 +187,7 @@ class DriftRule:
         it), for scope in (step, cum), and the sums moved on to it."""
         gap = [self.lrs[t] for t in range(self.last + 1, step + 1)]
         after = (self.sums[0] + sum(gap), self.sums[1] + sum(lr * lr for lr in gap))
-        counts = {scope: np.zeros(3, dtype=np.int64) for scope in SCOPES}  # |pred|, |true|, |pred ∩ true|
-        t = self.tracker
-        for lo in range(0, t.n, CHUNK):
-            hi = min(t.n, lo + CHUNK)
-            c = torch.from_numpy(t.files.read("c", lo, hi))
-            h0 = half_spacing(self.start[lo:hi]).float()
-            before_x, after_x = (t._crossings(c, h0, *sums) for sums in (self.sums, after))
-            pred = {"step": (after_x > before_x).numpy(), "cum": (after_x > 0).numpy()}
-            true = {"step": t.last[lo:hi], "cum": (t.prev[lo:hi] != self.start[lo:hi]).numpy()}
-            for scope in SCOPES:
-                p, s = pred[scope], true[scope]
-                counts[scope] += [np.count_nonzero(p), np.count_nonzero(s), np.count_nonzero(p & s)]
+        counts = self.tracker.drift_rule_counts(self.start, self.sums, after)
         self.last, self.sums = step, after
         return {
             f"{scope}_drift_rule_{stat}": value
