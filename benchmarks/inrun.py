@@ -16,6 +16,11 @@ shared machine other jobs' load enters wall time, not the process's own CPU time
 
     python -m benchmarks.inrun                         # small and large CPU models, every_n 1 and 10
     python -m benchmarks.inrun --model small --steps 10 --reps 2 --every 1 5
+    python -m benchmarks.inrun --model large --parts   # one fold's time by part instead
+
+``--parts`` times the parts of a fold (median over ``--reps`` folds after a warm-up): the engine's pass into fresh
+state, the statistics read off it (``compute_stats`` of the two halves' rows), the three top-1% selections and the
+files written.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.scores import MODELS, build, make_batch
-from covgrad.integrations.inrun import InRunFolder
+from covgrad.integrations.inrun import METRICS, InRunFolder
+from covgrad.integrations.inrun import statistics as fold_statistics
+from covgrad.moments.topk import count_for_fraction, topk_indices
 
 Batch = tuple[Tensor, Tensor, Tensor, np.ndarray]  # ids (B, L), attention mask (B, L), response mask (B, L), A (B,)
 
@@ -98,6 +105,32 @@ def measure(name: str, every: Sequence[int], steps: int, reps: int, clock: Calla
         print(f"| {name} ({P:,}; {B} rows × {L} tokens) | {label} | {statistics.median(times):.3f} s | {ratio:.2f}× |")
 
 
+def parts(name: str, reps: int, clock: Callable[[], float], out: str) -> None:
+    """Print one table row per part of a fold of model ``name`` (median over ``reps`` folds): the parts of
+    ``InRunFolder.fold`` timed one by one."""
+    model = build(name, torch.device("cpu")).train()
+    data = batches(name, 1)
+    folder = InRunFolder(model, every_n=1, out_dir=os.path.join(out, f"{name}-parts"))
+    folder.fold(0, *data[0])  # warm-up: the first call traces
+    k = count_for_fraction(folder.q, folder.layout.P)
+    times: dict[str, list[float]] = {"engine pass": [], "statistics": [], "top-k (3 sets)": [], "files": []}
+    for rep in range(reps):
+        t0 = clock()
+        acc = folder._fold(*folder._batch(*data[0], None, None))
+        t1 = clock()
+        stats = fold_statistics(acc.rows())
+        t2 = clock()
+        top = {m: topk_indices(np.abs(stats[src]), k) for m, src in METRICS.items()}
+        t3 = clock()
+        folder._record(rep + 1, stats, top, 0.0)
+        t4 = clock()
+        for label, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[label].append(dt)
+    P = sum(p.numel() for p in model.parameters())
+    for label, ts in times.items():
+        print(f"| {name} ({P:,}) | {label} | {statistics.median(ts):.3f} s |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", nargs="+", default=["small", "large"], choices=["small", "large"])
@@ -106,16 +139,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
+    ap.add_argument("--parts", action="store_true", help="time the parts of one fold instead of the steps")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = platform.processor() or platform.machine()
     print(f"{cpu}, {torch.get_num_threads()} torch threads, clock={args.clock}, torch {torch.__version__}")
-    print("| model (P) | step | time per step | / trainer |\n|---|---|---:|---:|")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.parts:
+        print("| model (P) | part of a fold | time |\n|---|---|---:|")
+    else:
+        print("| model (P) | step | time per step | / trainer |\n|---|---|---:|---:|")
     with tempfile.TemporaryDirectory() as out:
         for name in args.model:
-            measure(name, args.every, args.steps, args.reps, clock, out)
+            if args.parts:
+                parts(name, args.reps, clock, out)
+            else:
+                measure(name, args.every, args.steps, args.reps, clock, out)
 
 
 if __name__ == "__main__":

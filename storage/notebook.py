@@ -21,11 +21,21 @@ opens by step (``ds.sel(step=50).cum_F_precision``), and the bit-packed changed 
     ds = run.trajectories()["rl-adam-bf16"]
     ds.covgrad.changed_sets()                       # (step, param) bool, dask
     ds.covgrad.changed_sets("model.norm.weight")    # (step, dim_0) of one tensor
+
+A trainer's in-run series (``covgrad.integrations``: ``InRunFolder``, the TRL callback ``CovgradInRun``, the
+hook ``InRunHook``), a folder of per-step files outside any pipeline run, opens by step as well::
+
+    ds = open_inrun("run/inrun")
+    ds.F.sel(step=10)                               # (param,) float64, lazy
+    ds.overlap_first.sel(metric="absG")             # (step,): top-1% |G| set against the first folded step's
+    ds.covgrad.tensor("model.layers.0.mlp.up_proj.weight")["G"]   # (step, 64, 32)
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +45,11 @@ from storage.artifacts import ArtifactRef, ArtifactStore
 from storage.runs import read_run_index
 
 PARAM_DIM = "param"
+# The in-run folder's files (covgrad.integrations.inrun writes them): the index, and per folded step t
+# ``step_{t:06d}.npz`` (vectors, top sets) and ``.json`` (scalars, overlaps).
+INRUN_INDEX = "inrun.json"
+INRUN_METRICS = ("F", "absG", "absrho")
+INRUN_SCALARS = ("N", "mean_A", "std_A", "rho_undefined", "bound_violations", "k", "seconds")
 
 
 class RunData(Mapping[str, xr.Dataset]):
@@ -183,3 +198,62 @@ class CovgradAccessor:
             coords = {d: self._ds.coords[d] for d in lead if d in self._ds.coords}
             out[var_name] = xr.DataArray(data, dims=[*lead, *tensor_dims], coords=coords, attrs=var.attrs)
         return xr.Dataset(out, attrs={"tensor": name, "offset": lo, "shape": list(shape)})
+
+
+def _npz_array(path: str, name: str) -> np.ndarray:
+    with np.load(path) as f:
+        return np.asarray(f[name])
+
+
+def _padded_top(path: str, name: str, k: int) -> np.ndarray:
+    """A step's top set ``name`` as (k,) int64, padded with −1 past its length (a set of fewer than k non-NaN
+    values)."""
+    out = np.full(k, -1, dtype=np.int64)
+    got = _npz_array(path, name)
+    out[: got.shape[0]] = got
+    return out
+
+
+def open_inrun(path: str | Path) -> xr.Dataset:
+    """A trainer's in-run series (the folder an ``InRunFolder`` writes) as a Dataset indexed by ``step``.
+
+    Variables: each written statistic (``F``, ``G``, ``rho`` by default) (step, param) float64, lazy (dask, one
+    chunk per step); ``top`` (step, metric, rank) int64, the sorted flat indices of the step's top ceil(q·P) by
+    F, |G|, |ρ| (metric ``F``, ``absG``, ``absrho``), −1 past a shorter set, lazy; the per-step scalars ``N``,
+    ``mean_A``, ``std_A``, ``rho_undefined``, ``bound_violations``, ``k``, ``seconds`` (step,); the overlaps
+    ``overlap_prev`` and ``overlap_first`` (step, metric) float64 (NaN where a set is empty or, for the first
+    step, has no previous one). Attrs: ``every_n``, ``q``, ``temperature``, ``path`` and ``tensors`` (the flat
+    axis' layout, for ``ds.covgrad.tensor``).
+
+    Raises:
+        FileNotFoundError: when ``path`` holds no ``inrun.json``.
+    """
+    import dask
+    import dask.array as da
+
+    root = Path(path)
+    if not (root / INRUN_INDEX).exists():
+        raise FileNotFoundError(f"{root} holds no {INRUN_INDEX}; pass the out_dir of an InRunFolder")
+    index = json.loads((root / INRUN_INDEX).read_text())
+    steps = [int(t) for t in index["steps"]]
+    P = sum(int(t["numel"]) for t in index["tensors"])
+    npz = [str(root / f"step_{t:06d}.npz") for t in steps]
+    summaries = [json.loads((root / f"step_{t:06d}.json").read_text()) for t in steps]
+    k = max((int(s["k"]) for s in summaries), default=0)
+    data: dict[str, Any] = {}
+    for name in index["vectors"]:
+        parts = [da.from_delayed(dask.delayed(_npz_array)(f, name), (P,), np.float64) for f in npz]
+        data[name] = (("step", PARAM_DIM), da.stack(parts) if parts else da.zeros((0, P)))
+    tops = [
+        da.stack([da.from_delayed(dask.delayed(_padded_top)(f, f"top_{m}", k), (k,), np.int64) for m in INRUN_METRICS])
+        for f in npz
+    ]
+    data["top"] = (("step", "metric", "rank"), da.stack(tops) if tops else da.zeros((0, len(INRUN_METRICS), k)))
+    for name in INRUN_SCALARS:
+        data[name] = ("step", np.asarray([s[name] for s in summaries]))
+    for name in ("overlap_prev", "overlap_first"):
+        values = [[np.nan if s[name][m] is None else s[name][m] for m in INRUN_METRICS] for s in summaries]
+        data[name] = (("step", "metric"), np.asarray(values, dtype=np.float64).reshape(len(steps), -1))
+    attrs = {key: index[key] for key in ("every_n", "q", "temperature", "tensors")}
+    coords = {"step": np.asarray(steps, dtype=np.int64), "metric": list(INRUN_METRICS)}
+    return xr.Dataset(data, coords=coords, attrs={**attrs, "path": str(root)})

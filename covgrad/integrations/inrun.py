@@ -39,6 +39,10 @@ Files under ``out_dir`` (plain numpy and JSON: ``covgrad`` writes no stores):
 Memory on the model's device: 48 B per selected parameter for the state (``state_dtype="float32"``: 32 B) and the
 engine's blocks in flight; the statistics and sets are formed on the host (about 100 B per parameter).
 
+The plain hook over it (a trainer's batch mapping, per-token advantages, any group labels) is
+:class:`covgrad.integrations.torch.InRunHook`; on the trainer's FSDP2 ranks, each folding its own shard's columns,
+:class:`covgrad.integrations.ranks.RankInRunFolder`; ``storage.notebook.open_inrun`` opens the files by step.
+
 Shape notation: B rows of L tokens, P selected parameter elements.
 """
 
@@ -68,6 +72,9 @@ from covgrad.scores.engine import PerSampleGrads
 INDEX = "inrun.json"
 METRICS = {"F": "F", "absG": "G", "absrho": "rho"}  # top-set name -> the statistic whose |value| ranks it
 VECTORS = ("F", "G", "rho")
+# ids, attention mask, position ids (B, L) on the device, response weights (B, L) float32 there, advantages (B,)
+# float64 and accumulator rows (B,) int64 on the CPU
+Batch = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,17 @@ def _overlap(a: np.ndarray, b: np.ndarray | None) -> float:
     if b is None or len(a) == 0 or len(b) == 0:
         return math.nan
     return len(np.intersect1d(a, b, assume_unique=True)) / len(a)
+
+
+def statistics(rows: dict[str, np.ndarray]) -> dict[str, Any]:
+    """:func:`compute_stats` of an accumulator's rows (:meth:`MomentAccumulator.rows`: (H,) scalars and (H, P)
+    state), the halves that hold no sample left out; std(A) = 0 (one reward for the whole batch) leaves ρ NaN
+    silently (``rho_undefined`` reports it)."""
+    keep = rows["count"] > 0
+    moments = Moments(*(rows[k][keep] for k in ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return compute_stats(moments)
 
 
 class InRunFolder:
@@ -172,39 +190,15 @@ class InRunFolder:
         if not self.due(step):
             return None
         start = time.perf_counter()
-        acc = self._fold(input_ids, attention_mask, response_mask, advantages, position_ids, group)
-        rows = acc.rows()
-        keep = rows["count"] > 0
-        moments = Moments(*(rows[k][keep] for k in ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as")))
-        with warnings.catch_warnings():  # std(A) = 0 (one reward for the whole batch): rho NaN, reported below
-            warnings.simplefilter("ignore", RuntimeWarning)
-            stats = compute_stats(moments)
-        k = count_for_fraction(self.q, self.layout.P)
-        top = {name: topk_indices(np.abs(stats[src]), k) for name, src in METRICS.items()}
-        summary = {
-            "step": int(step),
-            "N": int(stats["N"]),
-            "mean_A": float(stats["mean_A"]),
-            "std_A": float(stats["std_A"]),
-            "rho_undefined": bool(stats["rho_undefined"]),
-            "bound_violations": int(stats["bound_violations"]),
-            "q": self.q,
-            "k": k,
-            "seconds": time.perf_counter() - start,
-            "prev_step": self.steps[-1] if self.steps else None,
-            "overlap_prev": {m: _overlap(top[m], None if self._prev is None else self._prev[m]) for m in top},
-            "first_step": self.steps[0] if self.steps else int(step),
-            "overlap_first": {m: _overlap(top[m], (self._first or top)[m]) for m in top},
-        }
-        self.steps.append(int(step))
-        self._prev = top
-        self._first = self._first or top
-        result = InRunStep(int(step), stats, top, summary)
-        if self.out is not None:
-            self._write(result)
-        return result
+        acc = self._fold(*self._batch(input_ids, attention_mask, response_mask, advantages, position_ids, group))
+        stats, top = self._reduce(acc)
+        return self._record(int(step), stats, top, time.perf_counter() - start)
 
-    def _fold(
+    def _device(self) -> torch.device:
+        """The device of the model's first selected parameter (where the state lives)."""
+        return dict(self.model.named_parameters())[self.layout.entries[0].name].device
+
+    def _batch(
         self,
         input_ids: Tensor,
         attention_mask: Tensor,
@@ -212,30 +206,79 @@ class InRunFolder:
         advantages: Tensor | np.ndarray,
         position_ids: Tensor | None,
         group: Tensor | np.ndarray | None,
-    ) -> MomentAccumulator:
-        """One engine pass of the batch into fresh state on the model's device, in eval mode."""
-        device = dict(self.model.named_parameters())[self.layout.entries[0].name].device
+    ) -> Batch:
+        """The batch on the model's device: ids, attention mask, position ids (B, L), response weights (B, L)
+        float32, advantages (B,) float64 and accumulator rows (B,) int64 on the CPU.
+
+        Raises:
+            ValueError: fewer than 2 rows, or advantages that are not (B,).
+        """
+        device = self._device()
         ids, mask = input_ids.to(device), attention_mask.to(device)
         if position_ids is None:
             position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
         a = torch.as_tensor(advantages).detach().double().cpu()
         if a.shape != (ids.shape[0],) or ids.shape[0] < 2:
             raise ValueError(f"advantages must be (B,) for B >= 2 rows of input_ids {tuple(ids.shape)}; got {a.shape}")
-        half = np.zeros(len(a), dtype=np.int64) if group is None else np.asarray(torch.as_tensor(group).cpu()) % 2
+        half = torch.zeros(len(a), dtype=torch.int64) if group is None else torch.as_tensor(group).cpu().long() % 2
+        w = response_mask.to(device=device, dtype=torch.float32)  # the engine's cotangent takes float32 weights
+        return ids, mask, position_ids.to(device), w, a, half
+
+    def _fold(self, ids: Tensor, mask: Tensor, position_ids: Tensor, w: Tensor, a: Tensor, half: Tensor) -> Any:
+        """One engine pass of the batch (:meth:`_batch`) into fresh state on the model's device."""
         if self._psg is None:
             self._psg = PerSampleGrads(self.model, self.layout, check=self.check)
-        acc = MomentAccumulator(self.layout.P, device, self.state_dtype, halves=2)
-        fn = partial(
-            score_logit_grad, input_ids=ids, target_mask=response_mask.to(device), temperature=self.temperature
-        )
+        acc = MomentAccumulator(self.layout.P, self._device(), self.state_dtype, halves=2)
+        self._pass(self._psg, acc, (ids, mask, position_ids, w, a, half))
+        return acc
+
+    def _pass(self, psg: PerSampleGrads, acc: Any, batch: Batch) -> None:
+        """``psg.accumulate`` of one batch into ``acc`` in eval mode, every module's ``training`` flag restored."""
+        ids, mask, position_ids, w, a, half = batch
+        fn = partial(score_logit_grad, input_ids=ids, target_mask=w, temperature=self.temperature)
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
-            self._psg.accumulate(ids, mask, fn, acc, a, half, position_ids=position_ids.to(device))
+            psg.accumulate(ids, mask, fn, acc, a, half.numpy(), position_ids=position_ids)
         finally:
             for m, training in modes:
                 m.training = training
-        return acc
+
+    def _reduce(self, acc: Any) -> tuple[dict[str, Any] | None, dict[str, np.ndarray] | None]:
+        """The statistics of the folded state and the top sets (:func:`compute_stats`, :func:`topk_indices`)."""
+        stats = statistics(acc.rows())
+        k = count_for_fraction(self.q, self.layout.P)
+        return stats, {name: topk_indices(np.abs(stats[src]), k) for name, src in METRICS.items()}
+
+    def _record(
+        self, step: int, stats: dict[str, Any] | None, top: dict[str, np.ndarray] | None, seconds: float
+    ) -> InRunStep | None:
+        """The step's summary and overlaps, its files written; None (only the step noted) without statistics."""
+        if stats is None or top is None:
+            self.steps.append(step)
+            return None
+        summary = {
+            "step": step,
+            "N": int(stats["N"]),
+            "mean_A": float(stats["mean_A"]),
+            "std_A": float(stats["std_A"]),
+            "rho_undefined": bool(stats["rho_undefined"]),
+            "bound_violations": int(stats["bound_violations"]),
+            "q": self.q,
+            "k": count_for_fraction(self.q, self.layout.P),
+            "seconds": seconds,
+            "prev_step": self.steps[-1] if self.steps else None,
+            "overlap_prev": {m: _overlap(top[m], None if self._prev is None else self._prev[m]) for m in top},
+            "first_step": self.steps[0] if self.steps else step,
+            "overlap_first": {m: _overlap(top[m], (self._first or top)[m]) for m in top},
+        }
+        self.steps.append(step)
+        self._prev = top
+        self._first = self._first or top
+        result = InRunStep(step, stats, top, summary)
+        if self.out is not None:
+            self._write(result)
+        return result
 
     def _write(self, result: InRunStep) -> None:
         """``step_{t:06d}.npz`` and ``.json`` of one fold, then the index."""

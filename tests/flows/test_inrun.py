@@ -209,3 +209,64 @@ def test_a_trl_run_writes_inrun_statistics_of_its_batches(tmp_path: Path):
         np.testing.assert_allclose(saved[name], ref[name], atol=2e-4 * np.nanmax(np.abs(ref[name])))
     k = count_for_fraction(0.01, layout.P)
     assert len(np.intersect1d(saved["top_F"], topk_indices(ref["F"], k))) >= 0.9 * k
+    _opens_by_step_and_reports(tmp_path / "inrun", layout)
+
+
+def test_the_plain_hook_folds_a_verl_style_batch_as_the_folder_does():
+    """verl's layout: responses end ``input_ids``, ``response_mask`` and token-level GRPO advantages cover the last
+    T positions, prompt groups are uid strings; the hook's statistics are the folder's bytes on the same batch."""
+    from covgrad.integrations.torch import InRunHook
+
+    batch, A = batch_of(3)
+    L, T = batch["input_ids"].shape[1], 6
+    assert batch["target_mask"][:, : L - T].sum() == 0  # every response within the last T positions
+    response = batch["target_mask"][:, L - T :]  # (B, T)
+    uids = ["a", "a", "b", "b", "c", "c"]
+    verl = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "response_mask": response,
+        "advantages": torch.as_tensor(A, dtype=torch.float32)[:, None] * response,  # verl's token-level GRPO
+    }
+    got = InRunHook(llama(tied=False), every_n=2)(0, verl, group=uids)
+    A32 = torch.as_tensor(A, dtype=torch.float32).double()
+    want = InRunFolder(llama(tied=False)).fold(
+        0, batch["input_ids"], batch["attention_mask"], batch["target_mask"], A32, group=[0, 0, 1, 1, 2, 2]
+    )
+    assert got is not None and want is not None and got.stats["N"] == 6
+    for name in ("F", "G", "rho"):
+        assert got.stats[name].tobytes() == want.stats[name].tobytes(), name
+    hook = InRunHook(llama(tied=False), every_n=2)
+    varying = dict(verl, advantages=verl["advantages"] * torch.linspace(1, 2, T))  # GAE-like: varies in a row
+    with pytest.raises(ValueError, match="vary within a row"):
+        hook(0, varying)
+    with pytest.raises(KeyError, match="response_mask"):
+        hook(0, {k: v for k, v in verl.items() if k != "response_mask"})
+    assert hook(0, verl) is not None and hook(1, verl) is None and hook.due(2)
+
+
+def _opens_by_step_and_reports(path: Path, layout: ParamLayout) -> None:
+    """The series opens by step with every file's numbers, per tensor, and its report shows them against step."""
+    from covgrad.report.inrun import inrun_report
+    from storage.notebook import open_inrun
+
+    ds = open_inrun(path)
+    assert ds.step.values.tolist() == [0, 1] and ds.attrs["every_n"] == 1
+    for t in (0, 1):
+        saved, summary = np.load(path / f"step_{t:06d}.npz"), json.loads((path / f"step_{t:06d}.json").read_text())
+        for name in ("F", "G", "rho"):
+            assert ds[name].sel(step=t).values.tobytes() == saved[name].tobytes()
+        for metric in METRICS:
+            top = ds.top.sel(step=t, metric=metric).values
+            np.testing.assert_array_equal(top[top >= 0], saved[f"top_{metric}"])
+            np.testing.assert_equal(float(ds.overlap_prev.sel(step=t, metric=metric)), summary["overlap_prev"][metric])
+        assert int(ds.N.sel(step=t)) == summary["N"] and float(ds.std_A.sel(step=t)) == summary["std_A"]
+    e = layout.entries[-1]
+    G = ds.covgrad.tensor(e.name)["G"]
+    assert G.shape == (2, *e.shape)
+    np.testing.assert_array_equal(G.sel(step=1).values.reshape(-1), ds.G.sel(step=1).values[e.offset :])
+    report = inrun_report(ds)
+    rows = report.numbers["inrun"]
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["overlap_prev_absG"] == ds.overlap_prev.values[1, 1]
+    assert math.isclose(rows[1]["mean_absG"], float(np.abs(ds.G.sel(step=1).values).mean()), rel_tol=1e-12)
+    assert "inrun.png" in report.plots and "overlap_first_absG" in report.markdown() and "<img" in report.html()
