@@ -1,62 +1,43 @@
 """``covgrad run``'s trackers (config section ``trackers``, docs/formats.md): after the stages, the run's scalars
 (``covgrad.report.trackers.run_scalars``: the report's headline numbers at step 0, each trajectory's per-step
-metrics at the run's own steps) go to every selected tracker. TensorBoard is the one supported: the scalars of one
-run are written once, into ``<folder>/<name>-<run key>/``, with ``torch.utils.tensorboard.SummaryWriter``; a run
-logged before (its folder holds :data:`LOGGED`) is not written again. A selected tracker whose package is missing
-fails the run before any stage, in one line naming the extra.
+metrics at the run's own steps) go to every selected tracker, each a field of ``trackers`` naming a folder
+(:data:`TRACKERS`):
+
+- ``tensorboard``: event files written with ``torch.utils.tensorboard.SummaryWriter`` (extra ``tensorboard``);
+- ``wandb``: a W&B offline run (``wandb.init(mode="offline")``, extra ``wandb``): ``wandb/offline-run-*/`` with
+  its ``run-<id>.wandb`` file, which ``wandb sync`` uploads later; nothing goes over the network.
+
+The scalars of one run are written once per tracker, into ``<folder>/<name>-<run key[:12]>/``; a run logged before
+(that folder holds :data:`LOGGED`, written last) is not written again, and what an interrupted write left there is
+removed first. A selected tracker whose package is missing fails the run before any stage, in one line naming the
+extra.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import shutil
+from collections.abc import Callable
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 from covgrad.config import PipelineConfig
-from covgrad.report.trackers import Scalar, run_scalars
+from covgrad.report.trackers import PREFIX, Scalar, run_scalars
 from storage.artifacts import ArtifactStore
 from storage.stores.reports import RunArtifacts, report_numbers
 
-LOGGED = "covgrad-logged.json"  # written last into a run's TensorBoard folder: what was logged there
+LOGGED = "covgrad-logged.json"  # written last into a run's tracker folder: what was logged there
 EVENTS = "events.out.tfevents."
-
-
-def check_trackers(cfg: PipelineConfig) -> None:
-    """ImportError in one line naming the extra when a selected tracker's package is not installed."""
-    if cfg.trackers.tensorboard is None:
-        return
-    try:
-        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
-    except ImportError:
-        raise ImportError(
-            "trackers.tensorboard needs the tensorboard package: pip install 'covgrad[tensorboard]'"
-        ) from None
-
-
-def log_trackers(cfg: PipelineConfig, store: ArtifactStore, refs: dict[str, Any], run_key: str) -> list[str]:
-    """Write the scalars of the run (``refs``: instance -> ref of its artifacts, the report's among them; ``run_key``:
-    ``tasks.specs.Plan.run_key``) to the selected trackers; prints and returns one line per tracker saying where."""
-    if cfg.trackers.tensorboard is None:
-        return []
-    folder = Path(cfg.trackers.tensorboard) / f"{cfg.name}-{run_key[:12]}"
-    if (folder / LOGGED).is_file():
-        line = f"tensorboard: {folder} (logged before)"
-    else:
-        index = {"artifacts": {n: {"stage": r.stage, "key": r.key} for n, r in refs.items()}}
-        report = report_numbers(store, refs["report"]) if "report" in refs else None
-        scalars = run_scalars(RunArtifacts(store, index), (report or {}).get("numbers") or {})
-        write_tensorboard(folder, scalars)
-        line = f"tensorboard: {folder} ({len(scalars)} scalars)"
-    print(f"trackers: {line}")
-    return [line]
+WANDB_DIR = "wandb"  # the folder wandb.init(dir=...) writes its runs into
 
 
 def write_tensorboard(folder: Path, scalars: list[Scalar]) -> None:
     """``scalars`` as TensorBoard event data in ``folder`` (one ``add_scalar`` each, in order; event files an
-    interrupted earlier write left there are removed first), then :data:`LOGGED` with the tags written."""
+    interrupted earlier write left there are removed first)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    folder.mkdir(parents=True, exist_ok=True)
     for partial in folder.glob(f"{EVENTS}*"):
         partial.unlink()
     writer = SummaryWriter(log_dir=str(folder))
@@ -65,5 +46,78 @@ def write_tensorboard(folder: Path, scalars: list[Scalar]) -> None:
             writer.add_scalar(s.tag, s.value, s.step)
     finally:
         writer.close()
-    tags = sorted({s.tag for s in scalars})
-    (folder / LOGGED).write_text(json.dumps({"scalars": len(scalars), "tags": tags}, indent=1))
+
+
+def write_wandb(folder: Path, scalars: list[Scalar]) -> None:
+    """``scalars`` as one W&B offline run under ``folder/wandb/`` (project ``covgrad``, run name and id the
+    folder's name; a ``wandb`` folder an interrupted earlier write left is removed first): one ``run.log`` per
+    step, ascending, with ``step=`` the scalars' step, so W&B's ``_step`` is the run's own step; values keep
+    float64. The process's W&B service is then shut down (``wandb.teardown``), which returns once the run file is
+    complete: ``run.finish()`` alone can return before wandb-core has written the history records (a run file of
+    its 7-byte header was read back in a test process), so a W&B run the process had open ends here too."""
+    import wandb
+
+    shutil.rmtree(folder / WANDB_DIR, ignore_errors=True)
+    settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True, save_code=False)
+    run = wandb.init(
+        mode="offline",
+        dir=str(folder),
+        project=PREFIX,
+        name=folder.name,
+        id=folder.name,
+        settings=settings,
+    )
+    try:
+        for step, points in groupby(sorted(scalars, key=lambda s: s.step), key=lambda s: s.step):
+            run.log({s.tag: s.value for s in points}, step=step)
+    finally:
+        run.finish()
+        wandb.teardown()
+
+
+# tracker (a field of the config's ``trackers``) -> (its package and extra, the writer of one run's folder)
+TRACKERS: dict[str, tuple[str, Callable[[Path, list[Scalar]], None]]] = {
+    "tensorboard": ("tensorboard", write_tensorboard),
+    "wandb": ("wandb", write_wandb),
+}
+
+
+def selected(cfg: PipelineConfig) -> dict[str, str]:
+    """Tracker -> folder of every tracker that ``cfg.trackers`` sets."""
+    return {name: folder for name, folder in cfg.trackers.model_dump().items() if folder is not None}
+
+
+def check_trackers(cfg: PipelineConfig) -> None:
+    """ImportError in one line naming the extra when a selected tracker's package is not installed."""
+    for name in selected(cfg):
+        package = TRACKERS[name][0]
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise ImportError(
+                f"trackers.{name} needs the {package} package: pip install 'covgrad[{package}]'"
+            ) from None
+
+
+def log_trackers(cfg: PipelineConfig, store: ArtifactStore, refs: dict[str, Any], run_key: str) -> list[str]:
+    """Write the scalars of the run (``refs``: instance -> ref of its artifacts, the report's among them; ``run_key``:
+    ``tasks.specs.Plan.run_key``) to the selected trackers; prints and returns one line per tracker saying where."""
+    lines: list[str] = []
+    scalars: list[Scalar] | None = None
+    for name, root in selected(cfg).items():
+        folder = Path(root) / f"{cfg.name}-{run_key[:12]}"
+        if (folder / LOGGED).is_file():
+            lines.append(f"{name}: {folder} (logged before)")
+            continue
+        if scalars is None:
+            index = {"artifacts": {n: {"stage": r.stage, "key": r.key} for n, r in refs.items()}}
+            report = report_numbers(store, refs["report"]) if "report" in refs else None
+            scalars = run_scalars(RunArtifacts(store, index), (report or {}).get("numbers") or {})
+        folder.mkdir(parents=True, exist_ok=True)
+        TRACKERS[name][1](folder, scalars)
+        tags = sorted({s.tag for s in scalars})
+        (folder / LOGGED).write_text(json.dumps({"scalars": len(scalars), "tags": tags}, indent=1))
+        lines.append(f"{name}: {folder} ({len(scalars)} scalars)")
+    for line in lines:
+        print(f"trackers: {line}")
+    return lines

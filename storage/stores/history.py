@@ -9,7 +9,12 @@ files the stacks write, format detected from what the path holds (:func:`read_hi
   TensorBoard's ``EventAccumulator`` (extra ``tensorboard``): verl's ``tensorboard`` logger (the same metric names)
   or the Hugging Face Trainer's ``TensorBoardCallback`` (``train/`` before its log keys);
 - ``trainer``: a Hugging Face Trainer's (TRL's) ``trainer_state.json``, or a folder holding one: its
-  ``log_history`` entries by ``step``.
+  ``log_history`` entries by ``step``;
+- ``wandb``: a W&B run's transaction log, the ``run-<id>.wandb`` file of an offline (or synced) run folder
+  ``wandb/offline-run-*/``, or that folder, read with wandb's own reader (``wandb.sdk.internal.datastore``
+  and ``wandb.proto``, extra ``wandb``): its ``history`` records, each at the Trainer's ``train/global_step``
+  when the record has one (the Hugging Face ``WandbCallback``, ``train/`` before its log keys), else at W&B's
+  ``_step`` (verl's ``wandb`` logger and covgrad's own log with ``step=`` the trainer's step).
 
 Each format's records become per-step columns (:data:`COLUMNS`: the first key of a column found in the file is the
 one read) and a ``mismatch_*`` column for every rollout-mismatch metric the stack logged (:data:`MISMATCH`, the
@@ -47,9 +52,11 @@ MISMATCH = (
     "sampling/sampling_logp_difference/",
     "sampling/importance_sampling_ratio/",
 )
-TRAINER_PREFIX = "train/"  # transformers' rewrite_logs puts it before every training log key in TensorBoard
+TRAINER_PREFIX = "train/"  # transformers' rewrite_logs puts it before every training log key (TensorBoard, W&B)
 EVENTS = "events.out.tfevents."  # the name of every TensorBoard event file begins so
-FORMATS = ("verl", "tensorboard", "trainer")
+WANDB_FILE = "run-*.wandb"  # a W&B run folder's transaction log
+WANDB_STEP = "train/global_step"  # the Trainer's WandbCallback logs its step under this key (W&B's _step counts logs)
+FORMATS = ("verl", "tensorboard", "trainer", "wandb")
 
 
 @dataclass(frozen=True)
@@ -85,15 +92,20 @@ def read_history(path: str) -> History:
             return tensorboard_history(str(p))
         if (p / TRAINER_STATE).is_file():
             return trainer_history(str(p / TRAINER_STATE))
-        runs = sorted(d.name for d in p.iterdir() if d.is_dir() and any(d.glob(f"{EVENTS}*")))
+        if any(p.glob(WANDB_FILE)):
+            return wandb_history(str(p))
+        runs = sorted(d.name for d in p.iterdir() if d.is_dir() and not d.is_symlink() and _is_run(d))
         hint = f"; its subfolders {runs} do: give one run's" if runs else ""
         raise ValueError(
-            f"trajectory.history {path!r} holds no TensorBoard event files ({EVENTS}*) and no {TRAINER_STATE}{hint}"
+            f"trajectory.history {path!r} holds no TensorBoard event files ({EVENTS}*), no {TRAINER_STATE} "
+            f"and no W&B run file ({WANDB_FILE}){hint}"
         )
     if not p.is_file():
         raise ValueError(f"trajectory.history {path!r} does not exist")
     if p.name.startswith(EVENTS):
         return tensorboard_history(str(p))
+    if p.suffix == ".wandb":
+        return wandb_history(str(p))
     text = p.read_text(encoding="utf-8-sig", errors="replace")
     try:
         whole = json.loads(text)
@@ -167,6 +179,56 @@ def trainer_history(path: str) -> History:
             where = f"{path} (log_history[{i}])"
             raw.setdefault(int(entry["step"]), {}).update({k: (where, v) for k, v in entry.items() if k != "step"})
     return _history(path, "trainer", raw)
+
+
+def wandb_history(path: str) -> History:
+    """The ``history`` records of a W&B run file (``run-<id>.wandb``) or of the run folder holding one, read with
+    wandb's own reader (``DataStore.scan_data``, each record a ``wandb.proto`` ``Record``): every item's key (a
+    nested key's parts joined by ``/``, ``train/`` before a key dropped, W&B's own ``_`` keys left out) at the
+    record's ``train/global_step``, else its ``_step``; values as W&B stored them (JSON, float64). ImportError in
+    one line naming the extra without wandb or with a wandb that lacks the reader (0.30 and later); ValueError
+    naming the file for a folder with several run files or a file the reader refuses (wrong header, a checksum
+    or length that fails: a truncated or foreign file)."""
+    try:
+        from wandb.proto.wandb_internal_pb2 import Record
+        from wandb.sdk.internal.datastore import DataStore
+    except ImportError:
+        raise ImportError(
+            f"trajectory.history {path!r} is a W&B run's; reading it needs wandb's offline-file reader (wandb < 0.30): "
+            "pip install 'covgrad[wandb]'"
+        ) from None
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob(WANDB_FILE))
+        if len(files) != 1:
+            raise ValueError(f"trajectory.history {path!r} holds {len(files)} W&B run files; give one")
+        p = files[0]
+    raw: dict[int, dict[str, Any]] = {}
+    store = DataStore()
+    try:
+        store.open_for_scan(str(p))
+        while (data := store.scan_data()) is not None:
+            record = Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") != "history":
+                continue
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            step = items.get(WANDB_STEP, record.history.step.num)
+            if not _is_step(step):
+                raise ValueError(f"{WANDB_STEP} {step!r} is not a step")
+            where = f"{p} (step {step})"
+            logged = {k.removeprefix(TRAINER_PREFIX): v for k, v in items.items() if k != WANDB_STEP}
+            raw.setdefault(step, {}).update({k: (where, v) for k, v in logged.items() if not k.startswith("_")})
+    except Exception as err:  # the reader asserts on a truncated or foreign file; protobuf raises DecodeError
+        raise ValueError(f"{p}: not a readable W&B run file ({type(err).__name__}: {err})") from None
+    finally:
+        store.close()
+    return _history(str(p), "wandb", raw)
+
+
+def _is_run(folder: Path) -> bool:
+    """Whether ``folder`` holds one run's TensorBoard event files or W&B run file."""
+    return any(folder.glob(f"{EVENTS}*")) or any(folder.glob(WANDB_FILE))
 
 
 def _is_step(value: Any) -> bool:
