@@ -762,6 +762,11 @@ class TrackersSection(Section):
         description="a folder for TensorBoard event files, one subfolder <name>-<run key> per run (extra "
         "tensorboard: pip install 'covgrad[tensorboard]'); unset: no TensorBoard logging",
     )
+    wandb: str | None = Field(
+        None,
+        description="a folder for W&B offline runs, one subfolder <name>-<run key> per run (extra wandb: pip "
+        "install 'covgrad[wandb]'); unset: no W&B logging",
+    )
 
 
 class PipelineConfig(Section):
