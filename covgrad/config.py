@@ -567,6 +567,12 @@ class TrajectorySection(Section):
         "metrics per step): verl's file-logger JSONL, a TensorBoard event folder or file, or a trainer_state.json "
         "(format detected; docs/formats.md); with every step's lr the Adam drift rule runs",
     )
+    inrun: str | None = Field(
+        None,
+        description="with checkpoints or deltas: the run's in-run series (an InRunFolder's out_dir: inrun.json and "
+        "step_NNNNNN.npz); its F, |G|, |rho| at the latest folded step and at the first predict each checkpoint's "
+        "changed sets beside the step-0 statistics (records {step,cum}_inrun_{latest,first}_*)",
+    )
     grid: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="named cells overriding these fields, one trajectory each; none by default"
     )
@@ -607,6 +613,15 @@ class TrajectorySection(Section):
             raise ValueError(
                 f"trajectory.history {self.history!r} is the logged history of a checkpoint series; set "
                 "trajectory.checkpoints to the run it belongs to (a grail delta trace's steps are not the trainer's)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _inrun_of_external_run(self) -> "TrajectorySection":
+        if self.inrun is not None and self.checkpoints is None and self.deltas is None:
+            raise ValueError(
+                f"trajectory.inrun {self.inrun!r} is the in-run series of an external run; set trajectory.checkpoints "
+                "or trajectory.deltas to the run it was recorded in"
             )
         return self
 

@@ -26,7 +26,7 @@ from covgrad.rollouts import (
     rename_fields,
     require_mu_source,
 )
-from storage.inputs import PolicyRef, check_companion, check_input_file, check_pickle_free, check_series
+from storage.inputs import PolicyRef, check_companion, check_input_file, check_inrun, check_pickle_free, check_series
 from storage.models import check_model_dir, model_context, warn_custom_code
 from storage.readers import read_located_records, unrewarded
 from storage.stores.external import delta_files
@@ -44,8 +44,9 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
     and is folded only by sft regimes (``covgrad.rollouts.inputs.check_unrewarded``), the regimes' inputs, the task
     file and its reward (one outside ``covgrad.rewards`` only with ``task.trust_reward_code``), that the prompts fit
     the policy's context with every generating sampler's ``max_new_tokens``, an external run's checkpoints or delta
-    trace (:func:`check_external_runs`), and (``architecture``, a user model) that per-sample scores support every
-    selected parameter (``covgrad.scores.preflight.check_model``: seconds, imports torch).
+    trace and its in-run series (:func:`check_external_runs`), with ``architecture`` the in-run series' layout against
+    the policy's selected parameters (:func:`check_inrun_layouts`) and (a user model) that per-sample scores support
+    every selected parameter (``covgrad.scores.preflight.check_model``: seconds, imports torch).
     Raises ValueError or FileNotFoundError with a one-line message naming the bad value."""
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path, "model.path")
@@ -77,6 +78,8 @@ def preflight(cfg: PipelineConfig, architecture: bool = True) -> None:
     check_external_runs(cfg, policy)
     if architecture and cfg.model.path is None and cfg.model.params is not None:
         check_demo_selection(cfg)
+    if architecture:
+        check_inrun_layouts(cfg)
     if architecture and (m := cfg.model).path is not None:  # unsupported modules fail in seconds, not after rollouts
         from covgrad.scores import check_model
 
@@ -114,7 +117,8 @@ def check_external_runs(cfg: PipelineConfig, policy: PolicyRef) -> None:
     """With the trajectory stage on, each trajectory's (``trajectory.grid`` cell's) external run: a checkpoint
     series of the policy's architecture and vocabulary (``storage.inputs.check_series``), or a delta trace's folder,
     files and start weights (``storage.stores.external.delta_files``); its logged history, read whole
-    (``storage.stores.history.read_history``)."""
+    (``storage.stores.history.read_history``); its in-run series' index and npz headers
+    (``storage.inputs.check_inrun``)."""
     if not cfg.trajectory.enabled:
         return
     cells = cfg.trajectory.cells().values()
@@ -124,6 +128,36 @@ def check_external_runs(cfg: PipelineConfig, policy: PolicyRef) -> None:
         delta_files(path)
     for path in dict.fromkeys(t.history for t in cells if t.history is not None):
         read_history(path)
+    for path in dict.fromkeys(t.inrun for t in cells if t.inrun is not None):
+        check_inrun(path)
+
+
+def check_inrun_layouts(cfg: PipelineConfig) -> None:
+    """With the trajectory stage on, each external run's in-run series (``trajectory.inrun``) against the policy's
+    selected parameters (``model.params`` of the policy built on the meta device: its config only, no weights):
+    ValueError naming the series' ``inrun.json`` when a selected tensor is missing from it or has another shape."""
+    if not cfg.trajectory.enabled:
+        return
+    paths = list(dict.fromkeys(t.inrun for t in cfg.trajectory.cells().values() if t.inrun is not None))
+    if not paths:
+        return
+    import torch
+
+    from covgrad.layout import select_parameters
+
+    if cfg.model.path is None:
+        from covgrad.models import build_demo_model
+        from covgrad.rollouts import build_char_tokenizer
+
+        with torch.device("meta"):
+            model = build_demo_model(cfg.model.demo, build_char_tokenizer())
+    else:
+        from covgrad.scores.preflight import meta_model
+
+        model = meta_model(cfg.model.path, cfg.model.trust_remote_code)[1]
+    layout = select_parameters(model, cfg.model.params)
+    for path in paths:
+        check_inrun(path, layout)
 
 
 def check_demo_selection(cfg: PipelineConfig) -> None:

@@ -1,7 +1,7 @@
 """The preflight's checks of the files a config names besides the policy's own directory: input files (a task's
 prompts, imported rollouts), the other model directories a run loads (a sampler's model, μ's checkpoint, a regime's
 teacher and reference) against the policy (vocabulary size and tokenizer), weights that need pickle, and an external
-run's checkpoint series. Every failure is one line naming the file.
+run's checkpoint series and in-run series. Every failure is one line naming the file.
 
 Only file names, ``config.json``, safetensors headers and tokenizer files are read; torch is imported only for a
 model directory whose weights are pickle files (``pytorch_model.bin``), to ask ``torch.load(weights_only=True)``.
@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from storage.models import check_model_dir
 from storage.stores.external import WEIGHT_FILES, checkpoint_series
+from storage.stores.inrun import inrun_series
 
 if TYPE_CHECKING:
     from covgrad.config import DemoModel
+    from covgrad.layout import ParamLayout
 
 GZIP_MAGIC = b"\x1f\x8b"  # the first two bytes of every gzip stream (RFC 1952)
 # the files a tokenizer is loaded from: tokenizer.json with the tokenizers library, the others with transformers
@@ -334,3 +336,13 @@ def check_series(path: str, what: str, policy: PolicyRef) -> None:
                     f"{policy.config[key]!r}; every checkpoint of the series must be a step of the policy's run"
                 )
         check_pickle_free(d, where)
+
+
+def check_inrun(path: str, layout: ParamLayout | None = None) -> None:
+    """An external run's in-run series (``trajectory.inrun``; ``storage.stores.inrun.inrun_series``: its index and
+    every folded step's npz, headers only) and, with ``layout`` (the policy's selected parameters), that it holds
+    every tensor of ``layout`` with its shape. ValueError (FileNotFoundError for a missing folder) in one line naming
+    the file."""
+    series = inrun_series(path)
+    if layout is not None:
+        series.columns(layout)

@@ -110,6 +110,14 @@ GLOSSARY: dict[str, str] = {
     "d_k": "fraction of parameters whose stored value at step t + k differs from step t, mean over windows t",
     "independent": "d_k if every step changed an independent random set of its size: 1 − Π(1 − d_1) over the window",
     "ratio": "d_k / independent: far below 1 when the same parameters change step after step",
+    # in-run series (covgrad.report.inrun: one row per folded step of the trainer's own batches)
+    "mean_F": "mean over the parameters of F = mean(s²) on the folded step's batch, at that step's weights",
+    "mean_absG": "mean over the parameters of |G|, G = mean(A·s) on the folded step's batch",
+    "mean_absrho": "mean over the parameters of |ρ| on the folded step's batch (NaN entries left out)",
+    "overlap_first": "|S_t ∩ S_first| / |S_t|: the fraction of the step's top-q set by F, |G| or |ρ| (the suffix) "
+    "also in the first folded step's",
+    "overlap_prev": "|S_t ∩ S_prev| / |S_t|: the fraction of the step's top-q set by F, |G| or |ρ| (the suffix) "
+    "also in the previous folded step's (NaN at the first)",
 }
 # Names that stand for a family (overlap(q=0.01), overlap_q0.01, ...): pattern -> glossary name.
 PATTERNS = (
@@ -117,6 +125,8 @@ PATTERNS = (
     (r"relerr_(\w+)_vs_seq(_n\d+)?", "relerr_vs_seq"),
     (r"spearman_(\w+)_vs_seq", "spearman_vs_F"),
     (r"(\w+)_expected_relerr", "expected_relerr"),
+    (r"overlap_first_(F|absG|absrho)", "overlap_first"),
+    (r"overlap_prev_(F|absG|absrho)", "overlap_prev"),
 )
 
 

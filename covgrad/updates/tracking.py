@@ -623,3 +623,49 @@ class ChangeTracker:
             at += N_DECILES
             rec.update({f"decile_{scope}_{name}_{s}": table[i] for i, s in enumerate(SET_STATS)})
         return rec
+
+
+SERIES_PREDICTORS = ("F", "absG", "absrho")  # the predictors of a statistics series recorded during the run
+
+
+class SeriesRanking:
+    """Exact top-k counts of predictors whose values are re-read during a run (an in-run series' F, |G|, |ρ| at a
+    folded step, ``tasks.jobs.external_run.InRunRule``), in the same order as the tracker's ranked predictors:
+    largest first, ties by the lowest column, NaN last (:class:`~covgrad.updates.columns.Ranking`, so
+    ``top_k_masks``'s set). Each named slot holds one ranking per predictor in ``files`` (the tracker's
+    :class:`~covgrad.updates.columns.ColumnFiles`), replaced when the slot is ranked again: 5 B per column per
+    predictor on disk, the values of one predictor in memory while it is ranked.
+
+    ``n``: the columns (a whole layout, P); ``chunk``: columns read at a time."""
+
+    def __init__(self, files: ColumnFiles, n: int, chunk: int = CHUNK) -> None:
+        self.files, self.n, self.chunk = files, n, chunk
+        self.slots: dict[str, dict[str, Ranking]] = {}
+
+    def rank(self, slot: str, values: Mapping[str, Callable[[], np.ndarray]]) -> None:
+        """Rank each predictor of ``values`` (name -> a reader of its (n,) float values, read one at a time) into
+        ``slot``, replacing what the slot held."""
+        whole = np.asarray([self.n], dtype=np.int64)
+        rankings = {}
+        for name, read in values.items():
+            v = read()
+            if v.shape != (self.n,):
+                raise ValueError(f"series predictor {name} has shape {v.shape}, expected ({self.n},)")
+            rankings[name] = Ranking.build(self.files, f"series_{slot}_{name}", v, True, None, whole)
+            del v
+        self.slots[slot] = rankings
+
+    def overlaps(self, slot: str, true: np.ndarray, k: int) -> dict[str, int]:
+        """Per predictor of ``slot``: |top k ∩ true| for the set ``true`` (n,) bool."""
+        ks = np.asarray([k], dtype=np.int64)
+        out = {}
+        for name, r in self.slots[slot].items():
+            b = r.thresholds(ks)
+            both = int(r.boundary(self.files, ks, true)[0])
+            for lo in range(0, self.n, self.chunk):
+                hi = min(self.n, lo + self.chunk)
+                at = np.flatnonzero(true[lo:hi])
+                if at.shape[0]:
+                    both += int(r.below(self.files.read(f"{r.name}.bucket", lo, hi)[at], None, b)[0])
+            out[name] = both
+        return out

@@ -1,8 +1,9 @@
 """An external run for the trajectory stage: its checkpoint series (``trajectory.checkpoints``) or grail delta
 trace (``trajectory.deltas``) read in step order, starting at the policy, and its records and k-step arrays
 written into the trajectory store (:func:`external_run`); with ``trajectory.history``, the trainer's logged
-columns and, where the history gives every step's learning rate, the Adam drift rule (:class:`DriftRule`).
-Recomputed whole on a rerun: no training state.
+columns and, where the history gives every step's learning rate, the Adam drift rule (:class:`DriftRule`); with
+``trajectory.inrun``, the trainer's in-run statistics as predictors at the latest folded step and at the first
+(:class:`InRunRule`). Recomputed whole on a rerun: no training state.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from covgrad.updates import (
     checkpoint_records,
     value_bits,
 )
-from covgrad.updates.tracking import SCOPES, count_metrics
+from covgrad.updates.tracking import SCOPES, SERIES_PREDICTORS, SeriesRanking, count_metrics
 from storage.artifacts import ArtifactRef, ArtifactStore, create_progress, mark_batch_done
 from storage.checkpoints import checkpoint_dtype, load_state_dict
 from storage.identity import check_computed_on
@@ -33,6 +34,7 @@ from storage.models import load_model
 from storage.schema import TRAJECTORY as STORE
 from storage.stores.external import checkpoint_series, delta_trace, replay_deltas
 from storage.stores.history import History, read_history
+from storage.stores.inrun import InRunSeries, inrun_series
 from storage.stores.trajectory import (
     create_changed,
     finish_store,
@@ -81,6 +83,8 @@ def external_run(
     Returns the summary written into the store."""
     s = spec.settings
     history = None if s.history is None else read_history(s.history)  # a malformed file fails before any load
+    series = None if s.inrun is None else inrun_series(s.inrun)
+    columns = None if series is None else series.columns(layout)  # a disagreeing layout fails before any load
     run = series_run(spec, layout, policy) if s.deltas is None else delta_run(spec, layout, policy)
     source = s.checkpoints if s.deltas is None else s.deltas
     setting = "trajectory.checkpoints" if s.deltas is None else "trajectory.deltas"
@@ -90,18 +94,13 @@ def external_run(
     K = len(run.steps)
     tracker = ChangeTracker(layout, run.start_weights, opt, stats)
     drift, notes = rule_notes(tracker, history, run)
-    logged = run.logged if history is None else history.values
-    columns = [] if history is None else [c for c in history.keys if c not in LOGGED]
+    inrun = None if series is None else InRunRule(series, columns, tracker)
     g = store.open_group(ref, STORE, mode="a")
     create_changed(g, K, layout.P)
     create_progress(g, STORE, K)
     write_start(store, ref, value_bits(run.start_weights))
     with progress(f"trajectory {ref.key[:8]}", K, unit="checkpoint") as bar:
-        for i, rec in enumerate(checkpoint_records(run.later, tracker, logged), start=1):
-            step_log = {} if history is None else history.values.get(rec["step"], {})
-            rec.update({c: step_log.get(c, math.nan) for c in columns})
-            if drift is not None:
-                rec.update(drift.record(rec["step"]))
+        for i, rec in enumerate(run_records(run, tracker, history, drift, inrun), start=1):
             write_step(store, ref, g, i, rec.pop("changed"), rec.pop("changed_values"), rec)
             mark_batch_done(g, i - 1)
             bar.update(1)
@@ -124,8 +123,143 @@ def external_run(
         summary["history"] = {"path": history.path, "format": history.format, "keys": history.keys}
         summary["rules"] = notes
         log.info("trajectory %s: history %s (%s), rules: %s", ref.key, history.path, history.format, notes)
+    if inrun is not None:
+        summary["inrun"] = inrun.summary(records)
+        folded = inrun.series.steps
+        log.info("trajectory %s: in-run series %s, %d folded steps", ref.key, inrun.series.path, len(folded))
     write_summary(store, ref, g, layout, summary)
     return summary
+
+
+def run_records(
+    run: ExternalRun,
+    tracker: ChangeTracker,
+    history: History | None,
+    drift: DriftRule | None,
+    inrun: InRunRule | None,
+) -> Iterator[dict]:
+    """The records of external run ``run`` in step order (``covgrad.updates.checkpoint_records``), each with the
+    logged columns of ``history`` beyond lr, loss and grad_norm (NaN where the step logged none), the drift rule's
+    (``drift``) and the in-run predictors' (``inrun``: ranked at the state before each record, before the tracker
+    records it)."""
+    logged = run.logged if history is None else history.values
+    columns = [] if history is None else [c for c in history.keys if c not in LOGGED]
+
+    def later() -> Iterator[tuple[int, torch.Tensor]]:
+        before = run.start_step
+        for step, weights in run.later:
+            if inrun is not None:
+                inrun.before(before, tracker.prev)  # the tracker's weights: the state before this record
+            yield step, weights
+            before = step
+
+    for rec in checkpoint_records(later(), tracker, logged):
+        step_log = {} if history is None else history.values.get(rec["step"], {})
+        rec.update({c: step_log.get(c, math.nan) for c in columns})
+        if drift is not None:
+            rec.update(drift.record(rec["step"]))
+        if inrun is not None:
+            rec.update(inrun.record(rec))
+        yield rec
+
+
+SLOTS = ("latest", "first")  # the in-run predictors: the latest folded step before a record, the first folded step
+
+
+class InRunRule:
+    """The in-run series' predictors of an external run: for each record (the change from state s_{i−1} to s_i, trainer
+    steps), the top-k by F_u, |G_u|, |ρ_u| of folded step u (the statistics of θ_u on the trainer's batch at u), for
+    u the latest folded step ≤ s_{i−1} (``latest``: the newest statistics available before the record's updates,
+    no later batch) and the first folded step when it is ≤ s_{i−1} (``first``: usually step 0, the in-run twin of the
+    step-0 predictors), at k = the changed set's size (so precision = recall), exact with ties to the lowest column
+    and NaN last (:class:`covgrad.updates.tracking.SeriesRanking`). Scopes: ``step``, the record's changed set;
+    ``cum``, the coordinates changed since the slot's anchor, the first recorded state at or after u (w_{s_i} ≠
+    w_anchor; for u = a recorded step the weights at u). Before any folded step ≤ s_{i−1} a slot's metrics are NaN.
+
+    ``series``: the checked folder; ``columns``: its column of each analysed column (``InRunSeries.columns``; None:
+    the same axis); ``tracker``: the run's tracker (its column files hold the rankings; its ``prev`` and ``last``
+    are read around each record). Memory: each slot's anchor weights (P, stored dtype) and one (P,) float64 vector
+    while a slot is ranked; on disk 5 B per column per predictor and slot."""
+
+    def __init__(self, series: InRunSeries, columns: np.ndarray | None, tracker: ChangeTracker) -> None:
+        self.series, self.columns, self.tracker = series, columns, tracker
+        self.ranking = SeriesRanking(tracker.files, tracker.n, tracker.chunk)
+        self.used: dict[str, int | None] = dict.fromkeys(SLOTS)  # the folded step each slot holds
+        self.anchor: dict[str, torch.Tensor] = {}
+        self.history: dict[str, list[int | None]] = {slot: [] for slot in SLOTS}  # per record, the folded step used
+
+    def before(self, state: int, weights: torch.Tensor) -> None:
+        """Rank the slots for the next record, whose earlier state is trainer step ``state`` with (P,) ``weights``
+        (stored dtype): a slot whose folded step changed is ranked again and anchored at ``weights``."""
+        ready = [u for u in self.series.steps if u <= state]
+        want = {"latest": ready[-1] if ready else None, "first": ready[0] if ready else None}
+        for slot in reversed(SLOTS):  # first, then latest (which reuses first's ranking at the same step)
+            u = want[slot]
+            if u is not None and u != self.used[slot]:
+                if slot == "latest" and u == self.used["first"]:
+                    self.ranking.slots[slot] = self.ranking.slots["first"]
+                    self.anchor[slot] = self.anchor["first"]
+                else:
+                    readers = {name: self._reader(u, name) for name in SERIES_PREDICTORS}
+                    self.ranking.rank(slot, readers)
+                    self.anchor[slot] = weights.clone()
+                self.used[slot] = u
+
+    def _reader(self, step: int, name: str) -> Callable[[], np.ndarray]:
+        return lambda: self.series.ranked(step, name, self.columns)
+
+    def record(self, rec: dict) -> dict[str, float]:
+        """``{scope}_inrun_{slot}_{predictor}_{precision,recall,jaccard,size}`` of the record the tracker has just
+        made (``rec``: its ``n_changed_step``; the step set is ``tracker.last``, the new weights ``tracker.prev``)."""
+        out: dict[str, float] = {}
+        now = self.tracker.prev
+        for slot in SLOTS:
+            self.history[slot].append(self.used[slot])
+            if self.used[slot] is None:
+                out.update(
+                    {
+                        f"{scope}_inrun_{slot}_{name}_{stat}": math.nan
+                        for scope in SCOPES
+                        for name in SERIES_PREDICTORS
+                        for stat in ("precision", "recall", "jaccard", "size")
+                    }
+                )
+                continue
+            sets = {"step": (self.tracker.last, int(rec["n_changed_step"])), "cum": self._since(now, slot)}
+            for scope, (true, k) in sets.items():
+                for name, both in self.ranking.overlaps(slot, true, k).items():
+                    out.update({f"{scope}_inrun_{slot}_{name}_{s}": v for s, v in count_metrics(k, k, both).items()})
+        return out
+
+    def _since(self, now: torch.Tensor, slot: str) -> tuple[np.ndarray, int]:
+        """(P,) bool the coordinates of ``now`` that differ from the slot's anchor, and their count."""
+        anchor = self.anchor[slot]
+        out = np.empty(now.shape[0], dtype=bool)
+        for lo in range(0, now.shape[0], self.tracker.chunk):
+            hi = min(now.shape[0], lo + self.tracker.chunk)
+            out[lo:hi] = (now[lo:hi] != anchor[lo:hi]).numpy()
+        return out, int(np.count_nonzero(out))
+
+    def summary(self, records: list[dict]) -> dict:
+        """The series' part of the summary: its folder and folded steps, the folded step each slot used per record,
+        and per scope the mean precision over the records where the latest slot is defined of each slot's
+        predictors and of the step-0 ones (``step0``), a record whose set is empty left out: how much predicting at
+        the latest folded step beats step 0."""
+        defined = [i for i, u in enumerate(self.history["latest"]) if u is not None]
+        means = {}
+        for scope in SCOPES:
+            for name in SERIES_PREDICTORS:
+                keys = {slot: f"{scope}_inrun_{slot}_{name}_precision" for slot in SLOTS}
+                keys["step0"] = f"{scope}_{name}_precision"
+                for label, key in keys.items():
+                    values = [v for i in defined if math.isfinite(v := records[i].get(key, math.nan))]
+                    means[f"{scope}_{label}_{name}"] = float(np.mean(values)) if values else math.nan
+        return {
+            "path": self.series.path,
+            "folded_steps": list(self.series.steps),
+            **self.history,
+            "mean_precision": means,
+        }
 
 
 ABSORB = (

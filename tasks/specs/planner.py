@@ -163,11 +163,12 @@ REPORT_LATER = {
     "trajectory.max_grad_norm": Later(None),
     "trajectory.minibatches": Later(1),
     "trajectory.history": Later(None),
+    "trajectory.inrun": Later(None),
     "model.max_length": Later(None),
 }
 """Config fields that arrived after report keys existed, as the report's config leaves them out: a disabled section
 the report does not render, uncut blocks, unsharded rank chunks, a trajectory without the trainer's step options or
-an external run's history, an unset ``model.max_length``."""
+an external run's history or in-run series, an unset ``model.max_length``."""
 
 
 def report_config(cfg: PipelineConfig) -> dict[str, Any]:
@@ -378,6 +379,7 @@ def plan_trajectories(
                 **({} if t.checkpoints is None else {"checkpoints": series_digest(t.checkpoints)}),
                 **({} if t.deltas is None else {"deltas": input_digest(t.deltas)}),
                 **({} if t.history is None else {"history": input_digest(t.history)}),
+                **({} if t.inrun is None else {"inrun": input_digest(t.inrun)}),
             },
             regime=None if r is None else r.model_copy(deep=True),
             data_sampler=None if r is None else data_sampler,

@@ -295,14 +295,15 @@ class TrajectorySpec(StageSpec):
     VERSION: ClassVar[str] = "3"
     PLACEMENT: ClassVar[frozenset[str]] = frozenset({"placement", TRUST})
     # the grid (its cells are planned one by one), the external run (checkpoints, then delta traces, then its
-    # tracker history) and the regime arrived later; an rl trajectory's key is the one it had before trajectories
-    # stepped other regimes
+    # tracker history, then its in-run series) and the regime arrived later; an rl trajectory's key is the one it
+    # had before trajectories stepped other regimes
     settings: Annotated[
         TrajectorySection,
         Later({}, at="grid"),
         Later(None, at="checkpoints"),
         Later(None, at="deltas"),
         Later(None, at="history"),
+        Later(None, at="inrun"),
         Later(None, at="regime", when="regime"),
     ]
     params: list[str] | None
