@@ -27,7 +27,9 @@ demo: install
 	$(BIN)/covgrad run
 
 # Everything, on two pytest-xdist workers (one per core of the CI machine); the slowest tests listed at the end.
+# scripts/system_packages.sh first installs the Debian packages a test needs (chromium) where apt-get may run.
 test: install
+	scripts/system_packages.sh
 	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 # The fast tier on two worker processes (pytest-xdist): each has its own session fixtures.
