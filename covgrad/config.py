@@ -782,6 +782,11 @@ class TrackersSection(Section):
         description="a folder for W&B offline runs, one subfolder <name>-<run key> per run (extra wandb: pip "
         "install 'covgrad[wandb]'); unset: no W&B logging",
     )
+    mlflow: str | None = Field(
+        None,
+        description="a folder for MLflow runs, one subfolder <name>-<run key> holding a SQLite store mlflow.db per "
+        "run (extra mlflow: pip install 'covgrad[mlflow]'); unset: no MLflow logging",
+    )
 
 
 class PipelineConfig(Section):

@@ -5,7 +5,11 @@ metrics at the run's own steps) go to every selected tracker, each a field of ``
 
 - ``tensorboard``: event files written with ``torch.utils.tensorboard.SummaryWriter`` (extra ``tensorboard``);
 - ``wandb``: a W&B offline run (``wandb.init(mode="offline")``, extra ``wandb``): ``wandb/offline-run-*/`` with
-  its ``run-<id>.wandb`` file, which ``wandb sync`` uploads later; nothing goes over the network.
+  its ``run-<id>.wandb`` file, which ``wandb sync`` uploads later; nothing goes over the network;
+- ``mlflow``: one MLflow run in a local SQLite store ``mlflow.db`` (MLflow's default backend since 3.7; its file
+  store ``./mlruns`` is in maintenance mode and refused by MLflow 3.18 without an opt-in), written with
+  ``MlflowClient`` (extra ``mlflow``, the ``mlflow-skinny`` package); ``mlflow ui --backend-store-uri
+  sqlite:///<folder>/mlflow.db`` shows it, ``mlflow.MlflowClient`` reads it; no server, no network.
 
 The scalars of one run are written once per tracker, into ``<folder>/<name>-<run key[:12]>/``; a run logged before
 (that folder holds :data:`LOGGED`, written last) is not written again, and what an interrupted write left there is
@@ -18,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
+import time
 from collections.abc import Callable
 from itertools import groupby
 from pathlib import Path
@@ -31,6 +36,7 @@ from storage.stores.reports import RunArtifacts, report_numbers
 LOGGED = "covgrad-logged.json"  # written last into a run's tracker folder: what was logged there
 EVENTS = "events.out.tfevents."
 WANDB_DIR = "wandb"  # the folder wandb.init(dir=...) writes its runs into
+MLFLOW_DB = "mlflow.db"  # the SQLite store write_mlflow writes a run's folder's MLflow run into
 
 
 def write_tensorboard(folder: Path, scalars: list[Scalar]) -> None:
@@ -75,10 +81,33 @@ def write_wandb(folder: Path, scalars: list[Scalar]) -> None:
         wandb.teardown()
 
 
+def write_mlflow(folder: Path, scalars: list[Scalar]) -> None:
+    """``scalars`` as one finished MLflow run in the SQLite store ``folder/mlflow.db`` (experiment ``covgrad``, run
+    name the folder's name; a store an interrupted earlier write left is removed first): every scalar a metric
+    with MLflow's ``step`` the scalars' step, logged by ``MlflowClient.log_batch`` in batches of MLflow's limit
+    (1000 metrics), timestamps the write's time in ms; values keep float64 (the store's ``value`` column is a
+    double). Nothing but the store is written: no artifacts, no tracking URI or active run set in the process."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, RunStatus
+    from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+
+    db = folder / MLFLOW_DB
+    db.unlink(missing_ok=True)
+    client = MlflowClient(tracking_uri=f"sqlite:///{db.resolve()}")
+    experiment = client.create_experiment(PREFIX, artifact_location=(folder / "artifacts").resolve().as_uri())
+    run_id = client.create_run(experiment, run_name=folder.name).info.run_id
+    now_ms = int(time.time() * 1000)
+    metrics = [Metric(s.tag, s.value, now_ms, s.step) for s in scalars]
+    for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
+    client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+
+
 # tracker (a field of the config's ``trackers``) -> (its package and extra, the writer of one run's folder)
 TRACKERS: dict[str, tuple[str, Callable[[Path, list[Scalar]], None]]] = {
     "tensorboard": ("tensorboard", write_tensorboard),
     "wandb": ("wandb", write_wandb),
+    "mlflow": ("mlflow", write_mlflow),
 }
 
 

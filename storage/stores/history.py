@@ -14,7 +14,13 @@ files the stacks write, format detected from what the path holds (:func:`read_hi
   ``wandb/offline-run-*/``, or that folder, read with wandb's own reader (``wandb.sdk.internal.datastore``
   and ``wandb.proto``, extra ``wandb``): its ``history`` records, each at the Trainer's ``train/global_step``
   when the record has one (the Hugging Face ``WandbCallback``, ``train/`` before its log keys), else at W&B's
-  ``_step`` (verl's ``wandb`` logger and covgrad's own log with ``step=`` the trainer's step).
+  ``_step`` (verl's ``wandb`` logger and covgrad's own log with ``step=`` the trainer's step);
+- ``mlflow``: an MLflow run read with MLflow's own client (``MlflowClient.get_metric_history``, extra ``mlflow``):
+  a SQLite store (MLflow's default ``mlflow.db`` since 3.7, or a folder holding one: covgrad's ``trackers.mlflow``
+  output) with one active run, or ``<store>#<run id>`` for one of several, or a run folder
+  ``mlruns/<experiment>/<run id>/`` of MLflow's legacy file store (read only where ``MLFLOW_ALLOW_FILE_STORE=true``
+  is set, MLflow 3's opt-in); every metric at its ``step`` (verl's ``mlflow`` logger logs ``step=global_steps``,
+  the Hugging Face ``MLflowCallback`` ``step=global_step`` with its log keys as they are).
 
 Each format's records become per-step columns (:data:`COLUMNS`: the first key of a column found in the file is the
 one read) and a ``mismatch_*`` column for every rollout-mismatch metric the stack logged (:data:`MISMATCH`, the
@@ -25,9 +31,11 @@ Malformed input is refused in one line naming the file (and line).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +64,11 @@ TRAINER_PREFIX = "train/"  # transformers' rewrite_logs puts it before every tra
 EVENTS = "events.out.tfevents."  # the name of every TensorBoard event file begins so
 WANDB_FILE = "run-*.wandb"  # a W&B run folder's transaction log
 WANDB_STEP = "train/global_step"  # the Trainer's WandbCallback logs its step under this key (W&B's _step counts logs)
-FORMATS = ("verl", "tensorboard", "trainer", "wandb")
+MLFLOW_DB = "mlflow.db"  # MLflow's default SQLite store (and the one covgrad's trackers.mlflow writes)
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+MLFLOW_TABLES = {"experiments", "runs", "metrics", "alembic_version"}  # an MLflow SQLite store has these
+FILE_STORE_RUN = ("meta.yaml", "metrics")  # what a run folder of MLflow's file store holds
+FORMATS = ("verl", "tensorboard", "trainer", "wandb", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,9 @@ def mismatch_column(key: str) -> str:
 def read_history(path: str) -> History:
     """The history at ``path`` in the format its contents show (module docstring); ValueError in one line naming
     the file for a path that holds none of them, a malformed record or a history without a known column."""
+    store, _, run = path.partition("#")
+    if run and not Path(path).exists() and (_is_sqlite(Path(store)) or _is_sqlite(Path(store) / MLFLOW_DB)):
+        return mlflow_history(store, run)
     p = Path(path)
     if p.is_dir():
         if any(p.glob(f"{EVENTS}*")):
@@ -94,11 +109,13 @@ def read_history(path: str) -> History:
             return trainer_history(str(p / TRAINER_STATE))
         if any(p.glob(WANDB_FILE)):
             return wandb_history(str(p))
+        if _is_sqlite(p / MLFLOW_DB) or _is_file_store_run(p):
+            return mlflow_history(str(p))
         runs = sorted(d.name for d in p.iterdir() if d.is_dir() and not d.is_symlink() and _is_run(d))
         hint = f"; its subfolders {runs} do: give one run's" if runs else ""
         raise ValueError(
-            f"trajectory.history {path!r} holds no TensorBoard event files ({EVENTS}*), no {TRAINER_STATE} "
-            f"and no W&B run file ({WANDB_FILE}){hint}"
+            f"trajectory.history {path!r} holds no TensorBoard event files ({EVENTS}*), no {TRAINER_STATE}, "
+            f"no W&B run file ({WANDB_FILE}), no MLflow store ({MLFLOW_DB}) and no MLflow file-store run{hint}"
         )
     if not p.is_file():
         raise ValueError(f"trajectory.history {path!r} does not exist")
@@ -106,6 +123,8 @@ def read_history(path: str) -> History:
         return tensorboard_history(str(p))
     if p.suffix == ".wandb":
         return wandb_history(str(p))
+    if _is_sqlite(p):
+        return mlflow_history(str(p))
     text = p.read_text(encoding="utf-8-sig", errors="replace")
     try:
         whole = json.loads(text)
@@ -226,9 +245,90 @@ def wandb_history(path: str) -> History:
     return _history(str(p), "wandb", raw)
 
 
+def mlflow_history(path: str, run_id: str | None = None) -> History:
+    """The metrics of one MLflow run, read with MLflow's own client: ``path`` a SQLite store (or a folder holding
+    ``mlflow.db``) and ``run_id`` one of its runs (None: its one active run), or a file-store run folder
+    ``mlruns/<experiment>/<run id>/``. Each metric's history (``MlflowClient.get_metric_history``) at its ``step``,
+    the last value logged at a step (by timestamp) kept, ``train/`` before a key dropped; values as MLflow stored
+    them (float64). ImportError in one line naming the extra without mlflow; ValueError in one line naming the path
+    for a SQLite file that is no MLflow store (checked read-only first: MLflow's client would create its tables in
+    it), a store MLflow refuses (another schema version: ``mlflow db upgrade``), a file-store run without
+    MLflow's opt-in, a store without exactly one active run when no run is given, or an unknown run."""
+    try:
+        from mlflow import MlflowClient
+        from mlflow.entities import ViewType
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    except ImportError:
+        raise ImportError(
+            f"trajectory.history {path!r} is an MLflow run's; reading it needs the mlflow package: "
+            "pip install 'covgrad[mlflow]'"
+        ) from None
+    p = Path(path)
+    if _is_file_store_run(p):
+        if not MLFLOW_ALLOW_FILE_STORE.get():
+            raise ValueError(
+                f"{path}: a run of MLflow's legacy file store, which MLflow 3 reads only with "
+                f"MLFLOW_ALLOW_FILE_STORE=true set (or migrate it: mlflow migrate-filestore --source "
+                f"{p.parent.parent} --target sqlite:///<path>/{MLFLOW_DB})"
+            )
+        uri, run_id, where = p.parent.parent.resolve().as_uri(), p.name, str(p)
+    else:
+        db = p / MLFLOW_DB if p.is_dir() else p
+        _check_mlflow_db(db)
+        uri, where = f"sqlite:///{db.resolve()}", str(db)
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        if run_id is None:
+            experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
+            runs = client.search_runs(experiments, run_view_type=ViewType.ACTIVE_ONLY, max_results=100)
+            if len(runs) != 1:
+                ids = [r.info.run_id for r in runs]
+                raise ValueError(f"{where}: holds {len(runs)} active MLflow runs {ids}; give one as {where}#<run id>")
+            run_id = runs[0].info.run_id
+        keys = sorted(client.get_run(run_id).data.metrics)
+        histories = {key: client.get_metric_history(run_id, key) for key in keys}
+    except ValueError:
+        raise
+    except Exception as err:  # MlflowException, or SQLAlchemy's errors on a damaged database
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"{where}: not a readable MLflow store or run ({type(err).__name__}: {first})") from None
+    raw: dict[int, dict[str, Any]] = {}
+    for key, metrics in histories.items():
+        for m in sorted(metrics, key=lambda m: (m.step, m.timestamp)):
+            if not _is_step(m.step):
+                raise ValueError(f"{where} (run {run_id}): metric {key!r} is logged at step {m.step!r}, not a step")
+            raw.setdefault(m.step, {})[key.removeprefix(TRAINER_PREFIX)] = (f"{where} (run {run_id}, {key})", m.value)
+    return _history(where if _is_file_store_run(p) else f"{where}#{run_id}", "mlflow", raw)
+
+
+def _check_mlflow_db(db: Path) -> None:
+    """ValueError naming ``db`` unless it is a SQLite database with MLflow's tables (:data:`MLFLOW_TABLES`),
+    opened read-only."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as con:
+            tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as err:
+        raise ValueError(f"{db}: not a readable SQLite database ({err})") from None
+    if missing := sorted(MLFLOW_TABLES - tables):
+        raise ValueError(f"{db}: a SQLite database but no MLflow store (no tables {missing})")
+
+
+def _is_sqlite(path: Path) -> bool:
+    """Whether ``path`` is a file that begins as a SQLite database does."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+
+
+def _is_file_store_run(folder: Path) -> bool:
+    """Whether ``folder`` is a run folder of MLflow's file store (``meta.yaml`` and ``metrics/``)."""
+    return (folder / FILE_STORE_RUN[0]).is_file() and (folder / FILE_STORE_RUN[1]).is_dir()
+
+
 def _is_run(folder: Path) -> bool:
-    """Whether ``folder`` holds one run's TensorBoard event files or W&B run file."""
-    return any(folder.glob(f"{EVENTS}*")) or any(folder.glob(WANDB_FILE))
+    """Whether ``folder`` holds one run's TensorBoard event files, W&B run file or MLflow store."""
+    return any(folder.glob(f"{EVENTS}*")) or any(folder.glob(WANDB_FILE)) or _is_sqlite(folder / MLFLOW_DB)
 
 
 def _is_step(value: Any) -> bool:
