@@ -787,6 +787,11 @@ class TrackersSection(Section):
         description="a folder for MLflow runs, one subfolder <name>-<run key> holding a SQLite store mlflow.db per "
         "run (extra mlflow: pip install 'covgrad[mlflow]'); unset: no MLflow logging",
     )
+    trackio: str | None = Field(
+        None,
+        description="a folder for trackio runs, one subfolder <name>-<run key> per run holding the trackio project "
+        "database covgrad.db (extra trackio: pip install 'covgrad[trackio]'); unset: no trackio logging",
+    )
 
 
 class PipelineConfig(Section):

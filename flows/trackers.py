@@ -9,7 +9,10 @@ metrics at the run's own steps) go to every selected tracker, each a field of ``
 - ``mlflow``: one MLflow run in a local SQLite store ``mlflow.db`` (MLflow's default backend since 3.7; its file
   store ``./mlruns`` is in maintenance mode and refused by MLflow 3.18 without an opt-in), written with
   ``MlflowClient`` (extra ``mlflow``, the ``mlflow-skinny`` package); ``mlflow ui --backend-store-uri
-  sqlite:///<folder>/mlflow.db`` shows it, ``mlflow.MlflowClient`` reads it; no server, no network.
+  sqlite:///<folder>/mlflow.db`` shows it, ``mlflow.MlflowClient`` reads it; no server, no network;
+- ``trackio``: one trackio run in the project database ``covgrad.db``, written with ``trackio.init``/``log``/
+  ``finish`` (extra ``trackio``) in a child process whose trackio folder (``TRACKIO_DIR``) is the run's folder;
+  ``TRACKIO_DIR=<folder> trackio show --project covgrad`` shows it; no server, no browser, no network.
 
 The scalars of one run are written once per tracker, into ``<folder>/<name>-<run key[:12]>/``; a run logged before
 (that folder holds :data:`LOGGED`, written last) is not written again, and what an interrupted write left there is
@@ -31,12 +34,27 @@ from typing import Any
 from covgrad.config import PipelineConfig
 from covgrad.report.trackers import PREFIX, Scalar, run_scalars
 from storage.artifacts import ArtifactStore
+from storage.stores.history import run_trackio
 from storage.stores.reports import RunArtifacts, report_numbers
 
 LOGGED = "covgrad-logged.json"  # written last into a run's tracker folder: what was logged there
 EVENTS = "events.out.tfevents."
 WANDB_DIR = "wandb"  # the folder wandb.init(dir=...) writes its runs into
 MLFLOW_DB = "mlflow.db"  # the SQLite store write_mlflow writes a run's folder's MLflow run into
+TRACKIO_DB = f"{PREFIX}.db"  # the database of trackio project ``covgrad`` (in its TRACKIO_DIR, the run's folder)
+# write_trackio's child (storage.stores.history.run_trackio): the run logged and finished, then counted back
+TRACKIO_LOG = """import trackio
+from trackio.sqlite_storage import SQLiteStorage
+project = request["project"]
+run = trackio.init(project=project, name=request["name"], embed=False, auto_log_cpu=False, auto_log_gpu=False)
+for step, metrics in request["logs"]:
+    trackio.log(metrics, step=step)
+trackio.finish()
+stored = SQLiteStorage.get_logs(project, run=run.name, run_id=run.id)
+if len(stored) != len(request["logs"]):
+    sys.exit(f"trackio stored {len(stored)} of the run's {len(request['logs'])} logs")
+json.dump(run.id, out)
+"""
 
 
 def write_tensorboard(folder: Path, scalars: list[Scalar]) -> None:
@@ -103,11 +121,29 @@ def write_mlflow(folder: Path, scalars: list[Scalar]) -> None:
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
 
+def write_trackio(folder: Path, scalars: list[Scalar]) -> None:
+    """``scalars`` as one finished trackio run in ``folder/covgrad.db`` (project ``covgrad``, run name the folder's
+    name; the database, its SQLite side files and lock an interrupted earlier write left are removed first): one
+    ``trackio.log`` per step, ascending, with ``step=`` the scalars' step; values keep float64 (trackio stores each
+    log as JSON, NaN and infinities as its ``"NaN"``/``"Infinity"`` strings). Written in a child process whose
+    ``TRACKIO_DIR`` is ``folder`` (``storage.stores.history.run_trackio``: trackio reads it once, on import), with no
+    CPU/GPU monitor, dashboard or remote; RuntimeError with the child's last line when trackio stored fewer logs
+    than it was given (``trackio.log`` only warns when it fails)."""
+    for stale in folder.glob(f"{PREFIX}.*"):
+        stale.unlink()
+    logs = [
+        (step, {s.tag: s.value for s in points})
+        for step, points in groupby(sorted(scalars, key=lambda s: s.step), key=lambda s: s.step)
+    ]
+    run_trackio(folder, TRACKIO_LOG, {"project": PREFIX, "name": folder.name, "logs": logs})
+
+
 # tracker (a field of the config's ``trackers``) -> (its package and extra, the writer of one run's folder)
 TRACKERS: dict[str, tuple[str, Callable[[Path, list[Scalar]], None]]] = {
     "tensorboard": ("tensorboard", write_tensorboard),
     "wandb": ("wandb", write_wandb),
     "mlflow": ("mlflow", write_mlflow),
+    "trackio": ("trackio", write_trackio),
 }
 
 

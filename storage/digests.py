@@ -97,7 +97,9 @@ def _save_cache(path: Path, cache: dict[str, str]) -> None:
 def input_digest(path_or_url: str, model: bool = False) -> str:
     """The digest a stage's key records for an input: :func:`content_digest` of a local file or (``model``)
     of a model directory's :data:`MODEL_FILES`; for a remote URL, fsspec's checksum of its listing (ETag,
-    size, modification time); ``"absent"`` when there is nothing at the path (preflight names it)."""
+    size, modification time); ``"absent"`` when there is nothing at the path (preflight names it). A local
+    ``<path>#<name>`` that does not exist as a whole (a run chosen inside an MLflow or trackio store) is the
+    digest of ``<path>`` and the name."""
     if "://" in path_or_url and not path_or_url.startswith("file://"):
         import fsspec
 
@@ -105,5 +107,8 @@ def input_digest(path_or_url: str, model: bool = False) -> str:
         return f"{fs.checksum(inner):x}" if fs.exists(inner) else "absent"
     local = path_or_url.removeprefix("file://")
     if not Path(local).exists():
+        base, sep, name = local.rpartition("#")
+        if sep and Path(base).exists():
+            return f"{content_digest(base, MODEL_FILES if model else None)}#{name}"
         return "absent"
     return content_digest(local, MODEL_FILES if model else None)

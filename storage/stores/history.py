@@ -20,7 +20,13 @@ files the stacks write, format detected from what the path holds (:func:`read_hi
   output) with one active run, or ``<store>#<run id>`` for one of several, or a run folder
   ``mlruns/<experiment>/<run id>/`` of MLflow's legacy file store (read only where ``MLFLOW_ALLOW_FILE_STORE=true``
   is set, MLflow 3's opt-in); every metric at its ``step`` (verl's ``mlflow`` logger logs ``step=global_steps``,
-  the Hugging Face ``MLflowCallback`` ``step=global_step`` with its log keys as they are).
+  the Hugging Face ``MLflowCallback`` ``step=global_step`` with its log keys as they are);
+- ``trackio``: a trackio run read with trackio's own reader (``SQLiteStorage.get_run_records`` and ``get_logs``,
+  extra ``trackio``): a project database ``<project>.db`` (trackio keeps one per project in its ``TRACKIO_DIR``;
+  covgrad's ``trackers.trackio`` writes ``covgrad.db``), or a folder holding one, with one run, or
+  ``<database>#<run name or id>`` for one of several; each log at its ``train/global_step`` when it has one (the
+  Hugging Face ``TrackioCallback``, ``train/`` before its log keys), else at trackio's ``step`` (verl's ``trackio``
+  logger logs ``step=global_steps``; covgrad's own log the trainer's step).
 
 Each format's records become per-step columns (:data:`COLUMNS`: the first key of a column found in the file is the
 one read) and a ``mismatch_*`` column for every rollout-mismatch metric the stack logged (:data:`MISMATCH`, the
@@ -32,10 +38,14 @@ Malformed input is refused in one line naming the file (and line).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
+import os
 import re
 import sqlite3
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,12 +73,31 @@ MISMATCH = (
 TRAINER_PREFIX = "train/"  # transformers' rewrite_logs puts it before every training log key (TensorBoard, W&B)
 EVENTS = "events.out.tfevents."  # the name of every TensorBoard event file begins so
 WANDB_FILE = "run-*.wandb"  # a W&B run folder's transaction log
-WANDB_STEP = "train/global_step"  # the Trainer's WandbCallback logs its step under this key (W&B's _step counts logs)
+WANDB_STEP = "train/global_step"  # the Trainer's W&B and trackio callbacks log its step here (theirs count logs)
 MLFLOW_DB = "mlflow.db"  # MLflow's default SQLite store (and the one covgrad's trackers.mlflow writes)
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 MLFLOW_TABLES = {"experiments", "runs", "metrics", "alembic_version"}  # an MLflow SQLite store has these
 FILE_STORE_RUN = ("meta.yaml", "metrics")  # what a run folder of MLflow's file store holds
-FORMATS = ("verl", "tensorboard", "trainer", "wandb", "mlflow")
+TRACKIO_DB = "*.db"  # a trackio project's database in its TRACKIO_DIR: <project>.db
+TRACKIO_METRICS = {"run_name", "step", "metrics", "timestamp"}  # columns of a trackio database's metrics table
+TRACKIO_ADDED = ("step", "timestamp")  # what trackio's get_logs adds to each log (a logged key of either is "__"-ed)
+# the environment of a child process that runs trackio: its SQLite store only (never the JSONL inbox it picks on a
+# network filesystem), the Hugging Face Hub offline (trackio asks it for the user's name), no remote settings
+TRACKIO_LOCAL = {"TRACKIO_STORAGE_MODE": "sqlite", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+TRACKIO_REMOTE = ("SYSTEM", "SPACE_ID", "SPACE_REPO_NAME", "SPACE_HOST")  # trackio's Spaces settings: dropped
+TRACKIO_JOURNAL = "TRACKIO_SQLITE_JOURNAL_MODE"  # the journal mode trackio sets on each connection (default WAL)
+TRACKIO_TIMEOUT_S = 300.0  # at most this long (s) for a trackio child process
+# the start of every trackio child's script: its request from stdin, trackio's prints to stderr, ``out`` the reply's
+TRACKIO_PRELUDE = "import json, sys\nout, sys.stdout = sys.stdout, sys.stderr\nrequest = json.load(sys.stdin)\n"
+# the trackio child of trackio_history: the project's runs and, when one is chosen, its logs (trackio's reader)
+TRACKIO_READ = """from trackio.sqlite_storage import SQLiteStorage
+runs = SQLiteStorage.get_run_records(request["project"])
+chosen = [r for r in runs if request["run"] in (None, r["id"], r["name"])]
+one = chosen[0] if len(chosen) == 1 else None
+logs = SQLiteStorage.get_logs(request["project"], run=one["name"], run_id=one["id"]) if one else []
+json.dump({"runs": runs, "chosen": chosen, "logs": logs}, out)
+"""
+FORMATS = ("verl", "tensorboard", "trainer", "wandb", "mlflow", "trackio")
 
 
 @dataclass(frozen=True)
@@ -99,8 +128,12 @@ def read_history(path: str) -> History:
     """The history at ``path`` in the format its contents show (module docstring); ValueError in one line naming
     the file for a path that holds none of them, a malformed record or a history without a known column."""
     store, _, run = path.partition("#")
-    if run and not Path(path).exists() and (_is_sqlite(Path(store)) or _is_sqlite(Path(store) / MLFLOW_DB)):
-        return mlflow_history(store, run)
+    if run and not Path(path).exists():
+        held = Path(store)
+        if _is_trackio_db(held) or (held.is_dir() and not _is_sqlite(held / MLFLOW_DB) and _trackio_dbs(held)):
+            return trackio_history(store, run)
+        if _is_sqlite(held) or _is_sqlite(held / MLFLOW_DB):
+            return mlflow_history(store, run)
     p = Path(path)
     if p.is_dir():
         if any(p.glob(f"{EVENTS}*")):
@@ -111,11 +144,14 @@ def read_history(path: str) -> History:
             return wandb_history(str(p))
         if _is_sqlite(p / MLFLOW_DB) or _is_file_store_run(p):
             return mlflow_history(str(p))
+        if _trackio_dbs(p):
+            return trackio_history(str(p))
         runs = sorted(d.name for d in p.iterdir() if d.is_dir() and not d.is_symlink() and _is_run(d))
         hint = f"; its subfolders {runs} do: give one run's" if runs else ""
         raise ValueError(
             f"trajectory.history {path!r} holds no TensorBoard event files ({EVENTS}*), no {TRAINER_STATE}, "
-            f"no W&B run file ({WANDB_FILE}), no MLflow store ({MLFLOW_DB}) and no MLflow file-store run{hint}"
+            f"no W&B run file ({WANDB_FILE}), no MLflow store ({MLFLOW_DB}), no MLflow file-store run and no "
+            f"trackio database ({TRACKIO_DB}){hint}"
         )
     if not p.is_file():
         raise ValueError(f"trajectory.history {path!r} does not exist")
@@ -123,6 +159,8 @@ def read_history(path: str) -> History:
         return tensorboard_history(str(p))
     if p.suffix == ".wandb":
         return wandb_history(str(p))
+    if _is_trackio_db(p):
+        return trackio_history(str(p))
     if _is_sqlite(p):
         return mlflow_history(str(p))
     text = p.read_text(encoding="utf-8-sig", errors="replace")
@@ -301,6 +339,117 @@ def mlflow_history(path: str, run_id: str | None = None) -> History:
     return _history(where if _is_file_store_run(p) else f"{where}#{run_id}", "mlflow", raw)
 
 
+def trackio_history(path: str, run: str | None = None) -> History:
+    """The logs of one trackio run, read with trackio's own reader (``SQLiteStorage.get_run_records`` and
+    ``get_logs``, in a child process: :func:`run_trackio`): ``path`` a project database ``<project>.db`` or a folder
+    holding one, ``run`` the name or id of one of its runs (None: its one run). Each log at its ``train/global_step``
+    when it has one, else at its trackio ``step``; the logs of one step merge (in trackio's order: timestamp, then
+    row), ``train/`` before a key dropped; values as trackio stored them (JSON, float64; its ``"NaN"`` and
+    ``"Infinity"`` strings as the floats). ImportError in one line naming the extra without trackio; ValueError in
+    one line naming the database for a file that is no trackio database (checked read-only first), a folder
+    without exactly one, a database without exactly one run when no run is given (or with several of ``run``'s
+    name), an unknown run, or one trackio's reader fails on."""
+    if importlib.util.find_spec("trackio") is None:
+        raise ImportError(
+            f"trajectory.history {path!r} is a trackio run's; reading it needs the trackio package: "
+            "pip install 'covgrad[trackio]'"
+        )
+    p = Path(path)
+    if p.is_dir():
+        dbs = _trackio_dbs(p)
+        if len(dbs) > 1:
+            dbs = [db for db in dbs if _is_trackio_db(db)]
+        if len(dbs) != 1:
+            raise ValueError(
+                f"trajectory.history {path!r} holds {len(dbs)} trackio databases {[d.name for d in dbs]}; give one"
+            )
+        p = dbs[0]
+    _check_trackio_db(p)
+    # trackio's reader sets its journal mode on every connection (WAL): the database's own keeps its bytes as they are
+    ((journal,),) = _sqlite_read(p, "PRAGMA journal_mode")
+    try:
+        reply = run_trackio(p.parent, TRACKIO_READ, {"project": p.stem, "run": run}, {TRACKIO_JOURNAL: journal})
+    except RuntimeError as err:
+        raise ValueError(f"{p}: not a readable trackio project ({err})") from None
+    runs = [(r["name"], r["id"]) for r in reply["runs"]]
+    if len(reply["chosen"]) != 1:
+        if run is None:
+            wanted = f"holds {len(runs)} trackio runs {runs}; give one as {p}#<run name or id>"
+        elif reply["chosen"]:
+            wanted = f"holds {len(reply['chosen'])} trackio runs named {run!r}; give one's id: {runs}"
+        else:
+            wanted = f"holds no trackio run {run!r} (its runs, name and id: {runs})"
+        raise ValueError(f"{p}: {wanted}")
+    one = reply["chosen"][0]
+    where = f"{p} (run {one['name']})"
+    raw: dict[int, dict[str, Any]] = {}
+    for i, log in enumerate(reply["logs"]):
+        step = log.get(WANDB_STEP, log["step"])
+        if not _is_step(step):
+            raise ValueError(f"{where}: log {i} is at step {step!r}, not a step")
+        logged = {k.removeprefix(TRAINER_PREFIX): v for k, v in log.items() if k not in (WANDB_STEP, *TRACKIO_ADDED)}
+        raw.setdefault(step, {}).update({k: (f"{where}, step {step}", v) for k, v in logged.items()})
+    return _history(f"{p}#{one['id']}", "trackio", raw)
+
+
+def run_trackio(trackio_dir: Path, script: str, request: dict[str, Any], settings: dict[str, str] | None = None) -> Any:
+    """What ``script`` (after :data:`TRACKIO_PRELUDE`: its ``request``, its ``out``) writes to ``out`` as JSON, run
+    by this Python in a child process whose trackio keeps its projects in ``trackio_dir``: trackio reads its folder
+    (``TRACKIO_DIR``) once, when imported, so another folder takes another process. The child's environment is
+    this one's without trackio's remote settings (every ``TRACKIO_*``, :data:`TRACKIO_REMOTE`) and with
+    :data:`TRACKIO_LOCAL` and ``settings`` (more of trackio's variables): no server, no browser, no network.
+    RuntimeError with the child's last line of stderr when it fails (a traceback's last line, or its ``sys.exit``
+    message); at most :data:`TRACKIO_TIMEOUT_S`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACKIO_") and k not in TRACKIO_REMOTE}
+    env |= TRACKIO_LOCAL | (settings or {}) | {"TRACKIO_DIR": str(trackio_dir.resolve())}
+    child = subprocess.run(
+        [sys.executable, "-c", TRACKIO_PRELUDE + script],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TRACKIO_TIMEOUT_S,
+    )
+    if child.returncode != 0:
+        lines = child.stderr.strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"exit status {child.returncode}")
+    return json.loads(child.stdout)
+
+
+def _check_trackio_db(db: Path) -> None:
+    """ValueError naming ``db`` unless it is a SQLite database whose ``metrics`` table has trackio's columns
+    (:data:`TRACKIO_METRICS`), opened read-only."""
+    if not _is_sqlite(db):
+        raise ValueError(f"{db}: not a SQLite database (a trackio project is one)")
+    columns = {row[1] for row in _sqlite_read(db, "PRAGMA table_info(metrics)")}
+    if missing := sorted(TRACKIO_METRICS - columns):
+        raise ValueError(f"{db}: a SQLite database but no trackio project (its metrics table lacks {missing})")
+
+
+def _sqlite_read(db: Path, sql: str) -> list[tuple[Any, ...]]:
+    """The rows of ``sql`` on the SQLite database ``db``, opened read-only; ValueError naming ``db`` when SQLite
+    cannot read it."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as con:
+            return con.execute(sql).fetchall()
+    except sqlite3.Error as err:
+        raise ValueError(f"{db}: not a readable SQLite database ({err})") from None
+
+
+def _is_trackio_db(path: Path) -> bool:
+    """Whether ``path`` is a SQLite database with trackio's ``metrics`` table (:func:`_check_trackio_db`)."""
+    try:
+        _check_trackio_db(path)
+    except ValueError:
+        return False
+    return True
+
+
+def _trackio_dbs(folder: Path) -> list[Path]:
+    """The SQLite files ``*.db`` in ``folder`` but MLflow's ``mlflow.db``: the databases trackio's projects may be."""
+    return sorted(db for db in folder.glob(TRACKIO_DB) if db.name != MLFLOW_DB and _is_sqlite(db))
+
+
 def _check_mlflow_db(db: Path) -> None:
     """ValueError naming ``db`` unless it is a SQLite database with MLflow's tables (:data:`MLFLOW_TABLES`),
     opened read-only."""
@@ -327,8 +476,13 @@ def _is_file_store_run(folder: Path) -> bool:
 
 
 def _is_run(folder: Path) -> bool:
-    """Whether ``folder`` holds one run's TensorBoard event files, W&B run file or MLflow store."""
-    return any(folder.glob(f"{EVENTS}*")) or any(folder.glob(WANDB_FILE)) or _is_sqlite(folder / MLFLOW_DB)
+    """Whether ``folder`` holds one run's TensorBoard event files, W&B run file, MLflow store or trackio database."""
+    return (
+        any(folder.glob(f"{EVENTS}*"))
+        or any(folder.glob(WANDB_FILE))
+        or _is_sqlite(folder / MLFLOW_DB)
+        or any(_is_trackio_db(db) for db in _trackio_dbs(folder))
+    )
 
 
 def _is_step(value: Any) -> bool:

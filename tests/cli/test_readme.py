@@ -36,8 +36,8 @@ from covgrad.offline import OFFLINE_ENV  # noqa: E402
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 # configs/..., scripts/..., notebooks/..., docs/... mentioned anywhere (not inside an absolute path or URL)
 REPO_PATH = re.compile(
-    r"(?<![\w/.:-])((?:configs|scripts|notebooks|docs|benchmarks|covgrad|storage|tasks|flows)/[\w./-]*[\w/])"
-)
+    r"(?<![\w/.:-])((?:configs|scripts|notebooks|docs|benchmarks|covgrad|storage|tasks|flows)/[\w./-]*[\w/])(?![\w/-]|\.\w|…)"
+)  # whole names only; one followed by "…" is a prefix (a tracker tag), not a path
 TABLE_RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
 SEPARATORS = {"&&", "||", ";", "|"}
 PYTHONS = {"python", "python3", "python3.11", "python3.12"}
