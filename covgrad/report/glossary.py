@@ -118,6 +118,10 @@ GLOSSARY: dict[str, str] = {
     "also in the first folded step's",
     "overlap_prev": "|S_t ∩ S_prev| / |S_t|: the fraction of the step's top-q set by F, |G| or |ρ| (the suffix) "
     "also in the previous folded step's (NaN at the first)",
+    "inrun_latest": "predictor: the changed-set-sized top set by F, |G| or |ρ| (the suffix) of the run's latest "
+    "in-run folded step before the record (trajectory.inrun)",
+    "inrun_first": "predictor: the changed-set-sized top set by F, |G| or |ρ| (the suffix) of the run's first "
+    "in-run folded step (trajectory.inrun)",
 }
 # Names that stand for a family (overlap(q=0.01), overlap_q0.01, ...): pattern -> glossary name.
 PATTERNS = (
@@ -127,6 +131,8 @@ PATTERNS = (
     (r"(\w+)_expected_relerr", "expected_relerr"),
     (r"overlap_first_(F|absG|absrho)", "overlap_first"),
     (r"overlap_prev_(F|absG|absrho)", "overlap_prev"),
+    (r"(cum_)?inrun_latest_(F|absG|absrho)", "inrun_latest"),
+    (r"(cum_)?inrun_first_(F|absG|absrho)", "inrun_first"),
 )
 
 

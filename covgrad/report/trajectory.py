@@ -15,8 +15,13 @@ from covgrad.report.document import Report
 from covgrad.report.plots import _png
 
 STORE = "trajectory.zarr"
-PREDICTORS = ("F", "absG", "absrho", "drift", "smallw", "random", "tensor_random")
-PLOTTED = ("F", "absG", "drift", "smallw", "random")  # the predictor panels: statistics against the baselines
+# The step-0 predictors, then an external run's in-run series as predictors (trajectory.inrun: the statistics
+# of the latest folded step before a record, and of the first folded step).
+PREDICTORS = ("F", "absG", "absrho", "drift", "smallw", "random", "tensor_random") + tuple(
+    f"inrun_{at}_{m}" for at in ("latest", "first") for m in ("F", "absG", "absrho")
+)
+# The predictor panels: statistics against the baselines, and the in-run |G| where the run has a series.
+PLOTTED = ("F", "absG", "drift", "smallw", "random", "inrun_latest_absG")
 RULES = ("absorb", "bound", "drift_rule")
 PERSIST_KS = (1, 2, 4, 8)
 
