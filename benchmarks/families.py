@@ -13,6 +13,13 @@ jobs' load enters wall time, not the process's own CPU time); the median ratio i
 everything selected). ``--fold compiled`` (default): the compiled fold, which a run uses once samples × P
 reaches ``covgrad.moments.accum._COMPILE_AFTER``; ``--fold eager``: the eager fold of a short run's batches.
 
+``--suite matrix``: every family of the test matrix (:data:`tests.families.matrix.MATRIX`, the tests' own tiny
+models: 2 layers, hidden 32, vocabulary 32), the floor and the fused per-sample reduction as above, timed
+interleaved in one process at B 16 × L 48 and at B 16 × ``--length``; one table row per family with both
+ratios and the share of its parameters on each path (fast rules, the fused-experts rule, the routed-experts rule
+of experts recognised by structure, the op-level path, the module replay). A family refused as a whole is timed on
+the selection its refusal proposes (the floor still with every parameter). ``--families`` names a few.
+
 ``--suite norms``: the same Llama with its RMSNorms on the generic rule (torch.func vmap of each norm's own
 vector-Jacobian product, via a subclass whose forward is the same math written differently) against the
 specialised RMSNorm rule; the median ratio generic / specialised (goal ≤ 1.1) and the score difference.
@@ -20,13 +27,16 @@ specialised RMSNorm rule; the median ratio generic / specialised (goal ≤ 1.1) 
     python -m benchmarks.families --threads 1     # a few minutes on a CPU
     python -m benchmarks.families --clock wall    # wall time, torch's threads
     python -m benchmarks.families --suite norms --reps 3
+    OMP_NUM_THREADS=1 python -m benchmarks.families --suite matrix --threads 1 --reps 3
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -44,6 +54,7 @@ from benchmarks.tokens import build as perturbed_llama
 from covgrad.layout import select_parameters
 from covgrad.moments import MomentAccumulator
 from covgrad.scores import PerSampleGrads, generic_rule, rmsnorm_rule, rule_for, score_logit_grad
+from covgrad.scores import rules as score_rules
 
 
 class RewrittenRMSNorm(LlamaRMSNorm):
@@ -266,29 +277,140 @@ def run_norms(args: argparse.Namespace) -> None:
     print(f"scores agree: relative difference {rel:.2e}")
 
 
+def padded_batch(B: int, L: int, vocab: int, seed: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """ids (B, L) in [1, vocab), a mask (B, L) with every other sample left-padded by a quarter, position ids
+    (B, L) and a target mask (B, L) on the second half: the batch every suite times."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (B, L), generator=gen)
+    attn = torch.ones(B, L, dtype=torch.long)
+    attn[1::2, : L // 4] = 0
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    target = torch.zeros(B, L)
+    target[:, L // 2 :] = 1.0
+    return ids, attn, pos, target
+
+
+def paths_of(psg: PerSampleGrads) -> dict[str, int]:
+    """Selected parameter elements per path after a call: "fast" (a per-module rule: Linear, embedding, norm),
+    "experts" (the fused-experts rule), "routed" (experts recognised by structure, one widened backward), "op"
+    (the op-level path), "replay" (the module replay, also routed experts that failed the probe)."""
+    ops = psg.generic_paths()
+    taken: dict[str, tuple[str, int]] = {}  # a tensor with two bindings (a tied embedding): its other path
+    for module, rule, local in psg.bindings():
+        for e in local.values():
+            if rule is generic_rule:
+                path = ops[e.name]
+            elif rule is score_rules._experts_rule:
+                path = "experts"
+            elif rule is score_rules._routed_experts_rule:
+                path = score_rules.experts_path(module) or "routed"
+            else:
+                path = "fast"
+            if e.name not in taken or path != "fast":
+                taken[e.name] = (path, e.numel)
+    out: dict[str, int] = {}
+    for path, numel in taken.values():
+        out[path] = out.get(path, 0) + numel
+    return out
+
+
+def run_matrix(args: argparse.Namespace) -> None:
+    """One row per family of the test matrix: floor and fused per-sample reduction at B × 48 and B × length."""
+    from tests.families.matrix import MATRIX
+    from tests.helpers.persample import V
+
+    names = args.families.split(",") if args.families else list(MATRIX)
+    shapes = ((args.batch, 48), (args.batch, args.length))
+    compiled = args.fold == "compiled"
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(
+        f"B={args.batch}, L=48 and {args.length}, reps={args.reps}, threads={torch.get_num_threads()}, "
+        f"torch {torch.__version__}, clock={args.clock}, fold={args.fold}"
+    )
+    head = " | ".join(f"floor ms L{L} | scores ms L{L} | ratio L{L}" for _, L in shapes)
+    print(f"| family | P | {head} | rules / fold ms L{shapes[-1][1]} | paths (% of P) |")
+    print("|---|---:|" + "---:|---:|---:|" * len(shapes) + "---:|---|")
+    worst: list[tuple[float, str]] = []
+    for name in names:
+        model = MATRIX[name]()
+        layout = select_parameters(model)
+        note, cells, paths = "", [], {}
+        for B, L in shapes:
+            ids, attn, pos, target = padded_batch(B, L, V)
+            fn = lambda z, ids=ids, target=target: score_logit_grad(z, ids, target)  # noqa: E731
+            adv, half = np.linspace(-1.0, 1.0, B), np.arange(B) % 2
+            psg = PerSampleGrads(model, layout, check=True)
+            acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=compiled)
+            try:
+                psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
+            except ValueError as exc:  # refused as a whole: the selection its refusal proposes
+                if "model.params = " not in str(exc):
+                    raise
+                print(f"{name} L{L}: {str(exc).split('; model.params = ')[0]}", file=sys.stderr)
+                layout = select_parameters(model, ast.literal_eval(str(exc).split("model.params = ")[1]))
+                note = f"; refused: {len(select_parameters(model).names) - len(layout.names)} tensors"
+                psg = PerSampleGrads(model, layout, check=True)
+                acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=compiled)
+                psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+            paths = paths_of(psg)
+            timer = _Timer(clock)
+            acc.fold = timer.wrap("fold", acc.fold)
+            psg._blocks.run_rule = timer.wrap("rules", psg._blocks.run_rule)
+            batched_backward(model, ids, attn, pos, target)
+            floor, ours, parts = [], [], []
+            for _ in range(args.reps):
+                t = clock()
+                batched_backward(model, ids, attn, pos, target)
+                floor.append(clock() - t)
+                model.zero_grad(set_to_none=True)
+                timer.spent = {}
+                t = clock()
+                psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+                ours.append(clock() - t)
+                fold = timer.spent.get("fold", 0.0)
+                parts.append((timer.spent.get("rules", 0.0) - fold, fold))  # folds run inside the rules' calls
+            ratio = statistics.median([o / f for o, f in zip(ours, floor, strict=True)])
+            worst.append((ratio, f"{name} L{L}"))
+            cells.append(f"{1e3 * statistics.median(floor):.0f} | {1e3 * statistics.median(ours):.0f} | {ratio:.2f}")
+        rules_ms, fold_ms = (1e3 * statistics.median(part) for part in zip(*parts, strict=True))
+        cells.append(f"{rules_ms:.0f} / {fold_ms:.0f}")
+        share = ", ".join(f"{k} {100 * v / layout.P:.0f}" for k, v in sorted(paths.items(), key=lambda kv: -kv[1]))
+        print(f"| {name} | {layout.P:,} | {' | '.join(cells)} | {share}{note} |", flush=True)
+    above = sorted((r, n) for r, n in worst if r > 1.5)[::-1]
+    worst10 = ", ".join(f"{n} {r:.2f}" for r, n in above[:10])
+    print(f"above 1.5: {len(above)} of {len(worst)} (family, length) cells" + (f"; worst: {worst10}" if above else ""))
+    print(
+        "ratio: median per-repetition scores / floor (goal <= 1.5); rules / fold: median CPU ms per step in the "
+        "per-sample rules (op taps included) and in the accumulator's fold (the rest: forward and backward)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("arch", "norms"), default="arch")
+    parser.add_argument("--suite", choices=("arch", "norms", "matrix"), default="arch")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=None, help="default: 8 (arch, norms), 16 (matrix)")
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument(
         "--clock",
         choices=("cpu", "wall"),
         default="cpu",
-        help="arch suite: process CPU time (steady on a shared machine; both threads counted) or wall time",
+        help="arch and matrix suites: process CPU time (steady on a shared machine; both threads counted) or wall time",
     )
     parser.add_argument(
         "--fold",
         choices=("compiled", "eager"),
         default="compiled",
-        help="arch suite: the accumulator's fold (compiled: a long run's; eager: a short run's first batches)",
+        help="arch and matrix suites: the accumulator's fold (compiled: a long run's; eager: a short run's)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--families", default="", help="matrix suite: comma-separated family names (default: all)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    (run_arch if args.suite == "arch" else run_norms)(args)
+    if args.batch is None:
+        args.batch = 16 if args.suite == "matrix" else 8
+    {"arch": run_arch, "norms": run_norms, "matrix": run_matrix}[args.suite](args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ by 1/T_n (and the ordinary batched gradient by 1/N).
 How: forward hooks (:mod:`covgrad.scores.hooks`) on the modules that own the selected parameters save each
 module's input, and a tensor hook on the module's output receives ∂objective/∂output during the backward; a
 per-module rule (:mod:`covgrad.scores.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm, fused experts,
+experts recognised by structure (one backward with the experts widened per sample),
 and the generic per-sample vector-Jacobian product of any other module's forward, or of the ops that use its
 parameters, :mod:`covgrad.scores.optaps`) turns the pair into every sample's parameter gradient. The first call
 traces one forward of two samples (:mod:`covgrad.scores.tracing`): a parameter used outside the forward of the

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.scores.hooks import graph_root
 from covgrad.scores.optaps import METADATA_READS
-from covgrad.scores.rules import Rule, float_outputs, generic_rule, rule_for
+from covgrad.scores.rules import Rule, _routed_experts_rule, experts_shape, float_outputs, generic_rule, rule_for
 from covgrad.scores.selfcheck import Mixing
 
 # Positions of the first call's trace (trace_forward): the last ones of each row (real tokens under left padding).
@@ -57,7 +57,9 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
     decoder Linear's) is bound once, to the inner module, whose forward holds the use: two rules would each
     count it (the first call's trace moves it back out if the outer module's forward uses it directly). A tensor
     registered by two modules apart from each other (a tied embedding and LM head) keeps both bindings, one
-    per use.
+    per use. The tensors of a ModuleList of experts are bound to the block that routes rows to them
+    (:func:`covgrad.scores.rules.experts_shape`), under their names there (``experts.3.w1.weight``), not to the
+    experts' own modules, whose calls on gathered rows no per-module rule could split by sample.
 
     Raises:
         ValueError: when a selected parameter is not in the model.
@@ -79,13 +81,25 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
         """Whether a module inside ``module_name`` registers ``p`` too."""
         return any(o != module_name and (not module_name or o.startswith(module_name + ".")) for o in owners[id(p)])
 
+    # a ModuleList of experts is bound to the block that routes rows to it (experts_shape), not expert by expert
+    claimed: dict[int, tuple[str, str]] = {}  # parameter id → (the block's module name, its local name there)
+    for module_name, module in model.named_modules():
+        if module_name and (ex := experts_shape(module)) is not None and ex.listed is not None:
+            for pn, p in module.get_submodule(ex.listed).named_parameters():
+                claimed[id(p)] = (module_name, f"{ex.listed}.{pn}")
+
     bindings: list[Binding] = []
     refused: list[tuple[str, str]] = []
     for module_name, module in model.named_modules():
         local = {
             pn: by_id[id(p)]
             for pn, p in module.named_parameters(recurse=False)
-            if id(p) in by_id and not inner_owner(module_name, p)
+            if id(p) in by_id and not inner_owner(module_name, p) and id(p) not in claimed
+        }
+        local |= {
+            pn: by_id[id(p)]
+            for (owner, pn), p in ((claimed[id(p)], p) for p in module.parameters() if id(p) in claimed)
+            if owner == module_name and id(p) in by_id
         }
         if not local:
             continue
@@ -308,13 +322,17 @@ def rebind(
     every one that only the model's top-level forward uses, left out of the bindings returned."""
     modules = dict(model.named_modules())
     bound_in: dict[str, set[str]] = {}
-    for module, _, local in bindings:
+    routes: dict[str, set[str]] = {}  # bound to an experts block, whose rule runs its forward: used anywhere in it
+    for module, rule, local in bindings:
         for e in local.values():
             bound_in.setdefault(e.name, set()).add(names[id(module)])
+            if rule is _routed_experts_rule:
+                routes.setdefault(e.name, set()).add(names[id(module)])
     moves: dict[str, str] = {}
     refused: list[tuple[str, str]] = []
     for name, stacks in uses.items():
-        if all(st and st[-1] in bound_in.get(name, ()) for st in stacks):
+        inside = routes.get(name, set())
+        if all(st and (st[-1] in bound_in.get(name, ()) or inside & set(st)) for st in stacks):
             continue
         common = _common_prefix(stacks)
         target = common[-1] if common else ""

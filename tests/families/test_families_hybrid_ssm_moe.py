@@ -13,124 +13,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers as T
 from torch import nn
 
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
-from tests.helpers.families_hybrid import (
-    FAMILIES,
-    MAMBA,
-    MLA,
-    MOE,
-    build,
-    perturb,
-)
+from tests.families.matrix import EXTRA, PADDING_SENSITIVE, REFUSED
+from tests.helpers.families_hybrid import FAMILIES, perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, hook_scores, make_batch, naive_scores
 
-# Families of the same kinds that the issue did not list.
-FAMILIES |= {
-    "afmoe": lambda: build(
-        T.AfmoeConfig,
-        T.AfmoeForCausalLM,
-        **MOE,
-        num_experts=4,
-        num_shared_experts=1,
-        num_dense_layers=1,
-        head_dim=8,
-        n_group=1,
-        topk_group=1,
-    ),
-    "dots1": lambda: build(
-        T.Dots1Config,
-        T.Dots1ForCausalLM,
-        **MOE,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        head_dim=8,
-    ),
-    "granitemoe-hybrid": lambda: build(
-        T.GraniteMoeHybridConfig,
-        T.GraniteMoeHybridForCausalLM,
-        **MAMBA,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        shared_intermediate_size=16,
-        layer_types=["mamba", "attention"],
-        mamba_expand=2,
-        mamba_chunk_size=8,
-    ),
-    "granitemoe-shared": lambda: build(
-        T.GraniteMoeSharedConfig,
-        T.GraniteMoeSharedForCausalLM,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        shared_intermediate_size=16,
-    ),
-    "glm4-moe-lite": lambda: build(
-        T.Glm4MoeLiteConfig,
-        T.Glm4MoeLiteForCausalLM,
-        **MOE,
-        **MLA,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-    ),
-    "exaone-moe": lambda: build(
-        T.ExaoneMoeConfig,
-        T.ExaoneMoeForCausalLM,
-        **MOE,
-        num_experts=4,
-        num_shared_experts=1,
-        head_dim=8,
-        n_group=1,
-        topk_group=1,
-    ),
-    "zamba2": lambda: build(
-        T.Zamba2Config,
-        T.Zamba2ForCausalLM,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_ngroups=1,
-        mamba_headdim=8,
-        n_mamba_heads=8,
-        layers_block_type=["mamba", "hybrid"],
-        num_mem_blocks=1,
-        attention_head_dim=8,
-    ),
-    "falcon-mamba": lambda: build(
-        T.FalconMambaConfig, T.FalconMambaForCausalLM, state_size=8, expand=2, conv_kernel=4, time_step_rank=4
-    ),
-    "cohere2-moe": lambda: build(
-        T.Cohere2MoeConfig, T.Cohere2MoeForCausalLM, **MOE, num_experts=4, num_local_experts=4, head_dim=8
-    ),
-    # Nemotron-3-Nano's pattern: Mamba2, sigmoid-routed non-gated (relu²) experts with a shared expert, attention
-}
-
-# Families whose output depends on left padding (the padded batch is not the unpadded sequences): compared
-# against one backward per padded row instead.
-PADDING_SENSITIVE = {
-    "deepseek-v3.2",  # the indexer's top-k keys count the padding positions
-    "recurrent-gemma",  # the RG-LRU's recurrence and its short conv run over the left padding
-}
-
-# Families that cannot be supported as a whole, with the refusal each gets (the parameters it names; the
-# selection it proposes runs and is exact).
-REFUSED = {
-    # AltUp's correct_output_scale is applied by the decoder layer to (altup inputs, B, L, H) stacks
-    "gemma3n": r"altup\.correct_output_scale'.*a Gemma3nTextDecoderLayer\) runs on inputs whose leading dimension",
-    # the RG-LRU keeps its recurrent state on the module: its forward cannot be replayed for one sample
-    "recurrent-gemma": r"per-sample vector-Jacobian product of model\.layers\.0\.temporal_block\.rg_lru",
-}
+FAMILIES = {**FAMILIES, **EXTRA}  # the hybrid, state-space and MoE families of the matrix
 
 
 def naive_padded_scores(model: nn.Module, layout: ParamLayout, batch: dict, tau: float = 1.0) -> torch.Tensor:
@@ -240,16 +134,35 @@ class _OldStyleSquare(torch.autograd.Function):
         return g * w * w, (g * x * 2 * w).sum(tuple(range(g.dim() - 1)))
 
 
+class _BranchingSquare(_OldStyleSquare):
+    """:class:`_OldStyleSquare` whose backward branches on its cotangent's values (vmap cannot batch it)."""
+
+    @staticmethod
+    def backward(ctx, g):
+        if not bool(g.abs().sum() > 0):
+            x, w = ctx.saved_tensors
+            return torch.zeros_like(x), torch.zeros_like(w)
+        return _OldStyleSquare.backward(ctx, g)
+
+
 class OldStyleGain(nn.Module):
-    def __init__(self, hidden: int, stateful: bool = False) -> None:
+    """x ⊙ w² by :class:`_OldStyleSquare`; ``kind`` "stateful": like RecurrentGemma's RG-LRU, it runs only on the
+    whole batch (its state is sized for it); "stateful-branching": so, with a backward vmap cannot batch
+    (:class:`_BranchingSquare`); "graph-only": with grad enabled it runs only inside the model's forward (on an
+    input that requires grad), so no replay of it can run."""
+
+    def __init__(self, hidden: int, kind: str = "") -> None:
         super().__init__()
         self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(hidden))
-        self.stateful = stateful
+        self.kind = kind
 
     def forward(self, x):
-        if self.stateful and x.shape[0] < 2:  # like RecurrentGemma's RG-LRU: built around the whole batch's state
+        if self.kind.startswith("stateful") and x.shape[0] < 2:
             raise RuntimeError("the recurrent state was allocated for the whole batch")
-        return _OldStyleSquare.apply(x, self.weight)
+        if self.kind == "graph-only" and torch.is_grad_enabled() and not x.requires_grad:
+            raise RuntimeError("this forward runs only inside the model's")
+        square = _BranchingSquare if self.kind == "stateful-branching" else _OldStyleSquare
+        return square.apply(x, self.weight)
 
 
 def planted_llama(kind: str) -> nn.Module:
@@ -258,20 +171,20 @@ def planted_llama(kind: str) -> nn.Module:
         if kind == "conv":
             layer.mlp = ShortConv(layer.mlp, 32)
         else:
-            layer.post_attention_layernorm = nn.Sequential(
-                layer.post_attention_layernorm, OldStyleGain(32, stateful=kind == "stateful")
-            )
+            layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, OldStyleGain(32, kind))
     return perturb(model)
 
 
-@pytest.mark.parametrize("kind", ["conv", "old-style-function"])
+@pytest.mark.parametrize("kind", ["conv", "old-style-function", "stateful", "stateful-branching"])
 def test_planted_parameters_take_the_generic_path_exactly(kind):
-    """A weight used by its parent's forward (rebound to the parent) and a forward torch.func cannot
-    transform (looped over samples) are exact, also without the self-check."""
+    """A weight used by its parent's forward (rebound to the parent), a forward torch.func cannot transform
+    (looped over samples) and one that runs only on the whole batch (one forward, a backward per sample of its
+    cotangent rows alone: vmapped, or one at a time where vmap cannot batch that backward) are exact, also
+    without the self-check (the reference: the same weights in modules that also run one sample)."""
     model = planted_llama(kind)
     layout = select_parameters(model)
     batch = make_batch(33, **BATCH)
-    ref = naive_scores(model, layout, batch)
+    ref = naive_scores(planted_llama("old-style-function" if kind.startswith("stateful") else kind), layout, batch)
     for check in (True, False):
         err, where = _worst(layout, hook_scores(model, layout, batch, check=check), ref)
         assert err < 1e-5, (kind, check, err, where)
@@ -280,7 +193,7 @@ def test_planted_parameters_take_the_generic_path_exactly(kind):
 def test_forward_that_cannot_run_per_sample_refused_naming_every_layer_and_a_selection_that_runs():
     """The module of every layer fails in the backward: one refusal names each one's parameter once, and the
     selection it proposes runs, exactly (the reference: the same weights in modules that also run one sample)."""
-    model = planted_llama("stateful")
+    model = planted_llama("graph-only")
     batch = make_batch(33, **BATCH)
     with pytest.raises(
         ValueError,
@@ -325,7 +238,7 @@ def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_pat
     assert {paths[f"model.layers.0.linear_attn.{n}"] for n in ("dt_bias", "A_log", "conv1d.weight")} == {"op"}
 
 
-@pytest.mark.parametrize("name", ["qwen3.5", "lfm2", "gpt-oss", "deepseek-v3", "mamba2"])
+@pytest.mark.parametrize("name", ["qwen3.5", "lfm2", "gpt-oss", "deepseek-v3", "mamba2", "nemotron-h-moe"])
 def test_token_backward_rows_match_per_sample_grads(name):
     """The token-Fisher engine's batched logit cotangents (the repeated-batch path, which every family with
     a generic-path parameter takes) give, per row, the per-sample gradients of that cotangent alone."""
