@@ -312,6 +312,36 @@ def _safe_ratio(xp: Any, num: Array, den: Array) -> Array:
     return xp.where(ok, num / xp.where(ok, den, 1.0), np.nan)
 
 
+COORD_CAP = 9.0
+"""The most one coordinate's t_i² = N·m_i²/Var_i adds to the capped zero-mean coordinate statistic (|t_i| = 3).
+
+Why a cap: at finite N a coordinate whose mean is carried by an event the sample lacks (the LM-head row of a token
+that was never drawn; a weight whose score is dominated by one rare response) has a nonzero m_i and a small Var_i
+although E[s_i] = 0, so its t_i² is large (on the demo the LM-head rows of the five never-drawn tokens average 36–41
+over fresh data sets), exactly as a biased coordinate's is, and no resampling of the sample can add the event it
+lacks. Capped at 9, such a coordinate moves mean_i min(t_i², 9) by at most (9 − its share in the null band) /
+P_varying, while a centring error still lifts the t_i² of most coordinates (each by about N·b_i²/Var_i for a bias b_i)
+towards the cap. Under E[s] = 0 a well-sampled coordinate's t_i² is about χ²₁, and E[min(χ²₁, 9)] = 0.995."""
+
+
+def coord_t2_sums(N: float, m: np.ndarray, var: np.ndarray, varies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two parts of N·Σ_i m_i² / var_i over the coordinates that vary: below and above ``COORD_CAP``.
+
+    Args:
+        N: samples the means are over.
+        m: (..., b) mean score of each coordinate.
+        var: (..., b) its variance (1/N).
+        varies: (..., b) bool, the coordinates that count (var_i > 0, or above a rounding floor).
+
+    Returns:
+        Σ_i min(t_i², COORD_CAP) and Σ_i (t_i² − COORD_CAP)⁺ over the last axis, t_i² = N·m_i²/var_i, each (...,)
+        float64; their sum is Σ_i t_i², the sum of ``zero_mean_coord``.
+    """
+    t2 = np.where(varies, N * m * m / np.where(varies, var, 1.0), 0.0)
+    capped = np.minimum(t2, COORD_CAP)
+    return capped.sum(axis=-1), (t2 - capped).sum(axis=-1)
+
+
 def compute_stats(moments: Moments) -> dict[str, Array]:
     """Score statistics of all moment rows (DESIGN.md §1), lazily for dask input.
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from covgrad.config import PipelineConfig
+from covgrad.moments.stats import COORD_CAP
 from covgrad.report.document import Report, cell, findings, finite
 from covgrad.report.plots import (
     plot_fisher_vs_grad,
@@ -196,7 +197,7 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
                 r["q"]: interval(r["overlap"], boot["overlap"][:, i], 0.0, 1.0, groups=G) for i, r in enumerate(overlap)
             }
         bands = {k: resampled_band(boot[f"null_{k}"]) for k in ("trace", "coord")}
-        out["null_draws"] = len(boot["null_trace"])
+        out["null_draws"], out["coord_excess"] = len(boot["null_trace"]), boot["coord_excess"]
     else:
         out["method"] = "none: the scores store kept only moment state (two parity halves), too few to resample"
         bands = {"trace": None, "coord": None}
@@ -224,12 +225,13 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
         + (f", {out['n_boot']} replicates of {out['groups']} groups" if out.get("n_boot") else "")
         + ". lo/hi of the overlap, Spearman and max |ρ| rows: where the statistic of a rerun with fresh seeds "
         "falls, 95% (finite-N bias not removed; see docs/reading.md). lo/hi of the zero_mean rows: the 95% null "
-        "band, the range of the statistic when E[s] = 0 ("
+        "band, the range of the statistic when E[s | prompt] = 0 ("
         + (
-            f"over {out['null_draws']} data sets of each prompt's responses redrawn from its own scores minus their "
-            "mean"
+            f"over {out['null_draws']} copies of the scores with each response's row multiplied by a random sign; "
+            f"zero_mean_coord is judged on its part with each coordinate's N·m_i²/Var_i counted up to {COORD_CAP:g}, "
+            f"so its band is that part's band plus its part above, {out['coord_excess']:.3g}"
             if out.get("null_draws")
-            else "χ²₁, the widest: no responses to redraw"
+            else "χ²₁, the widest: no score rows to flip"
         )
         + ")."
     )

@@ -1,4 +1,4 @@
-"""Uncertainty of the headline statistics: a prompt-group bootstrap and a resampled null band.
+"""Uncertainty of the headline statistics: a prompt-group bootstrap and a sign-flip null band.
 
 **Intervals** (``group_bootstrap``, ``interval``): the G prompt groups are resampled with replacement
 ``n_boot`` times (a group keeps all its samples and their stored advantages, so a group-relative
@@ -19,19 +19,28 @@ against their values at N → ∞, and the replicates (which add that noise a se
 bias only in part. Only the per-sample score rows support it: the moment state is two parity halves,
 too few to resample, so a run that kept only moments has no intervals (``covgrad.report`` says so).
 
-**Null band** (``group_bootstrap``'s ``null_trace`` / ``null_coord``, ``resampled_band``): the central 95% of
-the zero-mean statistics N·‖m‖² / tr Var(s) and mean_i N·m_i² / Var_i over ``n_null`` data sets drawn where
-E[s] = 0 holds and everything else is as observed: each prompt keeps its responses' number, and its responses are
-drawn with replacement from its own score rows minus their prompt's mean (rescaled by √(n_g / (n_g − 1)), so a
-group of n_g keeps its variance). The score of a sampler's own samples has zero mean given the prompt (under
-either centering), so this is the null the statistics test, and the prompts stay what they were, as in a rerun
-with fresh seeds. The band inherits what the data have and a χ² approximation lacks: the correlation between
-coordinates, the samples' heavy-tailed norms and the skew of sparse coordinates (embedding and LM-head rows of rare
-tokens), whose per-coordinate t² = N·m_i² / Var_i has a mean above 1 at finite N. What no resampling of the sample
-can add is an event the sample lacks: a sparse coordinate whose rare token was never drawn has a nonzero mean and a
-small spread, as a biased one has, so on sparse scores a true null still lands above the band more often than 1 in
-20 (docs/reading.md has the demo's measurements). Without rows, or without a prompt of two responses, nothing can be
-resampled and the χ²_1 band (``null_band(1)``, the widest) stands in.
+**Null band** (``group_bootstrap``'s ``null_trace`` / ``null_coord``, ``resampled_band``): the central 95% of the
+zero-mean statistics over ``n_null`` sign-flipped copies of the data: each response's score row s_n is replaced by
+ε_n·s_n with independent random signs ε_n = ±1 (the same signs for every parameter), and the statistics are
+recomputed. The hypothesis is the one a sampler's own samples satisfy: given the prompts, the responses are
+independent and E[s_n | prompt] = 0 (under either centering). If each s_n's law given its prompt were symmetric, the
+flipped copies would have the data's own joint law and the band would be exact at any N (a randomisation test).
+Without symmetry the flips still keep all but the skew: every row's sparsity pattern and size (a response that
+holds half of a tensor's squared norm stays one response), the correlation of the coordinates within a response,
+and, for N·‖m‖² = (1/N)·Σ_{n,n'} s_n·s_n', the conditional variance of its cross terms, 2·Σ_{n≠n'} (s_n·s_n')²/N²,
+the U-statistic's own under the hypothesis. F_i = mean(s_i²) is unchanged by a flip, so a null data set's
+Var_i = F_i − m_i(ε)² needs one product of the (B₀, N) signs with the rows, not two.
+The coordinate statistic is tested in its capped form: each coordinate's t_i² = N·m_i² / Var_i counts up to
+``covgrad.moments.stats.COORD_CAP`` = 9. A coordinate whose mean is carried by an event the sample lacks (the LM-head
+row of a token never drawn, whose rows are all −p_v·h) has a large t_i² although E[s_i] = 0, and no reference built
+from the sample can know the event, so its share of the statistic is bounded instead. ``null_coord`` is the null
+replicates' capped statistic plus the data's own part above the cap (``coord_excess`` = mean_i (t_i² − 9)⁺):
+``zero_mean_coord`` lies inside that band exactly when its capped part lies inside the capped replicates' band, so
+the band keeps the scale of ``zero_mean_coord`` while its verdict is the capped test's. A fraction f of coordinates
+whose events the sample lacks can still move the capped statistic by up to f·(9 − 1) (on the demo f is 0.2%). The
+false-alarm rate and power on the demo's own samples are measured by ``benchmarks/zero_mean.py``
+(docs/reading.md). Without rows (moment state only) nothing can be flipped and the χ²_1 band (``null_band(1)``, the
+widest) stands in.
 """
 
 from __future__ import annotations
@@ -45,12 +54,13 @@ from typing import Any
 import numpy as np
 
 from covgrad.moments.quantiles import LEVEL, Z975, t975
+from covgrad.moments.stats import coord_t2_sums
 from covgrad.moments.topk import count_for_fraction, rank_correlation, ranks_and_order
 
 METHOD = "prompt-group bootstrap (centred percentile interval, Fisher z for correlations, few-groups t factor)"
 REPLICATE_BUDGET = 50_000_000  # n_boot × P entries held per replicate array (float32: 200 MB each)
 REPLICATE_SLICE = 1024  # parameters per pass over the replicates' (B, slice) float64 temporaries
-VAR_FLOOR = 1e-12  # a null data set's Var_i at most this fraction of its mean(s_i²) is rounding: constant s_i
+VAR_FLOOR = 1e-12  # a null data set's Var_i at most this fraction of mean(s_i²) is rounding: every sign aligned
 # replicates ranked at once (about 60 bytes per parameter each: the sort's order, the ranks, the sorted values)
 SORT_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -68,66 +78,70 @@ def null_band(d: float) -> tuple[float, float]:
 
 
 def resampled_band(replicates: np.ndarray) -> tuple[float, float] | None:
-    """Central 95% of the null replicates of a zero-mean statistic (NaN ignored), or None when fewer than 2."""
-    r = replicates[np.isfinite(replicates)]
+    """The 95% null band of a zero-mean statistic from its B null replicates (NaN ignored), or None when fewer
+    than 2: the j-th smallest and the j-th largest replicate, j = max(1, ⌊0.025·(B + 1)⌋) (5 of 200).
+
+    Why these order statistics: when the data's statistic is exchangeable with its B replicates (sign flips of
+    rows whose law is symmetric), its rank among the B + 1 values is uniform, so it lies below the j-th smallest
+    replicate with probability j / (B + 1) and above the j-th largest with the same: 2·5/201 = 4.98% in all at
+    B = 200. Interpolated 2.5% and 97.5% quantiles sit about one replicate further in and leave 6/201 on each
+    side, 6.0% in all."""
+    r = np.sort(replicates[np.isfinite(replicates)])
     if r.size < 2:
         return None
-    lo, hi = np.quantile(r, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
-    return float(lo), float(hi)
+    j = max(1, math.floor((1 - LEVEL) / 2 * (r.size + 1)))
+    return float(r[j - 1]), float(r[r.size - j])
 
 
 class NullDraws:
-    """The zero-mean statistics of ``n`` data sets drawn under E[s] = 0 (module docstring), accumulated block by
-    block of parameters: the same draws of responses for every block.
+    """The zero-mean statistics of ``n`` sign-flipped copies of the data (module docstring), accumulated block by
+    block of parameters: the same signs for every block.
 
     Args:
-        gidx: (N,) prompt group of each sample, 0..G−1.
-        n: data sets B₀ (none when 0 or when no group has two samples: nothing varies within a prompt).
-        rng: the draws' generator.
+        N: samples (score rows).
+        n: null data sets B₀ (none when 0).
+        rng: the signs' generator.
     """
 
-    def __init__(self, gidx: np.ndarray, n: int, rng: np.random.Generator) -> None:
-        N = gidx.size
-        sizes = np.bincount(gidx)  # (G,)
-        self.gidx, self.N = gidx, N
-        self.scale = np.sqrt(sizes / np.maximum(sizes - 1, 1))[gidx] * (sizes[gidx] > 1)  # (N,): n_g = 1 adds 0
-        self.n = n if bool((sizes > 1).any()) else 0
-        self.W = np.zeros((self.n, N))  # (B₀, N): how often each response is drawn
-        order = np.argsort(gidx, kind="stable")
-        for members in np.split(order, np.cumsum(sizes)[:-1]):
-            if members.size:
-                picks = members[rng.integers(0, members.size, size=(self.n, members.size))]  # (B₀, n_g)
-                np.add.at(self.W, (np.arange(self.n)[:, None], picks), 1.0)
-        self.m2 = np.zeros(self.n)  # Σ_i m_i²
-        self.var = np.zeros(self.n)  # Σ_i Var_i
-        self.coord = np.zeros(self.n)  # Σ_i m_i² / Var_i over varying coordinates
-        self.varying = np.zeros(self.n)  # coordinates that vary
+    def __init__(self, N: int, n: int, rng: np.random.Generator) -> None:
+        self.N, self.n = N, n
+        self.signs = rng.choice(np.array([-1.0, 1.0]), size=(n, N))  # (B₀, N): ε_n of each response
+        self.m2 = np.zeros(n)  # Σ_i m_i²
+        self.var = np.zeros(n)  # Σ_i Var_i
+        self.coord = np.zeros(n)  # Σ_i min(t_i², COORD_CAP) over varying coordinates
+        self.varying = np.zeros(n)  # coordinates that vary
+        self.observed = np.zeros(3)  # the data's own Σ_i min(t_i², COORD_CAP), Σ_i (t_i² − COORD_CAP)⁺, P_varying
 
     def add(self, S: np.ndarray) -> None:
         """Add the block of score rows ``S`` (N, b), float64."""
         if not self.n:
             return
-        means = np.zeros((int(self.gidx.max()) + 1, S.shape[1]))
-        np.add.at(means, self.gidx, S)
-        means /= np.bincount(self.gidx)[:, None]
-        R = (S - means[self.gidx]) * self.scale[:, None]  # (N, b): residuals given the prompt
+        m = S.mean(axis=0)  # (b,)
+        var = ((S - m) ** 2).mean(axis=0)
+        second = (S * S).mean(axis=0)  # (b,): unchanged by any flip
+        varies = var > 0  # the coordinates the data's own statistics count
+        self.observed += (*coord_t2_sums(self.N, m, var, varies), np.count_nonzero(varies))
         for c in range(0, S.shape[1], REPLICATE_SLICE):
-            r = R[:, c : c + REPLICATE_SLICE]
-            m = self.W @ r / self.N  # (B₀, slice)
-            second = self.W @ (r * r) / self.N
-            var = second - m * m
-            varies = var > VAR_FLOOR * second  # zero up to rounding: a coordinate constant in the data set
+            cols = slice(c, c + REPLICATE_SLICE)
+            m = self.signs @ S[:, cols] / self.N  # (B₀, slice)
+            var = second[cols] - m * m
+            flipped = varies[cols] & (var > VAR_FLOOR * second[cols])  # zero up to rounding: all signs aligned
             self.m2 += (m * m).sum(axis=1)
-            self.var += np.where(varies, var, 0.0).sum(axis=1)
-            self.coord += np.where(varies, m * m / np.where(varies, var, 1.0), 0.0).sum(axis=1)
-            self.varying += varies.sum(axis=1)
+            self.var += np.where(flipped, var, 0.0).sum(axis=1)
+            self.coord += coord_t2_sums(self.N, m, var, flipped)[0]
+            self.varying += flipped.sum(axis=1)
 
-    def statistics(self) -> dict[str, np.ndarray]:
-        """``null_trace`` = N·Σ m² / Σ Var and ``null_coord`` = N·mean of m_i² / Var_i of each data set, (B₀,)."""
+    def statistics(self) -> dict[str, Any]:
+        """``null_trace`` = N·Σ m² / Σ Var of each null data set and ``null_coord`` = its mean_i min(t_i², COORD_CAP)
+        plus ``coord_excess``, (B₀,) each; ``coord_capped`` and ``coord_excess``: the data's own
+        mean_i min(t_i², COORD_CAP) and mean_i (t_i² − COORD_CAP)⁺ over its varying coordinates (their sum is
+        ``zero_mean_coord``; NaN without one)."""
+        below, above, varying = self.observed
+        capped, excess = (below / varying, above / varying) if varying else (math.nan, math.nan)
         with np.errstate(invalid="ignore", divide="ignore"):
             trace = np.where(self.var > 0, self.N * self.m2 / self.var, np.nan)
-            coord = np.where(self.varying > 0, self.N * self.coord / self.varying, np.nan)
-        return {"null_trace": trace, "null_coord": coord}
+            coord = np.where(self.varying > 0, self.coord / self.varying + excess, np.nan)
+        return {"null_trace": trace, "null_coord": coord, "coord_capped": capped, "coord_excess": excess}
 
 
 def few_groups_factor(groups: int) -> float:
@@ -190,7 +204,7 @@ def group_bootstrap(
     n_null: int = 200,
 ) -> dict[str, Any]:
     """Bootstrap replicates of the global overlap at each q, Spearman(F, |G|) and max |ρ|, and null replicates of
-    the two zero-mean statistics (module docstring: resampled within each prompt, recentred per prompt).
+    the two zero-mean statistics (module docstring: every response's score row multiplied by a random sign).
 
     Args:
         read: ``read(a, b)``, the score rows of parameters a..b, shape (N, b − a), float32 or float64.
@@ -201,14 +215,15 @@ def group_bootstrap(
         n_boot: replicates B (fewer when B × P exceeds ``REPLICATE_BUDGET``; 0 disables).
         seed: seed of the group draws and of the null draws (the report is deterministic).
         block: parameters per read.
-        n_null: null data sets B₀ (their statistics are (B₀,) sums over blocks, so P does not limit them; 0, or no
-            prompt with two samples, disables).
+        n_null: null data sets B₀ (their statistics are (B₀,) sums over blocks, so P does not limit them; 0
+            disables).
 
     Returns:
         ``n_boot`` (replicates used), ``groups`` (G, the resampled units), ``overlap`` (B, len(qs)),
         ``spearman`` (B,), ``max_abs_rho`` (B,),
-        ``null_trace`` and ``null_coord`` (B₀,), the zero-mean statistics of the null data sets (NaN where a data
-        set has no varying coordinate).
+        ``null_trace`` and ``null_coord`` (B₀,), the null replicates of ``zero_mean_trace`` and ``zero_mean_coord``
+        (NaN where a data set has no varying coordinate), ``coord_capped`` and ``coord_excess`` (floats), the
+        data's own coordinate statistic below and above the cap (``NullDraws.statistics``).
     """
     A = np.asarray(advantage, dtype=np.float64)
     labels, gidx = np.unique(group, return_inverse=True)
@@ -227,7 +242,7 @@ def group_bootstrap(
     F_b = np.full((B, P), np.nan, dtype=np.float32)
     absG_b = np.full((B, P), np.nan, dtype=np.float32)
     max_rho = np.full(B, -1.0)
-    null = NullDraws(gidx, n_null, np.random.default_rng([seed, 1]))
+    null = NullDraws(gidx.size, n_null, np.random.default_rng([seed, 1]))
     with np.errstate(invalid="ignore", divide="ignore"):
         for a in range(0, P, block):
             b = min(P, a + block)

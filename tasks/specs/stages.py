@@ -328,6 +328,6 @@ class ReportSpec(StageSpec):
     ``covgrad.config.report_layout``)."""
 
     STAGE: ClassVar[str] = "report"
-    VERSION: ClassVar[str] = "10"  # 10: the zero-mean null bands resampled within each prompt
+    VERSION: ClassVar[str] = "11"  # 11: the zero-mean null bands from sign flips of the rows, t² capped at 9
     name: str
     config: dict[str, Any]
