@@ -31,3 +31,4 @@ LENGTH_NORMS: tuple[LengthNorm, ...] = get_args(LengthNorm)
 
 TOKENS_EXACT_BUDGET = 65536  # largest T·V cotangent rows per sample for which the exact token Fisher runs
 TOKENS_ROW_BYTES = 32 * 1024**2  # bytes aimed at per block of token-Fisher cotangent rows
+MASK_QS = (0.001, 0.01, 0.05, 0.1)  # default top-q fractions of the masks and overlap tables

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from covgrad.choices import (  # the schema's choices and the defaults engines share, without pydantic
+    MASK_QS,
     MU_UNKNOWN_FORMATS,
     TEACHER_KINDS,
     TOKENS_EXACT_BUDGET,
@@ -447,7 +448,7 @@ class MasksSection(Section):
     """Top-q fractions for masks and overlap tables."""
 
     qs: list[float] = Field(
-        default_factory=lambda: [0.001, 0.01, 0.05, 0.1],
+        default_factory=lambda: list(MASK_QS),
         description="top-q fractions of the parameters, each in (0, 1]",
     )
 

@@ -20,3 +20,20 @@ def exports(package: str, names: Mapping[str, str]) -> Callable[[str], object]:
         return value
 
     return getattr_
+
+
+class LazyModule:
+    """A module imported on its first attribute access (``dask_array = LazyModule("dask.array")``): engines that
+    take numpy or dask arrays import dask only when given a dask array (the GPU image has no dask)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> object:
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def is_dask(*arrays: object) -> bool:
+    """Whether any of ``arrays`` is a dask array, without importing dask (none can be before dask is imported)."""
+    da = sys.modules.get("dask.array")
+    return da is not None and any(isinstance(a, da.Array) for a in arrays)

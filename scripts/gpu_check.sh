@@ -3,9 +3,10 @@
 # transformers but none of the pipeline's storage or orchestration packages (no zarr, dask, prefect,
 # pydantic): the cuda exactness tests (FSDP2 with one nccl rank against the plain path, and the regime folds'
 # prompt-group state, included), then benchmarks.scores on the 134M fp32 and 0.85B bf16 Llamas, then
-# benchmarks.regimes (scores plus one regime's g in one pass) on the 134M.
+# benchmarks.regimes (scores plus one regime's g in one pass) on the 134M, then benchmarks.inrun (the trainer's
+# step with and without in-run folding at every_n 1 and 10) on the 134M.
 # Everything printed is also written under $OUT (default ./gpu-check): env.txt, cuda_tests.txt,
-# bench_scores.txt, bench_regimes.txt.
+# bench_scores.txt, bench_regimes.txt, bench_inrun.txt.
 #
 #   PY=python3 OUT=/tmp/gpu-check bash scripts/gpu_check.sh           # on the GPU machine
 #   PY=.venv/bin/python bash scripts/gpu_check.sh --dry-run            # on a CPU: tests skip, benchmark refused
@@ -26,5 +27,7 @@ if [ "${1:-}" != "--dry-run" ]; then
         | tee "$OUT/bench_scores.txt" || status=1
     "$PY" -m benchmarks.regimes --device cuda --model llama-134m --reps 3 2>&1 \
         | tee "$OUT/bench_regimes.txt" || status=1
+    "$PY" -m benchmarks.inrun --device cuda --model llama-134m --every 1 10 --steps 1 --reps 1 2>&1 \
+        | tee "$OUT/bench_inrun.txt" || status=1
 fi
 exit $status

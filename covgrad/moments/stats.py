@@ -31,14 +31,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import dask.array as da
 import numpy as np
 
 from covgrad.layout import ParamLayout
+from covgrad.lazy import LazyModule, is_dask
 from covgrad.moments.numerics import dot64, sum64
 from covgrad.moments.topk import Values, overlap_table
 
 Array = Any  # numpy.ndarray or dask.array.Array
+da = LazyModule("dask.array")  # imported when a dask array is given
 
 BOUND_RTOL = 1e-6  # relative slack of the in-sample bound check (float64 rounding is ~1e-15)
 PARAM_STATS = ("m", "F", "Fvar", "G", "Cov", "rho")  # the (P,) statistics of compute_stats a stats store keeps
@@ -49,10 +50,6 @@ OVERLAP_Q = 0.01  # the q of the ``overlap_1pct`` scalar
 # Row order of the packed (nb, 6, P) float64 representation used by the reductions; the three
 # per-batch scalars are broadcast along P so that one array carries a whole moment row.
 _MEAN_S, _M2_S, _C_AS, _COUNT, _MEAN_A, _M2_A = range(6)
-
-
-def _is_dask(*arrays: Array) -> bool:
-    return any(isinstance(a, da.Array) for a in arrays)
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class Moments:
         for name in ("count", "mean_a", "m2_a"):
             if getattr(self, name).shape != (nb,):
                 raise ValueError(f"Moments.{name} has shape {getattr(self, name).shape}; expected {(nb,)}")
-        if not _is_dask(self.count) and np.any(np.asarray(self.count) < 1):
+        if not is_dask(self.count) and np.any(np.asarray(self.count) < 1):
             raise ValueError(f"Moments.count has rows with fewer than 1 sample: {np.asarray(self.count)}")
 
     @property
@@ -112,7 +109,7 @@ class Moments:
         if self._packed is not None:
             return self._packed
         nb, P = self.mean_s.shape
-        if _is_dask(self.count, self.mean_a, self.m2_a, self.mean_s, self.m2_s, self.c_as):
+        if is_dask(self.count, self.mean_a, self.m2_a, self.mean_s, self.m2_s, self.c_as):
             chunks = da.asarray(self.mean_s).chunks
 
             def row(x: Array) -> da.Array:
@@ -188,7 +185,7 @@ def sample_moments(S: Array, A: Array, *, block_rows: int | None = None) -> Mome
         raise ValueError("S has no samples (N = 0); pass at least one row")
     if block_rows is not None and block_rows < 1:
         raise ValueError(f"block_rows must be ≥ 1; got {block_rows}")
-    if _is_dask(S):
+    if is_dask(S):
         if block_rows is not None:
             S = S.rechunk({0: block_rows})
         A = da.asarray(A).astype(np.float64).rechunk((S.chunks[0],))
@@ -249,7 +246,7 @@ def merge_moments(moments: Moments, *, split_every: int | None = None) -> Moment
         Moments with nb = 1; lazy for dask input (a tree reduction over the batch axis).
     """
     packed = moments.packed()
-    if _is_dask(packed):
+    if is_dask(packed):
         merged = da.reduction(
             packed,
             chunk=_rows,
@@ -296,7 +293,7 @@ def _finalize(moments: Moments) -> _Core:
     """N, mean_A, std_A, m, Fvar, Cov of all rows; N < 2 raises (at compute time for dask)."""
     merged = merge_moments(moments)
     N, mean_A, m2_a = merged.count[0], merged.mean_a[0], merged.m2_a[0]
-    if _is_dask(N):
+    if is_dask(N):
         meta = np.array(0.0)
         N = da.map_blocks(_checked_count, N, dtype=np.float64, meta=meta)
         std_A = da.map_blocks(_std_a, m2_a, N, dtype=np.float64, meta=meta)
@@ -365,7 +362,7 @@ def compute_stats(moments: Moments) -> dict[str, Array]:
         RuntimeWarning: std_A = 0 (for dask input, when std_A or rho is computed).
     """
     c = _finalize(moments)
-    xp = da if _is_dask(c.m) else np
+    xp = da if is_dask(c.m) else np
     m, Fvar, Cov = c.m, c.Fvar, c.Cov
     bound = c.std_A * xp.sqrt(Fvar)  # (P,)
     varies = Fvar > 0  # (P,)
@@ -411,7 +408,7 @@ def crossfit_stats(fisher_half: Moments, cov_half: Moments) -> dict[str, Array]:
         raise ValueError(f"the halves have different P: {fisher_half.P} (Fisher) vs {cov_half.P} (Cov)")
     f = _finalize(fisher_half)
     c = _finalize(cov_half)
-    xp = da if _is_dask(f.Fvar, c.Cov) else np
+    xp = da if is_dask(f.Fvar, c.Cov) else np
     num = abs(c.Cov)  # (P,)
     den = c.std_A * xp.sqrt(f.Fvar)  # (P,)
     ratio = xp.where(den > 0, num / xp.where(den > 0, den, 1.0), xp.where(num > 0, np.inf, np.nan))
@@ -446,7 +443,7 @@ def tensor_summary(stats: dict[str, Array], layout: ParamLayout) -> dict[str, Ar
     F = stats["F"]
     if F.shape != (layout.P,):
         raise ValueError(f"stats arrays have shape {F.shape} but the layout has P = {layout.P}")
-    xp = da if _is_dask(F, stats["G"], stats["rho"]) else np
+    xp = da if is_dask(F, stats["G"], stats["rho"]) else np
     absG = abs(stats["G"])
     abs_rho = xp.where(xp.isnan(stats["rho"]), -np.inf, abs(stats["rho"]))  # (P,) NaN never wins a max
     slices = [slice(e.offset, e.offset + e.numel) for e in layout.entries]

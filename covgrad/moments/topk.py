@@ -26,16 +26,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import dask.array as da
 import numpy as np
 
-from covgrad.config import MasksSection
+from covgrad.choices import MASK_QS
 from covgrad.layout import ParamLayout
+from covgrad.lazy import is_dask
 from covgrad.moments.numerics import dot64
 
 Array = Any  # numpy.ndarray, dask.array.Array, or any 1-D array that slices to numpy (a zarr array)
 
-DEFAULT_QS = tuple(MasksSection().qs)  # the config's default fractions
+DEFAULT_QS = MASK_QS  # the config's default fractions
 SCOPES = ("global", "per_tensor")
 BLOCK = 1 << 20  # values per read (8 MiB of float64; glibc reuses such buffers, larger ones are fresh
 # pages on every allocation), a multiple of the stores' param chunk
@@ -76,7 +76,7 @@ def as_values(x: Array | Values) -> Values:
         return x
     if x.ndim != 1:
         raise ValueError(f"values must be 1-D; got shape {x.shape}")
-    if isinstance(x, da.Array):
+    if is_dask(x):
         return Values(lambda a, b: x[a:b].compute(), x.shape[0])
     return Values(lambda a, b: np.asarray(x[a:b]), x.shape[0])
 

@@ -21,8 +21,8 @@ GPU_IMAGE_LACKS = ("zarr", "numcodecs", "dask", "distributed", "prefect", "pydan
 @pytest.mark.slow
 def test_gpu_check_runs_without_the_pipeline_packages(tmp_path: Path):
     """``scripts/gpu_check.sh --dry-run`` with zarr, dask, prefect and pydantic unimportable (the GPU image
-    has none of them): the cuda tests, benchmarks.scores and benchmarks.regimes import, the tests skip here, the
-    script exits 0."""
+    has none of them): the cuda tests, benchmarks.scores, benchmarks.regimes and benchmarks.inrun import, the tests
+    skip here, the script exits 0."""
     import os
     import subprocess
     import sys
@@ -49,7 +49,7 @@ def test_gpu_check_runs_without_the_pipeline_packages(tmp_path: Path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "skipped" in (tmp_path / "out" / "cuda_tests.txt").read_text()
     check = subprocess.run(
-        [str(probe), "-c", "import benchmarks.scores, benchmarks.regimes; import zarr"],
+        [str(probe), "-c", "import benchmarks.scores, benchmarks.regimes, benchmarks.inrun; import zarr"],
         cwd=repo,
         env={**env, "PYTHONPATH": str(repo)},
         capture_output=True,
