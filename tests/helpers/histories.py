@@ -105,3 +105,22 @@ def external(root: Path, series: Path, history: Path | None = None, **overrides:
     cfg = tiny_config(str(root), **NO_OPTIONAL, **settings, **overrides)
     result = run_planned(cfg, {"trajectory"})["trajectory"]
     return xr.open_zarr(root / result.ref.stage / result.ref.key / TRAJECTORY), cfg, result
+
+
+def read_wandb(path: Path) -> dict[str, dict[int, float]]:
+    """key -> W&B step (``_step``) -> value of every history item in the run file, by wandb's own reader."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    from wandb.sdk.internal.datastore import DataStore
+
+    store = DataStore()
+    store.open_for_scan(str(path))
+    out: dict[str, dict[int, float]] = {}
+    while (data := store.scan_data()) is not None:
+        record = Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)  # wandb 0.29 stores every key as nested_key
+                out.setdefault(key, {})[record.history.step.num] = json.loads(item.value_json)
+    store.close()
+    return out

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 
 from covgrad.report.trl_trackers import PREFIX, CovgradTrackerLog
 from storage.stores.history import read_history
-from tests.report.test_trackers_wandb import read_back
+from tests.helpers.histories import read_wandb
 
 G, PROMPTS, STEPS = 4, 2, 2
 
@@ -109,7 +109,7 @@ def test_covgrads_scalars_are_in_the_trainers_trackers(trl_run):
     acc = EventAccumulator(str(tb), size_guidance={SCALARS: 0})
     acc.Reload()
     board = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-    logged = read_back(run_file)
+    logged = read_wandb(run_file)
     for t, values in want.items():
         for key, v in values.items():
             assert board[f"train/{key}"][t] == float(np.float32(v)), (key, t)  # TensorBoard keeps float32
@@ -127,7 +127,7 @@ def test_covgrads_scalars_are_in_the_trainers_trackers(trl_run):
 
 
 @pytest.mark.slow
-def test_the_trainers_tracker_histories_read_back(trl_run):
+def test_the_trainers_tracker_histories_read_wandb(trl_run):
     tb, run_file, _, history = trl_run
     lr = {e["step"]: e["learning_rate"] for e in history if "learning_rate" in e}
     wb = read_history(str(run_file.parent))

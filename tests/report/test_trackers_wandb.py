@@ -5,7 +5,6 @@ numbers (headline at step 0) and an external trajectory's store arrays (at the t
 float64; a verl-style and a Trainer-style W&B history read as the same history as verl's file logger; a damaged
 or ambiguous run is refused in one line naming the file."""
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -13,9 +12,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("wandb")
-
-from wandb.proto.wandb_internal_pb2 import Record
-from wandb.sdk.internal.datastore import DataStore
 
 from covgrad.report.trackers import run_scalars
 from flows.trackers import WANDB_DIR, write_wandb
@@ -31,6 +27,7 @@ from tests.helpers.histories import (
     copied_run,
     external,
     logged,
+    read_wandb,
     trainer_series,
     write_verl,
 )
@@ -51,22 +48,6 @@ def run_file(folder: Path) -> Path:
     """The one ``run-*.wandb`` file under ``folder``."""
     (path,) = folder.glob(f"{WANDB_DIR}/offline-run-*/run-*.wandb")
     return path
-
-
-def read_back(path: Path) -> dict[str, dict[int, float]]:
-    """key -> W&B step (``_step``) -> value of every history item in the run file, by wandb's own reader."""
-    store = DataStore()
-    store.open_for_scan(str(path))
-    out: dict[str, dict[int, float]] = {}
-    while (data := store.scan_data()) is not None:
-        record = Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            for item in record.history.item:
-                key = item.key or "/".join(item.nested_key)  # wandb 0.29 stores every key as nested_key
-                out.setdefault(key, {})[record.history.step.num] = json.loads(item.value_json)
-    store.close()
-    return out
 
 
 def wandb_run(folder: Path, rows: list[tuple[int | None, dict[str, float]]]) -> Path:
@@ -104,7 +85,7 @@ def logged_run(tiny_run, tmp_path_factory):
 @pytest.mark.slow
 def test_the_headline_read_back_is_the_reports(logged_run):
     n, _, path = logged_run
-    got = read_back(path)
+    got = read_wandb(path)
     iv = n["intervals"]
     row = next(r for r in n["overlap"] if r["scope"] == "global" and r["q"] == 0.01)
     want = {
@@ -126,7 +107,7 @@ def test_the_headline_read_back_is_the_reports(logged_run):
 @pytest.mark.slow
 def test_the_trajectory_read_back_is_the_stores(logged_run):
     _, ds, path = logged_run
-    got = read_back(path)
+    got = read_wandb(path)
     P = int(ds.attrs["summary"]["P"])
     series = {
         "frac_changed_cum": ds.n_changed_cum.values / P,
