@@ -16,6 +16,7 @@ from storage.artifacts import ArtifactStore
 from storage.stores.reports import report_numbers
 from tests.helpers.histories import CHECKPOINTS, copied_run, external, trainer_series, write_verl
 from tests.helpers.pipeline import tiny_config
+from tests.helpers.trackers import headline_tags, trajectory_tags
 
 
 def read_back(folder) -> dict[str, dict[int, float]]:
@@ -52,24 +53,7 @@ def test_the_headline_read_back_is_the_reports(logged_run):
     assert lines == [f"tensorboard: {folder} ({sum(len(v) for v in read_back(folder).values())} scalars)"]
     got = read_back(folder)
     n = report_numbers(store, refs["report"])["numbers"]
-    iv = n["intervals"]
-    row = next(r for r in n["overlap"] if r["scope"] == "global" and r["q"] == 0.01)
-    want = {
-        "overlap_1pct": row["overlap"],
-        "overlap_1pct_lo": iv["overlap"]["0.01"][0],
-        "overlap_1pct_hi": iv["overlap"]["0.01"][1],
-        "overlap_1pct_random": row["random"],
-        "overlap_1pct_per_tensor_random": row["per_tensor_random"],
-        "spearman_F_absG": n["spearman_F_absG"],
-        "spearman_F_absG_lo": iv["spearman_F_absG"][0],
-        "max_abs_rho": n["max_abs_rho"],
-        "max_abs_rho_hi": iv["max_abs_rho"][1],
-        "bound_violations": n["bound_violations"],
-        "zero_mean_trace": n["zero_mean_trace"],
-        "zero_mean_trace_null_hi": iv["null_band_trace"][1],
-        "zero_mean_coord": n["zero_mean_coord"],
-        "zero_mean_coord_null_lo": iv["null_band_coord"][0],
-    }
+    want = headline_tags(n)
     for tag, value in want.items():
         assert got[f"covgrad/{tag}"] == {0: f32(value)}, tag
 
@@ -78,19 +62,8 @@ def test_the_headline_read_back_is_the_reports(logged_run):
 def test_the_trajectory_read_back_is_the_stores(logged_run):
     _, _, _, _, folder, ds, _ = logged_run
     got = read_back(folder)
-    P = int(ds.attrs["summary"]["P"])
     steps = list(CHECKPOINTS)
-    series = {
-        "frac_changed_step": ds.n_changed_step.values / P,
-        "frac_changed_cum": ds.n_changed_cum.values / P,
-        "lr": ds.lr.values,
-        "kl": ds.kl.values,
-        "mismatch_rollout_corr_k3_kl": ds.mismatch_rollout_corr_k3_kl.values,
-        "cum_F_precision": ds.cum_F_precision.values,
-        "cum_drift_rule_precision": ds.cum_drift_rule_precision.values,
-        "cum_drift_rule_recall": ds.cum_drift_rule_recall.values,
-        "step_absG_precision": ds.step_absG_precision.values,
-    }
+    series = trajectory_tags(ds)
     for tag, values in series.items():
         assert got[f"covgrad/trajectory/{tag}"] == {t: f32(v) for t, v in zip(steps, values, strict=True)}, tag
     assert "covgrad/trajectory/adv_rms" not in got and "covgrad/trajectory/cum_F_recall" not in got

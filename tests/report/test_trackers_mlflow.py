@@ -35,6 +35,7 @@ from tests.helpers.histories import (
     write_verl,
 )
 from tests.helpers.pipeline import tiny_config
+from tests.helpers.trackers import headline_tags, trajectory_tags
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -115,21 +116,7 @@ def test_the_headline_read_back_is_the_reports(logged_run):
     n, _, folder = logged_run
     name, got = read_back(folder / MLFLOW_DB)
     assert name == "tiny-0123456789ab"  # the run name is the folder's
-    iv = n["intervals"]
-    row = next(r for r in n["overlap"] if r["scope"] == "global" and r["q"] == 0.01)
-    want = {
-        "overlap_1pct": row["overlap"],
-        "overlap_1pct_lo": iv["overlap"]["0.01"][0],
-        "overlap_1pct_hi": iv["overlap"]["0.01"][1],
-        "overlap_1pct_random": row["random"],
-        "overlap_1pct_per_tensor_random": row["per_tensor_random"],
-        "spearman_F_absG": n["spearman_F_absG"],
-        "max_abs_rho": n["max_abs_rho"],
-        "max_abs_rho_hi": iv["max_abs_rho"][1],
-        "bound_violations": n["bound_violations"],
-        "zero_mean_trace": n["zero_mean_trace"],
-        "zero_mean_coord_null_lo": iv["null_band_coord"][0],
-    }
+    want = headline_tags(n)
     for tag, value in want.items():
         assert got[f"covgrad/{tag}"] == {0: value}, tag  # float64: MLflow's store keeps the report's value exactly
 
@@ -138,14 +125,7 @@ def test_the_headline_read_back_is_the_reports(logged_run):
 def test_the_trajectory_read_back_is_the_stores(logged_run):
     _, ds, folder = logged_run
     _, got = read_back(folder / MLFLOW_DB)
-    P = int(ds.attrs["summary"]["P"])
-    series = {
-        "frac_changed_cum": ds.n_changed_cum.values / P,
-        "lr": ds.lr.values,
-        "mismatch_rollout_corr_k3_kl": ds.mismatch_rollout_corr_k3_kl.values,
-        "cum_F_precision": ds.cum_F_precision.values,
-        "cum_drift_rule_recall": ds.cum_drift_rule_recall.values,
-    }
+    series = trajectory_tags(ds)
     for tag, values in series.items():
         assert got[f"covgrad/trajectory/{tag}"] == dict(zip(CHECKPOINTS, values.tolist(), strict=True)), tag
     assert got["covgrad/trajectory/jaccard_prev"] == {4: float(ds.jaccard_prev.values[1])}

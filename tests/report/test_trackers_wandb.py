@@ -32,6 +32,7 @@ from tests.helpers.histories import (
     write_verl,
 )
 from tests.helpers.pipeline import tiny_config
+from tests.helpers.trackers import headline_tags, trajectory_tags
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -86,20 +87,7 @@ def logged_run(tiny_run, tmp_path_factory):
 def test_the_headline_read_back_is_the_reports(logged_run):
     n, _, path = logged_run
     got = read_wandb(path)
-    iv = n["intervals"]
-    row = next(r for r in n["overlap"] if r["scope"] == "global" and r["q"] == 0.01)
-    want = {
-        "overlap_1pct": row["overlap"],
-        "overlap_1pct_lo": iv["overlap"]["0.01"][0],
-        "overlap_1pct_hi": iv["overlap"]["0.01"][1],
-        "overlap_1pct_random": row["random"],
-        "spearman_F_absG": n["spearman_F_absG"],
-        "max_abs_rho": n["max_abs_rho"],
-        "max_abs_rho_lo": iv["max_abs_rho"][0],
-        "bound_violations": n["bound_violations"],
-        "zero_mean_trace": n["zero_mean_trace"],
-        "zero_mean_coord_null_hi": iv["null_band_coord"][1],
-    }
+    want = headline_tags(n)
     for tag, value in want.items():
         assert got[f"covgrad/{tag}"] == {0: value}, tag  # float64: W&B keeps the report's value exactly
 
@@ -108,14 +96,7 @@ def test_the_headline_read_back_is_the_reports(logged_run):
 def test_the_trajectory_read_back_is_the_stores(logged_run):
     _, ds, path = logged_run
     got = read_wandb(path)
-    P = int(ds.attrs["summary"]["P"])
-    series = {
-        "frac_changed_cum": ds.n_changed_cum.values / P,
-        "lr": ds.lr.values,
-        "mismatch_rollout_corr_k3_kl": ds.mismatch_rollout_corr_k3_kl.values,
-        "cum_F_precision": ds.cum_F_precision.values,
-        "cum_drift_rule_recall": ds.cum_drift_rule_recall.values,
-    }
+    series = trajectory_tags(ds)
     for tag, values in series.items():
         assert got[f"covgrad/trajectory/{tag}"] == dict(zip(CHECKPOINTS, values.tolist(), strict=True)), tag
     assert got["covgrad/trajectory/jaccard_prev"] == {4: float(ds.jaccard_prev.values[1])}
