@@ -12,9 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 
 from covgrad.report.trackers import headline_scalars
 from flows.trackers import LOGGED, check_trackers, log_trackers
-from storage.artifacts import ArtifactStore
 from storage.stores.reports import report_numbers
-from tests.helpers.histories import CHECKPOINTS, copied_run, external, trainer_series, write_verl
+from tests.helpers.histories import CHECKPOINTS
 from tests.helpers.pipeline import tiny_config
 from tests.helpers.trackers import headline_tags, trajectory_tags
 
@@ -32,16 +31,13 @@ def f32(v: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def logged_run(tiny_run, tmp_path_factory):
+def logged_run(tiny_run, tracked_run, tmp_path_factory):
     """The session's tiny run with an external trajectory (a Trainer series at steps 2, 4 with a verl history)
     logged to TensorBoard: (config, store, refs, run key, folder, trajectory dataset, lines)."""
     tmp = tmp_path_factory.mktemp("trackers")
-    root = copied_run(tiny_run, tmp)
-    policy = root / "base_model" / tiny_run[1]["base_model"].ref.key / "policy"
-    ds, _, result = external(root, trainer_series(tmp / "run", policy), write_verl(tmp / "verl.jsonl"))
-    cfg = tiny_config(str(root), **{"trackers.tensorboard": str(tmp / "tb")})
-    refs = {n: s.ref for n, s in tiny_run[1].items()} | {"trajectory": result.ref}
-    store = ArtifactStore(cfg.root)
+    run = tracked_run
+    cfg = tiny_config(str(run.root), **{"trackers.tensorboard": str(tmp / "tb")})
+    store, refs, ds = run.store, run.refs, run.ds
     lines = log_trackers(cfg, store, refs, tiny_run[1].run_key)
     folder = tmp / "tb" / f"{cfg.name}-{tiny_run[1].run_key[:12]}"
     return cfg, store, refs, tiny_run[1].run_key, folder, ds, lines

@@ -15,23 +15,18 @@ pytest.importorskip("wandb")
 
 from covgrad.report.trackers import run_scalars
 from flows.trackers import WANDB_DIR, write_wandb
-from storage.artifacts import ArtifactStore
 from storage.stores.history import read_history
-from storage.stores.reports import RunArtifacts, report_numbers
+from storage.stores.reports import RunArtifacts
 from tests.helpers.histories import (
     CHECKPOINTS,
     MISMATCH_KEY,
     STEPS,
     TRAINER_KEYS,
     VERL_KEYS,
-    copied_run,
-    external,
     logged,
     read_wandb,
-    trainer_series,
     write_verl,
 )
-from tests.helpers.pipeline import tiny_config
 from tests.helpers.trackers import headline_tags, trajectory_tags
 
 
@@ -66,17 +61,12 @@ def wandb_run(folder: Path, rows: list[tuple[int | None, dict[str, float]]]) -> 
 
 
 @pytest.fixture(scope="module")
-def logged_run(tiny_run, tmp_path_factory):
+def logged_run(tracked_run, tmp_path_factory):
     """The session's tiny run with an external trajectory (a Trainer series at steps 2, 4 with a verl history)
     logged to W&B: (the report's numbers, the trajectory dataset, the run file)."""
     tmp = tmp_path_factory.mktemp("trackers-wandb")
-    root = copied_run(tiny_run, tmp)
-    policy = root / "base_model" / tiny_run[1]["base_model"].ref.key / "policy"
-    ds, _, result = external(root, trainer_series(tmp / "run", policy), write_verl(tmp / "verl.jsonl"))
-    store = ArtifactStore(tiny_config(str(root)).root)
-    refs = {n: s.ref for n, s in tiny_run[1].items()} | {"trajectory": result.ref}
-    index = {"artifacts": {n: {"stage": r.stage, "key": r.key} for n, r in refs.items()}}
-    numbers = report_numbers(store, refs["report"])["numbers"]
+    run = tracked_run
+    store, index, numbers, ds = run.store, run.index, run.numbers, run.ds
     folder = tmp / "wandb-out" / "tiny-0123456789ab"
     folder.mkdir(parents=True)
     write_wandb(folder, run_scalars(RunArtifacts(store, index), numbers))
