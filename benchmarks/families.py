@@ -160,6 +160,29 @@ class _Timer:
         return timed
 
 
+def _side_by_side(
+    clock: Callable[[], float],
+    timer: _Timer,
+    model: nn.Module,
+    psg: PerSampleGrads,
+    acc: MomentAccumulator,
+    batch: tuple,
+) -> tuple[float, float, tuple[float, float]]:
+    """One repetition: the floor (a batched backward), then the fused per-sample reduction; seconds of each and the
+    reduction's (rules, fold) seconds (folds run inside the rules' calls)."""
+    ids, attn, pos, target, fn, adv, half = batch
+    t = clock()
+    batched_backward(model, ids, attn, pos, target)
+    floor = clock() - t
+    model.zero_grad(set_to_none=True)
+    timer.spent = {}
+    t = clock()
+    psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+    ours = clock() - t
+    fold = timer.spent.get("fold", 0.0)
+    return floor, ours, (timer.spent.get("rules", 0.0) - fold, fold)
+
+
 def run_arch(args: argparse.Namespace) -> None:
     B, L = args.batch, args.length
     gen = torch.Generator().manual_seed(1)
@@ -211,16 +234,10 @@ def run_arch(args: argparse.Namespace) -> None:
         batched_backward(model, ids, attn, pos, target)
         for _ in range(args.reps):
             for _, _, _, psg, acc, timer, floor, ours, parts in runs:
-                t = clock()
-                batched_backward(model, ids, attn, pos, target)
-                floor.append(clock() - t)
-                model.zero_grad(set_to_none=True)
-                timer.spent = {}
-                t = clock()
-                psg.accumulate(ids, attn, fn, acc, adv, half, pos)
-                ours.append(clock() - t)
-                fold = timer.spent.get("fold", 0.0)
-                parts.append((timer.spent.get("rules", 0.0) - fold, fold))  # folds run inside the rules' calls
+                f, o, part = _side_by_side(clock, timer, model, psg, acc, (ids, attn, pos, target, fn, adv, half))
+                floor.append(f)
+                ours.append(o)
+                parts.append(part)
         for label, P, n_generic, _, _, _, floor, ours, parts in runs:
             ratio = statistics.median([o / f for o, f in zip(ours, floor, strict=True)])
             rules = statistics.median(r for r, _ in parts)
@@ -359,16 +376,10 @@ def run_matrix(args: argparse.Namespace) -> None:
             batched_backward(model, ids, attn, pos, target)
             floor, ours, parts = [], [], []
             for _ in range(args.reps):
-                t = clock()
-                batched_backward(model, ids, attn, pos, target)
-                floor.append(clock() - t)
-                model.zero_grad(set_to_none=True)
-                timer.spent = {}
-                t = clock()
-                psg.accumulate(ids, attn, fn, acc, adv, half, pos)
-                ours.append(clock() - t)
-                fold = timer.spent.get("fold", 0.0)
-                parts.append((timer.spent.get("rules", 0.0) - fold, fold))  # folds run inside the rules' calls
+                f, o, part = _side_by_side(clock, timer, model, psg, acc, (ids, attn, pos, target, fn, adv, half))
+                floor.append(f)
+                ours.append(o)
+                parts.append(part)
             ratio = statistics.median([o / f for o, f in zip(ours, floor, strict=True)])
             worst.append((ratio, f"{name} L{L}"))
             cells.append(f"{1e3 * statistics.median(floor):.0f} | {1e3 * statistics.median(ours):.0f} | {ratio:.2f}")
