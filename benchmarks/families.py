@@ -54,7 +54,7 @@ from benchmarks.tokens import build as perturbed_llama
 from covgrad.layout import select_parameters
 from covgrad.moments import MomentAccumulator
 from covgrad.scores import PerSampleGrads, generic_rule, rmsnorm_rule, rule_for, score_logit_grad
-from covgrad.scores import rules as score_rules
+from covgrad.scores import experts as score_experts
 
 
 class RewrittenRMSNorm(LlamaRMSNorm):
@@ -317,10 +317,10 @@ def paths_of(psg: PerSampleGrads) -> dict[str, int]:
         for e in local.values():
             if rule is generic_rule:
                 path = ops[e.name]
-            elif rule is score_rules._experts_rule:
+            elif rule is score_experts._experts_rule:
                 path = "experts"
-            elif rule is score_rules._routed_experts_rule:
-                path = score_rules.experts_path(module) or "routed"
+            elif rule is score_experts._routed_experts_rule:
+                path = score_experts.experts_path(module) or "routed"
             else:
                 path = "fast"
             if e.name not in taken or path != "fast":

@@ -377,7 +377,7 @@ def _shard_numel(shape: tuple[int, ...], ranks: int) -> int:
 
 def _chunked(name: str) -> bool:
     """Whether the per-sample block of ``name`` is written and folded in row chunks: every projection, the LM
-    head and the input embedding, tied or not (``covgrad.scores.rules.folds_in_row_chunks``)."""
+    head and the input embedding, tied or not (``covgrad.scores.binding.folds_in_row_chunks``)."""
     return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
 
 

@@ -10,7 +10,7 @@ The memory model is the README's ("Memory and state dtype"), per worker running 
     in flight    B·4·numel of the block's largest tensor (of a row-cut tensor: its rows, or the whole tensor
                  where its rule writes whole tensors), where a weight folded in row chunks (a Linear/Conv1D
                  weight or an embedding with one module, a tied embedding whose LM head is a Linear:
-                 ``covgrad.scores.rules.folds_in_row_chunks``) counts one row chunk
+                 ``covgrad.scores.binding.folds_in_row_chunks``) counts one row chunk
                  (``covgrad.scores.blocks.default_chunk_bytes``, at least one row) instead of its whole block (any
                  other tied embedding's block: B·4·(embedding + the largest other tensor), an upper bound)
     workspace    min(2^26 on cuda or 2^17 on cpu, B·largest) × (1 + 3·2/B) × state element bytes
@@ -39,8 +39,8 @@ from torch import nn
 
 from covgrad.layout import ParamLayout, split_blocks
 from covgrad.moments.accum import FOLD_ELEMENTS, state_bytes_per_param
+from covgrad.scores.binding import folds_in_row_chunks, writes_row_parts
 from covgrad.scores.blocks import default_chunk_bytes
-from covgrad.scores.rules import folds_in_row_chunks, writes_row_parts
 
 HEADROOM = 0.9
 

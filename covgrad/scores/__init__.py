@@ -1,6 +1,7 @@
 """Exact per-sample scores: the batched engine (``engine``) with its forward hooks (``hooks``), per-sample blocks
-(``blocks``), first-call trace (``tracing``) and autograd self-check (``selfcheck``); its rules and op taps,
-centering under the policy or a sampler, the support μ, the fold loop into moment state and the preflight check.
+(``blocks``), first-call trace (``tracing``) and autograd self-check (``selfcheck``); its rules (``rules``,
+``experts``), their binding to modules (``binding``) and op taps, centering under the policy or a sampler, the support
+μ, the fold loop into moment state and the preflight check.
 
 Names re-exported lazily (:mod:`covgrad.lazy`).
 """
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from covgrad.lazy import exports
 
 if TYPE_CHECKING:
+    from covgrad.scores.binding import folds_in_row_chunks, rule_for, writes_row_parts
     from covgrad.scores.blocks import chunk_rows, default_chunk_bytes
     from covgrad.scores.centering import (
         LogitGrad,
@@ -24,16 +26,7 @@ if TYPE_CHECKING:
     from covgrad.scores.engine import Cotangent, PerSampleGrads
     from covgrad.scores.fold import fold_batches
     from covgrad.scores.preflight import check_model
-    from covgrad.scores.rules import (
-        FLATTENING_PARENTS,
-        Rule,
-        Slot,
-        folds_in_row_chunks,
-        generic_rule,
-        rmsnorm_rule,
-        rule_for,
-        writes_row_parts,
-    )
+    from covgrad.scores.rules import FLATTENING_PARENTS, Rule, Slot, generic_rule, rmsnorm_rule
     from covgrad.scores.support_mu import gradient_error_factor, tail_summary
     from covgrad.scores.tracing import Binding, bind_rules
 
@@ -52,16 +45,16 @@ _EXPORTS = {
     "chunk_rows": "covgrad.scores.blocks",
     "default_chunk_bytes": "covgrad.scores.blocks",
     "fold_batches": "covgrad.scores.fold",
-    "folds_in_row_chunks": "covgrad.scores.rules",
+    "folds_in_row_chunks": "covgrad.scores.binding",
     "generic_rule": "covgrad.scores.rules",
     "gradient_error_factor": "covgrad.scores.support_mu",
     "policy_logit_grad": "covgrad.scores.centering",
     "rmsnorm_rule": "covgrad.scores.rules",
-    "rule_for": "covgrad.scores.rules",
+    "rule_for": "covgrad.scores.binding",
     "sampled_token_logp": "covgrad.scores.centering",
     "score_logit_grad": "covgrad.scores.centering",
     "tail_summary": "covgrad.scores.support_mu",
-    "writes_row_parts": "covgrad.scores.rules",
+    "writes_row_parts": "covgrad.scores.binding",
 }
 
 __all__ = [

@@ -8,10 +8,11 @@ by 1/T_n (and the ordinary batched gradient by 1/N).
 
 How: forward hooks (:mod:`covgrad.scores.hooks`) on the modules that own the selected parameters save each
 module's input, and a tensor hook on the module's output receives ∂objective/∂output during the backward; a
-per-module rule (:mod:`covgrad.scores.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm, fused experts,
-experts recognised by structure (one backward with the experts widened per sample),
-and the generic per-sample vector-Jacobian product of any other module's forward, or of the ops that use its
-parameters, :mod:`covgrad.scores.optaps`) turns the pair into every sample's parameter gradient. The first call
+per-module rule (:mod:`covgrad.scores.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm;
+:mod:`covgrad.scores.experts`: fused experts, experts recognised by structure (one backward with the experts widened
+per sample); and the generic per-sample vector-Jacobian product of any other module's forward, or of the ops that use
+its parameters, :mod:`covgrad.scores.optaps`; picked by :mod:`covgrad.scores.binding`) turns the pair into every
+sample's parameter gradient. The first call
 traces one forward of two samples (:mod:`covgrad.scores.tracing`): a parameter used outside the forward of the
 module that owns it (a weight its parent hands to a functional conv) moves to the smallest module whose forward
 holds all its uses, and every module that runs on a flattened (B·L, …) batch or whose forward a rule replays must

@@ -1,8 +1,8 @@
 """Which module's per-sample rule gives each selected parameter its gradient, and the first call's trace that
 checks it.
 
-:func:`bind_rules` binds every module that owns selected parameters to its rule (:func:`covgrad.scores.rules.rule_for`)
-and names, in one message, every parameter without one. The first call of
+:func:`bind_rules` binds every module that owns selected parameters to its rule
+(:func:`covgrad.scores.binding.rule_for`) and names, in one message, every parameter without one. The first call of
 :class:`covgrad.scores.engine.PerSampleGrads` then traces one forward of (at most) two samples
 (:func:`trace_forward`): a :class:`torch.overrides.TorchFunctionMode` records the module calls in which each
 selected parameter is used, so that a parameter used outside the forward of the module that owns it (a weight its
@@ -30,9 +30,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from covgrad.layout import ParamLayout, TensorEntry
+from covgrad.scores.binding import rule_for
+from covgrad.scores.experts import _routed_experts_rule, experts_shape
 from covgrad.scores.hooks import graph_root
 from covgrad.scores.optaps import METADATA_READS
-from covgrad.scores.rules import Rule, _routed_experts_rule, experts_shape, float_outputs, generic_rule, rule_for
+from covgrad.scores.rules import Rule, float_outputs, generic_rule
 from covgrad.scores.selfcheck import Mixing
 
 # Positions of the first call's trace (trace_forward): the last ones of each row (real tokens under left padding).
@@ -58,7 +60,7 @@ def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
     count it (the first call's trace moves it back out if the outer module's forward uses it directly). A tensor
     registered by two modules apart from each other (a tied embedding and LM head) keeps both bindings, one
     per use. The tensors of a ModuleList of experts are bound to the block that routes rows to them
-    (:func:`covgrad.scores.rules.experts_shape`), under their names there (``experts.3.w1.weight``), not to the
+    (:func:`covgrad.scores.experts.experts_shape`), under their names there (``experts.3.w1.weight``), not to the
     experts' own modules, whose calls on gathered rows no per-module rule could split by sample.
 
     Raises:

@@ -8,9 +8,10 @@ import pytest
 from torch import nn
 
 from covgrad.layout import ParamLayout, select_parameters
+from covgrad.scores.binding import rule_for
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
-from covgrad.scores.rules import _scaled_embedding_rule, generic_rule, rmsnorm_rule, rule_for
+from covgrad.scores.rules import _scaled_embedding_rule, generic_rule, rmsnorm_rule
 from tests.helpers.families import FAMILIES, perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, hook_scores, make_batch, max_rel_err, naive_scores

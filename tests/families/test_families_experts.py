@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import covgrad.scores.rules as rules
+import covgrad.scores.experts as experts
 from covgrad.layout import select_parameters
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
@@ -21,7 +21,7 @@ BUILDERS = {"qwen3-moe": FAMILIES["qwen3-moe"], "gpt-oss": lambda: family_model(
 def test_grouped_gemm_and_padded_fallback_agree_with_the_naive_loop(name, monkeypatch):
     model = BUILDERS[name]().eval()
     layout = select_parameters(model, ["*experts*"])
-    assert any(rule is rules._experts_rule for _, rule, _ in PerSampleGrads(model, layout).bindings())
+    assert any(rule is experts._experts_rule for _, rule, _ in PerSampleGrads(model, layout).bindings())
     batch = make_batch(45, **BATCH)
     args = (batch["input_ids"], batch["attention_mask"])
 
@@ -30,7 +30,7 @@ def test_grouped_gemm_and_padded_fallback_agree_with_the_naive_loop(name, monkey
         return PerSampleGrads(model, layout, check=True)(*args, fn, position_ids=batch["position_ids"])
 
     grouped = rows()
-    monkeypatch.setitem(rules._GROUPED_MM, "cpu", False)
+    monkeypatch.setitem(experts._GROUPED_MM, "cpu", False)
     padded = rows()
     assert float((grouped - padded).abs().max()) <= 1e-6 * float(grouped.abs().max())
     ref = naive_scores(model, layout, batch)

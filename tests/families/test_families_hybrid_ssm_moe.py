@@ -213,7 +213,9 @@ def test_forward_that_cannot_run_per_sample_refused_naming_every_layer_and_a_sel
 def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_path():
     """Experts with biases and transposed weights (GPT-OSS) get the fused-experts rule; a mixer's own small
     parameters and its short conv (Qwen3.5's Gated DeltaNet) share one generic-rule binding of the mixer."""
-    from covgrad.scores.rules import _experts_rule, generic_rule, rule_for
+    from covgrad.scores.binding import rule_for
+    from covgrad.scores.experts import _experts_rule
+    from covgrad.scores.rules import generic_rule
 
     oss = FAMILIES["gpt-oss"]()
     assert rule_for(oss.model.layers[0].mlp.experts) == (

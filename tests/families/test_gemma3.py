@@ -13,7 +13,8 @@ import pytest
 import transformers as T
 
 from covgrad.layout import select_parameters
-from covgrad.scores.rules import _scaled_embedding_rule, rule_for
+from covgrad.scores.binding import rule_for
+from covgrad.scores.rules import _scaled_embedding_rule
 from tests.helpers.families import build
 from tests.helpers.moments import assert_close, fused, numpy_moments, state
 from tests.helpers.persample import BATCH, hook_scores, make_batch, max_rel_err, naive_scores

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from covgrad.layout import select_parameters
-from covgrad.scores import rules
+from covgrad.scores import binding
+from covgrad.scores import experts as expert_rules
 from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.families import FAMILIES as FAMILIES_DENSE
 from tests.helpers.families_hybrid import FAMILIES
@@ -144,12 +145,12 @@ def test_experts_by_structure_take_the_routed_rule_exactly(kind, tied, padding):
     batch = make_batch(50, **BATCH)
     if padding == "right":
         batch = right_padded(batch)
-    assert all(rules.rule_for(m)[0] is rules._routed_experts_rule for m in experts_of(model))
+    assert all(binding.rule_for(m)[0] is expert_rules._routed_experts_rule for m in experts_of(model))
     ref = naive_scores(model, layout, batch)
     for check in (True, False):
         err, where = max_rel_err(layout, hook_scores(model, layout, batch, check=check), ref)
         assert err < 1e-5, (kind, check, err, where)
-    assert [rules.experts_path(m) for m in experts_of(model)] == ["routed", "routed"]
+    assert [expert_rules.experts_path(m) for m in experts_of(model)] == ["routed", "routed"]
 
 
 def test_experts_that_mix_their_weights_fail_the_probe_and_take_the_replay_exactly():
@@ -158,7 +159,7 @@ def test_experts_that_mix_their_weights_fail_the_probe_and_take_the_replay_exact
     batch = make_batch(51, **BATCH)
     err, where = max_rel_err(layout, hook_scores(model, layout, batch, check=False), naive_scores(model, layout, batch))
     assert err < 1e-5, (err, where)
-    assert [rules.experts_path(m) for m in experts_of(model)] == ["replay", "replay"]
+    assert [expert_rules.experts_path(m) for m in experts_of(model)] == ["replay", "replay"]
 
 
 def test_probe_rejects_a_forward_whose_rows_read_other_samples_copies():
@@ -173,7 +174,8 @@ def test_probe_rejects_a_forward_whose_rows_read_other_samples_copies():
         wide = {pn: p.detach().repeat_interleave(4, 0) for pn, p in module.named_parameters()}
         ids = index * 4 + (torch.arange(20) // 5)[:, None]
         leaves, spec = torch.utils._pytree.tree_flatten(((h, index, weights), {}))
-        assert rules._routed_separates(module, rules.experts_shape(module), 4, wide, leaves, spec, 1, ids) is want
+        ex = expert_rules.experts_shape(module)
+        assert expert_rules._routed_separates(module, ex, 4, wide, leaves, spec, 1, ids) is want
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
@@ -184,22 +186,22 @@ def test_nemotron_h_experts_take_the_routed_rule_in_every_implementation(impleme
     layout = select_parameters(model, ["*experts*", "*mixer.gate.weight", "lm_head.weight"])
     batch = make_batch(52, **BATCH)
     psg = PerSampleGrads(model, layout)
-    assert {rule for m, rule, _ in psg.bindings() if m in experts_of(model)} == {rules._routed_experts_rule}
+    assert {rule for m, rule, _ in psg.bindings() if m in experts_of(model)} == {expert_rules._routed_experts_rule}
     err, where = max_rel_err(layout, hook_scores(model, layout, batch), naive_scores(model, layout, batch))
     assert err < 1e-5, (implementation, err, where)
-    assert [rules.experts_path(m) for m in experts_of(model)] == ["routed"]
+    assert [expert_rules.experts_path(m) for m in experts_of(model)] == ["routed"]
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss", "gemma4-moe", "deepseek-v3"])
 def test_designs_the_fused_rule_knows_by_class_are_exact_by_structure_too(name, monkeypatch):
     """With the class-matched fused-experts rule switched off, transformers' own expert classes (gated, with
     biases and transposed weights, GPT-OSS's clamped gate) are recognised by structure and exact."""
-    monkeypatch.setattr(rules, "_fused_experts_ok", lambda module: False)
+    monkeypatch.setattr(binding, "_fused_experts_ok", lambda module: False)
     model = FAMILIES[name]() if name in FAMILIES else FAMILIES_DENSE[name]()
     layout = select_parameters(model, ["*experts*"])
     batch = make_batch(53, **BATCH)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    assert experts and all(rules.rule_for(m)[0] is rules._routed_experts_rule for m in experts)
+    assert experts and all(binding.rule_for(m)[0] is expert_rules._routed_experts_rule for m in experts)
     err, where = max_rel_err(layout, hook_scores(model, layout, batch, check=False), naive_scores(model, layout, batch))
     assert err < 1e-5, (name, err, where)
-    assert {rules.experts_path(m) for m in experts} == {"routed"}
+    assert {expert_rules.experts_path(m) for m in experts} == {"routed"}

@@ -1,0 +1,432 @@
+"""Per-sample rules of experts blocks: a module whose forward sends each row to some of its E experts by the
+routing ids of its call (top-k index and weights from a router that has its own rule).
+
+:func:`covgrad.scores.binding.rule_for` gives such a block one of two rules. transformers' fused experts,
+recognised by the source text of their forward and gate (:func:`_fused_experts_ok`: Qwen3-MoE's, shared by
+Mixtral, OLMoE, Qwen2-MoE, DeepSeek, …, and GPT-OSS's), take :func:`_experts_rule`: closed-form per-sample
+products over the routed (token, k) pairs sorted by (expert, sample), as segmented GEMMs (:class:`_Groups`). An
+experts block of any other class is recognised by its shape (:func:`experts_shape`: parameters stacked along a
+leading expert dimension, or a ModuleList of E look-alike experts) and takes :func:`_routed_experts_rule`, which
+runs its own forward once with every expert copied per sample (E·B experts), verified once per module by a probe
+(:func:`_routed_separates`); where the probe fails the module replay
+(:func:`covgrad.scores.rules.generic_rule`) takes it from then on (:func:`experts_path` says which).
+
+Shape notation: B samples in the batch, T positions per sample, E experts, K routed experts per token, H hidden
+size, I intermediate size, m routed (token, k) pairs of the batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from covgrad.scores.rules import _LOW, Call, Slot, _source_key, float_outputs, full_call, generic_rule
+
+try:  # fused expert tensors arrived with transformers 5; older versions keep one Linear per expert
+    from transformers.integrations.moe import _default_apply_gate
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+except ImportError:
+    _default_apply_gate = Qwen3MoeExperts = None
+try:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+except ImportError:
+    GptOssExperts = None
+
+
+def _fused_experts_ok(module: nn.Module) -> bool:
+    """Whether ``module`` runs transformers' fused-expert forward: Qwen3-MoE's (Mixtral, OLMoE, Qwen2-MoE,
+    DeepSeek, …: gate_up_proj (E, 2I, H) concatenated [gate; up], down_proj (E, H, I), no biases) or GPT-OSS's
+    (transposed weights (E, H, 2I) and (E, I, H), biases, its own clamped gate on interleaved columns), each
+    with its own gate function, no post-expert norm, in any of transformers' expert implementations (eager,
+    batched or grouped matmuls compute the same map)."""
+    cls = type(module)
+    if not (
+        getattr(module, "has_gate", False)
+        and not getattr(module, "has_post_expert_norm", True)
+        and not getattr(module, "_is_expert_parallel", False)
+    ):
+        return False
+    forward = _source_key(cls.forward)
+    if Qwen3MoeExperts is not None and forward == _source_key(Qwen3MoeExperts.forward):
+        return (
+            getattr(cls, "_apply_gate", None) is _default_apply_gate
+            and getattr(module, "is_concatenated", False)
+            and not getattr(module, "is_transposed", True)
+            and not getattr(module, "has_bias", True)
+        )
+    if GptOssExperts is not None and forward == _source_key(GptOssExperts.forward):
+        return (
+            _source_key(cls._apply_gate) == _source_key(GptOssExperts._apply_gate)
+            and getattr(module, "is_transposed", False)
+            and getattr(module, "has_bias", False)
+        )
+    return False
+
+
+def _experts_params(module: nn.Module) -> frozenset[str]:
+    """The parameters :func:`_experts_rule` covers on a module accepted by :func:`_fused_experts_ok`."""
+    names = {"gate_up_proj", "down_proj"}
+    if getattr(module, "has_bias", False):
+        names |= {"gate_up_proj_bias", "down_proj_bias"}
+    return frozenset(names)
+
+
+def _call_arg(call: Call, i: int, name: str) -> Any:
+    return call.args[i] if len(call.args) > i else call.kwargs[name]
+
+
+class _Groups:
+    """Rows (m, ·) sorted by a group id (``group`` (m,) int64 in [0, n), non-decreasing), and the segmented
+    products over them: torch's grouped GEMM where the device has it for float32, else batched matmuls over
+    zero-padded per-group blocks (n, M, ·), M the largest group's size."""
+
+    def __init__(self, group: Tensor, n: int) -> None:
+        counts = torch.bincount(group, minlength=n)
+        self.group, self.n = group, n
+        self.offs = torch.cumsum(counts, 0).to(torch.int32)
+        self.rank = torch.arange(group.numel(), device=group.device) - (self.offs.long() - counts)[group]
+        self.M = int(counts.max()) if group.numel() else 0
+
+    def _pack(self, rows: Tensor) -> Tensor:
+        out = rows.new_zeros(self.n, self.M, *rows.shape[1:])
+        out[self.group, self.rank] = rows
+        return out
+
+    def times(self, rows: Tensor, weights: Tensor) -> Tensor:
+        """(m, k) rows, each times its group's matrix of ``weights`` (n, k, q): (m, q)."""
+        if _GROUPED_MM.get(rows.device.type, True):
+            try:
+                return torch._grouped_mm(rows, weights, offs=self.offs)
+            except (RuntimeError, AttributeError):
+                _GROUPED_MM[rows.device.type] = False
+        return torch.bmm(self._pack(rows), weights)[self.group, self.rank]
+
+    def outer_sums(self, left: Tensor, right: Tensor) -> Tensor:
+        """Per group Σ_r left_r right_rᵀ over its rows: left (m, p), right (m, q) → (n, p, q)."""
+        if _GROUPED_MM.get(left.device.type, True):
+            try:
+                return torch._grouped_mm(left.t(), right, offs=self.offs)
+            except (RuntimeError, AttributeError):
+                _GROUPED_MM[left.device.type] = False
+        return torch.bmm(self._pack(left).transpose(1, 2), self._pack(right))
+
+
+# Device types where torch._grouped_mm failed on float32 operands (False): _Groups pads instead there.
+_GROUPED_MM: dict[str, bool] = {}
+
+
+@full_call
+def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
+    """Fused experts: out_t = Σ_k w_{t,k} [D_e a(G_e x_t + b_e) + c_e] with e = index_{t,k} and a the module's
+    gate (act(gate) ⊙ up; biases b, c only where the module has them; D, G stored transposed where it says so).
+
+    Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ, ∂c_e = Σ w_{t,k} g_t, ∂G_e = Σ δ_t x_tᵀ and
+    ∂b_e = Σ δ_t with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e
+    contribute. Computed in float32 on the routed (token, k) pairs sorted by (expert, sample): the experts'
+    forward and δ as one segmented product per expert, the per-sample outer products as one per (expert,
+    sample) (:class:`_Groups`). The router weights w are constants here (the router has its own rule).
+    """
+    B, H = g.shape[0], x.shape[-1]
+    h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
+    go = g.reshape(-1, H).to(torch.float32)
+    T = h.shape[0] // B
+    index = _call_arg(call, 1, "top_k_index").reshape(B * T, -1)
+    weights = _call_arg(call, 2, "top_k_weights").reshape(B * T, -1).to(torch.float32)
+    transposed, bias = getattr(module, "is_transposed", False), getattr(module, "has_bias", False)
+    s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
+    s_gub = slot("gate_up_proj_bias") if bias else None
+    s_db = slot("down_proj_bias") if bias else None
+    E, K = module.num_experts, index.shape[1]
+    expert = index.reshape(-1).long()  # (B·T·K,) the expert of each routed (token, k) pair
+    pair = torch.nonzero((expert >= 0) & (expert < E))[:, 0]  # out-of-range ids (a router's padding) route nowhere
+    tok = torch.div(pair, K, rounding_mode="floor")
+    sample = torch.div(tok, T, rounding_mode="floor")
+    group = expert[pair] * B + sample  # (m,) the (expert, sample) group of each pair
+    order = torch.argsort(group, stable=True)
+    pair, tok, group = pair[order], tok[order], group[order]
+    by_expert, by_pair = _Groups(torch.div(group, B, rounding_mode="floor"), E), _Groups(group, E * B)
+    xe = h[tok]  # (m, H)
+    do = go[tok] * weights.reshape(-1)[pair, None]  # (m, H): gradient of each pair's expert output
+    W_gu, W_d = module.gate_up_proj.to(torch.float32), module.down_proj.to(torch.float32)
+    with torch.enable_grad():
+        gu = by_expert.times(xe, W_gu if transposed else W_gu.transpose(1, 2))  # (m, 2I)
+        if bias:
+            gu = gu + module.gate_up_proj_bias.to(torch.float32)[by_expert.group]
+        gu = gu.detach().requires_grad_()
+        act = module._apply_gate(gu)  # (m, I)
+        dgu = None
+        if s_gu is not None or s_gub is not None:
+            da = by_expert.times(do, W_d.transpose(1, 2) if transposed else W_d)  # (m, I)
+            (dgu,) = torch.autograd.grad(act, gu, da)
+    act = act.detach()
+
+    def write(s: tuple[Tensor, bool] | None, blocks: Tensor) -> None:
+        """s's (B, E, …) view = or += blocks (E·B, …) of every (expert, sample) group."""
+        if s is None:
+            return
+        blocks = blocks.reshape(E, B, *blocks.shape[1:]).transpose(0, 1)
+        if s[1]:
+            s[0].copy_(blocks)
+        else:
+            s[0].add_(blocks)
+
+    if s_d is not None:
+        write(s_d, by_pair.outer_sums(act, do) if transposed else by_pair.outer_sums(do, act))
+    if s_gu is not None:
+        write(s_gu, by_pair.outer_sums(xe, dgu) if transposed else by_pair.outer_sums(dgu, xe))
+    if s_db is not None:
+        write(s_db, do.new_zeros(E * B, H).index_add_(0, group, do))
+    if s_gub is not None:
+        write(s_gub, dgu.new_zeros(E * B, dgu.shape[1]).index_add_(0, group, dgu))
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    """Whether the module's forward takes more than one positional argument (hidden states and a routing)."""
+    try:
+        takes = [
+            q
+            for q in inspect.signature(module.forward).parameters.values()
+            if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD, q.VAR_POSITIONAL)
+        ]
+    except (TypeError, ValueError):
+        return False
+    return len(takes) >= 2 or any(q.kind is q.VAR_POSITIONAL for q in takes)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A module shaped like a block of E ≥ 2 experts (:func:`experts_shape`): its parameters stacked along a
+    leading expert dimension (``listed`` None: own parameters (E, out, in), (E, out), …), or a ModuleList
+    ``listed`` of E experts with the same parameter names and shapes (``suffixes``: one expert's names)."""
+
+    E: int
+    suffixes: tuple[str, ...]
+    listed: str | None = None
+
+    def local(self, suffix: str, e: int) -> str:
+        """The module-local name of expert e's tensor ``suffix`` (the stacked tensor itself when not listed)."""
+        return suffix if self.listed is None else f"{self.listed}.{e}.{suffix}"
+
+    def names(self) -> frozenset[str]:
+        """Every module-local parameter name the experts hold."""
+        return frozenset(self.local(sx, e) for sx in self.suffixes for e in range(self.E if self.listed else 1))
+
+    def stacks(self, module: nn.Module) -> dict[str, Tensor]:
+        """suffix → (E, …) detached values of every expert's tensor."""
+        if self.listed is None:
+            return {sx: module.get_parameter(sx).detach() for sx in self.suffixes}
+        experts = module.get_submodule(self.listed)
+        return {sx: torch.stack([x.get_parameter(sx).detach() for x in experts]) for sx in self.suffixes}
+
+
+def experts_shape(module: nn.Module) -> Experts | None:
+    """The module's experts when it is shaped like a block of E ≥ 2 experts whose forward takes a routing (more
+    than the hidden states), else None: either its own parameters (at least one) all stacked along a leading
+    dimension E (every one at least 2-D, one 3-D) and no parametrised submodules, or no own parameters and one
+    parametrised child, a ModuleList of E modules with the same parameter names and shapes that the module calls
+    experts (the list's attribute name or an integer attribute equal to E says "expert": an encoder's stack of
+    layers is a ModuleList of look-alikes too). Only the shape:
+    :func:`_routed_experts_rule` verifies at the call what the forward does with them."""
+    if getattr(module, "_is_expert_parallel", False) or not _takes_routing(module):
+        return None
+    own = list(module.named_parameters(recurse=False))
+    holders = [(n, c) for n, c in module.named_children() if next(c.parameters(), None) is not None]
+    if own:
+        shapes = [p.shape for _, p in own]
+        if holders or any(len(sh) < 2 for sh in shapes) or not any(len(sh) == 3 for sh in shapes):
+            return None
+        E = shapes[0][0]
+        return Experts(E, tuple(n for n, _ in own)) if E >= 2 and all(sh[0] == E for sh in shapes) else None
+    if len(holders) != 1 or not isinstance(holders[0][1], nn.ModuleList) or len(holders[0][1]) < 2:
+        return None
+    attr, experts = holders[0]
+    counted = any("expert" in k and type(v) is int and v == len(experts) for k, v in vars(module).items())
+    if "expert" not in attr and not counted:  # a stack of layers is a ModuleList of look-alikes too
+        return None
+    first = [(n, p.shape) for n, p in experts[0].named_parameters()]
+    if any([(n, p.shape) for n, p in x.named_parameters()] != first for x in experts):
+        return None
+    return Experts(len(experts), tuple(n for n, _ in first), attr)
+
+
+# Per experts module taken by _routed_experts_rule: "routed" once its forward passed the probe
+# (_routed_separates), "replay" when it did not (the module replay, generic_rule, takes it from then on).
+_ROUTED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def experts_path(module: nn.Module) -> str | None:
+    """How the per-sample gradients of an experts module recognised by structure (:func:`experts_shape`) are
+    taken after its first call: "routed" (one batched backward of its forward with the experts widened per
+    sample, :func:`_routed_experts_rule`) or "replay" (:func:`generic_rule`); None before its first call."""
+    return _ROUTED.get(module)
+
+
+def _routing_leaf(leaves: list, rows: int, E: int) -> int | None:
+    """The position in a call's pytree leaves of its routing: the first integer tensor of shape (rows, K) (or
+    (…, K) with rows positions) whose ids lie in [−1, E] (E: a "no expert" sentinel)."""
+    for i, t in enumerate(leaves):
+        integer = isinstance(t, Tensor) and not t.is_floating_point() and t.dtype is not torch.bool
+        if (
+            integer
+            and t.dim() >= 2
+            and t.numel()
+            and t[..., 0].numel() == rows
+            and -1 <= int(t.min()) <= int(t.max()) <= E
+        ):
+            return i
+    return None
+
+
+class _Copy(nn.Module):
+    """One widened expert of a listed block: the expert module's forward with other values of its tensors."""
+
+    def __init__(self, expert: nn.Module, params: dict[str, Tensor]) -> None:
+        super().__init__()
+        self._expert = (expert,)  # not a submodule: its parameters stay the block's
+        self._params = params
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(self._expert[0], self._params, args, kwargs)
+
+
+def _widened(module: nn.Module, ex: Experts, wide: int, stacks: dict[str, Tensor], leaves: list, spec: Any) -> Any:
+    """The module's forward on the call's ``leaves`` with ``wide`` experts, wide expert i holding ``stacks``' row
+    i (suffix → (wide, …)) and being expert i // (wide / E) of the module; every integer attribute named like an
+    expert count that equals E is set to ``wide`` meanwhile. Its floating outputs."""
+    counts = [k for k, v in vars(module).items() if "expert" in k and type(v) is int and v == ex.E]
+    args, kwargs = tree_unflatten(leaves, spec)
+    original = module._modules.get(ex.listed) if ex.listed is not None else None
+    try:
+        for k in counts:
+            setattr(module, k, wide)
+        if ex.listed is None:
+            with _reparametrize_module(module, stacks):
+                return float_outputs(module.forward(*args, **kwargs))
+        per = wide // ex.E
+        copies = [_Copy(original[i // per], {sx: t[i] for sx, t in stacks.items()}) for i in range(wide)]
+        module._modules[ex.listed] = nn.ModuleList(copies)
+        return float_outputs(module.forward(*args, **kwargs))
+    finally:
+        for k in counts:
+            setattr(module, k, ex.E)
+        if original is not None:
+            module._modules[ex.listed] = original
+
+
+def _routed_separates(
+    module: nn.Module, ex: Experts, B: int, wide: dict[str, Tensor], leaves: list, spec: Any, at: int, ids: Tensor
+) -> bool:
+    """The probe that makes :func:`_routed_experts_rule` exact for this forward: with every expert's tensors
+    copied per sample (expert e of sample n is wide expert e·B + n) and the routing ids remapped to match
+    (``ids``), the forward gives the same outputs as with the module's own experts, and moving the copies of one
+    sample (the first and the last, each in turn) moves that sample's rows only: each sample's rows then depend
+    on its own copies alone, so one backward gives every sample's gradient in the copies' blocks."""
+    with torch.no_grad():
+        base = _widened(module, ex, ex.E, ex.stacks(module), leaves, spec)
+        remapped = list(leaves)
+        remapped[at] = ids
+        same = _widened(module, ex, ex.E * B, wide, remapped, spec)
+        scale = max((float(o.abs().max()) for o in base if o.numel()), default=0.0)
+        if len(same) != len(base) or not base or scale == 0.0:
+            return False
+        if any(
+            a.shape != b.shape or float((a - b).abs().max()) > 1e-5 * scale for a, b in zip(same, base, strict=True)
+        ):
+            return False
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for n in sorted({0, B - 1}):
+            moved = {}
+            for sx, w in wide.items():
+                noise = torch.randn(w[n::B].shape, generator=gen).to(w.device, w.dtype)
+                moved[sx] = w.clone()
+                moved[sx][n::B] *= 1.0 + 0.5 * noise
+            out = _widened(module, ex, ex.E * B, moved, remapped, spec)
+            for a, b in zip(out, same, strict=True):
+                d = (a - b).reshape(B, -1).abs().amax(1)  # per sample, how far its rows moved
+                others = torch.cat([d[:n], d[n + 1 :]])
+                if float(d[n]) == 0.0 or (others.numel() and float(others.max()) > 1e-6 * scale):
+                    return False
+    return True
+
+
+@full_call
+def _routed_experts_rule(
+    module: nn.Module, x: Tensor, g: Tensor | tuple[Tensor, ...], slot_of: Slot, call: Call
+) -> None:
+    """Experts recognised by what they do (any module :func:`experts_shape` accepts): a forward that routes its
+    rows to E experts by the routing ids of its call (``weight[e]`` on each expert's gathered rows, grouped or
+    batched matmuls over per-expert slices, a ModuleList of expert modules called on gathered rows, …).
+
+    Every expert's tensors are copied per sample, (E, …) → (E·B, …) with expert e of sample n at row e·B + n
+    (a listed block: a ModuleList of E·B functional copies of its experts), and each routed id e of a row of
+    sample n becomes e·B + n (ids outside [0, E) keep their meaning: E → E·B). The module's own forward on these
+    is one batched forward with E·B experts; one backward of it against the output gradient ``g`` gives, in the
+    copies' gradient (E·B, …) → (B, E, …), every sample's gradient: sample n's rows touch only its own copies,
+    which the probe :func:`_routed_separates` verified once per module (else the module takes
+    :func:`generic_rule` from then on). The routing weights are constants here (the router has its own rule).
+    Computed in float32; the call's rows are sample-major (B·T rows, sample n owns [n·T, (n+1)·T)).
+    """
+    cots = (g,) if isinstance(g, Tensor) else tuple(g)
+    B = cots[0].shape[0]
+    ex = experts_shape(module)
+    asked: dict[str, tuple[Tensor, bool] | None] = {}  # a view is asked for once (the next ask would accumulate)
+    slot = Slot(lambda pn: asked[pn] if pn in asked else asked.setdefault(pn, slot_of(pn)))
+    if ex is None or _ROUTED.get(module) == "replay" or call.outer or not call.args:
+        return generic_rule(module, x, g, slot, call)
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    hidden = leaves[0]
+    rows = hidden[..., 0].numel() if isinstance(hidden, Tensor) and hidden.dim() >= 2 else 0
+    at = _routing_leaf(leaves, rows, ex.E) if rows and rows % B == 0 else None
+    if at is None:
+        _ROUTED[module] = "replay"
+        return generic_rule(module, x, g, slot, call)
+    index, E = leaves[at], ex.E
+    sample = (torch.arange(rows, device=index.device) // (rows // B)).reshape(index.shape[:-1] + (1,))
+    inside = (index >= 0) & (index < E)
+    ids = torch.where(inside, index * B + sample, torch.where(index < 0, index, index + E * (B - 1)))
+    leaves = [t.to(torch.float32) if isinstance(t, Tensor) and t.dtype in _LOW else t for t in leaves]
+    wide = {
+        sx: t.to(torch.float32).unsqueeze(1).expand(E, B, *t.shape[1:]).reshape(E * B, *t.shape[1:])
+        for sx, t in ex.stacks(module).items()
+    }
+    if module not in _ROUTED:
+        try:
+            ok = _routed_separates(module, ex, B, wide, leaves, spec, at, ids)
+        except Exception:  # a forward that cannot run with E·B experts: the module replay
+            ok = False
+        _ROUTED[module] = "routed" if ok else "replay"
+        if not ok:
+            return generic_rule(module, x, g, slot, call)
+    # (suffix, expert) → the slot of each selected tensor
+    slots = {
+        (sx, e): s
+        for sx in ex.suffixes
+        for e in range(E if ex.listed else 1)
+        if (s := slot(ex.local(sx, e))) is not None
+    }
+    wanted = tuple(dict.fromkeys(sx for sx, _ in slots))
+    leaves[at] = ids
+    with torch.enable_grad():
+        wide = {sx: w.requires_grad_(sx in wanted) for sx, w in wide.items()}
+        outs = _widened(module, ex, E * B, wide, leaves, spec)
+        pairs = [(o, c.reshape(o.shape).to(o.dtype)) for o, c in zip(outs, cots, strict=True) if o.requires_grad]
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], [wide[sx] for sx in wanted], [c for _, c in pairs], allow_unused=True
+        )
+    per = {}
+    for sx, gr in zip(wanted, grads, strict=True):
+        gr = wide[sx].new_zeros(wide[sx].shape) if gr is None else gr
+        per[sx] = gr.reshape(E, B, *gr.shape[1:]).transpose(0, 1)  # (B, E, …): sample n's gradient
+    for (sx, e), (view, first) in slots.items():
+        blocks = per[sx] if ex.listed is None else per[sx][:, e]
+        if first:
+            view.copy_(blocks)
+        else:
+            view.add_(blocks)
