@@ -89,55 +89,80 @@ def sort_key(values: np.ndarray, largest: bool) -> np.ndarray:
     return key
 
 
-def _by_key(key: np.ndarray, float32: bool) -> np.ndarray:
-    """(n,) int64 the positions of ``key`` (n,) float64 (:func:`sort_key`) sorted by (key, position), exactly as
-    a stable argsort orders them, from unique 64-bit integer keys that an unstable sort orders fast: the key
-    rounded to float32 (a monotone map), its bits made order-preserving (sign bit flipped, negative values' bits
-    inverted, −0 made +0) in the high 32 bits, the position in the low 32. Unless the keys are exact in float32
-    (``float32``), runs of equal float32 keys are then re-sorted by (float64 key, position)."""
-    n = key.shape[0]
-    if n >= 2**32:
-        return np.argsort(key, kind="stable")
-    with np.errstate(over="ignore"):  # beyond float32's range: ±inf, a run re-sorted by the float64 key below
-        k32 = key.astype(np.float32)
-    k32[k32 == 0] = 0.0  # −0 ties with +0
-    bits = k32.view(np.uint32)
-    ordered = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(1 << 31)).astype(np.uint64)
-    del k32, bits
-    ordered <<= np.uint64(32)
-    ordered |= np.arange(n, dtype=np.uint64)
-    ordered.sort()
-    order = (ordered & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    if float32:
-        return order
-    high = ordered >> np.uint64(32)
-    del ordered
-    tie = high[1:] == high[:-1]  # (n - 1,) sorted position i + 1 has the float32 key of position i
-    del high
-    if tie.any():
-        tied = np.zeros(n, dtype=bool)
-        tied[1:] |= tie
-        tied[:-1] |= tie
-        run = np.cumsum(np.concatenate([[True], ~tie]))  # (n,) run of equal float32 keys of each sorted position
-        at = np.flatnonzero(tied)
-        cols = order[at]
-        order[at] = cols[np.lexsort((cols, key[cols], run[at]))]
-    return order
+_LOW = np.uint64(0xFFFFFFFF)
 
 
-def _order(values: np.ndarray, largest: bool, groups: np.ndarray | None) -> np.ndarray:
-    """(n,) the columns sorted by (group, key, column): each group's columns in rank order, groups ascending
-    (the order of a stable argsort of :func:`sort_key` within groups, computed by :func:`_by_key`)."""
-    float32 = np.asarray(values).dtype == np.float32
-    if groups is None:
-        return _by_key(sort_key(values, largest), float32)
-    by_group = np.argsort(groups, kind="stable")
-    bounds = np.flatnonzero(np.diff(groups[by_group])) + 1
+def _key_bits(values: np.ndarray, largest: bool) -> np.ndarray:
+    """(m,) unsigned integers ordered as :func:`sort_key` orders ``values`` (m,) float32 (uint32) or float64
+    (uint64): the key's bits with the sign bit flipped, a negative key's bits inverted, −0 made +0."""
+    key = np.negative(values) if largest else values.copy()
+    key[np.isnan(key)] = np.inf
+    key[key == 0] = 0.0
+    unsigned = np.uint32 if key.dtype == np.float32 else np.uint64
+    bits = key.view(unsigned)
+    top = unsigned(1) << unsigned(8 * key.itemsize - 1)
+    return np.where(bits & top, ~bits, bits | top)
+
+
+def stable_order(values: np.ndarray, largest: bool, groups: np.ndarray | None = None) -> np.ndarray:
+    """(n,) the columns of ``values`` (n,) float32 or float64 sorted by (group, key, column): exactly
+    ``np.lexsort((sort_key(values, largest), groups))`` (a stable argsort of the key without groups), so ties go
+    to the lowest column, NaN last, −0 tied with +0. ``groups``: (n,) non-negative ints, None: one group.
+    int32 positions below 2**31 columns, else int64.
+
+    A least-significant-digit radix sort whose digits are 32-bit: each pass sorts one 64-bit word per column,
+    (digit << 32) | rank in the previous pass, in place (an unstable integer sort that the unique words make
+    stable), so a float64 key takes two passes (low and high half of its ordered bits), float32 one, groups
+    one more. Memory: one uint64 word and three 4-byte arrays per column, filled a chunk at a time."""
     v = np.asarray(values).reshape(-1)
-    for part in np.split(np.arange(by_group.shape[0]), bounds):
-        cols = by_group[part]
-        by_group[part] = cols[_by_key(sort_key(v[cols], largest), float32)]
-    return by_group
+    if v.dtype != np.float32:
+        v = v.astype(np.float64, copy=False)
+    n = v.shape[0]
+    if n >= 2**32:
+        key = sort_key(v, largest)
+        return np.argsort(key, kind="stable") if groups is None else np.lexsort((key, np.asarray(groups)))
+    words = np.empty(n, dtype=np.uint64)
+    digits = np.empty(n, dtype=np.uint32)  # the next pass's digit of every column, in column order
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        bits = _key_bits(v[lo:hi], largest)
+        if v.dtype == np.float32:
+            digits[lo:hi] = bits
+            continue
+        digits[lo:hi] = bits >> np.uint64(32)
+        words[lo:hi] = ((bits & _LOW) << np.uint64(32)) | np.arange(lo, hi, dtype=np.uint64)
+    order = None if v.dtype == np.float32 else _sorted_pass(words, None)
+    order = _stable_pass(words, digits, order)
+    if groups is not None:
+        g = np.asarray(groups).reshape(-1)
+        for lo in range(0, n, CHUNK):
+            digits[lo : min(n, lo + CHUNK)] = g[lo : min(n, lo + CHUNK)]
+        order = _stable_pass(words, digits, order)
+    del words, digits
+    return order.view(np.int32) if n < 2**31 else order.astype(np.int64)
+
+
+def _stable_pass(words: np.ndarray, digits: np.ndarray, order: np.ndarray | None) -> np.ndarray:
+    """One pass of :func:`stable_order`: ``order`` (n,) (None: the identity) re-sorted stably by ``digits`` (n,)
+    uint32 of the columns, using ``words`` (n,) uint64 as the sort buffer."""
+    n = words.shape[0]
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        d = digits[lo:hi] if order is None else digits[order[lo:hi]]
+        words[lo:hi] = (d.astype(np.uint64) << np.uint64(32)) | np.arange(lo, hi, dtype=np.uint64)
+    return _sorted_pass(words, order)
+
+
+def _sorted_pass(words: np.ndarray, order: np.ndarray | None) -> np.ndarray:
+    """Sort ``words`` (n,) uint64 in place and return the previous ranks in their low 32 bits mapped through
+    ``order`` (None: the ranks themselves), uint32."""
+    words.sort()
+    out = np.empty(words.shape[0], dtype=np.uint32)
+    for lo in range(0, words.shape[0], CHUNK):
+        hi = min(words.shape[0], lo + CHUNK)
+        rank = (words[lo:hi] & _LOW).astype(np.uint32)
+        out[lo:hi] = rank if order is None else order[rank]
+    return out
 
 
 def _bucket_of(ranks: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -187,13 +212,13 @@ class Ranking:
         if ranker is None:
             if not np.array_equal(local, sizes):
                 raise ValueError(f"ranking {name}: the group sizes {sizes.tolist()} are not these columns' own")
-            order = _order(values, largest, groups)
+            order = stable_order(values, largest, groups)
             for g in range(sizes.shape[0]):
                 for lo in range(int(starts[g]), int(starts[g + 1]), CHUNK):
                     hi = min(int(starts[g + 1]), lo + CHUNK)
                     ranks = np.arange(lo - starts[g], hi - starts[g], dtype=np.int64)
                     bucket[order[lo:hi]] = _bucket_of(ranks, np.full(hi - lo, sizes[g]))
-            files.write(f"{name}.order", order.astype(index_type))
+            files.write(f"{name}.order", order.astype(index_type, copy=False))
         else:
             ranks = np.asarray(ranker(values, largest, groups), dtype=np.int64)
             group = np.zeros(n, dtype=np.int64) if groups is None else np.asarray(groups, dtype=np.int64)

@@ -24,11 +24,15 @@ coordinates a step changed, so a k costs O(Σ_t |S_t|) after an O(P) start.
 
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from covgrad.updates.columns import CHUNK, stable_order
 
 KS = (1, 2, 4, 8, 16, 32)
 KINDS = ("embedding", "attention", "mlp", "norm", "other")
@@ -57,12 +61,16 @@ def tensor_kind(name: str) -> str:
 def magnitude_deciles(start: np.ndarray) -> np.ndarray:
     """(P,) int8 decile of |w_0| per coordinate, 0 = the smallest tenth: rank·10 // P in the order of
     :func:`covgrad.updates.tracking.stable_ranks` (smallest first, ties by the lowest index), as the
-    trajectory tracker's deciles."""
-    v = np.abs(np.asarray(start, dtype=np.float64).reshape(-1))
-    order = np.argsort(np.where(np.isnan(v), np.inf, v), kind="stable")
-    ranks = np.empty(v.shape[0], dtype=np.int64)
-    ranks[order] = np.arange(v.shape[0])
-    return (ranks * N_DECILES // max(v.shape[0], 1)).astype(np.int8)
+    trajectory tracker's deciles. ``start``: (P,) float32 (ranked as float32: bf16 and float32 weights are
+    exact in it) or another float dtype (ranked as float64)."""
+    v = np.asarray(start).reshape(-1)
+    order = stable_order(np.abs(v if v.dtype == np.float32 else v.astype(np.float64)), largest=False)
+    P = v.shape[0]
+    deciles = np.empty(P, dtype=np.int8)
+    for lo in range(0, P, CHUNK):
+        hi = min(P, lo + CHUNK)
+        deciles[order[lo:hi]] = np.arange(lo, hi, dtype=np.int64) * N_DECILES // max(P, 1)
+    return deciles
 
 
 @dataclass(frozen=True)
@@ -138,11 +146,17 @@ class PersistenceCounts:
 
 
 def count_trace(
-    start: np.ndarray, delta: StepDelta, steps: int, cells: Cells, ks: Sequence[int] = KS
+    start: np.ndarray,
+    delta: StepDelta,
+    steps: int,
+    cells: Cells,
+    ks: Sequence[int] = KS,
+    scratch: str | None = None,
 ) -> PersistenceCounts:
     """The :class:`PersistenceCounts` of a trace of ``steps`` steps: ``start`` (P,) the stored weights at step 0
     (any dtype compared exactly, e.g. bf16 bits as uint16), ``delta(t)`` step t's changed indices and new
-    values in the same dtype. Reads each step's delta once per k plus once for the per-step counts."""
+    values in the same dtype. Reads each step's delta once: the replays of every k read it back from ``.npy``
+    files in a temporary directory under ``scratch`` (None: the system's temporary directory)."""
     start = np.asarray(start).reshape(-1)
     P, C, T = start.shape[0], cells.n_cells, steps
     ks = tuple(int(k) for k in ks)
@@ -151,20 +165,38 @@ def count_trace(
     both = np.zeros((T, C), dtype=np.int64)
     times = np.zeros(P, dtype=np.uint16 if T < 2**16 else np.uint32)
     last = np.zeros(P, dtype=bool)
-    for t in range(1, T + 1):
-        idx, _ = delta(t)
-        step[t - 1] = cells.count(idx)
-        both[t - 1] = cells.count(idx[last[idx]])
-        last[:] = False
-        last[idx] = True
-        times[idx] += 1
-    del last
-    hist = np.bincount(cells.cell.astype(np.int64) * (T + 1) + times, minlength=C * (T + 1)).reshape(C, T + 1)
-    del times
-    for ki, k in enumerate(ks):
-        if k <= T:
-            window[ki, : T - k + 1] = _windows(start, delta, T, k, cells)
-    return PersistenceCounts(ks, cells.sizes(), window, step, both, hist.astype(np.int64))
+    with tempfile.TemporaryDirectory(prefix="covgrad-trace-", dir=scratch) as tmp:
+        paths = {t: (os.path.join(tmp, f"index_{t}.npy"), os.path.join(tmp, f"value_{t}.npy")) for t in range(1, T + 1)}
+        for t in range(1, T + 1):
+            idx, values = delta(t)
+            np.save(paths[t][0], np.asarray(idx, dtype=np.int32 if P < 2**31 else np.int64))
+            np.save(paths[t][1], values)
+            step[t - 1] = cells.count(idx)
+            both[t - 1] = cells.count(idx[last[idx]])
+            last[:] = False
+            last[idx] = True
+            times[idx] += 1
+        del last
+        hist = _histogram(cells.cell, times, C, T)
+        del times
+
+        def replay(t: int) -> tuple[np.ndarray, np.ndarray]:
+            return np.load(paths[t][0]), np.load(paths[t][1])
+
+        for ki, k in enumerate(ks):
+            if k <= T:
+                window[ki, : T - k + 1] = _windows(start, replay, T, k, cells)
+    return PersistenceCounts(ks, cells.sizes(), window, step, both, hist)
+
+
+def _histogram(cell: np.ndarray, times: np.ndarray, C: int, T: int) -> np.ndarray:
+    """(C, T + 1) int64 coordinates of each cell (``cell`` (P,)) that changed in exactly c steps (``times``
+    (P,)), counted a chunk at a time."""
+    hist = np.zeros(C * (T + 1), dtype=np.int64)
+    for lo in range(0, cell.shape[0], CHUNK):
+        hi = min(cell.shape[0], lo + CHUNK)
+        hist += np.bincount(cell[lo:hi].astype(np.int64) * (T + 1) + times[lo:hi], minlength=C * (T + 1))
+    return hist.reshape(C, T + 1)
 
 
 def _windows(start: np.ndarray, delta: StepDelta, T: int, k: int, cells: Cells) -> np.ndarray:

@@ -138,13 +138,23 @@ def _read_npy(store: ArtifactStore, ref: ArtifactRef, name: str) -> np.ndarray:
     return np.load(io.BytesIO(store.fs.cat_file(store.path(ref, name))), allow_pickle=False)
 
 
+def set_bits(packed: np.ndarray, P: int) -> np.ndarray:
+    """(n,) int64 ascending positions of the set bits of ``packed`` ((⌈P/8⌉,) uint8, ``np.packbits`` order:
+    big-endian, the trailing pad bits ignored): ``np.flatnonzero(np.unpackbits(packed, count=P))``, unpacking only
+    the non-zero bytes."""
+    nonzero = np.flatnonzero(packed)
+    bits = np.unpackbits(packed[nonzero][:, None], axis=1).view(np.bool_)
+    idx = (nonzero[:, None] * 8 + np.arange(8))[bits]
+    return idx[idx < P]
+
+
 def trace_reader(store: ArtifactStore, ref: ArtifactRef, g: Any, P: int) -> tuple[np.ndarray, StepDelta]:
     """The run's change trace: the start bits (P,) and ``delta(t)`` -> (changed indices (n_t,) int64, their new
     value bits (n_t,)) of step t, from the ``changed`` rows and ``deltas/`` files."""
     changed = g["changed"]
 
     def delta(t: int) -> tuple[np.ndarray, np.ndarray]:
-        idx = np.flatnonzero(np.unpackbits(changed[t - 1], count=P))
+        idx = set_bits(changed[t - 1], P)
         values = _read_npy(store, ref, f"{DELTAS_DIR}/step_{t:06d}.npy")
         if values.shape != idx.shape:
             raise ValueError(
@@ -156,13 +166,15 @@ def trace_reader(store: ArtifactStore, ref: ArtifactRef, g: Any, P: int) -> tupl
 
 
 def write_persistence(store: ArtifactStore, ref: ArtifactRef, g: Any, layout: ParamLayout, steps: int) -> dict:
-    """The k-step persistence arrays of a finished run from its trace (:mod:`covgrad.updates.kstep`), written
-    into the store; returns the whole-layout summary: mean d_k and mean independent_k over the windows."""
+    """The k-step persistence arrays of a finished run from its trace (:mod:`covgrad.updates.kstep`, each step's
+    delta decoded once into the artifact's ``scratch/``, removed after), written into the store; returns the
+    whole-layout summary: mean d_k and mean independent_k over the windows."""
     start, delta = trace_reader(store, ref, g, layout.P)
     floats = start.view(np.float32) if start.dtype == np.uint32 else (start.astype(np.uint32) << 16).view(np.float32)
     cells = Cells.of([e.name for e in layout.entries], [e.numel for e in layout.entries], floats)
     del floats
-    tables = persistence_tables(count_trace(start, delta, steps, cells), cells)
+    tables = persistence_tables(count_trace(start, delta, steps, cells, scratch=column_scratch(store, ref)), cells)
+    drop_scratch(store, ref)
     write(g, STORE, "k", np.asarray(KS, dtype=np.int64), overwrite=True)
     write(g, STORE, "window", np.arange(steps, dtype=np.int64), overwrite=True)
     write(g, STORE, "kind_name", np.asarray(tables["labels_kind"], dtype=str), overwrite=True)

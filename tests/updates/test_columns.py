@@ -91,10 +91,15 @@ def test_column_files_read_ranges_and_refuse_outside(tmp_path):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_fast_order_is_the_stable_argsort(dtype, grouped):
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_fast_order_is_the_stable_argsort(dtype, grouped, chunk, monkeypatch):
     """The integer-key sort orders columns as a stable argsort of the sort key within groups: ties (many),
-    ±0, ±inf and NaN included."""
-    from covgrad.updates.columns import _order, sort_key
+    ±0, ±inf and NaN included; in one chunk and in many (a chunk of 64 columns)."""
+    from covgrad.updates import columns
+    from covgrad.updates.columns import sort_key, stable_order
+
+    if chunk is not None:
+        monkeypatch.setattr(columns, "CHUNK", chunk)
 
     rng = np.random.default_rng(5)
     n = 5000
@@ -109,4 +114,23 @@ def test_fast_order_is_the_stable_argsort(dtype, grouped):
     for largest in (True, False):
         key = sort_key(v, largest)
         want = np.argsort(key, kind="stable") if groups is None else np.lexsort((key, groups))
-        np.testing.assert_array_equal(_order(v, largest, groups), want)
+        np.testing.assert_array_equal(stable_order(v, largest, groups), want)
+
+
+def test_fast_order_of_continuous_float64_is_the_stable_argsort(monkeypatch):
+    """Continuous float64 values, most of them tied in float32 and some exactly tied, in many chunks."""
+    from covgrad.updates import columns
+    from covgrad.updates.columns import sort_key, stable_order
+
+    monkeypatch.setattr(columns, "CHUNK", 1000)
+    rng = np.random.default_rng(11)
+    v = rng.standard_normal(20_000) * 1e-6
+    v = 1.0 + (v - v % 1e-9)  # values a float32 rounds to a handful of keys; exact ties among them
+    v[rng.choice(v.shape[0], 500, replace=False)] = 0.0
+    groups = rng.integers(0, 7, v.shape[0]).astype(np.int8)
+    for largest in (True, False):
+        key = sort_key(v, largest)
+        order = stable_order(v, largest)
+        assert order.dtype == np.int32
+        np.testing.assert_array_equal(order, np.argsort(key, kind="stable"))
+        np.testing.assert_array_equal(stable_order(v, largest, groups), np.lexsort((key, groups)))

@@ -4,7 +4,15 @@ window, the independent curve, consecutive Jaccard and the persistence histogram
 import numpy as np
 import pytest
 
-from covgrad.updates.kstep import KS, N_DECILES, Cells, count_trace, persistence_tables, tensor_kind
+from covgrad.updates.kstep import (
+    KS,
+    N_DECILES,
+    Cells,
+    count_trace,
+    magnitude_deciles,
+    persistence_tables,
+    tensor_kind,
+)
 
 NAMES = (
     "model.embed_tokens.weight",
@@ -112,3 +120,17 @@ def test_tensor_kinds():
     assert tensor_kind("transformer.ln_f.bias") == "norm"
     assert tensor_kind("model.layers.2.mlp.experts.gate_up_proj") == "mlp"
     assert tensor_kind("score.weight") == "other"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_magnitude_deciles_are_the_stable_argsorts(dtype):
+    """Deciles of |w_0| against argsort: ties by the lowest index (±0 and ±w tie), NaN last."""
+    rng = np.random.default_rng(3)
+    P = 1003
+    w = (rng.integers(-40, 40, P) / 16).astype(dtype)
+    w[rng.choice(P, 9, replace=False)] = np.nan
+    w[rng.choice(P, 9, replace=False)] = -0.0
+    a = np.abs(w.astype(np.float64))
+    ranks = np.empty(P, dtype=np.int64)
+    ranks[np.argsort(np.where(np.isnan(a), np.inf, a), kind="stable")] = np.arange(P)
+    np.testing.assert_array_equal(magnitude_deciles(w), (ranks * N_DECILES // P).astype(np.int8))
