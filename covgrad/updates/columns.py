@@ -110,10 +110,11 @@ def stable_order(values: np.ndarray, largest: bool, groups: np.ndarray | None = 
     to the lowest column, NaN last, −0 tied with +0. ``groups``: (n,) non-negative ints, None: one group.
     int32 positions below 2**31 columns, else int64.
 
-    A least-significant-digit radix sort whose digits are 32-bit: each pass sorts one 64-bit word per column,
-    (digit << 32) | rank in the previous pass, in place (an unstable integer sort that the unique words make
-    stable), so a float64 key takes two passes (low and high half of its ordered bits), float32 one, groups
-    one more. Memory: one uint64 word and three 4-byte arrays per column, filled a chunk at a time."""
+    A least-significant-digit radix sort whose digits are 32-bit: each pass sorts, in place, one 64-bit word per
+    column, (digit << 32) | rank after the previous pass (an unstable integer sort that the unique words make
+    stable), so a float64 key takes two passes (the low and high halves of its ordered bits), float32 one, groups
+    one more. Memory: the words (8 B per column) and two 4-byte arrays, the digits and orders taking turns in
+    them, filled a chunk at a time."""
     v = np.asarray(values).reshape(-1)
     if v.dtype != np.float32:
         v = v.astype(np.float64, copy=False)
@@ -122,42 +123,43 @@ def stable_order(values: np.ndarray, largest: bool, groups: np.ndarray | None = 
         key = sort_key(v, largest)
         return np.argsort(key, kind="stable") if groups is None else np.lexsort((key, np.asarray(groups)))
     words = np.empty(n, dtype=np.uint64)
-    digits = np.empty(n, dtype=np.uint32)  # the next pass's digit of every column, in column order
+    spare = np.empty(n, dtype=np.uint32)  # the next pass's digits in column order, then an order
+    wide = v.dtype != np.float32
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
         bits = _key_bits(v[lo:hi], largest)
-        if v.dtype == np.float32:
-            digits[lo:hi] = bits
-            continue
-        digits[lo:hi] = bits >> np.uint64(32)
-        words[lo:hi] = ((bits & _LOW) << np.uint64(32)) | np.arange(lo, hi, dtype=np.uint64)
-    order = None if v.dtype == np.float32 else _sorted_pass(words, None)
-    order = _stable_pass(words, digits, order)
+        spare[lo:hi] = bits >> np.uint64(32) if wide else bits
+        if wide:
+            words[lo:hi] = ((bits & _LOW) << np.uint64(32)) | np.arange(lo, hi, dtype=np.uint64)
+    if wide:
+        words.sort()
+        first = _ranks(words, None, np.empty(n, dtype=np.uint32))
+        order = _radix_pass(words, spare, first, spare)
+        spare = first
+    else:
+        order = _radix_pass(words, spare, None, spare)
+        spare = np.empty(n, dtype=np.uint32) if groups is not None else None
     if groups is not None:
-        g = np.asarray(groups).reshape(-1)
-        for lo in range(0, n, CHUNK):
-            digits[lo : min(n, lo + CHUNK)] = g[lo : min(n, lo + CHUNK)]
-        order = _stable_pass(words, digits, order)
-    del words, digits
+        order = _radix_pass(words, np.asarray(groups).reshape(-1), order, spare)
     return order.view(np.int32) if n < 2**31 else order.astype(np.int64)
 
 
-def _stable_pass(words: np.ndarray, digits: np.ndarray, order: np.ndarray | None) -> np.ndarray:
+def _radix_pass(words: np.ndarray, digits: np.ndarray, order: np.ndarray | None, out: np.ndarray) -> np.ndarray:
     """One pass of :func:`stable_order`: ``order`` (n,) (None: the identity) re-sorted stably by ``digits`` (n,)
-    uint32 of the columns, using ``words`` (n,) uint64 as the sort buffer."""
+    non-negative ints < 2**32 of the columns (column order), with ``words`` (n,) uint64 as the sort buffer, into
+    ``out`` (n,) uint32 (which may be ``digits``: they are all read before it is written; never ``order``)."""
     n = words.shape[0]
     for lo in range(0, n, CHUNK):
         hi = min(n, lo + CHUNK)
         d = digits[lo:hi] if order is None else digits[order[lo:hi]]
         words[lo:hi] = (d.astype(np.uint64) << np.uint64(32)) | np.arange(lo, hi, dtype=np.uint64)
-    return _sorted_pass(words, order)
-
-
-def _sorted_pass(words: np.ndarray, order: np.ndarray | None) -> np.ndarray:
-    """Sort ``words`` (n,) uint64 in place and return the previous ranks in their low 32 bits mapped through
-    ``order`` (None: the ranks themselves), uint32."""
     words.sort()
-    out = np.empty(words.shape[0], dtype=np.uint32)
+    return _ranks(words, order, out)
+
+
+def _ranks(words: np.ndarray, order: np.ndarray | None, out: np.ndarray) -> np.ndarray:
+    """``out`` (n,) uint32: the previous ranks in the low 32 bits of the sorted ``words`` (n,) uint64, mapped
+    through ``order`` (None: the ranks themselves)."""
     for lo in range(0, words.shape[0], CHUNK):
         hi = min(words.shape[0], lo + CHUNK)
         rank = (words[lo:hi] & _LOW).astype(np.uint32)
