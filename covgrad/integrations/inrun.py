@@ -39,6 +39,10 @@ Files under ``out_dir`` (plain numpy and JSON: ``covgrad`` writes no stores):
 Memory on the model's device: 48 B per selected parameter for the state (``state_dtype="float32"``: 32 B) and the
 engine's blocks in flight; the statistics and sets are formed on the host (about 100 B per parameter).
 
+On-policy distillation (the trainer's batch is the policy's own samples, its objective a teacher's full
+distribution) folds with :class:`InRunRegimeFolder`: F of the scores beside the regime's own G and ρ = G/(a√F),
+from the teacher's logits of the batch.
+
 The plain hook over it (a trainer's batch mapping, per-token advantages, any group labels) is
 :class:`covgrad.integrations.torch.InRunHook`; on the trainer's FSDP2 ranks, each folding its own shard's columns,
 :class:`covgrad.integrations.ranks.RankInRunFolder`; ``storage.notebook.open_inrun`` opens the files by step.
@@ -52,7 +56,8 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -66,12 +71,17 @@ from covgrad.layout import select_parameters
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.moments.stats import Moments, compute_stats
 from covgrad.moments.topk import count_for_fraction, topk_indices
+from covgrad.regimes.cotangents import Regime, RegimeGrad
+from covgrad.regimes.errors import _ratio
+from covgrad.regimes.fold import RegimeMoments
 from covgrad.scores.centering import score_logit_grad
-from covgrad.scores.engine import PerSampleGrads
+from covgrad.scores.engine import Cotangent, PerSampleGrads
 
 INDEX = "inrun.json"
 METRICS = {"F": "F", "absG": "G", "absrho": "rho"}  # top-set name -> the statistic whose |value| ranks it
 VECTORS = ("F", "G", "rho")
+REGIME_KINDS = ("distill_reverse_kl", "distill_forward_kl")  # the regimes InRunRegimeFolder folds
+REGIME_VECTORS = ("m", "F", "Fvar", "G", "rho")  # its (P,) statistics (no advantages: no Cov)
 # ids, attention mask, position ids (B, L) on the device, response weights (B, L) float32 there, advantages (B,)
 # float64 and accumulator rows (B,) int64 on the CPU
 Batch = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -235,11 +245,20 @@ class InRunFolder:
     def _pass(self, psg: PerSampleGrads, acc: Any, batch: Batch) -> None:
         """``psg.accumulate`` of one batch into ``acc`` in eval mode, every module's ``training`` flag restored."""
         ids, mask, position_ids, w, a, half = batch
-        fn = partial(score_logit_grad, input_ids=ids, target_mask=w, temperature=self.temperature)
+        with self._eval():
+            psg.accumulate(ids, mask, self._score(ids, w), acc, a, half.numpy(), position_ids=position_ids)
+
+    def _score(self, ids: Tensor, w: Tensor) -> Any:
+        """The policy-centred score's logit cotangent of the batch (ids and weights (B, L)) at the temperature."""
+        return partial(score_logit_grad, input_ids=ids, target_mask=w, temperature=self.temperature)
+
+    @contextmanager
+    def _eval(self) -> Iterator[None]:
+        """The model in eval mode, every module's own ``training`` flag put back after (or on an error)."""
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
-            psg.accumulate(ids, mask, fn, acc, a, half.numpy(), position_ids=position_ids)
+            yield
         finally:
             for m, training in modes:
                 m.training = training
@@ -247,8 +266,12 @@ class InRunFolder:
     def _reduce(self, acc: Any) -> tuple[dict[str, Any] | None, dict[str, np.ndarray] | None]:
         """The statistics of the folded state and the top sets (:func:`compute_stats`, :func:`topk_indices`)."""
         stats = statistics(acc.rows())
+        return stats, self._top(stats)
+
+    def _top(self, stats: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The top ceil(q·P) sets by F, |G| and |ρ| (:data:`METRICS`) of (P,) statistics."""
         k = count_for_fraction(self.q, self.layout.P)
-        return stats, {name: topk_indices(np.abs(stats[src]), k) for name, src in METRICS.items()}
+        return {name: topk_indices(np.abs(stats[src]), k) for name, src in METRICS.items()}
 
     def _record(
         self, step: int, stats: dict[str, Any] | None, top: dict[str, np.ndarray] | None, seconds: float
@@ -259,11 +282,7 @@ class InRunFolder:
             return None
         summary = {
             "step": step,
-            "N": int(stats["N"]),
-            "mean_A": float(stats["mean_A"]),
-            "std_A": float(stats["std_A"]),
-            "rho_undefined": bool(stats["rho_undefined"]),
-            "bound_violations": int(stats["bound_violations"]),
+            **self._scalars(stats),
             "q": self.q,
             "k": count_for_fraction(self.q, self.layout.P),
             "seconds": seconds,
@@ -280,6 +299,27 @@ class InRunFolder:
             self._write(result)
         return result
 
+    def _scalars(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The step file's scalars of the statistics (JSON types)."""
+        return {
+            "N": int(stats["N"]),
+            "mean_A": float(stats["mean_A"]),
+            "std_A": float(stats["std_A"]),
+            "rho_undefined": bool(stats["rho_undefined"]),
+            "bound_violations": int(stats["bound_violations"]),
+        }
+
+    def _index(self) -> dict[str, Any]:
+        """What ``inrun.json`` holds."""
+        return {
+            "every_n": self.every_n,
+            "q": self.q,
+            "temperature": self.temperature,
+            "vectors": list(self.vectors),
+            "steps": self.steps,
+            "tensors": self.layout.to_records(),
+        }
+
     def _write(self, result: InRunStep) -> None:
         """``step_{t:06d}.npz`` and ``.json`` of one fold, then the index."""
         assert self.out is not None
@@ -288,12 +328,136 @@ class InRunFolder:
         arrays.update({f"top_{m}": idx for m, idx in result.top.items()})
         np.savez(self.out / f"{name}.npz", **arrays)
         (self.out / f"{name}.json").write_text(json.dumps(result.summary, indent=1))
-        index = {
-            "every_n": self.every_n,
-            "q": self.q,
-            "temperature": self.temperature,
-            "vectors": list(self.vectors),
-            "steps": self.steps,
-            "tensors": self.layout.to_records(),
-        }
-        (self.out / INDEX).write_text(json.dumps(index))
+        (self.out / INDEX).write_text(json.dumps(self._index()))
+
+
+class InRunRegimeFolder(InRunFolder):
+    """In-run statistics of on-policy distillation against a teacher's full distribution: the trainer's batch is
+    the policy's own samples and its objective a full-distribution regime (:data:`REGIME_KINDS`, docs/regimes.md
+    R3), every ``every_n`` steps as :class:`InRunFolder` folds them.
+
+    A due step runs one forward and two per-sample backwards (:meth:`PerSampleGrads.accumulate_many`): the
+    policy-centred score into a :class:`MomentAccumulator` (advantages 0), whose statistics give m, F = mean(s²)
+    and Fvar, and the regime's cotangent (:class:`covgrad.regimes.cotangents.RegimeGrad` with the teacher's logits)
+    into a :class:`covgrad.regimes.fold.RegimeMoments`, whose mean is the regime's G = mean_n g_n (the ascent
+    direction of −Σ_t KL: a step follows +G, up to the trainer's normalisation) and whose bound scalar gives
+    a² = mean_n c²_n. Then ρ = G / (a·√F), with |ρ| ≤ 1 in expectation (the regimes stage's ρ), and
+    ``bound_violations`` counts the coordinates with |G| > a·√F (in-sample they are possible: the bound holds in
+    expectation). The top sets rank F, |G| and |ρ|.
+
+    The files are :class:`InRunFolder`'s, with ``mean_A`` and ``std_A`` NaN (the batch has no advantages), and
+    ``bound_a2`` (a²) and ``regime`` (its kind) added to each step's JSON; ``inrun.json`` adds ``regime`` (kind,
+    temperature, teacher_temperature). Memory: two states (the score's and the regime's), each about
+    :class:`InRunFolder`'s, and the teacher's (B, L, V) logits beside the policy's.
+
+    Args:
+        model: the policy, on its device.
+        regime: the objective (its ``temperature`` is the score's too).
+        params, every_n, out_dir, q, state_dtype, check: as :class:`InRunFolder`.
+        vectors: the (P,) statistics written per step, any of :data:`REGIME_VECTORS`.
+
+    Raises:
+        ValueError: a regime not in :data:`REGIME_KINDS`, or a vector not in :data:`REGIME_VECTORS`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        regime: Regime,
+        params: Sequence[str] | None = None,
+        every_n: int = 1,
+        out_dir: str | Path | None = None,
+        *,
+        q: float = 0.01,
+        vectors: Sequence[str] = VECTORS,
+        state_dtype: str = "float64",
+        check: bool = False,
+    ) -> None:
+        if regime.kind not in REGIME_KINDS:
+            raise ValueError(f"in-run regime {regime.kind!r} is not one of {REGIME_KINDS}")
+        bad = sorted(set(vectors) - set(REGIME_VECTORS))
+        if bad:
+            raise ValueError(f"vectors {bad} are not statistics of a regime fold; choose from {REGIME_VECTORS}")
+        super().__init__(
+            model,
+            params,
+            every_n,
+            out_dir,
+            q=q,
+            temperature=regime.temperature,
+            vectors=vectors,
+            state_dtype=state_dtype,
+            check=check,
+        )
+        self.regime = regime
+
+    def fold(  # the teacher's logits take the advantages' place
+        self,
+        step: int,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_mask: Tensor,
+        teacher_logits: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        group: Tensor | np.ndarray | None = None,
+    ) -> InRunStep | None:
+        """The statistics of one batch at the model's current weights when ``step`` is due (else None).
+
+        Args:
+            step, input_ids, attention_mask, response_mask, position_ids: as :meth:`InRunFolder.fold`.
+            teacher_logits: (B, L, V) the teacher's logits of the same rows (aligned like the policy's: position
+                t predicts token t + 1), any device and float dtype.
+            group: (B,) prompt group of each row (the accumulator row is its parity, and the regime's groups);
+                None: one row, every sample its own group.
+
+        Raises:
+            ValueError: as :meth:`InRunFolder.fold`, or teacher logits of another shape than the policy's.
+        """
+        if not self.due(step):
+            return None
+        start = time.perf_counter()
+        B = input_ids.shape[0]
+        zeros = torch.zeros(B, dtype=torch.float64)
+        ids, mask, pos, w, a, half = self._batch(input_ids, attention_mask, response_mask, zeros, position_ids, group)
+        fn = RegimeGrad(self.regime, ids, w, teacher_logits=teacher_logits.detach().to(ids.device))
+        if self._psg is None:
+            self._psg = PerSampleGrads(self.model, self.layout, check=self.check)
+        device = self._device()
+        scores = MomentAccumulator(self.layout.P, device, self.state_dtype, halves=2)
+        regime = RegimeMoments(self.layout.P, device, self.state_dtype, halves=2)
+        halves = half.numpy()
+        groups = None if group is None else np.asarray(torch.as_tensor(group).cpu())
+        with self._eval():
+            cotangents = [Cotangent(self._score(ids, w), scores, a, halves), regime.cotangent(fn, halves, group=groups)]
+            self._psg.accumulate_many(ids, mask, cotangents, position_ids=pos)
+        stats, top = self._regime_reduce(scores, regime)
+        return self._record(int(step), stats, top, time.perf_counter() - start)
+
+    def _regime_reduce(self, scores: Any, regime: RegimeMoments) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The score's m, F, Fvar, the regime's G, a², ρ = G/(a√F) and its bound violations, and the top sets."""
+        stats = statistics(scores.rows())
+        del stats["Cov"]  # Cov(A, s) with no advantages: not a statistic of this fold
+        G, a2 = regime.gradient(), regime.bound_a2()  # a full-distribution regime has its a² (float)
+        bound = np.sqrt(a2 * stats["F"])
+        rho = _ratio(G, bound)
+        stats.update(
+            G=G,
+            rho=rho,
+            bound_a2=a2,
+            mean_A=math.nan,
+            std_A=math.nan,
+            rho_undefined=not bool(np.isfinite(rho).any()),
+            bound_violations=int(np.count_nonzero(np.abs(G) > bound * (1 + 1e-6))),
+        )
+        return stats, self._top(stats)
+
+    def _scalars(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`InRunFolder._scalars`, with the regime's kind and a² = ``bound_a2``."""
+        return {**super()._scalars(stats), "regime": self.regime.kind, "bound_a2": float(stats["bound_a2"])}
+
+    def _index(self) -> dict[str, Any]:
+        """:meth:`InRunFolder._index`, with the regime."""
+        r = self.regime
+        regime = {"kind": r.kind, "temperature": r.temperature, "teacher_temperature": r.teacher_temperature}
+        return {**super()._index(), "regime": regime}

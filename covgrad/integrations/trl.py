@@ -40,6 +40,13 @@ Every ``every_n`` steps it folds the generation batch the trainer is about to tr
 generated it (the step's θ_t): rows prompt + completion as TRL forms them, TRL's loss mask (``completion_mask``,
 times ``tool_mask`` when present: a completion ``mask_truncated_completions`` left out scores 0), TRL's sequence
 advantages, its prompt groups of ``num_generations`` and its temperature.
+
+Attached to TRL's on-policy ``DistillationTrainer`` it folds the student's generation batch the same way with
+:class:`covgrad.integrations.inrun.InRunRegimeFolder`: F of the student's scores, and the G of TRL's divergence
+(``beta=1``: ``distill_reverse_kl``, ``beta=0``: ``distill_forward_kl``; a generalized JSD, 0 < β < 1, has no
+covgrad regime and is refused) from the teacher's logits of the same rows, both at TRL's temperature. TRL's loss
+is a token mean over the batch, so its step's −∇ is (N/T)·G, T the batch's loss tokens (docs/regimes.md,
+"Matching TRL's DistillationTrainer").
 """
 
 from __future__ import annotations
@@ -53,11 +60,13 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from covgrad.integrations.inrun import VECTORS, InRunFolder
+from covgrad.integrations.inrun import VECTORS, InRunFolder, InRunRegimeFolder
+from covgrad.regimes.cotangents import Regime
 from covgrad.rollouts.sampling import SamplerSpec, sampler_log_probs
 
 MANIFEST = "manifest.json"
 ROLLOUTS = "rollouts.jsonl"
+DISTILL_REGIMES = {1.0: "distill_reverse_kl", 0.0: "distill_forward_kl"}  # DistillationTrainer's beta -> regime
 
 
 def _sampling(args: Any) -> dict[str, Any]:
@@ -231,8 +240,53 @@ class CovgradRecorder(TrainerCallback):
         self._save(int(state.global_step), kwargs["model"], kwargs.get("processing_class"))
 
 
+def distillation_regime(trainer: Any) -> Regime | None:
+    """The covgrad regime of a TRL ``DistillationTrainer``'s loss (its ``beta``, student and teacher at its
+    ``temperature``); None for any other trainer.
+
+    Raises:
+        ValueError: a generalized JSD (0 < beta < 1), or a trainer without a local ``teacher_model``.
+    """
+    try:
+        from trl import DistillationTrainer
+    except ImportError:  # a TRL without it
+        return None
+    if not isinstance(trainer, DistillationTrainer):
+        return None
+    kind = DISTILL_REGIMES.get(float(trainer.beta))
+    if kind is None:
+        raise ValueError(f"CovgradInRun: covgrad has no regime for TRL's generalized JSD (beta={trainer.beta})")
+    if trainer.teacher_model is None:
+        raise ValueError("CovgradInRun: the DistillationTrainer has no local teacher_model to take logits from")
+    tau = float(trainer.temperature)
+    return Regime(kind, temperature=tau, teacher_temperature=tau)
+
+
+def _rows(out: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A TRL generation batch's rows prompt + completion (B, L): ids, attention mask and the loss mask
+    (``completion_mask``, times ``tool_mask`` when present) aligned with the tokens."""
+    prompt_mask, comp_mask = out["prompt_mask"], out["completion_mask"]
+    loss_mask = comp_mask if "tool_mask" not in out else comp_mask * out["tool_mask"]
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    return ids, torch.cat([prompt_mask, comp_mask], 1), torch.cat([torch.zeros_like(prompt_mask), loss_mask], 1)
+
+
+@torch.no_grad()
+def teacher_logits(trainer: Any, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The ``DistillationTrainer``'s teacher's logits (B, L, V) of rows ``ids`` (B, L), at the positions the
+    in-run fold gives the student (cumsum(mask) − 1, :meth:`InRunFolder.fold`); the teacher in eval mode, as
+    TRL's loss puts it."""
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    teacher.eval()
+    device = next(teacher.parameters()).device
+    mask = attention_mask.to(device)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    return teacher(input_ids=ids.to(device), attention_mask=mask, position_ids=pos, use_cache=False).logits
+
+
 class CovgradInRun(TrainerCallback):
-    """In-run statistics of a ``GRPOTrainer`` run (see the module docstring and :class:`InRunFolder`).
+    """In-run statistics of a ``GRPOTrainer`` or ``DistillationTrainer`` run (see the module docstring,
+    :class:`InRunFolder` and :class:`InRunRegimeFolder`).
 
     Args:
         out_dir: where the per-step files go (created).
@@ -256,30 +310,31 @@ class CovgradInRun(TrainerCallback):
         self.folder: InRunFolder | None = None
 
     def attach(self, trainer: Any) -> CovgradInRun:
-        """Wrap ``trainer``'s generation so that every due training generation batch is folded."""
+        """Wrap ``trainer``'s generation so that every due training generation batch is folded (a
+        ``DistillationTrainer``'s with its regime, :func:`distillation_regime`)."""
         if getattr(trainer.accelerator, "num_processes", 1) != 1:
             raise ValueError("CovgradInRun folds in one process; run the trainer on one process")
         model = trainer.accelerator.unwrap_model(trainer.model)
-        self.folder = folder = InRunFolder(
-            model, self.params, self.every_n, self.out, q=self.q, temperature=trainer.temperature, vectors=self.vectors
-        )
+        regime = distillation_regime(trainer)
+        common = {"q": self.q, "vectors": self.vectors}
+        folder: InRunFolder
+        if regime is None:
+            folder = InRunFolder(model, self.params, self.every_n, self.out, temperature=trainer.temperature, **common)
+        else:
+            folder = InRunRegimeFolder(model, regime, self.params, self.every_n, self.out, **common)
+        self.folder = folder
         generate_fn = trainer._generate_and_score_completions
 
         def generate_and_score(inputs: Any) -> dict[str, Any]:
             out = generate_fn(inputs)
             step = int(trainer.state.global_step)
             if trainer.model.training and folder.due(step):  # evaluation generations are not the run's samples
-                prompt_mask, comp_mask = out["prompt_mask"], out["completion_mask"]
-                loss_mask = comp_mask if "tool_mask" not in out else comp_mask * out["tool_mask"]
-                B = comp_mask.shape[0]
-                folder.fold(
-                    step,
-                    torch.cat([out["prompt_ids"], out["completion_ids"]], 1),
-                    torch.cat([prompt_mask, comp_mask], 1),
-                    torch.cat([torch.zeros_like(prompt_mask), loss_mask], 1),
-                    out["advantages"],
-                    group=torch.arange(B) // int(trainer.num_generations),
-                )
+                ids, attention_mask, loss_mask = _rows(out)
+                if isinstance(folder, InRunRegimeFolder):  # one completion per prompt: each its own group
+                    folder.fold(step, ids, attention_mask, loss_mask, teacher_logits(trainer, ids, attention_mask))
+                else:
+                    group = torch.arange(ids.shape[0]) // int(trainer.num_generations)
+                    folder.fold(step, ids, attention_mask, loss_mask, out["advantages"], group=group)
             return out
 
         trainer._generate_and_score_completions = generate_and_score
