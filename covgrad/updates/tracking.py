@@ -86,23 +86,44 @@ def half_spacing(w: torch.Tensor) -> torch.Tensor:
 _BF16_HALF: np.ndarray | None = None
 
 
-def half_spacing_fast(w: torch.Tensor) -> torch.Tensor:
-    """:func:`half_spacing` (float64, same values): for bf16 a lookup of the 65,536 bit patterns' half gaps
-    (:func:`bf16_half_spacing` of each, built once), one gather instead of the bit arithmetic; ValueError for
-    inf or NaN entries."""
+def _bf16_half_table() -> np.ndarray:
+    """(65536,) float64 :func:`bf16_half_spacing` of every bf16 bit pattern (NaN for inf and NaN), built once."""
     global _BF16_HALF
-    if w.dtype != torch.bfloat16:
-        return half_spacing(w)
     if _BF16_HALF is None:
         patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
         finite = torch.isfinite(patterns)
         table = torch.full((1 << 16,), math.nan, dtype=torch.float64)
         table[finite] = bf16_half_spacing(patterns[finite]).double()
         _BF16_HALF = table.numpy()
-    h = _BF16_HALF[w.view(torch.int16).numpy().view(np.uint16)]
+    return _BF16_HALF
+
+
+_NON_FINITE = "bf16_half_spacing: bf16(w) has inf or NaN entries; pass finite weights within bf16 range"
+
+
+def half_spacing_fast(w: torch.Tensor) -> torch.Tensor:
+    """:func:`half_spacing` (float64, same values): for bf16 a lookup of the 65,536 bit patterns' half gaps
+    (:func:`bf16_half_spacing` of each, built once), one gather instead of the bit arithmetic; ValueError for
+    inf or NaN entries."""
+    if w.dtype != torch.bfloat16:
+        return half_spacing(w)
+    h = _bf16_half_table()[w.view(torch.int16).numpy().view(np.uint16)]
     if np.isnan(h).any():
-        raise ValueError("bf16_half_spacing: bf16(w) has inf or NaN entries; pass finite weights within bf16 range")
+        raise ValueError(_NON_FINITE)
     return torch.from_numpy(h)
+
+
+def half_spacing_at_most(w: torch.Tensor, bound: float) -> np.ndarray:
+    """(n,) bool ``half_spacing_fast(w) <= bound`` for ``w`` (n,) without forming the float64 gaps: for bf16 a
+    one-byte lookup of the 65,536 bit patterns' answers; ValueError for inf or NaN entries."""
+    if w.dtype != torch.bfloat16:
+        return (half_spacing(w) <= bound).numpy()
+    table = _bf16_half_table()
+    answer = np.where(np.isnan(table), 2, table <= bound).astype(np.uint8)  # 2: not finite
+    got = answer[w.view(torch.int16).numpy().view(np.uint16)]
+    if np.any(got == 2):
+        raise ValueError(_NON_FINITE)
+    return got.view(np.bool_)
 
 
 def value_bits(values: torch.Tensor) -> np.ndarray:
@@ -298,6 +319,7 @@ class ChangeTracker:
         self.files.write("start", value_bits(start))
         self.prev = start.clone()
         self.counts = np.zeros(n, dtype=np.uint16)  # steps that changed each coordinate
+        self.hist = np.asarray([n], dtype=np.int64)  # (steps + 1,) coordinates changed in exactly j steps
         self.last = np.zeros(n, dtype=bool)  # the previous step's changed set
         self.steps = 0  # steps recorded
         self.lr_sum, self.lr_sq_sum = 0.0, 0.0  # Σ lr_j and Σ lr_j² over the steps recorded
@@ -398,6 +420,9 @@ class ChangeTracker:
         """Restore :meth:`state_dict`'s output."""
         self.prev = state["prev"].clone()
         self.counts = state["counts"].numpy().astype(np.uint16)
+        self.hist = np.zeros(int(state["steps"]) + 1, dtype=np.int64)
+        for lo in range(0, self.n, self.chunk):
+            self.hist += np.bincount(self.counts[lo : lo + self.chunk], minlength=self.hist.shape[0])
         self.last = state["last"].numpy().copy()
         self.steps = int(state["steps"])
         self.union = {r: state["union"][r].numpy().copy() for r in self.rules}
@@ -441,27 +466,29 @@ class ChangeTracker:
         first step); ``bound`` (SGD) lr·adv_rms·√F ≥ h(w); ``drift_rule`` (Adam/AdamW) the step at which the drift
         model's reach (:func:`drift_reach` at the learning-rate sums including this step's) crosses w_0 ± h,
         ± 3h, … (its cumulative set: reach ≥ h(w_0)); h = :func:`half_spacing` in the stored dtype, float64."""
-        h = half_spacing_fast(prev)
         if self.spec.name == "sgd":
+            h = half_spacing_fast(prev)
             masks = {"absorb": lr * grad.double().abs() >= h}
+            if "bound" in self.rules:
+                F = torch.from_numpy(self.files.read("F", lo, hi))
+                masks["bound"] = lr * adv_rms * F.clamp(min=0).sqrt() >= h
         else:  # lr·|ĝ|/(|ĝ| + eps) < lr: only columns with h ≤ lr can be absorbed
-            masks = {"absorb": torch.zeros(h.shape, dtype=torch.bool)}
-            at = torch.nonzero(h <= lr).squeeze(1)
+            masks = {"absorb": torch.zeros(prev.shape, dtype=torch.bool)}
+            at = torch.from_numpy(np.flatnonzero(half_spacing_at_most(prev, lr)))
             g = grad[at].double().abs()
-            masks["absorb"][at] = lr * g / (g + ADAM_EPS) >= h[at]
-        if "bound" in self.rules:
-            F = torch.from_numpy(self.files.read("F", lo, hi))
-            masks["bound"] = lr * adv_rms * F.clamp(min=0).sqrt() >= h
+            masks["absorb"][at] = lr * g / (g + ADAM_EPS) >= half_spacing_fast(prev[at])
         if self.drift:
-            h0 = half_spacing_fast(self._start(lo, hi)).float()
-            masks["drift_rule"] = torch.zeros(h0.shape, dtype=torch.bool)
+            start = self._start(lo, hi)
+            masks["drift_rule"] = torch.zeros(start.shape, dtype=torch.bool)
             after = (self.lr_sum + lr, self.lr_sq_sum + lr * lr)
-            # reach ≤ √(Σlr² + Σlr_j²) for any c: columns with h(w_0) beyond it cross no midpoint yet
-            at = torch.nonzero(h0.double() <= math.sqrt(after[0] ** 2 + after[1]) * (1 + 1e-9)).squeeze(1)
-            if at.numel():
-                c = torch.from_numpy(self.files.read("c", lo, hi))[at]
-                before = self.drift_crossings(c, h0[at], self.lr_sum, self.lr_sq_sum)
-                masks["drift_rule"][at] = self.drift_crossings(c, h0[at], *after) > before
+            # reach ≤ √(Σlr² + Σlr_j²) for any c: columns with h(w_0) beyond it cross no midpoint yet (h of a bf16
+            # or float32 weight is a power of two, exact in float32)
+            at = np.flatnonzero(half_spacing_at_most(start, math.sqrt(after[0] ** 2 + after[1]) * (1 + 1e-9)))
+            if at.shape[0]:
+                h0 = half_spacing_fast(start[torch.from_numpy(at)]).float()
+                c = torch.from_numpy(self.files.read("c", lo, hi)[at])
+                before = self.drift_crossings(c, h0, self.lr_sum, self.lr_sq_sum)
+                masks["drift_rule"][torch.from_numpy(at)] = self.drift_crossings(c, h0, *after) > before
         return masks
 
     def record(self, now: torch.Tensor, grad: torch.Tensor | None, lr: float, adv_rms: float) -> dict:
@@ -533,7 +560,8 @@ class ChangeTracker:
             for scope in SCOPES
         }
         last_counts = np.zeros(2, dtype=np.int64)
-        hist = np.zeros(self.steps + 2, dtype=np.int64)
+        hist = np.zeros(self.steps + 2, dtype=np.int64)  # the counts' histogram, updated where a count moves
+        hist[: self.hist.shape[0]] = self.hist
         for lo in range(0, self.n, self.chunk):
             hi = min(self.n, lo + self.chunk)
             nw, pv, st = now[lo:hi], self.prev[lo:hi], self._start(lo, hi)
@@ -558,13 +586,17 @@ class ChangeTracker:
                     a[r] += [np.count_nonzero(pred), np.count_nonzero(pred[at])]
             last = self.last[lo:hi]
             last_counts += [np.count_nonzero(last), np.count_nonzero(last[sets["step"]])]
-            self.counts[lo:hi] += sets["step"]
-            hist += np.bincount(self.counts[lo:hi], minlength=self.steps + 2)
+            changed = lo + np.flatnonzero(sets["step"])
+            before = self.counts[changed]
+            self.counts[changed] = before + 1
+            hist -= np.bincount(before, minlength=self.steps + 2)
+            hist += np.bincount(before + 1, minlength=self.steps + 2)
         local: list[np.ndarray] = []
         for scope in SCOPES:
             a = acc[scope]
             local += [a["n"], a["above"], a["tensor"], a["decile"], *(a[r] for r in rules)]
-        return [*local, last_counts, hist]
+        self.hist = hist
+        return [*local, last_counts, hist.copy()]
 
     @staticmethod
     def _split(values: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
