@@ -1,6 +1,6 @@
 """Integrations with training stacks: in-run statistics any trainer can call (``covgrad.integrations.inrun``; the
 plain hook ``covgrad.integrations.torch``; on the trainer's FSDP2 ranks ``covgrad.integrations.ranks``) and TRL's
-``GRPOTrainer`` callbacks (``covgrad.integrations.trl``, optional extra ``trl``).
+``GRPOTrainer`` and ``DistillationTrainer`` callbacks (``covgrad.integrations.trl``, optional extra ``trl``).
 
 Names re-exported lazily (:mod:`covgrad.lazy`).
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from covgrad.lazy import exports
 
 if TYPE_CHECKING:
-    from covgrad.integrations.inrun import InRunFolder, InRunStep
+    from covgrad.integrations.inrun import InRunFolder, InRunRegimeFolder, InRunStep
     from covgrad.integrations.ranks import RankInRunFolder, RankPlan, prepare_ranks
     from covgrad.integrations.torch import InRunHook
     from covgrad.integrations.trl import CovgradInRun, CovgradRecorder
@@ -22,6 +22,7 @@ _EXPORTS = {
     "CovgradRecorder": "covgrad.integrations.trl",
     "InRunFolder": "covgrad.integrations.inrun",
     "InRunHook": "covgrad.integrations.torch",
+    "InRunRegimeFolder": "covgrad.integrations.inrun",
     "InRunStep": "covgrad.integrations.inrun",
     "RankInRunFolder": "covgrad.integrations.ranks",
     "RankPlan": "covgrad.integrations.ranks",
@@ -33,6 +34,7 @@ __all__ = [
     "CovgradRecorder",
     "InRunFolder",
     "InRunHook",
+    "InRunRegimeFolder",
     "InRunStep",
     "RankInRunFolder",
     "RankPlan",
