@@ -126,6 +126,56 @@ def predictor_rows(items: list[tuple[str, xr.Dataset, Path]], steps: list[int]) 
     return rows
 
 
+def step_predictor_rows(items: list[tuple[str, xr.Dataset, Path]], after: int) -> list[dict]:
+    """Each predictor's precision (= recall) on the per-step changed sets, mean over the steps after ``after``."""
+    rows = []
+    for label, ds, _ in items:
+        K = int(ds.sizes["step"])
+        if after >= K:
+            continue
+        row: dict = {"cell": label, "steps": f"{after + 1}-{K}"}
+        for p in PREDICTORS:
+            if f"step_{p}_precision" in ds:
+                row[p] = float(np.nanmean(ds[f"step_{p}_precision"].values[after:]))
+        for rule in ("drift_rule", "absorb"):
+            if f"step_{rule}_precision" in ds:
+                pr = np.nanmean(ds[f"step_{rule}_precision"].values[after:])
+                rc = np.nanmean(ds[f"step_{rule}_recall"].values[after:])
+                row[f"{rule} rule P / R"] = f"{pr:.3f} / {rc:.3f}"
+        rows.append(row)
+    return rows
+
+
+def decile_predictor_rows(items: list[tuple[str, xr.Dataset, Path]]) -> list[dict]:
+    """Within each |w_0| decile that changed by the last step, each decile predictor's precision on the
+    cumulative set there (k = the decile's changed count)."""
+    rows = []
+    for label, ds, _ in items:
+        names = [p for p in PREDICTORS if f"decile_cum_{p}_precision" in ds]
+        for dec in range(ds.sizes.get("decile", 0)):
+            values = {p: float(ds[f"decile_cum_{p}_precision"].values[-1, dec]) for p in names}
+            if all(np.isnan(v) for v in values.values()):
+                continue
+            rows.append({"cell": label, "decile": dec, **values})
+    return rows
+
+
+def cost_rows(items: list[tuple[str, xr.Dataset, Path]]) -> list[dict]:
+    """The stage's seconds and peak resident memory (from its completion marker) and the code it ran."""
+    rows = []
+    for label, _, d in items:
+        marker = json.loads((d / "_COMPLETE.json").read_text())
+        rows.append(
+            {
+                "cell": label,
+                "seconds": float(marker.get("seconds", float("nan"))),
+                "peak GiB": float(marker.get("peak_rss_bytes", float("nan"))) / 2**30,
+                "commit": str(marker.get("environment", {}).get("git_commit", ""))[:7],
+            }
+        )
+    return rows
+
+
 def kind_rows(items: list[tuple[str, xr.Dataset, Path]]) -> list[dict]:
     rows = []
     for label, ds, _ in items:
@@ -169,6 +219,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path)
     ap.add_argument("--steps", type=int, nargs="+", default=[1, 4, 16, 32, 64, 100])
+    ap.add_argument("--after", type=int, default=50, help="per-step predictor means over the steps after this one")
     args = ap.parse_args()
     warnings.simplefilter("ignore", RuntimeWarning)  # means over empty windows print as nan
     items = runs(args.root)
@@ -181,8 +232,14 @@ def main() -> None:
             "Step-0 predictors on the cumulative changed set (precision = recall; rules P / R)",
             predictor_rows(items, args.steps),
         ),
+        (
+            "Step-0 predictors on the per-step changed sets after the warmup (precision = recall; rules P / R)",
+            step_predictor_rows(items, args.after),
+        ),
+        ("Within |w_0| deciles: precision on the cumulative set at the last step", decile_predictor_rows(items)),
         ("By kind of tensor", kind_rows(items)),
         ("d_1 within |w_0| deciles (d0 = smallest |w_0|)", decile_rows(items)),
+        ("Stage cost", cost_rows(items)),
     ):
         if rows:
             print(f"### {title}\n\n{table(rows)}\n")
