@@ -31,19 +31,32 @@ own CPU time); on cuda in wall time, the device synchronized at each end of a ti
         --params "model.layers.*.mlp.down_proj.weight"
 
 ``--parts`` times the parts of a fold (median over ``--reps`` folds after a warm-up): the engine's pass into fresh
-state, the statistics read off it (``compute_stats`` of the two halves' rows), the three top-1% selections and the
-files written.
+state, the statistics read off it block by block (``compute_stats`` of each block of the two halves' rows, the
+three streamed top-1% sets, the vectors into their temporary files) and the step's files written. ``--block``: the
+folders' columns per block (default ``covgrad.integrations.blocks.BLOCK``).
+
+``--memory`` measures the host memory of the statistics phase instead (the blocks' statistics, the sets and the
+files of one fold, ``keep=()``), with ``--block`` columns a block and with one block of all P (the whole-array
+reads), each in a fresh process after its engine pass: the peak resident set above the phase's start (the kernel's
+high-water mark, reset at the start; freed heap returned first) and the peak of the allocations ``tracemalloc``
+sees (numpy's; torch's host copies are not traced).
+
+    python -m benchmarks.inrun --memory --model large --block 65536
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -57,9 +70,8 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from benchmarks.scores import MODELS, build, make_batch
-from covgrad.integrations.inrun import METRICS, InRunFolder
-from covgrad.integrations.inrun import statistics as fold_statistics
-from covgrad.moments.topk import count_for_fraction, topk_indices
+from covgrad.integrations.blocks import BLOCK, StepVectors
+from covgrad.integrations.inrun import InRunFolder
 
 Batch = tuple[Tensor, Tensor, Tensor, np.ndarray]  # ids (B, L), attention mask (B, L), response mask (B, L), A (B,)
 Shape = tuple[int, int, int]  # rows, prompt tokens, response tokens
@@ -125,14 +137,15 @@ def measure(
     reps: int,
     clock: Callable[[], float],
     out: str,
+    block: int,
 ) -> None:
     """Print one table row per alternative of model ``name`` (``shape``: its batch shape, None: the model's;
-    ``params``: the globs of the parameters folded, None: all)."""
+    ``params``: the globs of the parameters folded, None: all; ``block``: the folder's columns per block)."""
     model, vocab, default = load(name, device)
     shape = shape or default
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     data = batches(vocab, shape, max(steps, *every), device)
-    folder = InRunFolder(model, params, every_n=1, out_dir=os.path.join(out, Path(name).name))
+    folder = InRunFolder(model, params, every_n=1, out_dir=os.path.join(out, Path(name).name), block=block)
     folder.fold(0, *data[0])  # warm-up: the first call traces
     run_steps(model, opt, data[:1], None)  # warm-up of the trainer's step
     runs: dict[str, tuple[int | None, int]] = {"trainer": (None, steps)}
@@ -161,29 +174,74 @@ def parts(
     reps: int,
     clock: Callable[[], float],
     out: str,
+    block: int,
 ) -> None:
     """Print one table row per part of a fold of model ``name`` (median over ``reps`` folds): the parts of
-    ``InRunFolder.fold`` timed one by one."""
+    ``InRunFolder.fold`` timed one by one, the statistics ``block`` columns at a time."""
     model, vocab, default = load(name, device)
     data = batches(vocab, shape or default, 1, device)
-    folder = InRunFolder(model, params, every_n=1, out_dir=os.path.join(out, f"{Path(name).name}-parts"))
+    folder = InRunFolder(model, params, every_n=1, out_dir=os.path.join(out, f"{Path(name).name}-parts"), block=block)
     folder.fold(0, *data[0])  # warm-up: the first call traces
-    k = count_for_fraction(folder.q, folder.layout.P)
-    times: dict[str, list[float]] = {"engine pass": [], "statistics": [], "top-k (3 sets)": [], "files": []}
+    times: dict[str, list[float]] = {"engine pass": [], "statistics, sets, vectors (blocks)": [], "files": []}
     for rep in range(reps):
+        step = rep + 1
         t0 = clock()
         acc = folder._fold(*folder._batch(*data[0], None, None))
         t1 = clock()
-        stats = fold_statistics(acc.rows())
-        t2 = clock()
-        top = {m: topk_indices(np.abs(stats[src]), k) for m, src in METRICS.items()}
-        t3 = clock()
-        folder._record(rep + 1, stats, top, 0.0)
-        t4 = clock()
-        for label, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+        assert folder.out is not None
+        with StepVectors(folder.layout.P, folder.vectors, folder.keep, folder.out, f"step_{step:06d}") as vectors:
+            scalars, top = folder._reduce(acc, vectors)
+            t2 = clock()
+            folder._record(step, scalars, top, vectors, 0.0)
+            t3 = clock()
+        for label, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             times[label].append(dt)
     for label, ts in times.items():
         print(f"| {title(name, folder)} | {label} | {statistics.median(ts):.3f} s |")
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(f"{field}:"))
+    return int(line.split()[1]) * 1024
+
+
+def _phase_memory(
+    name: str, device: str, shape: Shape | None, params: Sequence[str] | None, block: int | None, out: str
+) -> tuple[str, int, float, int, int]:
+    """In a fresh process: one fold's engine pass, then its statistics phase (``keep=()``) measured: the model
+    column, the columns per block, the phase's seconds, its peak resident set above its start and its
+    ``tracemalloc`` peak, in bytes (``block`` None: one block)."""
+    torch.set_num_threads(1)
+    model, vocab, default = load(name, torch.device(device))
+    data = batches(vocab, shape or default, 1, torch.device(device))
+    folder = InRunFolder(model, params, every_n=1, out_dir=out, keep=())
+    folder.block = block or max(folder.layout.P, 1)
+    acc = folder._fold(*folder._batch(*data[0], None, None))
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the engine's freed heap back to the system
+    start = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    folder._finish(0, acc, t0)
+    seconds = time.perf_counter() - t0
+    traced = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return title(name, folder), folder.block, seconds, _status("VmHWM") - start, traced
+
+
+def memory(name: str, device: str, shape: Shape | None, params: Sequence[str] | None, block: int, out: str) -> None:
+    """Print the statistics phase's host memory of model ``name`` with ``block`` columns a block and with one
+    block (each in a fresh process)."""
+    ctx = multiprocessing.get_context("spawn")
+    for b in (block, None):
+        folder = os.path.join(out, f"{Path(name).name}-memory-{b}")
+        with ctx.Pool(1) as pool:
+            label, used, seconds, rss, traced = pool.apply(_phase_memory, (name, device, shape, params, b, folder))
+        print(f"| {label} | {used:,} | {seconds:.2f} s | {rss / 2**20:,.1f} MiB | {traced / 2**20:,.1f} MiB |")
 
 
 def timer(device: torch.device, clock: str) -> Callable[[], float]:
@@ -213,6 +271,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default=None, help="default: cpu time on cpu, wall on cuda")
     ap.add_argument("--parts", action="store_true", help="time the parts of one fold instead of the steps")
+    ap.add_argument("--block", type=int, default=BLOCK, help="the folders' columns per block")
+    ap.add_argument("--memory", action="store_true", help="the statistics phase's host memory, block vs one block")
     args = ap.parse_args()
     for path in args.path:
         if not (Path(path) / "config.json").is_file():
@@ -229,7 +289,10 @@ def main() -> None:
     cpu = platform.processor() or platform.machine()
     gpu = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     print(f"{cpu}{gpu}, {torch.get_num_threads()} torch threads, clock={clock}, torch {torch.__version__}")
-    if args.parts:
+    if args.memory:
+        print("| model (P) | columns a block | time | peak RSS above start | tracemalloc peak |")
+        print("|---|---:|---:|---:|---:|")
+    elif args.parts:
         print("| model (P) | part of a fold | time |\n|---|---|---:|")
     else:
         print("| model (P) | step | time per step | / trainer |\n|---|---|---:|---:|")
@@ -237,10 +300,13 @@ def main() -> None:
     names = (args.model or ([] if args.path else ["small", "large"])) + args.path
     with tempfile.TemporaryDirectory() as out:
         for name in names:
-            if args.parts:
-                parts(name, device, shape, args.params, args.reps, timer(device, clock), out)
+            if args.memory:
+                memory(name, args.device, shape, args.params, args.block, out)
+            elif args.parts:
+                parts(name, device, shape, args.params, args.reps, timer(device, clock), out, args.block)
             else:
-                measure(name, device, shape, args.params, args.every, args.steps, args.reps, timer(device, clock), out)
+                clock_fn = timer(device, clock)
+                measure(name, device, shape, args.params, args.every, args.steps, args.reps, clock_fn, out, args.block)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ row its prompt group's parity, as :func:`covgrad.scores.fold.fold_batches` passe
 state (:class:`covgrad.moments.accum.MomentAccumulator`), reads the statistics off it with the stats stage's
 :func:`covgrad.moments.stats.compute_stats` (every estimator divides by N: F = mean(s²), G = mean(A·s),
 Cov = Cov(A, s), ρ = Cov / (std(A)·√Var(s))) and the exact top-q sets by F, |G| and |ρ| with
-:func:`covgrad.moments.topk.topk_indices` (ties to the lowest index, NaN never selected). The step's state is its
-batch alone: the statistics of θ_t on θ_t's samples, never mixed across steps.
+:func:`covgrad.moments.topk.topk_indices` (ties to the lowest index, NaN never selected). The statistics are read
+off the state ``block`` columns at a time (:mod:`covgrad.integrations.blocks`: every statistic is column by column,
+so the blocks change no byte), the top sets streamed over the blocks (:class:`covgrad.moments.topk.StreamingTopK`,
+exactly ``topk_indices`` of the whole axis). The step's state is its batch alone: the statistics of θ_t on θ_t's
+samples, never mixed across steps.
 
 The trainer is left as it was: the engine freezes the parameters during the pass and restores every
 ``requires_grad`` flag, takes its backward with ``torch.autograd.grad`` (no ``.grad`` is read or written), removes
@@ -28,7 +31,8 @@ graph root of the engine's pass, as any output outside the graph).
 Files under ``out_dir`` (plain numpy and JSON: ``covgrad`` writes no stores):
 
 - ``step_{t:06d}.npz``: the (P,) float64 vectors named in ``vectors`` (default F, G, rho), and ``top_F``,
-  ``top_absG``, ``top_absrho``: the sorted int64 flat indices of the top ceil(q·P) by F, |G|, |ρ|;
+  ``top_absG``, ``top_absrho``: the sorted int64 flat indices of the top ceil(q·P) by F, |G|, |ρ| (the arrays
+  ``np.savez`` writes, the vectors streamed in block by block);
 - ``step_{t:06d}.json``: ``step``, ``N``, ``mean_A``, ``std_A``, ``rho_undefined``, ``bound_violations``, ``q``,
   ``k``, ``seconds`` (the fold and its statistics, not the writes), and per metric the overlap |S_t ∩ S_u| / |S_t|
   with the previous folded step's set (``overlap_prev``, step ``prev_step``) and the first folded step's
@@ -37,7 +41,10 @@ Files under ``out_dir`` (plain numpy and JSON: ``covgrad`` writes no stores):
   (:meth:`covgrad.layout.ParamLayout.to_records`: the flat axis), rewritten after every fold.
 
 Memory on the model's device: 48 B per selected parameter for the state (``state_dtype="float32"``: 32 B) and the
-engine's blocks in flight; the statistics and sets are formed on the host (about 100 B per parameter).
+engine's blocks in flight. On the host: one block's statistics (a few hundred bytes per column of the block), the
+top sets' candidates (16 B per candidate, up to 3·2k) and the ``keep`` vectors the returned :class:`InRunStep`
+holds (8 B per parameter each, those not written; a written one is a view of its npz member); on disk, while a
+step is written, its vectors twice (a temporary ``.npy`` each, then the npz). ``keep=()`` leaves O(block + k).
 
 On-policy distillation (the trainer's batch is the policy's own samples, its objective a teacher's full
 distribution) folds with :class:`InRunRegimeFolder`: F of the scores beside the regime's own G and ρ = G/(a√F),
@@ -67,12 +74,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from covgrad.integrations.blocks import BLOCK, SCALARS, StepVectors, column_blocks, merge_scalars
 from covgrad.layout import select_parameters
 from covgrad.moments.accum import MomentAccumulator
-from covgrad.moments.stats import Moments, compute_stats
-from covgrad.moments.topk import count_for_fraction, topk_indices
+from covgrad.moments.stats import PARAM_STATS, Moments, compute_stats
+from covgrad.moments.topk import StreamingTopK, count_for_fraction
 from covgrad.regimes.cotangents import Regime, RegimeGrad
-from covgrad.regimes.errors import _ratio
+from covgrad.regimes.errors import _ratio, clustered_mean_se
 from covgrad.regimes.fold import RegimeMoments
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import Cotangent, PerSampleGrads
@@ -93,8 +101,10 @@ class InRunStep:
 
     Attributes:
         step: the trainer's step (optimizer steps taken before the batch).
-        stats: :func:`covgrad.moments.stats.compute_stats` of the batch: ``N``, ``mean_A``, ``std_A`` (),
-            ``m``, ``F``, ``Fvar``, ``G``, ``Cov``, ``rho`` (P,) float64, and its scalar checks.
+        stats: :func:`covgrad.moments.stats.compute_stats` of the batch: the scalars ``N``, ``mean_A``, ``std_A``,
+            ``rho_undefined``, ``bound_violations`` (a regime fold's ``bound_a2`` too) and the folder's ``keep``
+            statistics of ``m``, ``F``, ``Fvar``, ``G``, ``Cov``, ``rho``, each (P,) float64 (a written one a
+            read-only view of the step's npz member).
         top: ``F``, ``absG``, ``absrho`` -> sorted (≤ k,) int64 flat indices of the top ceil(q·P).
         summary: what ``step_{t:06d}.json`` holds (scalars and overlaps).
     """
@@ -105,6 +115,11 @@ class InRunStep:
     summary: dict[str, Any]
 
 
+def _name(step: int) -> str:
+    """The file name of a folded step, without its suffix."""
+    return f"step_{step:06d}"
+
+
 def _overlap(a: np.ndarray, b: np.ndarray | None) -> float:
     """|a ∩ b| / |a| of two sorted index sets; NaN when ``a`` is empty or ``b`` is None or empty."""
     if b is None or len(a) == 0 or len(b) == 0:
@@ -113,9 +128,10 @@ def _overlap(a: np.ndarray, b: np.ndarray | None) -> float:
 
 
 def statistics(rows: dict[str, np.ndarray]) -> dict[str, Any]:
-    """:func:`compute_stats` of an accumulator's rows (:meth:`MomentAccumulator.rows`: (H,) scalars and (H, P)
-    state), the halves that hold no sample left out; std(A) = 0 (one reward for the whole batch) leaves ρ NaN
-    silently (``rho_undefined`` reports it)."""
+    """:func:`compute_stats` of an accumulator's rows (:meth:`MomentAccumulator.rows`: (H,) scalars and (H, b)
+    state of any b columns: the statistics of those columns, every one column by column), the halves that hold no
+    sample left out; std(A) = 0 (one reward for the whole batch) leaves ρ NaN silently (``rho_undefined`` reports
+    it)."""
     keep = rows["count"] > 0
     moments = Moments(*(rows[k][keep] for k in ("count", "mean_a", "m2_a", "mean_s", "m2_s", "c_as")))
     with warnings.catch_warnings():
@@ -137,7 +153,16 @@ class InRunFolder:
         vectors: the (P,) statistics written per step (any of ``m, F, Fvar, G, Cov, rho``; () for the sets only).
         state_dtype: ``"float64"`` or ``"float32"`` moment state (:class:`covgrad.moments.accum.MomentAccumulator`).
         check: compare the first fold's summed scores with autograd (one extra forward and backward).
+        keep: the (P,) statistics the returned :class:`InRunStep` holds; None: every one (:attr:`STATISTICS`);
+            () for the scalars and sets only, host memory O(block + k).
+        block: columns of the state read and reduced at a time (≥ 1); one block of ≥ P columns reads it whole.
+
+    Raises:
+        ValueError: every_n < 1, q outside (0, 1], block < 1, or a vector or kept statistic not in
+            :attr:`STATISTICS`.
     """
+
+    STATISTICS: tuple[str, ...] = PARAM_STATS  # the (P,) statistics of a fold
 
     def __init__(
         self,
@@ -151,13 +176,21 @@ class InRunFolder:
         vectors: Sequence[str] = VECTORS,
         state_dtype: str = "float64",
         check: bool = False,
+        keep: Sequence[str] | None = None,
+        block: int = BLOCK,
     ) -> None:
         if every_n < 1:
             raise ValueError(f"every_n must be >= 1; got {every_n}")
         count_for_fraction(q, 1)  # refuses q outside (0, 1]
+        column_blocks(0, block)  # refuses block < 1
+        self.keep = self.STATISTICS if keep is None else tuple(keep)
+        for what, names in (("vectors", vectors), ("keep", self.keep)):
+            bad = sorted(set(names) - set(self.STATISTICS))
+            if bad:
+                raise ValueError(f"{what} {bad} are not statistics of this fold; choose from {self.STATISTICS}")
         self.model, self.every_n, self.q, self.temperature = model, int(every_n), float(q), float(temperature)
         self.layout = select_parameters(model, params)
-        self.vectors, self.state_dtype, self.check = tuple(vectors), state_dtype, check
+        self.vectors, self.state_dtype, self.check, self.block = tuple(vectors), state_dtype, check, int(block)
         self.out = None if out_dir is None else Path(out_dir)
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -201,8 +234,7 @@ class InRunFolder:
             return None
         start = time.perf_counter()
         acc = self._fold(*self._batch(input_ids, attention_mask, response_mask, advantages, position_ids, group))
-        stats, top = self._reduce(acc)
-        return self._record(int(step), stats, top, time.perf_counter() - start)
+        return self._finish(int(step), acc, start)
 
     def _device(self) -> torch.device:
         """The device of the model's first selected parameter (where the state lives)."""
@@ -263,26 +295,52 @@ class InRunFolder:
             for m, training in modes:
                 m.training = training
 
-    def _reduce(self, acc: Any) -> tuple[dict[str, Any] | None, dict[str, np.ndarray] | None]:
-        """The statistics of the folded state and the top sets (:func:`compute_stats`, :func:`topk_indices`)."""
-        stats = statistics(acc.rows())
-        return stats, self._top(stats)
+    def _finish(self, step: int, state: Any, start: float) -> InRunStep | None:
+        """The statistics of the folded ``state`` block by block, the step noted and its files written; ``start``:
+        the fold's :func:`time.perf_counter`."""
+        written = self.vectors if self.out is not None else ()
+        with StepVectors(self.layout.P, written, self.keep, self.out, _name(step)) as vectors:
+            scalars, top = self._reduce(state, vectors)
+            return self._record(step, scalars, top, vectors, time.perf_counter() - start)
 
-    def _top(self, stats: dict[str, Any]) -> dict[str, np.ndarray]:
-        """The top ceil(q·P) sets by F, |G| and |ρ| (:data:`METRICS`) of (P,) statistics."""
-        k = count_for_fraction(self.q, self.layout.P)
-        return {name: topk_indices(np.abs(stats[src]), k) for name, src in METRICS.items()}
+    def _reduce(self, state: Any, vectors: StepVectors) -> tuple[dict[str, Any] | None, dict[str, np.ndarray] | None]:
+        """The step's scalars (:data:`covgrad.integrations.blocks.SCALARS`, :meth:`_block`'s, merged over the
+        blocks) and the top ceil(q·P) sets by F, |G| and |ρ| (:data:`METRICS`), streamed over the blocks of
+        ``block`` columns; each block's statistics put into ``vectors``."""
+        tops = {name: StreamingTopK(count_for_fraction(self.q, self.layout.P)) for name in METRICS}
+        scalars = None
+        for lo, hi in column_blocks(self.layout.P, self.block):
+            stats = self._block(state, lo, hi)
+            scalars = merge_scalars(scalars, stats, self._scalar_names())
+            index = np.arange(lo, hi, dtype=np.int64)
+            for name, src in METRICS.items():
+                tops[name].push(np.abs(stats[src]), index)
+            vectors.put(lo, stats)
+        return scalars, {name: top.result()[0] for name, top in tops.items()}
+
+    def _block(self, acc: Any, lo: int, hi: int) -> dict[str, Any]:
+        """The statistics (:func:`statistics`) of columns [lo, hi) of the folded state: (hi − lo,) vectors."""
+        return statistics(acc.rows(slice(lo, hi)))
+
+    def _scalar_names(self) -> tuple[str, ...]:
+        """The scalar statistics of a step."""
+        return SCALARS
 
     def _record(
-        self, step: int, stats: dict[str, Any] | None, top: dict[str, np.ndarray] | None, seconds: float
+        self,
+        step: int,
+        scalars: dict[str, Any] | None,
+        top: dict[str, np.ndarray] | None,
+        vectors: StepVectors,
+        seconds: float,
     ) -> InRunStep | None:
         """The step's summary and overlaps, its files written; None (only the step noted) without statistics."""
-        if stats is None or top is None:
+        if scalars is None or top is None:
             self.steps.append(step)
             return None
         summary = {
             "step": step,
-            **self._scalars(stats),
+            **self._scalars(scalars),
             "q": self.q,
             "k": count_for_fraction(self.q, self.layout.P),
             "seconds": seconds,
@@ -294,10 +352,9 @@ class InRunFolder:
         self.steps.append(step)
         self._prev = top
         self._first = self._first or top
-        result = InRunStep(step, stats, top, summary)
         if self.out is not None:
-            self._write(result)
-        return result
+            self._write(step, summary, top, vectors)
+        return InRunStep(step, {**scalars, **vectors.kept()}, top, summary)
 
     def _scalars(self, stats: dict[str, Any]) -> dict[str, Any]:
         """The step file's scalars of the statistics (JSON types)."""
@@ -320,14 +377,11 @@ class InRunFolder:
             "tensors": self.layout.to_records(),
         }
 
-    def _write(self, result: InRunStep) -> None:
-        """``step_{t:06d}.npz`` and ``.json`` of one fold, then the index."""
+    def _write(self, step: int, summary: dict[str, Any], top: dict[str, np.ndarray], vectors: StepVectors) -> None:
+        """``step_{t:06d}.npz`` (the written vectors, then the top sets) and ``.json`` of one fold, then the index."""
         assert self.out is not None
-        name = f"step_{result.step:06d}"
-        arrays = {v: np.asarray(result.stats[v], dtype=np.float64) for v in self.vectors}
-        arrays.update({f"top_{m}": idx for m, idx in result.top.items()})
-        np.savez(self.out / f"{name}.npz", **arrays)
-        (self.out / f"{name}.json").write_text(json.dumps(result.summary, indent=1))
+        vectors.write(self.out / f"{_name(step)}.npz", {f"top_{m}": idx for m, idx in top.items()})
+        (self.out / f"{_name(step)}.json").write_text(json.dumps(summary, indent=1))
         (self.out / INDEX).write_text(json.dumps(self._index()))
 
 
@@ -353,12 +407,17 @@ class InRunRegimeFolder(InRunFolder):
     Args:
         model: the policy, on its device.
         regime: the objective (its ``temperature`` is the score's too).
-        params, every_n, out_dir, q, state_dtype, check: as :class:`InRunFolder`.
+        params, every_n, out_dir, q, state_dtype, check, block: as :class:`InRunFolder`.
         vectors: the (P,) statistics written per step, any of :data:`REGIME_VECTORS`.
+        keep: the (P,) statistics the returned :class:`InRunStep` holds, any of :data:`REGIME_VECTORS`; None:
+            every one.
 
     Raises:
-        ValueError: a regime not in :data:`REGIME_KINDS`, or a vector not in :data:`REGIME_VECTORS`.
+        ValueError: a regime not in :data:`REGIME_KINDS`, a vector or kept statistic not in
+            :data:`REGIME_VECTORS`, or as :class:`InRunFolder`.
     """
+
+    STATISTICS = REGIME_VECTORS
 
     def __init__(
         self,
@@ -372,12 +431,11 @@ class InRunRegimeFolder(InRunFolder):
         vectors: Sequence[str] = VECTORS,
         state_dtype: str = "float64",
         check: bool = False,
+        keep: Sequence[str] | None = None,
+        block: int = BLOCK,
     ) -> None:
         if regime.kind not in REGIME_KINDS:
             raise ValueError(f"in-run regime {regime.kind!r} is not one of {REGIME_KINDS}")
-        bad = sorted(set(vectors) - set(REGIME_VECTORS))
-        if bad:
-            raise ValueError(f"vectors {bad} are not statistics of a regime fold; choose from {REGIME_VECTORS}")
         super().__init__(
             model,
             params,
@@ -388,6 +446,8 @@ class InRunRegimeFolder(InRunFolder):
             vectors=vectors,
             state_dtype=state_dtype,
             check=check,
+            keep=keep,
+            block=block,
         )
         self.regime = regime
 
@@ -431,14 +491,22 @@ class InRunRegimeFolder(InRunFolder):
         with self._eval():
             cotangents = [Cotangent(self._score(ids, w), scores, a, halves), regime.cotangent(fn, halves, group=groups)]
             self._psg.accumulate_many(ids, mask, cotangents, position_ids=pos)
-        stats, top = self._regime_reduce(scores, regime)
-        return self._record(int(step), stats, top, time.perf_counter() - start)
+        return self._finish(int(step), (scores, regime), start)
 
-    def _regime_reduce(self, scores: Any, regime: RegimeMoments) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """The score's m, F, Fvar, the regime's G, a², ρ = G/(a√F) and its bound violations, and the top sets."""
-        stats = statistics(scores.rows())
+    def _block(self, state: Any, lo: int, hi: int) -> dict[str, Any]:
+        """Columns [lo, hi) of the score's m, F, Fvar, the regime's G and ρ = G/(a√F) (each (hi − lo,)), a², and
+        the block's bound violations; ``state``: the score's :class:`MomentAccumulator` and the
+        :class:`RegimeMoments`."""
+        scores, regime = state
+        cols = slice(lo, hi)
+        stats = statistics(scores.rows(cols))
         del stats["Cov"]  # Cov(A, s) with no advantages: not a statistic of this fold
-        G, a2 = regime.gradient(), regime.bound_a2()  # a full-distribution regime has its a² (float)
+        # RegimeMoments.gradient() of the block's columns (every half, its group moments column by column)
+        r = regime.acc.rows(cols)
+        mean = r["mean_s"].astype(np.float64) + r.get("mean_s_lo", 0.0)
+        c = r["c_as"].astype(np.float64) if "c_as" in r else None
+        G = clustered_mean_se(r["count"], r["mean_a"], r["m2_a"], mean, r["m2_s"], c)[0]
+        a2 = regime.bound_a2()  # a full-distribution regime has its a² (float)
         bound = np.sqrt(a2 * stats["F"])
         rho = _ratio(G, bound)
         stats.update(
@@ -450,7 +518,11 @@ class InRunRegimeFolder(InRunFolder):
             rho_undefined=not bool(np.isfinite(rho).any()),
             bound_violations=int(np.count_nonzero(np.abs(G) > bound * (1 + 1e-6))),
         )
-        return stats, self._top(stats)
+        return stats
+
+    def _scalar_names(self) -> tuple[str, ...]:
+        """The scalar statistics of a step, a² included."""
+        return (*SCALARS, "bound_a2")
 
     def _scalars(self, stats: dict[str, Any]) -> dict[str, Any]:
         """:meth:`InRunFolder._scalars`, with the regime's kind and a² = ``bound_a2``."""

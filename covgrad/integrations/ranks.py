@@ -26,22 +26,26 @@ the columns of its own shard (:class:`covgrad.distributed.fsdp.ShardAccumulator`
 into its own float64 moment state; so the step's state is that of the R batches folded one after the other
 (Chan merges), 1/R of it on each rank. With ``shared_batch`` every rank already holds the step's whole batch and
 the ranks fold it in one pass: the state, the statistics and the sets are then the single-process
-:class:`InRunFolder`'s bytes. Each rank reads its columns' statistics off its state (every estimator is column by
-column) and its own top ceil(q·P) of each set's values, ties to the lowest index; rank 0 receives, point to point
-in rounds of at most ``chunk`` elements per message, each rank's candidates (the global top-k is among the
-union of the ranks' top-k under the same order) and its columns of ``vectors``, and keeps the global top-k of the
-candidates, exactly :func:`covgrad.moments.topk.topk_indices` over the whole axis.
+:class:`InRunFolder`'s bytes. Each rank reads its columns' statistics off its state ``block`` columns at a time
+(every estimator is column by column: :mod:`covgrad.integrations.blocks`), in lockstep: after each block, rank 0
+receives every rank's block of the written and kept vectors (point to point, at most ``chunk`` elements per
+message) and puts it at its global columns. Each rank streams its own top ceil(q·P) of each set's values over its
+blocks (:class:`covgrad.moments.topk.StreamingTopK`, ties to the lowest global column); then rank 0 receives each
+rank's candidates, ``chunk`` at a time, into its own stream of the global top-k (the global top-k is among the union
+of the ranks' top-k under the same order): exactly :func:`covgrad.moments.topk.topk_indices` over the whole axis.
 
-Memory: each rank 48 B per column of its shard for the state (P_r = P/R); rank 0 holds the gathered
-``vectors`` (8 B per selected parameter each) and R·k candidates per set (16 B each); the others 16 B per
-candidate. Activations: one rank's batch at a time.
+Memory: each rank 48 B per column of its shard for the state (P_r = P/R) on its device; on the host one block's
+statistics and up to 3·2k candidates (16 B each); rank 0 also R blocks of the gathered vectors in flight, and the
+step's vectors go to disk block by block (a kept vector that is written is a view of its npz member; one that is
+not, 8 B per selected parameter in memory). Activations: one rank's batch at a time.
 
 Shape notation: B rows of L tokens, P selected parameter elements, P_r a rank's share, R ranks, k = ceil(q·P).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +64,11 @@ from covgrad.distributed.fsdp import (
     trace_on_rank0,
 )
 from covgrad.distributed.launch import rank_device
-from covgrad.integrations.inrun import METRICS, VECTORS, Batch, InRunFolder, statistics
+from covgrad.integrations.blocks import BLOCK, StepVectors, column_blocks, merge_scalars
+from covgrad.integrations.inrun import METRICS, VECTORS, Batch, InRunFolder
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.moments.accum import MomentAccumulator
-from covgrad.moments.topk import count_for_fraction, topk_indices
+from covgrad.moments.topk import StreamingTopK, count_for_fraction
 
 # Elements of one point-to-point message to rank 0 (8 MiB of float64).
 CHUNK = 1 << 20
@@ -166,41 +171,54 @@ def broadcast_batch(batch: Batch | None, src: int, device: torch.device) -> Batc
     return ids, mask, pos, w, a.cpu(), half.cpu()
 
 
-def gather_to0(local: np.ndarray, chunk: int = CHUNK) -> list[np.ndarray] | None:
-    """Every rank's 1-D array ``local`` on rank 0, in rank order (None on the others): each rank in turn sends
-    its length, then its values in messages of at most ``chunk`` elements (point to point, collective)."""
+def local_runs(columns: RankColumns, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+    """The runs of a rank's local columns [lo, hi) on the global axis: (global start, global stop, their offset
+    in [lo, hi)) per run, ascending."""
+    i = max(0, bisect.bisect_right(columns.local, lo) - 1)
+    at = lo
+    while at < hi:
+        end = min(hi, columns.local[i] + columns.stops[i] - columns.starts[i])
+        if end > at:
+            start = columns.starts[i] + at - columns.local[i]
+            yield start, start + end - at, at - lo
+            at = end
+        i += 1
+
+
+def send_to0(values: np.ndarray, chunk: int) -> None:
+    """Send 1-D ``values`` to rank 0 in messages of at most ``chunk`` elements (point to point; rank 0 takes them
+    with :func:`recv_from`, knowing their count and dtype)."""
     device = rank_device()
-    rank, R = dist.get_rank(), dist.get_world_size()
-    if rank != 0:
-        dist.send(torch.tensor([local.shape[0]], dtype=torch.int64, device=device), dst=0)
-        flat = torch.from_numpy(np.ascontiguousarray(local))
-        for lo in range(0, flat.shape[0], chunk):
-            dist.send(flat[lo : lo + chunk].to(device), dst=0)
-        return None
-    parts = [local]
-    for src in range(1, R):
-        n = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.recv(n, src=src)
-        buf = np.empty(int(n.item()), dtype=local.dtype)
-        for lo in range(0, buf.shape[0], chunk):
-            piece = torch.empty(min(chunk, buf.shape[0] - lo), dtype=torch.from_numpy(buf[:0]).dtype, device=device)
-            dist.recv(piece, src=src)
-            buf[lo : lo + piece.shape[0]] = piece.cpu().numpy()
-        parts.append(buf)
-    return parts
+    flat = torch.from_numpy(np.ascontiguousarray(values))
+    for lo in range(0, flat.shape[0], chunk):
+        dist.send(flat[lo : lo + chunk].to(device), dst=0)
+
+
+def recv_from(src: int, n: int, dtype: type[np.generic], chunk: int) -> np.ndarray:
+    """On rank 0: the (n,) array of ``dtype`` that rank ``src`` sends with :func:`send_to0`."""
+    device = rank_device()
+    out = np.empty(n, dtype=dtype)
+    kind = torch.from_numpy(out[:0]).dtype
+    for lo in range(0, n, chunk):
+        piece = torch.empty(min(chunk, n - lo), dtype=kind, device=device)
+        dist.recv(piece, src=src)
+        out[lo : lo + piece.shape[0]] = piece.cpu().numpy()
+    return out
 
 
 class RankInRunFolder(InRunFolder):
     """:class:`InRunFolder` on the ranks of a trainer whose policy is sharded with ``fully_shard`` (see the
     module docstring). Every rank builds one and calls :meth:`fold` at every step with its own rows; rank 0
     writes the files and gets the :class:`covgrad.integrations.inrun.InRunStep` (its ``stats``: the scalars and
-    the gathered ``vectors``), the other ranks get None.
+    the gathered ``keep`` statistics), the other ranks get None.
 
     Args:
         model: the sharded policy (the module ``fully_shard`` was applied to last).
         plan: :func:`prepare_ranks` of the model before sharding.
-        every_n, out_dir, q, temperature, vectors, state_dtype, check: as :class:`InRunFolder` (only rank 0
-            writes ``out_dir``).
+        every_n, out_dir, q, temperature, vectors, state_dtype, check, block: as :class:`InRunFolder` (only rank 0
+            writes ``out_dir``; ``block``: columns of each rank's own axis at a time).
+        keep: the (P,) statistics rank 0's :class:`InRunStep` holds; None: ``vectors`` (views of the npz when
+            ``out_dir`` is given, else in memory).
         shared_batch: every rank passes the step's whole batch (one pass); False: each rank passes its own rows
             and the step's batch is theirs in rank order (one pass per rank).
         chunk: elements per point-to-point message to rank 0.
@@ -222,10 +240,13 @@ class RankInRunFolder(InRunFolder):
         vectors: Sequence[str] = VECTORS,
         state_dtype: str = "float64",
         check: bool = False,
+        keep: Sequence[str] | None = None,
+        block: int = BLOCK,
         shared_batch: bool = False,
         chunk: int = CHUNK,
     ) -> None:
         self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
+        kept = tuple(vectors) if keep is None else tuple(keep)
         super().__init__(
             model,
             plan.layout.names,
@@ -236,13 +257,19 @@ class RankInRunFolder(InRunFolder):
             vectors=vectors,
             state_dtype=state_dtype,
             check=check,
+            keep=kept if self.rank == 0 else (),
+            block=block,
         )
         if self.layout != plan.layout:
             raise ValueError("the sharded model's selection differs from the plan's; prepare_ranks the same model")
         self.modules = fsdp_modules(model)
         check_shards(model, self.layout, self.ranks, self.rank)
         self.plan, self.shared_batch, self.chunk = plan, shared_batch, chunk
-        self.columns = RankColumns.of(self.layout, self.ranks, self.rank)
+        self.all_columns = [RankColumns.of(self.layout, self.ranks, r) for r in range(self.ranks)]
+        self.columns = self.all_columns[self.rank]
+        # the statistics rank 0 gathers, in the order every rank sends them: the written and the kept ones (whether
+        # or not a rank other than 0 was given out_dir)
+        self.gathered = tuple(dict.fromkeys((*self.vectors, *kept)))
 
     def _fold(self, ids: Tensor, mask: Tensor, position_ids: Tensor, w: Tensor, a: Tensor, half: Tensor) -> Any:
         """This rank's columns of the step's batch: one pass per rank's rows (or one of the shared batch)."""
@@ -258,39 +285,72 @@ class RankInRunFolder(InRunFolder):
             self._pass(self._psg, shard, tuple(t.to(device) if t.dim() == 2 else t for t in batch))
         return acc
 
-    def _reduce(self, acc: Any) -> tuple[dict[str, Any] | None, dict[str, np.ndarray] | None]:
-        """This rank's columns' statistics; on rank 0 the scalars, the gathered ``vectors`` and the global top
-        sets (collective)."""
-        local = statistics(acc.rows())
-        violations = torch.tensor([int(local["bound_violations"])], dtype=torch.int64, device=rank_device())
-        dist.all_reduce(violations)
+    def _reduce(self, state: Any, vectors: StepVectors) -> tuple[dict[str, Any] | None, dict[str, np.ndarray] | None]:
+        """This rank's columns' statistics block by block, the ranks in lockstep; on rank 0 the scalars, the
+        gathered statistics put into ``vectors`` and the global top sets (collective)."""
         k = count_for_fraction(self.q, self.layout.P)
-        index = self.columns.index()  # (P_r,) ascending global columns
-        top: dict[str, np.ndarray] = {}
-        for name, src in METRICS.items():
-            values = np.abs(local[src])
-            picked = topk_indices(values, min(k, values.shape[0]))  # this rank's top, ties to the lowest column
-            got_values, got_index = gather_to0(values[picked], self.chunk), gather_to0(index[picked], self.chunk)
-            if got_values is not None and got_index is not None:
-                cand, where = np.concatenate(got_values), np.concatenate(got_index)
-                order = np.argsort(where, kind="stable")  # candidates by global column: ties to the lowest
-                top[name] = where[order][topk_indices(cand[order], min(k, cand.shape[0]))]
-        gathered = {v: self._gather_columns(local[v]) for v in self.vectors}
+        tops = {name: StreamingTopK(k) for name in METRICS}
+        blocks = [column_blocks(c.P, self.block) for c in self.all_columns]
+        scalars = None
+        for j in range(max(len(b) for b in blocks)):
+            if j < len(blocks[self.rank]):
+                stats = self._own_block(state, vectors, tops, *blocks[self.rank][j])
+                scalars = merge_scalars(scalars, stats, self._scalar_names())
+            for src in range(1, self.ranks) if self.rank == 0 else ():
+                if j < len(blocks[src]):
+                    lo, hi = blocks[src][j]
+                    got = {v: recv_from(src, hi - lo, np.float64, self.chunk) for v in self.gathered}
+                    self._put(vectors, local_runs(self.all_columns[src], lo, hi), got)
+        assert scalars is not None  # every rank has a block
+        violations = torch.tensor([int(scalars["bound_violations"])], dtype=torch.int64, device=rank_device())
+        dist.all_reduce(violations)
+        top = {name: self._candidates(stream) for name, stream in tops.items()}
         if self.rank != 0:
             return None, None
-        stats: dict[str, Any] = {s: local[s] for s in ("N", "mean_A", "std_A", "rho_undefined")}
-        stats["bound_violations"] = np.int64(violations.item())
-        stats.update(gathered)
-        return stats, top
+        scalars["bound_violations"] = np.int64(violations.item())
+        return scalars, top
 
-    def _gather_columns(self, values: np.ndarray) -> np.ndarray | None:
-        """A (P_r,) statistic of every rank assembled into the layout's (P,) on rank 0 (None on the others)."""
-        parts = gather_to0(np.ascontiguousarray(values, dtype=np.float64), self.chunk)
-        if parts is None:
-            return None
-        out = np.empty(self.layout.P, dtype=np.float64)
-        for r, part in enumerate(parts):
-            cols = RankColumns.of(self.layout, self.ranks, r)
-            for a, b, at in zip(cols.starts, cols.stops, cols.local, strict=True):
-                out[a:b] = part[at : at + b - a]
-        return out
+    def _own_block(
+        self, state: Any, vectors: StepVectors, tops: dict[str, StreamingTopK], lo: int, hi: int
+    ) -> dict[str, Any]:
+        """This rank's statistics of its local columns [lo, hi) (returned): their values pushed into its top-k
+        ``tops`` at their global columns, the gathered ones put into ``vectors`` on rank 0, sent there from the
+        other ranks."""
+        stats = self._block(state, lo, hi)
+        runs = list(local_runs(self.columns, lo, hi))
+        index = np.concatenate([np.zeros(0, np.int64), *(np.arange(a, b, dtype=np.int64) for a, b, _ in runs)])
+        for name, src in METRICS.items():
+            tops[name].push(np.abs(stats[src]), index)
+        if self.rank == 0:
+            self._put(vectors, runs, stats)
+        else:
+            for v in self.gathered:
+                send_to0(np.asarray(stats[v], dtype=np.float64), self.chunk)
+        return stats
+
+    @staticmethod
+    def _put(vectors: StepVectors, runs: Iterable[tuple[int, int, int]], stats: Mapping[str, Any]) -> None:
+        """A block's statistics (each (b,)) into ``vectors`` at the global columns of its ``runs``
+        (:func:`local_runs`)."""
+        for start, stop, at in runs:
+            vectors.put(start, {v: stats[v][at : at + stop - start] for v in vectors.names})
+
+    def _candidates(self, stream: StreamingTopK) -> np.ndarray:
+        """Every rank's top-k candidates into rank 0's ``stream``, ``chunk`` at a time (collective): the sorted
+        global top-k on rank 0, this rank's own on the others."""
+        device = rank_device()
+        if self.rank != 0:
+            index, values = stream.result()
+            dist.send(torch.tensor([index.shape[0]], dtype=torch.int64, device=device), dst=0)
+            for lo in range(0, index.shape[0], self.chunk):
+                send_to0(values[lo : lo + self.chunk], self.chunk)
+                send_to0(index[lo : lo + self.chunk], self.chunk)
+            return index
+        for src in range(1, self.ranks):
+            n = torch.zeros(1, dtype=torch.int64, device=device)
+            dist.recv(n, src=src)
+            for lo in range(0, int(n.item()), self.chunk):
+                size = min(self.chunk, int(n.item()) - lo)
+                values = recv_from(src, size, np.float64, self.chunk)
+                stream.push(values, recv_from(src, size, np.int64, self.chunk))
+        return stream.result()[0]

@@ -241,6 +241,83 @@ def topk_indices(values: Array, k: int) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64)
 
 
+_MERGE_AT = 1 << 16  # pending candidates of a StreamingTopK merged at once, at least (fewer sorts for small k)
+
+
+class StreamingTopK:
+    """The exact top-k of values pushed in parts, with :func:`topk_indices`' semantics over their union: the k
+    largest, ties broken by the lowest index, NaN never selected, −0 equal to +0 (float32 values compare as
+    float64).
+
+    Held: the current set (≤ k values and indices) and pending candidates, merged once at least
+    max(k, 65536) are pending (one ``np.partition`` of both). Once the set holds k values, a pushed value enters
+    only if it beats the set's last member (a larger value, or an equal one at a lower index), so a part pushed
+    after the set has settled costs one comparison per value. Memory: O(k + the largest part), whatever the total
+    count; parts may come in any index order (each index pushed once).
+
+    Args:
+        k: the set size, ≥ 0.
+    """
+
+    def __init__(self, k: int) -> None:
+        if not isinstance(k, int | np.integer) or k < 0:
+            raise ValueError(f"k must be an integer >= 0; got {k!r}")
+        self.k = int(k)
+        self._values = np.zeros(0)  # (≤ k,) float64, the current set
+        self._index = np.zeros(0, dtype=np.int64)  # (≤ k,) their indices
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._count = 0  # pending candidates
+        self._last: tuple[float, int] | None = None  # the full set's last member: (value, index)
+
+    def push(self, values: np.ndarray, index: np.ndarray) -> None:
+        """Offer (b,) float32/float64 ``values`` at their (b,) int64 flat ``index`` (distinct from every other
+        pushed index)."""
+        v = np.asarray(values, dtype=np.float64)
+        i = np.asarray(index, dtype=np.int64)
+        if v.shape != i.shape or v.ndim != 1:
+            raise ValueError(f"values and index must both be (b,); got {v.shape} and {i.shape}")
+        if self.k == 0:
+            return
+        keep = ~np.isnan(v)
+        if self._last is not None:
+            c, last = self._last
+            keep &= (v > c) | ((v == c) & (i < last))
+        v, i = v[keep], i[keep]  # copies: the caller's arrays are never kept
+        if len(v):
+            self._pending.append((v, i))
+            self._count += len(v)
+            if self._count >= max(self.k, _MERGE_AT):
+                self._merge()
+
+    def _merge(self) -> None:
+        """The top k of the set and the pending candidates, by (value descending, index ascending)."""
+        if not self._pending:
+            return
+        v = np.concatenate([self._values, *(p[0] for p in self._pending)])
+        i = np.concatenate([self._index, *(p[1] for p in self._pending)])
+        self._pending, self._count = [], 0
+        if len(v) > self.k:
+            c = np.partition(v, len(v) - self.k)[len(v) - self.k]  # the k-th largest
+            keep = v > c
+            ties = np.flatnonzero(v == c)
+            need = self.k - int(np.count_nonzero(keep))  # ≥ 1: fewer than k values exceed the k-th largest
+            if need < len(ties):
+                ties = ties[np.argpartition(i[ties], need - 1)[:need]]  # the lowest indices of the ties
+            keep[ties] = True
+            v, i = v[keep], i[keep]
+        self._values, self._index = v, i
+        if len(v) == self.k:
+            c = float(v.min())
+            self._last = (c, int(i[v == c].max()))
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """The set: its sorted (≤ k,) int64 indices (``topk_indices`` of the union) and their (≤ k,) float64
+        values."""
+        self._merge()
+        order = np.argsort(self._index)
+        return self._index[order], self._values[order]
+
+
 def top_k_masks(values: np.ndarray, ks: Sequence[int], largest: bool = True) -> Iterator[np.ndarray]:
     """(P,) bool masks of the k best values for each k of ``ks``, in order: the k largest (``largest``)
     or the k smallest, ties broken by the lowest index, NaN ranked worst (tied with −inf for the largest,
