@@ -21,8 +21,9 @@ from covgrad.integrations.inrun import REGIME_KINDS, InRunRegimeFolder
 from covgrad.layout import ParamLayout
 from covgrad.moments import count_for_fraction, topk_indices
 from covgrad.regimes.cotangents import Regime
-from tests.helpers.distill import StepGradient, char_models, distillation_trainer
+from tests.helpers.distill import char_models, distillation_trainer
 from tests.helpers.persample import llama, make_batch, naive_scores
+from tests.helpers.trainers import StepGradient
 
 
 def reference(student: Any, teacher: Any, layout: ParamLayout, batch: dict, kind: str, tau: float) -> dict:

@@ -1,6 +1,6 @@
 """A real TRL ``DistillationTrainer`` for the tests: a float64 one-layer Llama student and a float64 teacher of another
 width and seed over the character vocabulary (built from configs), one step at learning rate 0 on 8 prompts of two
-lengths (so left padding), and a callback keeping the gradient the step applies. Needs the ``trl`` extra (imported
+lengths (so left padding). Needs the ``trl`` extra (imported
 when called)."""
 
 from __future__ import annotations
@@ -26,23 +26,6 @@ def char_models() -> tuple[Any, torch.nn.Module, torch.nn.Module]:
     student = tiny_llama(V, hidden=16, intermediate=32, seed=0, **common).to(torch.float64)
     teacher = tiny_llama(V, hidden=24, intermediate=40, seed=1, **common).to(torch.float64)
     return tok, student, teacher
-
-
-class StepGradient:
-    """A trainer callback (``callback``) keeping the flat gradient the optimizer step is about to apply, ``grad``
-    (P,) in the model's dtype."""
-
-    def __init__(self) -> None:
-        from transformers import TrainerCallback
-
-        grabber = self
-
-        class Grab(TrainerCallback):
-            def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-                grabber.grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).detach().clone()
-
-        self.callback = Grab()
-        self.grad: torch.Tensor | None = None
 
 
 def distillation_trainer(

@@ -26,6 +26,7 @@ from covgrad.rollouts.problems import addition_problems, build_char_tokenizer
 from covgrad.rollouts.sampling import compute_advantages
 from covgrad.scores.engine import PerSampleGrads
 from tests.helpers.models import tiny_llama
+from tests.helpers.trainers import StepGradient
 
 # --- advantages against float64 references ----------------------------------------------------------------------
 
@@ -132,22 +133,6 @@ def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
     return root / "policy", root / "ref"
 
 
-class _StepGradient:
-    """A callback keeping the flat gradient the optimizer step is about to apply (P,) float64."""
-
-    def __init__(self) -> None:
-        from transformers import TrainerCallback
-
-        grabber = self
-
-        class Grab(TrainerCallback):
-            def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-                grabber.grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).detach().clone()
-
-        self.callback = Grab()
-        self.grad: torch.Tensor | None = None
-
-
 def _trl_step0(model_dir: Path, out: Path, ref_dir: Path | None = None, **overrides: Any) -> dict[str, Any]:
     """One GRPOTrainer step at learning rate 0, recorded by CovgradRecorder: the trainer, its records, the gradient
     the step took and the batch it took it on."""
@@ -180,7 +165,7 @@ def _trl_step0(model_dir: Path, out: Path, ref_dir: Path | None = None, **overri
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     if ref_dir is not None:  # TRL builds its reference from the policy's config path
         model.config._name_or_path = str(ref_dir)
-    step = _StepGradient()
+    step = StepGradient()
     recorder = CovgradRecorder(out / "covgrad", checkpoint_steps=[])
     trainer = GRPOTrainer(
         model=model,

@@ -21,7 +21,8 @@ import torch
 from covgrad.layout import select_parameters
 from covgrad.regimes.cotangents import Regime, RegimeGrad
 from covgrad.scores.engine import PerSampleGrads
-from tests.helpers.distill import N_PROMPTS, StepGradient, char_models, distillation_trainer
+from tests.helpers.distill import N_PROMPTS, char_models, distillation_trainer
+from tests.helpers.trainers import StepGradient
 
 REGIME_OF_BETA = {1.0: "distill_reverse_kl", 0.0: "distill_forward_kl"}
 
