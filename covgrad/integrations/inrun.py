@@ -80,7 +80,7 @@ from covgrad.moments.accum import MomentAccumulator
 from covgrad.moments.stats import PARAM_STATS, Moments, compute_stats
 from covgrad.moments.topk import StreamingTopK, count_for_fraction
 from covgrad.regimes.cotangents import Regime, RegimeGrad
-from covgrad.regimes.errors import _ratio, clustered_mean_se
+from covgrad.regimes.errors import _ratio
 from covgrad.regimes.fold import RegimeMoments
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import Cotangent, PerSampleGrads
@@ -501,11 +501,7 @@ class InRunRegimeFolder(InRunFolder):
         cols = slice(lo, hi)
         stats = statistics(scores.rows(cols))
         del stats["Cov"]  # Cov(A, s) with no advantages: not a statistic of this fold
-        # RegimeMoments.gradient() of the block's columns (every half, its group moments column by column)
-        r = regime.acc.rows(cols)
-        mean = r["mean_s"].astype(np.float64) + r.get("mean_s_lo", 0.0)
-        c = r["c_as"].astype(np.float64) if "c_as" in r else None
-        G = clustered_mean_se(r["count"], r["mean_a"], r["m2_a"], mean, r["m2_s"], c)[0]
+        G = regime.gradient(cols=cols)  # every half's samples
         a2 = regime.bound_a2()  # a full-distribution regime has its a² (float)
         bound = np.sqrt(a2 * stats["F"])
         rho = _ratio(G, bound)

@@ -35,9 +35,9 @@ rank's candidates, ``chunk`` at a time, into its own stream of the global top-k 
 of the ranks' top-k under the same order): exactly :func:`covgrad.moments.topk.topk_indices` over the whole axis.
 
 Memory: each rank 48 B per column of its shard for the state (P_r = P/R) on its device; on the host one block's
-statistics and up to 3·2k candidates (16 B each); rank 0 also R blocks of the gathered vectors in flight, and the
-step's vectors go to disk block by block (a kept vector that is written is a view of its npz member; one that is
-not, 8 B per selected parameter in memory). Activations: one rank's batch at a time.
+statistics and up to 3·2k candidates (16 B each); rank 0 also one other rank's block of the gathered vectors at a
+time, and the step's vectors go to disk block by block (a kept vector that is written is a view of its npz member;
+one that is not, 8 B per selected parameter in memory). Activations: one rank's batch at a time.
 
 Shape notation: B rows of L tokens, P selected parameter elements, P_r a rank's share, R ranks, k = ceil(q·P).
 """

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from covgrad.integrations.blocks import BLOCK
 from covgrad.integrations.inrun import VECTORS, InRunFolder, InRunStep
 
 # Relative spread of a row's per-token advantages over its response tokens still read as one sequence advantage.
@@ -113,9 +114,16 @@ class InRunHook:
         vectors: the (P,) statistics written per step.
         plan: :func:`covgrad.integrations.ranks.prepare_ranks` of the model before sharding: fold on the ranks.
         shared_batch: on ranks, every rank passes the step's whole batch (else each its own rows).
+        keep: the (P,) statistics the returned :class:`InRunStep` holds (a written one a read-only view of its npz
+            member, one not written 8 B per parameter in host memory); None: the folder's default (one process:
+            every statistic, :attr:`InRunFolder.STATISTICS`; on ranks: ``vectors``); () for the scalars and sets
+            only, host memory O(block + k).
+        block: columns of the state read and reduced at a time (≥ 1; on ranks, of each rank's own columns); the
+            host holds a few hundred bytes per column of a block.
 
     Raises:
-        ValueError: a sharded model without ``plan``, or a plan with ``params``.
+        ValueError: a sharded model without ``plan``, a plan with ``params``, block < 1, or a vector or kept
+            statistic the folder does not compute.
     """
 
     def __init__(
@@ -130,8 +138,10 @@ class InRunHook:
         vectors: Sequence[str] = VECTORS,
         plan: Any = None,
         shared_batch: bool = False,
+        keep: Sequence[str] | None = None,
+        block: int = BLOCK,
     ) -> None:
-        kwargs: dict[str, Any] = {"q": q, "temperature": temperature, "vectors": vectors}
+        kwargs: dict[str, Any] = {"q": q, "temperature": temperature, "vectors": vectors, "keep": keep, "block": block}
         if plan is not None:
             from covgrad.integrations.ranks import RankInRunFolder
 

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from covgrad.integrations.blocks import BLOCK
 from covgrad.integrations.inrun import VECTORS, InRunFolder, InRunRegimeFolder
 from covgrad.regimes.cotangents import Regime
 from covgrad.rollouts.sampling import SamplerSpec, sampler_log_probs
@@ -294,6 +295,15 @@ class CovgradInRun(TrainerCallback):
         params: globs of the parameters to analyse; None: every trainable one.
         q: the fraction of the top sets.
         vectors: the (P,) statistics written per step.
+        keep: the (P,) statistics each fold's :class:`covgrad.integrations.inrun.InRunStep` holds (the callback
+            drops it: the results are the files); (): none, so a fold's host memory is one block's statistics and
+            the top sets' candidates, O(block + k). None: every one (a written one a read-only view of its npz
+            member, one not written 8 B per parameter).
+        block: columns of the state read and reduced at a time (≥ 1), a few hundred bytes per column on the host.
+
+    Raises:
+        ValueError (on :meth:`attach`): block < 1, or a vector or kept statistic the trainer's folder does not
+            compute.
     """
 
     def __init__(
@@ -303,10 +313,15 @@ class CovgradInRun(TrainerCallback):
         params: Iterable[str] | None = None,
         q: float = 0.01,
         vectors: Iterable[str] = VECTORS,
+        *,
+        keep: Iterable[str] | None = (),
+        block: int = BLOCK,
     ) -> None:
         self.out, self.every_n, self.q = Path(out_dir), every_n, q
         self.params = None if params is None else list(params)
         self.vectors = tuple(vectors)
+        self.keep = None if keep is None else tuple(keep)
+        self.block = block
         self.folder: InRunFolder | None = None
 
     def attach(self, trainer: Any) -> CovgradInRun:
@@ -316,7 +331,7 @@ class CovgradInRun(TrainerCallback):
             raise ValueError("CovgradInRun folds in one process; run the trainer on one process")
         model = trainer.accelerator.unwrap_model(trainer.model)
         regime = distillation_regime(trainer)
-        common = {"q": self.q, "vectors": self.vectors}
+        common: dict[str, Any] = {"q": self.q, "vectors": self.vectors, "keep": self.keep, "block": self.block}
         folder: InRunFolder
         if regime is None:
             folder = InRunFolder(model, self.params, self.every_n, self.out, temperature=trainer.temperature, **common)

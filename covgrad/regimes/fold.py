@@ -117,23 +117,30 @@ class RegimeMoments:
     def _halves(self, halves: list[int] | None) -> list[int]:
         return list(range(self.acc.H)) if halves is None else halves
 
-    def _clustered(self, halves: list[int] | None) -> tuple[np.ndarray, np.ndarray, float]:
+    def _clustered(self, halves: list[int] | None, cols: slice | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+        """:func:`clustered_mean_se` of the groups' sums of g_n over ``halves`` (None: all) at columns ``cols``
+        (None: all P): the mean and standard error, each shape (columns,) float64, and the groups counted.
+
+        Raises:
+            ValueError: no samples folded in ``halves``.
+        """
         hs = self._halves(halves)
-        r = self.acc.rows()
+        r = self.acc.rows(slice(None) if cols is None else cols)
         if r["count"][hs].sum() == 0:
             raise ValueError(f"no samples folded in halves {hs}")
         mean = r["mean_s"].astype(np.float64) + r.get("mean_s_lo", 0.0)
         c = r["c_as"][hs].astype(np.float64) if "c_as" in r else None
         return clustered_mean_se(r["count"][hs], r["mean_a"][hs], r["m2_a"][hs], mean[hs], r["m2_s"][hs], c)
 
-    def gradient(self, halves: list[int] | None = None) -> np.ndarray:
-        """G = mean of g_n over the samples of ``halves`` (None: all): shape (P,) float64."""
-        return self._clustered(halves)[0]
+    def gradient(self, halves: list[int] | None = None, cols: slice | None = None) -> np.ndarray:
+        """G = mean of g_n over the samples of ``halves`` (None: all) at columns ``cols`` (None: all P; each
+        column's G depends on that column's state alone): shape (columns,) float64."""
+        return self._clustered(halves, cols)[0]
 
-    def standard_error(self, halves: list[int] | None = None) -> np.ndarray:
-        """The prompt-clustered standard error of :meth:`gradient` (:func:`clustered_mean_se`): shape (P,)
-        float64 (NaN with fewer than 2 groups)."""
-        return self._clustered(halves)[1]
+    def standard_error(self, halves: list[int] | None = None, cols: slice | None = None) -> np.ndarray:
+        """The prompt-clustered standard error of :meth:`gradient` (:func:`clustered_mean_se`) at columns ``cols``
+        (None: all P): shape (columns,) float64 (NaN with fewer than 2 groups)."""
+        return self._clustered(halves, cols)[1]
 
     def bound_a2(self, halves: list[int] | None = None) -> float | None:
         """a² = mean of the bound scalar over the samples of ``halves`` (None when the regime has none)."""

@@ -2,7 +2,8 @@
 7 and a prime number of columns, a step's files and :class:`InRunStep` are the one-block result's bytes (which is
 :func:`statistics` and :func:`topk_indices` of the whole arrays, planted ties and NaN included), for the score fold,
 the regime fold and the ranks' (2 gloo ranks); the streamed npz holds ``np.savez``'s members; the streaming top-k is
-an argsort; the kept vectors and the temporary files behave as documented."""
+an argsort; the kept vectors and the temporary files behave as documented; ``InRunHook`` and ``CovgradInRun``
+pass ``keep`` and ``block`` through."""
 
 from __future__ import annotations
 
@@ -53,11 +54,17 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-def _assert_same_step(got: InRunStep, want: InRunStep, got_out: Path, want_out: Path) -> None:
-    """Two folds of one state: the same files (member by member, bytes) and the same InRunStep."""
-    (ga, gs), (wa, ws) = _step_files(got_out, got.step), _step_files(want_out, want.step)
+def _assert_same_files(got_out: Path, want_out: Path, step: int = 0) -> None:
+    """Two folds' files of a step: the same npz members (names, order, bytes) and JSON summary."""
+    (ga, gs), (wa, ws) = _step_files(got_out, step), _step_files(want_out, step)
     assert list(ga) == list(wa) and gs == ws
     assert all(_same_bytes(ga[k], wa[k]) for k in wa), [k for k in wa if not _same_bytes(ga[k], wa[k])]
+
+
+def _assert_same_step(got: InRunStep, want: InRunStep, got_out: Path, want_out: Path) -> None:
+    """Two folds of one state: the same files (member by member, bytes) and the same InRunStep."""
+    assert got.step == want.step
+    _assert_same_files(got_out, want_out, want.step)
     assert got.stats.keys() == want.stats.keys() and got.summary.keys() == want.summary.keys()
     for k, v in want.stats.items():
         if np.ndim(v) == 0:
@@ -254,6 +261,62 @@ def test_the_streamed_npz_is_savez_and_the_kept_vectors(tmp_path: Path):
     with pytest.raises(RuntimeError, match="lost the device"):
         folder.fold(5, *args, group=group)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["inrun.json", "step_000003.json", "step_000003.npz"]
+
+
+def _trl_generation(batch: dict, A: np.ndarray) -> dict[str, torch.Tensor]:
+    """The batch's rows as a TRL generation batch: prompts (B, P) left-padded, completions (B, C) right-padded,
+    their masks, and the advantages (B,)."""
+    lens = [(int((w == 0).sum()), int((w == 1).sum())) for w in batch["weights"]]  # (prompt, completion) per row
+    B, P, C = len(lens), max(p for p, _ in lens), max(c for _, c in lens)
+    out = {name: torch.zeros(B, n, dtype=torch.long) for name, n in (("prompt", P), ("completion", C))}
+    out |= {f"{name}_mask": torch.zeros_like(out[name]) for name in ("prompt", "completion")}
+    for n, (seq, (p, c)) in enumerate(zip(batch["seqs"], lens, strict=True)):
+        out["prompt"][n, P - p :], out["prompt_mask"][n, P - p :] = seq[:p], 1
+        out["completion"][n, :c], out["completion_mask"][n, :c] = seq[p:], 1
+    return {
+        "prompt_ids": out["prompt"],
+        "prompt_mask": out["prompt_mask"],
+        "completion_ids": out["completion"],
+        "completion_mask": out["completion_mask"],
+        "advantages": torch.as_tensor(A),
+    }
+
+
+def test_the_hook_and_the_trl_callback_pass_keep_and_block_through(tmp_path: Path):
+    """``InRunHook(keep=(), block=7)`` returns an InRunStep of the scalars and sets only, and ``CovgradInRun`` (its
+    default ``keep=()``, ``block=7``) folds a stand-in trainer's TRL-shaped generation batch with them: both write
+    the default folder's files (one block, every statistic kept), byte for byte."""
+    from types import SimpleNamespace
+
+    from covgrad.integrations.torch import InRunHook
+    from covgrad.integrations.trl import CovgradInRun, _rows
+
+    batch, A, group = _batch()
+    args = (batch["input_ids"], batch["attention_mask"], batch["target_mask"], A)
+    want = InRunFolder(llama(tied=False), SUBSET, out_dir=tmp_path / "want", q=0.2).fold(0, *args, group=group)
+    hook = InRunHook(llama(tied=False), tmp_path / "hook", 1, SUBSET, q=0.2, keep=(), block=7)
+    rows = {"input_ids": args[0], "attention_mask": args[1], "response_mask": args[2]}
+    got = hook(0, rows, A, group)
+    assert want is not None and got is not None and set(got.stats) == set(SCALARS)
+    assert got.top.keys() == want.top.keys() and all(_same_bytes(got.top[m], want.top[m]) for m in want.top)
+    _assert_same_files(tmp_path / "hook", tmp_path / "want")
+
+    generation = _trl_generation(batch, A)
+    InRunFolder(llama(tied=False), SUBSET, out_dir=tmp_path / "want-trl", q=0.2).fold(
+        0, *_rows(generation), A, group=group
+    )
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m),
+        model=llama(tied=False).train(),  # a training generation (the fold runs in eval mode)
+        temperature=1.0,
+        num_generations=2,
+        state=SimpleNamespace(global_step=0),
+        _generate_and_score_completions=lambda inputs: generation,
+    )
+    inrun = CovgradInRun(tmp_path / "trl", 1, SUBSET, q=0.2, block=7).attach(trainer)
+    assert trainer._generate_and_score_completions(None) is generation
+    assert inrun.folder is not None and inrun.folder.keep == () and inrun.folder.block == 7
+    _assert_same_files(tmp_path / "trl", tmp_path / "want-trl")
 
 
 def test_blocks_and_arguments_are_checked(tmp_path: Path):
