@@ -38,6 +38,7 @@ Shape notation: H halves (rows), B samples in a batch, P parameter elements, n c
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from typing import Any
@@ -260,13 +261,20 @@ class MomentAccumulator:
         batch = self._batch
         if batch is None:
             raise ValueError("fold called outside a batch; call begin_batch first")
-        B, n = block.shape[0], block[0].numel()
+        B = block.shape[0]
+        n = block.numel() // B if B else 0
         if B != batch.B or offset < 0 or offset + n > self.P:
             raise ValueError(
                 f"block of {B} samples × {n} columns at offset {offset} does not fit the batch of {batch.B} "
                 f"and P={self.P}"
             )
         block = block.reshape(B, n)
+        if batch.native is not None and 0 < n <= _COMPILED_COLUMNS and self._compile_from is not None:
+            # the native kernel on the whole block: what _fold_compiled runs on its one tile, without the lookups
+            x = block.to(torch.float32).contiguous()
+            batch.native(x, batch.order, batch.offsets, batch.acen, batch.coef64, self.mean, self.m2, self.c, offset)
+            self.fold_path = "compiled"
+            return
         done = 0  # columns folded by the compiled kernel, tile by tile (all of them unless compiling fails)
         if batch.compiled:
             while done < n and self._compile_from is not None:
@@ -453,22 +461,41 @@ class _Batch:
             self.d_a[h] = self.mean_a[h] - acc.mean_a[h] if acc.count[h] > 0 else 0.0
             weights[h, sel] = 1.0
             weights[H + h, sel] = ac
-        self.weights = torch.from_numpy(weights).to(acc.device, acc.dtype)  # (2H, B)
+        self._weights, self._device, self._dtype = weights, acc.device, acc.dtype  # (2H, B), see weights
         # every half has earlier samples: one vectorised merge for all halves, with these (H, 1) factors
         self.started = bool((acc.count > 0).all())
         ready = acc._compile_from is not None and acc.count.sum() * acc.switch_P >= acc._compile_from
         self.compiled = self.started and ready  # this batch's started merges run the compiled fold
+        # the compiled fold's native CPU kernel (MomentAccumulator._fold_compiled), looked up once per batch
+        cpu64 = NATIVE_CPU and acc.device.type == "cpu" and acc.mean_lo is None
+        self.native = native_fold() if self.compiled and cpu64 else None
         n_old, nbs = acc.count, np.maximum(self.nb, 1)
         n = np.maximum(n_old + self.nb, 1)
         coef = np.stack([1 / nbs, self.nb / n, n_old * self.nb / n, n_old * self.nb / n * self.d_a, self.ac_sum / nbs])
-        self.coef = torch.from_numpy(coef[:, :, None]).to(acc.device, acc.dtype)  # (5, H, 1)
+        self._coef = coef  # (5, H) float64
         self.coef64 = torch.from_numpy(coef).to(acc.device)  # (5, H) float64, the compiled fold's
-        self.wa = torch.from_numpy(np.ascontiguousarray(weights.T)).to(acc.device)  # (B, 2H) float64
         # the native fold's view of the same: the samples ordered by half, where each half starts, a − ā_b
         order = np.argsort(half, kind="stable")
         self.order = torch.from_numpy(order.astype(np.int64))
         self.offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(self.nb)]).astype(np.int64))
         self.acen = torch.from_numpy(np.ascontiguousarray(weights[H + half, np.arange(self.B)]))
+
+    # The eager fold's and the torch.compile kernel's tensors, made on first use (the native kernel needs none).
+
+    @functools.cached_property
+    def weights(self) -> Tensor:
+        """(2H, B) in the state dtype: row h is 1 where the sample belongs to half h, row H + h its a − ā_b there."""
+        return torch.from_numpy(self._weights).to(self._device, self._dtype)
+
+    @functools.cached_property
+    def coef(self) -> Tensor:
+        """(5, H, 1) in the state dtype: the merge's per-half factors (see :func:`_fold_started`)."""
+        return torch.from_numpy(self._coef[:, :, None]).to(self._device, self._dtype)
+
+    @functools.cached_property
+    def wa(self) -> Tensor:
+        """(B, 2H) float64: :attr:`weights` transposed, the torch.compile kernel's."""
+        return torch.from_numpy(np.ascontiguousarray(self._weights.T)).to(self._device)
 
 
 PRODUCT_SUMS = ("cuda",)

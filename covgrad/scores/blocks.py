@@ -55,6 +55,19 @@ def chunk_rows(chunk_bytes: int, B: int, row: int) -> int:
     return max(1, chunk_bytes // (B * row * 4))
 
 
+def _smallest_fit(pool: list[Tensor], need: int, device: torch.device) -> int | None:
+    """Index in ``pool`` of the smallest buffer on ``device`` with ``need`` to ``2 * need`` elements (the first of
+    equal ones), or None."""
+    best, at = None, None
+    for i, buf in enumerate(pool):
+        size = buf.numel()
+        if need <= size <= 2 * need and (best is None or size < best) and buf.device == device:
+            best, at = size, i
+            if size == need:  # nothing smaller fits
+                break
+    return at
+
+
 class Blocks:
     """The per-sample blocks of a :class:`~covgrad.scores.engine.PerSampleGrads`: the per-call state of its
     backward passes (what each tensor has been written and folded, the contributions still to come, the held
@@ -153,13 +166,9 @@ class Blocks:
             # the smallest pooled buffer that holds the block without wasting more than its size: tensors of
             # one shape (every decoder layer's) reuse each other's buffers, and a small block never pins a
             # buffer sized for the embedding (B × V × H floats, GBs for a real vocabulary)
-            fits = [
-                (buf.numel(), i)
-                for i, buf in enumerate(self.pool)
-                if need <= buf.numel() <= 2 * need and buf.device == self.acc.device
-            ]
-            if fits:
-                buf = self.pool.pop(min(fits)[1])
+            fit = _smallest_fit(self.pool, need, self.acc.device)
+            if fit is not None:
+                buf = self.pool.pop(fit)
             else:
                 if need * 4 > _POOL_MAX_BYTES:  # a tied embedding's block: the heap's free pages go back first
                     release_free_memory()

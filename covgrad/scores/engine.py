@@ -140,7 +140,9 @@ class PerSampleGrads:
         self.chunk_bytes = chunk_bytes
         self._bindings = bind_rules(model, layout)
         self._params = [params[e.name] for e in layout.entries]
-        self._names = {id(m): name for name, m in model.named_modules()}
+        self._modules = list(model.named_modules())  # what every call checks (eval mode) and freezes
+        self._all_params = list(model.parameters())
+        self._names = {id(m): name for name, m in self._modules}
         # Set by the first call's trace (_trace): parameter uses checked, and (first call with B ≥ 2) which
         # hooked modules run on a flattened (B·L, …) batch whose row n·L + t is sample n's position t.
         self._traced = False
@@ -325,9 +327,9 @@ class PerSampleGrads:
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None
     ) -> dict[str, Tensor | None]:
         self._refused.raise_any()  # refused by an earlier call: never served as zeros
-        training = [name for name, m in self.model.named_modules() if m.training]
-        if training:
-            raise ValueError(f"model must be in eval mode (dropout off); {training[0] or 'the model'} is training")
+        training = next((name for name, m in self._modules if m.training), None)
+        if training is not None:
+            raise ValueError(f"model must be in eval mode (dropout off); {training or 'the model'} is training")
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids must be (B, L) and attention_mask the same shape; got {tuple(input_ids.shape)} "
@@ -356,7 +358,7 @@ class PerSampleGrads:
         self._L = L
         blocks = self._blocks
         blocks.begin(B, self.chunk_bytes)
-        flags = [(p, p.requires_grad) for p in self.model.parameters()]
+        flags = [(p, p.requires_grad) for p in self._all_params]
         handles = []
         try:
             # Frozen parameters: the graph starts at the first hooked outputs, no weight grads are formed.

@@ -78,6 +78,7 @@ def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]
 
     slot = FoldingSlot(blocks, view, local)
     needs_call = getattr(rule, "needs_call", False)
+    adder = getattr(rule, "row_adder", None)
     rows = B * owner._L  # a flattened (B·L, …) batch
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple | None:
@@ -99,7 +100,7 @@ def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]
             where = owner._names.get(id(module), type(module).__name__)
             m = n_flat // rows if outer else 0
             call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where, m)
-        saved = Versions((x, (call.args, call.kwargs) if call is not None else None))
+        saved = Versions((x, (call.args, call.kwargs)) if call is not None else x)
 
         def run(g: Tensor | tuple[Tensor, ...]) -> None:
             if owner._probing or owner._refused.any_of(local):
@@ -110,7 +111,6 @@ def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]
             if needs_call:
                 blocks.run_rule(lambda: _replay(owner, rule, module, x, g, slot, call, local), local)
             else:
-                adder = getattr(rule, "row_adder", None)
                 adds = None if adder is None else (lambda: adder(module, x, g))
                 blocks.run_rule(lambda: rule(module, x, g, slot), local, adds)
 
@@ -150,6 +150,9 @@ def _batch_rows(
         flat = n_in is not None and n_in == n_out != B and n_in % B == 0
         ok = flat or (n_in, n_out) == (B, B)
         n_flat = n_in
+    if ok and not (flat and B > 1 and id(module) not in owner._flat_ok):
+        return flat, n_flat
+    # refused or raised from here: the message names the module
     where = f"{owner._names.get(id(module), '?')} (a {type(module).__name__})"
     if not ok:
         if B > 1 and 1 in (n_in, n_out):
@@ -162,12 +165,10 @@ def _batch_rows(
             f"{where} ran with leading dims {(n_in, n_out)} (input, output), neither B = {B} nor "
             f"B·L = {B * owner._L}, so its rows cannot be split by sample"
         )
-    if flat and B > 1 and id(module) not in owner._flat_ok:
-        return (
-            f"{where} ran on a flattened batch of {n_flat} = {B}·{n_flat // B} rows (its caller reshaped "
-            "(B, L, …) to (B·L, …)) whose rows the first call's trace did not verify to be sample by sample"
-        )
-    return flat, n_flat
+    return (
+        f"{where} ran on a flattened batch of {n_flat} = {B}·{n_flat // B} rows (its caller reshaped "
+        "(B, L, …) to (B·L, …)) whose rows the first call's trace did not verify to be sample by sample"
+    )
 
 
 def _unflattener(owner: Owner, flat: bool, n_flat: int | None, outer: bool, B: int) -> Callable[[object], object]:
@@ -246,7 +247,10 @@ class Versions:
     storage with the model's, and a rule reading an updated one would compute another gradient."""
 
     def __init__(self, saved: object) -> None:
-        self.tensors = [t for t in tree_flatten(saved)[0] if isinstance(t, Tensor)]
+        if isinstance(saved, Tensor):  # a fast rule's one saved input: no pytree to walk
+            self.tensors = [saved]
+        else:
+            self.tensors = [t for t in tree_flatten(saved)[0] if isinstance(t, Tensor)]
         self.versions = [t._version for t in self.tensors]
 
     def refused(self, owner: Owner, module: nn.Module, local: dict[str, TensorEntry]) -> bool:

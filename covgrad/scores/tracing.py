@@ -199,7 +199,7 @@ class Refusals:
 
     def any_of(self, local: dict[str, TensorEntry]) -> bool:
         """Whether any parameter of a binding's ``local`` entries is refused."""
-        return any(e.name in self.reasons for e in local.values())
+        return bool(self.reasons) and any(e.name in self.reasons for e in local.values())
 
     def refuse(self, local: dict[str, TensorEntry], why: str) -> None:
         """Refuse every parameter of a binding's ``local`` entries for the same reason ``why``."""
