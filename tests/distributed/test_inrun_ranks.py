@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from covgrad.moments.accum import MomentAccumulator
 from covgrad.moments.topk import count_for_fraction, topk_indices
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
+from tests.helpers.inrun_files import assert_same_files, same_bytes, step_files
 from tests.helpers.persample import llama, make_batch
 
 B, R = 6, 2
@@ -86,6 +88,32 @@ def _rank(out: str) -> None:
     _loss_backward(model, mine, a)
     same = all(np.array_equal(x, y) for x, y in zip(want, _local_grads(model), strict=True))
     np.save(Path(out) / f"grads-{rank}.npy", np.array([same, model.training]))
+    _blocked_folds(model, plan, Path(out) / "blocks", mine, a, g)
+
+
+def _blocked_folds(model: torch.nn.Module, plan: Any, out: Path, mine: dict, a: np.ndarray, g: np.ndarray) -> None:
+    """Fold the rank's own rows and the shared batch with blocks of 7, 101 and one block (``keep=()`` at 101),
+    rank 0 saving the vectors its step kept."""
+    from covgrad.integrations.ranks import RankInRunFolder
+
+    batch, A = _batch()
+    for block in (10**9, 7, 101):
+        for shared in (False, True):
+            b, aa, gg = (batch, A, GROUP) if shared else (mine, a, g)
+            folder = RankInRunFolder(
+                model,
+                plan,
+                out_dir=out / f"{block}-{shared}",
+                q=0.2,
+                block=block,
+                keep=() if block == 101 else None,
+                shared_batch=shared,
+            )
+            got = folder.fold(0, b["input_ids"], b["attention_mask"], b["target_mask"], aa, group=gg)
+            assert (got is None) == (dist.get_rank() != 0)
+            if got is not None:
+                kept = {k: np.asarray(v) for k, v in got.stats.items() if np.ndim(v)}
+                np.savez(out / f"{block}-{shared}-kept.npz", **kept)
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +172,24 @@ def test_a_fold_leaves_the_sharded_trainers_gradients_as_they_were(ranks_out: Pa
     for rank in range(R):
         same, training = np.load(ranks_out / f"grads-{rank}.npy")
         assert same and training, f"rank {rank}"
+
+
+@pytest.mark.slow
+def test_ranks_fold_by_blocks_to_the_one_block_bytes(ranks_out: Path) -> None:
+    """Blocks of 7 and 101 columns of each rank's own axis (many lockstep rounds, runs cut at the blocks) give rank
+    0 the one-block files; the shared batch folded in blocks gives the single-process folder's bytes."""
+    out = ranks_out / "blocks"
+    for shared in (False, True):
+        want, want_summary = step_files(out / f"{10**9}-{shared}")
+        for block in (7, 101):
+            got, summary = step_files(out / f"{block}-{shared}")
+            assert list(got) == list(want) and summary == want_summary
+            assert all(same_bytes(got[k], want[k]) for k in want), (block, shared)
+        with np.load(out / f"{10**9}-{shared}-kept.npz") as kept:
+            assert sorted(kept.files) == ["F", "G", "rho"] and all(same_bytes(kept[v], want[v]) for v in kept.files)
+        with np.load(out / f"101-{shared}-kept.npz") as kept:
+            assert kept.files == []
+    batch, A = _batch()
+    single = InRunFolder(llama(tied=True), out_dir=ranks_out / "blocks-single", q=0.2)
+    single.fold(0, batch["input_ids"], batch["attention_mask"], batch["target_mask"], A, group=GROUP)
+    assert_same_files(out / f"7-{True}", ranks_out / "blocks-single")

@@ -7,7 +7,6 @@ pass ``keep`` and ``block`` through."""
 
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import covgrad.moments.topk as topk_module
 from covgrad.distributed.fsdp import RankColumns
-from covgrad.distributed.launch import Placement, launch_ranks
 from covgrad.integrations.blocks import SCALARS, StepVectors, column_blocks
 from covgrad.integrations.inrun import METRICS, InRunFolder, InRunRegimeFolder, InRunStep, statistics
 from covgrad.integrations.ranks import local_runs
@@ -27,6 +24,7 @@ from covgrad.layout import select_parameters
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.moments.topk import StreamingTopK, count_for_fraction, topk_indices
 from covgrad.regimes.cotangents import Regime
+from tests.helpers.inrun_files import assert_same_files, same_bytes
 from tests.helpers.persample import llama, make_batch
 
 # 2624 columns: the untied embedding (rows of tokens the batch lacks: F = 0, ρ NaN), a layer's down projection
@@ -41,37 +39,17 @@ def _batch() -> tuple[dict, np.ndarray, np.ndarray]:
     return batch, np.random.default_rng(5).standard_normal(6), np.arange(6) // 2
 
 
-def _step_files(out: Path, step: int = 0) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """A step's npz members in order (as loaded) and its JSON summary without ``seconds``."""
-    with np.load(out / f"step_{step:06d}.npz") as f:
-        arrays = {name: f[name] for name in f.files}
-    summary = json.loads((out / f"step_{step:06d}.json").read_text())
-    summary.pop("seconds")
-    return arrays, summary
-
-
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and np.asarray(a).tobytes() == np.asarray(b).tobytes()
-
-
-def _assert_same_files(got_out: Path, want_out: Path, step: int = 0) -> None:
-    """Two folds' files of a step: the same npz members (names, order, bytes) and JSON summary."""
-    (ga, gs), (wa, ws) = _step_files(got_out, step), _step_files(want_out, step)
-    assert list(ga) == list(wa) and gs == ws
-    assert all(_same_bytes(ga[k], wa[k]) for k in wa), [k for k in wa if not _same_bytes(ga[k], wa[k])]
-
-
 def _assert_same_step(got: InRunStep, want: InRunStep, got_out: Path, want_out: Path) -> None:
     """Two folds of one state: the same files (member by member, bytes) and the same InRunStep."""
     assert got.step == want.step
-    _assert_same_files(got_out, want_out, want.step)
+    assert_same_files(got_out, want_out, want.step)
     assert got.stats.keys() == want.stats.keys() and got.summary.keys() == want.summary.keys()
     for k, v in want.stats.items():
         if np.ndim(v) == 0:
             assert type(got.stats[k]) is type(v) and (got.stats[k] == v or (np.isnan(v) and np.isnan(got.stats[k])))
         else:
-            assert _same_bytes(got.stats[k], v), k
-    assert got.top.keys() == want.top.keys() and all(_same_bytes(got.top[m], want.top[m]) for m in want.top)
+            assert same_bytes(got.stats[k], v), k
+    assert got.top.keys() == want.top.keys() and all(same_bytes(got.top[m], want.top[m]) for m in want.top)
 
 
 # ---------------------------------------------------------------------------------------------- the streaming top-k
@@ -109,7 +87,7 @@ def test_the_streaming_topk_is_an_argsort(monkeypatch: pytest.MonkeyPatch, merge
         want = _reference(v, k)
         assert index.dtype == np.int64 and np.array_equal(index, want), trial
         assert np.array_equal(index, topk_indices(v, k)), trial
-        assert _same_bytes(values, v[want].astype(np.float64)), trial
+        assert same_bytes(values, v[want].astype(np.float64)), trial
     with pytest.raises(ValueError, match="k must be"):
         StreamingTopK(-1)
     with pytest.raises(ValueError, match=r"\(b,\)"):
@@ -160,12 +138,12 @@ def test_blocks_of_planted_state_give_the_whole_arrays_statistics(tmp_path: Path
     ref = statistics(acc.rows())
     k = count_for_fraction(0.3, acc.P)
     for name in ("m", "F", "Fvar", "G", "Cov", "rho"):
-        assert _same_bytes(one.stats[name], ref[name]), name
+        assert same_bytes(one.stats[name], ref[name]), name
     for name in SCALARS:
         assert one.stats[name] == ref[name] or (np.isnan(ref[name]) and np.isnan(one.stats[name])), name
     for metric, src in METRICS.items():
         values = np.abs(ref[src])
-        assert _same_bytes(one.top[metric], topk_indices(values, k)), metric
+        assert same_bytes(one.top[metric], topk_indices(values, k)), metric
         if halves != "flat" or metric != "absrho":  # the cut cuts through ties: equal values on both sides
             cut = values[one.top[metric]].min()
             assert 0 < np.count_nonzero(values[one.top[metric]] == cut) < np.count_nonzero(values == cut), metric
@@ -240,14 +218,14 @@ def test_the_streamed_npz_is_savez_and_the_kept_vectors(tmp_path: Path):
     with np.load(saved) as f:
         arrays = {name: f[name] for name in f.files}
     assert list(arrays) == ["F", "G", "rho", "top_F", "top_absG", "top_absrho"]
-    assert _same_bytes(got.stats["F"], arrays["F"])
+    assert same_bytes(got.stats["F"], arrays["F"])
     np.savez(tmp_path / "savez.npz", **arrays)
     with zipfile.ZipFile(saved) as ours, zipfile.ZipFile(tmp_path / "savez.npz") as theirs:
         assert ours.namelist() == theirs.namelist()
         assert all(ours.read(n) == theirs.read(n) for n in theirs.namelist())
         assert {i.compress_type for i in ours.infolist()} == {zipfile.ZIP_STORED}
     bare = InRunFolder(llama(tied=False), SUBSET, keep=("m", "F"), block=64).fold(3, *args, group=group)
-    assert bare is not None and all(_same_bytes(bare.stats[v], got.stats[v]) for v in ("m", "F"))
+    assert bare is not None and all(same_bytes(bare.stats[v], got.stats[v]) for v in ("m", "F"))
     none = InRunFolder(llama(tied=False), SUBSET, keep=(), block=64).fold(3, *args, group=group)
     assert none is not None and set(none.stats) == set(SCALARS)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["inrun.json", "step_000003.json", "step_000003.npz"]
@@ -298,8 +276,8 @@ def test_the_hook_and_the_trl_callback_pass_keep_and_block_through(tmp_path: Pat
     rows = {"input_ids": args[0], "attention_mask": args[1], "response_mask": args[2]}
     got = hook(0, rows, A, group)
     assert want is not None and got is not None and set(got.stats) == set(SCALARS)
-    assert got.top.keys() == want.top.keys() and all(_same_bytes(got.top[m], want.top[m]) for m in want.top)
-    _assert_same_files(tmp_path / "hook", tmp_path / "want")
+    assert got.top.keys() == want.top.keys() and all(same_bytes(got.top[m], want.top[m]) for m in want.top)
+    assert_same_files(tmp_path / "hook", tmp_path / "want")
 
     generation = _trl_generation(batch, A)
     InRunFolder(llama(tied=False), SUBSET, out_dir=tmp_path / "want-trl", q=0.2).fold(
@@ -316,7 +294,7 @@ def test_the_hook_and_the_trl_callback_pass_keep_and_block_through(tmp_path: Pat
     inrun = CovgradInRun(tmp_path / "trl", 1, SUBSET, q=0.2, block=7).attach(trainer)
     assert trainer._generate_and_score_completions(None) is generation
     assert inrun.folder is not None and inrun.folder.keep == () and inrun.folder.block == 7
-    _assert_same_files(tmp_path / "trl", tmp_path / "want-trl")
+    assert_same_files(tmp_path / "trl", tmp_path / "want-trl")
 
 
 def test_blocks_and_arguments_are_checked(tmp_path: Path):
@@ -345,64 +323,3 @@ def test_a_ranks_local_runs_are_its_global_columns():
                 assert np.array_equal(np.concatenate(found), cols.index()), (R, r, block)
                 offsets = [at for lo, hi in column_blocks(cols.P, block) for _, _, at in local_runs(cols, lo, hi)]
                 assert all(0 <= at < block for at in offsets)
-
-
-# ---------------------------------------------------------------------------------------------------- ranks
-
-R = 2
-
-
-def _rank(out: str) -> None:
-    """One rank: shard as a trainer would, fold its own rows and the shared batch with blocks of 7, 101 and one
-    block (``keep=()`` on one of them)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from covgrad.integrations.ranks import RankInRunFolder, prepare_ranks
-
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    model = llama(tied=True)
-    plan = prepare_ranks(model)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    batch, A, group = _batch()
-    rows = slice(rank * 3, rank * 3 + 3)
-    for block in (10**9, 7, 101):
-        for shared in (False, True):
-            b = batch if shared else {k: batch[k][rows] for k in ("input_ids", "attention_mask", "target_mask")}
-            a, g = (A, group) if shared else (A[rows], group[rows])
-            keep = () if block == 101 else None
-            folder = RankInRunFolder(
-                model, plan, out_dir=Path(out) / f"{block}-{shared}", q=0.2, block=block, keep=keep, shared_batch=shared
-            )
-            got = folder.fold(0, b["input_ids"], b["attention_mask"], b["target_mask"], a, group=g)
-            assert (got is None) == (rank != 0)
-            if got is not None:
-                kept = {k: np.asarray(v) for k, v in got.stats.items() if np.ndim(v)}
-                np.savez(Path(out) / f"{block}-{shared}-kept.npz", **kept)
-
-
-@pytest.mark.slow
-def test_ranks_fold_by_blocks_to_the_one_block_bytes(tmp_path: Path):
-    """2 gloo ranks, each folding its shard's columns: blocks of 7 and 101 columns of each rank's own axis (many
-    lockstep rounds, runs cut at the blocks) give rank 0 the one-block files; a shared batch gives the
-    single-process folder's."""
-    launch_ranks(Placement("local", R), _rank, (str(tmp_path),), tmp_path)
-    for shared in (False, True):
-        want, want_summary = _step_files(tmp_path / f"{10**9}-{shared}")
-        for block in (7, 101):
-            got, summary = _step_files(tmp_path / f"{block}-{shared}")
-            assert list(got) == list(want) and summary == want_summary
-            assert all(_same_bytes(got[k], want[k]) for k in want), (block, shared)
-        with np.load(tmp_path / f"{10**9}-{shared}-kept.npz") as kept:
-            assert sorted(kept.files) == ["F", "G", "rho"] and all(_same_bytes(kept[v], want[v]) for v in kept.files)
-        with np.load(tmp_path / f"101-{shared}-kept.npz") as kept:
-            assert kept.files == []
-    batch, A, group = _batch()
-    single = InRunFolder(llama(tied=True), out_dir=tmp_path / "single", q=0.2)
-    single.fold(0, batch["input_ids"], batch["attention_mask"], batch["target_mask"], A, group=group)
-    got, summary = _step_files(tmp_path / f"7-{True}")
-    want, want_summary = _step_files(tmp_path / "single")
-    assert list(got) == list(want) and summary == want_summary
-    assert all(_same_bytes(got[k], want[k]) for k in want)
