@@ -141,7 +141,6 @@ class PerSampleGrads:
         self._bindings = bind_rules(model, layout)
         self._params = [params[e.name] for e in layout.entries]
         self._modules = list(model.named_modules())  # what every call checks (eval mode) and freezes
-        self._all_params = list(model.parameters())
         self._names = {id(m): name for name, m in self._modules}
         # Set by the first call's trace (_trace): parameter uses checked, and (first call with B ≥ 2) which
         # hooked modules run on a flattened (B·L, …) batch whose row n·L + t is sample n's position t.
@@ -358,7 +357,8 @@ class PerSampleGrads:
         self._L = L
         blocks = self._blocks
         blocks.begin(B, self.chunk_bytes)
-        flags = [(p, p.requires_grad) for p in self._all_params]
+        # read every call: FSDP and other wrappers swap a model's parameter objects after construction
+        flags = [(p, p.requires_grad) for p in self.model.parameters()]
         handles = []
         try:
             # Frozen parameters: the graph starts at the first hooked outputs, no weight grads are formed.

@@ -83,6 +83,19 @@ class Server:
 
         return temporary_settings(updates={PREFECT_API_URL: self.url})
 
+    def why(self, run: subprocess.CompletedProcess) -> str:
+        """What a failed ``deployment run --watch`` leaves to read: the CLI's tail, the flow run's own log
+        lines from the server (the traceback of a failed run) and the worker's log tail."""
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        text = run.stdout[-2000:] + run.stderr[-2000:]
+        found = re.search(r"flow-run/([0-9a-f-]{36})", run.stdout)
+        if found:
+            with self.settings(), self.client() as client:
+                lines = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[found.group(1)])))
+            text += "\nflow run logs:\n" + "\n".join(log.message for log in lines)[-6000:]
+        return text + "\nworker log:\n" + (self.tmp / "logs" / "worker.log").read_text()[-3000:]
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
@@ -169,7 +182,7 @@ def test_pipeline_deployment_run_completes(server: Server):
         "240",
         timeout=270,
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, server.why(run)
     assert "Completed" in run.stdout
     assert_run_complete(cfg)
 
