@@ -6,17 +6,19 @@ The demo's policy is trained as the base_model stage trains it (``configs/demo.y
 with fresh sampling seeds: the task's 32 prompts, 8 responses each of at most 4 tokens drawn by
 ``covgrad.rollouts.sampling.generate``, and the exact per-sample scores ∇θ log p(response) of every parameter
 (``PerSampleGrads``, policy centering). Of each data set the report's two statistics are computed by the library
-(``compute_stats`` of ``sample_moments``: ``zero_mean_trace``, ``zero_mean_coord``) and judged against their 95%
-null bands as the report makes them (``group_bootstrap``'s null draws with the report's seed, ``resampled_band``).
+(``compute_stats`` of ``sample_moments``: ``zero_mean_trace``, ``zero_mean_coord``) and judged as the report judges
+them (``group_bootstrap``'s one-sided cross-fit test between the even and the odd prompt groups: above the 95% band
+exactly when z > 1.645).
 
 - on-policy: the policy's own samples, where E[s | prompt] = 0 holds; a statistic outside its band is a false
-  alarm (``--runs`` data sets, sampling seeds ``--seed`` + 1, 2, ...).
+  alarm (``--runs`` data sets, sampling seeds ``--seed`` + 1, 2, ...); the table also gives the mean and standard
+  deviation of z over them (0 and 1 for a calibrated test).
 - centring errors, each scored as if on-policy (∇ log p of the policy at temperature 1), ``--power-runs`` data
   sets each: samples drawn at temperature 0.8, with nucleus truncation top_p = 0.9, or by the stale checkpoint;
   and the on-policy scores plus a constant offset k·σ_i (σ_i: the coordinate's standard deviation in the data
   set), k = 0.05 and 0.1. A statistic outside its band is a detection.
 
-Prints a markdown table (outside the band: below/above) with the command and the machine.
+Prints a markdown table with the command and the machine.
 
     OMP_NUM_THREADS=1 python -m benchmarks.zero_mean                        # 200 + 5 x 16 data sets
     OMP_NUM_THREADS=1 python -m benchmarks.zero_mean --runs 20 --power-runs 4   # a quick look
@@ -45,8 +47,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from covgrad.config import PipelineConfig, read_config_file
 from covgrad.layout import select_parameters
 from covgrad.models import build_demo_model
+from covgrad.moments.quantiles import Z95
 from covgrad.moments.stats import compute_stats, sample_moments
-from covgrad.report.uncertainty import group_bootstrap, resampled_band
+from covgrad.report.uncertainty import group_bootstrap
 from covgrad.rollouts import addition_problems, answer_tokens, build_char_tokenizer
 from covgrad.rollouts.batch import RolloutBatch
 from covgrad.rollouts.sampling import SamplerSpec, generate
@@ -131,18 +134,17 @@ class DataSets:
 
 
 def judge(S: np.ndarray, group: np.ndarray) -> dict[str, float]:
-    """Each statistic, its band's ends and the signed verdict (−1 below, 0 inside, +1 above), as the report makes
+    """Each statistic, its band's ends, its z and the verdict (1 above the band, 0 inside), as the report makes
     them."""
     N, P = S.shape
     stats = compute_stats(sample_moments(S, np.zeros(N)))
-    null = group_bootstrap(lambda a, b: S[:, a:b], np.zeros(N), group, P, [], n_boot=0)
+    tests = group_bootstrap(lambda a, b: S[:, a:b], np.zeros(N), group, P, [], n_boot=0)["zero_mean"]
+    assert tests is not None, "the demo has even and odd prompt groups"
     out: dict[str, float] = {}
     for k in STATS:
-        value = float(stats[f"zero_mean_{k}"])
-        band = resampled_band(null[f"null_{k}"])
-        assert band is not None, "every prompt group of the demo has 8 responses"
-        out |= {k: value, f"{k}_lo": band[0], f"{k}_hi": band[1]}
-        out[f"{k}_side"] = 1.0 if value > band[1] else -1.0 if value < band[0] else 0.0
+        value, test = float(stats[f"zero_mean_{k}"]), tests[k]
+        out |= {k: value, f"{k}_lo": test.band[0], f"{k}_hi": test.band[1], f"{k}_z": test.z}
+        out[f"{k}_side"] = float(test.z > Z95)
     return out
 
 
@@ -153,21 +155,24 @@ def run(data: DataSets, scenario: Scenario, seeds: range, log: Callable[[str], N
         t0 = time.perf_counter()
         rows.append(judge(*data.scores(scenario, seed)))
         r = rows[-1]
-        words = ", ".join(f"{k} {r[k]:.3f} [{r[f'{k}_lo']:.3f}, {r[f'{k}_hi']:.3f}]" for k in STATS)
+        words = ", ".join(
+            f"{k} {r[k]:.3f} [{r[f'{k}_lo']:.3f}, {r[f'{k}_hi']:.3f}] z {r[f'{k}_z']:+.2f}" for k in STATS
+        )
         log(f"{scenario.name} seed {seed}: {words} ({time.perf_counter() - t0:.1f} s)")
     return rows
 
 
 def table_row(scenario: Scenario, rows: list[dict[str, float]]) -> str:
-    """One markdown row: data sets, then per statistic the share outside its band (below/above) and the mean."""
+    """One markdown row: data sets, then per statistic the share above its band, z's mean and standard deviation,
+    and the statistic's mean with its band's mean upper end."""
     cells = [scenario.name, str(len(rows))]
     for k in STATS:
-        side = np.array([r[f"{k}_side"] for r in rows])
-        low, high = int((side < 0).sum()), int((side > 0).sum())
-        cells.append(f"{(low + high) / len(rows):.1%} ({low}/{high})")
+        cells.append(f"{np.mean([r[f'{k}_side'] for r in rows]):.1%}")
     for k in STATS:
-        cells.append(f"{np.mean([r[k] for r in rows]):.3g} [{np.mean([r[f'{k}_lo'] for r in rows]):.3g}, "
-                     f"{np.mean([r[f'{k}_hi'] for r in rows]):.3g}]")  # fmt: skip
+        z = np.array([r[f"{k}_z"] for r in rows])
+        cells.append(f"{z.mean():+.2f} / {z.std():.2f}")
+    for k in STATS:
+        cells.append(f"{np.mean([r[k] for r in rows]):.3g} [{np.mean([r[f'{k}_hi'] for r in rows]):.3g}]")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -210,10 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nCommand: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} {' '.join(command)}`")
     print(f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}; {wall / 60:.1f} min wall")
     print(f"N = {len(data.prompts) * data.group_size} responses in {len(data.prompts)} prompt groups, P = "
-          f"{data.layout.P:,} parameters; 95% null bands over the report's null draws\n")  # fmt: skip
-    print("| data sets | runs | zero_mean_trace outside its band (below/above) | zero_mean_coord outside its band "
-          "(below/above) | mean trace [mean band] | mean coord [mean band] |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          f"{data.layout.P:,} parameters; one-sided 95% bands of the cross-fit test\n")  # fmt: skip
+    print("| data sets | runs | zero_mean_trace above its band | zero_mean_coord above its band | z trace mean / sd "
+          "| z coord mean / sd | mean trace [mean band top] | mean coord [mean band top] |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for scenario, rows in results:
         if rows:
             print(table_row(scenario, rows))

@@ -7,6 +7,7 @@ import math
 
 LEVEL = 0.95
 Z975 = 1.959963984540054  # standard normal 0.975 quantile
+Z95 = 1.6448536269514722  # standard normal 0.95 quantile: a one-sided test at the 5% level
 
 
 def t975(nu: int) -> float:

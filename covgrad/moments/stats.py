@@ -310,15 +310,15 @@ def _safe_ratio(xp: Any, num: Array, den: Array) -> Array:
 
 
 COORD_CAP = 9.0
-"""The most one coordinate's t_i² = N·m_i²/Var_i adds to the capped zero-mean coordinate statistic (|t_i| = 3).
+"""The most one coordinate's t_i² = N·m_i²/Var_i weighs in the zero-mean test's coordinate metric (|t_i| = 3).
 
 Why a cap: at finite N a coordinate whose mean is carried by an event the sample lacks (the LM-head row of a token
 that was never drawn; a weight whose score is dominated by one rare response) has a nonzero m_i and a small Var_i
 although E[s_i] = 0, so its t_i² is large (on the demo the LM-head rows of the five never-drawn tokens average 36–41
-over fresh data sets), exactly as a biased coordinate's is, and no resampling of the sample can add the event it
-lacks. Capped at 9, such a coordinate moves mean_i min(t_i², 9) by at most (9 − its share in the null band) /
-P_varying, while a centring error still lifts the t_i² of most coordinates (each by about N·b_i²/Var_i for a bias b_i)
-towards the cap. Under E[s] = 0 a well-sampled coordinate's t_i² is about χ²₁, and E[min(χ²₁, 9)] = 0.995."""
+over fresh data sets), exactly as a biased coordinate's is, and nothing built from the sample can add the event it
+lacks. The cross-fit test (``covgrad.report.uncertainty``) weighs coordinate i by 1 / max(Var_i, N·m_i² / 9), so such
+a coordinate adds at most about 9 / N to the cross term, while a centring error still lifts most coordinates' terms
+(each by about b_i²/Var_i for a bias b_i, up to the cap)."""
 
 
 def coord_t2_sums(N: float, m: np.ndarray, var: np.ndarray, varies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,8 +14,8 @@ GLOSSARY: dict[str, str] = {
     "quantity": "name of the number in this row (its own entry in this glossary)",
     "value": "the number as stored by the stage that computed it",
     "note": "what the number is, in words",
-    "lo": "lower end of the 95-percent interval (or of the null band for zero_mean rows); see the Uncertainty section",
-    "hi": "upper end of the 95-percent interval (or of the null band for zero_mean rows)",
+    "lo": "lower end of the 95-percent interval (or of the zero-mean band for zero_mean rows); see Uncertainty",
+    "hi": "upper end of the 95-percent interval (or of the zero-mean band for zero_mean rows)",
     # task
     "model": "the analysed policy: a model directory or the built-in demo Llama",
     "selection": "parameter name patterns analysed (model.params); P counts their elements",
@@ -42,8 +42,8 @@ GLOSSARY: dict[str, str] = {
     "crossfit_frac_exceed": "fraction of parameters whose cross-fit ratio exceeds 1 (F even groups, G odd)",
     "crossfit_frac_exceed_even_F_odd_G": "fraction with |Cov| from odd prompt groups > std(A)·√Fvar from even ones",
     "crossfit_frac_exceed_odd_F_even_G": "fraction with |Cov| from even prompt groups > std(A)·√Fvar from odd ones",
-    "zero_mean_trace": "N·‖m‖² / tr Var(s), m = mean(s): ≈ 1 (inside its null band) when E[s] = 0",
-    "zero_mean_coord": "mean over coordinates of N·m_i² / Var_i: ≈ 1 (inside its null band) when E[s] = 0",
+    "zero_mean_trace": "N·‖m‖² / tr Var(s), m = mean(s): ≈ 1 (inside its band) when E[s] = 0",
+    "zero_mean_coord": "mean over coordinates of N·m_i² / Var_i: ≈ 1 (inside its band) when E[s] = 0",
     "spearman_F_absG": "Spearman rank correlation of F and |G| over all parameters",
     # overlap
     "q": "top fraction of parameters (q = 1/100 keeps the top one percent)",

@@ -34,7 +34,7 @@ from covgrad.report.plots import (
 )
 from covgrad.report.regimes import regimes as regimes_section
 from covgrad.report.trajectory import trajectories as trajectories_section
-from covgrad.report.uncertainty import LEVEL, METHOD, group_bootstrap, interval, null_band, resampled_band
+from covgrad.report.uncertainty import LEVEL, METHOD, group_bootstrap, interval, null_band
 
 STATS = "stats.zarr"
 TOKENS = "tokens.zarr"
@@ -196,8 +196,11 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
             out["overlap"] = {
                 r["q"]: interval(r["overlap"], boot["overlap"][:, i], 0.0, 1.0, groups=G) for i, r in enumerate(overlap)
             }
-        bands = {k: resampled_band(boot[f"null_{k}"]) for k in ("trace", "coord")}
-        out["null_draws"], out["coord_excess"] = len(boot["null_trace"]), boot["coord_excess"]
+        tests = boot["zero_mean"] or {}
+        out["zero_mean_test"] = bool(tests)
+        for k, test in tests.items():
+            out[f"z_{k}"] = test.z
+        bands = {k: tests[k].band if k in tests else None for k in ("trace", "coord")}
     else:
         out["method"] = "none: the scores store kept only moment state (two parity halves), too few to resample"
         bands = {"trace": None, "coord": None}
@@ -224,14 +227,15 @@ def intervals(report: Report, run: RunSource, main: str) -> None:
         f"Intervals: {out['method']}"
         + (f", {out['n_boot']} replicates of {out['groups']} groups" if out.get("n_boot") else "")
         + ". lo/hi of the overlap, Spearman and max |ρ| rows: where the statistic of a rerun with fresh seeds "
-        "falls, 95% (finite-N bias not removed; see docs/reading.md). lo/hi of the zero_mean rows: the 95% null "
-        "band, the range of the statistic when E[s | prompt] = 0 ("
+        "falls, 95% (finite-N bias not removed; see docs/reading.md). lo/hi of the zero_mean rows: the 95% band "
+        "of the statistic when E[s | prompt] = 0 ("
         + (
-            f"over {out['null_draws']} copies of the scores with each response's row multiplied by a random sign; "
-            f"zero_mean_coord is judged on its part with each coordinate's N·m_i²/Var_i counted up to {COORD_CAP:g}, "
-            f"so its band is that part's band plus its part above, {out['coord_excess']:.3g}"
-            if out.get("null_draws")
-            else "χ²₁, the widest: no score rows to flip"
+            "the one-sided cross-fit test between the even and the odd prompt groups: up to the statistic less "
+            "its cross term between the halves plus 1.645 times that term's standard error from the rows of each "
+            f"half; inside exactly when z ≤ 1.645, here z = {out['z_trace']:.2f} (trace) and {out['z_coord']:.2f} "
+            f"(coord, each coordinate's N·m_i²/Var_i counted up to {COORD_CAP:g} in the cross term)"
+            if out.get("zero_mean_test")
+            else "χ²₁, the widest: no score rows of both even and odd prompt groups"
         )
         + ")."
     )

@@ -7,8 +7,8 @@ Tags (docs/formats.md):
 - headline, at step 0 (the policy the step-0 statistics describe): ``overlap_1pct`` (the global overlap of top
   |G| and top F at the q nearest 1%) with ``_lo`` / ``_hi`` (its 95% interval), ``_random`` and
   ``_per_tensor_random`` (its baselines); ``spearman_F_absG`` and ``max_abs_rho`` with ``_lo`` / ``_hi``;
-  ``bound_violations``; ``zero_mean_trace`` and ``zero_mean_coord`` with ``_null_lo`` / ``_null_hi`` (the 95%
-  null band); per regime ``regimes/<name>/{overlap_1pct,max_abs_rho,violations}``;
+  ``bound_violations``; ``zero_mean_trace`` and ``zero_mean_coord`` with ``_null_lo`` / ``_null_hi`` (the zero-mean
+  test's 95% band) and ``_z`` (its cross-fit z); per regime ``regimes/<name>/{overlap_1pct,max_abs_rho,violations}``;
 - per trajectory (``trajectory/`` or ``trajectory/<cell>/``), at each step of the run (the trainer's step for an
   external run): ``frac_changed_step``, ``frac_changed_cum``, ``jaccard_prev``, every predictor's and rule's
   precision ``{step,cum}_<predictor>_precision`` (and the rules' recall), the logged columns (``lr``, ``loss``,
@@ -77,7 +77,7 @@ def headline_scalars(numbers: Mapping[str, Any], regime_overlap: list[dict[str, 
     for k in ("trace", "coord"):
         band = iv.get(f"null_band_{k}") or (None, None)
         values |= {f"zero_mean_{k}": numbers.get(f"zero_mean_{k}"), f"zero_mean_{k}_null_lo": band[0]}
-        values[f"zero_mean_{k}_null_hi"] = band[1]
+        values |= {f"zero_mean_{k}_null_hi": band[1], f"zero_mean_{k}_z": iv.get(f"z_{k}")}
     for r in numbers.get("regimes") or []:
         at = f"regimes/{r['regime']}"
         values |= {f"{at}/max_abs_rho": r.get("max_abs_rho"), f"{at}/violations": r.get("violations")}

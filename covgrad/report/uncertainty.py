@@ -1,4 +1,4 @@
-"""Uncertainty of the headline statistics: a prompt-group bootstrap and a sign-flip null band.
+"""Uncertainty of the headline statistics: a prompt-group bootstrap and a cross-fit zero-mean test.
 
 **Intervals** (``group_bootstrap``, ``interval``): the G prompt groups are resampled with replacement
 ``n_boot`` times (a group keeps all its samples and their stored advantages, so a group-relative
@@ -19,28 +19,29 @@ against their values at N → ∞, and the replicates (which add that noise a se
 bias only in part. Only the per-sample score rows support it: the moment state is two parity halves,
 too few to resample, so a run that kept only moments has no intervals (``covgrad.report`` says so).
 
-**Null band** (``group_bootstrap``'s ``null_trace`` / ``null_coord``, ``resampled_band``): the central 95% of the
-zero-mean statistics over ``n_null`` sign-flipped copies of the data: each response's score row s_n is replaced by
-ε_n·s_n with independent random signs ε_n = ±1 (the same signs for every parameter), and the statistics are
-recomputed. The hypothesis is the one a sampler's own samples satisfy: given the prompts, the responses are
-independent and E[s_n | prompt] = 0 (under either centering). If each s_n's law given its prompt were symmetric, the
-flipped copies would have the data's own joint law and the band would be exact at any N (a randomisation test).
-Without symmetry the flips still keep all but the skew: every row's sparsity pattern and size (a response that
-holds half of a tensor's squared norm stays one response), the correlation of the coordinates within a response,
-and, for N·‖m‖² = (1/N)·Σ_{n,n'} s_n·s_n', the conditional variance of its cross terms, 2·Σ_{n≠n'} (s_n·s_n')²/N²,
-the U-statistic's own under the hypothesis. F_i = mean(s_i²) is unchanged by a flip, so a null data set's
-Var_i = F_i − m_i(ε)² needs one product of the (B₀, N) signs with the rows, not two.
-The coordinate statistic is tested in its capped form: each coordinate's t_i² = N·m_i² / Var_i counts up to
-``covgrad.moments.stats.COORD_CAP`` = 9. A coordinate whose mean is carried by an event the sample lacks (the LM-head
-row of a token never drawn, whose rows are all −p_v·h) has a large t_i² although E[s_i] = 0, and no reference built
-from the sample can know the event, so its share of the statistic is bounded instead. ``null_coord`` is the null
-replicates' capped statistic plus the data's own part above the cap (``coord_excess`` = mean_i (t_i² − 9)⁺):
-``zero_mean_coord`` lies inside that band exactly when its capped part lies inside the capped replicates' band, so
-the band keeps the scale of ``zero_mean_coord`` while its verdict is the capped test's. A fraction f of coordinates
-whose events the sample lacks can still move the capped statistic by up to f·(9 − 1) (on the demo f is 0.2%). The
-false-alarm rate and power on the demo's own samples are measured by ``benchmarks/zero_mean.py``
-(docs/reading.md). Without rows (moment state only) nothing can be flipped and the χ²_1 band (``null_band(1)``, the
-widest) stands in.
+**Zero-mean test** (``group_bootstrap``'s ``zero_mean``, :class:`CrossFit`): the hypothesis is the one a sampler's
+own samples satisfy: given the prompts, the responses are independent and E[s_n | prompt] = 0 (under either
+centering). The prompt groups are split by the parity of their id (the scores store's two halves, A even and B odd),
+and the test is on the cross term between the halves, U = Σ_i w_i·m_{A,i}·m_{B,i}, with metric w_i = 1 for the trace
+statistic and w_i = 1 / max(Var_i, N·m_i² / COORD_CAP) for the coordinate statistic (Var_i, m_i over all N: each
+coordinate's t_i² = N·m_i²/Var_i counted up to ``COORD_CAP``). Given half B, U = (1/N_A)·Σ_{n∈A} s_n·(w∘m_B) is a
+mean of independent terms with mean zero under the hypothesis, and the same holds with A and B swapped, so
+  z = U / σ̂,  σ̂² = ½·[Σ_{n∈A} (s_n·(w∘m_B))² / N_A² + Σ_{n∈B} (s_n·(w∘m_A))² / N_B²],
+each half's sum an unbiased estimate of Var(U) = tr(Σ̄_A W Σ̄_B W) / (N_A·N_B), is a self-normalised sum, standard
+normal in the limit. The test is one-sided, rejecting at z > 1.645 (5%): under any centring error b = E[s],
+E[U] = Σ_i w_i·b_i² ≥ 0, so a negative z is never evidence of one. A self-normalised sum stays calibrated where a
+few responses carry most of a direction's squared norm (one giant row makes z ≤ about 1, not a false alarm), which
+is what sign flips of the whole-sample statistic, exact only for symmetric rows, did not do on the demo's own
+samples (docs/reading.md). Both statistics stay on their familiar scales: with m = (N_A·m_A + N_B·m_B)/N,
+N·‖m‖²_w = (N_A²·‖m_A‖²_w + N_B²·‖m_B‖²_w)/N + 2·N_A·N_B·U/N, so the band of ``zero_mean_trace`` (÷ tr Var) and of
+``zero_mean_coord`` (÷ P_varying) runs from 0 to the statistic less its cross term plus 1.645 times the cross term's
+σ̂ (the coordinate statistic's part above the cap is the data's own): a statistic lies inside its band exactly when
+z ≤ 1.645. The capped metric bounds what a coordinate whose mean is carried by an event the
+sample lacks (the LM-head row of a token never drawn, rows all −p_v·h) adds to U at COORD_CAP / N; no reference built
+from the sample can know such an event. The false-alarm rate and power on the demo's own samples are measured by
+``benchmarks/zero_mean.py`` (docs/reading.md). Without rows (moment state only) σ̂ cannot be formed and the χ²_1 band
+(``null_band(1)``, the widest) stands in; with one half empty (a single prompt group, or all ids of one parity)
+there is no test.
 """
 
 from __future__ import annotations
@@ -49,18 +50,18 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from covgrad.moments.quantiles import LEVEL, Z975, t975
-from covgrad.moments.stats import coord_t2_sums
+from covgrad.moments.quantiles import LEVEL, Z95, Z975, t975
+from covgrad.moments.stats import COORD_CAP, coord_t2_sums
 from covgrad.moments.topk import count_for_fraction, rank_correlation, ranks_and_order
 
 METHOD = "prompt-group bootstrap (centred percentile interval, Fisher z for correlations, few-groups t factor)"
 REPLICATE_BUDGET = 50_000_000  # n_boot × P entries held per replicate array (float32: 200 MB each)
 REPLICATE_SLICE = 1024  # parameters per pass over the replicates' (B, slice) float64 temporaries
-VAR_FLOOR = 1e-12  # a null data set's Var_i at most this fraction of mean(s_i²) is rounding: every sign aligned
 # replicates ranked at once (about 60 bytes per parameter each: the sort's order, the ranks, the sorted values)
 SORT_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -77,71 +78,86 @@ def null_band(d: float) -> tuple[float, float]:
     return chi2_quantile(d, -Z975) / d, chi2_quantile(d, Z975) / d
 
 
-def resampled_band(replicates: np.ndarray) -> tuple[float, float] | None:
-    """The 95% null band of a zero-mean statistic from its B null replicates (NaN ignored), or None when fewer
-    than 2: the j-th smallest and the j-th largest replicate, j = max(1, ⌊0.025·(B + 1)⌋) (5 of 200).
-
-    Why these order statistics: when the data's statistic is exchangeable with its B replicates (sign flips of
-    rows whose law is symmetric), its rank among the B + 1 values is uniform, so it lies below the j-th smallest
-    replicate with probability j / (B + 1) and above the j-th largest with the same: 2·5/201 = 4.98% in all at
-    B = 200. Interpolated 2.5% and 97.5% quantiles sit about one replicate further in and leave 6/201 on each
-    side, 6.0% in all."""
-    r = np.sort(replicates[np.isfinite(replicates)])
-    if r.size < 2:
-        return None
-    j = max(1, math.floor((1 - LEVEL) / 2 * (r.size + 1)))
-    return float(r[j - 1]), float(r[r.size - j])
+METRICS = ("trace", "coord")
+"""The zero-mean statistics :class:`CrossFit` tests, in the order of its metric axis."""
 
 
-class NullDraws:
-    """The zero-mean statistics of ``n`` sign-flipped copies of the data (module docstring), accumulated block by
-    block of parameters: the same signs for every block.
+@dataclass(frozen=True)
+class ZeroMeanTest:
+    """The cross-fit test of one zero-mean statistic (module docstring).
 
-    Args:
-        N: samples (score rows).
-        n: null data sets B₀ (none when 0).
-        rng: the signs' generator.
+    Attributes:
+        value: the statistic recomputed from the rows (``zero_mean_trace`` or ``zero_mean_coord``, uncapped).
+        z: U / σ̂, the cross term between the halves over its standard error (0 where σ̂ = 0: then U = 0).
+        band: the statistic's one-sided 95% band, (0, hi): ``value`` lies inside exactly when z ≤ 1.645.
     """
 
-    def __init__(self, N: int, n: int, rng: np.random.Generator) -> None:
-        self.N, self.n = N, n
-        self.signs = rng.choice(np.array([-1.0, 1.0]), size=(n, N))  # (B₀, N): ε_n of each response
-        self.m2 = np.zeros(n)  # Σ_i m_i²
-        self.var = np.zeros(n)  # Σ_i Var_i
-        self.coord = np.zeros(n)  # Σ_i min(t_i², COORD_CAP) over varying coordinates
-        self.varying = np.zeros(n)  # coordinates that vary
-        self.observed = np.zeros(3)  # the data's own Σ_i min(t_i², COORD_CAP), Σ_i (t_i² − COORD_CAP)⁺, P_varying
+    value: float
+    z: float
+    band: tuple[float, float]
+
+
+class CrossFit:
+    """The sums of the cross-fit zero-mean test (module docstring), accumulated block by block of parameters.
+
+    Args:
+        group: (N,) prompt group id of each sample; half A is the even ids, half B the odd ones.
+    """
+
+    def __init__(self, group: np.ndarray) -> None:
+        odd = np.asarray(group) % 2 == 1
+        self.N = odd.size
+        self.halves = (np.flatnonzero(~odd), np.flatnonzero(odd))  # (N_A,), (N_B,) sample indices
+        self.sizes = np.array([h.size for h in self.halves], dtype=np.float64)  # N_A, N_B
+        metrics = len(METRICS)
+        self.cross = np.zeros(metrics)  # U = Σ_i w_i·m_A,i·m_B,i
+        self.terms = [np.zeros((metrics, h.size)) for h in self.halves]  # s_n·(w∘m_other) of each sample
+        self.m2 = 0.0  # Σ_i m_i²
+        self.trace_var = 0.0  # Σ_i Var_i
+        self.varying = 0  # coordinates with Var_i > 0
+        self.coord = 0.0  # Σ_i t_i² over them, uncapped
+
+    @property
+    def testable(self) -> bool:
+        """Both halves hold samples."""
+        return bool(self.sizes.min() > 0)
 
     def add(self, S: np.ndarray) -> None:
         """Add the block of score rows ``S`` (N, b), float64."""
-        if not self.n:
-            return
         m = S.mean(axis=0)  # (b,)
         var = ((S - m) ** 2).mean(axis=0)
-        second = (S * S).mean(axis=0)  # (b,): unchanged by any flip
-        varies = var > 0  # the coordinates the data's own statistics count
-        self.observed += (*coord_t2_sums(self.N, m, var, varies), np.count_nonzero(varies))
-        for c in range(0, S.shape[1], REPLICATE_SLICE):
-            cols = slice(c, c + REPLICATE_SLICE)
-            m = self.signs @ S[:, cols] / self.N  # (B₀, slice)
-            var = second[cols] - m * m
-            flipped = varies[cols] & (var > VAR_FLOOR * second[cols])  # zero up to rounding: all signs aligned
-            self.m2 += (m * m).sum(axis=1)
-            self.var += np.where(flipped, var, 0.0).sum(axis=1)
-            self.coord += coord_t2_sums(self.N, m, var, flipped)[0]
-            self.varying += flipped.sum(axis=1)
+        varies = var > 0
+        self.m2 += float((m * m).sum())
+        self.trace_var += float(var.sum())
+        self.varying += int(np.count_nonzero(varies))
+        self.coord += float(sum(coord_t2_sums(self.N, m, var, varies)))
+        if not self.testable:
+            return
+        capped = np.maximum(var, self.N * m * m / COORD_CAP)
+        weights = (np.ones_like(m), np.where(varies, 1.0 / np.where(varies, capped, 1.0), 0.0))  # METRICS' order
+        A, B = (S[h] for h in self.halves)
+        m_a, m_b = A.mean(axis=0), B.mean(axis=0)
+        for j, w in enumerate(weights):
+            self.cross[j] += float((w * m_a * m_b).sum())
+            self.terms[0][j] += A @ (w * m_b)
+            self.terms[1][j] += B @ (w * m_a)
 
-    def statistics(self) -> dict[str, Any]:
-        """``null_trace`` = N·Σ m² / Σ Var of each null data set and ``null_coord`` = its mean_i min(t_i², COORD_CAP)
-        plus ``coord_excess``, (B₀,) each; ``coord_capped`` and ``coord_excess``: the data's own
-        mean_i min(t_i², COORD_CAP) and mean_i (t_i² − COORD_CAP)⁺ over its varying coordinates (their sum is
-        ``zero_mean_coord``; NaN without one)."""
-        below, above, varying = self.observed
-        capped, excess = (below / varying, above / varying) if varying else (math.nan, math.nan)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            trace = np.where(self.var > 0, self.N * self.m2 / self.var, np.nan)
-            coord = np.where(self.varying > 0, self.coord / self.varying + excess, np.nan)
-        return {"null_trace": trace, "null_coord": coord, "coord_capped": capped, "coord_excess": excess}
+    def statistics(self) -> dict[str, ZeroMeanTest] | None:
+        """``trace`` and ``coord``: each statistic's :class:`ZeroMeanTest`; None without a test (a half empty, or no
+        coordinate varies)."""
+        if not self.testable or self.trace_var <= 0 or not self.varying:
+            return None
+        N, (n_a, n_b) = self.N, self.sizes
+        var_u = 0.5 * ((self.terms[0] ** 2).sum(axis=1) / n_a**2 + (self.terms[1] ** 2).sum(axis=1) / n_b**2)
+        sigma = np.sqrt(var_u)  # (metrics,): σ̂ of U
+        values = (N * self.m2 / self.trace_var, self.coord / self.varying)
+        out = {}
+        for j, (name, scale) in enumerate(zip(METRICS, (self.trace_var, self.varying), strict=True)):
+            factor = 2 * n_a * n_b / (N * scale)  # the cross term's share of the statistic is factor·U
+            hi = values[j] - factor * self.cross[j] + Z95 * factor * sigma[j]
+            z = self.cross[j] / sigma[j] if sigma[j] > 0 else 0.0  # σ̂ = 0: every term is 0, so is U
+            out[name] = ZeroMeanTest(float(values[j]), float(z), (0.0, float(hi)))
+        return out
 
 
 def few_groups_factor(groups: int) -> float:
@@ -201,10 +217,9 @@ def group_bootstrap(
     n_boot: int = 200,
     seed: int = 0,
     block: int = 16384,
-    n_null: int = 200,
 ) -> dict[str, Any]:
-    """Bootstrap replicates of the global overlap at each q, Spearman(F, |G|) and max |ρ|, and null replicates of
-    the two zero-mean statistics (module docstring: every response's score row multiplied by a random sign).
+    """Bootstrap replicates of the global overlap at each q, Spearman(F, |G|) and max |ρ|, and the cross-fit test
+    of the two zero-mean statistics (module docstring).
 
     Args:
         read: ``read(a, b)``, the score rows of parameters a..b, shape (N, b − a), float32 or float64.
@@ -213,17 +228,14 @@ def group_bootstrap(
         P: parameters.
         qs: top fractions for the overlap.
         n_boot: replicates B (fewer when B × P exceeds ``REPLICATE_BUDGET``; 0 disables).
-        seed: seed of the group draws and of the null draws (the report is deterministic).
+        seed: seed of the group draws (the report is deterministic).
         block: parameters per read.
-        n_null: null data sets B₀ (their statistics are (B₀,) sums over blocks, so P does not limit them; 0
-            disables).
 
     Returns:
         ``n_boot`` (replicates used), ``groups`` (G, the resampled units), ``overlap`` (B, len(qs)),
         ``spearman`` (B,), ``max_abs_rho`` (B,),
-        ``null_trace`` and ``null_coord`` (B₀,), the null replicates of ``zero_mean_trace`` and ``zero_mean_coord``
-        (NaN where a data set has no varying coordinate), ``coord_capped`` and ``coord_excess`` (floats), the
-        data's own coordinate statistic below and above the cap (``NullDraws.statistics``).
+        ``zero_mean``: ``trace`` and ``coord`` -> :class:`ZeroMeanTest`, or None without a test
+        (:meth:`CrossFit.statistics`).
     """
     A = np.asarray(advantage, dtype=np.float64)
     labels, gidx = np.unique(group, return_inverse=True)
@@ -242,13 +254,13 @@ def group_bootstrap(
     F_b = np.full((B, P), np.nan, dtype=np.float32)
     absG_b = np.full((B, P), np.nan, dtype=np.float32)
     max_rho = np.full(B, -1.0)
-    null = NullDraws(gidx.size, n_null, np.random.default_rng([seed, 1]))
+    zero_mean = CrossFit(group)
     with np.errstate(invalid="ignore", divide="ignore"):
         for a in range(0, P, block):
             b = min(P, a + block)
             S = np.asarray(read(a, b), dtype=np.float64)  # (N, b)
-            # 1. the null data sets' sums of this block
-            null.add(S)
+            # 1. the zero-mean test's sums of this block
+            zero_mean.add(S)
             if not B:
                 continue
             # 2. the replicates' statistics of this block, from per-group sums (a replicate's sample weights
@@ -278,5 +290,5 @@ def group_bootstrap(
         "overlap": overlap,
         "spearman": rank,
         "max_abs_rho": max_rho,
-        **null.statistics(),
+        "zero_mean": zero_mean.statistics(),
     }

@@ -28,6 +28,7 @@ def headline_tags(n: dict[str, Any]) -> dict[str, float]:
         "zero_mean_coord": n["zero_mean_coord"],
         "zero_mean_coord_null_lo": iv["null_band_coord"][0],
         "zero_mean_coord_null_hi": iv["null_band_coord"][1],
+        "zero_mean_coord_z": iv["z_coord"],
     }
 
 

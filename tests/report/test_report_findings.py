@@ -1,4 +1,4 @@
-"""Findings in words, intervals and null bands, the glossary and the HTML's layout, without a pipeline run."""
+"""Findings in words, intervals and zero-mean bands, the glossary and the HTML's layout, without a pipeline run."""
 
 import math
 import re
@@ -6,10 +6,11 @@ import re
 import numpy as np
 import pytest
 
+from covgrad.moments.quantiles import Z95
 from covgrad.report import Report
 from covgrad.report.document import STYLE, findings, html_table, summary_lines
 from covgrad.report.glossary import GLOSSARY, meaning
-from covgrad.report.uncertainty import group_bootstrap, interval, null_band, resampled_band
+from covgrad.report.uncertainty import group_bootstrap, interval, null_band
 from tests.helpers.pipeline import REPO
 from tests.helpers.ranks import naive_spearman
 
@@ -38,6 +39,7 @@ NUMBERS = {
         "max_abs_rho": (0.85, 0.95),
         "null_band_trace": (0.2, 2.5),
         "null_band_coord": (0.9, 1.1),
+        "z_trace": 0.41,
     },
 }
 
@@ -51,11 +53,17 @@ def test_findings_state_the_numbers_with_intervals_and_the_honest_baseline():
     assert "15.3× the per-tensor random baseline (0.04) and 61× random (0.01)" in text
     assert "0 of 3.5M parameters exceed the bound" in text and "0.06% and 0.05% in the two cross-fit" in text
     assert "Spearman(F, |G|) = 0.7 (95% CI 0.68–0.72)" in text
-    assert "1.58, inside the 95% null band 0.2–2.5: consistent with E[s] = 0" in text
-    assert "1.01, outside the 95% null band 0.9–1.1" not in text  # 1.01 is inside
+    assert "1.58, inside its 95% band 0.2–2.5 (cross-fit z = 0.41): consistent with E[s] = 0" in text
+    assert "1.01, inside its 95% band 0.9–1.1: consistent" in text  # no z: the band alone
     lines = summary_lines(NUMBERS, [])
     assert lines[: len(words)] == words
     assert "0.01: 0.6101 vs 0.04, 0.01" in lines[-1]  # per-tensor random first
+
+
+def test_a_statistic_above_its_band_is_evidence_and_the_coordinate_one_says_its_lean():
+    text = "\n".join(findings({**NUMBERS, "zero_mean_trace": 2.6, "zero_mean_coord": 1.5}))
+    assert "2.6, outside its 95% band 0.2–2.5 (cross-fit z = 0.41): evidence against E[s] = 0 at the 5% level." in text
+    assert "1.5, outside its 95% band 0.9–1.1: evidence against E[s] = 0 at the 5% level, weak alone" in text
 
 
 def test_findings_state_the_token_fisher_error_with_its_interval():
@@ -101,46 +109,28 @@ def skewed_scores(rng: np.random.Generator, bias: float = 0.0) -> tuple[np.ndarr
 
 
 def zero_mean_rejections(trials: int, bias: float, seed: int) -> dict[str, float]:
-    """The share of ``trials`` synthetic runs whose zero-mean statistics fall outside their 95% null band."""
+    """The share of ``trials`` synthetic runs whose zero-mean statistics fall outside their 95% bands."""
     rng = np.random.default_rng(seed)
     out = {"trace": 0, "coord": 0}
-    for t in range(trials):
+    for _ in range(trials):
         S, grp = skewed_scores(rng, bias)
-        N, m, var = S.shape[0], S.mean(0), S.var(0)
-        stats = {"trace": N * (m * m).sum() / var.sum(), "coord": (N * m * m / var).mean()}
-        b = group_bootstrap(lambda a, c, S=S: S[:, a:c], np.zeros(N), grp, P_NULL, [0.1], n_boot=0, seed=t)
-        for k, v in stats.items():
-            lo, hi = resampled_band(b[f"null_{k}"])
-            out[k] += not lo <= v <= hi
+        b = group_bootstrap(lambda a, c, S=S: S[:, a:c], np.zeros(S.shape[0]), grp, P_NULL, [0.1], n_boot=0)
+        for k in out:
+            out[k] += b["zero_mean"][k].z > Z95
     return {k: v / trials for k, v in out.items()}
 
 
-def test_the_null_band_is_calibrated_on_correlated_skewed_scores():
+def test_the_zero_mean_test_is_calibrated_on_correlated_skewed_scores():
     """E[s] = 0 with correlated, skewed coordinates (events frequent enough to be seen): each statistic leaves its
-    band in 1–8% of 100 runs (over 1000 runs: 5.4% and 3.4%; the prompt-resampled band before it: 2.8% and 3.0%;
-    the χ²_d / d band: 3.2% and 4.8%, every one of them upwards)."""
+    band in at most 8% of 100 runs (over 1000 runs: trace 3.4%, coord 4.5%)."""
     rates = zero_mean_rejections(100, 0.0, seed=0)
-    assert all(0.01 <= r <= 0.08 for r in rates.values()), rates
+    assert all(r <= 0.08 for r in rates.values()), rates
 
 
-def test_the_null_band_rejects_a_biased_score():
+def test_the_zero_mean_test_rejects_a_biased_score():
     """E[s] = 0.15·σ: both statistics leave their bands in at least 80% of 40 runs."""
     rates = zero_mean_rejections(40, 0.15, seed=1)
     assert all(r >= 0.8 for r in rates.values()), rates
-
-
-def test_null_draws_need_no_prompt_with_two_responses():
-    """A sign flip needs only E[s_n | prompt] = 0 of each response: one response per prompt still has a band, the
-    same signs whatever the grouping."""
-    rng = np.random.default_rng(3)
-    S, grp = skewed_scores(rng)
-    single = group_bootstrap(lambda x, y: S[:, x:y], np.zeros(len(grp)), np.arange(len(grp)), P_NULL, [0.1], n_boot=0)
-    grouped = group_bootstrap(lambda x, y: S[:, x:y], np.zeros(len(grp)), grp, P_NULL, [0.1], n_boot=0)
-    for k in ("null_trace", "null_coord"):
-        assert single[k].size == 200 and resampled_band(single[k]) is not None
-        np.testing.assert_array_equal(single[k], grouped[k])
-    none = group_bootstrap(lambda x, y: S[:, x:y], np.zeros(len(grp)), grp, P_NULL, [], n_null=0)
-    assert none["null_trace"].size == 0 and resampled_band(none["null_coord"]) is None
 
 
 def test_bootstrap_interval_covers_a_rerun():
