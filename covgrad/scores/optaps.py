@@ -142,6 +142,7 @@ class OpTaps:
     def __init__(self, owner: Owner) -> None:
         self.owner = owner
         self.replay: dict[int, str] = {}  # id(module) → why it falls back to the module replay
+        self.untapped: set[int] = set()  # id(module) of modules with a call that could not be tapped (replayed)
         self.verified: set[tuple] = set()  # signatures of uses shown sample-separable
         self._mode = _Flow(self)
         self._stack: list[_Record] = []
@@ -150,8 +151,9 @@ class OpTaps:
         self._entered = False
 
     def path(self, module: nn.Module) -> str:
-        """ "op" while the module's calls take the op-level path, else "replay"."""
-        return "replay" if id(module) in self.replay else "op"
+        """ "op" while every call of the module took the op-level path, else "replay" (a call's rows that are not
+        one sample each, e.g. experts run on rows grouped outer-major, take the replay call by call)."""
+        return "replay" if id(module) in self.replay or id(module) in self.untapped else "op"
 
     def hooks(self, module: nn.Module, local: dict[str, TensorEntry]) -> list:
         """Register the pre- and post-forward hooks that tap one module's calls; returns their handles."""
@@ -164,7 +166,9 @@ class OpTaps:
                 return
             record = self._begin(mod, local, args, kwargs)
             records.append(record)
-            if record is not None:
+            if record is None:
+                self.untapped.add(id(mod))
+            else:
                 self._push(record, args, kwargs)
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> object:

@@ -263,11 +263,15 @@ def test_token_backward_rows_match_per_sample_grads(name):
 
 def test_outer_major_rows_are_found_by_the_check():
     """Llama 4's routed experts see an (experts·B·L, H) batch, expert-major: the trace finds that layout
-    (each sample's rows depend on its own embeddings only when read that way) and the generic rule splits it."""
+    (each sample's rows depend on its own embeddings only when read that way), the generic rule splits it by
+    replaying the module, and ``generic_paths`` says so."""
     model = FAMILIES["llama4"]()
     psg = PerSampleGrads(model, select_parameters(model))
     batch = make_batch(30, **BATCH)
     ids = batch["input_ids"]
     psg(ids, batch["attention_mask"], lambda z: score_logit_grad(z, ids, batch["target_mask"]), batch["position_ids"])
-    experts = [m for m in model.modules() if type(m).__name__ == "Llama4TextExperts"]
-    assert experts and all(id(m) in psg._outer for m in experts)
+    experts = {n: m for n, m in model.named_modules() if type(m).__name__ == "Llama4TextExperts"}
+    assert experts and all(id(m) in psg._outer for m in experts.values())
+    paths = psg.generic_paths()
+    taken = {path for name, path in paths.items() if name.rsplit(".", 1)[0] in experts}
+    assert taken == {"replay"}
