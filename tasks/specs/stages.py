@@ -328,6 +328,6 @@ class ReportSpec(StageSpec):
     ``covgrad.config.report_layout``)."""
 
     STAGE: ClassVar[str] = "report"
-    VERSION: ClassVar[str] = "11"  # 11: the zero-mean null bands from sign flips of the rows, t² capped at 9
+    VERSION: ClassVar[str] = "12"  # 12: the zero-mean test, a one-sided cross-fit z between the halves
     name: str
     config: dict[str, Any]
