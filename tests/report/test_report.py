@@ -21,7 +21,7 @@ from storage.runs import read_run_index, write_run_index
 from tasks.report import artifact_key, publish, render_run
 from tasks.specs import plan
 from tests.helpers.pipeline import run_planned, tiny_config
-from tests.report.test_zero_mean import reference as zero_mean_reference
+from tests.helpers.zero_mean import reference as zero_mean_reference
 
 PLOTS = (
     "fisher_vs_grad.png",
@@ -77,7 +77,7 @@ def test_report_numbers_equal_the_stores(run):
     assert out["spearman_F_absG"] == summary["spearman_F_absG"]
     assert out["overlap"] == store.read_json(refs["masks"], "overlap.json")
 
-    # the zero-mean test as a float64 loop over each half's stored rows computes it (tests/report/test_zero_mean.py)
+    # the zero-mean test as a float64 loop over each half's stored rows computes it (tests/helpers/zero_mean.py)
     scores = store.open_group(refs["scores." + out["main_stats"].split(".", 1)[1]], "scores.zarr", mode="r")
     want = zero_mean_reference(scores["scores"][:], scores["group"][:])
     for k in ("trace", "coord"):
