@@ -18,7 +18,10 @@ forward follows every torch function call of it:
   the samples' rows: a data input with leading dimension B is split by sample, one with the module's verified
   flattened B·k rows as each sample's k rows, a leading dimension 1 is shared) gives each sample's cotangent of
   the derived tensors, which one batched backward through the derived graph turns into each sample's parameter
-  gradient (the derived graph has no data, so its Jacobian is the same for every sample);
+  gradient (the derived graph has no data, so its Jacobian is the same for every sample). A derived tensor
+  with leading dimension B (a parameter expanded to the batch, as GPT-OSS's attention sinks) is taken whole
+  first; when the op is not separable that way, it is split by sample like a data input, and sample n's
+  cotangent is its row n with zeros elsewhere;
 - any other call is followed only to mark its outputs as data when an input is data.
 
 Exactness rests on checks, not on a list of classes: every use is verified to be sample-separable by running it
@@ -34,7 +37,7 @@ Shape notation: B samples, k rows per sample of a flattened batch, P the paramet
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -87,7 +90,11 @@ METADATA_READS = frozenset(
 # sample and for the batch may round differently; an op that mixes samples differs by O(1)).
 _SEP_RTOL, _SEP_ATOL = 1e-5, 1e-12
 
-_SPLIT, _FLAT, _SHARED, _DERIVED = 1, 2, 0, 3
+_SPLIT, _FLAT, _SHARED, _DERIVED, _DSPLIT = 1, 2, 0, 3, 4
+_DERIVED_MODES = (_DERIVED, _DSPLIT)
+
+# Elements of the per-sample cotangents of one split derived tensor, (samples, B, …), built at a time.
+_DSPLIT_CHUNK = 1 << 24
 
 
 @dataclass
@@ -108,8 +115,8 @@ class _Use:
     func: Callable
     spec: Any
     leaves: list
-    modes: list[int]  # per leaf: _SPLIT, _FLAT, _SHARED or _DERIVED
-    derived: list[_Derived]  # in the order of the _DERIVED leaves
+    modes: list[int]  # per leaf: _SPLIT, _FLAT, _SHARED, _DERIVED or _DSPLIT (derived, split by sample)
+    derived: list[_Derived]  # in the order of the _DERIVED and _DSPLIT leaves
     names: frozenset[str]
     active: bool = False
     # the kept data inputs' versions: one updated in place after the op refuses the use's parameters
@@ -143,7 +150,7 @@ class OpTaps:
         self.owner = owner
         self.replay: dict[int, str] = {}  # id(module) → why it falls back to the module replay
         self.untapped: set[int] = set()  # id(module) of modules with a call that could not be tapped (replayed)
-        self.verified: set[tuple] = set()  # signatures of uses shown sample-separable
+        self.verified: dict[tuple, list[int]] = {}  # signature of a use shown sample-separable → its leaves' modes
         self._mode = _Flow(self)
         self._stack: list[_Record] = []
         self._data: set[int] = set()
@@ -355,10 +362,14 @@ class OpTaps:
         if sig not in self.verified:
             why = next((w for t in inner if (w := self._rows_apart(record, t))), "")
             why = why or self._separable(use, out, record.B)
+            split = _split_derived(record, kept, modes)
+            if why and split != modes and not self._separable(alt := replace(use, modes=split), out, record.B):
+                use, why = alt, ""
             if why:
                 record.reason = f"{_name(func)} {why}"
                 return out
-            self.verified.add(sig)
+            self.verified[sig] = use.modes
+        use.modes = self.verified[sig]
         record.uses.append(use)
         if out.grad_fn is None:  # no data input is in the graph (or a leaf made to require grad): it starts it
             out = graph_root(out, self.owner._roots)
@@ -408,8 +419,11 @@ class OpTaps:
 
     def _separable(self, use: _Use, out: Tensor, B: int) -> str:
         """ "" when the op run per sample (vmap) gives the batched output's rows, else why not."""
+        shared, rows = _derived_values(use)
         try:
-            per = torch.func.vmap(lambda mine: _run(use, [d.real for d in use.derived], mine, B))(_per_sample(use, B))
+            per = torch.func.vmap(lambda mine, own: _run(use, _fill(use, shared, own), mine, B))(
+                _per_sample(use, B), rows
+            )
         except Exception as exc:
             return f"cannot be run per sample ({type(exc).__name__})"
         if per.numel() != out.numel():
@@ -479,8 +493,36 @@ def _per_sample(use: _Use, B: int) -> list[Tensor]:
     return [t.reshape(B, -1, *t.shape[1:]) if m == _FLAT else t for t, m in pairs if m in (_SPLIT, _FLAT)]
 
 
+def _split_derived(record: _Record, kept: list, modes: list[int]) -> list[int]:
+    """``modes`` with every derived leaf of leading dimension B split by sample (a parameter expanded to the batch)."""
+    if record.B < 2 or record.flat:
+        return modes
+    return [
+        _DSPLIT if m == _DERIVED and t.dim() and t.shape[0] == record.B else m for t, m in zip(kept, modes, strict=True)
+    ]
+
+
+def _derived_modes(use: _Use) -> list[int]:
+    """The modes of the use's derived leaves, in the order of ``use.derived``."""
+    return [m for m in use.modes if m in _DERIVED_MODES]
+
+
+def _derived_values(use: _Use) -> tuple[list[Tensor], list[Tensor]]:
+    """The derived values taken whole, and those split by sample ((B, …) each, vmapped over)."""
+    pairs = list(zip(use.derived, _derived_modes(use), strict=True))
+    return [d.real for d, m in pairs if m == _DERIVED], [d.real for d, m in pairs if m == _DSPLIT]
+
+
+def _fill(use: _Use, shared: list[Tensor], own: list[Tensor]) -> list[Tensor]:
+    """One sample's derived values in ``use.derived``'s order: the whole ones, and the sample's row (1, …) of each
+    split one."""
+    whole, rows = iter(shared), iter(own)
+    return [next(rows).unsqueeze(0) if m == _DSPLIT else next(whole) for m in _derived_modes(use)]
+
+
 def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
-    """The use's op on one sample: its rows of the split inputs, the derived values ``dvals``, the shared rest."""
+    """The use's op on one sample: its rows of the split inputs, the derived values ``dvals`` (:func:`_fill`), the
+    shared rest."""
     own, dv = iter(mine), iter(dvals)
     filled = []
     for t, m in zip(use.leaves, use.modes, strict=True):
@@ -488,7 +530,7 @@ def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
             filled.append(next(own).unsqueeze(0))
         elif m == _FLAT:
             filled.append(next(own))
-        elif m == _DERIVED:
+        elif m in _DERIVED_MODES:
             filled.append(next(dv))
         else:
             filled.append(t)
@@ -500,21 +542,23 @@ def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
     """Per-sample gradients of the use's parameters from its output gradient ``g``, into their blocks."""
     B = record.B
     gs = g if g.shape[0] == B else g.reshape(B, -1, *g.shape[1:])
-    dvals = [d.real for d in use.derived]
+    shared, rows = _derived_values(use)
 
-    def one(dv: list[Tensor], mine: list[Tensor], cot: Tensor) -> list[Tensor]:
-        out, vjp = torch.func.vjp(lambda d: _run(use, d, mine, B), dv)
+    def one(own: list[Tensor], mine: list[Tensor], cot: Tensor) -> list[Tensor]:
+        out, vjp = torch.func.vjp(lambda d: _run(use, d, mine, B), _fill(use, shared, own))
         return vjp(cot.reshape(out.shape))[0]
 
     cots = _elementwise_cots(use, g, B)
     if cots is None:
         with torch.enable_grad():
-            cots = torch.func.vmap(one, in_dims=(None, 0, 0))(dvals, _per_sample(use, B), gs)
+            cots = torch.func.vmap(one)(rows, _per_sample(use, B), gs)
     grads: dict[str, Tensor] = {}
-    for d, cot in zip(use.derived, cots, strict=True):
+    for d, mode, cot in zip(use.derived, _derived_modes(use), cots, strict=True):
         names = sorted(d.names)
         leaves = [record.shadows[n] for n in names]
-        if len(leaves) == 1 and d.shadow is leaves[0]:
+        if mode == _DSPLIT:  # sample n's cotangent (1, …) is row n of the derived tensor's
+            parts = _row_grads(d.shadow, leaves, cot)
+        elif len(leaves) == 1 and d.shadow is leaves[0]:
             parts = [cot]
         else:
             parts = _batched_grad(d.shadow, leaves, cot)
@@ -559,6 +603,20 @@ def _elementwise_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
     if dims:
         prod = prod.sum(dims, keepdim=True)
     return [prod.to(d.dtype)]
+
+
+def _row_grads(out: Tensor, leaves: list[Tensor], rows: Tensor) -> list[Tensor | None]:
+    """Per sample n, the gradient of ``out`` (B, …) at ``leaves`` for the cotangent that is ``rows[n]`` (1, …) at
+    out's row n and zero elsewhere: (B, *leaf.shape) each (None: unused); (chunk, B, …) cotangents at a time."""
+    B = out.shape[0]
+    step = max(1, _DSPLIT_CHUNK // max(1, out.numel()))
+    parts: list[list[Tensor | None]] = []
+    for lo in range(0, B, step):
+        n = torch.arange(lo, min(lo + step, B), device=out.device)
+        cot = out.new_zeros(len(n), *out.shape)
+        cot[torch.arange(len(n), device=out.device), n] = rows[lo : lo + len(n), 0].to(out.dtype)
+        parts.append(_batched_grad(out, leaves, cot))
+    return [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
 
 
 def _batched_grad(out: Tensor, leaves: list[Tensor], cot: Tensor) -> list[Tensor | None]:

@@ -1,7 +1,8 @@
 """The op-level path of generic-rule parameters (covgrad.scores.optaps) against the naive per-sequence loop: the Gated
 DeltaNet pattern (a functional depthwise conv on a child's weight, softplus(a + dt_bias), -exp(A_log) · …) planted
 in a tiny Llama takes the op path and is exact; a use whose data input does not split by sample falls back to the
-module replay, still exact; a use that mixes samples fails the separability check."""
+module replay, still exact; a use that mixes samples fails the separability check; a parameter expanded to the
+batch (GPT-OSS's attention sinks) is split by sample, and one whose leading dimension happens to be B is not."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from covgrad.layout import select_parameters
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
-from covgrad.scores.optaps import _DERIVED, _SPLIT, OpTaps, _Derived, _Record, _Use
+from covgrad.scores.optaps import _DERIVED, _DSPLIT, _SPLIT, OpTaps, _Derived, _Record, _Use
 from tests.helpers.families import perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, make_batch, max_rel_err, naive_scores
@@ -79,12 +80,44 @@ class FlatRouter(nn.Module):
         return self.mlp(x) * (1.0 + logits.sum(-1).reshape(*x.shape[:-1], 1))
 
 
+class BatchSinks(nn.Module):
+    """GPT-OSS's attention sinks around the wrapped MLP: one logit per head expanded to the batch (B, heads, L, 1),
+    concatenated with each head's data logit and softmaxed; the data's share gates the MLP's output."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.sinks = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        logits = x.reshape(B, L, 4, H // 4).sum(-1).transpose(1, 2).unsqueeze(-1)  # (B, 4, L, 1)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(B, -1, L, -1)
+        share = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :1]  # (B, 4, L, 1)
+        return self.mlp(x) * (1.0 + share.transpose(1, 2).repeat_interleave(H // 4, dim=2).reshape(B, L, H))
+
+
+class GroupGain(nn.Module):
+    """x ⊙ w over groups of 4 channels, with w of shape (4,): its leading dimension is the batch size of BATCH,
+    but it broadcasts over channels, so the taps must take it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(4))
+
+    def forward(self, x):
+        return (x.reshape(*x.shape[:-1], H // 4, 4) * self.weight).reshape(x.shape)
+
+
 def planted(kind: str) -> nn.Module:
     torch.manual_seed(0)
     model = tiny_llama(V, intermediate=48, pad_token_id=PAD)
     for layer in model.model.layers:
         if kind == "mixer":
             layer.mlp = GatedConvMixer(layer.mlp)
+        elif kind == "sinks":
+            layer.mlp = BatchSinks(layer.mlp)
+            layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, GroupGain())
         elif kind == "router":
             layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, Gain())
             layer.mlp = FlatRouter(layer.mlp)
@@ -115,6 +148,23 @@ def test_mixer_parameters_take_the_op_path_exactly(check):
     assert err < 1e-5, (err, where)
     _, replayed = scores(model, batch, check=False, op_taps=False)
     err, where = max_rel_err(layout, rows, replayed)
+    assert err < 1e-5, (err, where)
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_parameters_with_a_batch_leading_dimension_take_the_op_path_exactly(check):
+    """Sinks expanded to the batch are split by sample (each sample's cotangent is its own row of the expanded
+    tensor); a (4,) gain with B = 4 broadcast over channels is taken whole; both exact against the naive loop."""
+    model = planted("sinks")
+    layout = select_parameters(model)
+    batch = make_batch(45, **BATCH)
+    assert batch["input_ids"].shape[0] == 4
+    psg, rows = scores(model, batch, check=check)
+    taken = {n: p for n, p in psg.generic_paths().items() if n.endswith(("sinks", "1.weight"))}
+    assert len(taken) == 4 and set(taken.values()) == {"op"}, taken
+    modes = {sig[2]: m for sig, m in psg._taps.verified.items()}
+    assert modes["_VariableFunctionsClass.cat"][:2] == [_SPLIT, _DSPLIT] and _DERIVED in modes["TensorBase.mul"], modes
+    err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
     assert err < 1e-5, (err, where)
 
 
