@@ -6,7 +6,9 @@ forward is reported before rollouts are sampled:
 1. the full architecture on the meta device (no memory, no weights): every selected parameter must have a
    per-sample path (:class:`covgrad.scores.engine.PerSampleGrads` names every parameter without one at once,
    with a ``model.params`` selection that runs);
-2. the same architecture cut to at most two layers, randomly initialised on the CPU in float32, runs
+2. the same architecture cut to at most two layers and a vocabulary of at most 512 tokens (the embedding and
+   LM-head rules do not depend on the row count; a cut copy that fails or refuses is run again at the full
+   vocabulary, whose result stands), randomly initialised on the CPU in float32, runs
    one checked per-sample pass on a two-sample, left-padded batch: the parameters of every module type
    selected in step 1 go through their rules, the trace of where each parameter is used and whether the
    modules keep the samples apart, and the self-check (Σ_n s_n against the batched gradient, every
@@ -33,12 +35,19 @@ from covgrad.scores.rules import generic_rule
 from covgrad.scores.tracing import RefusalError
 
 _LAYERS = 2
+_VOCAB = 512
 
 
-def _reduced(config: PretrainedConfig, layers: int) -> PretrainedConfig:
-    """A copy of ``config`` with at most ``layers`` decoder layers (per-layer lists cut to match)."""
+def _reduced(config: PretrainedConfig, layers: int, vocab: int | None = None) -> PretrainedConfig:
+    """A copy of ``config`` with at most ``layers`` decoder layers (per-layer lists cut to match) and, given
+    ``vocab``, at most that many tokens (a pad id beyond it moved to the last one)."""
     config = config.__class__.from_dict(config.to_dict())
     text = config.get_text_config()
+    size = getattr(text, "vocab_size", None)
+    if vocab is not None and isinstance(size, int) and size > vocab:
+        text.vocab_size = vocab
+        if isinstance(getattr(text, "pad_token_id", None), int) and text.pad_token_id >= vocab:
+            text.pad_token_id = vocab - 1
     n = getattr(text, "num_hidden_layers", None)
     if n is None or n <= layers:
         return config
@@ -113,7 +122,8 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
 def _checked_copy(
     config: PretrainedConfig, wanted: set[tuple[type, str]], trust_remote_code: bool, selected: set[str], cut: bool
 ) -> PerSampleGrads:
-    """Step 2: the architecture cut to ``_LAYERS`` layers, randomly initialised in float32, with the parameters
+    """Step 2: the architecture cut to ``_LAYERS`` layers and ``_VOCAB`` tokens (run again at the full vocabulary,
+    whose result stands, when that copy fails or refuses), randomly initialised in float32, with the parameters
     of the ``wanted`` (module type, local name) kinds selected, through one checked per-sample pass of a
     two-sample, left-padded batch; returns the engine.
 
@@ -125,10 +135,21 @@ def _checked_copy(
         RefusalError: naming the copy's parameters without an exact per-sample gradient.
         ValueError: the self-check's mismatch, or a crash in a module's forward or a rule, in one line.
     """
+    cut_vocab = _reduced(config, _LAYERS, _VOCAB)
+    if cut_vocab.get_text_config().vocab_size != config.get_text_config().vocab_size:
+        try:
+            return _copy_pass(cut_vocab, wanted, trust_remote_code, selected, cut)
+        except Exception:  # a refusal, or e.g. a second table sized by the vocabulary: the full one decides
+            pass
+    return _copy_pass(_reduced(config, _LAYERS), wanted, trust_remote_code, selected, cut)
+
+
+def _copy_pass(
+    config: PretrainedConfig, wanted: set[tuple[type, str]], trust_remote_code: bool, selected: set[str], cut: bool
+) -> PerSampleGrads:
+    """:func:`_checked_copy` on the reduced ``config``."""
     torch.manual_seed(0)
-    small = AutoModelForCausalLM.from_config(
-        _reduced(config, _LAYERS), trust_remote_code=trust_remote_code, dtype=torch.float32
-    ).eval()
+    small = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32).eval()
     kinds = {
         f"{mn}.{pn}" if mn else pn: (type(m), pn)
         for mn, m in small.named_modules()

@@ -102,6 +102,51 @@ def test_check_model_names_parameter_and_module_type(tmp_path):
     check_model(path, ["lm_head.weight", "model.norm.inner.weight"], trust_remote_code=True)  # downstream: fine
 
 
+def _vocabulary(path: Path, vocab: int, pad: int) -> Path:
+    """Give the saved config at ``path`` a ``vocab``-token vocabulary and pad id (preflight reads only the config)."""
+    config = json.loads((path / "config.json").read_text())
+    config.update(vocab_size=vocab, pad_token_id=pad)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _spy(monkeypatch, fail_cut: bool = False) -> list[tuple[int, int]]:
+    """(vocabulary, pad id) of every random copy preflight runs; ``fail_cut``: the cut-vocabulary copy raises."""
+    from covgrad.scores import preflight
+
+    seen, real = [], preflight._copy_pass
+
+    def copy_pass(config, *args):
+        text = config.get_text_config()
+        seen.append((text.vocab_size, text.pad_token_id))
+        if fail_cut and text.vocab_size == preflight._VOCAB:
+            raise RuntimeError("a table sized by the vocabulary")
+        return real(config, *args)
+
+    monkeypatch.setattr(preflight, "_copy_pass", copy_pass)
+    return seen
+
+
+def test_the_random_copy_cuts_a_large_vocabulary_and_still_refuses(tmp_path, monkeypatch):
+    """A 5,000-token vocabulary (pad id 4,999) is checked on a 512-token copy (pad id 511) in one pass; the
+    sample-mixing norm is refused with the same lines (the cut copy refuses, and the full one decides)."""
+    seen = _spy(monkeypatch)
+    check_model(str(_vocabulary(family_dir(tmp_path / "ok", "llama"), 5000, 4999)), None)
+    assert seen == [(512, 511)]
+    bad = str(_vocabulary(bad_dir(tmp_path / "bad"), 5000, 4999))
+    with pytest.raises(ValueError, match=r"preflight .*'model\.norm\.weight'.*WrappedNorm"):
+        check_model(bad, None, trust_remote_code=True)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*flows through model\.norm"):
+        check_model(bad, None, trust_remote_code=True)
+    assert seen[1:] == [(512, 511), (5000, 4999)] * 2
+
+
+def test_a_copy_that_fails_at_the_cut_vocabulary_is_run_at_the_full_one(tmp_path, monkeypatch):
+    seen = _spy(monkeypatch, fail_cut=True)
+    summary = check_model(str(_vocabulary(family_dir(tmp_path, "llama"), 5000, 3)), None)
+    assert summary.startswith("generic path: 0 of ") and seen == [(512, 3), (5000, 3)]
+
+
 @pytest.mark.slow
 def test_pipeline_refuses_unsupported_module_before_rollouts(prefect_server, tmp_path):
     from flows.pipeline import covgrad_pipeline
