@@ -392,7 +392,8 @@ class ShardedPerSampleGrads(PerSampleGrads):
             flattened modules are taken over.
         modules: the FSDP modules :func:`shard_model` returned. They are all-gathered one at a time to
             collect FSDP2's unsharded parameters (the tensors the forwards use; FSDP2 keeps the objects and
-            frees only their storage), which the self-check's reference gradient is taken with respect to.
+            frees only their storage), which the self-check's reference gradient is taken with respect to; []
+            for a model that is not sharded (every rank holds it whole: its parameters are those tensors).
     """
 
     def __init__(
@@ -407,7 +408,7 @@ class ShardedPerSampleGrads(PerSampleGrads):
         super().__init__(model, layout, check=check, chunk_bytes=chunk_bytes)
         self._bindings, self._flat_ok, self._outer = trace.bind(model)
         self._traced, self._verified = True, True
-        unsharded: dict[str, Tensor] = {}
+        unsharded: dict[str, Tensor] = {} if modules else dict(model.named_parameters())
         for m in modules:
             m.unshard()
             try:

@@ -1,5 +1,6 @@
 """In-run statistics on a trainer's own ranks, with the policy FSDP2-sharded (``fully_shard``) under the trainer's
-process group: each rank folds only its own shard's columns, as the scores stage's ranks do
+process group, or replicated on every rank (data parallel, e.g. DDP): each rank folds only its own shard's columns
+(for a replicated policy, the columns its dim-0 shard would hold), as the scores stage's ranks do
 (:mod:`covgrad.distributed.fsdp`), and rank 0 writes the step's files.
 
 The trainer calls two things, in this order::
@@ -116,17 +117,11 @@ def prepare_ranks(
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` that ``fully_shard`` wrapped (``FSDPModule``), the root included.
-
-    Raises:
-        ValueError: when ``model`` is not sharded with ``fully_shard``.
-    """
+    """The modules of ``model`` that ``fully_shard`` wrapped (``FSDPModule``), the root included; [] for a model
+    that is not sharded (replicated on every rank)."""
     from torch.distributed.fsdp import FSDPModule
 
-    found = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not found:
-        raise ValueError(f"{type(model).__name__} is not sharded; apply fully_shard before RankInRunFolder")
-    return found
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def check_shards(model: nn.Module, layout: ParamLayout, ranks: int, rank: int) -> None:
@@ -207,13 +202,16 @@ def recv_from(src: int, n: int, dtype: type[np.generic], chunk: int) -> np.ndarr
 
 
 class RankInRunFolder(InRunFolder):
-    """:class:`InRunFolder` on the ranks of a trainer whose policy is sharded with ``fully_shard`` (see the
-    module docstring). Every rank builds one and calls :meth:`fold` at every step with its own rows; rank 0
-    writes the files and gets the :class:`covgrad.integrations.inrun.InRunStep` (its ``stats``: the scalars and
-    the gathered ``keep`` statistics), the other ranks get None.
+    """:class:`InRunFolder` on the ranks of a trainer whose policy is sharded with ``fully_shard`` or replicated
+    (see the module docstring). Every rank builds one and calls :meth:`fold` at every step with its own rows;
+    rank 0 writes the files and gets the :class:`covgrad.integrations.inrun.InRunStep` (its ``stats``: the scalars
+    and the gathered ``keep`` statistics), the other ranks get None. A replicated policy's ranks each run the
+    per-sample passes of every rank's rows on their whole model and fold their share of the columns: the same
+    files as the sharded policy's.
 
     Args:
-        model: the sharded policy (the module ``fully_shard`` was applied to last).
+        model: the sharded policy (the module ``fully_shard`` was applied to last), or the replicated one (the
+            module a data-parallel wrapper holds, with every rank's weights equal).
         plan: :func:`prepare_ranks` of the model before sharding.
         every_n, out_dir, q, temperature, vectors, state_dtype, check, block: as :class:`InRunFolder` (only rank 0
             writes ``out_dir``; ``block``: columns of each rank's own axis at a time).
@@ -224,8 +222,8 @@ class RankInRunFolder(InRunFolder):
         chunk: elements per point-to-point message to rank 0.
 
     Raises:
-        ValueError: when the model is not sharded by ``fully_shard`` along dim 0, or the plan's selection is not
-            the sharded model's.
+        ValueError: when a sharded model's shards are not ``fully_shard``'s dim-0 rows, or the plan's selection
+            is not the model's.
     """
 
     def __init__(
@@ -261,9 +259,10 @@ class RankInRunFolder(InRunFolder):
             block=block,
         )
         if self.layout != plan.layout:
-            raise ValueError("the sharded model's selection differs from the plan's; prepare_ranks the same model")
+            raise ValueError("the model's selection differs from the plan's; prepare_ranks the same model")
         self.modules = fsdp_modules(model)
-        check_shards(model, self.layout, self.ranks, self.rank)
+        if self.modules:
+            check_shards(model, self.layout, self.ranks, self.rank)
         self.plan, self.shared_batch, self.chunk = plan, shared_batch, chunk
         self.all_columns = [RankColumns.of(self.layout, self.ranks, r) for r in range(self.ranks)]
         self.columns = self.all_columns[self.rank]

@@ -41,6 +41,14 @@ generated it (the step's θ_t): rows prompt + completion as TRL forms them, TRL'
 times ``tool_mask`` when present: a completion ``mask_truncated_completions`` left out scores 0), TRL's sequence
 advantages, its prompt groups of ``num_generations`` and its temperature.
 
+On a trainer of several processes (``accelerate launch`` / ``torchrun``: the policy replicated by DDP or sharded by
+FSDP2) every process attaches its own ``CovgradInRun``: :meth:`CovgradInRun.attach` takes the engine's trace on
+the unsharded policy (:func:`covgrad.integrations.ranks.prepare_ranks`, collective), and at the first generation
+of the training loop, after accelerate has wrapped or sharded the model, each process builds a
+:class:`covgrad.integrations.ranks.RankInRunFolder`: a due step folds every process's rows (its slice of the
+global batch, groups numbered across the processes as TRL's advantages group them) into the columns each rank
+owns, and process 0 writes the files.
+
 Attached to TRL's on-policy ``DistillationTrainer`` it folds the student's generation batch the same way with
 :class:`covgrad.integrations.inrun.InRunRegimeFolder`: F of the student's scores, and the G of TRL's divergence
 (``beta=1``: ``distill_reverse_kl``, ``beta=0``: ``distill_forward_kl``; a generalized JSD, 0 < β < 1, has no
@@ -53,7 +61,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +70,7 @@ from transformers import TrainerCallback
 
 from covgrad.integrations.blocks import BLOCK
 from covgrad.integrations.inrun import VECTORS, InRunFolder, InRunRegimeFolder
+from covgrad.integrations.ranks import RankInRunFolder, prepare_ranks
 from covgrad.regimes.cotangents import Regime
 from covgrad.rollouts.sampling import SamplerSpec, sampler_log_probs
 
@@ -322,40 +331,64 @@ class CovgradInRun(TrainerCallback):
         self.vectors = tuple(vectors)
         self.keep = None if keep is None else tuple(keep)
         self.block = block
-        self.folder: InRunFolder | None = None
+        self.folder: InRunFolder | None = None  # on several processes: built at the first training generation
+        self._make: Callable[[], InRunFolder] | None = None
+        self._attached = False
 
     def attach(self, trainer: Any) -> CovgradInRun:
         """Wrap ``trainer``'s generation so that every due training generation batch is folded (a
-        ``DistillationTrainer``'s with its regime, :func:`distillation_regime`)."""
-        if getattr(trainer.accelerator, "num_processes", 1) != 1:
-            raise ValueError("CovgradInRun folds in one process; run the trainer on one process")
+        ``DistillationTrainer``'s with its regime, :func:`distillation_regime`). On a trainer of several
+        processes, call it in every process (collective: see the module docstring).
+
+        Raises:
+            ValueError: a ``DistillationTrainer`` of several processes (its folder runs in one process).
+        """
         model = trainer.accelerator.unwrap_model(trainer.model)
         regime = distillation_regime(trainer)
+        ranks = int(getattr(trainer.accelerator, "num_processes", 1))
         common: dict[str, Any] = {"q": self.q, "vectors": self.vectors, "keep": self.keep, "block": self.block}
-        folder: InRunFolder
-        if regime is None:
-            folder = InRunFolder(model, self.params, self.every_n, self.out, temperature=trainer.temperature, **common)
+        if ranks > 1:
+            if regime is not None:
+                raise ValueError("CovgradInRun folds a DistillationTrainer in one process; run it on one process")
+            plan = prepare_ranks(model, self.params)
+
+            def rank_folder() -> InRunFolder:  # the model as the training loop holds it (wrapped or sharded)
+                model = trainer.accelerator.unwrap_model(trainer.model)
+                return RankInRunFolder(model, plan, self.every_n, self.out, temperature=trainer.temperature, **common)
+
+            self._make = rank_folder
+        elif regime is None:
+            self.folder = InRunFolder(
+                model, self.params, self.every_n, self.out, temperature=trainer.temperature, **common
+            )
         else:
-            folder = InRunRegimeFolder(model, regime, self.params, self.every_n, self.out, **common)
-        self.folder = folder
+            self.folder = InRunRegimeFolder(model, regime, self.params, self.every_n, self.out, **common)
         generate_fn = trainer._generate_and_score_completions
+        offset = int(getattr(trainer.accelerator, "process_index", 0))
 
         def generate_and_score(inputs: Any) -> dict[str, Any]:
             out = generate_fn(inputs)
             step = int(trainer.state.global_step)
-            if trainer.model.training and folder.due(step):  # evaluation generations are not the run's samples
+            if not trainer.model.training:  # evaluation generations are not the run's samples
+                return out
+            if self.folder is None:
+                self.folder = self._make()
+            folder = self.folder
+            if folder.due(step):
                 ids, attention_mask, loss_mask = _rows(out)
                 if isinstance(folder, InRunRegimeFolder):  # one completion per prompt: each its own group
                     folder.fold(step, ids, attention_mask, loss_mask, teacher_logits(trainer, ids, attention_mask))
-                else:
-                    group = torch.arange(ids.shape[0]) // int(trainer.num_generations)
+                else:  # rows of the global batch: process p holds rows [p·B, (p + 1)·B)
+                    B = ids.shape[0]
+                    group = (offset * B + torch.arange(B)) // int(trainer.num_generations)
                     folder.fold(step, ids, attention_mask, loss_mask, out["advantages"], group=group)
             return out
 
         trainer._generate_and_score_completions = generate_and_score
+        self._attached = True
         return self
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Refuse a run whose trainer was not attached."""
-        if self.folder is None:
+        if not self._attached:
             raise RuntimeError("CovgradInRun: call inrun.attach(trainer) before trainer.train()")

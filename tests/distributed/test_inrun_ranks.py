@@ -7,7 +7,8 @@ files must be
   into one state (the scores stage's fold), within 1e-6 relative of the single-process fold of all rows at once,
   and the exact top sets of the offline statistics;
 
-and the trainer's sharded gradient must be the same bytes with and without a fold before its backward.
+and the trainer's sharded gradient must be the same bytes with and without a fold before its backward. A replicated
+policy (data parallel: every rank holds the whole model) gives the sharded policy's files.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def _rank(out: str) -> None:
     assert (got is None) == (rank != 0) and own.steps == [0]
     shared = RankInRunFolder(model, plan, every_n=1, out_dir=Path(out) / "shared", shared_batch=True)
     shared.fold(0, batch["input_ids"], batch["attention_mask"], batch["target_mask"], A, group=GROUP)
+    whole = llama(tied=True)  # not sharded: each rank folds the columns its dim-0 shard would hold
+    replicated = RankInRunFolder(whole, prepare_ranks(whole), every_n=1, out_dir=Path(out) / "replicated")
+    replicated.fold(0, mine["input_ids"], mine["attention_mask"], mine["target_mask"], a, group=g)
 
     _loss_backward(model, mine, a)
     want = _local_grads(model)
@@ -162,6 +166,7 @@ def test_ranks_fold_their_shards_to_the_single_process_statistics(ranks_out: Pat
         np.testing.assert_array_equal(own[f"top_{metric}"], topk_indices(np.abs(offline[src]), k))
     index = json.loads((ranks_out / "own" / "inrun.json").read_text())
     assert index["steps"] == [0, 1] and own["F"].max() > 0
+    assert_same_files(ranks_out / "replicated", ranks_out / "own")
     assert sorted(p.name for p in (ranks_out / "own").iterdir()) == sorted(
         ["inrun.json", *(f"step_00000{t}.{x}" for t in (0, 1) for x in ("json", "npz"))]
     )  # rank 0 alone writes
