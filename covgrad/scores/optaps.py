@@ -19,9 +19,9 @@ forward follows every torch function call of it:
   flattened B·k rows as each sample's k rows, a leading dimension 1 is shared) gives each sample's cotangent of
   the derived tensors, which one batched backward through the derived graph turns into each sample's parameter
   gradient (the derived graph has no data, so its Jacobian is the same for every sample). A derived tensor
-  with leading dimension B (a parameter expanded to the batch, as GPT-OSS's attention sinks) is taken whole
-  first; when the op is not separable that way, it is split by sample like a data input, and sample n's
-  cotangent is its row n with zeros elsewhere;
+  broadcast to the batch (leading dimension B of stride 0: a parameter expanded, as GPT-OSS's attention sinks)
+  is taken whole first; when the op is not separable that way, it is split by sample like a data input, and
+  sample n's cotangent is its row n with zeros elsewhere;
 - any other call is followed only to mark its outputs as data when an input is data.
 
 Exactness rests on checks, not on a list of classes: every use is verified to be sample-separable by running it
@@ -494,11 +494,14 @@ def _per_sample(use: _Use, B: int) -> list[Tensor]:
 
 
 def _split_derived(record: _Record, kept: list, modes: list[int]) -> list[int]:
-    """``modes`` with every derived leaf of leading dimension B split by sample (a parameter expanded to the batch)."""
+    """``modes`` with every derived leaf that is broadcast to the batch (leading dimension B of stride 0, as
+    ``expand`` gives) split by sample. A derived tensor whose leading dimension is B by coincidence (RecurrentGemma's
+    per-head gate weights with as many heads as samples) keeps its rows distinct, so it is not split."""
     if record.B < 2 or record.flat:
         return modes
     return [
-        _DSPLIT if m == _DERIVED and t.dim() and t.shape[0] == record.B else m for t, m in zip(kept, modes, strict=True)
+        _DSPLIT if m == _DERIVED and t.dim() and t.shape[0] == record.B and t.stride(0) == 0 else m
+        for t, m in zip(kept, modes, strict=True)
     ]
 
 
