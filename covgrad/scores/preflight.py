@@ -76,7 +76,13 @@ def meta_model(path: str, trust_remote_code: bool = False) -> tuple[PretrainedCo
         return config, AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def check_model(path: str, params: list[str] | None, trust_remote_code: bool = False, self_check: bool = True) -> str:
+def check_model(
+    path: str,
+    params: list[str] | None,
+    trust_remote_code: bool = False,
+    self_check: bool = True,
+    vocab: int | None = _VOCAB,
+) -> str:
     """Raise ValueError (one line, naming every unsupported parameter and module type) unless per-sample
     scores of the model at ``path`` with the parameter selection ``params`` (globs, None = all trainable)
     are supported; return a one-line summary of the parameters that take the generic path.
@@ -90,6 +96,7 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
         params: the ``model.params`` selection.
         trust_remote_code: as for loading the model.
         self_check: the run's ``model.self_check``; step 2 runs either way (see the module docstring).
+        vocab: the random copy's vocabulary at most (step 2); None: the model's own.
 
     Returns:
         e.g. "generic path: 6 of 20 tensors, 0.4% of P (…); each replays its module's forward per sample".
@@ -109,7 +116,7 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
     psg = None
     if wanted:
         try:
-            psg = _checked_copy(config, wanted, trust_remote_code, set(layout.names) - set(refused), cut)
+            psg = _checked_copy(config, wanted, trust_remote_code, set(layout.names) - set(refused), cut, vocab)
         except RefusalError as exc:
             refused.update(_across_layers(exc.reasons, layout, cut))
         except ValueError as exc:
@@ -120,9 +127,14 @@ def check_model(path: str, params: list[str] | None, trust_remote_code: bool = F
 
 
 def _checked_copy(
-    config: PretrainedConfig, wanted: set[tuple[type, str]], trust_remote_code: bool, selected: set[str], cut: bool
+    config: PretrainedConfig,
+    wanted: set[tuple[type, str]],
+    trust_remote_code: bool,
+    selected: set[str],
+    cut: bool,
+    vocab: int | None = _VOCAB,
 ) -> PerSampleGrads:
-    """Step 2: the architecture cut to ``_LAYERS`` layers and ``_VOCAB`` tokens (run again at the full vocabulary,
+    """Step 2: the architecture cut to ``_LAYERS`` layers and ``vocab`` tokens (run again at the full vocabulary,
     whose result stands, when that copy fails or refuses), randomly initialised in float32, with the parameters
     of the ``wanted`` (module type, local name) kinds selected, through one checked per-sample pass of a
     two-sample, left-padded batch; returns the engine.
@@ -135,7 +147,7 @@ def _checked_copy(
         RefusalError: naming the copy's parameters without an exact per-sample gradient.
         ValueError: the self-check's mismatch, or a crash in a module's forward or a rule, in one line.
     """
-    cut_vocab = _reduced(config, _LAYERS, _VOCAB)
+    cut_vocab = _reduced(config, _LAYERS, vocab)
     if cut_vocab.get_text_config().vocab_size != config.get_text_config().vocab_size:
         try:
             return _copy_pass(cut_vocab, wanted, trust_remote_code, selected, cut)
