@@ -153,30 +153,17 @@ def test_a_trl_run_writes_inrun_statistics_of_its_batches(tmp_path: Path):
     pytest.importorskip("trl")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from covgrad.integrations.trl import CovgradInRun, CovgradRecorder
     from covgrad.rollouts.problems import addition_problems
+    from tests.helpers.trainers import cpu_grpo_args
     from tests.helpers.user import write_checkpoint
 
     G, prompts = 4, 2
     model_dir = write_checkpoint(tmp_path / "model")
     data = Dataset.from_list([{"prompt": p.prompt} for p in addition_problems(8, 2, seed=0)])
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "trl"),
-        per_device_train_batch_size=G * prompts,
-        num_generations=G,
-        max_completion_length=4,
-        max_steps=2,
-        learning_rate=1e-2,
-        beta=0.0,
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        dataloader_num_workers=0,
-    )
+    args = cpu_grpo_args(tmp_path / "trl", G * prompts, G)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     recorder, inrun = CovgradRecorder(tmp_path / "rec", checkpoint_steps=[0]), CovgradInRun(tmp_path / "inrun", 1)
     trainer = GRPOTrainer(

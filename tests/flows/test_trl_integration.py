@@ -36,9 +36,10 @@ def policy_dir(root: Path) -> Path:
 def trl_run(model_dir: Path, out: Path) -> None:
     """TRL's GRPOTrainer for STEPS steps on the tiny addition task, recorded into ``out``."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from covgrad.integrations.trl import CovgradRecorder
+    from tests.helpers.trainers import cpu_grpo_args
 
     problems, _ = load_task(tiny_config("unused").task)
     data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
@@ -46,22 +47,8 @@ def trl_run(model_dir: Path, out: Path) -> None:
     def correct(prompts, completions, answer, **kwargs):
         return [addition_reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
-    args = GRPOConfig(
-        output_dir=str(out / "trl"),
-        per_device_train_batch_size=G * PROMPTS_PER_STEP,
-        num_generations=G,
-        max_completion_length=3,
-        max_steps=STEPS,
-        learning_rate=1e-3,
-        beta=0.0,
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        dataloader_num_workers=0,
-    )
+    short = {"max_completion_length": 3, "max_steps": STEPS, "learning_rate": 1e-3, "logging_steps": 1}
+    args = cpu_grpo_args(out / "trl", G * PROMPTS_PER_STEP, G, **short)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     recorder = CovgradRecorder(out / "covgrad")

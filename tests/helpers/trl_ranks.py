@@ -27,28 +27,15 @@ def main(out: Path) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from covgrad.integrations.trl import CovgradInRun, _rows
     from covgrad.rollouts.problems import addition_problems
+    from tests.helpers.trainers import cpu_grpo_args
 
     torch.set_num_threads(1)
     data = Dataset.from_list([{"prompt": p.prompt} for p in addition_problems(8, 2, seed=0)])
-    args = GRPOConfig(
-        output_dir=str(out / "trl"),
-        per_device_train_batch_size=G,
-        num_generations=G,
-        max_completion_length=4,
-        max_steps=2,
-        learning_rate=1e-2,
-        beta=0.0,
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        dataloader_num_workers=0,
-    )
+    args = cpu_grpo_args(out / "trl", G, G)
     model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
     inrun = CovgradInRun(out / "inrun", every_n=1)
     trainer = GRPOTrainer(
