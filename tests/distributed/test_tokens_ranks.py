@@ -84,14 +84,15 @@ def test_ranks_are_placement_and_in_process_dumps_are_unchanged(tmp_path: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["local", "torchrun"])
-def test_two_ranks_give_the_in_process_tokens_artifact(in_process, tmp_path: Path, launcher: str, monkeypatch):
-    """The tokens artifact computed by the task with scores.ranks=2 (gloo, CPU; local processes or a real torchrun
-    group) holds the in-process artifact's arrays (every array: the per-position traces and diagnostics, the
-    score-sum check, the LM-head check, the Fisher estimates), bit for bit, under the same key, and the same
-    scalars."""
+def test_two_ranks_give_the_in_process_tokens_artifact(in_process, tmp_path: Path, monkeypatch):
+    """The tokens artifact computed by the task with scores.ranks=2 (gloo, CPU) holds the in-process artifact's
+    arrays (every array: the per-position traces and diagnostics, the score-sum check, the LM-head check, the Fisher
+    estimates), bit for bit, under the same key, and the same scalars. Each tying once with each launcher: the tied
+    model on local processes, the untied one on a real torchrun group (the tied one on torchrun is the two-machine
+    test's); the launchers carry the same rank code."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     root, tied, ref = in_process
+    launcher = "local" if tied else "torchrun"
     shutil.copytree(root, tmp_path / "root", ignore=lambda d, names: ["tokens"] if Path(d) == root else [])
     ranks = {"model.demo.tie_embeddings": tied, "scores.ranks": 2, "scores.launcher": launcher}
     cfg = tiny_config(str(tmp_path / "root"), **SETTINGS, **ranks)
