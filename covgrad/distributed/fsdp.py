@@ -33,6 +33,7 @@ from covgrad.distributed.launch import rank_device
 from covgrad.layout import ParamLayout
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.engine import PerSampleGrads
+from covgrad.scores.optaps import Crossed
 
 
 def shard_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -304,11 +305,14 @@ class RankTrace:
         bindings: (module name, rule, local name → layout entry) of every hooked module, trace order.
         flat_ok: names of the modules verified to run on a flattened (B·L, …) batch sample by sample.
         outer: of those, the ones with outer-major rows.
+        crossed: the modules whose batch is another dimension of their arguments, by name (their op-level taps
+            probe every use's rows: :class:`covgrad.scores.optaps.Crossed`).
     """
 
     bindings: list[tuple[str, Any, dict[str, Any]]]
     flat_ok: frozenset[str]
     outer: frozenset[str]
+    crossed: dict[str, Crossed]
 
     @classmethod
     def of(cls, psg: PerSampleGrads) -> RankTrace:
@@ -324,15 +328,17 @@ class RankTrace:
             [(names[id(m)], rule, local) for m, rule, local in psg.bindings()],
             frozenset(names[i] for i in psg._flat_ok),
             frozenset(names[i] for i in psg._outer),
+            {names[i]: c for i, c in psg._crossed.items()},
         )
 
-    def bind(self, model: nn.Module) -> tuple[list[Any], set[int], set[int]]:
-        """The bindings, verified and outer-major module ids of :class:`PerSampleGrads` on ``model``."""
+    def bind(self, model: nn.Module) -> tuple[list[Any], set[int], set[int], dict[int, Crossed]]:
+        """The bindings, verified, outer-major and crossed module ids of :class:`PerSampleGrads` on ``model``."""
         modules = dict(model.named_modules())
         return (
             [(modules[name], rule, local) for name, rule, local in self.bindings],
             {id(modules[n]) for n in self.flat_ok},
             {id(modules[n]) for n in self.outer},
+            {id(modules[n]): c for n, c in self.crossed.items()},
         )
 
 
@@ -406,7 +412,7 @@ class ShardedPerSampleGrads(PerSampleGrads):
         chunk_bytes: int | None = None,
     ) -> None:
         super().__init__(model, layout, check=check, chunk_bytes=chunk_bytes)
-        self._bindings, self._flat_ok, self._outer = trace.bind(model)
+        self._bindings, self._flat_ok, self._outer, self._crossed = trace.bind(model)
         self._traced, self._verified = True, True
         unsharded: dict[str, Tensor] = {} if modules else dict(model.named_parameters())
         for m in modules:

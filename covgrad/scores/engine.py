@@ -54,7 +54,7 @@ from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.blocks import Blocks
 from covgrad.scores.hooks import forward_hook
-from covgrad.scores.optaps import OpTaps
+from covgrad.scores.optaps import Crossed, OpTaps
 from covgrad.scores.rules import Rule, generic_rule
 from covgrad.scores.selfcheck import Mixing, SelfCheck, probe_sample, separation
 from covgrad.scores.tracing import (
@@ -148,6 +148,8 @@ class PerSampleGrads:
         self._verified = False
         self._flat_ok: set[int] = set()
         self._outer: set[int] = set()  # of those, the ones with outer-major rows (see tracing.check_apart)
+        # generic-rule modules whose batch is another dimension of their arguments (op-level path only)
+        self._crossed: dict[int, Crossed] = {}
         # Per-call state, set and cleared by _per_sample.
         self._L = 0
         self._replaying = False  # a rule re-runs a module's forward: the hooks of its submodules stand aside
@@ -425,7 +427,9 @@ class PerSampleGrads:
         module whose forward holds all its uses, with :func:`covgrad.scores.rules.generic_rule` for it alone
         (:func:`covgrad.scores.tracing.rebind`). Samples apart (:func:`covgrad.scores.tracing.check_apart`): Σ of
         random projections of sample b's rows of those modules' inputs and outputs must have a zero gradient on
-        the other sample's embeddings (one backward per sample).
+        the other sample's embeddings (one backward per sample). A generic-rule module whose batch is another
+        dimension of its arguments (Gemma 3n's decoder layer) is kept for the op-level path, which probes the rows of
+        every use (:class:`covgrad.scores.optaps.Crossed`), and refused without it (``op_taps=False``).
 
         Raises:
             RefusalError: naming every parameter only the model's top-level forward uses, and every parameter of
@@ -438,8 +442,8 @@ class PerSampleGrads:
         self._traced = True
         if seen.n >= 2:
             if seen.emb:
-                self._flat_ok, self._outer, refused = check_apart(
-                    self._bindings, self._names, seen.emb[0], seen.records, seen.length
+                self._flat_ok, self._outer, self._crossed, refused = check_apart(
+                    self._bindings, self._names, seen.emb[0], seen.records, seen.length, self._taps is not None
                 )
                 self._refused.add(refused)
                 self._bindings = self._refused.drop(self._bindings)

@@ -31,6 +31,16 @@ and every data input of a use must split by sample as above. A call that fails a
 module replay (:func:`covgrad.scores.rules.generic_rule`) for that call and every later one of the module. The module
 itself is verified to keep samples apart as before (:func:`covgrad.scores.tracing.check_apart`).
 
+A module whose call is not batch-leading (*crossed*: Gemma 3n's decoder layer runs on (altup inputs, B, L, H)
+stacks, and its AltUp's ``correct_output_scale`` is applied by a method call inside that forward) cannot be
+replayed, since the replay splits the leading dimension. The first call's trace finds the dimension of each of its
+arguments that indexes the samples (:class:`Crossed`); its calls are then tapped with the rows checked per op
+instead of per call: every use's output, (B, …) or (B·k, …), must have row block n depend on sample n's slices of
+those arguments alone, and on them, for every n (:meth:`OpTaps._rows_apart`: 2⌈log₂ B⌉ backward passes on the
+forward's graph), so a leading dimension that equals B by coincidence (k streams of one sample, rows of two samples
+swapped) fails. A crossed call that fails any check refuses its module's parameters instead of falling back to the
+replay.
+
 Shape notation: B samples, k rows per sample of a flattened batch, P the parameter's elements.
 """
 
@@ -43,7 +53,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from covgrad.layout import TensorEntry
 from covgrad.scores.blocks import Blocks
@@ -56,6 +66,7 @@ class Owner(Protocol):
     engine imports this module)."""
 
     _blocks: Blocks
+    _crossed: dict[int, Crossed]
     _flat_ok: Any
     _outer: Any
     _probing: bool
@@ -86,6 +97,10 @@ METADATA_READS = frozenset(
     }
 )
 
+# Tensor methods that read only their second argument's dtype: ``x.type_as(weight)`` (Gemma 3n's AltUp) is an op
+# on ``x`` alone, not a use of ``weight``.
+_DTYPE_OF_SECOND = frozenset({"type_as"})
+
 # Separability tolerance: |per-sample forward − batched forward| ≤ rtol · max|batched| + atol (kernels for one
 # sample and for the batch may round differently; an op that mixes samples differs by O(1)).
 _SEP_RTOL, _SEP_ATOL = 1e-5, 1e-12
@@ -95,6 +110,37 @@ _DERIVED_MODES = (_DERIVED, _DSPLIT)
 
 # Elements of the per-sample cotangents of one split derived tensor, (samples, B, …), built at a time.
 _DSPLIT_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True)
+class Crossed:
+    """A module whose calls are not batch-leading, as the first call's trace verified it
+    (:func:`covgrad.scores.tracing.check_apart`).
+
+    Attributes:
+        dims: the path (:func:`float_args`) of each floating argument of its call whose slices along one dimension
+            are the samples (each depends on its own sample's input embeddings and on no other's) → that dimension;
+            its first input's is among them.
+        why: where it is and how its call is laid out, for its refusal (:meth:`refusal`).
+    """
+
+    dims: dict[str, int]
+    why: str
+
+    def refusal(self, reason: str) -> str:
+        """Why its parameters are refused when the op-level path does not take them (``reason``)."""
+        return (
+            f"{self.why}: the module replay cannot split its call by sample and {reason}, so no per-sample gradient "
+            "exists"
+        )
+
+
+def float_args(args: tuple, kwargs: dict) -> dict[str, Tensor]:
+    """The floating tensors among a call's arguments, at any depth, by their path in ``(args, kwargs)``
+    (``"[0][0]"``: the first positional argument; ``"[1]['mask']"``: the keyword ``mask``), in order: the names the
+    first call's trace and a later call of the same forward agree on, whichever optional arguments are None."""
+    leaves = tree_flatten_with_path((args, kwargs))[0]
+    return {keystr(path): t for path, t in leaves if isinstance(t, Tensor) and t.is_floating_point()}
 
 
 @dataclass
@@ -132,7 +178,11 @@ class _Record:
     B: int
     flat: int  # the call's flattened rows B·k (0: leading dimension B)
     params: dict[int, str]  # id(parameter) → local name
-    inputs: list[Tensor] = field(default_factory=list)  # the call's (B, …) tensor arguments in the graph
+    # the call's tensor arguments in the graph whose slices along a dimension are the samples, with that dimension
+    # (its (B, …) ones; a crossed call's verified ones): the references of the rows probes (_rows_apart)
+    refs: list[tuple[Tensor, int]] = field(default_factory=list)
+    others: list[Tensor] = field(default_factory=list)  # a crossed call's other arguments in the graph
+    crossed: bool = False  # not batch-leading (Crossed): every use's output rows are probed
     shadows: dict[str, Tensor] = field(default_factory=dict)
     uses: list[_Use] = field(default_factory=list)
     reason: str = ""  # why the op-level capture does not hold for this call ("" while it does)
@@ -182,20 +232,24 @@ class OpTaps:
             record = records.pop() if records else None
             if self.owner._replaying:
                 return None
-            if record is None:
-                return replay_hook(mod, args, kwargs, output)
-            self._pop(record)
-            if not record.reason:
-                if any(id(o) in self._derived for o in float_outputs(output)):
-                    record.reason = "its output is computed from its parameters alone"
-                missing = set(local) - {n for u in record.uses for n in u.names}
-                if missing:
-                    record.reason = record.reason or f"{sorted(missing)} reach no op the taps see"
-            if record.reason:
+            if record is not None:
+                self._pop(record)
+                if not record.reason:
+                    if any(id(o) in self._derived for o in float_outputs(output)):
+                        record.reason = "its output is computed from its parameters alone"
+                    missing = set(local) - {n for u in record.uses for n in u.names}
+                    if missing:
+                        record.reason = record.reason or f"{sorted(missing)} reach no op the taps see"
+                if not record.reason:
+                    self._activate(record)
+                    return None
                 self.replay[id(mod)] = record.reason
-                return replay_hook(mod, args, kwargs, output)
-            self._activate(record)
-            return None
+            crossed = self.owner._crossed.get(id(mod))
+            if crossed is not None:  # the replay would split its leading dimension, which is not the batch
+                why = self.replay.get(id(mod), "its arguments are not the ones the first call's trace verified")
+                self.owner._refused.refuse(local, crossed.refusal(f"the op-level path does not hold ({why})"))
+                return None
+            return replay_hook(mod, args, kwargs, output)
 
         return [
             module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -210,8 +264,18 @@ class OpTaps:
         self._stack, self._data, self._derived = [], set(), {}
 
     def _begin(self, module: nn.Module, local: dict[str, TensorEntry], args: tuple, kwargs: dict) -> _Record | None:
-        """A record for this call, or None when the call cannot be tapped (it then takes the replay)."""
+        """A record for this call, or None when the call cannot be tapped (it then takes the replay, or for a crossed
+        module its refusal)."""
         owner, B = self.owner, self.owner._blocks.B
+        params = {id(module.get_parameter(pn)): pn for pn in local}
+        crossed = owner._crossed.get(id(module))
+        if crossed is not None:  # the batch is another dimension of its arguments: every use's rows are probed
+            named = float_args(args, kwargs)
+            refs = [(t, crossed.dims[k]) for k, t in named.items() if k in crossed.dims and t.requires_grad]
+            if not refs or any(t.dim() <= d or t.shape[d] != B for t, d in refs):
+                return None
+            others = [t for k, t in named.items() if k not in crossed.dims and t.requires_grad]
+            return _Record(module, local, B, 0, params, refs, others, crossed=True)
         first = args[0] if args else next(iter(kwargs.values()), None)
         lead = first.shape[0] if isinstance(first, Tensor) and first.dim() else None
         flat = 0
@@ -219,9 +283,8 @@ class OpTaps:
             if lead is None or lead % B or id(module) not in owner._flat_ok or id(module) in owner._outer:
                 return None
             flat = lead
-        params = {id(module.get_parameter(pn)): pn for pn in local}
-        inputs = [t for t in _tensors(args, kwargs) if t.dim() and t.shape[0] == B and t.requires_grad]
-        return _Record(module, local, B, flat, params, inputs)
+        refs = [(t, 0) for t in _tensors(args, kwargs) if t.dim() and t.shape[0] == B and t.requires_grad]
+        return _Record(module, local, B, flat, params, refs)
 
     def _push(self, record: _Record, args: tuple, kwargs: dict) -> None:
         for t in _tensors(args, kwargs):  # the call's arguments are data
@@ -253,7 +316,7 @@ class OpTaps:
             return func(*args, **kwargs)
         record_of = {}
         derived, data = False, False
-        for t in _tensors(args, kwargs):
+        for t in _tensors(args[:1], {}) if name in _DTYPE_OF_SECOND else _tensors(args, kwargs):
             i = id(t)
             if i in self._derived:
                 derived = True
@@ -360,7 +423,9 @@ class OpTaps:
         use = _Use(func, spec, kept, modes, derived, names, saved=Versions(data))
         sig = (id(record.module), len(record.uses), _name(func), tuple(modes), _shapes(kept))
         if sig not in self.verified:
-            why = next((w for t in inner if (w := self._rows_apart(record, t))), "")
+            why = next((w for t in inner if (w := self._rows_apart(record, t, "has flattened (B·k, …) rows"))), "")
+            if record.crossed and not why:
+                why = self._rows_apart(record, out, "gives rows")
             why = why or self._separable(use, out, record.B)
             split = _split_derived(record, kept, modes)
             if why and split != modes and not self._separable(alt := replace(use, modes=split), out, record.B):
@@ -387,35 +452,51 @@ class OpTaps:
             return _FLAT
         return None
 
-    def _rows_apart(self, record: _Record, t: Tensor) -> str:
-        """ "" when row block n of a tensor flattened inside the forward, ``t`` (B·k, …), depends on sample n's
-        rows of the call's inputs alone (for the first and last sample, by autograd on the forward's graph)."""
+    def _rows_apart(self, record: _Record, t: Tensor, what: str) -> str:
+        """ "" when row block n of ``t``, (B, …) or flattened (B·k, …) sample-major, depends on sample n's slices of
+        the call's references (``record.refs``) alone, and on them, for every n; else why not, ``what`` (the rows,
+        e.g. "has flattened (B·k, …) rows") its subject. A crossed call's other arguments in the graph
+        (``record.others``) must not reach it at all.
+
+        By autograd on the forward's graph, 2⌈log₂ B⌉ backward passes for all the samples: per bit of the sample
+        index, a random projection of the rows of the samples with that bit set, and one of those without it, must
+        give a zero gradient on the references' slices of the samples outside the probed set (a row that depends on
+        another sample's slice differs from it in some bit, and is probed without it there); every sample's slice
+        must get a nonzero gradient from the probes that hold its rows.
+        """
         B = record.B
         if B == 1:
             return ""
-        if not t.requires_grad or not record.inputs:
-            return "has flattened (B·k, …) rows that cannot be traced to the samples"
-        gen = torch.Generator().manual_seed(0)
-        rows = t.reshape(B, -1, *t.shape[1:])
-        for n in (0, B - 1):
-            weights = torch.randn(rows[n].shape, generator=gen, dtype=torch.float64).to(t.device)
-            probe = (rows[n].double() * weights).sum()
+        untraced = f"{what} that cannot be traced to the samples"
+        if not t.requires_grad or not record.refs:
+            return untraced
+        rows = t.reshape(B, -1)
+        weights = torch.randn(rows.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        projected = rows.double() * weights.to(t.device)
+        leaves = [r for r, _ in record.refs] + record.others
+        bits = (torch.arange(B)[:, None] >> torch.arange((B - 1).bit_length())) & 1 == 1  # (B, bits)
+        own = torch.zeros(B, dtype=torch.bool)
+        for probed in (p for bit in bits.T for p in (bit, ~bit)):
             self.owner._probing = True  # the hooks on the way stand aside
             try:
-                grads = torch.autograd.grad(probe, record.inputs, retain_graph=True, allow_unused=True)
+                grads = torch.autograd.grad(
+                    projected[probed.to(t.device)].sum(), leaves, retain_graph=True, allow_unused=True
+                )
             finally:
                 self.owner._probing = False
-            own = False
-            for gr in grads:
+            for k, gr in enumerate(grads):
                 if gr is None:
                     continue
-                gr = gr.nan_to_num(0.0, 0.0, 0.0)
-                if bool((torch.cat([gr[:n], gr[n + 1 :]]) != 0).any()):
-                    return "has flattened (B·k, …) rows that are not sample by sample"
-                own = own or bool((gr[n] != 0).any())
-            if not own:
-                return "has flattened (B·k, …) rows that cannot be traced to the samples"
-        return ""
+                hit = gr.nan_to_num(0.0, 0.0, 0.0) != 0
+                if k >= len(record.refs):
+                    if bool(hit.any()):
+                        return untraced
+                    continue
+                reached = hit.movedim(record.refs[k][1], 0).reshape(B, -1).any(1).cpu()  # (B,) samples reached
+                if bool((reached & ~probed).any()):
+                    return f"{what} that are not sample by sample"
+                own |= reached
+        return "" if bool(own.all()) else untraced
 
     def _separable(self, use: _Use, out: Tensor, B: int) -> str:
         """ "" when the op run per sample (vmap) gives the batched output's rows, else why not."""

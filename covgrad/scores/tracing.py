@@ -8,7 +8,9 @@ checks it.
 selected parameter is used, so that a parameter used outside the forward of the module that owns it (a weight its
 parent hands to a functional conv) moves to the smallest module whose forward holds all its uses
 (:func:`rebind`), and autograd on the traced forward checks that every module that runs on a flattened (B·L, …)
-batch or whose forward a rule replays keeps the samples apart (:func:`check_apart`).
+batch or whose forward a rule replays keeps the samples apart (:func:`check_apart`). For a generic-rule module
+whose batch is another dimension of its arguments (Gemma 3n's decoder layer on (altup inputs, B, L, H) stacks) it
+finds that dimension of each argument instead (:class:`covgrad.scores.optaps.Crossed`), for the op-level path.
 
 A refused parameter is named once, with its first reason, in one line with a ``model.params`` selection without
 the refused ones (:func:`refusal`, :class:`RefusalError`); the engine collects the refusals of its trace, its hooks
@@ -33,7 +35,7 @@ from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.scores.binding import rule_for
 from covgrad.scores.experts import _routed_experts_rule, experts_shape
 from covgrad.scores.hooks import graph_root
-from covgrad.scores.optaps import METADATA_READS
+from covgrad.scores.optaps import METADATA_READS, Crossed, float_args
 from covgrad.scores.rules import Rule, float_outputs, generic_rule
 from covgrad.scores.selfcheck import Mixing
 
@@ -45,9 +47,9 @@ _METADATA = METADATA_READS | {"__get__"}
 
 Binding = tuple[nn.Module, Rule, dict[str, TensorEntry]]
 
-# One module call of the traced forward: the module, its floating first input, its floating outputs and its other
-# floating inputs.
-Record = tuple[nn.Module, list[Tensor], list[Tensor], list[Tensor]]
+# One module call of the traced forward: the module, its floating first input, its floating outputs and every floating
+# argument by its path (covgrad.scores.optaps.float_args).
+Record = tuple[nn.Module, list[Tensor], list[Tensor], dict[str, Tensor]]
 
 
 def bind_rules(model: nn.Module, layout: ParamLayout) -> list[Binding]:
@@ -287,11 +289,9 @@ def trace_forward(
     def post(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         name = stack.pop()
         if n == 2 and (id(module) in bound or name in users):
-            floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.is_floating_point()]
             first = args[0] if args else next(iter(kwargs.values()), None)
             ins = [first] if isinstance(first, Tensor) and first.is_floating_point() else []
-            rest = [t for t in floats if t is not first]
-            records.append((module, ins, list(float_outputs(output)), rest))
+            records.append((module, ins, list(float_outputs(output)), float_args(args, kwargs)))
 
     def leaf(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
         return graph_root(output, emb)
@@ -373,7 +373,8 @@ def check_apart(
     emb: Tensor,
     records: list[Record],
     L: int,
-) -> tuple[set[int], set[int], list[tuple[str, str]]]:
+    op_taps: bool,
+) -> tuple[set[int], set[int], dict[int, Crossed], list[tuple[str, str]]]:
     """Verify that the recorded module calls keep the two traced samples apart: Σ of random projections of
     sample b's rows of the checked modules' inputs and outputs must have a zero gradient on the other sample's
     embeddings ``emb`` (one backward per sample; L: the traced positions).
@@ -382,29 +383,42 @@ def check_apart(
         The ids of the bound modules that ran flattened, verified: sample-major rows (row n·k + j is sample
         n's), or, for a rule that reads the whole call, outer-major ones (an (m·B·L, …) batch whose row
         (i·B + n)·L + t is sample n's position t, as experts that see every token once per expert); and of
-        those, the outer-major ones; and the refused parameters ``(layout name, reason)``: every parameter of a
-        module that mixes samples or whose flattened rows are not sample by sample (a module called several
-        times names its parameters once). A module reading its whole call whose outputs reach the other sample
-        only as far as another of its inputs already does (routing weights a mixing router made) is downstream of
-        the mixing and kept: the checked pass's separation probe refuses the tensors upstream of it
-        (:func:`locate_mixing`).
+        those, the outer-major ones; the crossed modules (:func:`_crossed`: generic-rule modules whose batch is
+        another dimension of their arguments, for the op-level path, ``op_taps``; without it they are refused);
+        and the refused parameters ``(layout name, reason)``: every parameter of a module that mixes samples or
+        whose flattened rows are not sample by sample (a module called several times names its parameters once).
+        A module reading its whole call whose outputs reach the other sample only as far as another of its inputs
+        already does (routing weights a mixing router made) is downstream of the mixing and kept: the checked
+        pass's separation probe refuses the tensors upstream of it (:func:`locate_mixing`).
     """
     rules = {id(m): rule for m, rule, _ in bindings}
+    generic = {id(m) for m, _, _ in bindings} - {id(m) for m, rule, _ in bindings if rule is not generic_rule}
     checked = []
-    for module, ins, outs, rest in records:
+    for module, ins, outs, named in records:
         if id(module) not in rules:
             continue
         needs = getattr(rules[id(module)], "needs_call", False)
         flat = any(t.shape[0] > 2 for t in (*ins, *outs) if t.dim() and t.shape[0] % 2 == 0)
         if needs or flat:
-            checked.append((module, ins, outs, flat, rest if needs else []))
-    leaks = _leak_test(emb, L)
-    every = [t for _, ins, outs, _, _ in checked for t in (*ins, *outs)]
+            rest = [t for t in named.values() if not (ins and t is ins[0])] if needs else []
+            checked.append((module, ins, outs, flat, rest, named))
+    leaks, sample_dim = _leak_test(emb, L)
+    every = [t for _, ins, outs, _, _, _ in checked for t in (*ins, *outs)]
+    mixing = any(leaks(every, b) for b in (0, 1))
+    crossed = _crossed(checked, generic, names, leaks, sample_dim, mixing)
     outer: set[int] = set()
     refused: list[tuple[str, str]] = []
-    seen: set[int] = set()  # modules refused already (a module called several times is named once)
-    if any(leaks(every, b) for b in (0, 1)):
-        for module, ins, outs, flat, rest in checked:
+    if not op_taps:
+        why = "the op-level path is off (op_taps=False)"
+        refused += [
+            (e.name, f"{e.name!r}: {crossed[id(m)].refusal(why)}")
+            for m, _, local in bindings
+            if id(m) in crossed
+            for e in local.values()
+        ]
+    seen = set(crossed)  # modules refused or crossed already (a module called several times is named once)
+    if mixing:
+        for module, ins, outs, flat, rest, _ in checked:
             if id(module) in seen:
                 continue
             where = f"{names[id(module)]} (a {type(module).__name__})"
@@ -434,14 +448,55 @@ def check_apart(
                 if m is module
                 for e in local.values()
             ]
-    return {id(module) for module, _, _, flat, _ in checked if flat}, outer, refused
+    flat_ok = {id(module) for module, _, _, flat, _, _ in checked if flat and id(module) not in crossed}
+    return flat_ok, outer, crossed if op_taps else {}, refused
 
 
-def _leak_test(emb: Tensor, L: int) -> Callable[..., bool]:
+def _crossed(
+    checked: list[tuple[nn.Module, list[Tensor], list[Tensor], bool, list[Tensor], dict[str, Tensor]]],
+    generic: set[int],
+    names: dict[int, str],
+    leaks: Callable[..., bool],
+    sample_dim: Callable[[Tensor], int | None],
+    mixing: bool,
+) -> dict[int, Crossed]:
+    """The modules of ``generic`` (every binding of theirs takes the generic rule) whose first input is not
+    batch-leading in any traced call (its leading dimension is odd, so it is not the two samples, or its halves
+    reach each other's sample, ``mixing``) but has a dimension along which its slices are the samples
+    (``sample_dim``), as has every floating output: their op-level taps probe every use's rows
+    (:class:`covgrad.scores.optaps.Crossed`). A module with a call that is batch-leading, or whose calls disagree,
+    is not crossed; one whose first input or an output has no such dimension is left to the other checks."""
+    found: dict[int, Crossed] = {}
+    failed: set[int] = set()
+    for module, ins, outs, _, _, named in checked:
+        i = id(module)
+        if i not in generic or i in failed:
+            continue
+        odd = bool(ins) and ins[0].dim() > 0 and ins[0].shape[0] % 2 == 1
+        if not (odd or (mixing and any(leaks(ins, b) for b in (0, 1)))):
+            failed.add(i)  # batch-leading (or no floating first input): the replay and the call's own checks
+            continue
+        dims = {k: d for k, t in named.items() if (d := sample_dim(t)) is not None}
+        first = next(k for k, t in named.items() if t is ins[0])
+        if (
+            first not in dims
+            or any(sample_dim(o) is None for o in outs if o.requires_grad)
+            or (i in found and found[i].dims != dims)
+        ):
+            failed.add(i)
+            continue
+        where = f"{names[i]} (a {type(module).__name__})"
+        found[i] = Crossed(dims, f"{where} runs on inputs whose batch is dimension {dims[first]} of its first input")
+    return {i: c for i, c in found.items() if i not in failed}
+
+
+def _leak_test(emb: Tensor, L: int) -> tuple[Callable[..., bool], Callable[[Tensor], int | None]]:
     """``leaks(ts, b, outer=False)``: whether a random projection of sample b's rows of the tensors ``ts``
     (sample-major halves of their leading dimension, or with ``outer`` the (m, 2, L) outer-major rows) has a
-    nonzero gradient on the other sample's embeddings ``emb`` (2, L, H). The projections come from one
-    generator seeded 0, drawn in the order of the calls."""
+    nonzero gradient on the other sample's embeddings ``emb`` (2, L, H); and ``sample_dim(t)``: the first dimension
+    of ``t`` of size 2 along which slice b's random projection has a nonzero gradient on sample b's embeddings and
+    none on the other's, for both b (None when none has). The projections come from one generator seeded 0, drawn
+    in the order of the calls."""
     gen = torch.Generator().manual_seed(0)
 
     def part(t: Tensor, b: int, outer: bool) -> Tensor:
@@ -450,19 +505,32 @@ def _leak_test(emb: Tensor, L: int) -> Callable[..., bool]:
         k = t.shape[0] // 2
         return t[b * k : (b + 1) * k]
 
+    def reach(parts: list[Tensor]) -> Tensor | None:
+        """The gradient on ``emb`` of Σ random projections of ``parts`` (NaN and inf, from 0·∞ through a zero-norm
+        padding embedding, carry no evidence either way: zeros)."""
+        total = sum((p.float() * torch.randn(p.shape, generator=gen).to(p.device)).sum() for p in parts)
+        (grad,) = torch.autograd.grad(total, emb, retain_graph=True, allow_unused=True)
+        return None if grad is None else grad.nan_to_num(0.0, 0.0, 0.0)
+
     def leaks(ts: list[Tensor], b: int, outer: bool = False) -> bool:
         ts = [t for t in ts if t.requires_grad and t.dim() and t.shape[0] % 2 == 0]
         if not ts:
             return False
-        total = sum(
-            (part(t, b, outer).float() * torch.randn(part(t, b, outer).shape, generator=gen).to(t.device)).sum()
-            for t in ts
-        )
-        (grad,) = torch.autograd.grad(total, emb, retain_graph=True, allow_unused=True)
-        # NaN/inf entries (0·∞ through a zero-norm padding embedding) carry no evidence either way
-        return grad is not None and bool((grad[1 - b].nan_to_num(0.0, 0.0, 0.0) != 0).any())
+        grad = reach([part(t, b, outer) for t in ts])
+        return grad is not None and bool((grad[1 - b] != 0).any())
 
-    return leaks
+    def sample_dim(t: Tensor) -> int | None:
+        if not t.requires_grad:
+            return None
+        for d, size in enumerate(t.shape):
+            if size != 2:
+                continue
+            grads = [reach([t.select(d, b)]) for b in (0, 1)]
+            if all(g is not None and bool((g[b] != 0).any() & (g[1 - b] == 0).all()) for b, g in enumerate(grads)):
+                return d
+        return None
+
+    return leaks, sample_dim
 
 
 class _ParamUses(TorchFunctionMode):

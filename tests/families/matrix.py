@@ -107,11 +107,13 @@ PADDING_SENSITIVE = {
     "recurrent-gemma",  # the RG-LRU's recurrence and its short conv run over the left padding
 }
 
-# Families that cannot be supported as a whole, with the refusal each gets (the parameters it names; the
-# selection it proposes runs and is exact).
-REFUSED = {
-    # AltUp's correct_output_scale is applied by the decoder layer to (altup inputs, B, L, H) stacks
-    "gemma3n": r"altup\.correct_output_scale'.*a Gemma3nTextDecoderLayer\) runs on inputs whose leading dimension",
+# Every family of the matrix is exact on the default paths. Families that the module replay alone (op_taps=False)
+# cannot take whole, with the refusal each gets there (the parameters it names; the selection it proposes runs and
+# is exact on that path too).
+REPLAY_REFUSED = {
+    # AltUp's correct_output_scale is applied by the decoder layer to (altup inputs, B, L, H) stacks: only the op
+    # taps check its rows per op
+    "gemma3n": r"altup\.correct_output_scale'.*a Gemma3nTextDecoderLayer\) runs on inputs whose batch is dimension 1",
 }
 
 

@@ -19,7 +19,7 @@ from covgrad.layout import ParamLayout, select_parameters
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
-from tests.families.matrix import EXTRA, PADDING_SENSITIVE, REFUSED
+from tests.families.matrix import EXTRA, PADDING_SENSITIVE, REPLAY_REFUSED
 from tests.helpers.families_hybrid import FAMILIES, perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, hook_scores, make_batch, naive_scores
@@ -54,7 +54,7 @@ def _worst(layout: ParamLayout, got: torch.Tensor, ref: torch.Tensor) -> tuple[f
     return worst
 
 
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in REFUSED])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_matches_naive_loop(name):
     model = FAMILIES[name]()
     layout = select_parameters(model)
@@ -68,7 +68,7 @@ def test_family_matches_naive_loop(name):
     assert err < 1e-5, (name, err, where)
 
 
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in REFUSED])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_fused_state_matches_rows(name):
     model = FAMILIES[name]()
     layout = select_parameters(model)
@@ -92,17 +92,20 @@ def test_fused_state_matches_rows(name):
             assert float(np.abs(state[key][h] - want).max()) <= 1e-9 * scale, (name, key, h)
 
 
-@pytest.mark.parametrize("name", list(REFUSED))
-def test_unsupported_family_refused_in_one_line(name):
+@pytest.mark.parametrize("name", list(REPLAY_REFUSED))
+def test_family_the_replay_alone_cannot_take_is_refused_in_one_line(name):
+    """On the module replay alone (``op_taps=False``) the family is refused in one line naming its parameters, with
+    a ``model.params`` selection that runs on that path and is exact."""
     model = FAMILIES[name]()
     batch = make_batch(30, **BATCH)
-    with pytest.raises(ValueError, match=REFUSED[name]) as info:
-        hook_scores(model, select_parameters(model), batch)
+    with pytest.raises(ValueError, match=REPLAY_REFUSED[name]) as info:
+        hook_scores(model, select_parameters(model), batch, op_taps=False)
     msg = str(info.value)
     assert "\n" not in msg and "model.params = " in msg
     layout = select_parameters(model, ast.literal_eval(msg.split("model.params = ")[1]))
     naive = naive_padded_scores if name in PADDING_SENSITIVE else naive_scores
-    err, where = _worst(layout, hook_scores(model, layout, batch), naive(model, layout, batch))
+    got = hook_scores(model, layout, batch, op_taps=False)
+    err, where = _worst(layout, got, naive(model, layout, batch))
     assert err < 1e-5, (name, err, where)
 
 

@@ -204,8 +204,8 @@ def _batched_naive(model: nn.Module, ps: list[nn.Parameter], batch: dict, tau: f
     return torch.stack(rows)
 
 
-def hook_scores(model, layout, batch, tau=1.0, mu=None, check=True) -> torch.Tensor:
-    psg = PerSampleGrads(model, layout, check=check)
+def hook_scores(model, layout, batch, tau=1.0, mu=None, check=True, op_taps=True) -> torch.Tensor:
+    psg = PerSampleGrads(model, layout, check=check, op_taps=op_taps)
     return psg(
         batch["input_ids"],
         batch["attention_mask"],

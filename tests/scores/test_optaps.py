@@ -2,9 +2,13 @@
 DeltaNet pattern (a functional depthwise conv on a child's weight, softplus(a + dt_bias), -exp(A_log) · …) planted
 in a tiny Llama takes the op path and is exact; a use whose data input does not split by sample falls back to the
 module replay, still exact; a use that mixes samples fails the separability check; a parameter expanded to the
-batch (GPT-OSS's attention sinks) is split by sample, and one whose leading dimension happens to be B is not."""
+batch (GPT-OSS's attention sinks) is split by sample, and one whose leading dimension happens to be B is not; a
+parameter used in a module whose call is not batch-leading (Gemma 3n's AltUp output scale on a (k, B, L, H) stack)
+is taken at its op with the op's rows probed, and refused where they are not the samples."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -107,6 +111,69 @@ class GroupGain(nn.Module):
 
     def forward(self, x):
         return (x.reshape(*x.shape[:-1], H // 4, 4) * self.weight).reshape(x.shape)
+
+
+class StreamScale(nn.Module):
+    """Gemma 3n's ``Gemma3nTextAltUp.correct_output_scale``: a scale whose forward its parent calls as a method
+    (``scaled``), so no module call of it happens and the use belongs to the parent's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(1.0 + 0.3 * torch.randn(H))
+
+    def forward(self, x):
+        return x * self.scale
+
+    def scaled(self, x):
+        return self.forward(x)
+
+
+class Streams(nn.Module):
+    """Gemma 3n's decoder layer pattern on a (k, B, L, H) stack of streams (the batch is its second dimension):
+    the streams mixed by a (k, k) Linear, then rows of the mixed stack scaled by :class:`StreamScale` and added to
+    every stream but the first. ``rows`` picks the scaled rows: "own" the first stream (B, L, H), cloned (Gemma
+    3n's); "streams" sample 0's k streams (k, L, H), added back to sample 0's streams alone (the model keeps the
+    samples apart), whose leading dimension is B when k = B but whose rows are not the samples; "swapped" the
+    first stream with the rows of samples 1 and 2 swapped (and swapped back after): a leading dimension of B whose
+    rows are the samples but two of them in each other's place."""
+
+    def __init__(self, k: int, rows: str) -> None:
+        super().__init__()
+        self.mix = nn.Linear(k, k, bias=False)
+        self.out = StreamScale()
+        self.rows = rows
+
+    def forward(self, stack):
+        mixed = self.mix(stack.permute(1, 2, 3, 0)).permute(3, 0, 1, 2) + stack  # (k, B, L, H)
+        if self.rows == "streams":  # sample 0's streams scaled, back into its own place: (k, L, H)
+            return torch.cat([mixed[:, :1] + self.out.scaled(mixed[:, 0])[:, None], mixed[:, 1:]], dim=1)
+        x = mixed[0].clone()
+        swap = torch.arange(x.shape[0])
+        if self.rows == "swapped" and len(swap) > 2:  # a batch of 2 (the first call's trace) or 1 stays in order
+            swap[1:3] = swap[1:3].flip(0)
+        return torch.cat([mixed[:1], mixed[1:] + self.out.scaled(x[swap])[swap]])
+
+
+class StreamMLP(nn.Module):
+    """The wrapped MLP on the mean of :class:`Streams` run on k scaled copies of its input, stacked (k, B, L, H)."""
+
+    def __init__(self, mlp: nn.Module, k: int, rows: str) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.streams = Streams(k, rows)
+        self.k = k
+
+    def forward(self, x):
+        stack = torch.stack([x * (1.0 + 0.5 * i) for i in range(self.k)])
+        return self.mlp(self.streams(stack).mean(0))
+
+
+def streams_llama(k: int, rows: str = "own") -> nn.Module:
+    torch.manual_seed(0)
+    model = tiny_llama(V, intermediate=48, pad_token_id=PAD)
+    for layer in model.model.layers:
+        layer.mlp = StreamMLP(layer.mlp, k, rows)
+    return perturb(model)
 
 
 def planted(kind: str) -> nn.Module:
@@ -225,3 +292,39 @@ def test_separability_check_catches_an_op_that_mixes_samples():
         use = _Use(func, spec, leaves, [_SPLIT, _DERIVED], [d], frozenset({"w"}))
         why = taps._separable(use, func(x, w), 4)
         assert bool(why) == mixes, why
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("k", [3, 4])
+def test_parameter_of_a_call_that_is_not_batch_leading_takes_the_op_path_exactly(k, check):
+    """Gemma 3n's AltUp output scale: the trace finds the batch in dimension 1 of the (k, B, L, H) stack (k odd,
+    or k = B: a leading dimension of B by coincidence), the op's (B, L, H) rows are probed back to the stack's
+    samples, and the scores match the float64 one-backward-per-sequence loop. Without the op-level path the
+    module replay would split the stack's streams as samples: refused."""
+    model = streams_llama(k)
+    layout = select_parameters(model)
+    batch = make_batch(46, **BATCH)
+    assert batch["input_ids"].shape[0] == 4
+    psg, rows = scores(model, batch, check=check)
+    scales = [n for n in layout.names if n.endswith("out.scale")]
+    paths = psg.generic_paths()
+    assert len(scales) == 2 and all(paths[n] == "op" for n in scales), paths
+    assert {psg._names[i] for i in psg._crossed} == {f"model.layers.{i}.mlp.streams" for i in (0, 1)}
+    err, where = max_rel_err(layout, rows, naive_scores(copy.deepcopy(model).double(), layout, batch))
+    assert err < 1e-5, (err, where)
+    with pytest.raises(ValueError, match=r"batch is dimension 1 of its first input: .* op-level path is off"):
+        scores(model, batch, check=check, op_taps=False)
+
+
+@pytest.mark.parametrize("rows", ["streams", "swapped"])
+def test_op_rows_with_a_leading_dimension_of_b_that_are_not_the_samples_refused(rows):
+    """The scaled rows have leading dimension B = k = 4 but are one sample's streams, or the samples with two of
+    them swapped (an elementwise op on them passes the separability check, and the model keeps its samples
+    apart): the rows probe refuses both, without the self-check, naming the scale of each layer once."""
+    model = streams_llama(4, rows)
+    batch = make_batch(47, **BATCH)
+    with pytest.raises(ValueError, match=r"op-level path does not hold \(\S+ gives rows that are not sample") as info:
+        scores(model, batch, check=False)
+    msg = str(info.value)
+    for i in (0, 1):
+        assert msg.count(f"'model.layers.{i}.mlp.streams.out.scale'") == 1, msg
