@@ -19,7 +19,7 @@ def test_covgrad_run_into_a_file_writes_progress_lines_with_eta(tmp_path, cli_ap
     log = tmp_path / "log"
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", "configs/tiny.yaml", "--root", str(tmp_path / "r")]
     # the scores stage counts its batches at checkpoints: one per batch here
-    cmd += ["--set", "model.demo.eval_every=5", "--set", "scores.checkpoint_batches=1"]
+    cmd += ["--set", "model.demo.eval_every=5", "--set", "scores.checkpoint_batches=1", "--set", "tokens.enabled=false"]
     with log.open("w") as out:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900)
     text = log.read_text()

@@ -124,16 +124,17 @@ def test_rank_columns_written_through_chunks_and_edges_are_the_merged_state(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["local", "torchrun"])
-def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_path: Path, launcher: str):
+def test_two_ranks_through_the_task_give_the_in_process_arrays(tiny_run, tmp_path: Path):
     """Every scores artifact of the tiny pipeline (policy and sampler centering, kept rows, KL) computed by the
-    scores task with scores.ranks=2 (gloo, CPU; local processes or a torchrun group) holds the in-process
-    artifact's arrays, bit for bit, under the in-process key, and the in-process weights' identity (recorded by
-    rank 0 before it shards its model: the task's process builds the model on the meta device)."""
+    scores task with scores.ranks=2 (gloo, CPU, local processes) holds the in-process artifact's arrays, bit for
+    bit, under the in-process key, and the in-process weights' identity (recorded by rank 0 before it shards its
+    model: the task's process builds the model on the meta device). The ranks run the same job under either
+    launcher: a torchrun group through the task is tests/distributed/test_torchrun.py's two-machine test, and the
+    killed-rank test below resumes a torchrun group to the in-process arrays."""
     shutil.copytree(tiny_run[0], tmp_path / "root", ignore=shutil.ignore_patterns("scores", "stats", "masks"))
-    cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.launcher": launcher})
+    cfg = tiny_config(str(tmp_path / "root"), **NO_OPTIONAL, **{"scores.ranks": 2, "scores.launcher": "local"})
     names = {n for n, s in plan(cfg).items() if s.ref.stage == "scores"}
-    assert {plan(cfg)[n].spec.placement.launcher for n in names} == {launcher}
+    assert {plan(cfg)[n].spec.placement.launcher for n in names} == {"local"}
     results = run_planned(cfg, names | {n for n, s in plan(cfg).items() if s.ref.stage in ("base_model", "rollouts")})
     assert all(results[n].computed for n in names)
     before, after = ArtifactStore(str(tiny_run[0])), ArtifactStore(cfg.root)

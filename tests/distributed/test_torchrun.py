@@ -4,8 +4,8 @@ no mocks.
 
 Two "machines" on this host (two torchrun processes of one rank each, meeting at a c10d rendezvous on 127.0.0.1)
 give the in-process arrays, node 1 only folding; a rank that raises is named in one line; the config refuses
-torchrun settings that cannot run, in one line. A 2-rank torchrun group through the task and a SIGKILLed
-torchrun rank are tests/distributed/test_fsdp_stage.py's, parametrized over the launcher."""
+torchrun settings that cannot run, in one line. A SIGKILLed torchrun rank (the rerun resuming the group to the
+in-process arrays) is tests/distributed/test_fsdp_stage.py's, parametrized over the launcher."""
 
 import shutil
 from pathlib import Path
