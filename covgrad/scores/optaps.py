@@ -24,6 +24,13 @@ forward follows every torch function call of it:
   sample n's cotangent is its row n with zeros elsewhere;
 - any other call is followed only to mark its outputs as data when an input is data.
 
+A use whose data inputs or output do not split that way along their leading dimension (RecurrentGemma's RG-LRU gates:
+``torch.baddbmm(bias[:, None, :], x, weight)`` over heads, x a (heads, B·L, d) view whose second dimension holds each
+sample's L rows as a contiguous block) is split along the dimension of each data input in the graph, and of the
+output, whose B contiguous blocks the rows probe below finds to be the samples' (:meth:`OpTaps._located`); a (B, …)
+data input that is a view of the call's arguments is probed before its leading dimension is taken, since its B rows
+may be heads, as many as the samples by coincidence.
+
 Exactness rests on checks, not on a list of classes: every use is verified to be sample-separable by running it
 per sample (vmap) and comparing with the batched output (once per op position, function and input shapes);
 every selected parameter of the module must reach a use in the call, the module's output must not be derived,
@@ -164,9 +171,22 @@ class _Use:
     modes: list[int]  # per leaf: _SPLIT, _FLAT, _SHARED, _DERIVED or _DSPLIT (derived, split by sample)
     derived: list[_Derived]  # in the order of the _DERIVED and _DSPLIT leaves
     names: frozenset[str]
+    # per leaf, the dimension whose contiguous blocks are the samples' rows ((): the leading one for every leaf)
+    dims: tuple[int, ...] = ()
+    out_dim: int = 0  # the output's such dimension
     active: bool = False
     # the kept data inputs' versions: one updated in place after the op refuses the use's parameters
     saved: Versions = field(default_factory=lambda: Versions(()))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a verified use splits by sample: its leaves' modes, their sample dimensions (``()``: every leaf's leading
+    one) and its output's."""
+
+    modes: list[int]
+    dims: tuple[int, ...] = ()
+    out_dim: int = 0
 
 
 @dataclass
@@ -200,7 +220,7 @@ class OpTaps:
         self.owner = owner
         self.replay: dict[int, str] = {}  # id(module) → why it falls back to the module replay
         self.untapped: set[int] = set()  # id(module) of modules with a call that could not be tapped (replayed)
-        self.verified: dict[tuple, list[int]] = {}  # signature of a use shown sample-separable → its leaves' modes
+        self.verified: dict[tuple, _Layout] = {}  # signature of a use shown sample-separable → how it splits
         self._mode = _Flow(self)
         self._stack: list[_Record] = []
         self._data: set[int] = set()
@@ -387,16 +407,22 @@ class OpTaps:
         derived = [self._as_derived(t, record_of) for t in leaves if _is_derived(t, self._derived, record_of)]
         records = {id(d.record): d.record for d in derived}
         record = derived[0].record
-        modes, kept, inner = [], [], []
+        args_of_call = {id(r) for r, _ in record.refs}
+        bases = {id(_base(r)) for r, _ in record.refs}
+        modes, kept, inner, data = [], [], [], []  # data: per leaf, the data input itself (None: derived, constant)
         for t in leaves:
+            data.append(None)
             if _is_derived(t, self._derived, record_of):
                 modes.append(_DERIVED)
                 kept.append(t)
             elif isinstance(t, Tensor) and (t.requires_grad or id(t) in self._data):
                 modes.append(self._split_mode(record, t))
                 kept.append(t.detach())
+                data[-1] = t
                 if modes[-1] == _FLAT and t.shape[0] != record.flat:
-                    inner.append(t)  # flattened inside the forward: its rows are checked below
+                    inner.append((t, "has flattened (B·k, …) rows"))  # flattened inside the forward: checked below
+                elif modes[-1] == _SPLIT and _probed_split(record, t, args_of_call, bases):
+                    inner.append((t, "has (B, …) rows"))  # a view of the call's arguments: B rows may be heads
             else:
                 modes.append(_SHARED)
                 kept.append(t)
@@ -412,35 +438,84 @@ class OpTaps:
         if not torch.is_grad_enabled():  # inside an autograd.Function's forward or no_grad: no hook would fire
             record.reason = f"{_name(func)} runs where autograd does not record it"
             return out
-        if any(m is None for m in modes):
-            record.reason = f"{_name(func)} has a data input that does not split by sample"
-            return out
-        if self._split_mode(record, out) not in (_SPLIT, _FLAT):
-            record.reason = f"{_name(func)}'s output does not split by sample"
-            return out
         names = frozenset(n for d in derived for n in d.names)
-        data = [t for t, m in zip(kept, modes, strict=True) if m != _DERIVED]
-        use = _Use(func, spec, kept, modes, derived, names, saved=Versions(data))
+        saved = Versions([t for t, m in zip(kept, modes, strict=True) if m != _DERIVED])
+        use = _Use(func, spec, kept, modes, derived, names, saved=saved)
         sig = (id(record.module), len(record.uses), _name(func), tuple(modes), _shapes(kept))
         if sig not in self.verified:
-            why = next((w for t in inner if (w := self._rows_apart(record, t, "has flattened (B·k, …) rows"))), "")
-            if record.crossed and not why:
-                why = self._rows_apart(record, out, "gives rows")
-            why = why or self._separable(use, out, record.B)
-            split = _split_derived(record, kept, modes)
-            if why and split != modes and not self._separable(alt := replace(use, modes=split), out, record.B):
-                use, why = alt, ""
-            if why:
+            layout, why = self._layout(record, use, out, inner, data)
+            if layout is None:
                 record.reason = f"{_name(func)} {why}"
                 return out
-            self.verified[sig] = use.modes
-        use.modes = self.verified[sig]
+            self.verified[sig] = layout
+        layout = self.verified[sig]
+        use = replace(use, modes=list(layout.modes), dims=layout.dims, out_dim=layout.out_dim)
         record.uses.append(use)
         if out.grad_fn is None:  # no data input is in the graph (or a leaf made to require grad): it starts it
             out = graph_root(out, self.owner._roots)
             self._data.add(id(out))
         out.register_hook(self._backward(record, use))
         return out
+
+    def _layout(
+        self, record: _Record, use: _Use, out: Tensor, inner: list[tuple[Tensor, str]], data: list[Tensor | None]
+    ) -> tuple[_Layout | None, str]:
+        """How a use seen for the first time splits by sample, or None and why it does not.
+
+        First along the leading dimension of its data inputs (``use.modes``) and output: every data input computed
+        inside the forward (``inner``, with what its rows are) probed back to the samples (:meth:`_rows_apart`), a
+        crossed call's output probed too, and the op run per sample (:meth:`_separable`), whole derived tensors
+        broadcast to the batch then split (:func:`_split_derived`). Failing that, along the dimension of each data
+        input in the graph (``data``: per leaf, the data input, None for the others) and of the output whose
+        contiguous blocks the probe finds to be the samples' (:meth:`_sample_dim`: the (heads, B·L, d) operand of a
+        batched matmul over heads), the op run per sample on those blocks.
+        """
+        B = record.B
+        why = ""
+        if any(m is None for m in use.modes):
+            why = "has a data input that does not split by sample"
+        elif self._split_mode(record, out) not in (_SPLIT, _FLAT):
+            why = "gives an output that does not split by sample"
+        why = why or next((w for t, what in inner if (w := self._rows_apart(record, t, what))), "")
+        if record.crossed and not why:
+            why = self._rows_apart(record, out, "gives rows")
+        if not why:
+            if not (why := self._separable(use, out, B)):
+                return _Layout(use.modes), ""
+            split = _split_derived(record, use.leaves, use.modes)
+            if split != use.modes and not self._separable(replace(use, modes=split), out, B):
+                return _Layout(split), ""
+        located = self._located(record, use, out, data)
+        return (located, "") if located is not None else (None, why)
+
+    def _located(self, record: _Record, use: _Use, out: Tensor, data: list[Tensor | None]) -> _Layout | None:
+        """The use's layout with each data input in the graph, and the output, split along the dimension the rows
+        probe finds to be the samples' (data inputs outside the graph keep their leading layout); None when one
+        has no such dimension or the op run per sample on those blocks does not give the output's."""
+        modes, dims = list(use.modes), [0] * len(use.modes)
+        for i, t in enumerate(data):
+            if t is not None and t.requires_grad:
+                d = self._sample_dim(record, t)
+                if d is None:
+                    return None
+                modes[i], dims[i] = _SPLIT if t.shape[d] == record.B else _FLAT, d
+        if any(m is None for m in modes):
+            return None
+        out_dim = self._sample_dim(record, out)
+        if out_dim is None:
+            return None
+        layout = _Layout(modes, tuple(dims), out_dim)
+        if self._separable(replace(use, modes=modes, dims=layout.dims, out_dim=out_dim), out, record.B):
+            return None
+        return layout
+
+    def _sample_dim(self, record: _Record, t: Tensor) -> int | None:
+        """The first dimension of ``t`` whose B contiguous blocks are the samples' rows by the rows probe
+        (:meth:`_rows_apart`), or None."""
+        for d in range(t.dim()):
+            if t.shape[d] and t.shape[d] % record.B == 0 and not self._rows_apart(record, t, "has rows", d):
+                return d
+        return None
 
     def _split_mode(self, record: _Record, t: Tensor) -> int | None:
         lead = t.shape[0] if t.dim() else None
@@ -452,11 +527,11 @@ class OpTaps:
             return _FLAT
         return None
 
-    def _rows_apart(self, record: _Record, t: Tensor, what: str) -> str:
-        """ "" when row block n of ``t``, (B, …) or flattened (B·k, …) sample-major, depends on sample n's slices of
-        the call's references (``record.refs``) alone, and on them, for every n; else why not, ``what`` (the rows,
-        e.g. "has flattened (B·k, …) rows") its subject. A crossed call's other arguments in the graph
-        (``record.others``) must not reach it at all.
+    def _rows_apart(self, record: _Record, t: Tensor, what: str, dim: int = 0) -> str:
+        """ "" when row block n of ``t`` along ``dim``, (…, B, …) or flattened (…, B·k, …) sample-major, depends on
+        sample n's slices of the call's references (``record.refs``) alone, and on them, for every n; else why not,
+        ``what`` (the rows, e.g. "has flattened (B·k, …) rows") its subject. A crossed call's other arguments in the
+        graph (``record.others``) must not reach it at all.
 
         By autograd on the forward's graph, 2⌈log₂ B⌉ backward passes for all the samples: per bit of the sample
         index, a random projection of the rows of the samples with that bit set, and one of those without it, must
@@ -470,7 +545,7 @@ class OpTaps:
         untraced = f"{what} that cannot be traced to the samples"
         if not t.requires_grad or not record.refs:
             return untraced
-        rows = t.reshape(B, -1)
+        rows = _blocks(t, dim, B).reshape(B, -1)
         weights = torch.randn(rows.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         projected = rows.double() * weights.to(t.device)
         leaves = [r for r, _ in record.refs] + record.others
@@ -510,7 +585,7 @@ class OpTaps:
         if per.numel() != out.numel():
             return "gives per-sample outputs of another size than the batch's"
         ref = out.detach()
-        diff = (per.reshape(ref.shape).to(torch.float64) - ref.to(torch.float64)).abs().max()
+        diff = (per.movedim(0, use.out_dim).reshape(ref.shape).to(torch.float64) - ref.to(torch.float64)).abs().max()
         scale = ref.abs().max().to(torch.float64) if ref.numel() else torch.tensor(0.0)
         if bool(diff > _SEP_RTOL * scale + _SEP_ATOL):
             return "mixes samples (its per-sample outputs differ from the batched one)"
@@ -568,10 +643,39 @@ def _shapes(leaves: list) -> tuple:
     return tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__ for t in leaves)
 
 
+def _blocks(t: Tensor, dim: int, B: int) -> Tensor:
+    """``t`` with its dimension ``dim`` of B·k rows, sample-major, split into B blocks of k, the samples first:
+    (B, …, k, …)."""
+    return t.unflatten(dim, (B, -1)).movedim(dim, 0)
+
+
+def _base(t: Tensor) -> Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself when it is not a view)."""
+    return t if t._base is None else t._base
+
+
+def _probed_split(record: _Record, t: Tensor, args_of_call: set[int], bases: set[int]) -> bool:
+    """Whether a (B, …) data input ``t`` of a use is probed back to the samples (:meth:`OpTaps._rows_apart`) before
+    its leading dimension is taken for them: a view, made inside a batch-leading forward, of the call's arguments
+    (``bases``: the ids of the tensors they view), whose B rows may be heads, as many as the samples by coincidence
+    (a permuted (heads, B·L, d) view with heads = B). The probe's backward passes run through views alone; a
+    (B, …) tensor computed by the forward's ops is taken as the samples' rows unprobed, since probing it would back
+    through the module's matmuls for every new shape."""
+    return (
+        not record.crossed
+        and not record.flat
+        and t.requires_grad
+        and id(t) not in args_of_call
+        and id(_base(t)) in bases
+    )
+
+
 def _per_sample(use: _Use, B: int) -> list[Tensor]:
-    """The use's split data inputs as (B, …) tensors of each sample's rows."""
-    pairs = zip(use.leaves, use.modes, strict=True)
-    return [t.reshape(B, -1, *t.shape[1:]) if m == _FLAT else t for t, m in pairs if m in (_SPLIT, _FLAT)]
+    """The use's split data inputs as (B, …) tensors of each sample's rows (its block along the leaf's sample
+    dimension, of the leaf's rank)."""
+    dims = use.dims or (0,) * len(use.leaves)
+    pairs = zip(use.leaves, use.modes, dims, strict=True)
+    return [_blocks(t, d, B) for t, m, d in pairs if m in (_SPLIT, _FLAT)]
 
 
 def _split_derived(record: _Record, kept: list, modes: list[int]) -> list[int]:
@@ -610,9 +714,7 @@ def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
     own, dv = iter(mine), iter(dvals)
     filled = []
     for t, m in zip(use.leaves, use.modes, strict=True):
-        if m == _SPLIT:
-            filled.append(next(own).unsqueeze(0))
-        elif m == _FLAT:
+        if m in (_SPLIT, _FLAT):
             filled.append(next(own))
         elif m in _DERIVED_MODES:
             filled.append(next(dv))
@@ -625,7 +727,7 @@ def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
 def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
     """Per-sample gradients of the use's parameters from its output gradient ``g``, into their blocks."""
     B = record.B
-    gs = g if g.shape[0] == B else g.reshape(B, -1, *g.shape[1:])
+    gs = _blocks(g, use.out_dim, B)
     shared, rows = _derived_values(use)
 
     def one(own: list[Tensor], mine: list[Tensor], cot: Tensor) -> list[Tensor]:
@@ -667,6 +769,8 @@ def _elementwise_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
     order, broadcasting), summed over the dimensions it was broadcast along; None for any other op (vmap)."""
     name = getattr(use.func, "__name__", "")
     if (name not in _ADD and name not in _MUL) or len(use.leaves) != 2 or use.spec.child(1).num_leaves:
+        return None
+    if any(use.dims) or use.out_dim:  # the closed form below splits the leading dimensions
         return None
     found = [i for i, m in enumerate(use.modes) if m == _DERIVED]
     if len(found) != 1 or use.modes[1 - found[0]] not in (_SPLIT, _FLAT):

@@ -1,10 +1,13 @@
 """The op-level path of generic-rule parameters (covgrad.scores.optaps) against the naive per-sequence loop: the Gated
 DeltaNet pattern (a functional depthwise conv on a child's weight, softplus(a + dt_bias), -exp(A_log) · …) planted
-in a tiny Llama takes the op path and is exact; a use whose data input does not split by sample falls back to the
-module replay, still exact; a use that mixes samples fails the separability check; a parameter expanded to the
-batch (GPT-OSS's attention sinks) is split by sample, and one whose leading dimension happens to be B is not; a
-parameter used in a module whose call is not batch-leading (Gemma 3n's AltUp output scale on a (k, B, L, H) stack)
-is taken at its op with the op's rows probed, and refused where they are not the samples."""
+in a tiny Llama takes the op path and is exact; a use whose data input has the samples along another dimension
+than its leading one (a time-major view; RecurrentGemma's per-head gates, a baddbmm over heads of a (heads, B·L, d)
+view, with as many heads as samples or not) is split along that dimension, found by the rows probe, and is exact; a
+use whose data input does not split by sample falls back to the module replay, still exact; a use that mixes
+samples fails the separability check; a parameter expanded to the batch (GPT-OSS's attention sinks) is split by
+sample, and one whose leading dimension happens to be B is not; a parameter used in a module whose call is not
+batch-leading (Gemma 3n's AltUp output scale on a (k, B, L, H) stack) is taken at its op with the op's rows probed,
+and refused where they are not the samples."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from covgrad.layout import select_parameters
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
-from covgrad.scores.optaps import _DERIVED, _DSPLIT, _SPLIT, OpTaps, _Derived, _Record, _Use
+from covgrad.scores.optaps import _DERIVED, _DSPLIT, _FLAT, _SPLIT, OpTaps, _Derived, _Record, _Use
 from tests.helpers.families import perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, make_batch, max_rel_err, naive_scores
@@ -49,7 +52,8 @@ class GatedConvMixer(nn.Module):
 
 
 class TimeMajorGain(nn.Module):
-    """A gain applied to a time-major (L, B, H) view: its data input's leading dimension is not the batch."""
+    """A gain applied to a time-major (L, B, H) view: its data input's leading dimension is not the batch, its
+    second is."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,6 +61,44 @@ class TimeMajorGain(nn.Module):
 
     def forward(self, x):
         return (x.transpose(0, 1) * self.weight).transpose(0, 1)
+
+
+class InterleavedGain(nn.Module):
+    """A gain applied to an (L, H·B) view whose samples interleave with the channels (the sample index fastest):
+    no dimension of its data input has the samples as contiguous blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(H))
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        y = x.permute(1, 2, 0).reshape(L, H * B) * self.weight.repeat_interleave(B)  # (L, H·B)
+        return y.reshape(L, H, B).permute(2, 0, 1)
+
+
+class HeadGates(nn.Module):
+    """RecurrentGemma's RG-LRU gates: per-head (heads, d, d) weights and (heads, d) biases (d = H / heads) applied by
+    one baddbmm to a (heads, B·L, d) view of the input (each sample's L rows a contiguous block of its second
+    dimension), the bias through ``bias[:, None, :]``, and a recurrent parameter scaling the log-gate through
+    ``softplus``; the gated input is returned. Planted besides: a (d,) scale of that view, elementwise (split along
+    its leading dimension when heads = B, it would pass the separability check)."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        d = H // heads
+        self.heads = heads
+        self.gate_weight = nn.Parameter(torch.randn(heads, d, d) / d**0.5)
+        self.gate_bias = nn.Parameter(0.3 * torch.randn(heads, d))
+        self.recurrent_param = nn.Parameter(torch.randn(H))
+        self.scale = nn.Parameter(1.0 + 0.3 * torch.randn(d))
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        act = x.reshape(B * L, self.heads, H // self.heads).permute(1, 0, 2) * self.scale  # (heads, B·L, d)
+        res = torch.baddbmm(self.gate_bias[:, None, :], act, self.gate_weight)
+        gate = torch.sigmoid(res.transpose(0, 1).reshape(B, L, H))
+        return x * torch.exp(-gate * F.softplus(self.recurrent_param))
 
 
 class Gain(nn.Module):
@@ -176,7 +218,7 @@ def streams_llama(k: int, rows: str = "own") -> nn.Module:
     return perturb(model)
 
 
-def planted(kind: str) -> nn.Module:
+def planted(kind: str, heads: int = 4) -> nn.Module:
     torch.manual_seed(0)
     model = tiny_llama(V, intermediate=48, pad_token_id=PAD)
     for layer in model.model.layers:
@@ -188,8 +230,11 @@ def planted(kind: str) -> nn.Module:
         elif kind == "router":
             layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, Gain())
             layer.mlp = FlatRouter(layer.mlp)
+        elif kind == "gates":
+            layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, HeadGates(heads))
         else:
-            layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, TimeMajorGain())
+            gain = TimeMajorGain() if kind == "time-major" else InterleavedGain()
+            layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, gain)
     return perturb(model)
 
 
@@ -229,7 +274,7 @@ def test_parameters_with_a_batch_leading_dimension_take_the_op_path_exactly(chec
     psg, rows = scores(model, batch, check=check)
     taken = {n: p for n, p in psg.generic_paths().items() if n.endswith(("sinks", "1.weight"))}
     assert len(taken) == 4 and set(taken.values()) == {"op"}, taken
-    modes = {sig[2]: m for sig, m in psg._taps.verified.items()}
+    modes = {sig[2]: split.modes for sig, split in psg._taps.verified.items()}
     assert modes["_VariableFunctionsClass.cat"][:2] == [_SPLIT, _DSPLIT] and _DERIVED in modes["TensorBase.mul"], modes
     err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
     assert err < 1e-5, (err, where)
@@ -270,8 +315,46 @@ def test_rows_probe_passes_the_previous_taps_hook_without_running_it(check):
     assert err < 1e-5, (err, where)
 
 
-def test_use_that_does_not_split_by_sample_falls_back_to_the_replay_exactly():
+def test_use_whose_samples_are_another_dimension_takes_the_op_path_exactly():
+    """A gain on a time-major (L, B, H) view (L = 10 rows, not a multiple of B = 4): the rows probe finds the samples
+    in dimension 1 of its input and output; exact without the self-check."""
     model = planted("time-major")
+    layout = select_parameters(model)
+    batch = make_batch(43, **BATCH)
+    psg, rows = scores(model, batch, check=False)
+    gains = [n for n in layout.names if n.endswith("post_attention_layernorm.1.weight")]
+    assert gains and all(psg.generic_paths()[n] == "op" for n in gains)
+    assert {(split.dims, split.out_dim) for split in psg._taps.verified.values()} == {((1, 0), 1)}
+    err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)
+
+
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_per_head_gates_of_a_batched_matmul_over_heads_take_the_op_path_exactly(heads):
+    """RecurrentGemma's gates: the baddbmm's (heads, B·L, d) operand and its output split along their second
+    dimension, found by the rows probe, whatever the number of heads against B = 4: 2 (no split of the leading
+    dimension), 4 (a leading dimension of B, but heads: its rows probe fails) or 8 (a multiple of B, flattened rows
+    that are not the samples'), and so the view's elementwise scale; the weight and ``bias[:, None, :]`` are taken
+    whole. Exact against the naive loop without the self-check (heads split as samples would still sum to the
+    batched gradient)."""
+    model = planted("gates", heads)
+    layout = select_parameters(model)
+    batch = make_batch(48, **BATCH)
+    assert batch["input_ids"].shape[0] == 4
+    psg, rows = scores(model, batch, check=False)
+    paths = psg.generic_paths()
+    gates = [n for n in layout.names if "post_attention_layernorm.1." in n]
+    assert len(gates) == 8 and all(paths[n] == "op" for n in gates), paths
+    splits = {sig[1:3]: split for sig, split in psg._taps.verified.items()}  # by (position, op) in each forward
+    scale, bmm = splits[0, "TensorBase.mul"], splits[1, "_VariableFunctionsClass.baddbmm"]
+    assert (scale.modes, scale.dims, scale.out_dim) == ([_FLAT, _DERIVED], (1, 0), 1), scale
+    assert (bmm.modes, bmm.dims, bmm.out_dim) == ([_DERIVED, _FLAT, _DERIVED], (0, 1, 0), 1), bmm
+    err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)
+
+
+def test_use_that_does_not_split_by_sample_falls_back_to_the_replay_exactly():
+    model = planted("interleaved")
     layout = select_parameters(model)
     batch = make_batch(43, **BATCH)
     psg, rows = scores(model, batch, check=False)
