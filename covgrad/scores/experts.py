@@ -17,6 +17,7 @@ size, I intermediate size, m routed (token, k) pairs of the batch.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -83,30 +84,34 @@ def _call_arg(call: Call, i: int, name: str) -> Any:
 
 
 class _Groups:
-    """Rows (m, ·) sorted by a group id (``group`` (m,) int64 in [0, n), non-decreasing), and the segmented
-    products over them: torch's grouped GEMM where the device has it for float32, else batched matmuls over
-    zero-padded per-group blocks (n, M, ·), M the largest group's size."""
+    """Rows (m, ·) sorted by a group id (``group`` (m,) int64 in [0, n), non-decreasing; ``counts`` (n,) rows per
+    group), and the segmented products over them: torch's grouped GEMM where the device has it for float32, else
+    batched matmuls over zero-padded per-group blocks (n, M, ·), M the largest group's size."""
 
-    def __init__(self, group: Tensor, n: int) -> None:
-        counts = torch.bincount(group, minlength=n)
-        self.group, self.n = group, n
+    def __init__(self, group: Tensor, counts: Tensor) -> None:
+        self.group, self.counts, self.n = group, counts, counts.numel()
         self.offs = torch.cumsum(counts, 0).to(torch.int32)
-        self.rank = torch.arange(group.numel(), device=group.device) - (self.offs.long() - counts)[group]
-        self.M = int(counts.max()) if group.numel() else 0
 
-    def _pack(self, rows: Tensor) -> Tensor:
-        out = rows.new_zeros(self.n, self.M, *rows.shape[1:])
-        out[self.group, self.rank] = rows
+    def _rank(self) -> Tensor:
+        """(m,) each row's position in its group."""
+        start = (self.offs.long() - self.counts)[self.group]
+        return torch.arange(self.group.numel(), device=self.group.device) - start
+
+    def _pack(self, rows: Tensor, rank: Tensor) -> Tensor:
+        out = rows.new_zeros(self.n, int(self.counts.max()), *rows.shape[1:])
+        out[self.group, rank] = rows
         return out
 
     def times(self, rows: Tensor, weights: Tensor) -> Tensor:
-        """(m, k) rows, each times its group's matrix of ``weights`` (n, k, q): (m, q)."""
+        """(m, k) rows, each times its group's matrix of ``weights`` (n, k, q): (m, q), column-major from the
+        grouped GEMM (a gate's halves or interleaved columns are then runs of m contiguous values)."""
         if _GROUPED_MM.get(rows.device.type, True):
             try:
-                return torch._grouped_mm(rows, weights, offs=self.offs)
+                return torch._grouped_mm(weights.transpose(1, 2), rows.t(), offs=self.offs).t()
             except (RuntimeError, AttributeError):
                 _GROUPED_MM[rows.device.type] = False
-        return torch.bmm(self._pack(rows), weights)[self.group, self.rank]
+        rank = self._rank()
+        return torch.bmm(self._pack(rows, rank), weights)[self.group, rank]
 
     def outer_sums(self, left: Tensor, right: Tensor) -> Tensor:
         """Per group Σ_r left_r right_rᵀ over its rows: left (m, p), right (m, q) → (n, p, q)."""
@@ -115,11 +120,125 @@ class _Groups:
                 return torch._grouped_mm(left.t(), right, offs=self.offs)
             except (RuntimeError, AttributeError):
                 _GROUPED_MM[left.device.type] = False
-        return torch.bmm(self._pack(left).transpose(1, 2), self._pack(right))
+        rank = self._rank()
+        return torch.bmm(self._pack(left, rank).transpose(1, 2), self._pack(right, rank))
 
 
 # Device types where torch._grouped_mm failed on float32 operands (False): _Groups pads instead there.
 _GROUPED_MM: dict[str, bool] = {}
+
+
+@functools.lru_cache(maxsize=32)
+def _pair_samples(m: int, per_sample: int, device: torch.device) -> Tensor:
+    """The sample of each of m routed (token, k) pairs, sample n owning ``per_sample`` consecutive pairs: (m,)
+    int64, cached per shape."""
+    return torch.div(torch.arange(m, device=device), per_sample, rounding_mode="floor")
+
+
+class _Routes:
+    """A call's m = B·T·K routed (token, k) pairs sorted by (expert e, sample n) group g = e·B + n, and the
+    segmented products over them (:class:`_Groups`): per expert for the experts' products, per group for the
+    per-sample outer products and sums. One stable sort by expert gives that order (the pairs are sample-major),
+    and the shapes stay static: ids outside [0, E) (a router's padding) keep their pair, with weight 0, in expert
+    min(max(id, 0), E − 1), where they add exact zeros; no host synchronisation on a device with grouped GEMMs.
+    """
+
+    def __init__(self, index: Tensor, weights: Tensor, B: int, E: int) -> None:
+        """``index`` (B·T, K) expert ids and ``weights`` (B·T, K) routing weights of sample-major tokens."""
+        K, m = index.shape[1], index.numel()
+        ids = index.reshape(-1).long()
+        expert = ids.clamp(0, E - 1)
+        self.w = torch.where(expert == ids, weights.reshape(-1), 0.0)  # (m,) in pair order
+        expert, order = torch.sort(expert, stable=True)
+        self.order, self.tok = order, torch.div(order, K, rounding_mode="floor")  # (m,) pair, token of sorted row
+        group = expert * B + _pair_samples(m, m // B, index.device).index_select(0, order)  # (m,) non-decreasing
+        counts = torch.bincount(group, minlength=E * B)  # (E·B,)
+        self.by_expert = _Groups(expert, counts.reshape(E, B).sum(1))
+        self.by_pair = _Groups(group, counts)
+
+    def rows(self, t: Tensor, scale: Tensor | None = None) -> Tensor:
+        """Each sorted pair's row of token rows ``t`` (B·T, q), times its weight in ``scale`` (m,), pair order,
+        where given: (m, q)."""
+        r = t.index_select(0, self.tok)
+        return r if scale is None else r * scale.index_select(0, self.order)[:, None]
+
+    def times(self, rows: Tensor, weights: Tensor, bias: Tensor | None = None) -> Tensor:
+        """Sorted rows (m, k), each times its expert's matrix of ``weights`` (E, k, q) plus its row of ``bias``
+        (E, q): (m, q), column-major (:meth:`_Groups.times`)."""
+        out = self.by_expert.times(rows, weights)
+        if bias is None:
+            return out
+        return (out.t() + bias.t().index_select(1, self.by_expert.group)).t()  # added in the column-major layout
+
+    def outer_sums(self, left: Tensor, right: Tensor) -> Tensor:
+        """Per (expert, sample) Σ left_r right_rᵀ over its sorted rows: left (m, p), right (m, q) → (E·B, p, q)."""
+        return self.by_pair.outer_sums(left, right)
+
+    def sums(self, rows: Tensor) -> Tensor:
+        """Per (expert, sample) Σ of sorted rows (m, q): (E·B, q) (from row-major rows: index_add_ of a column-major
+        operand runs element by element)."""
+        return rows.new_zeros(self.by_pair.n, rows.shape[1]).index_add_(0, self.by_pair.group, rows.contiguous())
+
+
+# Gates of the form u(up) ⊙ f(gate) on two sets of the columns that _gate takes apart, by their source
+# (:func:`_source_key`: no comments, no whitespace): the end of transformers' default gate (act_fn(gate) ⊙ up on
+# the [gate; up] halves) and GPT-OSS's whole one ((clamp(up) + 1) ⊙ glu(gate) on interleaved columns).
+_DEFAULT_GATE_BODY = "gate,up=gate_up_out.chunk(2,dim=-1)returnself.act_fn(gate)*up"
+_GPT_OSS_GATE = (
+    "def_apply_gate(self,gate_up:torch.Tensor)->torch.Tensor:gate,up=gate_up[...,::2],gate_up[...,1::2]"
+    "gate=gate.clamp(min=None,max=self.limit)up=up.clamp(min=-self.limit,max=self.limit)"
+    "glu=gate*torch.sigmoid(gate*self.alpha)gated_output=(up+1)*glureturngated_output"
+)
+
+
+@functools.cache
+def _gate_form(cls: type) -> str | None:
+    """The form of the class's gate: "default" (transformers' default gate, that function), "gpt-oss" (GPT-OSS's,
+    by its source), or None (another function, which :func:`_gate` differentiates whole)."""
+    gate = getattr(cls, "_apply_gate", None)
+    key = _source_key(gate) if gate is not None else None
+    if key is None:
+        return None
+    if gate is _default_apply_gate and key.endswith(_DEFAULT_GATE_BODY):
+        return "default"
+    return "gpt-oss" if key == _GPT_OSS_GATE else None
+
+
+def _gate(module: nn.Module, gu: Tensor, da: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The module's gate on the rows ``gu`` (m, 2I): its output (m, I) and, where the output gradient ``da``
+    (m, I) is given, its vector-Jacobian product (m, 2I), in the layout of ``gu``. A gate u(up) ⊙ f(gate) of a
+    known form (:func:`_gate_form`) differentiates f alone and the product and u by hand, the operations autograd
+    runs for them; any other gate is differentiated whole."""
+    form = _gate_form(type(module))
+    if form is None:
+        with torch.enable_grad():
+            gu = gu.detach().requires_grad_()
+            act = module._apply_gate(gu)
+            dgu = None if da is None else torch.autograd.grad(act, gu, da)[0]
+        return act.detach(), dgu
+
+    def halves(t: Tensor) -> tuple[Tensor, Tensor]:
+        return t.chunk(2, dim=-1) if form == "default" else (t[..., ::2], t[..., 1::2])
+
+    gate, up = halves(gu)
+    with torch.enable_grad():
+        gate = gate.detach().requires_grad_()
+        if form == "default":
+            f, factor = module.act_fn(gate), up
+        else:
+            limit = module.limit
+            clamped = gate.clamp(min=None, max=limit)
+            f, factor = clamped * torch.sigmoid(clamped * module.alpha), up.clamp(min=-limit, max=limit) + 1
+    act = f.detach() * factor
+    if da is None:
+        return act, None
+    dgu = torch.empty_like(gu)
+    d_gate, d_up = halves(dgu)
+    torch.mul(da, f.detach(), out=d_up)
+    if form == "gpt-oss":  # clamp's gradient: zero outside [-limit, limit]
+        d_up.masked_fill_((up < -limit) | (up > limit), 0.0)
+    d_gate.copy_(torch.autograd.grad(f, gate, da * factor)[0])
+    return act, dgu
 
 
 @full_call
@@ -129,9 +248,10 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
 
     Per sample and expert, ∂D_e = Σ_{(t,k)→e} (w_{t,k} g_t) a_tᵀ, ∂c_e = Σ w_{t,k} g_t, ∂G_e = Σ δ_t x_tᵀ and
     ∂b_e = Σ δ_t with δ the gate's vector-Jacobian product; only the sample's own tokens routed to e
-    contribute. Computed in float32 on the routed (token, k) pairs sorted by (expert, sample): the experts'
-    forward and δ as one segmented product per expert, the per-sample outer products as one per (expert,
-    sample) (:class:`_Groups`). The router weights w are constants here (the router has its own rule).
+    contribute. Computed in float32 on the routed (token, k) pairs sorted by (expert, sample) (:class:`_Routes`):
+    the experts' forward and δ as one segmented product per expert, the per-sample outer products and sums as one
+    per (expert, sample); δ by hand where the gate's form is known (:func:`_gate`). The router weights w are
+    constants here (the router has its own rule).
     """
     B, H = g.shape[0], x.shape[-1]
     h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
@@ -143,29 +263,17 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
     s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
     s_gub = slot("gate_up_proj_bias") if bias else None
     s_db = slot("down_proj_bias") if bias else None
-    E, K = module.num_experts, index.shape[1]
-    expert = index.reshape(-1).long()  # (B·T·K,) the expert of each routed (token, k) pair
-    pair = torch.nonzero((expert >= 0) & (expert < E))[:, 0]  # out-of-range ids (a router's padding) route nowhere
-    tok = torch.div(pair, K, rounding_mode="floor")
-    sample = torch.div(tok, T, rounding_mode="floor")
-    group = expert[pair] * B + sample  # (m,) the (expert, sample) group of each pair
-    order = torch.argsort(group, stable=True)
-    pair, tok, group = pair[order], tok[order], group[order]
-    by_expert, by_pair = _Groups(torch.div(group, B, rounding_mode="floor"), E), _Groups(group, E * B)
-    xe = h[tok]  # (m, H)
-    do = go[tok] * weights.reshape(-1)[pair, None]  # (m, H): gradient of each pair's expert output
-    W_gu, W_d = module.gate_up_proj.to(torch.float32), module.down_proj.to(torch.float32)
-    with torch.enable_grad():
-        gu = by_expert.times(xe, W_gu if transposed else W_gu.transpose(1, 2))  # (m, 2I)
-        if bias:
-            gu = gu + module.gate_up_proj_bias.to(torch.float32)[by_expert.group]
-        gu = gu.detach().requires_grad_()
-        act = module._apply_gate(gu)  # (m, I)
-        dgu = None
-        if s_gu is not None or s_gub is not None:
-            da = by_expert.times(do, W_d.transpose(1, 2) if transposed else W_d)  # (m, I)
-            (dgu,) = torch.autograd.grad(act, gu, da)
-    act = act.detach()
+    E = module.num_experts
+    W_gu, W_d = module.gate_up_proj.detach().to(torch.float32), module.down_proj.detach().to(torch.float32)
+    routes = _Routes(index, weights, B, E)
+    xe = routes.rows(h)  # (m, H) each sorted pair's input
+    do = routes.rows(go, routes.w)  # (m, H) the gradient of its expert's weighted output
+    b_gu = module.gate_up_proj_bias.detach().to(torch.float32) if bias else None
+    gu = routes.times(xe, W_gu if transposed else W_gu.transpose(1, 2), b_gu)  # (m, 2I)
+    da = None  # (m, I): gradient of each pair's gate output
+    if s_gu is not None or s_gub is not None:
+        da = routes.times(do, W_d.transpose(1, 2) if transposed else W_d)
+    act, dgu = _gate(module, gu, da)
 
     def write(s: tuple[Tensor, bool] | None, blocks: Tensor) -> None:
         """s's (B, E, …) view = or += blocks (E·B, …) of every (expert, sample) group."""
@@ -178,13 +286,13 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
             s[0].add_(blocks)
 
     if s_d is not None:
-        write(s_d, by_pair.outer_sums(act, do) if transposed else by_pair.outer_sums(do, act))
+        write(s_d, routes.outer_sums(act, do) if transposed else routes.outer_sums(do, act))
     if s_gu is not None:
-        write(s_gu, by_pair.outer_sums(xe, dgu) if transposed else by_pair.outer_sums(dgu, xe))
+        write(s_gu, routes.outer_sums(xe, dgu) if transposed else routes.outer_sums(dgu, xe))
     if s_db is not None:
-        write(s_db, do.new_zeros(E * B, H).index_add_(0, group, do))
+        write(s_db, routes.sums(do))
     if s_gub is not None:
-        write(s_gub, dgu.new_zeros(E * B, dgu.shape[1]).index_add_(0, group, dgu))
+        write(s_gub, routes.sums(dgu))
 
 
 def _takes_routing(module: nn.Module) -> bool:
