@@ -104,4 +104,7 @@ def convert(gguf: Path, out: Path) -> None:
     del loaded
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
+    # transformers records whether this load was offline (HF_HUB_OFFLINE) in the saved tokenizer config; the
+    # directory's content, and so covgrad's fingerprint of it, must not depend on the environment it was made in
+    tok.init_kwargs.pop("local_files_only", None)
     tok.save_pretrained(str(out))
