@@ -215,6 +215,42 @@ def decile_rows(items: list[tuple[str, xr.Dataset, Path]]) -> list[dict]:
     return rows
 
 
+def zero_rows(items: list[tuple[str, xr.Dataset, Path]], steps: list[int]) -> list[dict]:
+    """The weights whose bf16 value is exactly 0 at step 0 (a quantized checkpoint's grid puts some there; a bf16
+    zero moves at any update) against the rest: their share of P, and at each given step the per-step changed
+    fraction d_1, the zeros' share of that step's set, d_1 and the cumulative changed fraction among the nonzero
+    weights (from the stored bit-packed step sets)."""
+    import zarr
+
+    rows = []
+    for label, _, d in items:
+        start_path = d / "deltas" / "start.npy"
+        if not start_path.exists():
+            continue
+        start = np.load(start_path)
+        if start.dtype != np.uint16:
+            continue
+        P = start.size
+        zero = (start & 0x7FFF) == 0
+        nonzero = ~zero
+        packed = zarr.open_group(str(d / "trajectory.zarr"), mode="r")["changed"]
+        cum = np.zeros(P, dtype=bool)
+        row: dict = {"cell": label, "zero at step 0": float(zero.mean())}
+        for t in range(1, max(steps) + 1):
+            if t > packed.shape[0]:
+                break
+            step = np.unpackbits(packed[t - 1], count=P).view(np.bool_)
+            cum |= step
+            if t in steps:
+                moved = max(int(step.sum()), 1)
+                row[f"d_1 / zero share / d_1 nonzero / cum nonzero @{t}"] = (
+                    f"{step.mean():.3%} / {(step & zero).sum() / moved:.3f} / "
+                    f"{(step & nonzero).sum() / nonzero.sum():.3%} / {(cum & nonzero).sum() / nonzero.sum():.3%}"
+                )
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path)
@@ -239,6 +275,7 @@ def main() -> None:
         ("Within |w_0| deciles: precision on the cumulative set at the last step", decile_predictor_rows(items)),
         ("By kind of tensor", kind_rows(items)),
         ("d_1 within |w_0| deciles (d0 = smallest |w_0|)", decile_rows(items)),
+        ("Weights exactly zero at step 0 against the rest", zero_rows(items, args.steps)),
         ("Stage cost", cost_rows(items)),
     ):
         if rows:
