@@ -160,11 +160,16 @@ def test_compiled_fold_takes_over_at_the_same_batch_after_a_resume(monkeypatch):
             assert np.concatenate([acc.rows()[k] for acc in blocks], axis=1).tobytes() == v.tobytes(), k
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("state_dtype", ["float64", "float32"])
+@pytest.mark.parametrize(
+    ("state_dtype", "compiled"),
+    [("float64", False), ("float32", False), ("float64", True)],
+    ids=["float64-eager", "float32-eager", "float64-compiled"],
+)
 def test_state_without_comoment_keeps_the_mean_and_m2(state_dtype, compiled, kernel):
     """``comoment=False`` (a regime's g_n, advantages all 0): no ``c``, a third less state, and the mean and
-    M2 of the full state (to float64 rounding: the kernels differ), against numpy float64."""
+    M2 of the full state (to float64 rounding: the kernels differ), against numpy float64. The compiled fold
+    in float32 state is the float64 one's code at another dtype (each compile costs 10–20 s of the suite):
+    test_accumulator_matches_numpy_float64 covers it with the comoment."""
     rng = np.random.default_rng(21)
     N, P = 64, 500
     S = (rng.standard_normal((N, P)) * 2 + 30 * rng.standard_normal(P)).astype(np.float32)
