@@ -1,0 +1,177 @@
+"""The per-sample side of the op-level taps (:mod:`covgrad.scores.optaps`): how a verified use's leaves split by
+sample (their modes), the use run for one sample at a time, and the per-sample gradients of its parameters from
+its output gradient, into their blocks.
+
+Leaf modes: ``_SPLIT`` (B, …) rows, ``_FLAT`` flattened (B·k, …) rows, sample-major, ``_SHARED`` a constant or a
+data input outside the graph, ``_DERIVED`` a tensor derived from the module's parameters alone, taken whole,
+``_DSPLIT`` a derived tensor broadcast to the batch, split by sample.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_unflatten
+
+if TYPE_CHECKING:
+    from covgrad.scores.optaps import Owner, _Record, _Use
+
+_SPLIT, _FLAT, _SHARED, _DERIVED, _DSPLIT = 1, 2, 0, 3, 4
+_DERIVED_MODES = (_DERIVED, _DSPLIT)
+
+# Elements of the per-sample cotangents of one split derived tensor, (samples, B, …), built at a time.
+_DSPLIT_CHUNK = 1 << 24
+
+
+def _blocks(t: Tensor, dim: int, B: int) -> Tensor:
+    """``t`` with its dimension ``dim`` of B·k rows, sample-major, split into B blocks of k, the samples first:
+    (B, …, k, …)."""
+    return t.unflatten(dim, (B, -1)).movedim(dim, 0)
+
+
+def _per_sample(use: _Use, B: int) -> list[Tensor]:
+    """The use's split data inputs as (B, …) tensors of each sample's rows (its block along the leaf's sample
+    dimension, of the leaf's rank)."""
+    dims = use.dims or (0,) * len(use.leaves)
+    pairs = zip(use.leaves, use.modes, dims, strict=True)
+    return [_blocks(t, d, B) for t, m, d in pairs if m in (_SPLIT, _FLAT)]
+
+
+def _split_derived(record: _Record, kept: list, modes: list[int]) -> list[int]:
+    """``modes`` with every derived leaf that is broadcast to the batch (leading dimension B of stride 0, as
+    ``expand`` gives) split by sample. A derived tensor whose leading dimension is B by coincidence (RecurrentGemma's
+    per-head gate weights with as many heads as samples) keeps its rows distinct, so it is not split."""
+    if record.B < 2 or record.flat:
+        return modes
+    return [
+        _DSPLIT if m == _DERIVED and t.dim() and t.shape[0] == record.B and t.stride(0) == 0 else m
+        for t, m in zip(kept, modes, strict=True)
+    ]
+
+
+def _derived_modes(use: _Use) -> list[int]:
+    """The modes of the use's derived leaves, in the order of ``use.derived``."""
+    return [m for m in use.modes if m in _DERIVED_MODES]
+
+
+def _derived_values(use: _Use) -> tuple[list[Tensor], list[Tensor]]:
+    """The derived values taken whole, and those split by sample ((B, …) each, vmapped over)."""
+    pairs = list(zip(use.derived, _derived_modes(use), strict=True))
+    return [d.real for d, m in pairs if m == _DERIVED], [d.real for d, m in pairs if m == _DSPLIT]
+
+
+def _fill(use: _Use, shared: list[Tensor], own: list[Tensor]) -> list[Tensor]:
+    """One sample's derived values in ``use.derived``'s order: the whole ones, and the sample's row (1, …) of each
+    split one."""
+    whole, rows = iter(shared), iter(own)
+    return [next(rows).unsqueeze(0) if m == _DSPLIT else next(whole) for m in _derived_modes(use)]
+
+
+def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
+    """The use's op on one sample: its rows of the split inputs, the derived values ``dvals`` (:func:`_fill`), the
+    shared rest."""
+    own, dv = iter(mine), iter(dvals)
+    filled = []
+    for t, m in zip(use.leaves, use.modes, strict=True):
+        if m in (_SPLIT, _FLAT):
+            filled.append(next(own))
+        elif m in _DERIVED_MODES:
+            filled.append(next(dv))
+        else:
+            filled.append(t)
+    a, k = tree_unflatten(filled, use.spec)
+    return use.func(*a, **k)
+
+
+def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
+    """Per-sample gradients of the use's parameters from its output gradient ``g``, into their blocks."""
+    B = record.B
+    gs = _blocks(g, use.out_dim, B)
+    shared, rows = _derived_values(use)
+
+    def one(own: list[Tensor], mine: list[Tensor], cot: Tensor) -> list[Tensor]:
+        out, vjp = torch.func.vjp(lambda d: _run(use, d, mine, B), _fill(use, shared, own))
+        return vjp(cot.reshape(out.shape))[0]
+
+    cots = _elementwise_cots(use, g, B)
+    if cots is None:
+        with torch.enable_grad():
+            cots = torch.func.vmap(one)(rows, _per_sample(use, B), gs)
+    grads: dict[str, Tensor] = {}
+    for d, mode, cot in zip(use.derived, _derived_modes(use), cots, strict=True):
+        names = sorted(d.names)
+        leaves = [record.shadows[n] for n in names]
+        if mode == _DSPLIT:  # sample n's cotangent (1, …) is row n of the derived tensor's
+            parts = _row_grads(d.shadow, leaves, cot)
+        elif len(leaves) == 1 and d.shadow is leaves[0]:
+            parts = [cot]
+        else:
+            parts = _batched_grad(d.shadow, leaves, cot)
+        for n, part in zip(names, parts, strict=True):
+            if part is not None:
+                grads[n] = grads[n] + part if n in grads else part
+    for n, grad in grads.items():
+        s = owner._blocks.tap_view(record.local[n])
+        if s[1]:
+            s[0].copy_(grad.reshape(s[0].shape))
+        else:
+            s[0].add_(grad.reshape(s[0].shape).to(s[0].dtype))
+
+
+# Elementwise ops whose vjp with respect to one operand has a closed form: g (add) or g ⊙ other (mul).
+_ADD = frozenset({"add", "__add__", "__radd__"})
+_MUL = frozenset({"mul", "__mul__", "__rmul__"})
+
+
+def _elementwise_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
+    """The per-sample cotangent (B, *d.shape) of the derived operand of ``data + d`` or ``data * d`` (either
+    order, broadcasting), summed over the dimensions it was broadcast along; None for any other op (vmap)."""
+    name = getattr(use.func, "__name__", "")
+    if (name not in _ADD and name not in _MUL) or len(use.leaves) != 2 or use.spec.child(1).num_leaves:
+        return None
+    if any(use.dims) or use.out_dim:  # the closed form below splits the leading dimensions
+        return None
+    found = [i for i, m in enumerate(use.modes) if m == _DERIVED]
+    if len(found) != 1 or use.modes[1 - found[0]] not in (_SPLIT, _FLAT):
+        return None
+    i_d = found[0]
+    d, data = use.derived[0].real, use.leaves[1 - i_d]
+    out_n = (1 if g.shape[0] == B else g.shape[0] // B, *g.shape[1:])  # one sample's output shape
+    data_n = (1 if use.modes[1 - i_d] == _SPLIT else data.shape[0] // B, *data.shape[1:])
+    if len(data_n) != len(out_n) or d.dim() > len(out_n):
+        return None
+    prod = g.reshape(B, *out_n)
+    if name in _MUL:
+        prod = prod * data.reshape(B, *data_n)
+    lead = len(out_n) - d.dim()
+    if lead:
+        prod = prod.sum(tuple(range(1, lead + 1)))
+    dims = tuple(1 + i for i, n in enumerate(d.shape) if n == 1 and prod.shape[1 + i] != 1)
+    if dims:
+        prod = prod.sum(dims, keepdim=True)
+    return [prod.to(d.dtype)]
+
+
+def _row_grads(out: Tensor, leaves: list[Tensor], rows: Tensor) -> list[Tensor | None]:
+    """Per sample n, the gradient of ``out`` (B, …) at ``leaves`` for the cotangent that is ``rows[n]`` (1, …) at
+    out's row n and zero elsewhere: (B, *leaf.shape) each (None: unused); (chunk, B, …) cotangents at a time."""
+    B = out.shape[0]
+    step = max(1, _DSPLIT_CHUNK // max(1, out.numel()))
+    parts: list[list[Tensor | None]] = []
+    for lo in range(0, B, step):
+        n = torch.arange(lo, min(lo + step, B), device=out.device)
+        cot = out.new_zeros(len(n), *out.shape)
+        cot[torch.arange(len(n), device=out.device), n] = rows[lo : lo + len(n), 0].to(out.dtype)
+        parts.append(_batched_grad(out, leaves, cot))
+    return [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
+
+
+def _batched_grad(out: Tensor, leaves: list[Tensor], cot: Tensor) -> list[Tensor | None]:
+    """Σ over ``out``'s elements of cot[n] · ∂out/∂leaves for every n: (B, *leaf.shape) each (None: unused)."""
+    try:
+        return list(torch.autograd.grad(out, leaves, cot, retain_graph=True, allow_unused=True, is_grads_batched=True))
+    except RuntimeError:
+        rows = [torch.autograd.grad(out, leaves, c, retain_graph=True, allow_unused=True) for c in cot]
+        return [None if r[0] is None else torch.stack(list(r)) for r in zip(*rows, strict=True)]
