@@ -33,7 +33,7 @@ from covgrad.distributed.launch import rank_device
 from covgrad.layout import ParamLayout
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.engine import PerSampleGrads
-from covgrad.scores.optaps import Crossed
+from covgrad.scores.opgrads import Crossed
 
 
 def shard_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -306,7 +306,7 @@ class RankTrace:
         flat_ok: names of the modules verified to run on a flattened (B·L, …) batch sample by sample.
         outer: of those, the ones with outer-major rows.
         crossed: the modules whose batch is another dimension of their arguments, by name (their op-level taps
-            probe every use's rows: :class:`covgrad.scores.optaps.Crossed`).
+            probe every use's rows: :class:`covgrad.scores.opgrads.Crossed`).
     """
 
     bindings: list[tuple[str, Any, dict[str, Any]]]

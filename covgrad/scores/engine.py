@@ -54,7 +54,8 @@ from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.blocks import Blocks
 from covgrad.scores.hooks import forward_hook
-from covgrad.scores.optaps import Crossed, OpTaps
+from covgrad.scores.opgrads import Crossed
+from covgrad.scores.optaps import OpTaps
 from covgrad.scores.rules import Rule, generic_rule
 from covgrad.scores.selfcheck import Mixing, SelfCheck, probe_sample, separation
 from covgrad.scores.tracing import (
@@ -429,7 +430,7 @@ class PerSampleGrads:
         random projections of sample b's rows of those modules' inputs and outputs must have a zero gradient on
         the other sample's embeddings (one backward per sample). A generic-rule module whose batch is another
         dimension of its arguments (Gemma 3n's decoder layer) is kept for the op-level path, which probes the rows of
-        every use (:class:`covgrad.scores.optaps.Crossed`), and refused without it (``op_taps=False``).
+        every use (:class:`covgrad.scores.opgrads.Crossed`), and refused without it (``op_taps=False``).
 
         Raises:
             RefusalError: naming every parameter only the model's top-level forward uses, and every parameter of

@@ -9,20 +9,111 @@ data input outside the graph, ``_DERIVED`` a tensor derived from the module's pa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._pytree import tree_unflatten
 
-if TYPE_CHECKING:
-    from covgrad.scores.optaps import Owner, _Record, _Use
+from covgrad.layout import TensorEntry
+from covgrad.scores.blocks import Blocks
+from covgrad.scores.hooks import Versions
 
 _SPLIT, _FLAT, _SHARED, _DERIVED, _DSPLIT = 1, 2, 0, 3, 4
 _DERIVED_MODES = (_DERIVED, _DSPLIT)
 
 # Elements of the per-sample cotangents of one split derived tensor, (samples, B, …), built at a time.
 _DSPLIT_CHUNK = 1 << 24
+
+
+class Owner(Protocol):
+    """What the taps read of their :class:`covgrad.scores.engine.PerSampleGrads` (typed here, not imported: the
+    engine imports this module)."""
+
+    _blocks: Blocks
+    _crossed: dict[int, Crossed]
+    _flat_ok: Any
+    _outer: Any
+    _probing: bool
+    _replaying: bool
+    _roots: Any
+    _names: dict[int, str]
+    _refused: Any
+
+    def _forward_hook(self, B: int, rule: Callable[..., None], local: Any) -> Callable[..., Any]: ...
+
+
+@dataclass(frozen=True)
+class Crossed:
+    """A module whose calls are not batch-leading, as the first call's trace verified it
+    (:func:`covgrad.scores.tracing.check_apart`).
+
+    Attributes:
+        dims: the path (:func:`float_args`) of each floating argument of its call whose slices along one dimension
+            are the samples (each depends on its own sample's input embeddings and on no other's) → that dimension;
+            its first input's is among them.
+        why: where it is and how its call is laid out, for its refusal (:meth:`refusal`).
+    """
+
+    dims: dict[str, int]
+    why: str
+
+    def refusal(self, reason: str) -> str:
+        """Why its parameters are refused when the op-level path does not take them (``reason``)."""
+        return (
+            f"{self.why}: the module replay cannot split its call by sample and {reason}, so no per-sample gradient "
+            "exists"
+        )
+
+
+@dataclass
+class _Derived:
+    """A tensor computed from the call's parameters alone: its value (what the model sees) and the same
+    value on the parameters' shadows (with a graph), and which parameters (local names) it depends on."""
+
+    real: Tensor
+    shadow: Tensor
+    names: frozenset[str]
+    record: _Record
+
+
+@dataclass
+class _Use:
+    """One op that combines derived tensors with data, with what its per-sample vjp needs in the backward."""
+
+    func: Callable
+    spec: Any
+    leaves: list
+    modes: list[int]  # per leaf: _SPLIT, _FLAT, _SHARED, _DERIVED or _DSPLIT (derived, split by sample)
+    derived: list[_Derived]  # in the order of the _DERIVED and _DSPLIT leaves
+    names: frozenset[str]
+    # per leaf, the dimension whose contiguous blocks are the samples' rows ((): the leading one for every leaf)
+    dims: tuple[int, ...] = ()
+    out_dim: int = 0  # the output's such dimension
+    active: bool = False
+    # the kept data inputs' versions: one updated in place after the op refuses the use's parameters
+    saved: Versions = field(default_factory=lambda: Versions(()))
+
+
+@dataclass
+class _Record:
+    """One call of a tapped module: its parameters, shadows, derived tensors and uses."""
+
+    module: nn.Module
+    local: dict[str, TensorEntry]
+    B: int
+    flat: int  # the call's flattened rows B·k (0: leading dimension B)
+    params: dict[int, str]  # id(parameter) → local name
+    # the call's tensor arguments in the graph whose slices along a dimension are the samples, with that dimension
+    # (its (B, …) ones; a crossed call's verified ones): the references of the rows probes (_rows_apart)
+    refs: list[tuple[Tensor, int]] = field(default_factory=list)
+    others: list[Tensor] = field(default_factory=list)  # a crossed call's other arguments in the graph
+    crossed: bool = False  # not batch-leading (Crossed): every use's output rows are probed
+    shadows: dict[str, Tensor] = field(default_factory=dict)
+    uses: list[_Use] = field(default_factory=list)
+    reason: str = ""  # why the op-level capture does not hold for this call ("" while it does)
 
 
 def _blocks(t: Tensor, dim: int, B: int) -> Tensor:

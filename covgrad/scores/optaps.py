@@ -54,8 +54,7 @@ Shape notation: B samples, k rows per sample of a flattened batch, P the paramet
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -63,40 +62,25 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from covgrad.layout import TensorEntry
-from covgrad.scores.blocks import Blocks
 from covgrad.scores.hooks import Versions, graph_root
 from covgrad.scores.opgrads import (
     _DERIVED,
     _FLAT,
     _SHARED,
     _SPLIT,
+    Owner,
     _apply,
     _blocks,
+    _Derived,
     _derived_values,
     _fill,
     _per_sample,
+    _Record,
     _run,
     _split_derived,
+    _Use,
 )
 from covgrad.scores.rules import float_outputs, generic_rule
-
-
-class Owner(Protocol):
-    """What the taps read of their :class:`covgrad.scores.engine.PerSampleGrads` (typed here, not imported: the
-    engine imports this module)."""
-
-    _blocks: Blocks
-    _crossed: dict[int, Crossed]
-    _flat_ok: Any
-    _outer: Any
-    _probing: bool
-    _replaying: bool
-    _roots: Any
-    _names: dict[int, str]
-    _refused: Any
-
-    def _forward_hook(self, B: int, rule: Callable[..., None], local: Any) -> Callable[..., Any]: ...
-
 
 # Tensor methods that read metadata, not values (an attribute getter, ``__get__``, is handled by its result;
 # covgrad.scores.tracing's use recorder adds it).
@@ -126,64 +110,12 @@ _DTYPE_OF_SECOND = frozenset({"type_as"})
 _SEP_RTOL, _SEP_ATOL = 1e-5, 1e-12
 
 
-@dataclass(frozen=True)
-class Crossed:
-    """A module whose calls are not batch-leading, as the first call's trace verified it
-    (:func:`covgrad.scores.tracing.check_apart`).
-
-    Attributes:
-        dims: the path (:func:`float_args`) of each floating argument of its call whose slices along one dimension
-            are the samples (each depends on its own sample's input embeddings and on no other's) → that dimension;
-            its first input's is among them.
-        why: where it is and how its call is laid out, for its refusal (:meth:`refusal`).
-    """
-
-    dims: dict[str, int]
-    why: str
-
-    def refusal(self, reason: str) -> str:
-        """Why its parameters are refused when the op-level path does not take them (``reason``)."""
-        return (
-            f"{self.why}: the module replay cannot split its call by sample and {reason}, so no per-sample gradient "
-            "exists"
-        )
-
-
 def float_args(args: tuple, kwargs: dict) -> dict[str, Tensor]:
     """The floating tensors among a call's arguments, at any depth, by their path in ``(args, kwargs)``
     (``"[0][0]"``: the first positional argument; ``"[1]['mask']"``: the keyword ``mask``), in order: the names the
     first call's trace and a later call of the same forward agree on, whichever optional arguments are None."""
     leaves = tree_flatten_with_path((args, kwargs))[0]
     return {keystr(path): t for path, t in leaves if isinstance(t, Tensor) and t.is_floating_point()}
-
-
-@dataclass
-class _Derived:
-    """A tensor computed from the call's parameters alone: its value (what the model sees) and the same
-    value on the parameters' shadows (with a graph), and which parameters (local names) it depends on."""
-
-    real: Tensor
-    shadow: Tensor
-    names: frozenset[str]
-    record: _Record
-
-
-@dataclass
-class _Use:
-    """One op that combines derived tensors with data, with what its per-sample vjp needs in the backward."""
-
-    func: Callable
-    spec: Any
-    leaves: list
-    modes: list[int]  # per leaf: _SPLIT, _FLAT, _SHARED, _DERIVED or _DSPLIT (derived, split by sample)
-    derived: list[_Derived]  # in the order of the _DERIVED and _DSPLIT leaves
-    names: frozenset[str]
-    # per leaf, the dimension whose contiguous blocks are the samples' rows ((): the leading one for every leaf)
-    dims: tuple[int, ...] = ()
-    out_dim: int = 0  # the output's such dimension
-    active: bool = False
-    # the kept data inputs' versions: one updated in place after the op refuses the use's parameters
-    saved: Versions = field(default_factory=lambda: Versions(()))
 
 
 @dataclass(frozen=True)
@@ -194,25 +126,6 @@ class _Layout:
     modes: list[int]
     dims: tuple[int, ...] = ()
     out_dim: int = 0
-
-
-@dataclass
-class _Record:
-    """One call of a tapped module: its parameters, shadows, derived tensors and uses."""
-
-    module: nn.Module
-    local: dict[str, TensorEntry]
-    B: int
-    flat: int  # the call's flattened rows B·k (0: leading dimension B)
-    params: dict[int, str]  # id(parameter) → local name
-    # the call's tensor arguments in the graph whose slices along a dimension are the samples, with that dimension
-    # (its (B, …) ones; a crossed call's verified ones): the references of the rows probes (_rows_apart)
-    refs: list[tuple[Tensor, int]] = field(default_factory=list)
-    others: list[Tensor] = field(default_factory=list)  # a crossed call's other arguments in the graph
-    crossed: bool = False  # not batch-leading (Crossed): every use's output rows are probed
-    shadows: dict[str, Tensor] = field(default_factory=dict)
-    uses: list[_Use] = field(default_factory=list)
-    reason: str = ""  # why the op-level capture does not hold for this call ("" while it does)
 
 
 class OpTaps:

@@ -10,7 +10,7 @@ parent hands to a functional conv) moves to the smallest module whose forward ho
 (:func:`rebind`), and autograd on the traced forward checks that every module that runs on a flattened (B·L, …)
 batch or whose forward a rule replays keeps the samples apart (:func:`check_apart`). For a generic-rule module
 whose batch is another dimension of its arguments (Gemma 3n's decoder layer on (altup inputs, B, L, H) stacks) it
-finds that dimension of each argument instead (:class:`covgrad.scores.optaps.Crossed`), for the op-level path.
+finds that dimension of each argument instead (:class:`covgrad.scores.opgrads.Crossed`), for the op-level path.
 
 A refused parameter is named once, with its first reason, in one line with a ``model.params`` selection without
 the refused ones (:func:`refusal`, :class:`RefusalError`); the engine collects the refusals of its trace, its hooks
@@ -35,7 +35,8 @@ from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.scores.binding import rule_for
 from covgrad.scores.experts import _routed_experts_rule, experts_shape
 from covgrad.scores.hooks import graph_root
-from covgrad.scores.optaps import METADATA_READS, Crossed, float_args
+from covgrad.scores.opgrads import Crossed
+from covgrad.scores.optaps import METADATA_READS, float_args
 from covgrad.scores.rules import Rule, float_outputs, generic_rule
 from covgrad.scores.selfcheck import Mixing
 
@@ -464,7 +465,7 @@ def _crossed(
     batch-leading in any traced call (its leading dimension is odd, so it is not the two samples, or its halves
     reach each other's sample, ``mixing``) but has a dimension along which its slices are the samples
     (``sample_dim``), as has every floating output: their op-level taps probe every use's rows
-    (:class:`covgrad.scores.optaps.Crossed`). A module with a call that is batch-leading, or whose calls disagree,
+    (:class:`covgrad.scores.opgrads.Crossed`). A module with a call that is batch-leading, or whose calls disagree,
     is not crossed; one whose first input or an output has no such dimension is left to the other checks."""
     found: dict[int, Crossed] = {}
     failed: set[int] = set()

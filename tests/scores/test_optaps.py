@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten
 from covgrad.layout import select_parameters
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
-from covgrad.scores.opgrads import _DERIVED, _DSPLIT, _FLAT, _SPLIT
-from covgrad.scores.optaps import OpTaps, _Derived, _Record, _Use
+from covgrad.scores.opgrads import _DERIVED, _DSPLIT, _FLAT, _SPLIT, _Derived, _Record, _Use
+from covgrad.scores.optaps import OpTaps
 from tests.helpers.families import perturb
 from tests.helpers.models import tiny_llama
 from tests.helpers.persample import BATCH, PAD, V, make_batch, max_rel_err, naive_scores
