@@ -186,7 +186,7 @@ def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
         out, vjp = torch.func.vjp(lambda d: _run(use, d, mine, B), _fill(use, shared, own))
         return vjp(cot.reshape(out.shape))[0]
 
-    cots = _elementwise_cots(use, g, B)
+    cots = _closed_cots(use, g, B)
     if cots is None:
         with torch.enable_grad():
             cots = torch.func.vmap(one)(rows, _per_sample(use, B), gs)
@@ -215,10 +215,27 @@ def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
 _ADD = frozenset({"add", "__add__", "__radd__"})
 _MUL = frozenset({"mul", "__mul__", "__rmul__"})
 
+# Cotangents by the derived tensor (id of its value) they belong to: what each closed form below returns.
+Cots = dict[int, Tensor]
 
-def _elementwise_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
+
+def _closed_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
+    """The per-sample cotangents of the use's derived tensors in ``use.derived``'s order from the first closed
+    form that takes the use (:data:`_CLOSED_FORMS`), each (B, *d.shape) ((B, 1, …) for one split by sample);
+    None when none does (the vmapped vjp)."""
+    ids = [id(d.real) for d in use.derived]
+    if len(set(ids)) != len(ids):  # one tensor twice: its cotangents would have to be summed
+        return None
+    for form in _CLOSED_FORMS:
+        cots = form(use, g, B)
+        if cots is not None:
+            return [cots[i] for i in ids] if set(cots) == set(ids) else None
+    return None
+
+
+def _elementwise_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
     """The per-sample cotangent (B, *d.shape) of the derived operand of ``data + d`` or ``data * d`` (either
-    order, broadcasting), summed over the dimensions it was broadcast along; None for any other op (vmap)."""
+    order, broadcasting), summed over the dimensions it was broadcast along."""
     name = getattr(use.func, "__name__", "")
     if (name not in _ADD and name not in _MUL) or len(use.leaves) != 2 or use.spec.child(1).num_leaves:
         return None
@@ -242,7 +259,156 @@ def _elementwise_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
     dims = tuple(1 + i for i, n in enumerate(d.shape) if n == 1 and prod.shape[1 + i] != 1)
     if dims:
         prod = prod.sum(dims, keepdim=True)
-    return [prod.to(d.dtype)]
+    return {id(d): prod.to(d.dtype)}
+
+
+def _linear_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
+    """The per-sample cotangents of the weight (B, O, I) and bias (B, O) of ``F.linear(x, W, b)`` with x split
+    by sample (a router's logits): Σ_t g_t x_tᵀ and Σ_t g_t over each sample's rows, by one batched matmul."""
+    call = _closed_call(use, "linear")
+    if call is None:
+        return None
+    x, w, b = call["input"], call["weight"], call.get("bias")
+    if w.dim() != 2 or x.shape[-1] != w.shape[1] or g.shape[-1] != w.shape[0]:
+        return None
+    gs = g.reshape(B, -1, w.shape[0])
+    cots = {id(w): torch.bmm(gs.transpose(1, 2), x.reshape(B, -1, w.shape[1]).to(g.dtype)).to(w.dtype)}
+    if b is not None:
+        cots[id(b)] = gs.sum(1).to(b.dtype)
+    return cots
+
+
+def _embedding_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
+    """The per-sample cotangent (B, V, H) of the table of ``F.embedding(ids, W, padding_idx)`` (no max_norm, no
+    scaling by frequency) with ids split by sample (OPT's learned positions): row y of sample n's is Σ of g_t
+    over its positions t with id y (none at ``padding_idx``), by one ``index_add_``."""
+    call = _closed_call(use, "embedding")
+    if call is None:
+        return None
+    ids, w, pad = call["input"], call["weight"], call.get("padding_idx")
+    if ids.is_floating_point() or w.dim() != 2 or call.get("max_norm") is not None:
+        return None
+    if call.get("scale_grad_by_freq", False) or not (pad is None or isinstance(pad, int)):
+        return None
+    V, H = w.shape
+    rows = ids.reshape(B, -1)
+    gs = g.reshape(B, -1, H)
+    if pad is not None:
+        gs = gs.masked_fill((rows == pad % V)[..., None], 0.0)
+    at = (rows + V * torch.arange(B, device=rows.device)[:, None]).reshape(-1)
+    cot = gs.new_zeros(B * V, H).index_add_(0, at, gs.reshape(-1, H))
+    return {id(w): cot.view(B, V, H).to(w.dtype)}
+
+
+def _conv1d_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
+    """The per-sample cotangents of the weight (B, C, 1, K) and bias (B, C) of a depthwise ``F.conv1d`` (groups =
+    channels, stride and dilation 1, zero padding p) on x (B·s, C, L) whose rows are split by sample (s = 1: the
+    short convolutions of state-space and hybrid layers over positions): Σ_t g_{c,t} x_{c,t+k} over the padded
+    input's windows, and Σ_t g_{c,t}, summed over each sample's rows."""
+    call = _closed_call(use, "conv1d")
+    if call is None:
+        return None
+    x, w, b = call["input"], call["weight"], call.get("bias")
+    one = (1, (1,), [1])
+    if x.dim() != 3 or call.get("stride", 1) not in one or call.get("dilation", 1) not in one:
+        return None
+    C, pad = x.shape[1], call.get("padding", 0)
+    pad = pad[0] if isinstance(pad, tuple | list) and len(pad) == 1 else pad
+    if call.get("groups", 1) != C or not isinstance(pad, int) or w.shape[:2] != (C, 1) or g.shape[:2] != x.shape[:2]:
+        return None
+    windows = torch.nn.functional.pad(x.to(g.dtype), (pad, pad)).unfold(2, w.shape[2], 1)  # (B·s, C, T, K)
+    if windows.shape[2] != g.shape[2]:
+        return None
+    gs = g.reshape(B, -1, *g.shape[1:])
+    cots = {id(w): torch.einsum("bsct,bsctk->bck", gs, windows.reshape(B, -1, *windows.shape[1:])).unsqueeze(2)}
+    cots[id(w)] = cots[id(w)].to(w.dtype)
+    if b is not None:
+        cots[id(b)] = gs.sum((1, 3)).to(b.dtype)
+    return cots
+
+
+def _matmul_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
+    """The per-sample cotangent of a derived matrix W (m, k) in ``x @ W`` (x (…, m), rows split by sample) or
+    ``W @ x`` (x (B, …, k, n)): Σ of xᵀ g, or of g xᵀ, over each sample's rows (Mamba's ``A @ x``)."""
+    name = getattr(use.func, "__name__", "")
+    if name not in ("matmul", "__matmul__") or any(use.dims) or use.out_dim or use.spec.child(1).num_leaves:
+        return None
+    if len(use.leaves) != 2 or set(use.modes) not in ({_SPLIT, _DERIVED}, {_FLAT, _DERIVED}):
+        return None
+    left = use.modes[0] == _DERIVED
+    w, x = use.derived[0].real, use.leaves[1 if left else 0]
+    if w.dim() != 2 or not x.is_floating_point():
+        return None
+    if left:  # out (B, …, m, n) = W (m, k) @ x (B, …, k, n)
+        if x.dim() < 3 or x.shape[-2] != w.shape[1] or g.shape[-2:] != (w.shape[0], x.shape[-1]):
+            return None
+        xs, gs = x.reshape(B, -1, *x.shape[-2:]).to(g.dtype), g.reshape(B, -1, *g.shape[-2:])
+        return {id(w): torch.einsum("bsmn,bskn->bmk", gs, xs).to(w.dtype)}
+    if x.dim() < 2 or x.shape[-1] != w.shape[0] or g.shape[-1] != w.shape[1]:  # out (…, k) = x (…, m) @ W (m, k)
+        return None
+    xs, gs = x.reshape(B, -1, w.shape[0]).to(g.dtype), g.reshape(B, -1, w.shape[1])
+    return {id(w): torch.bmm(xs.transpose(1, 2), gs).to(w.dtype)}
+
+
+def _cat_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
+    """The per-sample cotangents (B, 1, …) of the derived tensors broadcast to the batch in ``torch.cat`` with
+    data split by sample along another dimension than the samples' (GPT-OSS's sinks beside the attention logits):
+    each sample's slice of its output gradient along that dimension."""
+    if getattr(use.func, "__name__", "") != "cat" or any(use.dims) or use.out_dim or g.shape[0] != B:
+        return None
+    args, kwargs = tree_unflatten(use.leaves, use.spec)
+    if not args or not isinstance(args[0], list | tuple) or not all(isinstance(t, Tensor) for t in args[0]):
+        return None
+    parts = list(args[0])
+    modes = use.modes[: len(parts)]
+    if any(m not in (_SPLIT, _DSPLIT) for m in modes) or _DSPLIT not in modes:
+        return None
+    if any(m != _SHARED for m in use.modes[len(parts) :]) or any(t.dim() != g.dim() for t in parts):
+        return None
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % g.dim()
+    if dim == 0:
+        return None
+    gs = g.unsqueeze(1)  # (B, 1, …): each sample's gradient as the op run on its rows sees it
+    cots, at = {}, 0
+    for t, m in zip(parts, modes, strict=True):
+        if m == _DSPLIT:
+            cots[id(t)] = gs.narrow(dim + 1, at, t.shape[dim]).to(t.dtype)
+        at += t.shape[dim]
+    return cots if at == g.shape[dim] else None
+
+
+# Positional parameters of the functions whose calls :func:`_closed_call` reads.
+_SIGNATURES = {
+    "linear": ("input", "weight", "bias"),
+    "embedding": ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
+    "conv1d": ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+}
+
+
+def _closed_call(use: _Use, name: str) -> dict[str, Any] | None:
+    """The use's arguments by parameter name when it is a call of ``name`` (:data:`_SIGNATURES`) whose input is
+    split by sample along the leading dimension and whose weight is derived, taken whole, its other arguments
+    derived or constants; None otherwise."""
+    if getattr(use.func, "__name__", "") != name or any(use.dims) or use.out_dim:
+        return None
+    args, kwargs = tree_unflatten(use.leaves, use.spec)
+    params = _SIGNATURES[name]
+    call = {**dict(zip(params, args, strict=False)), **kwargs}
+    if len(args) > len(params) or not set(call) <= set(params):
+        return None
+    mode = {id(t): m for t, m in zip(use.leaves, use.modes, strict=True) if isinstance(t, Tensor)}
+    x, w = call.get("input"), call.get("weight")
+    if not isinstance(x, Tensor) or not isinstance(w, Tensor) or mode.get(id(w)) != _DERIVED:
+        return None
+    if mode.get(id(x)) not in (_SPLIT, _FLAT) or any(
+        m not in (_DERIVED, _SHARED) for i, m in mode.items() if i != id(x)
+    ):
+        return None
+    return call
+
+
+# The uses whose per-sample cotangents have a closed form, tried in order before the vmapped vjp.
+_CLOSED_FORMS = (_elementwise_cots, _linear_cots, _embedding_cots, _conv1d_cots, _matmul_cots, _cat_cots)
 
 
 def _row_grads(out: Tensor, leaves: list[Tensor], rows: Tensor) -> list[Tensor | None]:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from covgrad.layout import select_parameters
+from covgrad.scores import opgrads
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.opgrads import _DERIVED, _DSPLIT, _FLAT, _SPLIT, _Derived, _Record, _Use
@@ -127,6 +128,67 @@ class FlatRouter(nn.Module):
         return self.mlp(x) * (1.0 + logits.sum(-1).reshape(*x.shape[:-1], 1))
 
 
+class BiasedRouter(nn.Module):
+    """A router with a bias: ``F.linear`` of its own weight and bias on the (B·L, H) rows (``flat``) or on the
+    (B, L, H) input, its logits' softmax scaling the wrapped MLP."""
+
+    def __init__(self, mlp: nn.Module, flat: bool) -> None:
+        super().__init__()
+        self.mlp, self.flat = mlp, flat
+        self.weight = nn.Parameter(0.3 * torch.randn(4, H))
+        self.bias = nn.Parameter(0.1 * torch.randn(4))
+
+    def forward(self, x):
+        rows = x.reshape(-1, H) if self.flat else x
+        probs = F.linear(rows, self.weight, self.bias).softmax(-1)
+        return self.mlp(x) * probs[..., :1].reshape(*x.shape[:-1], 1)
+
+
+class BinnedTable(nn.Module):
+    """A table looked up by ids computed from the input (two sign bits of its first channels: 4 ids, id 1 the
+    padding one), as OPT looks up its learned positions: ``F.embedding`` of its own weight, added to the MLP."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.weight = nn.Parameter(0.3 * torch.randn(4, H))
+
+    def forward(self, x):
+        ids = (x[..., 0] > 0).long() * 2 + (x[..., 1] > 0).long()
+        return self.mlp(x) + F.embedding(ids, self.weight, 1)
+
+
+class ShortConv(nn.Module):
+    """A depthwise convolution of width 3 along each position's features, seen as 2 channels of H/2 (a short
+    conv's layout, on rows of the flattened batch, so that padding cannot enter), called as transformers' Mamba
+    layers call it (``F.conv1d`` with keyword weight, bias, padding and groups), added to the MLP."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.weight = nn.Parameter(0.3 * torch.randn(2, 1, 3))
+        self.bias = nn.Parameter(0.1 * torch.randn(2))
+
+    def forward(self, x):
+        rows = x.reshape(-1, 2, H // 2)  # (B·L, 2, H/2)
+        conv = F.conv1d(rows, weight=self.weight, bias=self.bias, padding=1, groups=2)
+        return self.mlp(x) + conv.reshape(x.shape)
+
+
+class Mixes(nn.Module):
+    """Two matrices applied by ``@``: one on the left of the (B, H, L) channels-first input, one on the right
+    of the (B, L, H) rows, added to the MLP."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.left = nn.Parameter(0.2 * torch.randn(H, H))
+        self.right = nn.Parameter(0.2 * torch.randn(H, H))
+
+    def forward(self, x):
+        return self.mlp(x) + (self.left @ x.transpose(1, 2)).transpose(1, 2) + torch.tanh(x) @ self.right
+
+
 class BatchSinks(nn.Module):
     """GPT-OSS's attention sinks around the wrapped MLP: one logit per head expanded to the batch (B, heads, L, 1),
     concatenated with each head's data logit and softmaxed; the data's share gates the MLP's output."""
@@ -231,6 +293,14 @@ def planted(kind: str, heads: int = 4) -> nn.Module:
         elif kind == "router":
             layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, Gain())
             layer.mlp = FlatRouter(layer.mlp)
+        elif kind == "conv":
+            layer.mlp = ShortConv(layer.mlp)
+        elif kind == "matmul":
+            layer.mlp = Mixes(layer.mlp)
+        elif kind == "table":
+            layer.mlp = BinnedTable(layer.mlp)
+        elif kind in ("biased-flat", "biased"):
+            layer.mlp = BiasedRouter(layer.mlp, flat=kind == "biased-flat")
         elif kind == "gates":
             layer.post_attention_layernorm = nn.Sequential(layer.post_attention_layernorm, HeadGates(heads))
         else:
@@ -314,6 +384,48 @@ def test_rows_probe_passes_the_previous_taps_hook_without_running_it(check):
     assert len(taken) == 4 and set(taken.values()) == {"op"}, taken
     err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
     assert err < 1e-5, (err, where)
+
+
+CLOSED = [  # kind, closed form, its calls per pass, cotangents per call, parameters it covers
+    ("biased-flat", "_linear_cots", 2, 2, 4),
+    ("biased", "_linear_cots", 2, 2, 4),
+    ("table", "_embedding_cots", 2, 1, 2),
+    ("sinks", "_cat_cots", 2, 1, 2),
+    ("conv", "_conv1d_cots", 2, 2, 4),
+    ("matmul", "_matmul_cots", 4, 1, 4),
+]
+
+
+@pytest.mark.parametrize(("kind", "closed", "n_calls", "n_cots", "n_params"), CLOSED)
+def test_a_use_with_a_closed_form_takes_it_exactly(kind, closed, n_calls, n_cots, n_params, monkeypatch):
+    """``F.linear`` of a router's weight and bias on flattened or batch-leading rows, ``F.embedding`` of a table
+    with a padding id on ids computed in the forward, sinks expanded to the batch and concatenated to data along
+    its last dimension, a depthwise causal ``F.conv1d`` with keyword arguments, matrices on either side of ``@``:
+    their per-sample cotangents in closed form, exact against the naive loop and against the vmapped vjp they
+    replace."""
+    model = planted(kind)
+    layout = select_parameters(model)
+    batch = make_batch(46, **BATCH)
+    real = getattr(opgrads, closed)
+    taken = []
+
+    def counted(*args):
+        taken.append(real(*args))
+        return taken[-1]
+
+    forms = opgrads._CLOSED_FORMS
+    monkeypatch.setattr(opgrads, "_CLOSED_FORMS", tuple(counted if f is real else f for f in forms))
+    psg, rows = scores(model, batch, check=False)
+    taken = [c for c in taken if c is not None]
+    assert [len(c) for c in taken] == [n_cots] * n_calls, taken
+    paths = {n: p for n, p in psg.generic_paths().items() if n.startswith("model.layers.") and ".mlp." in n}
+    assert len(paths) == n_params and set(paths.values()) == {"op"}, paths
+    err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)
+    monkeypatch.setattr(opgrads, "_CLOSED_FORMS", tuple(f for f in forms if f is not real))
+    _, vmapped = scores(model, batch, check=False)
+    err, where = max_rel_err(layout, rows, vmapped)
+    assert err < 1e-6, (err, where)
 
 
 def test_use_whose_samples_are_another_dimension_takes_the_op_path_exactly():
