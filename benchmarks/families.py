@@ -20,6 +20,9 @@ ratios and the share of its parameters on each path (fast rules, the fused-exper
 of experts recognised by structure, the op-level path, the module replay). A family refused as a whole is timed on
 the selection its refusal proposes (the floor still with every parameter). ``--families`` names a few.
 
+``--suite closed``: per family of the matrix whose op-level uses have a closed form other than the elementwise
+ones, the ratio with those closed forms and without them (the vmapped vjp), interleaved in one process.
+
 ``--suite norms``: the same Llama with its RMSNorms on the generic rule (torch.func vmap of each norm's own
 vector-Jacobian product, via a subclass whose forward is the same math written differently) against the
 specialised RMSNorm rule; the median ratio generic / specialised (goal ≤ 1.1) and the score difference.
@@ -28,6 +31,7 @@ specialised RMSNorm rule; the median ratio generic / specialised (goal ≤ 1.1) 
     python -m benchmarks.families --clock wall    # wall time, torch's threads
     python -m benchmarks.families --suite norms --reps 3
     OMP_NUM_THREADS=1 python -m benchmarks.families --suite matrix --threads 1 --reps 3
+    OMP_NUM_THREADS=1 python -m benchmarks.families --suite closed --threads 1 --reps 9
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from benchmarks.tokens import build as perturbed_llama
 from covgrad.layout import select_parameters
 from covgrad.moments import MomentAccumulator
-from covgrad.scores import PerSampleGrads, generic_rule, rmsnorm_rule, rule_for, score_logit_grad
+from covgrad.scores import PerSampleGrads, generic_rule, opgrads, rmsnorm_rule, rule_for, score_logit_grad
 from covgrad.scores import experts as score_experts
 
 
@@ -396,9 +400,68 @@ def run_matrix(args: argparse.Namespace) -> None:
     )
 
 
+def run_closed(args: argparse.Namespace) -> None:
+    """Per family of the test matrix with op-level uses: the floor and the fused per-sample reduction with the
+    op-level closed forms (:data:`covgrad.scores.opgrads._CLOSED_FORMS`) and without them (every use's
+    per-sample product by the vmapped vjp but the elementwise ones), interleaved repetition by repetition."""
+    from tests.families.matrix import MATRIX
+    from tests.helpers.persample import V
+
+    names = args.families.split(",") if args.families else list(MATRIX)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    every, elementwise = opgrads._CLOSED_FORMS, (opgrads._elementwise_cots,)
+    ids, attn, pos, target = padded_batch(args.batch, args.length, V)
+    fn = lambda z: score_logit_grad(z, ids, target)  # noqa: E731
+    adv, half = np.linspace(-1.0, 1.0, args.batch), np.arange(args.batch) % 2
+    print(f"B={args.batch}, L={args.length}, reps={args.reps}, threads={torch.get_num_threads()}, clock={args.clock}")
+    print("| family | op-level % of P | ops now in closed form | ratio, vmapped vjp | ratio, closed forms |")
+    print("|---|---:|---|---:|---:|")
+    for name in names:
+        model = MATRIX[name]()
+        layout = select_parameters(model)
+        psg = PerSampleGrads(model, layout, check=True)
+        acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=args.fold == "compiled")
+        taken: set[str] = set()
+
+        def noting(form: Callable, taken: set[str] = taken) -> Callable:
+            def run(use: opgrads._Use, g: Tensor, B: int) -> opgrads.Cots | None:
+                cots = form(use, g, B)
+                if cots is not None:
+                    taken.add(use.func.__name__)
+                return cots
+
+            return run
+
+        opgrads._CLOSED_FORMS = tuple(noting(f) for f in every)
+        try:
+            psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
+        finally:
+            opgrads._CLOSED_FORMS = every
+        op = paths_of(psg).get("op", 0)
+        taken -= {"add", "__add__", "__radd__", "mul", "__mul__", "__rmul__"}
+        if not taken:
+            continue
+        ratios: dict[tuple, list[float]] = {elementwise: [], every: []}
+        for _ in range(args.reps):
+            for closed in ratios:
+                opgrads._CLOSED_FORMS = closed
+                try:
+                    t = clock()
+                    batched_backward(model, ids, attn, pos, target)
+                    floor = clock() - t
+                    model.zero_grad(set_to_none=True)
+                    t = clock()
+                    psg.accumulate(ids, attn, fn, acc, adv, half, pos)
+                    ratios[closed].append((clock() - t) / floor)
+                finally:
+                    opgrads._CLOSED_FORMS = every
+        off, on = (statistics.median(r) for r in ratios.values())
+        print(f"| {name} | {100 * op / layout.P:.1f} | {', '.join(sorted(taken))} | {off:.2f} | {on:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("arch", "norms", "matrix"), default="arch")
+    parser.add_argument("--suite", choices=("arch", "norms", "matrix", "closed"), default="arch")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=None, help="default: 8 (arch, norms), 16 (matrix)")
     parser.add_argument("--length", type=int, default=64)
@@ -420,8 +483,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.batch is None:
-        args.batch = 16 if args.suite == "matrix" else 8
-    {"arch": run_arch, "norms": run_norms, "matrix": run_matrix}[args.suite](args)
+        args.batch = 16 if args.suite in ("matrix", "closed") else 8
+    {"arch": run_arch, "norms": run_norms, "matrix": run_matrix, "closed": run_closed}[args.suite](args)
 
 
 if __name__ == "__main__":
