@@ -33,8 +33,10 @@ from covgrad.scores.rules import (
     _rmsnorm_style,
     _scaled_embedding_rule,
     _scaled_embeddings,
+    _torch_conv1d_rule,
     _torch_rmsnorm_rule,
     generic_rule,
+    plain_conv1d,
     rmsnorm_rule,
 )
 
@@ -93,6 +95,8 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
         return "max_norm and scale_grad_by_freq change the gradient and have no per-sample rule"
     if cls in _EXACT:
         return _EXACT[cls]
+    if cls is nn.Conv1d and plain_conv1d(module):
+        return _torch_conv1d_rule, frozenset({"weight", "bias"})
     if _rmsnorm_style(cls) is not None:
         return rmsnorm_rule, frozenset({"weight"})
     if _fused_experts_ok(module):

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_unflatten
 from covgrad.layout import TensorEntry
 from covgrad.scores.blocks import Blocks
 from covgrad.scores.hooks import Versions
+from covgrad.scores.rules import conv1d_weight_grads
 
 _SPLIT, _FLAT, _SHARED, _DERIVED, _DSPLIT = 1, 2, 0, 3, 4
 _DERIVED_MODES = (_DERIVED, _DSPLIT)
@@ -304,7 +305,7 @@ def _conv1d_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
     """The per-sample cotangents of the weight (B, C, 1, K) and bias (B, C) of a depthwise ``F.conv1d`` (groups =
     channels, stride and dilation 1, zero padding p) on x (B·s, C, L) whose rows are split by sample (s = 1: the
     short convolutions of state-space and hybrid layers over positions): Σ_t g_{c,t} x_{c,t+k} over the padded
-    input's windows, and Σ_t g_{c,t}, summed over each sample's rows."""
+    input (:func:`covgrad.scores.rules.conv1d_weight_grads`), and Σ_t g_{c,t}, summed over each sample's rows."""
     call = _closed_call(use, "conv1d")
     if call is None:
         return None
@@ -316,12 +317,10 @@ def _conv1d_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
     pad = pad[0] if isinstance(pad, tuple | list) and len(pad) == 1 else pad
     if call.get("groups", 1) != C or not isinstance(pad, int) or w.shape[:2] != (C, 1) or g.shape[:2] != x.shape[:2]:
         return None
-    windows = torch.nn.functional.pad(x.to(g.dtype), (pad, pad)).unfold(2, w.shape[2], 1)  # (B·s, C, T, K)
-    if windows.shape[2] != g.shape[2]:
+    if g.shape[2] != x.shape[2] + 2 * pad - w.shape[2] + 1:
         return None
-    gs = g.reshape(B, -1, *g.shape[1:])
-    cots = {id(w): torch.einsum("bsct,bsctk->bck", gs, windows.reshape(B, -1, *windows.shape[1:])).unsqueeze(2)}
-    cots[id(w)] = cots[id(w)].to(w.dtype)
+    xs, gs = x.reshape(B, -1, *x.shape[1:]).to(torch.float32), g.reshape(B, -1, *g.shape[1:]).to(torch.float32)
+    cots = {id(w): conv1d_weight_grads(xs, gs, C, w.shape[2], pad).to(w.dtype)}
     if b is not None:
         cots[id(b)] = gs.sum((1, 3)).to(b.dtype)
     return cots

@@ -22,6 +22,7 @@ receive the hooked call's full inputs (:class:`Call`). The experts blocks' rules
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import re
 from collections.abc import Callable, Iterator
@@ -33,10 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm, GemmaTextScaledWordEmbedding
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
@@ -227,6 +226,55 @@ def _conv1d_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
         _sum_into(s[0], g, s[1])
 
 
+def conv1d_weight_grads(x: Tensor, g: Tensor, groups: int, K: int, pad: int) -> Tensor:
+    """Per-sample weight gradients of ``F.conv1d`` with stride and dilation 1 and zero padding ``pad``: x (B, s, C,
+    L) each sample's s inputs, g (B, s, O, T) their output gradients (T = L + 2·pad − K + 1), both float32 →
+    (B, O, C / groups, K), ∂W[o, i, k] = Σ over the sample's rows and t of g[o, t] · x_pad[group(o)·C/groups + i,
+    t + k]. One product of (B, s, C, T) values per tap k, never the (…, T, K) windows whole."""
+    B, s, C, _ = x.shape
+    O, T = g.shape[2], g.shape[3]
+    xp = F.pad(x, (pad, pad))
+    gg = g.reshape(B, s, groups, O // groups, T)
+    out = g.new_empty(B, groups, O // groups, C // groups, K)
+    for k in range(K):
+        xk = xp[..., k : k + T].reshape(B, s, groups, C // groups, T)
+        if groups in (O, C) and O == C:  # depthwise: one channel in, one out per group
+            out[:, :, 0, 0, k] = (gg[:, :, :, 0] * xk[:, :, :, 0]).sum((1, 3))
+        else:
+            out[..., k] = torch.einsum("bsgot,bsgit->bgoi", gg, xk)
+    return out.reshape(B, O, C // groups, K)
+
+
+def plain_conv1d(module: nn.Module) -> bool:
+    """Whether an ``nn.Conv1d`` has what :func:`_torch_conv1d_rule` takes: stride and dilation 1, zero padding
+    of an explicit size."""
+    return (
+        module.stride == (1,)
+        and module.dilation == (1,)
+        and module.padding_mode == "zeros"
+        and isinstance(module.padding, tuple)
+    )
+
+
+@row_parts
+def _torch_conv1d_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
+    """torch.nn.Conv1d (the short convolutions of state-space and hybrid layers; :func:`plain_conv1d`): per-sample
+    ∂W (B, O, C/groups, K) by :func:`conv1d_weight_grads` and ∂b = Σ_t g, over x (B, [s,] C, L)."""
+    B, C, O = g.shape[0], module.in_channels, module.out_channels
+    xs = x.reshape(B, -1, C, x.shape[-1]).to(torch.float32)
+    gs = g.reshape(B, -1, O, g.shape[-1]).to(torch.float32)
+    if (s := slot("weight")) is not None:
+        grads = conv1d_weight_grads(xs, gs, module.groups, module.kernel_size[0], module.padding[0])
+        r0 = slot.first_row("weight")
+        part = grads[:, r0 : r0 + s[0].shape[1]]
+        if s[1]:
+            s[0].copy_(part)
+        else:
+            s[0].add_(part)
+    if (s := slot("bias")) is not None:
+        _sum_into(s[0], gs.sum(3), s[1])
+
+
 # add(r0, r1, view): rows r0 … r1 of every sample's contribution added into view (B, r1 − r0, *shape[1:])
 RowAdder = Callable[[int, int, Tensor], None]
 
@@ -347,13 +395,21 @@ def rmsnorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """Hugging Face RMSNorms: x̂ = x·rsqrt(mean x² + ε) in float32, ∂w = Σ_t g ⊙ x̂ per sample.
 
     Llama-style norms cast x̂ back to the input dtype before multiplying by w; OLMo2-style (w ⊙ x̂, then
-    cast) and Gemma-style (x̂ ⊙ (1 + w), then cast) multiply in float32, so x̂ stays float32 there.
+    cast) and Gemma-style (x̂ ⊙ (1 + w), then cast) multiply in float32, so x̂ stays float32 there. Gemma 3n's
+    and Gemma 4's take the power −1/2 of mean x² + ε (``torch.pow``, as their forward does), Cohere's centre x
+    first (x − mean x, a LayerNorm without bias), both scaling in float32.
     """
     B, n = g.shape[0], module.weight.numel()
     eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    style = _rmsnorm_style(type(module))
     h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if _rmsnorm_style(type(module)) == "cast-then-scale":
+    if style == "centered":
+        h = h - h.mean(-1, keepdim=True)
+    if style == "pow":
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    else:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if style == "cast-then-scale":
         h = h.to(x.dtype)
     view, first = slot("weight")
     _sum_into(view.view(B, n), _flat(g, B, n) * _flat(h, B, n), first)
@@ -376,20 +432,53 @@ def _source_key(fn: Callable) -> str | None:
     return re.sub(r"\s+", "", re.sub(r"#[^\n]*", "", src))
 
 
-# Verbatim RMSNorm forwards of transformers and how each multiplies the weight (see rmsnorm_rule);
-# Gemma's forward calls self._norm, which must match too.
+# Verbatim RMSNorm forwards of transformers, by how each multiplies the weight (see rmsnorm_rule): per style the
+# classes whose methods (Gemma's forward calls self._norm, which must match too) are the reference, compared
+# without their signature lines (type hints differ between copies of one body), as (module, class, methods).
 _RMSNORM_FORWARDS = {
-    "cast-then-scale": (LlamaRMSNorm, ("forward",)),
-    "scale-then-cast": (Olmo2RMSNorm, ("forward",)),
-    "one-plus-w": (GemmaRMSNorm, ("forward", "_norm")),
+    "cast-then-scale": (
+        ("llama.modeling_llama", "LlamaRMSNorm", ("forward",)),
+        ("llama4.modeling_llama4", "Llama4TextRMSNorm", ("forward", "_norm")),
+    ),
+    "scale-then-cast": (
+        ("olmo2.modeling_olmo2", "Olmo2RMSNorm", ("forward",)),
+        ("nemotron_h.modeling_nemotron_h", "NemotronHRMSNorm", ("forward",)),
+    ),
+    "one-plus-w": (("gemma.modeling_gemma", "GemmaRMSNorm", ("forward", "_norm")),),
+    "pow": (("gemma3n.modeling_gemma3n", "Gemma3nRMSNorm", ("forward", "_norm")),),
+    "centered": (("cohere2_moe.modeling_cohere2_moe", "Cohere2MoeLayerNorm", ("forward",)),),
 }
+
+
+def _body_key(fn: Callable) -> str | None:
+    """:func:`_source_key` of a method without its signature line (the text after the first ``:`` that ends the
+    ``def`` line)."""
+    key = _source_key(fn)
+    if key is None:
+        return None
+    head = re.match(r"def\w+\(.*?\)(->[^:]+)?:", key)
+    return key[head.end() :] if head else key
+
+
+@functools.cache
+def _rmsnorm_refs() -> tuple[tuple[str, type, tuple[str, ...]], ...]:
+    """(style, reference class, methods) for every reference this transformers version has."""
+    refs = []
+    for style, entries in _RMSNORM_FORWARDS.items():
+        for module, name, methods in entries:
+            try:
+                ref = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+            except (ImportError, AttributeError):
+                continue
+            refs.append((style, ref, methods))
+    return tuple(refs)
 
 
 @functools.cache
 def _rmsnorm_style(cls: type) -> str | None:
     """Which verified RMSNorm forward ``cls`` runs, or None."""
-    for style, (ref, methods) in _RMSNORM_FORWARDS.items():
-        if all(hasattr(cls, m) and _source_key(getattr(cls, m)) == _source_key(getattr(ref, m)) for m in methods):
+    for style, ref, methods in _rmsnorm_refs():
+        if all(hasattr(cls, m) and _body_key(getattr(cls, m)) == _body_key(getattr(ref, m)) for m in methods):
             return style
     return None
 

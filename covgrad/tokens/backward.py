@@ -147,6 +147,22 @@ class TokenBackward:
                 h.remove()
             for p, flag in flags:
                 p.requires_grad_(flag)
+        ran = {id(m) for m, _, _, _ in self._calls}
+        if self._repeat is None and any(id(m) not in ran for m, _, _ in bindings):
+            # a module whose parameters its parent uses (LFM2's short conv: the parent calls F.conv1d on
+            # conv.weight): its hook never ran, so only PerSampleGrads, which traces where parameters are used,
+            # can give their rows
+            silent = next(type(m).__name__ for m, _, _ in bindings if id(m) not in ran)
+            if columns is not None:
+                raise ValueError(
+                    f"{type(model).__name__} needs the repeated-batch path (a bound {silent} never runs its forward: "
+                    "its parent uses its parameters), which does not run on a sharded model; "
+                    "set scores.ranks=1 or tokens.enabled=false"
+                )
+            self._repeat = PerSampleGrads(model, layout, check=False)
+            self._inputs = (input_ids, attention_mask, position_ids)
+            self._calls, outputs, closed_form_head = [], [], False
+            logits = logits.detach()
         self.logits = logits
         self._outputs = outputs
         last: dict[str, tuple[int, TensorEntry]] = {}
