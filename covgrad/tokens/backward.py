@@ -103,15 +103,10 @@ class TokenBackward:
         # Rules that read the whole module call (the generic torch.func rule, MoE experts) and modules run
         # on a flattened (B·L, …) batch go through PerSampleGrads on the batch repeated R times instead.
         self._repeat: PerSampleGrads | None = None
+        inputs = (input_ids, attention_mask, position_ids)
         if repeated_batch(model, bindings):
-            if columns is not None:
-                raise ValueError(
-                    f"{type(model).__name__} needs the repeated-batch path (a generic or fused-experts rule, or a "
-                    "flattening module), which does not run on a sharded model; "
-                    "set scores.ranks=1 or tokens.enabled=false"
-                )
-            self._repeat = PerSampleGrads(model, layout, check=False)
-            self._inputs = (input_ids, attention_mask, position_ids)
+            why = "a generic or fused-experts rule, or a flattening module"
+            self._repeated_path(model, layout, columns, inputs, why)
             bindings = []
             closed_form_head = False
 
@@ -153,14 +148,8 @@ class TokenBackward:
             # conv.weight): its hook never ran, so only PerSampleGrads, which traces where parameters are used,
             # can give their rows
             silent = next(type(m).__name__ for m, _, _ in bindings if id(m) not in ran)
-            if columns is not None:
-                raise ValueError(
-                    f"{type(model).__name__} needs the repeated-batch path (a bound {silent} never runs its forward: "
-                    "its parent uses its parameters), which does not run on a sharded model; "
-                    "set scores.ranks=1 or tokens.enabled=false"
-                )
-            self._repeat = PerSampleGrads(model, layout, check=False)
-            self._inputs = (input_ids, attention_mask, position_ids)
+            why = f"a bound {silent} never runs its forward: its parent uses its parameters"
+            self._repeated_path(model, layout, columns, inputs, why)
             self._calls, outputs, closed_form_head = [], [], False
             logits = logits.detach()
         self.logits = logits
@@ -185,6 +174,22 @@ class TokenBackward:
         ):
             self.head_entry = layout.entry(head_name)
             self.hidden = head_io[0][0]  # (B, L, H)
+
+    def _repeated_path(
+        self, model: nn.Module, layout: ParamLayout, columns: RankColumns | None, inputs: tuple, why: str
+    ) -> None:
+        """Take the repeated-batch path (PerSampleGrads on the batch repeated R times) because of ``why``.
+
+        Raises:
+            ValueError: on a sharded model (``columns``), where that path does not run.
+        """
+        if columns is not None:
+            raise ValueError(
+                f"{type(model).__name__} needs the repeated-batch path ({why}), which does not run on a sharded "
+                "model; set scores.ranks=1 or tokens.enabled=false"
+            )
+        self._repeat = PerSampleGrads(model, layout, check=False)
+        self._inputs = inputs
 
     @property
     def V(self) -> int:
