@@ -236,31 +236,58 @@ def _closed_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
 
 def _elementwise_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
     """The per-sample cotangent (B, *d.shape) of the derived operand of ``data + d`` or ``data * d`` (either
-    order, broadcasting), summed over the dimensions it was broadcast along."""
+    order, broadcasting), summed over the dimensions it was broadcast along; the samples along any dimension of
+    the data and the output (``use.dims``, ``use.out_dim``: RecurrentGemma's (heads, B·L, d) view)."""
     name = getattr(use.func, "__name__", "")
     if (name not in _ADD and name not in _MUL) or len(use.leaves) != 2 or use.spec.child(1).num_leaves:
-        return None
-    if any(use.dims) or use.out_dim:  # the closed form below splits the leading dimensions
         return None
     found = [i for i, m in enumerate(use.modes) if m == _DERIVED]
     if len(found) != 1 or use.modes[1 - found[0]] not in (_SPLIT, _FLAT):
         return None
     i_d = found[0]
     d, data = use.derived[0].real, use.leaves[1 - i_d]
-    out_n = (1 if g.shape[0] == B else g.shape[0] // B, *g.shape[1:])  # one sample's output shape
-    data_n = (1 if use.modes[1 - i_d] == _SPLIT else data.shape[0] // B, *data.shape[1:])
-    if len(data_n) != len(out_n) or d.dim() > len(out_n):
-        return None
-    prod = g.reshape(B, *out_n)
+    dims = use.dims or (0, 0)
+    prod = _blocks(g, use.out_dim, B)  # (B, *one sample's output shape)
     if name in _MUL:
-        prod = prod * data.reshape(B, *data_n)
-    lead = len(out_n) - d.dim()
+        own = _blocks(data, dims[1 - i_d], B)
+        if own.dim() != prod.dim():
+            return None
+        prod = prod * own
+    return _reduced(prod, d)
+
+
+def _reduced(prod: Tensor, d: Tensor) -> Cots | None:
+    """``prod`` (B, …) summed to (B, *d.shape) over the dimensions ``d`` was broadcast along (right-aligned)."""
+    if d.dim() > prod.dim() - 1:
+        return None
+    lead = prod.dim() - 1 - d.dim()
     if lead:
         prod = prod.sum(tuple(range(1, lead + 1)))
     dims = tuple(1 + i for i, n in enumerate(d.shape) if n == 1 and prod.shape[1 + i] != 1)
     if dims:
         prod = prod.sum(dims, keepdim=True)
+    if prod.shape[1:] != d.shape:
+        return None
     return {id(d): prod.to(d.dtype)}
+
+
+def _baddbmm_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
+    """The per-sample cotangents of ``torch.baddbmm(bias, x, W)`` with a derived bias and W (h, i, o) and x
+    (h, B·k, i) whose second dimension holds the samples' row blocks (RecurrentGemma's gates over heads):
+    Σ over each sample's rows of x_rᵀ g_r per head, and of g_r (summed to the bias's shape)."""
+    if getattr(use.func, "__name__", "") != "baddbmm" or use.spec.child(1).num_leaves or len(use.leaves) != 3:
+        return None
+    if use.modes != [_DERIVED, _FLAT, _DERIVED] or use.dims[1:2] != (1,) or use.out_dim != 1:
+        return None
+    bias, x, w = use.leaves
+    if len(use.derived) != 2 or w.dim() != 3 or x.dim() != 3 or g.dim() != 3:
+        return None
+    xs, gs = _blocks(x, 1, B), _blocks(g, 1, B)  # (B, h, k, i), (B, h, k, o)
+    cots = _reduced(gs, bias)
+    if cots is None:
+        return None
+    cots[id(w)] = torch.einsum("bhki,bhko->bhio", xs.to(g.dtype), gs).to(w.dtype)
+    return cots
 
 
 def _linear_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
@@ -407,7 +434,15 @@ def _closed_call(use: _Use, name: str) -> dict[str, Any] | None:
 
 
 # The uses whose per-sample cotangents have a closed form, tried in order before the vmapped vjp.
-_CLOSED_FORMS = (_elementwise_cots, _linear_cots, _embedding_cots, _conv1d_cots, _matmul_cots, _cat_cots)
+_CLOSED_FORMS = (
+    _elementwise_cots,
+    _linear_cots,
+    _embedding_cots,
+    _conv1d_cots,
+    _matmul_cots,
+    _cat_cots,
+    _baddbmm_cots,
+)
 
 
 def _row_grads(out: Tensor, leaves: list[Tensor], rows: Tensor) -> list[Tensor | None]:

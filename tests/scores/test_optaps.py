@@ -386,23 +386,26 @@ def test_rows_probe_passes_the_previous_taps_hook_without_running_it(check):
     assert err < 1e-5, (err, where)
 
 
-CLOSED = [  # kind, closed form, its calls per pass, cotangents per call, parameters it covers
-    ("biased-flat", "_linear_cots", 2, 2, 4),
-    ("biased", "_linear_cots", 2, 2, 4),
-    ("table", "_embedding_cots", 2, 1, 2),
-    ("sinks", "_cat_cots", 2, 1, 2),
-    ("conv", "_conv1d_cots", 2, 2, 4),
-    ("matmul", "_matmul_cots", 4, 1, 4),
+CLOSED = [  # kind, closed form, its calls per pass, cotangents per call, the parameters it covers (name part, count)
+    ("biased-flat", "_linear_cots", 2, 2, (".mlp.", 4)),
+    ("biased", "_linear_cots", 2, 2, (".mlp.", 4)),
+    ("table", "_embedding_cots", 2, 1, (".mlp.", 2)),
+    ("sinks", "_cat_cots", 2, 1, (".mlp.", 2)),
+    ("conv", "_conv1d_cots", 2, 2, (".mlp.", 4)),
+    ("matmul", "_matmul_cots", 4, 1, (".mlp.", 4)),
+    ("gates", "_baddbmm_cots", 2, 2, ("post_attention_layernorm.1.", 8)),
+    ("gates", "_elementwise_cots", 4, 1, ("post_attention_layernorm.1.", 8)),  # the scale, -gate · softplus(p)
 ]
 
 
-@pytest.mark.parametrize(("kind", "closed", "n_calls", "n_cots", "n_params"), CLOSED)
-def test_a_use_with_a_closed_form_takes_it_exactly(kind, closed, n_calls, n_cots, n_params, monkeypatch):
+@pytest.mark.parametrize(("kind", "closed", "n_calls", "n_cots", "covered"), CLOSED)
+def test_a_use_with_a_closed_form_takes_it_exactly(kind, closed, n_calls, n_cots, covered, monkeypatch):
     """``F.linear`` of a router's weight and bias on flattened or batch-leading rows, ``F.embedding`` of a table
     with a padding id on ids computed in the forward, sinks expanded to the batch and concatenated to data along
-    its last dimension, a depthwise causal ``F.conv1d`` with keyword arguments, matrices on either side of ``@``:
-    their per-sample cotangents in closed form, exact against the naive loop and against the vmapped vjp they
-    replace."""
+    its last dimension, a depthwise ``F.conv1d`` with keyword arguments, matrices on either side of ``@``, and
+    RecurrentGemma's per-head ``baddbmm`` and scale on a (heads, B·L, d) view (the samples along its second
+    dimension): their per-sample cotangents in closed form, exact against the naive loop and against the vmapped
+    vjp they replace."""
     model = planted(kind)
     layout = select_parameters(model)
     batch = make_batch(46, **BATCH)
@@ -418,8 +421,9 @@ def test_a_use_with_a_closed_form_takes_it_exactly(kind, closed, n_calls, n_cots
     psg, rows = scores(model, batch, check=False)
     taken = [c for c in taken if c is not None]
     assert [len(c) for c in taken] == [n_cots] * n_calls, taken
-    paths = {n: p for n, p in psg.generic_paths().items() if n.startswith("model.layers.") and ".mlp." in n}
-    assert len(paths) == n_params and set(paths.values()) == {"op"}, paths
+    part, count = covered
+    paths = {n: p for n, p in psg.generic_paths().items() if n.startswith("model.layers.") and part in n}
+    assert len(paths) == count and set(paths.values()) == {"op"}, paths
     err, where = max_rel_err(layout, rows, naive_scores(model, layout, batch))
     assert err < 1e-5, (err, where)
     monkeypatch.setattr(opgrads, "_CLOSED_FORMS", tuple(f for f in forms if f is not real))
