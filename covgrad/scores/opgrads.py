@@ -180,17 +180,9 @@ def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
 def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
     """Per-sample gradients of the use's parameters from its output gradient ``g``, into their blocks."""
     B = record.B
-    gs = _blocks(g, use.out_dim, B)
-    shared, rows = _derived_values(use)
-
-    def one(own: list[Tensor], mine: list[Tensor], cot: Tensor) -> list[Tensor]:
-        out, vjp = torch.func.vjp(lambda d: _run(use, d, mine, B), _fill(use, shared, own))
-        return vjp(cot.reshape(out.shape))[0]
-
     cots = _closed_cots(use, g, B)
     if cots is None:
-        with torch.enable_grad():
-            cots = torch.func.vmap(one)(rows, _per_sample(use, B), gs)
+        cots = _vmapped_cots(use, g, B)
     grads: dict[str, Tensor] = {}
     for d, mode, cot in zip(use.derived, _derived_modes(use), cots, strict=True):
         names = sorted(d.names)
@@ -210,6 +202,19 @@ def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
             s[0].copy_(grad.reshape(s[0].shape))
         else:
             s[0].add_(grad.reshape(s[0].shape).to(s[0].dtype))
+
+
+def _vmapped_cots(use: _Use, g: Tensor, B: int) -> list[Tensor]:
+    """The per-sample cotangents of the use's derived tensors by ``torch.func.vmap`` over the samples of the op's
+    own vjp, run on each sample's rows (any op the closed forms do not take)."""
+    shared, rows = _derived_values(use)
+
+    def one(own: list[Tensor], mine: list[Tensor], cot: Tensor) -> list[Tensor]:
+        out, vjp = torch.func.vjp(lambda d: _run(use, d, mine, B), _fill(use, shared, own))
+        return vjp(cot.reshape(out.shape))[0]
+
+    with torch.enable_grad():
+        return torch.func.vmap(one)(rows, _per_sample(use, B), _blocks(g, use.out_dim, B))
 
 
 # Elementwise ops whose vjp with respect to one operand has a closed form: g (add) or g ⊙ other (mul).
