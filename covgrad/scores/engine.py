@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.blocks import Blocks
+from covgrad.scores.experts import _experts_rule, fused_forward
 from covgrad.scores.hooks import forward_hook
 from covgrad.scores.opgrads import Crossed
 from covgrad.scores.optaps import OpTaps
@@ -385,6 +386,8 @@ class PerSampleGrads:
                     handles += self._taps.hooks(module, local)
                 else:
                     handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
+                    if rule is _experts_rule:
+                        handles.append(fused_forward(self, module))
             with torch.enable_grad():
                 logits = self.model(**inputs, use_cache=False).logits
                 calls = dict(blocks.calls)  # module calls per tensor: the contributions each backward brings

@@ -222,7 +222,7 @@ def _gate(module: nn.Module, gu: Tensor, da: Tensor | None) -> tuple[Tensor, Ten
 
     gate, up = halves(gu)
     with torch.enable_grad():
-        gate = gate.detach().requires_grad_()
+        gate = gate.detach().requires_grad_(da is not None)
         if form == "default":
             f, factor = module.act_fn(gate), up
         else:
@@ -241,6 +241,121 @@ def _gate(module: nn.Module, gu: Tensor, da: Tensor | None) -> tuple[Tensor, Ten
     return act, dgu
 
 
+def _fused_weights(module: nn.Module) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The module's (E, k, q) matrices of the forward products xe ↦ gate_up and act ↦ down (stored transposed or
+    not), and its biases (E, 2I), (E, H) where it has them, detached, in the module's dtype."""
+    transposed, bias = getattr(module, "is_transposed", False), getattr(module, "has_bias", False)
+    W_gu, W_d = module.gate_up_proj.detach(), module.down_proj.detach()
+    if not transposed:
+        W_gu, W_d = W_gu.transpose(1, 2), W_d.transpose(1, 2)
+    b_gu = module.gate_up_proj_bias.detach() if bias else None
+    b_d = module.down_proj_bias.detach() if bias else None
+    return W_gu, W_d, b_gu, b_d
+
+
+@dataclass
+class _FusedCall:
+    """What one call of fused experts run by :class:`_FusedExperts` kept of its forward, for its rule and its
+    backward: the routing, the input rows (B·T, H), and per sorted (token, k) pair the gate's input gu (m, 2I),
+    its output act (m, I) and the expert's output y (m, H) before the routing weight, in the module's dtype.
+    ``dgu`` (m, 2I) float32 is set by the rule for the backward that follows it, which takes and clears it."""
+
+    routes: _Routes
+    x: Tensor
+    gu: Tensor
+    act: Tensor
+    y: Tensor
+    dgu: Tensor | None = None
+
+
+class _FusedExperts(torch.autograd.Function):
+    """Fused experts' forward (the map of :func:`_experts_rule`) as one autograd node, so that the rule and the
+    backward share one product per step: the forward keeps gu, act and y (:class:`_FusedCall`); the rule, run
+    from the output's gradient hook before this node's backward, computes δ = ∂gu once and leaves it here; the
+    backward then forms ∂x = Σ_k δ G_e and ∂w_{t,k} = ⟨g_t, y_{t,k}⟩ only. The experts' weights are constants
+    (frozen during the pass). Per step: two grouped GEMMs forward, two for ∂a and ∂x, two for the per-sample
+    outer products (a batched backward through transformers' forward: two forward, four backward)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        module: nn.Module,
+        B: int,
+        hidden: Tensor,
+        index: Tensor,
+        weights: Tensor,
+    ) -> Tensor:
+        H = hidden.shape[-1]
+        x = hidden.detach().reshape(-1, H)  # (B·T, H)
+        routes = _Routes(
+            index.reshape(x.shape[0], -1), weights.detach().reshape(x.shape[0], -1).float(), B, module.num_experts
+        )
+        W_gu, W_d, b_gu, b_d = _fused_weights(module)
+        gu = routes.times(routes.rows(x), W_gu, b_gu)  # (m, 2I)
+        act, _ = _gate(module, gu, None)
+        y = routes.times(act, W_d, b_d)  # (m, H)
+        scaled = y * routes.w.index_select(0, routes.order).to(y.dtype)[:, None]
+        out = x.new_zeros(x.shape).index_add_(0, routes.tok, scaled)
+        saved = _FusedCall(routes, x, gu, act, y)
+        ctx.module, ctx.saved, ctx.shapes = module, saved, (hidden.shape, hidden.dtype, weights.shape, weights.dtype)
+        ctx.valid = index.reshape(-1).long() == index.reshape(-1).long().clamp(0, module.num_experts - 1)
+        out = out.reshape(hidden.shape)
+        out.covgrad_state = saved
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> tuple[Tensor | None, ...]:
+        saved, module = ctx.saved, ctx.module
+        routes, (shape, dtype, w_shape, w_dtype) = saved.routes, ctx.shapes
+        go = g.reshape(saved.x.shape).to(torch.float32)
+        W_gu, W_d, _, _ = (w.to(torch.float32) if w is not None else None for w in _fused_weights(module))
+        dgu, saved.dgu = saved.dgu, None
+        if dgu is None:  # the rule did not run for this backward (its tensors refused, or a probe's backward)
+            da = routes.times(routes.rows(go, routes.w), W_d.transpose(1, 2))
+            _, dgu = _gate(module, saved.gu.to(torch.float32), da)
+        dx = None
+        if ctx.needs_input_grad[2]:
+            dxe = routes.times(dgu, W_gu.transpose(1, 2))  # (m, H)
+            dx = go.new_zeros(go.shape).index_add_(0, routes.tok, dxe.contiguous()).to(dtype).reshape(shape)
+        dw = None
+        if ctx.needs_input_grad[4]:
+            per_pair = (routes.rows(go) * saved.y.to(torch.float32)).sum(1)  # (m,) sorted
+            dw = torch.zeros_like(per_pair).index_copy_(0, routes.order, per_pair)
+            dw = torch.where(ctx.valid, dw, 0.0).reshape(w_shape).to(w_dtype)
+        return None, None, dx, None, dw
+
+
+class _Restore:
+    """The handle of :func:`fused_forward`: ``remove()`` gives the module its class's forward back."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def fused_forward(owner: Any, module: nn.Module) -> _Restore:
+    """Run a fused-experts module (:func:`_fused_experts_ok`) as :class:`_FusedExperts` in the passes of
+    ``owner`` (a :class:`covgrad.scores.engine.PerSampleGrads`, whose ``_blocks.B`` is the call's batch): its
+    forward is replaced on the instance until the returned handle's ``remove()``. A call made while a rule
+    re-runs a forward or the op taps probe rows, or whose rows are not a whole number per sample, runs the class's
+    forward."""
+    original = type(module).forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        call = Call(args, kwargs, False)
+        B = owner._blocks.B
+        if owner._replaying or owner._probing or B < 1 or (hidden.numel() // hidden.shape[-1]) % B:
+            return original(module, *args, **kwargs)
+        index, weights = _call_arg(call, 1, "top_k_index"), _call_arg(call, 2, "top_k_weights")
+        return _FusedExperts.apply(module, B, hidden, index, weights)
+
+    module.forward = forward
+    return _Restore(module)
+
+
 @full_call
 def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
     """Fused experts: out_t = Σ_k w_{t,k} [D_e a(G_e x_t + b_e) + c_e] with e = index_{t,k} and a the module's
@@ -251,29 +366,36 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
     contribute. Computed in float32 on the routed (token, k) pairs sorted by (expert, sample) (:class:`_Routes`):
     the experts' forward and δ as one segmented product per expert, the per-sample outer products and sums as one
     per (expert, sample); δ by hand where the gate's form is known (:func:`_gate`). The router weights w are
-    constants here (the router has its own rule).
+    constants here (the router has its own rule). A call run by :class:`_FusedExperts` (``call.state``) takes
+    its routing, gu and a from the forward and leaves δ for that node's backward.
     """
     B, H = g.shape[0], x.shape[-1]
-    h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
     go = g.reshape(-1, H).to(torch.float32)
-    T = h.shape[0] // B
-    index = _call_arg(call, 1, "top_k_index").reshape(B * T, -1)
-    weights = _call_arg(call, 2, "top_k_weights").reshape(B * T, -1).to(torch.float32)
+    E, saved = module.num_experts, call.state
     transposed, bias = getattr(module, "is_transposed", False), getattr(module, "has_bias", False)
     s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
     s_gub = slot("gate_up_proj_bias") if bias else None
     s_db = slot("down_proj_bias") if bias else None
-    E = module.num_experts
-    W_gu, W_d = module.gate_up_proj.detach().to(torch.float32), module.down_proj.detach().to(torch.float32)
-    routes = _Routes(index, weights, B, E)
-    xe = routes.rows(h)  # (m, H) each sorted pair's input
+    W_gu, W_d, b_gu, _ = (w.to(torch.float32) if w is not None else None for w in _fused_weights(module))
+    if saved is not None:
+        routes = saved.routes
+        xe = routes.rows(saved.x).to(torch.float32)  # (m, H) each sorted pair's input
+        gu = saved.gu.to(torch.float32)  # (m, 2I)
+    else:
+        h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
+        T = h.shape[0] // B
+        index = _call_arg(call, 1, "top_k_index").reshape(B * T, -1)
+        weights = _call_arg(call, 2, "top_k_weights").reshape(B * T, -1).to(torch.float32)
+        routes = _Routes(index, weights, B, E)
+        xe = routes.rows(h)
+        gu = routes.times(xe, W_gu, b_gu)
     do = routes.rows(go, routes.w)  # (m, H) the gradient of its expert's weighted output
-    b_gu = module.gate_up_proj_bias.detach().to(torch.float32) if bias else None
-    gu = routes.times(xe, W_gu if transposed else W_gu.transpose(1, 2), b_gu)  # (m, 2I)
     da = None  # (m, I): gradient of each pair's gate output
-    if s_gu is not None or s_gub is not None:
-        da = routes.times(do, W_d.transpose(1, 2) if transposed else W_d)
+    if s_gu is not None or s_gub is not None or saved is not None:
+        da = routes.times(do, W_d.transpose(1, 2))
     act, dgu = _gate(module, gu, da)
+    if saved is not None:
+        act, saved.dgu = saved.act.to(torch.float32), dgu
 
     def write(s: tuple[Tensor, bool] | None, blocks: Tensor) -> None:
         """s's (B, E, …) view = or += blocks (E·B, …) of every (expert, sample) group."""

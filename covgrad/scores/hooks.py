@@ -99,7 +99,8 @@ def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]
             detached = tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, (args, kwargs))
             where = owner._names.get(id(module), type(module).__name__)
             m = n_flat // rows if outer else 0
-            call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where, m)
+            state = getattr(output, "covgrad_state", None)  # kept by a forward run as an autograd function
+            call = Call(detached[0], detached[1], flat, n_flat // B, tuple(local), where, m, state)
         saved = Versions((x, (call.args, call.kwargs)) if call is not None else x)
 
         def run(g: Tensor | tuple[Tensor, ...]) -> None:

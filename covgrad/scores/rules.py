@@ -102,6 +102,8 @@ class Call:
     names of the parameters the rule differentiates (empty: the module's own), ``where`` the module's
     qualified name for error messages. ``outer`` = m > 0: the flattened rows are outer-major instead, an
     (m·B·L, …) batch whose row (i·B + n)·L + t is sample n's position t (experts that see every token once).
+    ``state``: what the module's forward kept for its rule, where a pass ran it as a custom autograd function
+    (:func:`covgrad.scores.experts.fused_forward`), else None.
     """
 
     args: tuple
@@ -111,6 +113,7 @@ class Call:
     params: tuple[str, ...] = ()
     where: str = ""
     outer: int = 0
+    state: Any = None
 
 
 # Parents known to run their submodules on a (B·L, …) view of a (B, L, …) batch (row n·L + t is sample n's

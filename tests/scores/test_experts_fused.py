@@ -99,3 +99,68 @@ def test_qwen3_moe_of_five_experts_top_three_matches_the_naive_loop():
     batch = make_batch(7, [1, 5, 2, 4], [1, 3, 8, 5])  # sample 0: one prompt token, one response token
     err, where = max_rel_err(layout, hook_scores(model, layout, batch), naive_scores(model, layout, batch))
     assert err < 1e-5, (err, where)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize(("E", "K"), [(3, 2), (4, 1)])
+@pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss"])
+def test_fused_function_is_the_class_forward_and_its_rule_the_naive_loop(kind, E, K, grouped, monkeypatch):
+    """The pass's autograd node of fused experts (covgrad.scores.experts._FusedExperts): its output, ∂x and ∂w
+    against autograd of the class's own forward (ids outside [0, E) as expert 0 with weight 0, whose ∂w the node
+    leaves 0: routed nowhere), and the rule fed by its forward (call.state) against the naive loop, the δ it
+    leaves taken by the backward."""
+    if not grouped:
+        monkeypatch.setitem(experts._GROUPED_MM, "cpu", False)
+    module = _module(kind, E, K)
+    index, weights = _routing(E, K)
+    inside = (index >= 0) & (index < E)
+    gen = torch.Generator().manual_seed(2)
+    x, g = torch.randn(B * T_, H, generator=gen), torch.randn(B * T_, H, generator=gen)
+    g[T_ : 2 * T_] = 0.0  # sample 1: all padding
+    for p in module.parameters():
+        p.requires_grad_(False)
+
+    x_ref, w_ref = x.clone().requires_grad_(), torch.where(inside, weights, 0.0).requires_grad_()
+    out_ref = type(module).forward(module, x_ref, torch.where(inside, index, 0), w_ref)
+    dx_ref, dw_ref = torch.autograd.grad(out_ref, (x_ref, w_ref), g)
+
+    x_new, w_new = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    out = experts._FusedExperts.apply(module, B, x_new, index, w_new)
+    assert float((out - out_ref).detach().norm() / out_ref.detach().norm()) < 1e-6
+    saved = out.covgrad_state
+    views = {name: torch.full((B, *p.shape), float("nan")) for name, p in module.named_parameters()}
+    call = Call((x, index, weights), {}, flat=True, length=T_, state=saved)
+    experts._experts_rule(module, x.reshape(B, T_, H), g.reshape(B, T_, H), Slot(lambda n: (views[n], True)), call)
+    assert saved.dgu is not None  # left for the backward
+    dx, dw = torch.autograd.grad(out, (x_new, w_new), g)
+    assert saved.dgu is None  # taken by it
+    assert float((dx - dx_ref).norm() / dx_ref.norm()) < 1e-5
+    assert float((dw - torch.where(inside, dw_ref, 0.0)).norm() / dw_ref.norm()) < 1e-5
+    assert float(dw[~inside].abs().max()) == 0.0
+    (dx_alone,) = torch.autograd.grad(experts._FusedExperts.apply(module, B, x_new, index, w_new), x_new, g)
+    assert torch.equal(dx_alone, dx)  # without the rule, the backward forms δ itself: the same products
+
+    for p in module.parameters():
+        p.requires_grad_(True)
+    ref = _naive(module, x.reshape(B, T_, H), g.reshape(B, T_, H), index, weights)
+    for name, want in ref.items():
+        err = float((views[name] - want).norm() / want.norm())
+        assert err < 1e-5, (name, err)
+        assert float(views[name][1].abs().max()) == 0.0, name
+
+
+def test_a_pass_runs_fused_experts_as_one_autograd_node_and_gives_their_forward_back():
+    """In a pass, each fused experts module's forward is the node (its output's grad_fn), and after it the class's."""
+    model = build(
+        T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8
+    )
+    layout = select_parameters(model)
+    fused = [m for m, rule, _ in PerSampleGrads(model, layout).bindings() if rule is experts._experts_rule]
+    seen = []
+    handles = [m.register_forward_hook(lambda m, a, out: seen.append(type(out.grad_fn).__name__)) for m in fused]
+    batch = make_batch(3, [2, 4, 3], [3, 2, 4])
+    hook_scores(model, layout, batch)
+    for h in handles:
+        h.remove()
+    assert fused and set(seen) >= {"_FusedExpertsBackward"}
+    assert all("forward" not in vars(m) for m in fused)
