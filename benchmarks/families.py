@@ -16,9 +16,10 @@ reaches ``covgrad.moments.accum._COMPILE_AFTER``; ``--fold eager``: the eager fo
 ``--suite matrix``: every family of the test matrix (:data:`tests.families.matrix.MATRIX`, the tests' own tiny
 models: 2 layers, hidden 32, vocabulary 32), the floor and the fused per-sample reduction as above, timed
 interleaved in one process at B 16 × L 48 and at B 16 × ``--length``; one table row per family with both
-ratios and the share of its parameters on each path (fast rules, the fused-experts rule, the routed-experts rule
-of experts recognised by structure, the op-level path, the module replay). A family refused as a whole is timed on
-the selection its refusal proposes (the floor still with every parameter). ``--families`` names a few.
+ratios and the share of its parameters on each path (fast rules, the fused or dense experts rules, the
+routed-experts rule of experts recognised by structure, the op-level path, the module replay). A family refused
+as a whole is timed on the selection its refusal proposes (the floor still with every parameter). ``--families``
+names a few.
 
 ``--suite closed``: per family of the matrix whose op-level uses have a closed form other than the elementwise
 ones, the ratio with those closed forms and without them (the vmapped vjp), interleaved in one process.
@@ -313,7 +314,8 @@ def padded_batch(B: int, L: int, vocab: int, seed: int = 1) -> tuple[Tensor, Ten
 
 def paths_of(psg: PerSampleGrads) -> dict[str, int]:
     """Selected parameter elements per path after a call: "fast" (a per-module rule: Linear, embedding, norm),
-    "experts" (the fused-experts rule), "routed" (experts recognised by structure, one widened backward), "op"
+    "experts" (the fused-experts rule, or Llama 4's dense experts rule), "routed" (experts recognised by structure,
+    one widened backward), "op"
     (the op-level path), "replay" (the module replay, also routed experts that failed the probe)."""
     ops = psg.generic_paths()
     taken: dict[str, tuple[str, int]] = {}  # a tensor with two bindings (a tied embedding): its other path
@@ -321,7 +323,7 @@ def paths_of(psg: PerSampleGrads) -> dict[str, int]:
         for e in local.values():
             if rule is generic_rule:
                 path = ops[e.name]
-            elif rule is score_experts._experts_rule:
+            elif rule in (score_experts._experts_rule, score_experts._dense_experts_rule):
                 path = "experts"
             elif rule is score_experts._routed_experts_rule:
                 path = score_experts.experts_path(module) or "routed"

@@ -18,6 +18,8 @@ from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.pytorch_utils import Conv1D
 
 from covgrad.scores.experts import (
+    _dense_experts_ok,
+    _dense_experts_rule,
     _experts_params,
     _experts_rule,
     _fused_experts_ok,
@@ -101,6 +103,8 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
         return rmsnorm_rule, frozenset({"weight"})
     if _fused_experts_ok(module):
         return _experts_rule, _experts_params(module)
+    if _dense_experts_ok(module):
+        return _dense_experts_rule, frozenset({"gate_up_proj", "down_proj"})
     if (experts := experts_shape(module)) is not None:
         return _routed_experts_rule, experts.names()
     own = frozenset(pn for pn, _ in module.named_parameters(recurse=False))

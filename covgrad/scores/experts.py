@@ -39,6 +39,10 @@ try:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 except ImportError:
     GptOssExperts = None
+try:
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+except ImportError:
+    Llama4TextExperts = None
 
 
 def _fused_experts_ok(module: nn.Module) -> bool:
@@ -415,6 +419,53 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
         write(s_db, routes.sums(do))
     if s_gub is not None:
         write(s_gub, routes.sums(dgu))
+
+
+def _dense_experts_ok(module: nn.Module) -> bool:
+    """Whether ``module`` runs Llama 4's dense experts forward (by its source text): an (E·N, H) input viewed as
+    (E, N, H), every row through its expert, ``act(gate) ⊙ up`` on the halves of ``x @ gate_up_proj`` (E, H, 2I),
+    then ``@ down_proj`` (E, I, H); those two tensors its only parameters."""
+    if Llama4TextExperts is None or _source_key(type(module).forward) != _source_key(Llama4TextExperts.forward):
+        return False
+    return {n for n, _ in module.named_parameters()} == {"gate_up_proj", "down_proj"}
+
+
+@full_call
+def _dense_experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
+    """Llama 4's dense experts (:func:`_dense_experts_ok`): every token once per expert, the rows expert-major
+    (row (e·B + n)·T + t of the call is sample n's position t for expert e; the hook hands them over as (B, E·T, …)
+    after the first call's trace found that layout). Per sample and expert, ∂G_e = Σ_t x_{e,t} δ_{e,t}ᵀ (H, 2I)
+    and ∂D_e = Σ_t a_{e,t} g_{e,t}ᵀ (I, H) over the sample's T rows of expert e, with a = act(gate) ⊙ up and δ
+    its vector-Jacobian product on the halves: the forward's and ∂a's products once over all rows per expert,
+    then one batched product per tensor over the E·B (expert, sample) blocks, in float32."""
+    W_gu, W_d = module.gate_up_proj.detach().to(torch.float32), module.down_proj.detach().to(torch.float32)
+    B, (E, H, _) = g.shape[0], W_gu.shape
+    xs = x.reshape(B, E, -1, H).transpose(0, 1).to(torch.float32)  # (E, B, T, H)
+    gs = g.reshape(B, E, -1, H).transpose(0, 1).to(torch.float32)
+    T = xs.shape[2]
+    xs, gs = xs.reshape(E, B * T, H), gs.reshape(E, B * T, H)
+    gate, up = torch.bmm(xs, W_gu).chunk(2, dim=-1)  # (E, B·T, I) each
+    da = torch.bmm(gs, W_d.transpose(1, 2))  # (E, B·T, I)
+    with torch.enable_grad():
+        gate = gate.detach().requires_grad_()
+        f = module.act_fn(gate)
+    (d_gate,) = torch.autograd.grad(f, gate, da * up)
+
+    def write(s: tuple[Tensor, bool] | None, left: Tensor, right: Tensor) -> None:
+        """s's (B, E, p, q) view = or += Σ over each (expert, sample) block's T rows of left (E, B·T, p) ×
+        right (E, B·T, q)."""
+        if s is None:
+            return
+        p, q = left.shape[-1], right.shape[-1]
+        sums = torch.bmm(left.reshape(E * B, T, p).transpose(1, 2), right.reshape(E * B, T, q))
+        sums = sums.reshape(E, B, p, q).transpose(0, 1)
+        if s[1]:
+            s[0].copy_(sums)
+        else:
+            s[0].add_(sums)
+
+    write(slot("down_proj"), up * f.detach(), gs)
+    write(slot("gate_up_proj"), xs, torch.cat([d_gate, da * f.detach()], dim=-1))
 
 
 def _takes_routing(module: nn.Module) -> bool:

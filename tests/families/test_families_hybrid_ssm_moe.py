@@ -17,12 +17,15 @@ from torch import nn
 
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.moments.accum import MomentAccumulator
+from covgrad.scores import binding
+from covgrad.scores import experts as score_experts
 from covgrad.scores.centering import score_logit_grad
 from covgrad.scores.engine import PerSampleGrads
+from covgrad.scores.rules import generic_rule
 from tests.families.matrix import EXTRA, PADDING_SENSITIVE, REPLAY_REFUSED
 from tests.helpers.families_hybrid import FAMILIES, perturb
 from tests.helpers.models import tiny_llama
-from tests.helpers.persample import BATCH, PAD, V, hook_scores, make_batch, naive_scores
+from tests.helpers.persample import BATCH, PAD, V, hook_scores, make_batch, max_rel_err, naive_scores
 
 FAMILIES = {**FAMILIES, **EXTRA}  # the hybrid, state-space and MoE families of the matrix
 
@@ -218,7 +221,6 @@ def test_expert_tensors_take_the_fused_rule_and_small_parameters_the_generic_pat
     parameters and its short conv (Qwen3.5's Gated DeltaNet) share one generic-rule binding of the mixer."""
     from covgrad.scores.binding import rule_for
     from covgrad.scores.experts import _experts_rule
-    from covgrad.scores.rules import generic_rule
 
     oss = FAMILIES["gpt-oss"]()
     assert rule_for(oss.model.layers[0].mlp.experts) == (
@@ -264,17 +266,27 @@ def test_token_backward_rows_match_per_sample_grads(name):
         assert err < 1e-5, (name, r, err, where)
 
 
-def test_outer_major_rows_are_found_by_the_check():
+@pytest.mark.parametrize("dense", [True, False])
+def test_outer_major_rows_are_found_by_the_check(dense, monkeypatch):
     """Llama 4's routed experts see an (experts·B·L, H) batch, expert-major: the trace finds that layout
-    (each sample's rows depend on its own embeddings only when read that way), the generic rule splits it by
-    replaying the module, and ``generic_paths`` says so."""
+    (each sample's rows depend on its own embeddings only when read that way), and the dense experts rule splits
+    it by (expert, sample) blocks; with that rule off (a class it does not know), the generic rule splits it by
+    replaying the module, and ``generic_paths`` says so. Both against the naive loop."""
+    if not dense:
+        monkeypatch.setattr(binding, "_dense_experts_ok", lambda module: False)
     model = FAMILIES["llama4"]()
-    psg = PerSampleGrads(model, select_parameters(model))
+    layout = select_parameters(model)
+    psg = PerSampleGrads(model, layout)
     batch = make_batch(30, **BATCH)
     ids = batch["input_ids"]
-    psg(ids, batch["attention_mask"], lambda z: score_logit_grad(z, ids, batch["target_mask"]), batch["position_ids"])
+    got = psg(
+        ids, batch["attention_mask"], lambda z: score_logit_grad(z, ids, batch["target_mask"]), batch["position_ids"]
+    )
     experts = {n: m for n, m in model.named_modules() if type(m).__name__ == "Llama4TextExperts"}
     assert experts and all(id(m) in psg._outer for m in experts.values())
+    rules = {rule for m, rule, _ in psg.bindings() if m in experts.values()}
     paths = psg.generic_paths()
     taken = {path for name, path in paths.items() if name.rsplit(".", 1)[0] in experts}
-    assert taken == {"replay"}
+    assert (rules, taken) == (({score_experts._dense_experts_rule}, set()) if dense else ({generic_rule}, {"replay"}))
+    err, where = max_rel_err(layout, got, naive_scores(model, layout, batch))
+    assert err < 1e-5, (err, where)

@@ -138,7 +138,7 @@ def test_fused_function_is_the_class_forward_and_its_rule_the_naive_loop(kind, E
     assert float((dw - torch.where(inside, dw_ref, 0.0)).norm() / dw_ref.norm()) < 1e-5
     assert float(dw[~inside].abs().max()) == 0.0
     (dx_alone,) = torch.autograd.grad(experts._FusedExperts.apply(module, B, x_new, index, w_new), x_new, g)
-    assert torch.equal(dx_alone, dx)  # without the rule, the backward forms δ itself: the same products
+    assert float((dx_alone - dx).norm() / dx.norm()) < 1e-6  # without the rule, the backward forms δ itself
 
     for p in module.parameters():
         p.requires_grad_(True)
