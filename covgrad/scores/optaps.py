@@ -53,7 +53,7 @@ Shape notation: B samples, k rows per sample of a flattened batch, P the paramet
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -143,6 +143,7 @@ class OpTaps:
         self.verified: dict[tuple, _Layout] = {}  # signature of a use shown sample-separable → how it splits
         self._mode = _Flow(self)
         self._stack: list[_Record] = []
+        self._owners: dict[int, _Record] = {}  # id(parameter) → the first record of the stack that holds it
         self._data: set[int] = set()
         self._derived: dict[int, _Derived] = {}
         self._entered = False
@@ -201,7 +202,7 @@ class OpTaps:
         if self._entered:
             self._mode.__exit__(None, None, None)
             self._entered = False
-        self._stack, self._data, self._derived = [], set(), {}
+        self._stack, self._owners, self._data, self._derived = [], {}, set(), {}
 
     def _begin(self, module: nn.Module, local: dict[str, TensorEntry], args: tuple, kwargs: dict) -> _Record | None:
         """A record for this call, or None when the call cannot be tapped (it then takes the replay, or for a crossed
@@ -233,11 +234,18 @@ class OpTaps:
             self._mode.__enter__()
             self._entered = True
         self._stack.append(record)
+        for i in record.params:
+            self._owners.setdefault(i, record)
 
     def _pop(self, record: _Record) -> None:
         self._stack.remove(record)
         if not self._stack:
             self.reset()
+            return
+        self._owners = {}
+        for rec in self._stack:
+            for i in rec.params:
+                self._owners.setdefault(i, rec)
 
     def _activate(self, record: _Record) -> None:
         """Count the call's uses as contributions of its tensors and let their backward hooks run."""
@@ -256,14 +264,15 @@ class OpTaps:
             return func(*args, **kwargs)
         record_of = {}
         derived, data = False, False
+        known, owners, data_ids = self._derived, self._owners, self._data
         for t in _tensors(args[:1], {}) if name in _DTYPE_OF_SECOND else _tensors(args, kwargs):
             i = id(t)
-            if i in self._derived:
+            if i in known:
                 derived = True
-            elif (rec := self._owner_of(i)) is not None:
+            elif (rec := owners.get(i)) is not None:
                 record_of[i] = rec
                 derived = True
-            elif t.requires_grad or i in self._data:
+            elif t.requires_grad or i in data_ids:
                 data = True
         if not derived:
             out = func(*args, **kwargs)
@@ -278,12 +287,6 @@ class OpTaps:
         if not data:
             return self._derive(func, args, kwargs, record_of)
         return self._use(func, args, kwargs, record_of)
-
-    def _owner_of(self, i: int) -> _Record | None:
-        for rec in self._stack:
-            if i in rec.params:
-                return rec
-        return None
 
     def _shadow(self, rec: _Record, t: Tensor) -> _Derived:
         pn = rec.params[id(t)]
@@ -536,19 +539,17 @@ class _Flow(TorchFunctionMode):
         return self.taps.on_call(func, args, kwargs or {})
 
 
-def _tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
-    """The tensors among a call's arguments, one level into lists, tuples and dicts."""
-    for a in (*args, *kwargs.values()):
+def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among a call's arguments, one level into lists, tuples and dicts, in order."""
+    found = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, Tensor):
-            yield a
+            found.append(a)
         elif isinstance(a, list | tuple):
-            for b in a:
-                if isinstance(b, Tensor):
-                    yield b
+            found += [b for b in a if isinstance(b, Tensor)]
         elif isinstance(a, dict):
-            for b in a.values():
-                if isinstance(b, Tensor):
-                    yield b
+            found += [b for b in a.values() if isinstance(b, Tensor)]
+    return found
 
 
 def _is_derived(t: object, derived: dict[int, _Derived], record_of: dict[int, _Record]) -> bool:
