@@ -24,6 +24,9 @@ names a few.
 ``--suite closed``: per family of the matrix whose op-level uses have a closed form other than the elementwise
 ones, the ratio with those closed forms and without them (the vmapped vjp), interleaved in one process.
 
+``--suite node``: per family of the matrix with fused experts (and the arch MoE), the ratio with each fused experts
+module run as one autograd node in the pass and with the class's forward, interleaved in one process.
+
 ``--suite norms``: the same Llama with its RMSNorms on the generic rule (torch.func vmap of each norm's own
 vector-Jacobian product, via a subclass whose forward is the same math written differently) against the
 specialised RMSNorm rule; the median ratio generic / specialised (goal ≤ 1.1) and the score difference.
@@ -33,6 +36,7 @@ specialised RMSNorm rule; the median ratio generic / specialised (goal ≤ 1.1) 
     python -m benchmarks.families --suite norms --reps 3
     OMP_NUM_THREADS=1 python -m benchmarks.families --suite matrix --threads 1 --reps 3
     OMP_NUM_THREADS=1 python -m benchmarks.families --suite closed --threads 1 --reps 9
+    OMP_NUM_THREADS=1 python -m benchmarks.families --suite node --threads 1 --reps 9
 """
 
 from __future__ import annotations
@@ -461,9 +465,55 @@ def run_closed(args: argparse.Namespace) -> None:
         print(f"| {name} | {100 * op / layout.P:.1f} | {', '.join(sorted(taken))} | {off:.2f} | {on:.2f} |", flush=True)
 
 
+def run_node(args: argparse.Namespace) -> None:
+    """Per family of the test matrix with fused experts (and the arch suite's DeepSeek-V3-style MoE, hidden 256, at B
+    8): the fused per-sample reduction with every fused experts module run as one autograd node
+    (:func:`covgrad.scores.experts.fused_forward`, the default) and with the class's forward and autograd's backward
+    through it (the rule then recomputes the gate's input and ∂a), interleaved repetition by repetition."""
+    from tests.families.matrix import MATRIX
+    from tests.helpers.persample import V
+
+    names = args.families.split(",") if args.families else [*MATRIX, "deepseek-v3-moe (arch)"]
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"B={args.batch} (arch: 8), L={args.length}, reps={args.reps}, threads={torch.get_num_threads()}")
+    print("| family | fused experts % of P | ratio, class forward | ratio, one node | rules ms, class → node |")
+    print("|---|---:|---:|---:|---:|")
+    for name in names:
+        arch = name.endswith("(arch)")
+        model = arch_model(name.split()[0]) if arch else MATRIX[name]()
+        B, vocab = (8, 512) if arch else (args.batch, V)
+        ids, attn, pos, target = padded_batch(B, args.length, vocab)
+        fn = lambda z, ids=ids, target=target: score_logit_grad(z, ids, target)  # noqa: E731
+        adv, half = np.linspace(-1.0, 1.0, B), np.arange(B) % 2
+        layout = select_parameters(model)
+        runs = []
+        for node in (False, True):
+            psg = PerSampleGrads(model, layout, check=True)
+            if not psg._fused:
+                break
+            if not node:
+                psg._fused = []  # the class's forward: autograd's backward through it, the rule's recompute
+            acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=args.fold == "compiled")
+            psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
+            timer = _Timer(clock)
+            psg._blocks.run_rule = timer.wrap("rules", psg._blocks.run_rule)
+            runs.append((psg, acc, timer, [], []))
+        if not runs:
+            continue
+        share = paths_of(runs[-1][0]).get("experts", 0) / layout.P
+        for _ in range(args.reps):
+            for psg, acc, timer, ratios, rules in runs:
+                timer.spent = {}
+                f, o, _ = _side_by_side(clock, timer, model, psg, acc, (ids, attn, pos, target, fn, adv, half))
+                ratios.append(o / f)
+                rules.append(timer.spent.get("rules", 0.0))
+        (r0, m0), (r1, m1) = ((statistics.median(r), 1e3 * statistics.median(m)) for *_, r, m in runs)
+        print(f"| {name} | {100 * share:.0f} | {r0:.2f} | {r1:.2f} | {m0:.1f} → {m1:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("arch", "norms", "matrix", "closed"), default="arch")
+    parser.add_argument("--suite", choices=("arch", "norms", "matrix", "closed", "node"), default="arch")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=None, help="default: 8 (arch, norms), 16 (matrix)")
     parser.add_argument("--length", type=int, default=64)
@@ -485,8 +535,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.batch is None:
-        args.batch = 16 if args.suite in ("matrix", "closed") else 8
-    {"arch": run_arch, "norms": run_norms, "matrix": run_matrix, "closed": run_closed}[args.suite](args)
+        args.batch = 16 if args.suite in ("matrix", "closed", "node") else 8
+    suites = {"arch": run_arch, "norms": run_norms, "matrix": run_matrix, "closed": run_closed, "node": run_node}
+    suites[args.suite](args)
 
 
 if __name__ == "__main__":
