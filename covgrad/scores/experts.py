@@ -109,27 +109,40 @@ class _Groups:
     def times(self, rows: Tensor, weights: Tensor) -> Tensor:
         """(m, k) rows, each times its group's matrix of ``weights`` (n, k, q): (m, q), column-major from the
         grouped GEMM (a gate's halves or interleaved columns are then runs of m contiguous values)."""
-        if _GROUPED_MM.get(rows.device.type, True):
-            try:
-                return torch._grouped_mm(weights.transpose(1, 2), rows.t(), offs=self.offs).t()
-            except (RuntimeError, AttributeError):
-                _GROUPED_MM[rows.device.type] = False
+        out = _grouped_mm(weights.transpose(1, 2), rows.t(), self.offs)
+        if out is not None:
+            return out.t()
         rank = self._rank()
         return torch.bmm(self._pack(rows, rank), weights)[self.group, rank]
 
     def outer_sums(self, left: Tensor, right: Tensor) -> Tensor:
         """Per group Σ_r left_r right_rᵀ over its rows: left (m, p), right (m, q) → (n, p, q)."""
-        if _GROUPED_MM.get(left.device.type, True):
-            try:
-                return torch._grouped_mm(left.t(), right, offs=self.offs)
-            except (RuntimeError, AttributeError):
-                _GROUPED_MM[left.device.type] = False
+        out = _grouped_mm(left.t(), right, self.offs)
+        if out is not None:
+            return out
         rank = self._rank()
         return torch.bmm(self._pack(left, rank).transpose(1, 2), self._pack(right, rank))
 
 
-# Device types where torch._grouped_mm failed on float32 operands (False): _Groups pads instead there.
-_GROUPED_MM: dict[str, bool] = {}
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor | None:
+    """``torch._grouped_mm(a, b, offs=offs)``, or None where it cannot run: the device has no grouped GEMM for the
+    dtype (remembered in :data:`_GROUPED_MM`), or this call's operands have strides that are not multiples of 16
+    bytes (an odd number of routed pairs: this call only)."""
+    key = (a.device.type, a.dtype)
+    if not _GROUPED_MM.get(key, True):
+        return None
+    try:
+        return torch._grouped_mm(a, b, offs=offs)
+    except (RuntimeError, AttributeError) as exc:
+        if "stride" not in str(exc):
+            _GROUPED_MM[key] = False
+        return None
+
+
+# (device type, dtype) pairs where torch._grouped_mm failed for another reason than an operand's strides (False):
+# _Groups pads instead there. Keyed by dtype too: a bf16 model's forward through the node must not take the float32
+# grouped GEMM away from the rules.
+_GROUPED_MM: dict[tuple[str, torch.dtype], bool] = {}
 
 
 @functools.lru_cache(maxsize=32)

@@ -71,7 +71,7 @@ def _naive(
 @pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss"])
 def test_fused_rule_matches_one_backward_per_sample(kind, E, K, grouped, monkeypatch):
     if not grouped:
-        monkeypatch.setitem(experts._GROUPED_MM, "cpu", False)
+        monkeypatch.setitem(experts._GROUPED_MM, ("cpu", torch.float32), False)
     module = _module(kind, E, K)
     index, weights = _routing(E, K)
     gen = torch.Generator().manual_seed(1)
@@ -110,7 +110,7 @@ def test_fused_function_is_the_class_forward_and_its_rule_the_naive_loop(kind, E
     leaves 0: routed nowhere), and the rule fed by its forward (call.state) against the naive loop, the δ it
     leaves taken by the backward."""
     if not grouped:
-        monkeypatch.setitem(experts._GROUPED_MM, "cpu", False)
+        monkeypatch.setitem(experts._GROUPED_MM, ("cpu", torch.float32), False)
     module = _module(kind, E, K)
     index, weights = _routing(E, K)
     inside = (index >= 0) & (index < E)
@@ -164,3 +164,20 @@ def test_a_pass_runs_fused_experts_as_one_autograd_node_and_gives_their_forward_
         h.remove()
     assert fused and set(seen) >= {"_FusedExpertsBackward"}
     assert all("forward" not in vars(m) for m in fused)
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss"])
+def test_bf16_moe_through_the_node_is_close_to_fp32_and_passes_the_self_check(family):
+    """A bf16 MoE's pass runs its experts as the node in bf16 (the self-check compares Σ_n s_n with autograd of the
+    class's own bf16 forward); the rows stay within bf16's reach of the fp32 model's."""
+    if family == "qwen3-moe":
+        model = build(T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2)
+    else:
+        model = build(T.GptOssConfig, T.GptOssForCausalLM, num_local_experts=4, num_experts_per_tok=2, head_dim=8)
+    layout = select_parameters(model)
+    batch = make_batch(8, [2, 4, 3], [3, 2, 4])
+    ref = hook_scores(model, layout, batch)
+    got = hook_scores(model.to(torch.bfloat16), layout, batch)
+    rel = float((got.double() - ref.double()).norm() / ref.double().norm())
+    assert rel < 2e-2, rel
+    assert experts._GROUPED_MM.get(("cpu", torch.float32), True)  # a bf16 fallback leaves float32's grouped GEMM
