@@ -304,11 +304,16 @@ def _linear_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
     x, w, b = call["input"], call["weight"], call.get("bias")
     if w.dim() != 2 or x.shape[-1] != w.shape[1] or g.shape[-1] != w.shape[0]:
         return None
-    gs = g.reshape(B, -1, w.shape[0])
-    cots = {id(w): torch.bmm(gs.transpose(1, 2), x.reshape(B, -1, w.shape[1]).to(g.dtype)).to(w.dtype)}
+    cots = {id(w): _row_products(g, x.to(g.dtype), B).to(w.dtype)}
     if b is not None:
-        cots[id(b)] = gs.sum(1).to(b.dtype)
+        cots[id(b)] = g.reshape(B, -1, w.shape[0]).sum(1).to(b.dtype)
     return cots
+
+
+def _row_products(left: Tensor, right: Tensor, B: int) -> Tensor:
+    """Σ over each sample's rows of left_tᵀ right_t, by one batched matmul: left (…, p) and right (…, q), both with
+    the samples' rows in B equal leading blocks → (B, p, q)."""
+    return torch.bmm(left.reshape(B, -1, left.shape[-1]).transpose(1, 2), right.reshape(B, -1, right.shape[-1]))
 
 
 def _embedding_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
@@ -377,8 +382,7 @@ def _matmul_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
         return {id(w): torch.einsum("bsmn,bskn->bmk", gs, xs).to(w.dtype)}
     if x.dim() < 2 or x.shape[-1] != w.shape[0] or g.shape[-1] != w.shape[1]:  # out (…, k) = x (…, m) @ W (m, k)
         return None
-    xs, gs = x.reshape(B, -1, w.shape[0]).to(g.dtype), g.reshape(B, -1, w.shape[1])
-    return {id(w): torch.bmm(xs.transpose(1, 2), gs).to(w.dtype)}
+    return {id(w): _row_products(x.to(g.dtype), g, B).to(w.dtype)}
 
 
 def _cat_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
