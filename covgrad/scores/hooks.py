@@ -84,6 +84,10 @@ def forward_hook(owner: Owner, B: int, rule: Rule, local: dict[str, TensorEntry]
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple | None:
         if owner._replaying or owner._refused.any_of(local):
             return None
+        with torch._C.DisableTorchFunction():  # inside a tapped module: the taps' mode need not see this bookkeeping
+            return bookkeeping(module, args, kwargs, output)
+
+    def bookkeeping(module: nn.Module, args: tuple, kwargs: dict, output: Tensor | tuple) -> Tensor | tuple | None:
         first_in = args[0] if args else next(iter(kwargs.values()), None)
         outs = float_outputs(output)
         why = _batch_rows(owner, module, needs_call, first_in, outs, B) if _returns_tensors(output, outs) else None

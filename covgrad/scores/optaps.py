@@ -162,14 +162,19 @@ class OpTaps:
             if self.owner._replaying or id(mod) in self.replay:
                 records.append(None)
                 return
-            record = self._begin(mod, local, args, kwargs)
-            records.append(record)
-            if record is None:
-                self.untapped.add(id(mod))
-            else:
-                self._push(record, args, kwargs)
+            with torch._C.DisableTorchFunction():  # inside a tapped parent: its mode need not see this
+                record = self._begin(mod, local, args, kwargs)
+                records.append(record)
+                if record is None:
+                    self.untapped.add(id(mod))
+                else:
+                    self._push(record, args, kwargs)
 
         def post(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+            with torch._C.DisableTorchFunction():
+                return finish(mod, args, kwargs, output)
+
+        def finish(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
             record = records.pop() if records else None
             if self.owner._replaying:
                 return None
