@@ -6,22 +6,22 @@ of the (centered) token log-probability: s_n = ∇θ Σ_t w_t [z_{t-1,y_t} − �
 batch size N, so Fisher and covariance built from it are in per-sample units; a mean loss would scale every score
 by 1/T_n (and the ordinary batched gradient by 1/N).
 
-How: forward hooks (:mod:`covgrad.scores.hooks`) on the modules that own the selected parameters save each
-module's input, and a tensor hook on the module's output receives ∂objective/∂output during the backward; a
-per-module rule (:mod:`covgrad.scores.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm;
-:mod:`covgrad.scores.experts`: fused experts, experts recognised by structure (one backward with the experts widened
-per sample); and the generic per-sample vector-Jacobian product of any other module's forward, or of the ops that use
-its parameters, :mod:`covgrad.scores.optaps`; picked by :mod:`covgrad.scores.binding`) turns the pair into every
-sample's parameter gradient. The first call
-traces one forward of two samples (:mod:`covgrad.scores.tracing`): a parameter used outside the forward of the
-module that owns it (a weight its parent hands to a functional conv) moves to the smallest module whose forward
-holds all its uses, and every module that runs on a flattened (B·L, …) batch or whose forward a rule replays must
-keep the samples apart (checked by autograd, not by a list of classes). During the call all parameters are frozen
-and the backward is taken with respect to the outputs of the first hooked modules (leaves standing for them; the
-model goes on with copies it may update in place, :func:`covgrad.scores.hooks.graph_root`), so autograd never
-computes a batched weight gradient: the per-sample products replace those GEMMs instead of adding to them. A
-parameter shared by several modules (tied embedding and LM head) gets the sum of their contributions per sample; one
-registered by a module and again inside it (an LM head's bias that is its decoder's) is bound once.
+How: forward hooks (:mod:`covgrad.scores.hooks`) on the modules that own the selected parameters save each module's
+input, and a tensor hook on the module's output receives ∂objective/∂output during the backward; a per-module rule
+(:mod:`covgrad.scores.rules`: Linear, GPT-2 Conv1D, Embedding, LayerNorm, RMSNorm; :mod:`covgrad.scores.experts`: fused
+experts (run as one autograd node in the pass), Llama 4's dense experts, experts recognised by structure (one backward
+with the experts widened per sample); and the generic per-sample vector-Jacobian product of any other module's forward,
+or of the ops that use its parameters, :mod:`covgrad.scores.optaps`; picked by :mod:`covgrad.scores.binding`) turns the
+pair into every sample's parameter gradient. The first call traces one forward of two samples
+(:mod:`covgrad.scores.tracing`): a parameter used outside the forward of the module that owns it (a weight its parent
+hands to a functional conv) moves to the smallest module whose forward holds all its uses, and every module that runs on
+a flattened (B·L, …) batch or whose forward a rule replays must keep the samples apart (checked by autograd, not by a
+list of classes). During the call all parameters are frozen and the backward is taken with respect to the outputs of the
+first hooked modules (leaves standing for them; the model goes on with copies it may update in place,
+:func:`covgrad.scores.hooks.graph_root`), so autograd never computes a batched weight gradient: the per-sample products
+replace those GEMMs instead of adding to them. A parameter shared by several modules (tied embedding and LM head) gets
+the sum of their contributions per sample; one registered by a module and again inside it (an LM head's bias that is its
+decoder's) is bound once.
 
 Two outputs: ``__call__`` returns the (B, P) float32 rows; ``accumulate`` (the scores stage's fused
 reduction) folds each tensor's (B, numel) block into a :class:`covgrad.moments.accum.MomentAccumulator` as soon

@@ -1,15 +1,18 @@
 """Per-sample rules of experts blocks: a module whose forward sends each row to some of its E experts by the
-routing ids of its call (top-k index and weights from a router that has its own rule).
+routing ids of its call (top-k index and weights from a router that has its own rule), or every row to every
+expert (Llama 4's).
 
-:func:`covgrad.scores.binding.rule_for` gives such a block one of two rules. transformers' fused experts,
-recognised by the source text of their forward and gate (:func:`_fused_experts_ok`: Qwen3-MoE's, shared by
-Mixtral, OLMoE, Qwen2-MoE, DeepSeek, …, and GPT-OSS's), take :func:`_experts_rule`: closed-form per-sample
-products over the routed (token, k) pairs sorted by (expert, sample), as segmented GEMMs (:class:`_Groups`). An
-experts block of any other class is recognised by its shape (:func:`experts_shape`: parameters stacked along a
-leading expert dimension, or a ModuleList of E look-alike experts) and takes :func:`_routed_experts_rule`, which
-runs its own forward once with every expert copied per sample (E·B experts), verified once per module by a probe
-(:func:`_routed_separates`); where the probe fails the module replay
-(:func:`covgrad.scores.rules.generic_rule`) takes it from then on (:func:`experts_path` says which).
+:func:`covgrad.scores.binding.rule_for` gives such a block one of three rules. transformers' fused experts, recognised
+by the source text of their forward and gate (:func:`_fused_experts_ok`: Qwen3-MoE's, shared by Mixtral, OLMoE,
+Qwen2-MoE, DeepSeek, …, and GPT-OSS's), take :func:`_experts_rule`: closed-form per-sample products over the routed
+(token, k) pairs sorted by (expert, sample), as segmented GEMMs (:class:`_Groups`); in a pass of
+:class:`covgrad.scores.engine.PerSampleGrads` they run as one autograd node (:class:`_FusedExperts`,
+:func:`fused_forward`) whose forward the rule reads and whose backward reuses the rule's δ. Llama 4's dense experts
+(:func:`_dense_experts_ok`, by source text) take :func:`_dense_experts_rule`. An experts block of any other class is
+recognised by its shape (:func:`experts_shape`: parameters stacked along a leading expert dimension, or a ModuleList of
+E look-alike experts) and takes :func:`_routed_experts_rule`, which runs its own forward once with every expert copied
+per sample (E·B experts), verified once per module by a probe (:func:`_routed_separates`); where the probe fails the
+module replay (:func:`covgrad.scores.rules.generic_rule`) takes it from then on (:func:`experts_path` says which).
 
 Shape notation: B samples in the batch, T positions per sample, E experts, K routed experts per token, H hidden
 size, I intermediate size, m routed (token, k) pairs of the batch.
