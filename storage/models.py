@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib.util
 import json
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -68,22 +68,26 @@ def is_causal_lm(config: dict[str, Any]) -> bool:
     return config.get("model_type") in mapping and headed
 
 
+# transformers' causal-LM mapping as a literal in models/auto/modeling_auto.py: its entries, ("model_type", "Class").
+_CAUSAL_LM_MAPPING = re.compile(r"^MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = OrderedDict\(\s*\[(.*?)^\s*\]\s*\)", re.S | re.M)
+_PAIR = re.compile(r'\(\s*"([^"]+)"\s*,\s*"([^"]+)"\s*,?\s*\)')
+
+
 @functools.cache
 def causal_lm_classes() -> dict[str, str]:
     """transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (model_type -> the class ``AutoModelForCausalLM``
     builds), read from the installed transformers' ``models/auto/modeling_auto.py`` without importing it (importing
     transformers' auto classes imports torch: seconds, where a directory check takes milliseconds); imported when
-    that file does not hold it as a literal."""
+    that file does not hold it as a list of string pairs. Read as text, not with ``ast.parse``: CPython 3.11's AST
+    construction can fail spuriously in a threaded process ("AST constructor recursion depth mismatch", CPython
+    gh-106905), which a Prefect worker's flow run hit here."""
     spec = importlib.util.find_spec("transformers")
     source = Path(spec.origin).parent / "models" / "auto" / "modeling_auto.py" if spec and spec.origin else None
-    if source is not None and source.is_file():
-        for node in ast.parse(source.read_text()).body:
-            names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
-            if "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES" in names and isinstance(node.value, ast.Call) and node.value.args:
-                try:
-                    return dict(ast.literal_eval(node.value.args[0]))
-                except (ValueError, TypeError):
-                    break
+    if source is not None and source.is_file() and (found := _CAUSAL_LM_MAPPING.search(source.read_text())):
+        body = re.sub(r"#[^\n]*", "", found[1])
+        pairs = _PAIR.findall(body)
+        if pairs and not _PAIR.sub("", body).replace(",", "").strip():  # nothing but the pairs
+            return dict(pairs)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
