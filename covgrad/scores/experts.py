@@ -168,7 +168,8 @@ class _Routes:
         K, m = index.shape[1], index.numel()
         ids = index.reshape(-1).long()
         expert = ids.clamp(0, E - 1)
-        self.w = torch.where(expert == ids, weights.reshape(-1), 0.0)  # (m,) in pair order
+        self.valid = expert == ids  # (m,) in pair order: the pair is routed to an expert
+        self.w = torch.where(self.valid, weights.reshape(-1), 0.0)  # (m,) in pair order
         expert, order = torch.sort(expert, stable=True)
         self.order, self.tok = order, torch.div(order, K, rounding_mode="floor")  # (m,) pair, token of sorted row
         group = expert * B + _pair_samples(m, m // B, index.device).index_select(0, order)  # (m,) non-decreasing
@@ -273,12 +274,19 @@ def _fused_weights(module: nn.Module) -> tuple[Tensor, Tensor, Tensor | None, Te
     return W_gu, W_d, b_gu, b_d
 
 
+def _fused_weights32(module: nn.Module) -> tuple[Tensor | None, ...]:
+    """:func:`_fused_weights` in float32 (the rules' and the node's backward's products)."""
+    return tuple(w.to(torch.float32) if w is not None else None for w in _fused_weights(module))
+
+
 @dataclass
 class _FusedCall:
     """What one call of fused experts run by :class:`_FusedExperts` kept of its forward, for its rule and its
     backward: the routing, the input rows (B·T, H), and per sorted (token, k) pair the gate's input gu (m, 2I),
     its output act (m, I) and the expert's output y (m, H) before the routing weight, in the module's dtype.
-    ``dgu`` (m, 2I) float32 is set by the rule for the backward that follows it, which takes and clears it."""
+    ``dgu`` (m, 2I) float32 and ``weights`` (:func:`_fused_weights` in float32) are set by the rule for the backward
+    that follows it, which takes and clears them (a bf16 model's experts are cast once per backward, not twice);
+    only where that backward runs (``backward``: the node is in the graph)."""
 
     routes: _Routes
     x: Tensor
@@ -286,6 +294,8 @@ class _FusedCall:
     act: Tensor
     y: Tensor
     dgu: Tensor | None = None
+    weights: tuple[Tensor | None, ...] | None = None
+    backward: bool = False
 
 
 class _FusedExperts(torch.autograd.Function):
@@ -318,7 +328,6 @@ class _FusedExperts(torch.autograd.Function):
         out = x.new_zeros(x.shape).index_add_(0, routes.tok, scaled)
         saved = _FusedCall(routes, x, gu, act, y)
         ctx.module, ctx.saved, ctx.shapes = module, saved, (hidden.shape, hidden.dtype, weights.shape, weights.dtype)
-        ctx.valid = index.reshape(-1).long() == index.reshape(-1).long().clamp(0, module.num_experts - 1)
         out = out.reshape(hidden.shape)
         out.covgrad_state = saved
         return out
@@ -328,7 +337,7 @@ class _FusedExperts(torch.autograd.Function):
         saved, module = ctx.saved, ctx.module
         routes, (shape, dtype, w_shape, w_dtype) = saved.routes, ctx.shapes
         go = g.reshape(saved.x.shape).to(torch.float32)
-        W_gu, W_d, _, _ = (w.to(torch.float32) if w is not None else None for w in _fused_weights(module))
+        (W_gu, W_d, _, _), saved.weights = saved.weights or _fused_weights32(module), None
         dgu, saved.dgu = saved.dgu, None
         if dgu is None:  # the rule did not run for this backward (its tensors refused, or a probe's backward)
             da = routes.times(routes.rows(go, routes.w), W_d.transpose(1, 2))
@@ -341,7 +350,7 @@ class _FusedExperts(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             per_pair = (routes.rows(go) * saved.y.to(torch.float32)).sum(1)  # (m,) sorted
             dw = torch.zeros_like(per_pair).index_copy_(0, routes.order, per_pair)
-            dw = torch.where(ctx.valid, dw, 0.0).reshape(w_shape).to(w_dtype)
+            dw = torch.where(routes.valid, dw, 0.0).reshape(w_shape).to(w_dtype)
         return None, None, dx, None, dw
 
 
@@ -370,10 +379,24 @@ def fused_forward(owner: Any, module: nn.Module) -> _Restore:
         if owner._replaying or owner._probing or B < 1 or (hidden.numel() // hidden.shape[-1]) % B:
             return original(module, *args, **kwargs)
         index, weights = _call_arg(call, 1, "top_k_index"), _call_arg(call, 2, "top_k_weights")
-        return _FusedExperts.apply(module, B, hidden, index, weights)
+        out = _FusedExperts.apply(module, B, hidden, index, weights)
+        out.covgrad_state.backward = out.grad_fn is not None
+        return out
 
     module.forward = forward
     return _Restore(module)
+
+
+def _write_groups(s: tuple[Tensor, bool] | None, blocks: Tensor, E: int, B: int) -> None:
+    """s's (B, E, …) view (None: not selected) = (``s[1]``) or += ``blocks`` (E·B, …), one per (expert, sample)
+    group, expert-major."""
+    if s is None:
+        return
+    blocks = blocks.reshape(E, B, *blocks.shape[1:]).transpose(0, 1)
+    if s[1]:
+        s[0].copy_(blocks)
+    else:
+        s[0].add_(blocks)
 
 
 @full_call
@@ -396,7 +419,7 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
     s_gu, s_d = slot("gate_up_proj"), slot("down_proj")
     s_gub = slot("gate_up_proj_bias") if bias else None
     s_db = slot("down_proj_bias") if bias else None
-    W_gu, W_d, b_gu, _ = (w.to(torch.float32) if w is not None else None for w in _fused_weights(module))
+    W_gu, W_d, b_gu, _ = weights32 = _fused_weights32(module)
     if saved is not None:
         routes = saved.routes
         xe = routes.rows(saved.x).to(torch.float32)  # (m, H) each sorted pair's input
@@ -415,17 +438,12 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
         da = routes.times(do, W_d.transpose(1, 2))
     act, dgu = _gate(module, gu, da)
     if saved is not None:
-        act, saved.dgu = saved.act.to(torch.float32), dgu
+        act = saved.act.to(torch.float32)
+        if saved.backward:
+            saved.dgu, saved.weights = dgu, weights32
 
     def write(s: tuple[Tensor, bool] | None, blocks: Tensor) -> None:
-        """s's (B, E, …) view = or += blocks (E·B, …) of every (expert, sample) group."""
-        if s is None:
-            return
-        blocks = blocks.reshape(E, B, *blocks.shape[1:]).transpose(0, 1)
-        if s[1]:
-            s[0].copy_(blocks)
-        else:
-            s[0].add_(blocks)
+        _write_groups(s, blocks, E, B)
 
     if s_d is not None:
         write(s_d, routes.outer_sums(act, do) if transposed else routes.outer_sums(do, act))
@@ -448,18 +466,18 @@ def _dense_experts_ok(module: nn.Module) -> bool:
 
 @full_call
 def _dense_experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
-    """Llama 4's dense experts (:func:`_dense_experts_ok`): every token once per expert, the rows expert-major
-    (row (e·B + n)·T + t of the call is sample n's position t for expert e; the hook hands them over as (B, E·T, …)
-    after the first call's trace found that layout). Per sample and expert, ∂G_e = Σ_t x_{e,t} δ_{e,t}ᵀ (H, 2I)
-    and ∂D_e = Σ_t a_{e,t} g_{e,t}ᵀ (I, H) over the sample's T rows of expert e, with a = act(gate) ⊙ up and δ
-    its vector-Jacobian product on the halves: the forward's and ∂a's products once over all rows per expert,
-    then one batched product per tensor over the E·B (expert, sample) blocks, in float32."""
+    """Llama 4's dense experts (:func:`_dense_experts_ok`): every token once per expert, the rows expert-major (row
+    (e·B + n)·T + t of the call is sample n's position t for expert e, as the first call's trace found; the rule
+    reads the call's rows as they are and the output gradient as the hook hands it over, (B, E·T, …)). Per sample
+    and expert, ∂G_e = Σ_t x_{e,t} δ_{e,t}ᵀ (H, 2I) and ∂D_e = Σ_t a_{e,t} g_{e,t}ᵀ (I, H) over the sample's T rows
+    of expert e, with a = act(gate) ⊙ up and δ its vector-Jacobian product on the halves: the forward's and ∂a's
+    products once over all rows per expert, then one batched product per tensor over the E·B (expert, sample)
+    blocks, in float32."""
     W_gu, W_d = module.gate_up_proj.detach().to(torch.float32), module.down_proj.detach().to(torch.float32)
     B, (E, H, _) = g.shape[0], W_gu.shape
-    xs = x.reshape(B, E, -1, H).transpose(0, 1).to(torch.float32)  # (E, B, T, H)
-    gs = g.reshape(B, E, -1, H).transpose(0, 1).to(torch.float32)
-    T = xs.shape[2]
-    xs, gs = xs.reshape(E, B * T, H), gs.reshape(E, B * T, H)
+    xs = call.args[0].reshape(E, -1, H).to(torch.float32)  # (E, B·T, H): the call's own expert-major rows
+    T = xs.shape[1] // B
+    gs = g.reshape(B, E, T, H).transpose(0, 1).reshape(E, B * T, H).to(torch.float32)
     gate, up = torch.bmm(xs, W_gu).chunk(2, dim=-1)  # (E, B·T, I) each
     da = torch.bmm(gs, W_d.transpose(1, 2))  # (E, B·T, I)
     with torch.enable_grad():
@@ -468,17 +486,10 @@ def _dense_experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, cal
     (d_gate,) = torch.autograd.grad(f, gate, da * up)
 
     def write(s: tuple[Tensor, bool] | None, left: Tensor, right: Tensor) -> None:
-        """s's (B, E, p, q) view = or += Σ over each (expert, sample) block's T rows of left (E, B·T, p) ×
-        right (E, B·T, q)."""
-        if s is None:
-            return
-        p, q = left.shape[-1], right.shape[-1]
-        sums = torch.bmm(left.reshape(E * B, T, p).transpose(1, 2), right.reshape(E * B, T, q))
-        sums = sums.reshape(E, B, p, q).transpose(0, 1)
-        if s[1]:
-            s[0].copy_(sums)
-        else:
-            s[0].add_(sums)
+        """Σ over each (expert, sample) block's T rows of left (E, B·T, p) × right (E, B·T, q) into s."""
+        if s is not None:
+            p, q = left.shape[-1], right.shape[-1]
+            _write_groups(s, torch.bmm(left.reshape(E * B, T, p).transpose(1, 2), right.reshape(E * B, T, q)), E, B)
 
     write(slot("down_proj"), up * f.detach(), gs)
     write(slot("gate_up_proj"), xs, torch.cat([d_gate, da * f.detach()], dim=-1))

@@ -239,14 +239,17 @@ class OpTaps:
             self._mode.__enter__()
             self._entered = True
         self._stack.append(record)
-        for i in record.params:
-            self._owners.setdefault(i, record)
+        self._index_owners()
 
     def _pop(self, record: _Record) -> None:
         self._stack.remove(record)
         if not self._stack:
             self.reset()
-            return
+        else:
+            self._index_owners()
+
+    def _index_owners(self) -> None:
+        """id(parameter) → the first record of the stack that holds it (what ``on_call`` looks up per op)."""
         self._owners = {}
         for rec in self._stack:
             for i in rec.params:

@@ -128,6 +128,7 @@ def test_fused_function_is_the_class_forward_and_its_rule_the_naive_loop(kind, E
     out = experts._FusedExperts.apply(module, B, x_new, index, w_new)
     assert float((out - out_ref).detach().norm() / out_ref.detach().norm()) < 1e-6
     saved = out.covgrad_state
+    saved.backward = out.grad_fn is not None  # as fused_forward marks it: the node's backward will run
     views = {name: torch.full((B, *p.shape), float("nan")) for name, p in module.named_parameters()}
     call = Call((x, index, weights), {}, flat=True, length=T_, state=saved)
     experts._experts_rule(module, x.reshape(B, T_, H), g.reshape(B, T_, H), Slot(lambda n: (views[n], True)), call)
