@@ -64,6 +64,7 @@ from covgrad.layout import select_parameters
 from covgrad.moments import MomentAccumulator
 from covgrad.scores import PerSampleGrads, generic_rule, opgrads, rmsnorm_rule, rule_for, score_logit_grad
 from covgrad.scores import experts as score_experts
+from covgrad.scores.mlp_experts import _mlp_experts_rule
 
 
 class RewrittenRMSNorm(LlamaRMSNorm):
@@ -318,16 +319,16 @@ def padded_batch(B: int, L: int, vocab: int, seed: int = 1) -> tuple[Tensor, Ten
 
 def paths_of(psg: PerSampleGrads) -> dict[str, int]:
     """Selected parameter elements per path after a call: "fast" (a per-module rule: Linear, embedding, norm),
-    "experts" (the fused-experts rule, or Llama 4's dense experts rule), "routed" (experts recognised by structure,
-    one widened backward), "op"
-    (the op-level path), "replay" (the module replay, also routed experts that failed the probe)."""
+    "experts" (the fused-experts rule, Llama 4's dense experts rule or the plain-MLP experts rule), "routed"
+    (experts recognised by structure, one widened backward), "op" (the op-level path), "replay" (the module
+    replay, also routed experts that failed the probe)."""
     ops = psg.generic_paths()
     taken: dict[str, tuple[str, int]] = {}  # a tensor with two bindings (a tied embedding): its other path
     for module, rule, local in psg.bindings():
         for e in local.values():
             if rule is generic_rule:
                 path = ops[e.name]
-            elif rule in (score_experts._experts_rule, score_experts._dense_experts_rule):
+            elif rule in (score_experts._experts_rule, score_experts._dense_experts_rule, _mlp_experts_rule):
                 path = "experts"
             elif rule is score_experts._routed_experts_rule:
                 path = score_experts.experts_path(module) or "routed"

@@ -1,6 +1,7 @@
 """Which per-sample rule each module takes, and what the fused reduction and the shard plan read from that choice.
 
-:func:`rule_for` dispatches over the rules of :mod:`covgrad.scores.rules` and :mod:`covgrad.scores.experts`.
+:func:`rule_for` dispatches over the rules of :mod:`covgrad.scores.rules`, :mod:`covgrad.scores.experts` and
+:mod:`covgrad.scores.mlp_experts`.
 Fast rules are matched by exact class (a subclass may change the forward: Gemma's scaled embedding multiplies
 inside it), RMSNorm and fused-expert classes by the source text of their forward, so any family whose norm is a
 verbatim copy of Llama's, OLMo2's or Gemma's gets the fast rule. An experts block of any other class is recognised
@@ -8,7 +9,7 @@ by its shape (:func:`covgrad.scores.experts.experts_shape`); every other module 
 own parameters. :func:`writes_weight_in_row_chunks`, :func:`folds_in_row_chunks` and :func:`writes_row_parts` say
 how the chosen rule writes a weight's per-sample block: in chunks of its rows, or only the rows of a row-cut block.
 
-This module sits above both rule modules, which never import it.
+This module sits above the rule modules, which never import it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from covgrad.scores.experts import (
     _routed_experts_rule,
     experts_shape,
 )
+from covgrad.scores.mlp_experts import MLP_EXPERTS_PARAMS, _mlp_experts_ok, _mlp_experts_rule
 from covgrad.scores.rules import (
     Rule,
     _conv1d_rule,
@@ -88,8 +90,8 @@ def writes_row_parts(module: nn.Module) -> bool:
 def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
     """The module's rule and the parameter names it covers, or the reason it has none.
 
-    Fast rules by exact class (and verified forward source for RMSNorms and fused experts); any other
-    module gets :func:`generic_rule` over its own parameters (a module with parametrised submodules too:
+    Fast rules by exact class (and verified forward source for RMSNorms and fused, dense and plain-MLP experts);
+    any other module gets :func:`generic_rule` over its own parameters (a module with parametrised submodules too:
     they keep their own rules, and its forward is replayed per sample with them as constants).
     """
     cls = type(module)
@@ -105,6 +107,8 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
         return _experts_rule, _experts_params(module)
     if _dense_experts_ok(module):
         return _dense_experts_rule, frozenset({"gate_up_proj", "down_proj"})
+    if _mlp_experts_ok(module):
+        return _mlp_experts_rule, MLP_EXPERTS_PARAMS
     if (experts := experts_shape(module)) is not None:
         return _routed_experts_rule, experts.names()
     own = frozenset(pn for pn, _ in module.named_parameters(recurse=False))

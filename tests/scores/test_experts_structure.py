@@ -179,8 +179,10 @@ def test_probe_rejects_a_forward_whose_rows_read_other_samples_copies():
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
-def test_nemotron_h_experts_take_the_routed_rule_in_every_implementation(implementation):
-    """NemotronH's non-gated relu² experts (Nemotron-3-Nano) are not a class the fused-experts rule knows."""
+def test_nemotron_h_experts_take_the_routed_rule_in_every_implementation(implementation, monkeypatch):
+    """NemotronH's non-gated relu² experts (Nemotron-3-Nano) are not a class the fused-experts rule knows; with
+    their own closed-form rule (covgrad.scores.mlp_experts) switched off, they are recognised by structure."""
+    monkeypatch.setattr(binding, "_mlp_experts_ok", lambda module: False)
     model = FAMILIES["nemotron-h-moe"]()
     model.config._experts_implementation = implementation
     layout = select_parameters(model, ["*experts*", "*mixer.gate.weight", "lm_head.weight"])
