@@ -33,6 +33,7 @@ from covgrad.scores.rules import (
     _conv1d_rule,
     _embedding_rule,
     _layernorm_rule,
+    _learned_positions_rule,
     _linear_rule,
     _rmsnorm_style,
     _scaled_embedding_rule,
@@ -40,6 +41,7 @@ from covgrad.scores.rules import (
     _torch_conv1d_rule,
     _torch_rmsnorm_rule,
     generic_rule,
+    learned_positions_ok,
     plain_conv1d,
     rmsnorm_rule,
 )
@@ -99,6 +101,8 @@ def rule_for(module: nn.Module) -> tuple[Rule, frozenset[str]] | str:
         return "max_norm and scale_grad_by_freq change the gradient and have no per-sample rule"
     if cls in _EXACT:
         return _EXACT[cls]
+    if learned_positions_ok(cls) and module.max_norm is None and not module.scale_grad_by_freq:
+        return _learned_positions_rule, frozenset({"weight"})
     if cls is nn.Conv1d and plain_conv1d(module):
         return _torch_conv1d_rule, frozenset({"weight", "bias"})
     if _rmsnorm_style(cls) is not None:

@@ -383,6 +383,30 @@ def _scaled_embeddings() -> dict[type, tuple[Rule, frozenset[str]]]:
     return found
 
 
+@full_call
+@row_parts
+def _learned_positions_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
+    """OPT's learned positions (a verbatim copy of its forward, :func:`learned_positions_ok`): the embedding rule on
+    the ids its forward looks up, ``position_ids + offset``; without position ids, the positions it counts from the
+    attention mask (cumsum · mask − 1 from ``cache_length`` on), as it does. x (B, L) the mask, g (B, L, H)."""
+    position_ids = call.kwargs.get("position_ids", call.args[2] if len(call.args) > 2 else None)
+    if position_ids is None:
+        mask = call.args[0] if call.args else call.kwargs["attention_mask"]
+        cache_length = call.kwargs.get("cache_length", call.args[1] if len(call.args) > 1 else 0)
+        position_ids = ((torch.cumsum(mask, dim=1) * mask - 1).long())[:, cache_length:]
+    _embedding_rule(module, position_ids + module.offset, g, slot)
+
+
+@functools.cache
+def learned_positions_ok(cls: type) -> bool:
+    """Whether ``cls`` is an embedding whose forward is verbatim OPT's learned positions (OPT, BioGPT)."""
+    from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
+
+    return issubclass(cls, nn.Embedding) and _source_key(cls.forward) == _source_key(
+        OPTLearnedPositionalEmbedding.forward
+    )
+
+
 def _layernorm_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot) -> None:
     """y = x̂ ⊙ w + b with x̂ recomputed by the same kernel in float32: ∂w = Σ_t g ⊙ x̂, ∂b = Σ_t g."""
     B, n = g.shape[0], module.weight.numel()
