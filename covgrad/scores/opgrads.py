@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_unflatten
 
 from covgrad.layout import TensorEntry
 from covgrad.scores.blocks import Blocks
@@ -81,6 +81,18 @@ class _Derived:
 
 
 @dataclass
+class _Layout:
+    """How a verified use splits by sample: its leaves' modes, their sample dimensions (``()``: every leaf's leading
+    one) and its output's; and the closed form that took the last call of its signature (None: none yet), which
+    :func:`_closed_cots` tries first."""
+
+    modes: list[int]
+    dims: tuple[int, ...] = ()
+    out_dim: int = 0
+    form: Callable[[_Use, Tensor, int], Cots | None] | None = None
+
+
+@dataclass
 class _Use:
     """One op that combines derived tensors with data, with what its per-sample vjp needs in the backward."""
 
@@ -96,6 +108,7 @@ class _Use:
     active: bool = False
     # the kept data inputs' versions: one updated in place after the op refuses the use's parameters
     saved: Versions = field(default_factory=lambda: Versions(()))
+    layout: _Layout | None = None  # its verified signature's (None: a use on trial, not verified yet)
 
 
 @dataclass
@@ -121,6 +134,60 @@ def _blocks(t: Tensor, dim: int, B: int) -> Tensor:
     """``t`` with its dimension ``dim`` of B·k rows, sample-major, split into B blocks of k, the samples first:
     (B, …, k, …)."""
     return t.unflatten(dim, (B, -1)).movedim(dim, 0)
+
+
+# The specs :func:`_flatten` built, by the structure of the calls they are for: the number of positional arguments,
+# the keywords, and per argument None (a leaf) or the type and length of a list or tuple of leaves.
+_SPECS: dict[tuple, TreeSpec] = {}
+# id(spec) → that structure (the specs live in _SPECS, so their ids stay theirs), for :func:`_unflatten`.
+_STRUCTURES: dict[int, tuple[int, tuple, tuple | None]] = {}
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list, TreeSpec]:
+    """``tree_flatten((args, kwargs))`` of a torch function call: its leaves and spec. A call whose arguments are
+    leaves, or lists and tuples of leaves (the common case), is flattened one level by hand and gets the one spec
+    of its structure, built by ``tree_flatten`` the first time (:func:`_unflatten` rebuilds such calls without
+    walking it); any other call is flattened by ``tree_flatten``."""
+    leaves: list = []
+    shape: list[tuple[type, int] | None] = []
+    for v in (*args, *kwargs.values()) if kwargs else args:
+        kind = type(v)
+        if kind is list or kind is tuple:
+            if not all(type(x) not in SUPPORTED_NODES and not isinstance(x, tuple) for x in v):
+                return tree_flatten((args, kwargs))
+            leaves += v
+            shape.append((kind, len(v)))
+        elif kind in SUPPORTED_NODES or isinstance(v, tuple):  # a dict, a namedtuple, torch.Size, …
+            return tree_flatten((args, kwargs))
+        else:
+            leaves.append(v)
+            shape.append(None)
+    structure = (len(args), tuple(kwargs), tuple(shape))
+    spec = _SPECS.get(structure)
+    if spec is None:
+        spec = _SPECS[structure] = tree_flatten((args, kwargs))[1]
+        flat = all(s is None for s in shape)
+        _STRUCTURES[id(spec)] = (len(args), tuple(kwargs), None if flat else tuple(shape))
+    return leaves, spec
+
+
+def _unflatten(leaves: list, spec: TreeSpec) -> tuple[tuple, dict]:
+    """``tree_unflatten(leaves, spec)`` of a call's ``(args, kwargs)``, by hand for a spec of :func:`_flatten`'s."""
+    structure = _STRUCTURES.get(id(spec))
+    if structure is None:
+        return tree_unflatten(leaves, spec)
+    n, keys, shape = structure
+    if shape is None:  # every argument a leaf
+        return tuple(leaves[:n]), dict(zip(keys, leaves[n:], strict=True))
+    values, at = [], 0
+    for s in shape:
+        if s is None:
+            values.append(leaves[at])
+            at += 1
+        else:
+            values.append(s[0](leaves[at : at + s[1]]))
+            at += s[1]
+    return tuple(values[:n]), dict(zip(keys, values[n:], strict=True))
 
 
 def _per_sample(use: _Use, B: int) -> list[Tensor]:
@@ -173,7 +240,7 @@ def _run(use: _Use, dvals: list[Tensor], mine: list[Tensor], B: int) -> Tensor:
             filled.append(next(dv))
         else:
             filled.append(t)
-    a, k = tree_unflatten(filled, use.spec)
+    a, k = _unflatten(filled, use.spec)
     return use.func(*a, **k)
 
 
@@ -191,6 +258,8 @@ def _apply(owner: Owner, record: _Record, use: _Use, g: Tensor) -> None:
             parts = _row_grads(d.shadow, leaves, cot)
         elif len(leaves) == 1 and d.shadow is leaves[0]:
             parts = [cot]
+        elif len(leaves) == 1 and _reshaped(d.shadow, leaves[0]):  # its gradient is the cotangent reshaped
+            parts = [cot.reshape(len(cot), *leaves[0].shape).to(leaves[0].dtype)]
         else:
             parts = _batched_grad(d.shadow, leaves, cot)
         for n, part in zip(names, parts, strict=True):
@@ -226,17 +295,25 @@ Cots = dict[int, Tensor]
 
 
 def _closed_cots(use: _Use, g: Tensor, B: int) -> list[Tensor] | None:
-    """The per-sample cotangents of the use's derived tensors in ``use.derived``'s order from the first closed
-    form that takes the use (:data:`_CLOSED_FORMS`), each (B, *d.shape) ((B, 1, …) for one split by sample);
-    None when none does (the vmapped vjp)."""
+    """The per-sample cotangents of the use's derived tensors in ``use.derived``'s order from the closed form that
+    takes the use (:data:`_CLOSED_FORMS`: at most one does), each (B, *d.shape) ((B, 1, …) for one split by
+    sample); None when none does (the vmapped vjp). The form that took the last call of the use's signature is
+    tried first."""
     ids = [id(d.real) for d in use.derived]
     if len(set(ids)) != len(ids):  # one tensor twice: its cotangents would have to be summed
         return None
-    for form in _CLOSED_FORMS:
-        cots = form(use, g, B)
-        if cots is not None:
-            return [cots[i] for i in ids] if set(cots) == set(ids) else None
-    return None
+    layout = use.layout
+    last = None if layout is None else layout.form
+    cots = None if last is None else last(use, g, B)
+    if cots is None:
+        for form in _CLOSED_FORMS:
+            if form is not last and (cots := form(use, g, B)) is not None:
+                if layout is not None:
+                    layout.form = form
+                break
+        else:
+            return None
+    return [cots[i] for i in ids] if set(cots) == set(ids) else None
 
 
 def _elementwise_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
@@ -391,7 +468,7 @@ def _cat_cots(use: _Use, g: Tensor, B: int) -> Cots | None:
     each sample's slice of its output gradient along that dimension."""
     if getattr(use.func, "__name__", "") != "cat" or any(use.dims) or use.out_dim or g.shape[0] != B:
         return None
-    args, kwargs = tree_unflatten(use.leaves, use.spec)
+    args, kwargs = _unflatten(use.leaves, use.spec)
     if not args or not isinstance(args[0], list | tuple) or not all(isinstance(t, Tensor) for t in args[0]):
         return None
     parts = list(args[0])
@@ -426,7 +503,7 @@ def _closed_call(use: _Use, name: str) -> dict[str, Any] | None:
     derived or constants; None otherwise."""
     if getattr(use.func, "__name__", "") != name or any(use.dims) or use.out_dim:
         return None
-    args, kwargs = tree_unflatten(use.leaves, use.spec)
+    args, kwargs = _unflatten(use.leaves, use.spec)
     params = _SIGNATURES[name]
     call = {**dict(zip(params, args, strict=False)), **kwargs}
     if len(args) > len(params) or not set(call) <= set(params):
@@ -442,7 +519,8 @@ def _closed_call(use: _Use, name: str) -> dict[str, Any] | None:
     return call
 
 
-# The uses whose per-sample cotangents have a closed form, tried in order before the vmapped vjp.
+# The uses whose per-sample cotangents have a closed form, tried before the vmapped vjp. Each takes calls of its own
+# functions only (by name: none shares one), so at most one takes a use, whatever the order they are tried in.
 _CLOSED_FORMS = (
     _elementwise_cots,
     _linear_cots,
@@ -466,6 +544,30 @@ def _row_grads(out: Tensor, leaves: list[Tensor], rows: Tensor) -> list[Tensor |
         cot[torch.arange(len(n), device=out.device), n] = rows[lo : lo + len(n), 0].to(out.dtype)
         parts.append(_batched_grad(out, leaves, cot))
     return [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
+
+
+# Autograd nodes of views that keep their input's elements in their (row-major) order, whose backward is a reshape.
+_RESHAPES = frozenset(
+    {
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "AliasBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+    }
+)
+
+
+def _reshaped(out: Tensor, leaf: Tensor) -> bool:
+    """Whether ``out`` is ``leaf`` reshaped: made from it by views that keep its elements in order alone
+    (``bias[:, None, :]``), so that its gradient for a cotangent (…, *out.shape) is that cotangent reshaped to
+    (…, *leaf.shape), what :func:`_batched_grad`'s backward through those views gives, element for element."""
+    node = out.grad_fn
+    while node is not None and type(node).__name__ in _RESHAPES and len(node.next_functions) == 1:
+        node = node.next_functions[0][0]
+    return node is not None and type(node).__name__ == "AccumulateGrad" and node.variable is leaf
 
 
 def _batched_grad(out: Tensor, leaves: list[Tensor], cot: Tensor) -> list[Tensor | None]:

@@ -54,12 +54,12 @@ Shape notation: B samples, k rows per sample of a flattened batch, P the paramet
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from covgrad.layout import TensorEntry
 from covgrad.scores.hooks import Versions, graph_root
@@ -74,10 +74,13 @@ from covgrad.scores.opgrads import (
     _Derived,
     _derived_values,
     _fill,
+    _flatten,
+    _Layout,
     _per_sample,
     _Record,
     _run,
     _split_derived,
+    _unflatten,
     _Use,
 )
 from covgrad.scores.rules import float_outputs, generic_rule
@@ -116,16 +119,6 @@ def float_args(args: tuple, kwargs: dict) -> dict[str, Tensor]:
     first call's trace and a later call of the same forward agree on, whichever optional arguments are None."""
     leaves = tree_flatten_with_path((args, kwargs))[0]
     return {keystr(path): t for path, t in leaves if isinstance(t, Tensor) and t.is_floating_point()}
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """How a verified use splits by sample: its leaves' modes, their sample dimensions (``()``: every leaf's leading
-    one) and its output's."""
-
-    modes: list[int]
-    dims: tuple[int, ...] = ()
-    out_dim: int = 0
 
 
 class OpTaps:
@@ -266,35 +259,43 @@ class OpTaps:
     # ---- the mode's three kinds of calls ----
 
     def on_call(self, func: Callable, args: tuple, kwargs: dict) -> object:
-        """Run one torch function call of a tapped forward (see the module docstring)."""
+        """Run one torch function call of a tapped forward (see the module docstring). An attribute read that gives
+        no tensor (.shape, .dtype) is answered at once; a call on no derived tensor or parameter (the common case)
+        only marks its tensor outputs as data when an input is data."""
         name = getattr(func, "__name__", "")
         if name in METADATA_READS:
             return func(*args, **kwargs)
-        record_of = {}
-        derived, data = False, False
+        attribute = name == "__get__"
+        if attribute:  # metadata (.shape, .dtype: no tensor, in no container) unless it returns a tensor (.T, .mT)
+            out = func(*args, **kwargs)
+            if not isinstance(out, Tensor):
+                return out
+        record_of: dict[int, _Record] | None = None  # the parameters among the inputs, by id (rare: built then)
+        derived = data = False
         known, owners, data_ids = self._derived, self._owners, self._data
         for t in _tensors(args[:1], {}) if name in _DTYPE_OF_SECOND else _tensors(args, kwargs):
             i = id(t)
             if i in known:
                 derived = True
             elif (rec := owners.get(i)) is not None:
+                if record_of is None:
+                    record_of = {}
                 record_of[i] = rec
                 derived = True
-            elif t.requires_grad or i in data_ids:
+            elif not data and (t.requires_grad or i in data_ids):
                 data = True
         if not derived:
-            out = func(*args, **kwargs)
+            if not attribute:
+                out = func(*args, **kwargs)
             if data:
-                for t in _tensors((out,), {}):
-                    self._data.add(id(t))
+                if isinstance(out, Tensor):
+                    data_ids.add(id(out))
+                elif out is not None:  # (None: an in-place setter's)
+                    data_ids.update(map(id, _tensors((out,), {})))
             return out
-        if name == "__get__":  # an attribute: metadata (.shape, .dtype) unless it returns a tensor (.T, .mT)
-            out = func(*args, **kwargs)
-            if not isinstance(out, Tensor):
-                return out
         if not data:
-            return self._derive(func, args, kwargs, record_of)
-        return self._use(func, args, kwargs, record_of)
+            return self._derive(func, args, kwargs, record_of or {})
+        return self._use(func, args, kwargs, record_of or {})
 
     def _shadow(self, rec: _Record, t: Tensor) -> _Derived:
         pn = rec.params[id(t)]
@@ -302,66 +303,80 @@ class OpTaps:
             rec.shadows[pn] = t.detach().requires_grad_()
         return _Derived(t, rec.shadows[pn], frozenset({pn}), rec)
 
-    def _as_derived(self, t: Tensor, record_of: dict[int, _Record]) -> _Derived:
-        return self._derived[id(t)] if id(t) in self._derived else self._shadow(record_of[id(t)], t)
+    def _derived_of(self, leaves: list, record_of: dict[int, _Record]) -> list[_Derived | None]:
+        """Per leaf of a call, its derived tensor (a parameter's on its shadow, made the first time), or None."""
+        known, of = self._derived, []
+        for t in leaves:
+            d = None
+            if isinstance(t, Tensor):
+                i = id(t)
+                d = known.get(i)
+                if d is None and i in record_of:
+                    d = self._shadow(record_of[i], t)
+            of.append(d)
+        return of
+
+    def _keep(self, shadow: Tensor, names: frozenset[str], record: _Record) -> Tensor:
+        """The value (detached) of a tensor computed on the shadows, recorded as derived."""
+        real = shadow.detach()
+        self._derived[id(real)] = _Derived(real, shadow, names, record)
+        return real
 
     def _derive(self, func: Callable, args: tuple, kwargs: dict, record_of: dict[int, _Record]) -> object:
         """A call on parameters, derived tensors and constants: computed on the shadows, its value detached."""
-        leaves, spec = tree_flatten((args, kwargs))
-        found = [self._as_derived(t, record_of) for t in leaves if _is_derived(t, self._derived, record_of)]
-        records = {id(d.record): d.record for d in found}
-        if len(records) > 1:  # parameters of two nested tapped calls combined: both take the replay
-            for rec in records.values():
+        leaves, spec = _flatten(args, kwargs)
+        of = self._derived_of(leaves, record_of)
+        found = [d for d in of if d is not None]
+        record = found[0].record
+        if any(d.record is not record for d in found):  # parameters of two nested tapped calls: both take the replay
+            for rec in {id(d.record): d.record for d in found}.values():
                 rec.reason = rec.reason or f"{_name(func)} combines parameters of two tapped modules"
             return func(*args, **kwargs)
-        record = found[0].record
         names = frozenset(n for d in found for n in d.names)
-        shadows = iter(d.shadow for d in found)
-        sub = [next(shadows) if _is_derived(t, self._derived, record_of) else t for t in leaves]
-        a, k = tree_unflatten(sub, spec)
+        a, k = _unflatten([t if d is None else d.shadow for t, d in zip(leaves, of, strict=True)], spec)
         with torch.enable_grad():
             shadow_out = func(*a, **k)
+        if isinstance(shadow_out, Tensor) and type(shadow_out) not in SUPPORTED_NODES:  # one tensor: no pytree
+            return self._keep(shadow_out, names, record)
         outs, out_spec = tree_flatten(shadow_out)
-        reals = []
-        for o in outs:
-            if isinstance(o, Tensor):
-                real = o.detach()
-                self._derived[id(real)] = _Derived(real, o, names, record)
-                reals.append(real)
-            else:
-                reals.append(o)
-        return tree_unflatten(reals, out_spec)
+        return tree_unflatten([self._keep(o, names, record) if isinstance(o, Tensor) else o for o in outs], out_spec)
 
     def _use(self, func: Callable, args: tuple, kwargs: dict, record_of: dict[int, _Record]) -> object:
-        """A call that combines derived tensors with data: run it, keep its inputs, hook its output."""
-        leaves, spec = tree_flatten((args, kwargs))
-        derived = [self._as_derived(t, record_of) for t in leaves if _is_derived(t, self._derived, record_of)]
-        records = {id(d.record): d.record for d in derived}
+        """A call that combines derived tensors with data: run it, keep its inputs, hook its output.
+
+        The use's signature (module, position in the call, function, its leaves' modes, shapes and dtypes) is
+        verified once (:meth:`_layout`); a later call of a verified signature takes its layout as it is.
+        """
+        leaves, spec = _flatten(args, kwargs)
+        of = self._derived_of(leaves, record_of)
+        derived = [d for d in of if d is not None]
         record = derived[0].record
-        args_of_call = {id(r) for r, _ in record.refs}
-        bases = {id(_base(r)) for r, _ in record.refs}
-        modes, kept, inner, data = [], [], [], []  # data: per leaf, the data input itself (None: derived, constant)
-        for t in leaves:
-            data.append(None)
-            if _is_derived(t, self._derived, record_of):
+        data_ids = self._data
+        modes, kept, data = [], [], []  # data: per leaf, the data input itself (None: derived, constant)
+        for t, d in zip(leaves, of, strict=True):
+            if d is not None:
                 modes.append(_DERIVED)
                 kept.append(t)
-            elif isinstance(t, Tensor) and (t.requires_grad or id(t) in self._data):
+                data.append(None)
+            elif isinstance(t, Tensor) and (t.requires_grad or id(t) in data_ids):
                 modes.append(self._split_mode(record, t))
                 kept.append(t.detach())
-                data[-1] = t
-                if modes[-1] == _FLAT and t.shape[0] != record.flat:
-                    inner.append((t, "has flattened (B·k, …) rows"))  # flattened inside the forward: checked below
-                elif modes[-1] == _SPLIT and _probed_split(record, t, args_of_call, bases):
-                    inner.append((t, "has (B, …) rows"))  # a view of the call's arguments: B rows may be heads
+                data.append(t)
             else:
                 modes.append(_SHARED)
                 kept.append(t)
+                data.append(None)
+        sig = (id(record.module), len(record.uses), _name(func), tuple(modes), _shapes(leaves))
+        layout = self.verified.get(sig)
+        # not verified yet: the data inputs computed inside the forward, probed then (read before the op runs)
+        inner = _inner(record, data, modes) if layout is None else []
         out = func(*args, **kwargs)
-        for t in _tensors((out,), {}):
-            self._data.add(id(t))
-        if len(records) > 1:
-            for rec in records.values():
+        if isinstance(out, Tensor):
+            data_ids.add(id(out))
+        else:
+            data_ids.update(map(id, _tensors((out,), {})))
+        if any(d.record is not record for d in derived):
+            for rec in {id(d.record): d.record for d in derived}.values():
                 rec.reason = rec.reason or f"{_name(func)} combines parameters of two tapped modules"
             return out
         if record.reason or not isinstance(out, Tensor) or not out.is_floating_point():
@@ -370,21 +385,22 @@ class OpTaps:
             record.reason = f"{_name(func)} runs where autograd does not record it"
             return out
         names = frozenset(n for d in derived for n in d.names)
-        saved = Versions([t for t, m in zip(kept, modes, strict=True) if m != _DERIVED])
-        use = _Use(func, spec, kept, modes, derived, names, saved=saved)
-        sig = (id(record.module), len(record.uses), _name(func), tuple(modes), _shapes(kept))
-        if sig not in self.verified:
-            layout, why = self._layout(record, use, out, inner, data)
+        saved = [t for t, m in zip(kept, modes, strict=True) if m != _DERIVED and isinstance(t, Tensor)]
+        versions = Versions(saved[0] if len(saved) == 1 else saved)  # one tensor: no pytree to walk
+        if layout is None:
+            layout, why = self._layout(
+                record, _Use(func, spec, kept, modes, derived, names, saved=versions), out, inner, data
+            )
             if layout is None:
                 record.reason = f"{_name(func)} {why}"
                 return out
             self.verified[sig] = layout
-        layout = self.verified[sig]
-        use = replace(use, modes=list(layout.modes), dims=layout.dims, out_dim=layout.out_dim)
+        modes = list(layout.modes)
+        use = _Use(func, spec, kept, modes, derived, names, layout.dims, layout.out_dim, saved=versions, layout=layout)
         record.uses.append(use)
         if out.grad_fn is None:  # no data input is in the graph (or a leaf made to require grad): it starts it
             out = graph_root(out, self.owner._roots)
-            self._data.add(id(out))
+            data_ids.add(id(out))
         out.register_hook(self._backward(record, use))
         return out
 
@@ -547,21 +563,24 @@ class _Flow(TorchFunctionMode):
         return self.taps.on_call(func, args, kwargs or {})
 
 
+_SEQUENCES = (list, tuple)  # (a tuple of types: isinstance is faster with it than with the union list | tuple)
+
+
 def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors among a call's arguments, one level into lists, tuples and dicts, in order."""
     found = []
     for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, Tensor):
             found.append(a)
-        elif isinstance(a, list | tuple):
-            found += [b for b in a if isinstance(b, Tensor)]
+        elif isinstance(a, _SEQUENCES):  # (loops, not comprehensions: no frame per container)
+            for b in a:
+                if isinstance(b, Tensor):
+                    found.append(b)
         elif isinstance(a, dict):
-            found += [b for b in a.values() if isinstance(b, Tensor)]
+            for b in a.values():
+                if isinstance(b, Tensor):
+                    found.append(b)
     return found
-
-
-def _is_derived(t: object, derived: dict[int, _Derived], record_of: dict[int, _Record]) -> bool:
-    return isinstance(t, Tensor) and (id(t) in derived or id(t) in record_of)
 
 
 def _name(func: Callable) -> str:
@@ -569,7 +588,26 @@ def _name(func: Callable) -> str:
 
 
 def _shapes(leaves: list) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else type(t).__name__ for t in leaves)
+    """Each leaf's shape and dtype, or its type's name (for a use's signature)."""
+    return tuple((t.shape, t.dtype) if isinstance(t, Tensor) else type(t).__name__ for t in leaves)
+
+
+def _inner(record: _Record, data: list[Tensor | None], modes: list[int | None]) -> list[tuple[Tensor, str]]:
+    """The data inputs of a use (``data``: per leaf, the data input, None for the others) whose rows are probed
+    back to the samples before they are taken for them (:meth:`OpTaps._layout`), with what their rows are: a
+    (B·k, …) one flattened inside the forward, a (B, …) one that is a view of the call's arguments
+    (:func:`_probed_split`)."""
+    args_of_call = {id(r) for r, _ in record.refs}
+    bases = {id(_base(r)) for r, _ in record.refs}
+    inner = []
+    for t, m in zip(data, modes, strict=True):
+        if t is None:
+            continue
+        if m == _FLAT and t.shape[0] != record.flat:
+            inner.append((t, "has flattened (B·k, …) rows"))
+        elif m == _SPLIT and _probed_split(record, t, args_of_call, bases):
+            inner.append((t, "has (B, …) rows"))  # B rows may be heads
+    return inner
 
 
 def _base(t: Tensor) -> Tensor:
