@@ -22,7 +22,9 @@ forward follows every torch function call of it:
   broadcast to the batch (leading dimension B of stride 0: a parameter expanded, as GPT-OSS's attention sinks)
   is taken whole first; when the op is not separable that way, it is split by sample like a data input, and
   sample n's cotangent is its row n with zeros elsewhere;
-- any other call is followed only to mark its outputs as data when an input is data.
+- any other call is followed only to mark its outputs as data when an input is data; calls that provably reach no
+  tapped parameter (a method of the module that reads no ``self``, a child module holding none of its tapped
+  parameters: :mod:`covgrad.scores.quiet`) run outside the mode, their outputs marked the same way.
 
 A use whose data inputs or output do not split that way along their leading dimension (RecurrentGemma's RG-LRU gates:
 ``torch.baddbmm(bias[:, None, :], x, weight)`` over heads, x a (heads, B·L, d) view whose second dimension holds each
@@ -83,6 +85,7 @@ from covgrad.scores.opgrads import (
     _unflatten,
     _Use,
 )
+from covgrad.scores.quiet import stand_aside
 from covgrad.scores.rules import float_outputs, generic_rule
 
 # Tensor methods that read metadata, not values (an attribute getter, ``__get__``, is handled by its result;
@@ -140,6 +143,8 @@ class OpTaps:
         self._data: set[int] = set()
         self._derived: dict[int, _Derived] = {}
         self._entered = False
+        self._tapped: set[int] = set()  # id(module) of every module these taps hook
+        self._reach: dict[int, tuple[bool, frozenset[int]]] = {}  # id(child) → (tapped inside, its parameters)
 
     def path(self, module: nn.Module) -> str:
         """ "op" while every call of the module took the op-level path, else "replay" (a call's rows that are not
@@ -147,8 +152,10 @@ class OpTaps:
         return "replay" if id(module) in self.replay or id(module) in self.untapped else "op"
 
     def hooks(self, module: nn.Module, local: dict[str, TensorEntry]) -> list:
-        """Register the pre- and post-forward hooks that tap one module's calls; returns their handles."""
+        """Register the pre- and post-forward hooks that tap one module's calls, and its quiet calls' wrappers
+        (:func:`covgrad.scores.quiet.stand_aside`); returns their handles."""
         replay_hook = self.owner._forward_hook(self.owner._blocks.B, generic_rule, local)
+        self._tapped.add(id(module))
         records: list[_Record | None] = []
 
         def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -193,7 +200,38 @@ class OpTaps:
         return [
             module.register_forward_pre_hook(pre, with_kwargs=True),
             module.register_forward_hook(post, with_kwargs=True),
+            stand_aside(module, frozenset(id(module.get_parameter(pn)) for pn in local), self),
         ]
+
+    def run_outside(self, fn: Callable, args: tuple, kwargs: dict, child: nn.Module | None) -> object:
+        """Run a quiet call (:mod:`covgrad.scores.quiet`: a method that reads no ``self``, or the forward of a
+        ``child`` module holding none of its tapped parent's parameters) with torch functions' overrides off, while
+        the mode is on and no argument is a parameter, a derived tensor or a module, and (a child) no module inside
+        it is tapped and none of its parameters belongs to a call of the stack; else as it is. Its output tensors
+        are data when an argument was (as :meth:`on_call` marks an op's)."""
+        if not self._stack:
+            return fn(*args, **kwargs)
+        data = False
+        for t in _flatten(args, kwargs)[0]:
+            if isinstance(t, nn.Module):
+                return fn(*args, **kwargs)
+            if isinstance(t, Tensor):
+                i = id(t)
+                if i in self._derived or i in self._owners:
+                    return fn(*args, **kwargs)
+                data = data or t.requires_grad or i in self._data
+        if child is not None:
+            reach = self._reach.get(id(child))
+            if reach is None:  # every module's hooks are in place before a forward: the answer holds for this taps
+                inside = any(id(m) in self._tapped for m in child.modules())
+                reach = self._reach[id(child)] = (inside, frozenset(id(p) for p in child.parameters()))
+            if reach[0] or any(i in self._owners for i in reach[1]):
+                return fn(*args, **kwargs)
+        with torch._C.DisableTorchFunction():
+            out = fn(*args, **kwargs)
+        if data:
+            self._data.update(id(t) for t in tree_flatten(out)[0] if isinstance(t, Tensor))
+        return out
 
     def reset(self) -> None:
         """Leave the mode and drop every per-forward record (end of a pass, or after an error)."""
