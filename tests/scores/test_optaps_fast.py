@@ -32,7 +32,7 @@ from covgrad.scores.opgrads import (
 )
 from covgrad.scores.optaps import OpTaps, _Flow
 from tests.helpers.persample import BATCH, make_batch, max_rel_err, naive_scores
-from tests.scores.test_optaps import planted, scores
+from tests.helpers.planted_ops import planted, scores
 
 Point = namedtuple("Point", "x y")
 x, w, b = torch.randn(2, 3), torch.randn(4, 3), torch.randn(4)
