@@ -387,6 +387,16 @@ def fused_forward(owner: Any, module: nn.Module) -> _Restore:
     return _Restore(module)
 
 
+def _routed(x: Tensor, call: Call, B: int, E: int) -> tuple[_Routes, Tensor]:
+    """The routes of an experts call on x (B, T, H) (its ``top_k_index`` and ``top_k_weights``, (B·T, K) each; sample
+    n owns rows [n·T, (n+1)·T)) and each sorted pair's input row (m, H), in float32."""
+    h = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    index = _call_arg(call, 1, "top_k_index").reshape(h.shape[0], -1)
+    weights = _call_arg(call, 2, "top_k_weights").reshape(h.shape[0], -1).to(torch.float32)
+    routes = _Routes(index, weights, B, E)
+    return routes, routes.rows(h)
+
+
 def _write_groups(s: tuple[Tensor, bool] | None, blocks: Tensor, E: int, B: int) -> None:
     """s's (B, E, …) view (None: not selected) = (``s[1]``) or += ``blocks`` (E·B, …), one per (expert, sample)
     group, expert-major."""
@@ -425,12 +435,7 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
         xe = routes.rows(saved.x).to(torch.float32)  # (m, H) each sorted pair's input
         gu = saved.gu.to(torch.float32)  # (m, 2I)
     else:
-        h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
-        T = h.shape[0] // B
-        index = _call_arg(call, 1, "top_k_index").reshape(B * T, -1)
-        weights = _call_arg(call, 2, "top_k_weights").reshape(B * T, -1).to(torch.float32)
-        routes = _Routes(index, weights, B, E)
-        xe = routes.rows(h)
+        routes, xe = _routed(x, call, B, E)
         gu = routes.times(xe, W_gu, b_gu)
     do = routes.rows(go, routes.w)  # (m, H) the gradient of its expert's weighted output
     da = None  # (m, I): gradient of each pair's gate output

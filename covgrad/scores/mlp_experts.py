@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from covgrad.scores.experts import _call_arg, _Routes, _write_groups
+from covgrad.scores.experts import _routed, _write_groups
 from covgrad.scores.rules import Call, Slot, _source_key, full_call
 
 try:
@@ -57,14 +57,9 @@ def _mlp_experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call:
         return
     W_up = module.up_proj.detach().to(torch.float32)  # (E, I, H)
     W_down = module.down_proj.detach().to(torch.float32)  # (E, H, I)
-    B, E, H = g.shape[0], W_up.shape[0], W_up.shape[2]
-    h = x.reshape(-1, H).to(torch.float32)  # (B·T, H), sample n owns rows [n·T, (n+1)·T)
-    go = g.reshape(-1, W_down.shape[1]).to(torch.float32)
-    index = _call_arg(call, 1, "top_k_index").reshape(h.shape[0], -1)
-    weights = _call_arg(call, 2, "top_k_weights").reshape(h.shape[0], -1).to(torch.float32)
-    routes = _Routes(index, weights, B, E)
-    xe = routes.rows(h)  # (m, H) each sorted pair's input
-    do = routes.rows(go, routes.w)  # (m, H) the gradient of its expert's weighted output
+    B, E = g.shape[0], W_up.shape[0]
+    routes, xe = _routed(x, call, B, E)  # xe (m, H): each sorted pair's input
+    do = routes.rows(g.reshape(-1, W_down.shape[1]).to(torch.float32), routes.w)  # (m, H) weighted output grads
     with torch.enable_grad():
         u = routes.times(xe, W_up.transpose(1, 2)).detach().requires_grad_(s_up is not None)  # (m, I)
         a = module.act_fn(u)

@@ -230,7 +230,7 @@ class OpTaps:
         with torch._C.DisableTorchFunction():
             out = fn(*args, **kwargs)
         if data:
-            self._data.update(id(t) for t in tree_flatten(out)[0] if isinstance(t, Tensor))
+            _mark_data(self._data, out, deep=True)
         return out
 
     def reset(self) -> None:
@@ -326,10 +326,7 @@ class OpTaps:
             if not attribute:
                 out = func(*args, **kwargs)
             if data:
-                if isinstance(out, Tensor):
-                    data_ids.add(id(out))
-                elif out is not None:  # (None: an in-place setter's)
-                    data_ids.update(map(id, _tensors((out,), {})))
+                _mark_data(data_ids, out)
             return out
         if not data:
             return self._derive(func, args, kwargs, record_of or {})
@@ -409,10 +406,7 @@ class OpTaps:
         # not verified yet: the data inputs computed inside the forward, probed then (read before the op runs)
         inner = _inner(record, data, modes) if layout is None else []
         out = func(*args, **kwargs)
-        if isinstance(out, Tensor):
-            data_ids.add(id(out))
-        else:
-            data_ids.update(map(id, _tensors((out,), {})))
+        _mark_data(data_ids, out)
         if any(d.record is not record for d in derived):
             for rec in {id(d.record): d.record for d in derived}.values():
                 rec.reason = rec.reason or f"{_name(func)} combines parameters of two tapped modules"
@@ -619,6 +613,16 @@ def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
                 if isinstance(b, Tensor):
                     found.append(b)
     return found
+
+
+def _mark_data(data: set[int], out: object, deep: bool = False) -> None:
+    """Add the ids of a call's output tensors to ``data``: the output itself, or the tensors it holds one level deep
+    (an op's tuple), at any depth with ``deep`` (a quiet call's: a module's nested outputs); None (an in-place
+    setter's) holds none."""
+    if isinstance(out, Tensor):
+        data.add(id(out))
+    elif out is not None:
+        data.update(id(t) for t in (tree_flatten(out)[0] if deep else _tensors((out,), {})) if isinstance(t, Tensor))
 
 
 def _name(func: Callable) -> str:
