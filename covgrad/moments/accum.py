@@ -384,11 +384,16 @@ class MomentAccumulator:
     def _workspace(self, B: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
         """Reused buffers (B, n), (2H, n), (H, n) of the state dtype: fresh large allocations would page-fault
         on every fold step."""
-        size = B * max(n, min(self.P, max(1, self._fold_elements // B)))
-        if self._work is None or self._work[0].numel() < size:
-            rows = (B, 2 * self.H, self.H)
-            self._work = tuple(torch.empty(r * size // B, dtype=self.dtype, device=self.device) for r in rows)
-        return tuple(w[: r * n].view(r, n) for w, r in zip(self._work, (B, 2 * self.H, self.H), strict=True))
+        rows = (B, 2 * self.H, self.H)
+        cols = max(n, min(self.P, max(1, self._fold_elements // B)))
+        if self._work is None or any(w.numel() < r * n for w, r in zip(self._work, rows, strict=True)):
+            # grown per buffer: a later batch of fewer samples folds more columns at once (its step is wider)
+            old = self._work or (None,) * 3
+            self._work = tuple(
+                torch.empty(max(r * cols, 0 if w is None else w.numel()), dtype=self.dtype, device=self.device)
+                for w, r in zip(old, rows, strict=True)
+            )
+        return tuple(w[: r * n].view(r, n) for w, r in zip(self._work, rows, strict=True))
 
     def end_batch(self) -> None:
         """Commit the batch's advantage moments (after every tensor of the batch is folded)."""
