@@ -138,6 +138,10 @@ class ShardAccumulator:
         formed: :meth:`fold` would drop all of it)."""
         return next(self.columns.pieces(offset, offset + n), None) is not None
 
+    def by_column(self) -> bool:
+        """Whether the rank's folds compute every column on its own (:meth:`MomentAccumulator.by_column`)."""
+        return self.acc.by_column()
+
     def row_spans(self, offset: int, first: int, end: int, row: int) -> list[tuple[int, int]] | None:
         """Rows [r0, r1) of a tensor's rows [first, end) (``row`` columns each, row ``first`` at global column
         ``offset``) that this rank owns, for the engine to form in row chunks starting at each r0; None

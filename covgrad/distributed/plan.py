@@ -314,7 +314,8 @@ def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int, al
     rows on the unsharded grid (so that every formed chunk is the unsharded run's); a rank forms each chunk
     that holds one of its dim-0 shard's rows, the chunk's rows within the tensor. With ``aligned``
     (``scores.rank_chunks``) the chunks start at the rank's shard, so it forms its shard's rows only. Any other
-    tensor is formed whole by every rank. Sum over ranks / P is 1 when no column is formed twice.
+    tensor is formed whole by every rank. A selection whose (B, P) block fits one chunk is that one chunk, formed
+    whole by every rank (unless aligned). Sum over ranks / P is 1 when no column is formed twice.
 
     Args:
         layout: whole tensors (``TensorEntry.rows`` covering dim 0); ranks: R; B: samples per batch;
@@ -324,6 +325,8 @@ def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int, al
     Returns:
         R integers, the columns rank r forms.
     """
+    if not aligned and 0 < B * layout.P * 4 <= chunk_bytes:
+        return [layout.P] * ranks
     out = [0] * ranks
     for e in layout.entries:
         rows = e.shape[0] if e.shape else 1

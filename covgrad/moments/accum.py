@@ -251,6 +251,13 @@ class MomentAccumulator:
         """Whether folding columns [offset, offset + n) changes this state: always (every column is kept)."""
         return True
 
+    def by_column(self) -> bool:
+        """Whether the started batch's folds compute every column on its own (the native kernel), so that one fold
+        of many tensors' columns gives the bytes of one fold per tensor; the eager fold's GEMMs round a column
+        by the width of their call."""
+        batch = self._batch
+        return batch is not None and batch.native is not None and self._compile_from is not None
+
     def row_spans(self, offset: int, first: int, end: int, row: int) -> list[tuple[int, int]] | None:
         """The rows of a tensor whose row chunks to form on a grid of their own (see
         :meth:`covgrad.distributed.fsdp.ShardAccumulator.row_spans`): None, every tensor's chunks on its own grid."""

@@ -8,7 +8,11 @@ accumulator and its buffer pooled for the next block. A Linear or Conv1D weight 
 even formed whole: its rule writes it in row chunks of :func:`default_chunk_bytes` into one reused buffer,
 each folded while it is still in cache. Calls whose tensors all have a contribution still to come (a tied
 embedding's LM-head product) are held back until one of them gets its last, so a tied embedding's (B, V, H)
-block lives only from the embedding's gradient to its fold.
+block lives only from the embedding's gradient to its fold. A selection whose whole (B, P) block fits one chunk
+(a small model, a selection of norms) is one chunk: every tensor's block is a view of one reused (B, P) buffer
+(of the output rows when there are rows), folded at the end of the backward: in one call where the fold computes
+column by column (the native kernel), tensor by tensor where it does not (a first batch's GEMMs), so that the
+state's bytes do not depend on the staging.
 
 Shape notation: B samples in the batch, P selected parameter elements, numel one tensor's elements.
 """
@@ -115,6 +119,9 @@ class Blocks:
         # every forward and backward, when the activations peak.
         self.pool: list[Tensor] = []
         self.skipped_columns = 0
+        # The (B, P) buffer of a selection that fits one chunk, reused across calls; staged: this backward uses it.
+        self.stage: Tensor | None = None
+        self.staged = False
 
     def begin(self, B: int, chunk_bytes: int | None) -> None:
         """Start a call of B samples whose row chunks are ``chunk_bytes`` long (None: the device's default)."""
@@ -134,6 +141,24 @@ class Blocks:
         self.written, self.folded, self.in_flight, self.deferred = set(), set(), {}, []
         self.whole = {}
         self.pending = dict(calls)
+        self.staged = (
+            acc is not None
+            and not getattr(acc, "aligned", False)
+            and self._fits_one_chunk(acc)
+            and (out is None or tuple(out.shape) == (self.B, acc.P))
+        )
+        if self.staged and out is None:
+            need = self.B * acc.P
+            if self.stage is None or self.stage.numel() < need or self.stage.device != acc.device:
+                self.stage = torch.empty(need, dtype=torch.float32, device=acc.device)
+            self.out = self.stage[:need].view(self.B, acc.P)
+
+    def _fits_one_chunk(self, acc: MomentAccumulator) -> bool:
+        """Whether the whole selection's (B, P) float32 block fits one row chunk (P: the layout's, also of a rank's
+        :class:`covgrad.distributed.fsdp.ShardAccumulator`, which then forms the one chunk as the single-process
+        run does and folds its columns of it; an ``aligned`` one forms only its own rows and is never staged)."""
+        limit = default_chunk_bytes(acc.device.type) if self.chunk_bytes is None else self.chunk_bytes
+        return 0 < self.B * acc.P * 4 <= limit
 
     def finish_target(self, entries: tuple[TensorEntry, ...] | list[TensorEntry]) -> None:
         """End one backward: run the held calls, then give every tensor its rows (zero where the parameter does
@@ -145,8 +170,17 @@ class Blocks:
                 self.take_rows(e)
             if e.name not in self.written and out is not None:  # the parameter does not reach the logits
                 out[:, e.offset : e.offset + e.numel].zero_()
-            if acc is not None and e.name not in self.folded:  # not reached, or a call without a backward
+            if acc is not None and e.name not in self.folded and not self.staged:  # not reached, or no backward
                 self.fold(e)
+        if self.staged:  # the selection's one chunk: one fold where its bytes are those of a fold per tensor
+            if acc.by_column():
+                acc.fold(0, out)
+            for e in entries:
+                block = out[:, e.offset : e.offset + e.numel]
+                if not acc.by_column():
+                    acc.fold(e.offset, block)
+                if self.check is not None:
+                    self.check.compare(e, block)
 
     def end(self) -> None:
         """Drop the call's state (the pool and the row-chunk buffer stay)."""
@@ -154,6 +188,7 @@ class Blocks:
         self.written, self.folded, self.pending, self.in_flight = set(), set(), {}, {}
         self.calls, self.whole = {}, {}
         self.deferred = []
+        self.staged = False
 
     def block(self, entry: TensorEntry) -> Tensor:
         """The (B, numel) float32 per-sample block of ``entry``: a view of the output rows, or its own
@@ -312,6 +347,8 @@ class Blocks:
             return
         self.flush_deferred(set(names))
         apply()
+        if self.staged:  # the selection's one chunk is folded once, at the end
+            return
         for entry in local.values():
             if self.pending[entry.name] == 0 and entry.name not in self.folded:  # chunked ones are folded
                 self.fold(entry)

@@ -178,23 +178,29 @@ def test_shard_accumulator_folds_only_its_columns() -> None:
         merge_states(parts[:1], columns[:1], layout.P)
 
 
+@pytest.mark.parametrize("one_chunk", [False, True], ids=["chunks", "one-chunk"])
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("family", ["llama-tied", "llama-untied"])
-def test_plan_counts_the_columns_each_rank_forms(family: str, ranks: int) -> None:
+def test_plan_counts_the_columns_each_rank_forms(family: str, ranks: int, one_chunk: bool) -> None:
     """``covgrad.distributed.plan.formed_columns`` against the engine: a rank's PerSampleGrads with its
-    ShardAccumulator leaves unformed exactly the columns the plan does not count."""
+    ShardAccumulator leaves unformed exactly the columns the plan does not count (a selection whose (B, P) block
+    fits one chunk: every rank forms all of it)."""
     model = _model(family)
     layout = select_parameters(model)
-    want = formed_columns(layout, ranks, 4, CHUNK_BYTES)
+    chunk_bytes = 4 * 4 * layout.P if one_chunk else CHUNK_BYTES
+    want = formed_columns(layout, ranks, 4, chunk_bytes)
     batch, a, h = _batches()[0]
     fn = lambda z: score_logit_grad(z, batch["input_ids"], batch["target_mask"])  # noqa: E731
     for r in range(ranks):
         cols = RankColumns.of(layout, ranks, r)
-        psg = PerSampleGrads(model, layout, check=False, chunk_bytes=CHUNK_BYTES)
+        psg = PerSampleGrads(model, layout, check=False, chunk_bytes=chunk_bytes)
         shard = ShardAccumulator(MomentAccumulator(cols.P, "cpu"), cols, layout.P)
         psg.accumulate(batch["input_ids"], batch["attention_mask"], fn, shard, a, h, batch["position_ids"])
         assert layout.P - psg.skipped_columns == want[r], f"rank {r}"
-    assert sum(want) > layout.P  # the tiny models' row chunks straddle rank boundaries: some formed twice
+    if one_chunk:
+        assert want == [layout.P] * ranks
+    else:  # the tiny models' row chunks straddle rank boundaries: some formed twice
+        assert sum(want) > layout.P
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -390,11 +390,12 @@ def test_fused_self_check_catches_rule_mismatch(chunk_bytes):
 
 
 def test_fused_reduction_never_holds_all_blocks():
-    """Untied model: at every fold, the blocks in flight are a small part of B × P."""
+    """Untied model whose (B, P) block is larger than one chunk: at every fold, the blocks in flight are a small part
+    of B × P."""
     model = llama(tied=False)
     layout = select_parameters(model)
     batch = make_batch(33, **BATCH)
-    psg = PerSampleGrads(model, layout, check=False)
+    psg = PerSampleGrads(model, layout, check=False, chunk_bytes=4 * 4 * layout.P - 1)
     acc = MomentAccumulator(layout.P, "cpu")
     in_flight = []
     real_fold = acc.fold
@@ -458,3 +459,24 @@ def test_compiled_fold_without_a_native_build_is_the_torch_compile_kernel(monkey
         assert acc.fold_path == "compiled"
         states.append(state(acc))
     assert_close(states[1], states[0], 1e-12)
+
+
+def test_eager_fold_takes_a_smaller_later_batch():
+    """Batches of 8, 2 and 8 samples folding blocks wider than the eager fold's step: the later batch of 2 folds
+    four times the columns per step, and the reused workspace grows for it (no shape error); the state is numpy
+    float64's moments."""
+    P = 3 * (accum.FOLD_ELEMENTS["cpu"] // 8) + 5
+    gen = np.random.default_rng(7)
+    acc = MomentAccumulator(P, "cpu", compiled=False)
+    blocks, advantages, halves = [], [], []
+    for B in (8, 2, 8):
+        block = gen.standard_normal((B, P)).astype(np.float32)
+        a, half = gen.standard_normal(B), np.arange(B) % 2
+        acc.begin_batch(a, half)
+        acc.fold(0, torch.from_numpy(block))
+        acc.end_batch()
+        blocks.append(block)
+        advantages.append(a)
+        halves.append(half)
+    want = numpy_moments(np.concatenate(blocks), np.concatenate(advantages), np.concatenate(halves))
+    assert_close(state(acc), want, 1e-9)
