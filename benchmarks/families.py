@@ -154,10 +154,11 @@ def batched_backward(model: nn.Module, ids: Tensor, attn: Tensor, pos: Tensor, t
 
 
 class _Timer:
-    """Process CPU time spent inside wrapped callables, by label; a nested call's time counts in both."""
+    """Process CPU time spent in a pass's per-sample rules and fold, measured in a pass of its own (:meth:`parts`),
+    so that the wrappers' own cost never enters the timed pass of the ratio."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock, self.spent = clock, {}
+    def __init__(self, clock: Callable[[], float], psg: PerSampleGrads, acc: MomentAccumulator) -> None:
+        self.clock, self.psg, self.acc, self.spent = clock, psg, acc, {}
 
     def wrap(self, label: str, fn: Callable) -> Callable:
         def timed(*args: object, **kwargs: object) -> object:
@@ -169,28 +170,36 @@ class _Timer:
 
         return timed
 
+    def parts(self, batch: tuple) -> tuple[float, float]:
+        """One more fused reduction of ``batch`` with the rules and the fold wrapped: seconds in the rules (the
+        fold's excluded; folds run inside the rules' calls) and in the fold."""
+        _, attn, pos, _, fn, adv, half = batch
+        blocks, self.spent = self.psg._blocks, {}
+        self.acc.fold = self.wrap("fold", self.acc.fold)
+        blocks.run_rule = self.wrap("rules", blocks.run_rule)
+        try:
+            self.psg.accumulate(batch[0], attn, fn, self.acc, adv, half, pos)
+        finally:
+            del self.acc.fold, blocks.run_rule  # the class's methods again
+        fold = self.spent.get("fold", 0.0)
+        return self.spent.get("rules", 0.0) - fold, fold
+
 
 def _side_by_side(
-    clock: Callable[[], float],
-    timer: _Timer,
-    model: nn.Module,
-    psg: PerSampleGrads,
-    acc: MomentAccumulator,
-    batch: tuple,
+    clock: Callable[[], float], timer: _Timer, model: nn.Module, batch: tuple
 ) -> tuple[float, float, tuple[float, float]]:
-    """One repetition: the floor (a batched backward), then the fused per-sample reduction; seconds of each and the
-    reduction's (rules, fold) seconds (folds run inside the rules' calls)."""
+    """One repetition: the floor (a batched backward), then the fused per-sample reduction, unwrapped; seconds of
+    each, and the (rules, fold) seconds of one more, wrapped reduction (:meth:`_Timer.parts`)."""
     ids, attn, pos, target, fn, adv, half = batch
+    psg, acc = timer.psg, timer.acc
     t = clock()
     batched_backward(model, ids, attn, pos, target)
     floor = clock() - t
     model.zero_grad(set_to_none=True)
-    timer.spent = {}
     t = clock()
     psg.accumulate(ids, attn, fn, acc, adv, half, pos)
     ours = clock() - t
-    fold = timer.spent.get("fold", 0.0)
-    return floor, ours, (timer.spent.get("rules", 0.0) - fold, fold)
+    return floor, ours, timer.parts(batch)
 
 
 def run_arch(args: argparse.Namespace) -> None:
@@ -237,14 +246,11 @@ def run_arch(args: argparse.Namespace) -> None:
             label = f"{name}{suffix}" + (f" ({'/'.join(paths)})" if paths and with_generic else "")
             if compiled and acc.fold_path != "compiled":
                 print(f"  fold: {acc.fold_path}")
-            timer = _Timer(clock)
-            acc.fold = timer.wrap("fold", acc.fold)
-            psg._blocks.run_rule = timer.wrap("rules", psg._blocks.run_rule)
-            runs.append((label, layout.P, n_generic, psg, acc, timer, [], [], []))
+            runs.append((label, layout.P, n_generic, psg, acc, _Timer(clock, psg, acc), [], [], []))
         batched_backward(model, ids, attn, pos, target)
         for _ in range(args.reps):
-            for _, _, _, psg, acc, timer, floor, ours, parts in runs:
-                f, o, part = _side_by_side(clock, timer, model, psg, acc, (ids, attn, pos, target, fn, adv, half))
+            for *_, timer, floor, ours, parts in runs:
+                f, o, part = _side_by_side(clock, timer, model, (ids, attn, pos, target, fn, adv, half))
                 floor.append(f)
                 ours.append(o)
                 parts.append(part)
@@ -381,13 +387,11 @@ def run_matrix(args: argparse.Namespace) -> None:
                 acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=compiled)
                 psg.accumulate(ids, attn, fn, acc, adv, half, pos)
             paths = paths_of(psg)
-            timer = _Timer(clock)
-            acc.fold = timer.wrap("fold", acc.fold)
-            psg._blocks.run_rule = timer.wrap("rules", psg._blocks.run_rule)
+            timer = _Timer(clock, psg, acc)
             batched_backward(model, ids, attn, pos, target)
             floor, ours, parts = [], [], []
             for _ in range(args.reps):
-                f, o, part = _side_by_side(clock, timer, model, psg, acc, (ids, attn, pos, target, fn, adv, half))
+                f, o, part = _side_by_side(clock, timer, model, (ids, attn, pos, target, fn, adv, half))
                 floor.append(f)
                 ours.append(o)
                 parts.append(part)
@@ -496,18 +500,15 @@ def run_node(args: argparse.Namespace) -> None:
                 psg._fused = []  # the class's forward: autograd's backward through it, the rule's recompute
             acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=args.fold == "compiled")
             psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
-            timer = _Timer(clock)
-            psg._blocks.run_rule = timer.wrap("rules", psg._blocks.run_rule)
-            runs.append((psg, acc, timer, [], []))
+            runs.append((psg, acc, _Timer(clock, psg, acc), [], []))
         if not runs:
             continue
         share = paths_of(runs[-1][0]).get("experts", 0) / layout.P
         for _ in range(args.reps):
-            for psg, acc, timer, ratios, rules in runs:
-                timer.spent = {}
-                f, o, _ = _side_by_side(clock, timer, model, psg, acc, (ids, attn, pos, target, fn, adv, half))
+            for _, _, timer, ratios, rules in runs:
+                f, o, (r, fold) = _side_by_side(clock, timer, model, (ids, attn, pos, target, fn, adv, half))
                 ratios.append(o / f)
-                rules.append(timer.spent.get("rules", 0.0))
+                rules.append(r + fold)
         (r0, m0), (r1, m1) = ((statistics.median(r), 1e3 * statistics.median(m)) for *_, r, m in runs)
         print(f"| {name} | {100 * share:.0f} | {r0:.2f} | {r1:.2f} | {m0:.1f} → {m1:.1f} |", flush=True)
 
