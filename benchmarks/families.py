@@ -64,6 +64,7 @@ from covgrad.layout import select_parameters
 from covgrad.moments import MomentAccumulator
 from covgrad.scores import PerSampleGrads, generic_rule, opgrads, rmsnorm_rule, rule_for, score_logit_grad
 from covgrad.scores import experts as score_experts
+from covgrad.scores.dense_experts import _dense_experts_rule
 from covgrad.scores.mlp_experts import _mlp_experts_rule
 
 
@@ -334,7 +335,7 @@ def paths_of(psg: PerSampleGrads) -> dict[str, int]:
         for e in local.values():
             if rule is generic_rule:
                 path = ops[e.name]
-            elif rule in (score_experts._experts_rule, score_experts._dense_experts_rule, _mlp_experts_rule):
+            elif rule in (score_experts._experts_rule, _dense_experts_rule, _mlp_experts_rule):
                 path = "experts"
             elif rule is score_experts._routed_experts_rule:
                 path = score_experts.experts_path(module) or "routed"

@@ -18,9 +18,8 @@ from torch import nn
 from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.pytorch_utils import Conv1D
 
+from covgrad.scores.dense_experts import _dense_experts_ok, _dense_experts_rule
 from covgrad.scores.experts import (
-    _dense_experts_ok,
-    _dense_experts_rule,
     _experts_params,
     _experts_rule,
     _fused_experts_ok,

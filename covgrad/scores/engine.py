@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from covgrad.layout import ParamLayout, TensorEntry
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores.blocks import Blocks
+from covgrad.scores.dense_experts import _dense_experts_ok, dense_forward
 from covgrad.scores.experts import _fused_experts_ok, fused_forward
 from covgrad.scores.hooks import forward_hook
 from covgrad.scores.opgrads import Crossed
@@ -144,9 +145,10 @@ class PerSampleGrads:
         self._params = [params[e.name] for e in layout.entries]
         self._modules = list(model.named_modules())  # what every call checks (eval mode) and freezes
         self._names = {id(m): name for name, m in self._modules}
-        # fused experts run as one autograd node in every pass, selected or not, so that a tensor's rows do not
-        # depend on which others are selected (covgrad.scores.experts.fused_forward)
-        self._fused = [m for _, m in self._modules if _fused_experts_ok(m)]
+        # fused and dense experts run as one autograd node in every pass, selected or not, so that a tensor's rows
+        # do not depend on which others are selected (covgrad.scores.experts.fused_forward, dense_experts)
+        self._fused = [(m, fused_forward) for _, m in self._modules if _fused_experts_ok(m)]
+        self._fused += [(m, dense_forward) for _, m in self._modules if _dense_experts_ok(m)]
         # Set by the first call's trace (_trace): parameter uses checked, and (first call with B ≥ 2) which
         # hooked modules run on a flattened (B·L, …) batch whose row n·L + t is sample n's position t.
         self._traced = False
@@ -389,7 +391,7 @@ class PerSampleGrads:
                     handles += self._taps.hooks(module, local)
                 else:
                     handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
-            handles += [fused_forward(self, module) for module in self._fused]
+            handles += [node(self, module) for module, node in self._fused]
             with torch.enable_grad():
                 logits = self.model(**inputs, use_cache=False).logits
                 calls = dict(blocks.calls)  # module calls per tensor: the contributions each backward brings

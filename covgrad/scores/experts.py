@@ -8,7 +8,7 @@ Qwen2-MoE, DeepSeek, …, and GPT-OSS's), take :func:`_experts_rule`: closed-for
 (token, k) pairs sorted by (expert, sample), as segmented GEMMs (:class:`_Groups`); in a pass of
 :class:`covgrad.scores.engine.PerSampleGrads` they run as one autograd node (:class:`_FusedExperts`,
 :func:`fused_forward`) whose forward the rule reads and whose backward reuses the rule's δ. Llama 4's dense experts
-(:func:`_dense_experts_ok`, by source text) take :func:`_dense_experts_rule`. An experts block of any other class is
+take :func:`covgrad.scores.dense_experts._dense_experts_rule`, the same way. An experts block of any other class is
 recognised by its shape (:func:`experts_shape`: parameters stacked along a leading expert dimension, or a ModuleList of
 E look-alike experts) and takes :func:`_routed_experts_rule`, which runs its own forward once with every expert copied
 per sample (E·B experts), verified once per module by a probe (:func:`_routed_separates`); where the probe fails the
@@ -42,10 +42,6 @@ try:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 except ImportError:
     GptOssExperts = None
-try:
-    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
-except ImportError:
-    Llama4TextExperts = None
 
 
 def _fused_experts_ok(module: nn.Module) -> bool:
@@ -458,46 +454,6 @@ def _experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Cal
         write(s_db, routes.sums(do))
     if s_gub is not None:
         write(s_gub, routes.sums(dgu))
-
-
-def _dense_experts_ok(module: nn.Module) -> bool:
-    """Whether ``module`` runs Llama 4's dense experts forward (by its source text): an (E·N, H) input viewed as
-    (E, N, H), every row through its expert, ``act(gate) ⊙ up`` on the halves of ``x @ gate_up_proj`` (E, H, 2I),
-    then ``@ down_proj`` (E, I, H); those two tensors its only parameters."""
-    if Llama4TextExperts is None or _source_key(type(module).forward) != _source_key(Llama4TextExperts.forward):
-        return False
-    return {n for n, _ in module.named_parameters()} == {"gate_up_proj", "down_proj"}
-
-
-@full_call
-def _dense_experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call: Call) -> None:
-    """Llama 4's dense experts (:func:`_dense_experts_ok`): every token once per expert, the rows expert-major (row
-    (e·B + n)·T + t of the call is sample n's position t for expert e, as the first call's trace found; the rule
-    reads the call's rows as they are and the output gradient as the hook hands it over, (B, E·T, …)). Per sample
-    and expert, ∂G_e = Σ_t x_{e,t} δ_{e,t}ᵀ (H, 2I) and ∂D_e = Σ_t a_{e,t} g_{e,t}ᵀ (I, H) over the sample's T rows
-    of expert e, with a = act(gate) ⊙ up and δ its vector-Jacobian product on the halves: the forward's and ∂a's
-    products once over all rows per expert, then one batched product per tensor over the E·B (expert, sample)
-    blocks, in float32."""
-    W_gu, W_d = module.gate_up_proj.detach().to(torch.float32), module.down_proj.detach().to(torch.float32)
-    B, (E, H, _) = g.shape[0], W_gu.shape
-    xs = call.args[0].reshape(E, -1, H).to(torch.float32)  # (E, B·T, H): the call's own expert-major rows
-    T = xs.shape[1] // B
-    gs = g.reshape(B, E, T, H).transpose(0, 1).reshape(E, B * T, H).to(torch.float32)
-    gate, up = torch.bmm(xs, W_gu).chunk(2, dim=-1)  # (E, B·T, I) each
-    da = torch.bmm(gs, W_d.transpose(1, 2))  # (E, B·T, I)
-    with torch.enable_grad():
-        gate = gate.detach().requires_grad_()
-        f = module.act_fn(gate)
-    (d_gate,) = torch.autograd.grad(f, gate, da * up)
-
-    def write(s: tuple[Tensor, bool] | None, left: Tensor, right: Tensor) -> None:
-        """Σ over each (expert, sample) block's T rows of left (E, B·T, p) × right (E, B·T, q) into s."""
-        if s is not None:
-            p, q = left.shape[-1], right.shape[-1]
-            _write_groups(s, torch.bmm(left.reshape(E * B, T, p).transpose(1, 2), right.reshape(E * B, T, q)), E, B)
-
-    write(slot("down_proj"), up * f.detach(), gs)
-    write(slot("gate_up_proj"), xs, torch.cat([d_gate, da * f.detach()], dim=-1))
 
 
 def _takes_routing(module: nn.Module) -> bool:

@@ -18,8 +18,8 @@ from torch import nn
 from covgrad.layout import ParamLayout, select_parameters
 from covgrad.moments.accum import MomentAccumulator
 from covgrad.scores import binding
-from covgrad.scores import experts as score_experts
 from covgrad.scores.centering import score_logit_grad
+from covgrad.scores.dense_experts import _dense_experts_rule
 from covgrad.scores.engine import PerSampleGrads
 from covgrad.scores.rules import generic_rule
 from tests.families.matrix import EXTRA, PADDING_SENSITIVE, REPLAY_REFUSED
@@ -287,6 +287,6 @@ def test_outer_major_rows_are_found_by_the_check(dense, monkeypatch):
     rules = {rule for m, rule, _ in psg.bindings() if m in experts.values()}
     paths = psg.generic_paths()
     taken = {path for name, path in paths.items() if name.rsplit(".", 1)[0] in experts}
-    assert (rules, taken) == (({score_experts._dense_experts_rule}, set()) if dense else ({generic_rule}, {"replay"}))
+    assert (rules, taken) == (({_dense_experts_rule}, set()) if dense else ({generic_rule}, {"replay"}))
     err, where = max_rel_err(layout, got, naive_scores(model, layout, batch))
     assert err < 1e-5, (err, where)
