@@ -24,8 +24,8 @@ names a few.
 ``--suite closed``: per family of the matrix whose op-level uses have a closed form other than the elementwise
 ones, the ratio with those closed forms and without them (the vmapped vjp), interleaved in one process.
 
-``--suite node``: per family of the matrix with fused experts (and the arch MoE), the ratio with each fused experts
-module run as one autograd node in the pass and with the class's forward, interleaved in one process.
+``--suite node``: per family of the matrix with fused or dense experts (and the arch MoE), the ratio with each such
+experts module run as one autograd node in the pass and with the class's forward, interleaved in one process.
 
 ``--suite norms``: the same Llama with its RMSNorms on the generic rule (torch.func vmap of each norm's own
 vector-Jacobian product, via a subclass whose forward is the same math written differently) against the
@@ -472,17 +472,18 @@ def run_closed(args: argparse.Namespace) -> None:
 
 
 def run_node(args: argparse.Namespace) -> None:
-    """Per family of the test matrix with fused experts (and the arch suite's DeepSeek-V3-style MoE, hidden 256, at B
-    8): the fused per-sample reduction with every fused experts module run as one autograd node
-    (:func:`covgrad.scores.experts.fused_forward`, the default) and with the class's forward and autograd's backward
-    through it (the rule then recomputes the gate's input and ∂a), interleaved repetition by repetition."""
+    """Per family of the test matrix with fused or dense experts (and the arch suite's DeepSeek-V3-style MoE, hidden
+    256, at B 8): the fused per-sample reduction with every such experts module run as one autograd node
+    (:func:`covgrad.scores.experts.fused_forward`, :func:`covgrad.scores.dense_experts.dense_forward`, the default)
+    and with the class's forward and autograd's backward through it (the rule then recomputes the gate's input and
+    ∂a), interleaved repetition by repetition."""
     from tests.families.matrix import MATRIX
     from tests.helpers.persample import V
 
     names = args.families.split(",") if args.families else [*MATRIX, "deepseek-v3-moe (arch)"]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"B={args.batch} (arch: 8), L={args.length}, reps={args.reps}, threads={torch.get_num_threads()}")
-    print("| family | fused experts % of P | ratio, class forward | ratio, one node | rules ms, class → node |")
+    print("| family | experts % of P | ratio, class forward | ratio, one node | rules ms, class → node |")
     print("|---|---:|---:|---:|---:|")
     for name in names:
         arch = name.endswith("(arch)")
