@@ -1,5 +1,6 @@
-"""A selection whose whole (B, P) block fits one row chunk is folded once per backward (covgrad.scores.blocks): the
-state is the per-tensor folds' state, the self-check still sees every tensor, and a larger selection is not staged."""
+"""A selection whose whole (B, P) block fits one row chunk is one chunk, folded at the end of the backward
+(covgrad.scores.blocks): the state is the per-tensor folds' bytes, the self-check still sees every tensor, the buffer
+is reused, and a selection one byte larger than the chunk is not staged."""
 
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def test_one_chunk_state_is_the_per_tensor_folds_bytes(name, compiled):
     staged, calls, _ = _run(model, layout, batches, one, compiled)
     assert calls == per_tensor + [whole] * 2 if compiled else per_tensor * 3
     apart, calls, _ = _run(model, layout, batches, 0, compiled)
+    assert whole not in calls and len(calls) >= 3 * len(layout.entries)
+    _, calls, _ = _run(model, layout, batches, one - 1, compiled)  # one byte short of the chunk: not staged
     assert whole not in calls and len(calls) >= 3 * len(layout.entries)
     for key, value in staged.rows().items():
         assert value.tobytes() == apart.rows()[key].tobytes(), key
