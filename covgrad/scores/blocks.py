@@ -173,11 +173,12 @@ class Blocks:
             if acc is not None and e.name not in self.folded and not self.staged:  # not reached, or no backward
                 self.fold(e)
         if self.staged:  # the selection's one chunk: one fold where its bytes are those of a fold per tensor
-            if acc.by_column():
+            whole = acc.by_column()
+            if whole:
                 acc.fold(0, out)
             for e in entries:
                 block = out[:, e.offset : e.offset + e.numel]
-                if not acc.by_column():
+                if not whole:
                     acc.fold(e.offset, block)
                 if self.check is not None:
                     self.check.compare(e, block)
