@@ -163,6 +163,10 @@ def _worker(rank: int, ranks: int, init: str, outdir: str) -> None:
         dist.barrier()  # no rank tears its connections down while another is still in a collective
     finally:
         dist.destroy_process_group()
+    # A rank of one CI run aborted with "terminate called without an active exception" (a C++ thread destroyed while
+    # running; the log does not say where). With its records written and the group destroyed, a rank now leaves
+    # without the interpreter's teardown, where the rest of its threads would be destroyed; an error still raises.
+    os._exit(0)
 
 
 def _same(got: list[dict], want: list[dict], what: str) -> None:
