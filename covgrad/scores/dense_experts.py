@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from covgrad.scores.activations import act_vjp
 from covgrad.scores.experts import _Restore, _write_groups
 from covgrad.scores.rules import Call, Slot, _source_key, full_call
 
@@ -54,12 +55,10 @@ class _DenseCall:
 
 def _dgu(module: nn.Module, gate: Tensor, up: Tensor, f: Tensor, gs: Tensor, W_d: Tensor) -> Tensor:
     """The gradient of x @ gate_up_proj (E, N, 2I) float32 from the output gradient gs (E, N, H) float32: ∂a = gs
-    D_eᵀ, then [∂gate; ∂up] = [act'(gate) ⊙ ∂a ⊙ up; ∂a ⊙ f] (act's own vector-Jacobian product)."""
+    D_eᵀ, then [∂gate; ∂up] = [act'(gate) ⊙ ∂a ⊙ up; ∂a ⊙ f] (act's vector-Jacobian product:
+    :func:`covgrad.scores.activations.act_vjp`)."""
     da = torch.bmm(gs, W_d.transpose(1, 2))  # (E, N, I)
-    with torch.enable_grad():
-        leaf = gate.detach().requires_grad_()
-        (d_gate,) = torch.autograd.grad(module.act_fn(leaf), leaf, da * up)
-    return torch.cat([d_gate, da * f], dim=-1)
+    return torch.cat([act_vjp(module.act_fn, gate, da * up), da * f], dim=-1)
 
 
 class _DenseExperts(torch.autograd.Function):

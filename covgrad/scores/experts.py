@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from covgrad.scores.activations import act_vjp, clamp_mask, glu_forward, glu_vjp
 from covgrad.scores.rules import _LOW, Call, Slot, _source_key, float_outputs, full_call, generic_rule
 
 try:  # fused expert tensors arrived with transformers 5; older versions keep one Linear per expert
@@ -224,8 +225,8 @@ def _gate_form(cls: type) -> str | None:
 def _gate(module: nn.Module, gu: Tensor, da: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """The module's gate on the rows ``gu`` (m, 2I): its output (m, I) and, where the output gradient ``da``
     (m, I) is given, its vector-Jacobian product (m, 2I), in the layout of ``gu``. A gate u(up) ⊙ f(gate) of a
-    known form (:func:`_gate_form`) differentiates f alone and the product and u by hand, the operations autograd
-    runs for them; any other gate is differentiated whole."""
+    known form (:func:`_gate_form`) differentiates the product, u and f by the operations and kernels autograd
+    runs for them (:mod:`covgrad.scores.activations`); any other gate is differentiated whole by autograd."""
     form = _gate_form(type(module))
     if form is None:
         with torch.enable_grad():
@@ -238,23 +239,23 @@ def _gate(module: nn.Module, gu: Tensor, da: Tensor | None) -> tuple[Tensor, Ten
         return t.chunk(2, dim=-1) if form == "default" else (t[..., ::2], t[..., 1::2])
 
     gate, up = halves(gu)
-    with torch.enable_grad():
-        gate = gate.detach().requires_grad_(da is not None)
-        if form == "default":
-            f, factor = module.act_fn(gate), up
-        else:
-            limit = module.limit
-            clamped = gate.clamp(min=None, max=limit)
-            f, factor = clamped * torch.sigmoid(clamped * module.alpha), up.clamp(min=-limit, max=limit) + 1
-    act = f.detach() * factor
+    if form == "default":
+        f, factor = module.act_fn(gate), up
+    else:
+        limit, alpha = module.limit, module.alpha
+        f, c, s = glu_forward(gate, limit, alpha)
+        factor = up.clamp(min=-limit, max=limit) + 1
+    act = f * factor
     if da is None:
         return act, None
     dgu = torch.empty_like(gu)
     d_gate, d_up = halves(dgu)
-    torch.mul(da, f.detach(), out=d_up)
-    if form == "gpt-oss":  # clamp's gradient: zero outside [-limit, limit]
-        d_up.masked_fill_((up < -limit) | (up > limit), 0.0)
-    d_gate.copy_(torch.autograd.grad(f, gate, da * factor)[0])
+    if form == "gpt-oss":
+        d_up.copy_(clamp_mask(da * f, up, -limit, limit))
+        d_gate.copy_(glu_vjp(gate, c, s, da * factor, limit, alpha))
+    else:
+        torch.mul(da, f, out=d_up)
+        d_gate.copy_(act_vjp(module.act_fn, gate, da * factor))
     return act, dgu
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from covgrad.scores.activations import act_vjp
 from covgrad.scores.experts import _routed, _write_groups
 from covgrad.scores.rules import Call, Slot, _source_key, full_call
 
@@ -60,11 +61,9 @@ def _mlp_experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, call:
     B, E = g.shape[0], W_up.shape[0]
     routes, xe = _routed(x, call, B, E)  # xe (m, H): each sorted pair's input
     do = routes.rows(g.reshape(-1, W_down.shape[1]).to(torch.float32), routes.w)  # (m, H) weighted output grads
-    with torch.enable_grad():
-        u = routes.times(xe, W_up.transpose(1, 2)).detach().requires_grad_(s_up is not None)  # (m, I)
-        a = module.act_fn(u)
+    u = routes.times(xe, W_up.transpose(1, 2))  # (m, I)
     if s_down is not None:
-        _write_groups(s_down, routes.outer_sums(do, a.detach()), E, B)
+        _write_groups(s_down, routes.outer_sums(do, module.act_fn(u)), E, B)
     if s_up is not None:
-        (delta,) = torch.autograd.grad(a, u, routes.times(do, W_down))  # (m, I)
+        delta = act_vjp(module.act_fn, u, routes.times(do, W_down))  # (m, I)
         _write_groups(s_up, routes.outer_sums(delta, xe), E, B)

@@ -1,0 +1,104 @@
+"""Vector-Jacobian products of the gates' activations, by the kernels autograd runs for them.
+
+An experts rule forms δ = ∂(gate input) for every routed (token, k) pair, (m, I) float32 per layer. Through
+``torch.autograd.grad`` that costs a graph and an engine run per call, a millisecond on a 2048 × 48 block, more
+than the grouped products around it; for the activations models use (SiLU, GELU exact and tanh, GPT-OSS's
+clamped GLU) :func:`act_vjp` and :func:`glu_vjp` call the backward kernels themselves (``aten.silu_backward``,
+``aten.gelu_backward``, ``aten.sigmoid_backward``) in autograd's order, so δ has the bytes autograd's would.
+Any other activation is differentiated by autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    from transformers.activations import GELUActivation, GELUTanh, SiLUActivation
+except ImportError:  # an older transformers: only torch's own modules are recognised
+    GELUActivation = GELUTanh = SiLUActivation = None
+
+_Kernel = Callable[[Tensor, Tensor], Tensor]
+
+
+def _silu(g: Tensor, x: Tensor) -> Tensor:
+    return torch.ops.aten.silu_backward(g, x)
+
+
+def _gelu(approximate: str) -> _Kernel:
+    return lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+
+
+def _gelu_call(fn: object) -> str | None:
+    """The ``approximate`` mode of a call to ``F.gelu`` (the function or a partial of it with that keyword only)."""
+    if fn is F.gelu:
+        return "none"
+    if isinstance(fn, functools.partial) and fn.func is F.gelu and not fn.args and set(fn.keywords) <= {"approximate"}:
+        return fn.keywords.get("approximate", "none")
+    return None
+
+
+def backward_kernel(act_fn: object) -> _Kernel | None:
+    """The kernel (grad (…), x (…)) ↦ grad ⊙ act_fn'(x) that autograd runs for ``act_fn``, or None where it is not
+    one of the recognised activations: ``F.silu``, ``nn.SiLU``, transformers' ``SiLUActivation``; ``F.gelu``,
+    ``nn.GELU``, transformers' ``GELUActivation`` and ``GELUTanh`` on torch's kernel (a hub kernel swapped into
+    ``SiLUActivation`` computes the same function, so the same derivative)."""
+    cls = type(act_fn)
+    if act_fn is F.silu or cls is nn.SiLU or cls is SiLUActivation:
+        return _silu
+    if cls is nn.GELU:
+        return _gelu(act_fn.approximate)
+    mode = _gelu_call(act_fn)
+    if mode is None and cls in (GELUActivation, GELUTanh):
+        mode = _gelu_call(act_fn.act)
+    return None if mode is None else _gelu(mode)
+
+
+def act_vjp(act_fn: Callable[[Tensor], Tensor], x: Tensor, g: Tensor) -> Tensor:
+    """grad ⊙ act_fn'(x): the vector-Jacobian product of the elementwise ``act_fn`` at x (…) for the output
+    gradient g (…), same shape; by the backward kernel where :func:`backward_kernel` knows one, else by autograd."""
+    kernel = backward_kernel(act_fn)
+    if kernel is not None:
+        return kernel(g, x)
+    with torch.enable_grad():
+        leaf = x.detach().requires_grad_()
+        return torch.autograd.grad(act_fn(leaf), leaf, g)[0]
+
+
+def glu_forward(gate: Tensor, limit: float, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+    """GPT-OSS's gate activation f = c ⊙ σ(α c), c = min(gate, limit), on gate (…): (f, c, σ(α c)), each (…)."""
+    c = gate.clamp(min=None, max=limit)
+    s = torch.sigmoid(c * alpha)
+    return c * s, c, s
+
+
+def glu_vjp(gate: Tensor, c: Tensor, s: Tensor, g: Tensor, limit: float, alpha: float) -> Tensor:
+    """The vector-Jacobian product of :func:`glu_forward` at gate (…) for the gradient g (…) of f, from its c and s:
+    ∂gate = 1[gate ≤ limit] (g s + α σ'(α c) g c), in autograd's order of operations (the product's two
+    gradients, the sigmoid's backward kernel, the clamp's mask: :func:`clamp_mask`), so the same bytes for finite
+    inputs."""
+    dc = g * s + torch.ops.aten.sigmoid_backward(g * c, s) * alpha
+    return clamp_mask(dc, gate, None, limit)
+
+
+def clamp_mask(g: Tensor, x: Tensor, low: float | None, high: float | None) -> Tensor:
+    """The gradient of ``x.clamp(low, high)`` for its output gradient g: g where low ≤ x ≤ high, 0 elsewhere (…),
+    for finite x. Autograd's ``where(mask, g, 0)`` runs as bool kernels that cost several times an elementwise
+    product on a CPU; ReLU's backward kernel ``threshold_backward(g, y, t)`` (0 where y ≤ t) does it in one pass,
+    with the bound moved to the next representable value so that x = bound keeps its gradient, as autograd's does."""
+    if low is not None:  # 0 where x < low, i.e. x ≤ the float before low
+        g = torch.ops.aten.threshold_backward(g, x, _before(low, x.dtype))
+    if high is not None:  # 0 where x > high, i.e. -x ≤ the float before -high
+        g = torch.ops.aten.threshold_backward(g, -x, _before(-high, x.dtype))
+    return g
+
+
+@functools.lru_cache(maxsize=64)
+def _before(value: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` value below ``value`` (rounded to ``dtype`` first)."""
+    v = torch.tensor(value, dtype=dtype)
+    return torch.nextafter(v, torch.tensor(-torch.inf, dtype=dtype)).item()
