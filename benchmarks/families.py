@@ -496,10 +496,10 @@ def run_node(args: argparse.Namespace) -> None:
         runs = []
         for node in (False, True):
             psg = PerSampleGrads(model, layout, check=True)
-            if not psg._fused:
+            if not psg._nodes:
                 break
             if not node:
-                psg._fused = []  # the class's forward: autograd's backward through it, the rule's recompute
+                psg._nodes = []  # the class's forward: autograd's backward through it, the rule's recompute
             acc = MomentAccumulator(layout.P, "cpu", "float64", compiled=args.fold == "compiled")
             psg.accumulate(ids, attn, fn, acc, adv, half, pos)  # warm-up, with the self-check
             runs.append((psg, acc, _Timer(clock, psg, acc), [], []))

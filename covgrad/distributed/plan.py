@@ -33,7 +33,7 @@ from covgrad.distributed.fsdp import shard_rows
 from covgrad.distributed.shardplan import HEADROOM, gb
 from covgrad.layout import ParamLayout, TensorEntry, split_blocks
 from covgrad.moments.accum import FOLD_ELEMENTS, state_bytes_per_param
-from covgrad.scores.blocks import chunk_rows, default_chunk_bytes
+from covgrad.scores.blocks import chunk_rows, default_chunk_bytes, fits_one_chunk
 
 
 @dataclass(frozen=True)
@@ -325,7 +325,7 @@ def formed_columns(layout: ParamLayout, ranks: int, B: int, chunk_bytes: int, al
     Returns:
         R integers, the columns rank r forms.
     """
-    if not aligned and 0 < B * layout.P * 4 <= chunk_bytes:
+    if not aligned and fits_one_chunk(B, layout.P, chunk_bytes):
         return [layout.P] * ranks
     out = [0] * ranks
     for e in layout.entries:

@@ -59,6 +59,11 @@ def chunk_rows(chunk_bytes: int, B: int, row: int) -> int:
     return max(1, chunk_bytes // (B * row * 4))
 
 
+def fits_one_chunk(B: int, P: int, chunk_bytes: int) -> bool:
+    """Whether a selection's whole (B, P) float32 per-sample block fits one row chunk, which it then is."""
+    return 0 < B * P * 4 <= chunk_bytes
+
+
 def _smallest_fit(pool: list[Tensor], need: int, device: torch.device) -> int | None:
     """Index in ``pool`` of the smallest buffer on ``device`` with ``need`` to ``2 * need`` elements (the first of
     equal ones), or None."""
@@ -144,7 +149,7 @@ class Blocks:
         self.staged = (
             acc is not None
             and not getattr(acc, "aligned", False)
-            and self._fits_one_chunk(acc)
+            and fits_one_chunk(self.B, acc.P, self._chunk_limit(acc.device))
             and (out is None or tuple(out.shape) == (self.B, acc.P))
         )
         if self.staged and out is None:
@@ -153,12 +158,12 @@ class Blocks:
                 self.stage = torch.empty(need, dtype=torch.float32, device=acc.device)
             self.out = self.stage[:need].view(self.B, acc.P)
 
-    def _fits_one_chunk(self, acc: MomentAccumulator) -> bool:
-        """Whether the whole selection's (B, P) float32 block fits one row chunk (P: the layout's, also of a rank's
-        :class:`covgrad.distributed.fsdp.ShardAccumulator`, which then forms the one chunk as the single-process
-        run does and folds its columns of it; an ``aligned`` one forms only its own rows and is never staged)."""
-        limit = default_chunk_bytes(acc.device.type) if self.chunk_bytes is None else self.chunk_bytes
-        return 0 < self.B * acc.P * 4 <= limit
+    def _chunk_limit(self, device: torch.device) -> int:
+        """Bytes of one row chunk in this call: its ``chunk_bytes``, else the device's default. The one-chunk test
+        uses the layout's P, also for a rank's :class:`covgrad.distributed.fsdp.ShardAccumulator`, which then
+        forms the one chunk as the single-process run does and folds its columns of it (an ``aligned`` one forms
+        only its own rows and is never staged)."""
+        return default_chunk_bytes(device.type) if self.chunk_bytes is None else self.chunk_bytes
 
     def finish_target(self, entries: tuple[TensorEntry, ...] | list[TensorEntry]) -> None:
         """End one backward: run the held calls, then give every tensor its rows (zero where the parameter does
@@ -260,7 +265,7 @@ class Blocks:
         if self.calls.get(entry.name) != 1 and entry.name not in self.adders:
             return None
         device = self.acc.device
-        limit = default_chunk_bytes(device.type) if self.chunk_bytes is None else self.chunk_bytes
+        limit = self._chunk_limit(device)
         if limit <= 0:
             return None
         self.written.add(entry.name)

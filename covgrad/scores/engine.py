@@ -147,8 +147,8 @@ class PerSampleGrads:
         self._names = {id(m): name for name, m in self._modules}
         # fused and dense experts run as one autograd node in every pass, selected or not, so that a tensor's rows
         # do not depend on which others are selected (covgrad.scores.experts.fused_forward, dense_experts)
-        self._fused = [(m, fused_forward) for _, m in self._modules if _fused_experts_ok(m)]
-        self._fused += [(m, dense_forward) for _, m in self._modules if _dense_experts_ok(m)]
+        self._nodes = [(m, fused_forward) for _, m in self._modules if _fused_experts_ok(m)]
+        self._nodes += [(m, dense_forward) for _, m in self._modules if _dense_experts_ok(m)]
         # Set by the first call's trace (_trace): parameter uses checked, and (first call with B ≥ 2) which
         # hooked modules run on a flattened (B·L, …) batch whose row n·L + t is sample n's position t.
         self._traced = False
@@ -391,7 +391,7 @@ class PerSampleGrads:
                     handles += self._taps.hooks(module, local)
                 else:
                     handles.append(module.register_forward_hook(self._forward_hook(B, rule, local), with_kwargs=True))
-            handles += [node(self, module) for module, node in self._fused]
+            handles += [node(self, module) for module, node in self._nodes]
             with torch.enable_grad():
                 logits = self.model(**inputs, use_cache=False).logits
                 calls = dict(blocks.calls)  # module calls per tensor: the contributions each backward brings
