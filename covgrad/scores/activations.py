@@ -76,29 +76,31 @@ def glu_forward(gate: Tensor, limit: float, alpha: float) -> tuple[Tensor, Tenso
     return c * s, c, s
 
 
-def glu_vjp(gate: Tensor, c: Tensor, s: Tensor, g: Tensor, limit: float, alpha: float) -> Tensor:
+def glu_vjp(
+    gate: Tensor, c: Tensor, s: Tensor, g: Tensor, limit: float, alpha: float, out: Tensor | None = None
+) -> Tensor:
     """The vector-Jacobian product of :func:`glu_forward` at gate (…) for the gradient g (…) of f, from its c and s:
     ∂gate = 1[gate ≤ limit] (g s + α σ'(α c) g c), in autograd's order of operations (the product's two
     gradients, the sigmoid's backward kernel, the clamp's mask: :func:`clamp_mask`), so the same bytes for finite
-    inputs."""
+    inputs; written into ``out`` (…) where given."""
     dc = g * s + torch.ops.aten.sigmoid_backward(g * c, s) * alpha
-    return clamp_mask(dc, gate, None, limit)
+    return clamp_mask(dc, gate, None, limit, out)
 
 
-def clamp_mask(g: Tensor, x: Tensor, low: float | None, high: float | None) -> Tensor:
+def clamp_mask(g: Tensor, x: Tensor, low: float | None, high: float | None, out: Tensor | None = None) -> Tensor:
     """The gradient of ``x.clamp(low, high)`` for its output gradient g: g where low ≤ x ≤ high, 0 elsewhere (…),
-    for finite x. Autograd's ``where(mask, g, 0)`` runs as bool kernels that cost several times an elementwise
-    product on a CPU; ReLU's backward kernel ``threshold_backward(g, y, t)`` (0 where y ≤ t) does it in one pass,
-    with the bound moved to the next representable value so that x = bound keeps its gradient, as autograd's does."""
-    if low is not None:  # 0 where x < low, i.e. x ≤ the float before low
-        g = torch.ops.aten.threshold_backward(g, x, _before(low, x.dtype))
-    if high is not None:  # 0 where x > high, i.e. -x ≤ the float before -high
-        g = torch.ops.aten.threshold_backward(g, -x, _before(-high, x.dtype))
-    return g
+    for finite x; written into ``out`` (…) where given. Autograd's ``where(mask, g, 0)`` runs as bool kernels that
+    cost several times an elementwise product on a CPU; hardtanh's backward kernel (0 where x ≤ lo or x ≥ hi) does
+    it in one pass, with the bounds moved out to the next representable values so that x = low and x = high keep
+    their gradient, as autograd's do."""
+    lo = -torch.inf if low is None else _next(low, x.dtype, -torch.inf)
+    hi = torch.inf if high is None else _next(high, x.dtype, torch.inf)
+    if out is None:
+        return torch.ops.aten.hardtanh_backward(g, x, lo, hi)
+    return torch.ops.aten.hardtanh_backward.grad_input(g, x, lo, hi, grad_input=out)
 
 
 @functools.lru_cache(maxsize=64)
-def _before(value: float, dtype: torch.dtype) -> float:
-    """The largest ``dtype`` value below ``value`` (rounded to ``dtype`` first)."""
-    v = torch.tensor(value, dtype=dtype)
-    return torch.nextafter(v, torch.tensor(-torch.inf, dtype=dtype)).item()
+def _next(value: float, dtype: torch.dtype, toward: float) -> float:
+    """The ``dtype`` value next to ``value`` (rounded to ``dtype`` first) in the direction of ``toward``."""
+    return torch.nextafter(torch.tensor(value, dtype=dtype), torch.tensor(toward, dtype=dtype)).item()

@@ -251,8 +251,8 @@ def _gate(module: nn.Module, gu: Tensor, da: Tensor | None) -> tuple[Tensor, Ten
     dgu = torch.empty_like(gu)
     d_gate, d_up = halves(dgu)
     if form == "gpt-oss":
-        d_up.copy_(clamp_mask(da * f, up, -limit, limit))
-        d_gate.copy_(glu_vjp(gate, c, s, da * factor, limit, alpha))
+        clamp_mask(da * f, up, -limit, limit, out=d_up)
+        glu_vjp(gate, c, s, da * factor, limit, alpha, out=d_gate)
     else:
         torch.mul(da, f, out=d_up)
         d_gate.copy_(act_vjp(module.act_fn, gate, da * factor))
