@@ -328,8 +328,8 @@ def test_one_prompt_group_leaves_only_the_crossfit_undefined(user_model, tmp_pat
 @pytest.mark.slow
 def test_sigkills_at_random_moments_then_rerun_is_byte_identical(reference, tmp_path):
     """SIGKILL a run of rollouts → scores → stats → masks → report at seeded random moments, resume
-    after each kill, then finish: every artifact's data equals the uninterrupted run's (8 kills; the
-    seed is printed, so a failure can be replayed)."""
+    after each kill, then finish: every artifact's data equals the uninterrupted run's (5 kills, each at a
+    fresh moment of a resumed run; the seed is printed, so a failure can be replayed)."""
     import random
     import time
 
@@ -345,7 +345,7 @@ def test_sigkills_at_random_moments_then_rerun_is_byte_identical(reference, tmp_
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     claims = []
-    for _ in range(8):
+    for _ in range(5):
         started, deadline = time.time(), time.monotonic() + 120
         child = forked.start(forked.chain, str(root))  # a child process
 
