@@ -22,15 +22,22 @@ try:
 except ImportError:  # an older transformers: only torch's own modules are recognised
     GELUActivation = GELUTanh = SiLUActivation = None
 
-_Kernel = Callable[[Tensor, Tensor], Tensor]
+_Kernel = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
-def _silu(g: Tensor, x: Tensor) -> Tensor:
-    return torch.ops.aten.silu_backward(g, x)
+def _silu(g: Tensor, x: Tensor, out: Tensor | None) -> Tensor:
+    if out is None:
+        return torch.ops.aten.silu_backward(g, x)
+    return torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out)
 
 
 def _gelu(approximate: str) -> _Kernel:
-    return lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+    def kernel(g: Tensor, x: Tensor, out: Tensor | None) -> Tensor:
+        if out is None:
+            return torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+        return torch.ops.aten.gelu_backward.grad_input(g, x, approximate=approximate, grad_input=out)
+
+    return kernel
 
 
 def _gelu_call(fn: object) -> str | None:
@@ -43,7 +50,8 @@ def _gelu_call(fn: object) -> str | None:
 
 
 def backward_kernel(act_fn: object) -> _Kernel | None:
-    """The kernel (grad (…), x (…)) ↦ grad ⊙ act_fn'(x) that autograd runs for ``act_fn``, or None where it is not
+    """The kernel (grad (…), x (…), out) ↦ grad ⊙ act_fn'(x) (into ``out`` where not None) that autograd runs for
+    ``act_fn``, or None where it is not
     one of the recognised activations: ``F.silu``, ``nn.SiLU``, transformers' ``SiLUActivation``; ``F.gelu``,
     ``nn.GELU``, transformers' ``GELUActivation`` and ``GELUTanh`` on torch's kernel (a hub kernel swapped into
     ``SiLUActivation`` computes the same function, so the same derivative)."""
@@ -58,15 +66,17 @@ def backward_kernel(act_fn: object) -> _Kernel | None:
     return None if mode is None else _gelu(mode)
 
 
-def act_vjp(act_fn: Callable[[Tensor], Tensor], x: Tensor, g: Tensor) -> Tensor:
+def act_vjp(act_fn: Callable[[Tensor], Tensor], x: Tensor, g: Tensor, out: Tensor | None = None) -> Tensor:
     """grad ⊙ act_fn'(x): the vector-Jacobian product of the elementwise ``act_fn`` at x (…) for the output
-    gradient g (…), same shape; by the backward kernel where :func:`backward_kernel` knows one, else by autograd."""
+    gradient g (…), same shape, written into ``out`` (…) where given; by the backward kernel where
+    :func:`backward_kernel` knows one, else by autograd."""
     kernel = backward_kernel(act_fn)
     if kernel is not None:
-        return kernel(g, x)
+        return kernel(g, x, out)
     with torch.enable_grad():
         leaf = x.detach().requires_grad_()
-        return torch.autograd.grad(act_fn(leaf), leaf, g)[0]
+        grad = torch.autograd.grad(act_fn(leaf), leaf, g)[0]
+    return grad if out is None else out.copy_(grad)
 
 
 def glu_forward(gate: Tensor, limit: float, alpha: float) -> tuple[Tensor, Tensor, Tensor]:

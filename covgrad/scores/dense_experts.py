@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from covgrad.scores.activations import act_vjp
-from covgrad.scores.experts import _Restore, _write_groups
+from covgrad.scores.experts import _Restore, _write_groups, node_forward
 from covgrad.scores.rules import Call, Slot, _source_key, full_call
 
 try:
@@ -43,13 +43,15 @@ def _dense_experts_ok(module: nn.Module) -> bool:
 class _DenseCall:
     """What a :class:`_DenseExperts` forward keeps for the rule and its backward: the rows xs (E, N, H), gate and
     up (E, N, I) each, f = act(gate) (E, N, I), all in the model's dtype; the rule leaves dgu (E, N, 2I) float32,
-    the gradient of x @ gate_up_proj, for the backward (``backward``: the output is in the graph)."""
+    the gradient of x @ gate_up_proj, and gate_up_proj (E, H, 2I) in float32 for the backward, which takes and clears
+    them (a bf16 model's experts are cast once per backward; ``backward``: the output is in the graph)."""
 
     xs: Tensor
     gate: Tensor
     up: Tensor
     f: Tensor
     dgu: Tensor | None = None
+    W_gu: Tensor | None = None
     backward: bool = False
 
 
@@ -82,7 +84,9 @@ class _DenseExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> tuple[Tensor | None, ...]:
         saved, module = ctx.saved, ctx.module
-        W_gu = module.gate_up_proj.detach().to(torch.float32)
+        W_gu, saved.W_gu = saved.W_gu, None
+        if W_gu is None:
+            W_gu = module.gate_up_proj.detach().to(torch.float32)
         dgu, saved.dgu = saved.dgu, None
         if dgu is None:  # the rule did not run for this backward (its tensors refused, or a probe's backward)
             gs = g.reshape(saved.xs.shape).to(torch.float32)
@@ -95,21 +99,10 @@ class _DenseExperts(torch.autograd.Function):
 
 def dense_forward(owner: Any, module: nn.Module) -> _Restore:
     """Run a dense-experts module (:func:`_dense_experts_ok`) as :class:`_DenseExperts` in the passes of ``owner``
-    (a :class:`covgrad.scores.engine.PerSampleGrads`): its forward is replaced on the instance until the returned
-    handle's ``remove()``. A call made while a rule re-runs a forward or the op taps probe rows runs the class's
-    forward."""
-    original = type(module).forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        if owner._replaying or owner._probing or owner._blocks.B < 1:
-            return original(module, *args, **kwargs)
-        out = _DenseExperts.apply(module, hidden)
-        out.covgrad_state.backward = out.grad_fn is not None
-        return out
-
-    module.forward = forward
-    return _Restore(module)
+    (:func:`covgrad.scores.experts.node_forward`)."""
+    return node_forward(
+        owner, module, lambda args, kwargs, B: _DenseExperts.apply(module, args[0] if args else kwargs["hidden_states"])
+    )
 
 
 @full_call
@@ -136,7 +129,7 @@ def _dense_experts_rule(module: nn.Module, x: Tensor, g: Tensor, slot: Slot, cal
     gs = g.reshape(B, E, T, H).transpose(0, 1).reshape(E, B * T, H).to(torch.float32)
     dgu = _dgu(module, gate, up, f, gs, W_d)
     if saved is not None and saved.backward:
-        saved.dgu = dgu
+        saved.dgu, saved.W_gu = dgu, W_gu
 
     def write(s: tuple[Tensor, bool] | None, left: Tensor, right: Tensor) -> None:
         """Σ over each (expert, sample) block's T rows of left (E, B·T, p) × right (E, B·T, q) into s."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,7 +256,7 @@ def _gate(module: nn.Module, gu: Tensor, da: Tensor | None) -> tuple[Tensor, Ten
         glu_vjp(gate, c, s, da * factor, limit, alpha, out=d_gate)
     else:
         torch.mul(da, f, out=d_up)
-        d_gate.copy_(act_vjp(module.act_fn, gate, da * factor))
+        act_vjp(module.act_fn, gate, da * factor, out=d_gate)
     return act, dgu
 
 
@@ -361,27 +362,40 @@ class _Restore:
         self.module.__dict__.pop("forward", None)
 
 
-def fused_forward(owner: Any, module: nn.Module) -> _Restore:
-    """Run a fused-experts module (:func:`_fused_experts_ok`) as :class:`_FusedExperts` in the passes of
-    ``owner`` (a :class:`covgrad.scores.engine.PerSampleGrads`, whose ``_blocks.B`` is the call's batch): its
-    forward is replaced on the instance until the returned handle's ``remove()``. A call made while a rule
-    re-runs a forward or the op taps probe rows, or whose rows are not a whole number per sample, runs the class's
+def node_forward(owner: Any, module: nn.Module, run: Callable[[tuple, dict, int], Tensor | None]) -> _Restore:
+    """Replace ``module``'s forward on the instance, until the returned handle's ``remove()``, by ``run(args,
+    kwargs, B)`` (an autograd node's output carrying ``covgrad_state``, or None to decline the call) in the passes
+    of ``owner`` (a :class:`covgrad.scores.engine.PerSampleGrads`, whose ``_blocks.B`` is the call's batch). A call
+    made while a rule re-runs a forward or the op taps probe rows, or that ``run`` declines, runs the class's
     forward."""
     original = type(module).forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        call = Call(args, kwargs, False)
         B = owner._blocks.B
-        if owner._replaying or owner._probing or B < 1 or (hidden.numel() // hidden.shape[-1]) % B:
+        out = None if owner._replaying or owner._probing or B < 1 else run(args, kwargs, B)
+        if out is None:
             return original(module, *args, **kwargs)
-        index, weights = _call_arg(call, 1, "top_k_index"), _call_arg(call, 2, "top_k_weights")
-        out = _FusedExperts.apply(module, B, hidden, index, weights)
         out.covgrad_state.backward = out.grad_fn is not None
         return out
 
     module.forward = forward
     return _Restore(module)
+
+
+def fused_forward(owner: Any, module: nn.Module) -> _Restore:
+    """Run a fused-experts module (:func:`_fused_experts_ok`) as :class:`_FusedExperts` in the passes of
+    ``owner`` (:func:`node_forward`); a call whose rows are not a whole number per sample runs the class's
+    forward."""
+
+    def run(args: tuple, kwargs: dict, B: int) -> Tensor | None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if (hidden.numel() // hidden.shape[-1]) % B:
+            return None
+        call = Call(args, kwargs, False)
+        index, weights = _call_arg(call, 1, "top_k_index"), _call_arg(call, 2, "top_k_weights")
+        return _FusedExperts.apply(module, B, hidden, index, weights)
+
+    return node_forward(owner, module, run)
 
 
 def _routed(x: Tensor, call: Call, B: int, E: int) -> tuple[_Routes, Tensor]:

@@ -55,6 +55,9 @@ def test_act_vjp_has_autograds_bytes(name: str, dtype: torch.dtype) -> None:
     gate = gu.chunk(2, dim=-1)[0]  # a column-major half, as the default gate's
     g = _column_major(257, 6, dtype)
     assert torch.equal(act_vjp(fn, gate, g), _autograd_vjp(fn, gate, g))
+    out = torch.full_like(gu, torch.nan)  # written into the gate's half of δ, as the experts rule does
+    act_vjp(fn, gate, g, out=out[:, :6])
+    assert torch.equal(out[:, :6], _autograd_vjp(fn, gate, g)) and out[:, 6:].isnan().all()
 
 
 def test_a_subclass_is_differentiated_by_autograd() -> None:
